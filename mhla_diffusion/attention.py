@@ -1,0 +1,121 @@
+"""The MHLA operator.
+
+For query token ``t`` in block ``b(t)``:
+
+    out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps)        (denominator only when ``normalize``)
+    S̃_o = Σ_j W[o, j] S_j,   S_j = Σ_{s in block j} k̂_s v_sᵀ     (key-value summary of block j)
+    z̃_o = Σ_j W[o, j] z_j,   z_j = Σ_{s in block j} k_s           (key sum of block j)
+
+which equals ``Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s`` divided by ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps``,
+the O(N^2) form kept in :mod:`mhla_diffusion.attention_reference`. Cost is O(N D Dv + M^2 D Dv) per
+head and no N x N matrix is ever formed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .block_layout import block_plan, num_blocks, validate_grid_layout
+
+__all__ = ["mhla_attention", "validate_attention_inputs"]
+
+
+def validate_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: Sequence[int],
+    layout: Sequence[int],
+    mixing: torch.Tensor,
+    q_rot: torch.Tensor | None,
+    k_rot: torch.Tensor | None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check the operator's arguments; raise ``ValueError`` naming the first bad one."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            raise ValueError(f"`{name}` must be a 4-D tensor (B, N, H, D), got {getattr(t, 'shape', type(t))}")
+    if k.shape != q.shape:
+        raise ValueError(f"`k` shape {tuple(k.shape)} must equal `q` shape {tuple(q.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"`v` shape {tuple(v.shape)} must share (B, N, H) with `q` {tuple(q.shape)}")
+    for name, t in (("q_rot", q_rot), ("k_rot", k_rot)):
+        if t is not None and t.shape != q.shape:
+            raise ValueError(f"`{name}` shape {tuple(t.shape)} must equal `q` shape {tuple(q.shape)}")
+    grid, layout = validate_grid_layout(grid, layout, num_tokens=q.shape[1])
+    m, heads = num_blocks(layout), q.shape[2]
+    if not isinstance(mixing, torch.Tensor) or mixing.shape not in ((m, m), (heads, m, m)):
+        raise ValueError(
+            f"`mixing` must have shape ({m}, {m}) or per-head ({heads}, {m}, {m}) for layout {layout} "
+            f"and {heads} heads, got {tuple(getattr(mixing, 'shape', ()))}"
+        )
+    return grid, layout
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in float32 for half types, keep float32/float64 as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def mhla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: Sequence[int],
+    layout: Sequence[int],
+    mixing: torch.Tensor,
+    *,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Multi-head linear attention over token blocks.
+
+    Args:
+        q, k: feature-mapped (non-negative) queries and keys, ``(B, N, H, D)``.
+        v: values, ``(B, N, H, Dv)``.
+        grid: token-grid sizes (1 to 3 axes, product ``N``); tokens in row-major order.
+        layout: blocks per grid axis; token coordinate ``c`` on an axis of size ``G`` cut into ``L``
+            blocks lies in block ``floor(c * L / G)``; blocks are numbered row-major.
+        mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``.
+        q_rot, k_rot: rotated features for the numerator (RoPE after the feature map); default ``q``, ``k``.
+        normalize: divide by the mixed denominator ``q_t · z̃_b(t) + eps`` (un-rotated ``q``, ``k``).
+        eps: added to the denominator.
+
+    Returns:
+        ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
+    """
+    grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot)
+    batch, n, heads, _ = q.shape
+    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
+    plan = block_plan(grid, layout, device=q.device)
+    m, p = plan.num_blocks, plan.block_len
+
+    def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
+        # (B, N, H, d) -> (B, M, P, H, d), one gather; padded slots zeroed where they would add up.
+        xb = x.index_select(1, plan.gather).view(batch, m, p, heads, x.shape[-1]).to(dtype)
+        if zero_padding and plan.valid is not None:
+            xb = xb * plan.valid[None, :, :, None, None].to(dtype)
+        return xb
+
+    mix = mixing.to(dtype)
+    mix_eq = "om" if mix.ndim == 2 else "hom"
+
+    k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
+    kv_summary = torch.einsum("bmphd,bmphe->bhmde", k_hat, to_blocks(v))  # S_j
+    mixed_summary = torch.einsum(f"{mix_eq},bhmde->bhode", mix, kv_summary)  # S̃_o
+    q_hat = to_blocks(q if q_rot is None else q_rot)
+    out = torch.einsum("bmphd,bhmde->bmphe", q_hat, mixed_summary)
+
+    if normalize:
+        k_plain = k_hat if k_rot is None else to_blocks(k, zero_padding=True)
+        q_plain = q_hat if q_rot is None else to_blocks(q)
+        key_sum = k_plain.sum(dim=2).transpose(1, 2)  # z_j: (B, H, M, D)
+        mixed_key_sum = torch.einsum(f"{mix_eq},bhmd->bhod", mix, key_sum)  # z̃_o
+        denominator = torch.einsum("bmphd,bhmd->bmph", q_plain, mixed_key_sum) + eps
+        out = out / denominator.unsqueeze(-1)
+
+    out = out.reshape(batch, m * p, heads, out.shape[-1]).index_select(1, plan.scatter)
+    return out.to(v.dtype)

@@ -1,0 +1,154 @@
+"""Block layout: how the token grid is cut into MHLA's M token blocks.
+
+Tokens lie on a row-major grid (Wan: frame, height, width; DiT: row, column). A layout gives the
+number of blocks per grid axis. A token with coordinate ``c`` on an axis of size ``G`` cut into
+``L`` blocks belongs to block ``floor(c * L / G)`` on that axis, so any grid works, divisible or
+not; blocks are numbered row-major over the layout (first axis outermost).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "BlockPlan",
+    "auto_layout",
+    "block_plan",
+    "num_blocks",
+    "token_block_ids",
+    "validate_grid_layout",
+]
+
+
+def validate_grid_layout(
+    grid: Sequence[int], layout: Sequence[int], num_tokens: int | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check ``grid`` and ``layout`` against each other (and ``num_tokens``); return them as tuples.
+
+    Raises ``ValueError`` naming the offending argument.
+    """
+    try:
+        grid = tuple(int(g) for g in grid)
+    except TypeError:
+        raise ValueError(f"`grid` must be a sequence of 1 to 3 positive ints, got {grid!r}") from None
+    try:
+        layout = tuple(int(b) for b in layout)
+    except TypeError:
+        raise ValueError(f"`layout` must be a sequence of ints (blocks per axis), got {layout!r}") from None
+    if not 1 <= len(grid) <= 3 or any(g < 1 for g in grid):
+        raise ValueError(f"`grid` must have 1 to 3 positive sizes, got {grid}")
+    if len(layout) != len(grid):
+        raise ValueError(
+            f"`layout` {layout} has {len(layout)} axes but `grid` {grid} has {len(grid)}: give one block count per grid axis"
+        )
+    bad = [a for a, (g, b) in enumerate(zip(grid, layout)) if not 1 <= b <= g]
+    if bad:
+        raise ValueError(
+            f"`layout` {layout} does not fit `grid` {grid} on axis {bad}: each axis needs 1 <= blocks <= grid size"
+        )
+    if num_tokens is not None and math.prod(grid) != num_tokens:
+        raise ValueError(
+            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: the grid's product must equal N"
+        )
+    return grid, layout
+
+
+def num_blocks(layout: Sequence[int]) -> int:
+    """Total number of blocks ``M`` of a layout."""
+    return math.prod(int(b) for b in layout)
+
+
+def _axis_segments(size: int, blocks: int) -> tuple[list[int], list[int]]:
+    """Start and length of each block on one axis under the rule ``floor(c * L / G)``."""
+    starts = [-(-b * size // blocks) for b in range(blocks + 1)]  # ceil(b * G / L)
+    return starts[:-1], [starts[b + 1] - starts[b] for b in range(blocks)]
+
+
+def token_block_ids(grid: Sequence[int], layout: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """Block index of every token, shape ``(N,)`` (int64), tokens in row-major grid order."""
+    grid, layout = validate_grid_layout(grid, layout)
+    ids = torch.zeros((), dtype=torch.long, device=device)
+    for size, blocks in zip(grid, layout):
+        axis = torch.arange(size, device=device) * blocks // size
+        ids = ids[..., None] * blocks + axis
+    return ids.reshape(-1)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Index tensors that regroup a row-major token sequence into padded blocks.
+
+    ``gather[m * P + p]`` is the token that sits at padded slot ``p`` of block ``m``; slots past a
+    block's real length repeat a token of that block and are marked ``False`` in ``valid``
+    (``valid`` is ``None`` when every block has exactly ``P`` tokens). ``scatter[n]`` is the padded
+    slot of token ``n``, so ``blocked.index_select(dim, scatter)`` restores token order.
+    """
+
+    num_blocks: int
+    block_len: int
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    valid: torch.Tensor | None
+
+
+def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device | str | None = None) -> BlockPlan:
+    """Build the :class:`BlockPlan` for ``grid`` cut by ``layout`` (O(N) integer work)."""
+    grid, layout = validate_grid_layout(grid, layout)
+    token_index = torch.zeros((), dtype=torch.long, device=device)
+    slot_valid = torch.ones((), dtype=torch.bool, device=device)
+    pads: list[int] = []
+    for size, blocks in zip(grid, layout):
+        starts, lengths = _axis_segments(size, blocks)
+        pad = max(lengths)
+        pads.append(pad)
+        offset = torch.arange(pad, device=device)
+        start = torch.tensor(starts, device=device)[:, None]
+        length = torch.tensor(lengths, device=device)[:, None]
+        coord = start + torch.minimum(offset, length - 1)  # (blocks, pad), clamped into the block
+        valid = offset < length
+        # Grow the index as (blocks_0, ..., blocks_a, pad_0, ..., pad_a): block axes before slot axes.
+        k = token_index.ndim // 2
+        token_index = token_index.unsqueeze(k).unsqueeze(-1) * size + coord.reshape((1,) * k + (blocks,) + (1,) * k + (pad,))
+        slot_valid = slot_valid.unsqueeze(k).unsqueeze(-1) & valid.reshape((1,) * k + (blocks,) + (1,) * k + (pad,))
+    m, p = num_blocks(layout), math.prod(pads)
+    gather = token_index.reshape(m * p)
+    valid_flat = slot_valid.reshape(m * p)
+    scatter = torch.empty(math.prod(grid), dtype=torch.long, device=device)
+    scatter[gather[valid_flat]] = torch.arange(m * p, device=device)[valid_flat]
+    all_valid = all(size % blocks == 0 for size, blocks in zip(grid, layout))
+    return BlockPlan(m, p, gather, scatter, None if all_valid else valid_flat.reshape(m, p))
+
+
+def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int, ...]:
+    """Choose a block layout for ``grid`` with ``M <= max_blocks`` (default ``floor(sqrt(N))``).
+
+    The mixing costs ``2 M^2 D^2`` FLOPs per head against ``4 N D^2`` for the key-value summaries,
+    so ``M <= sqrt(N)`` keeps MHLA within 1.5x of global linear attention. Among the layouts that
+    fit, the choice favours many blocks, near-cubic blocks (equal token extent on every axis, as the
+    reference's 7x6x5 blocks on the 21x30x50 video grid) and grids that divide evenly.
+    """
+    grid = tuple(int(g) for g in grid)
+    validate_grid_layout(grid, (1,) * len(grid))
+    n = math.prod(grid)
+    limit = math.isqrt(n) if max_blocks is None else int(max_blocks)
+    if limit < 1:
+        raise ValueError(f"`max_blocks` must be >= 1, got {max_blocks}")
+    best: tuple[float, tuple[int, ...]] | None = None
+    for layout in itertools.product(*(range(1, g + 1) for g in grid)):
+        m = math.prod(layout)
+        if m > limit:
+            continue
+        logs = [math.log(g / b) for g, b in zip(grid, layout)]
+        mean = sum(logs) / len(logs)
+        anisotropy = sum((x - mean) ** 2 for x in logs) / len(logs)
+        uneven = sum(g % b != 0 for g, b in zip(grid, layout))
+        cost = 4.0 * anisotropy + math.log(limit / m) + 0.1 * uneven
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, layout)
+    assert best is not None  # the all-ones layout always fits
+    return best[1]

@@ -1,0 +1,121 @@
+"""``MHLAConfig``: the one object that holds every MHLA option."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from .mixing import MIXING_TRANSFORMS
+
+__all__ = ["MHLAConfig"]
+
+LayerSpec = Literal["all", "hybrid"] | Sequence[int]
+
+
+@dataclass
+class MHLAConfig:
+    """Options for :func:`convert_to_mhla`.
+
+    Attributes:
+        layers: which transformer blocks get MHLA self-attention: ``"all"``, ``"hybrid"`` (the
+            reference's 2/3 pattern: every block whose index ``i % 3 != 0``) or a list of indices.
+        layout: blocks per token-grid axis (Wan: frames, height, width; DiT: rows, columns), or
+            ``"auto"``: chosen once at conversion from ``target_grid`` with ``M <= sqrt(N)``. The
+            layout stays fixed afterwards (the mixing weights are ``M x M``); other grids reuse it
+            through the uneven-block rule.
+        target_grid: token grid the ``auto`` layout is chosen for (Wan 81x480x832 video -> (21, 30, 52)).
+            DiT defaults to its own ``sample_size / patch_size`` square.
+        transform: mixing initialisation: ``linear``, ``cos``, ``exp``, ``gaussian`` or ``local``.
+        mixing_normalization: ``column`` (reference code: global max distance, columns sum to 1) or
+            ``row`` (paper: per-row max distance, rows sum to 1).
+        exp_sigma, local_threshold: parameters of the ``exp`` and ``local`` transforms.
+        per_head_mixing: one ``(M, M)`` matrix per attention head instead of one shared by all heads.
+        learnable_mixing: train the mixing coefficients (the reference does).
+        normalization: ``denominator`` (the paper's ``q · z̃ + eps``) or ``none`` (released Wan-MHLA).
+        output_norm: per-head RMSNorm of the attention output (one weight of size head_dim, eps 1e-6),
+            as in released Wan-MHLA.
+        gate: multiply the output by ``SiLU(Linear(x))`` of the layer input.
+        lepe: add a depthwise 3x3 (DiT) / 3x3x3 (Wan) convolution of ``v`` over the token grid.
+        eps: feature-map offset (``ReLU(x) + eps``) and denominator epsilon.
+    """
+
+    layers: LayerSpec = "all"
+    layout: Sequence[int] | Literal["auto"] = "auto"
+    target_grid: Sequence[int] | None = None
+    transform: str = "linear"
+    mixing_normalization: Literal["column", "row"] = "column"
+    exp_sigma: float = 3.0
+    local_threshold: float = 1.5
+    per_head_mixing: bool = False
+    learnable_mixing: bool = True
+    normalization: Literal["denominator", "none"] = "denominator"
+    output_norm: bool = False
+    gate: bool = False
+    lepe: bool = False
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layers, str):
+            if self.layers not in ("all", "hybrid"):
+                raise ValueError(f"`layers` must be 'all', 'hybrid' or a list of block indices, got {self.layers!r}")
+        else:
+            try:
+                self.layers = sorted({int(i) for i in self.layers})
+            except (TypeError, ValueError):
+                raise ValueError(f"`layers` must be 'all', 'hybrid' or a list of block indices, got {self.layers!r}") from None
+            if not self.layers or self.layers[0] < 0:
+                raise ValueError(f"`layers` must list at least one non-negative block index, got {self.layers}")
+        if isinstance(self.layout, str):
+            if self.layout != "auto":
+                raise ValueError(f"`layout` must be 'auto' or blocks per axis such as (3, 5, 10), got {self.layout!r}")
+        else:
+            self.layout = _positive_ints("layout", self.layout)
+        if self.target_grid is not None:
+            self.target_grid = _positive_ints("target_grid", self.target_grid)
+        if self.transform not in MIXING_TRANSFORMS:
+            raise ValueError(f"unknown `transform` {self.transform!r}: choose one of {', '.join(MIXING_TRANSFORMS)}")
+        if self.mixing_normalization not in ("column", "row"):
+            raise ValueError(f"`mixing_normalization` must be 'column' or 'row', got {self.mixing_normalization!r}")
+        if self.normalization not in ("denominator", "none"):
+            raise ValueError(f"`normalization` must be 'denominator' or 'none', got {self.normalization!r}")
+        if not self.eps > 0:
+            raise ValueError(f"`eps` must be > 0, got {self.eps}")
+        if not self.exp_sigma > 0:
+            raise ValueError(f"`exp_sigma` must be > 0, got {self.exp_sigma}")
+
+    @classmethod
+    def released_wan(cls, gate: bool = True, **overrides: Any) -> "MHLAConfig":
+        """The released Wan-MHLA setting: no denominator, per-head output RMSNorm, SiLU gate,
+        3x5x10 blocks on the 21x30x50 grid of 81x480x800 video. The released training scripts
+        drop the gate by mistake; pass ``gate=False`` to match checkpoints trained that way."""
+        options: dict[str, Any] = dict(layout=(3, 5, 10), normalization="none", output_norm=True, gate=gate)
+        options.update(overrides)
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples become lists)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("layers", "layout", "target_grid"):
+            if isinstance(out[key], tuple):
+                out[key] = list(out[key])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MHLAConfig":
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown MHLAConfig keys {unknown}; known keys: {sorted(names)}")
+        return cls(**data)
+
+
+def _positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a sequence of positive ints, got {values!r}") from None
+    if not 1 <= len(out) <= 3 or any(v < 1 for v in out):
+        raise ValueError(f"`{name}` must have 1 to 3 positive entries, got {values!r}")
+    return out

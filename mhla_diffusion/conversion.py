@@ -1,0 +1,248 @@
+"""Turn the softmax self-attention of a Diffusers Wan or DiT transformer into MHLA, in place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .block_layout import auto_layout, num_blocks, validate_grid_layout
+from .config import MHLAConfig
+from .processors.base import MHLAProcessor
+from .processors.dit import DiTMHLAProcessor
+from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook
+from .processors.wan import WanMHLAProcessor
+
+__all__ = [
+    "MHLAConversion",
+    "convert_to_mhla",
+    "get_mhla_conversion",
+    "image_token_grid",
+    "model_family",
+    "revert_mhla",
+    "self_attention_layers",
+    "video_token_grid",
+]
+
+_PROCESSOR_CLASSES: dict[str, type[MHLAProcessor]] = {"wan": WanMHLAProcessor, "dit": DiTMHLAProcessor}
+
+
+@dataclass
+class MHLAConversion:
+    """What :func:`convert_to_mhla` changed. ``config`` is resolved: explicit layers and layout."""
+
+    family: str
+    config: MHLAConfig
+    layer_names: list[str]
+    num_layers: int
+    num_new_parameters: int
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.config.layers)
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        return tuple(self.config.layout)
+
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.layout)
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        cfg = self.config
+        extras = [name for name, on in (("output RMSNorm", cfg.output_norm), ("gate", cfg.gate), ("LePE", cfg.lepe)) if on]
+        return "\n".join(
+            [
+                f"MHLA on {len(self.layer_names)} of {self.num_layers} self-attention layers ({self.family}): "
+                + ", ".join(self.layer_names),
+                f"block layout {'x'.join(map(str, self.layout))} = {self.num_blocks} blocks, "
+                f"mixing init '{cfg.transform}' ({cfg.mixing_normalization}), "
+                f"{'per-head' if cfg.per_head_mixing else 'shared'} {'learnable' if cfg.learnable_mixing else 'frozen'} mixing",
+                f"normalisation: {cfg.normalization}; extras: {', '.join(extras) or 'none'}",
+                f"new parameters: {self.num_new_parameters:,}",
+            ]
+        )
+
+
+def model_family(transformer: nn.Module) -> str:
+    """``"wan"`` for ``WanTransformer3DModel``, ``"dit"`` for ``DiTTransformer2DModel`` (and subclasses)."""
+    from diffusers import DiTTransformer2DModel, WanTransformer3DModel
+
+    if isinstance(transformer, WanTransformer3DModel):
+        return "wan"
+    if isinstance(transformer, DiTTransformer2DModel):
+        return "dit"
+    raise TypeError(
+        f"MHLA supports Diffusers' WanTransformer3DModel and DiTTransformer2DModel, got {type(transformer).__name__}"
+    )
+
+
+def self_attention_layers(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, attention module)`` of every block's self-attention, in block order."""
+    if model_family(transformer) == "wan":
+        return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.blocks)]
+    return [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.transformer_blocks)]
+
+
+def _patch_size(transformer: nn.Module) -> tuple[int, ...]:
+    patch = transformer.config.patch_size
+    return tuple(int(p) for p in patch) if model_family(transformer) == "wan" else (int(patch), int(patch))
+
+
+def video_token_grid(
+    num_frames: int, height: int, width: int, patch_size: Sequence[int] = (1, 2, 2), vae_scale: Sequence[int] = (4, 8, 8)
+) -> tuple[int, int, int]:
+    """Token grid (frames, height, width) of a Wan video of ``num_frames`` x ``height`` x ``width`` pixels."""
+    if num_frames < 1 or (num_frames - 1) % vae_scale[0]:
+        raise ValueError(f"`num_frames` must be {vae_scale[0]}k+1 for the Wan VAE, got {num_frames}")
+    for name, size, scale, patch in (("height", height, vae_scale[1], patch_size[1]), ("width", width, vae_scale[2], patch_size[2])):
+        if size < 1 or size % (scale * patch):
+            raise ValueError(f"`{name}` must be a positive multiple of {scale * patch}, got {size}")
+    latent_frames = (num_frames - 1) // vae_scale[0] + 1
+    if latent_frames % patch_size[0]:
+        raise ValueError(f"{latent_frames} latent frames do not divide by the temporal patch size {patch_size[0]}")
+    return (
+        latent_frames // patch_size[0],
+        height // (vae_scale[1] * patch_size[1]),
+        width // (vae_scale[2] * patch_size[2]),
+    )
+
+
+def image_token_grid(height: int, width: int, patch_size: int = 2, vae_scale: int = 8) -> tuple[int, int]:
+    """Token grid (rows, columns) of an image of ``height`` x ``width`` pixels (DiT)."""
+    step = vae_scale * patch_size
+    for name, size in (("height", height), ("width", width)):
+        if size < 1 or size % step:
+            raise ValueError(f"`{name}` must be a positive multiple of {step}, got {size}")
+    return height // step, width // step
+
+
+def _resolve_layers(spec: str | Sequence[int], total: int) -> list[int]:
+    if spec == "all":
+        return list(range(total))
+    if spec == "hybrid":
+        return [i for i in range(total) if i % 3 != 0]
+    out_of_range = [i for i in spec if i >= total]
+    if out_of_range:
+        raise ValueError(f"`layers` {out_of_range} out of range: the transformer has {total} blocks (0..{total - 1})")
+    return list(spec)
+
+
+def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ...]:
+    family = model_family(transformer)
+    axes = 3 if family == "wan" else 2
+    axis_names = "(frames, height, width)" if family == "wan" else "(rows, columns)"
+    target = config.target_grid
+    if target is None and family == "dit":
+        side = int(transformer.config.sample_size) // int(transformer.config.patch_size)
+        target = (side, side)
+    if target is not None and len(target) != axes:
+        raise ValueError(f"`target_grid` {tuple(target)} must have {axes} axes {axis_names} for {family}")
+    if config.layout == "auto":
+        if target is None:
+            raise ValueError(
+                "`layout='auto'` needs `target_grid` for Wan: the token grid of the video size you will generate, "
+                "e.g. MHLAConfig(target_grid=video_token_grid(81, 480, 832)) -> (21, 30, 52); or give an explicit layout"
+            )
+        return auto_layout(target)
+    layout = tuple(config.layout)
+    if len(layout) != axes:
+        raise ValueError(f"`layout` {layout} must have {axes} axes {axis_names} for {family}")
+    if target is not None:
+        validate_grid_layout(target, layout)
+    return layout
+
+
+def get_mhla_conversion(transformer: nn.Module) -> MHLAConversion | None:
+    """The :class:`MHLAConversion` of a converted transformer, or ``None``."""
+    return getattr(transformer, "_mhla_conversion", None)
+
+
+def build_mhla_processors(
+    transformer: nn.Module, config: MHLAConfig, grid_context: TokenGridContext | None = None
+) -> tuple[MHLAConfig, dict[str, MHLAProcessor]]:
+    """Resolve ``config`` for ``transformer`` and create (but do not install) one processor per chosen layer.
+
+    Returns the resolved config and ``{layer name: processor}`` on the layers' device and dtype.
+    """
+    family = model_family(transformer)
+    layers = self_attention_layers(transformer)
+    indices = _resolve_layers(config.layers, len(layers))
+    layout = _resolve_layout(config, transformer)
+    resolved = dataclasses.replace(config, layers=indices, layout=layout)
+    context = grid_context if grid_context is not None else TokenGridContext()  # shared by this model's processors
+    processors: dict[str, MHLAProcessor] = {}
+    for i in indices:
+        name, attn = layers[i]
+        head_dim = attn.to_q.out_features // attn.heads
+        processor = _PROCESSOR_CLASSES[family](attn.heads, head_dim, layout, resolved, context)
+        weight = attn.to_q.weight
+        processors[name] = processor.to(device=weight.device, dtype=weight.dtype)
+    return resolved, processors
+
+
+def convert_to_mhla(transformer: nn.Module, config: MHLAConfig | None = None) -> MHLAConversion:
+    """Replace the chosen self-attention layers of a Wan or DiT transformer by MHLA, in place.
+
+    Each chosen ``attn1`` gets its own processor module (owning the mixing and optional extras) and
+    keeps its projections and q/k norms; cross-attention, FFNs and everything else are untouched. A
+    forward pre-hook tells the processors the token grid on every call.
+
+    Returns an :class:`MHLAConversion` that says which layers changed (also ``get_mhla_conversion``).
+    """
+    config = config if config is not None else MHLAConfig()
+    if get_mhla_conversion(transformer) is not None:
+        raise ValueError("this transformer is already converted to MHLA; call revert_mhla(transformer) first")
+    context = TokenGridContext()
+    resolved, processors = build_mhla_processors(transformer, config, context)
+    return _install(transformer, resolved, processors, context)
+
+
+def _install(
+    transformer: nn.Module, resolved: MHLAConfig, processors: dict[str, MHLAProcessor], context: TokenGridContext
+) -> MHLAConversion:
+    modules = dict(transformer.named_modules())
+    originals = {}
+    install_grid_hook(transformer, _patch_size(transformer), context)
+    for name, processor in processors.items():
+        attn = modules[name]
+        originals[name] = attn.processor
+        attn.set_processor(processor)
+    layers = self_attention_layers(transformer)
+    conversion = MHLAConversion(
+        family=model_family(transformer),
+        config=resolved,
+        layer_names=list(processors),
+        num_layers=len(layers),
+        num_new_parameters=sum(p.numel() for proc in processors.values() for p in proc.parameters()),
+    )
+    transformer._mhla_conversion = conversion
+    transformer._mhla_original_processors = originals
+    return conversion
+
+
+def revert_mhla(transformer: nn.Module) -> None:
+    """Undo :func:`convert_to_mhla`: restore the original processors (MHLA parameters are dropped)."""
+    if get_mhla_conversion(transformer) is None:
+        raise ValueError("this transformer is not converted to MHLA")
+    modules = dict(transformer.named_modules())
+    for name, processor in transformer._mhla_original_processors.items():
+        modules[name].set_processor(processor)
+    remove_grid_hook(transformer)
+    del transformer._mhla_conversion
+    del transformer._mhla_original_processors
+
+
+def mhla_parameter_names(transformer: nn.Module) -> list[str]:
+    """State-dict keys owned by MHLA processors (``<layer>.processor.<name>``)."""
+    conversion = get_mhla_conversion(transformer)
+    if conversion is None:
+        return []
+    prefixes = tuple(f"{name}.processor." for name in conversion.layer_names)
+    return [key for key in transformer.state_dict() if key.startswith(prefixes)]
+

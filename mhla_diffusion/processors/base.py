@@ -1,0 +1,131 @@
+"""Parameters and shared steps of the MHLA attention processors.
+
+A processor is an ``nn.Module`` set as ``attn.processor`` of one self-attention layer, so its
+parameters live in the transformer's ``state_dict`` as ``<layer>.processor.<name>``:
+
+* ``mixing``: ``(M, M)`` or ``(H, M, M)`` block-mixing coefficients,
+* ``out_norm.weight``: ``(head_dim,)`` per-head output RMSNorm (optional),
+* ``gate.weight``, ``gate.bias``: SiLU output gate ``Linear(C, C)`` (optional),
+* ``lepe.weight``, ``lepe.bias``: depthwise convolution of ``v`` over the token grid (optional).
+
+The math lives in :func:`mhla_attention`; processors only project, apply the feature map and RoPE,
+and add the optional extras around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import mhla_attention
+from ..block_layout import num_blocks
+from ..config import MHLAConfig
+from ..mixing import mixing_init
+from .grid import TokenGridContext
+
+__all__ = ["MHLAProcessor", "apply_interleaved_rotary"]
+
+
+def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE: channel pairs ``(2i, 2i+1)`` of ``x`` ``(B, N, H, D)`` rotate by angle ``i``.
+
+    ``cos``/``sin`` are Diffusers' tables ``(1, N, 1, D)`` with every angle repeated for both members
+    of its pair.
+    """
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[..., 0::2].to(x.dtype), sin[..., 0::2].to(x.dtype)
+    return torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
+
+
+class MHLAProcessor(nn.Module):
+    """Base of the Wan and DiT MHLA processors (one instance per layer)."""
+
+    #: Grid axes of the model family (3 for video, 2 for images); set by subclasses.
+    num_axes: int = 0
+    #: Initialise LePE as the identity (centre tap 1) instead of PyTorch's default init.
+    lepe_identity_init: bool = False
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        layout: tuple[int, ...],
+        config: MHLAConfig,
+        grid_context: TokenGridContext,
+    ) -> None:
+        super().__init__()
+        if len(layout) != self.num_axes:
+            raise ValueError(f"`layout` {layout} must have {self.num_axes} axes for {type(self).__name__}")
+        self.heads, self.head_dim, self.layout = heads, head_dim, tuple(layout)
+        self.normalize = config.normalization == "denominator"
+        self.eps = config.eps
+        self.grid_context = grid_context
+        inner = heads * head_dim
+
+        mixing = mixing_init(
+            layout,
+            config.transform,
+            normalization=config.mixing_normalization,
+            exp_sigma=config.exp_sigma,
+            local_threshold=config.local_threshold,
+        )
+        if config.per_head_mixing:
+            mixing = mixing.expand(heads, -1, -1).clone()
+        self.mixing = nn.Parameter(mixing, requires_grad=config.learnable_mixing)
+        self.out_norm = nn.RMSNorm(head_dim, eps=1e-6) if config.output_norm else None
+        self.gate = nn.Linear(inner, inner) if config.gate else None
+        self.lepe = None
+        if config.lepe:
+            conv = nn.Conv3d if self.num_axes == 3 else nn.Conv2d
+            self.lepe = conv(inner, inner, kernel_size=3, padding=1, groups=inner)
+            if self.lepe_identity_init:
+                with torch.no_grad():
+                    self.lepe.weight.zero_()
+                    self.lepe.weight[(slice(None), 0) + (1,) * self.num_axes] = 1.0
+                    self.lepe.bias.zero_()
+
+    @property
+    def num_blocks(self) -> int:
+        return num_blocks(self.layout)
+
+    def extra_repr(self) -> str:
+        mode = "denominator" if self.normalize else "no denominator"
+        return f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, {mode}"
+
+    def attend(
+        self,
+        layer_input: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """MHLA of projected ``q, k, v`` ``(B, N, H, D)`` plus the optional extras -> ``(B, N, H*D)``.
+
+        ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v``; the gate reads it.
+        """
+        grid = self.grid_context.require(q.shape[1])
+        q = F.relu(q.float()) + self.eps
+        k = F.relu(k.float()) + self.eps
+        q_rot = k_rot = None
+        if rotary_emb is not None:  # RoPE after the feature map, on the numerator path only
+            q_rot, k_rot = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
+        out = mhla_attention(
+            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalize, eps=self.eps
+        )
+        if self.out_norm is not None:
+            weight = self.out_norm.weight.float()
+            out = F.rms_norm(out.float(), (self.head_dim,), weight, self.out_norm.eps).to(v.dtype)
+        out = out.flatten(2)
+        if self.gate is not None:
+            out = out * F.silu(self.gate(layer_input))
+        if self.lepe is not None:
+            out = out + self._lepe(v.flatten(2), grid)
+        return out
+
+    def _lepe(self, v: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+        """Depthwise conv of ``v`` ``(B, N, C)`` laid out on the token grid, back to ``(B, N, C)``."""
+        batch, n, channels = v.shape
+        image = v.transpose(1, 2).reshape(batch, channels, *grid)
+        return self.lepe(image.to(self.lepe.weight.dtype)).reshape(batch, channels, n).transpose(1, 2).to(v.dtype)

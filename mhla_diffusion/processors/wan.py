@@ -1,0 +1,45 @@
+"""MHLA self-attention processor for Diffusers' ``WanTransformer3DModel`` (``blocks.{i}.attn1``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import MHLAProcessor
+
+__all__ = ["WanMHLAProcessor"]
+
+
+class WanMHLAProcessor(MHLAProcessor):
+    """Replaces softmax self-attention of one ``WanAttention`` layer by MHLA.
+
+    Reuses the layer's ``to_q/to_k/to_v/to_out`` and its ``norm_q/norm_k`` (RMSNorm across heads);
+    features ``ReLU(x) + eps``; Wan's 3-D RoPE after the feature map; token grid (frames, height,
+    width) from the transformer's pre-hook. Cross-attention (``attn2``) keeps its own processor.
+    """
+
+    num_axes = 3
+
+    def forward(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``hidden_states`` ``(B, N, C)`` -> ``(B, N, C)``."""
+        if encoder_hidden_states is not None:
+            raise ValueError("WanMHLAProcessor is for self-attention (attn1); cross-attention keeps WanAttnProcessor")
+        if attention_mask is not None:
+            raise ValueError("WanMHLAProcessor does not support `attention_mask`: MHLA attends over every token")
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        heads = (attn.heads, -1)
+        out = self.attend(
+            hidden_states, query.unflatten(2, heads), key.unflatten(2, heads), value.unflatten(2, heads), rotary_emb
+        )
+        out = attn.to_out[0](out.type_as(hidden_states))
+        return attn.to_out[1](out)
