@@ -1,0 +1,43 @@
+"""mhla-diffusion: Multi-Head Linear Attention (MHLA) for Diffusers' Wan2.1 and DiT transformers."""
+
+from .attention import mhla_attention
+from .attention_reference import mhla_attention_reference
+from .block_layout import auto_layout, block_plan, num_blocks, token_block_ids
+from .config import MHLAConfig
+from .conversion import (
+    MHLAConversion,
+    convert_to_mhla,
+    get_mhla_conversion,
+    image_token_grid,
+    revert_mhla,
+    video_token_grid,
+)
+from .mixing import block_distances, mixing_init
+from .processors import DiTMHLAProcessor, MHLAProcessor, WanMHLAProcessor
+from .weights import load_mhla, load_transformer, save_mhla
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DiTMHLAProcessor",
+    "MHLAConfig",
+    "MHLAConversion",
+    "MHLAProcessor",
+    "WanMHLAProcessor",
+    "auto_layout",
+    "block_distances",
+    "block_plan",
+    "convert_to_mhla",
+    "get_mhla_conversion",
+    "image_token_grid",
+    "load_mhla",
+    "load_transformer",
+    "mhla_attention",
+    "mhla_attention_reference",
+    "mixing_init",
+    "num_blocks",
+    "revert_mhla",
+    "save_mhla",
+    "token_block_ids",
+    "video_token_grid",
+]

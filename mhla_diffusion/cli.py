@@ -1,0 +1,212 @@
+"""The ``mhla`` command: one entry point, one subcommand per job.
+
+    mhla convert --tiny wan                       # convert a tiny Wan model, print what changed
+    mhla convert --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --layers hybrid \\
+        --target-size 81x480x832 --output mhla_init/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["main"]
+
+#: Video size (frames, height, width) the auto layout targets when none is given: Wan2.1's 480p clip.
+DEFAULT_WAN_VIDEO = (81, 480, 832)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """Parse ``3x5x10`` (or ``3,5,10``) into a tuple of ints."""
+    try:
+        values = tuple(int(v) for v in text.replace(",", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes like 3x5x10, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return values
+
+
+def _layers(text: str) -> str | list[int]:
+    if text in ("all", "hybrid"):
+        return text
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}") from None
+
+
+def _add_convert(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a Wan / DiT transformer's self-attention to MHLA and print what changed",
+        description="Convert the softmax self-attention of a Diffusers Wan2.1 or DiT transformer to MHLA, "
+        "report the changed layers and the output change on a random input, and optionally save the result.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id")
+    src.add_argument("--tiny", choices=("wan", "dit"), help="build a tiny model from a config instead (demo, no download)")
+    p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for pipelines)")
+    p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated"), default="paper",
+                   help="paper: denominator (default); released-wan: no denominator, per-head output RMSNorm, "
+                   "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate")
+    p.add_argument("--layers", type=_layers, help="all (default), hybrid (2/3 of the blocks) or indices 1,2,4")
+    p.add_argument("--layout", help="blocks per token-grid axis, e.g. 3x5x10, or 'auto' (default)")
+    grid = p.add_mutually_exclusive_group()
+    grid.add_argument("--target-grid", type=_sizes, help="token grid for the auto layout, e.g. 21x30x52")
+    grid.add_argument("--target-size", type=_sizes,
+                      help="pixel size for the auto layout: FRAMESxHEIGHTxWIDTH for Wan (default 81x480x832), "
+                      "HEIGHTxWIDTH for DiT (default: the model's sample size)")
+    p.add_argument("--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)")
+    p.add_argument("--mixing-normalization", choices=("column", "row"), help="column (reference code, default) or row (paper)")
+    p.add_argument("--normalization", choices=("denominator", "none"), help="override the preset's normalisation")
+    p.add_argument("--per-head-mixing", action="store_true", help="one mixing matrix per attention head")
+    p.add_argument("--output-norm", action="store_true", default=None, help="per-head output RMSNorm")
+    p.add_argument("--gate", action="store_true", default=None, help="SiLU output gate")
+    p.add_argument("--lepe", action="store_true", default=None, help="depthwise LePE convolution of v")
+    p.add_argument("--output", type=Path, help="save the MHLA weights (and config) to this folder")
+    p.add_argument("--include-base", action="store_true", help="save the whole converted transformer, not just MHLA weights")
+    p.add_argument("--overwrite", action="store_true", help="replace files already in --output")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the before/after forward pass on a small random input")
+    p.set_defaults(func=_run_convert)
+
+
+def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Sequence[int] = (1, 2, 2)):
+    from .config import MHLAConfig
+    from .conversion import image_token_grid, video_token_grid
+
+    options: dict = {}
+    if args.preset.startswith("released-wan"):
+        options.update(MHLAConfig.released_wan(gate=args.preset == "released-wan").to_dict())
+    if args.layers is not None:
+        options["layers"] = args.layers
+    if args.layout is not None:
+        options["layout"] = "auto" if args.layout == "auto" else _sizes(args.layout)
+    if args.target_grid is not None:
+        options["target_grid"] = args.target_grid
+    if args.target_size is not None:
+        if family == "wan":
+            if len(args.target_size) != 3:
+                raise ValueError("--target-size for Wan is FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")
+            options["target_grid"] = video_token_grid(*args.target_size, patch_size=patch_size)
+        elif family == "dit":
+            if len(args.target_size) != 2:
+                raise ValueError("--target-size for DiT is HEIGHTxWIDTH, e.g. 256x256")
+            options["target_grid"] = image_token_grid(*args.target_size, patch_size=patch_size[0])
+    if family == "wan" and options.get("layout", "auto") == "auto" and "target_grid" not in options:
+        options["target_grid"] = video_token_grid(*DEFAULT_WAN_VIDEO, patch_size=patch_size)
+    if options.get("target_grid") is not None and "layout" not in options:
+        options["layout"] = "auto"
+    for name in ("transform", "mixing_normalization", "normalization", "output_norm", "gate", "lepe"):
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = value
+    if args.per_head_mixing:
+        options["per_head_mixing"] = True
+    return MHLAConfig(**options)
+
+
+def _random_inputs(transformer, family: str, layout: Sequence[int]):
+    """A small random input for the before/after check (fixed seed), with a token grid >= the layout."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    cfg = transformer.config
+    dtype = next(transformer.parameters()).dtype
+    device = next(transformer.parameters()).device
+    if family == "wan":
+        pt, ph, pw = cfg.patch_size
+        f, h, w = (max(n, b) for n, b in zip((3, 8, 10), layout))
+        latents = torch.randn(1, cfg.in_channels, f * pt, h * ph, w * pw, generator=g)
+        text = torch.randn(1, 8, cfg.text_dim, generator=g)
+        kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype))
+    else:
+        side = cfg.sample_size
+        latents = torch.randn(1, cfg.in_channels, side, side, generator=g)
+        kwargs = dict(timestep=torch.tensor([500]), class_labels=torch.tensor([1]))
+    return latents.to(device, dtype), {k: v.to(device) for k, v in kwargs.items()}
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .conversion import build_mhla_processors, convert_to_mhla, model_family
+    from .weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
+
+    started = time.perf_counter()
+    tiny_family = args.tiny
+    # Validate what can be validated before loading a (possibly large) model.
+    _convert_config(args, tiny_family)
+    if args.output is not None and not args.overwrite and (args.output / MHLA_CONFIG_NAME).exists():
+        raise FileExistsError(f"{args.output} already holds MHLA weights; choose another --output or pass --overwrite")
+
+    if args.tiny == "wan":
+        from .tiny import tiny_wan_transformer
+
+        transformer, source = tiny_wan_transformer(), "tiny Wan (built from a config)"
+    elif args.tiny == "dit":
+        from .tiny import tiny_dit_transformer
+
+        transformer, source = tiny_dit_transformer(), "tiny DiT (built from a config)"
+    else:
+        transformer, source = load_transformer(args.model, subfolder=args.subfolder), args.model
+    transformer.eval()
+    family = model_family(transformer)
+    patch = transformer.config.patch_size
+    config = _convert_config(args, family, tuple(patch) if family == "wan" else (patch, patch))
+
+    print(f"model: {source} -> {type(transformer).__name__}, "
+          f"{sum(p.numel() for p in transformer.parameters()):,} parameters")
+    resolved, _ = build_mhla_processors(transformer, config)  # resolves the layout; errors before any work
+    if args.check:
+        latents, kwargs = _random_inputs(transformer, family, resolved.layout)
+        with torch.no_grad():
+            before = transformer(latents, **kwargs).sample
+    conversion = convert_to_mhla(transformer, config)
+    print(conversion.summary())
+    print(f"{'layer':<32} {'before':<22} {'after':<22} {'new params':>10}")
+    modules = dict(transformer.named_modules())
+    originals = transformer._mhla_original_processors
+    for name in conversion.layer_names:
+        processor = modules[name].processor
+        count = sum(p.numel() for p in processor.parameters())
+        print(f"{name:<32} {type(originals[name]).__name__:<22} {type(processor).__name__:<22} {count:>10,}")
+    if args.check:
+        with torch.no_grad():
+            after = transformer(latents, **kwargs).sample
+        change = (after - before).float()
+        relative = change.norm() / before.float().norm().clamp_min(1e-12)
+        print(f"output change on a random {'x'.join(map(str, latents.shape))} latent: "
+              f"max |diff| {change.abs().max().item():.4g}, relative L2 {relative.item():.4g} "
+              "(MHLA before fine-tuning vs the softmax original)")
+    if args.output is not None:
+        folder = save_mhla(transformer, args.output, include_base=args.include_base, overwrite=args.overwrite)
+        print(f"saved {'converted transformer' if args.include_base else 'MHLA weights'} to {folder}: "
+              + ", ".join(sorted(p.name for p in folder.iterdir())))
+    print(f"wall time {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_convert(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileExistsError, FileNotFoundError, TypeError) as error:
+        print(f"mhla {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
