@@ -107,12 +107,15 @@ def _find_file(source: str | os.PathLike, filename: str, subfolder: str | None, 
     if os.path.isdir(source):
         path = Path(source, subfolder or "", filename)
         return path if path.is_file() else None
+    text = str(source)
+    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1:
+        raise FileNotFoundError(f"{source} is neither a local folder nor a hub repo id of the form 'owner/name'")
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(str(source), filename, subfolder=subfolder, **hub_kwargs))
-    except EntryNotFoundError:
+        return Path(hf_hub_download(text, filename, subfolder=subfolder, **hub_kwargs))
+    except (EntryNotFoundError, LocalEntryNotFoundError):  # absent, or not cached while offline
         return None
 
 

@@ -1,0 +1,153 @@
+"""The fast MHLA operator against the O(N^2) reference and against global linear attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init, num_blocks
+
+CASES = [
+    # grid, layout (1-D, 2-D, 3-D; divisible and not)
+    ((7,), (3,)),
+    ((12,), (4,)),
+    ((4, 4), (2, 2)),
+    ((5, 6), (2, 4)),
+    ((7, 3), (3, 3)),
+    ((3, 5, 7), (2, 2, 3)),
+    ((2, 4, 6), (2, 2, 3)),
+    ((5, 4, 3), (3, 1, 2)),
+    ((3, 4, 5), (3, 4, 5)),  # every token its own block
+]
+
+
+def make_inputs(grid, heads=3, dim=4, value_dim=5, batch=2, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(grid)
+    q = torch.rand(batch, n, heads, dim, generator=g, dtype=dtype)
+    k = torch.rand(batch, n, heads, dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, n, heads, value_dim, generator=g, dtype=dtype)
+    q_rot = torch.randn(batch, n, heads, dim, generator=g, dtype=dtype)
+    k_rot = torch.randn(batch, n, heads, dim, generator=g, dtype=dtype)
+    return q, k, v, q_rot, k_rot
+
+
+@pytest.mark.parametrize("grid,layout", CASES)
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_matches_reference(grid, layout, normalize, rotated, per_head):
+    q, k, v, q_rot, k_rot = make_inputs(grid, seed=len(grid) + sum(layout))
+    m = num_blocks(layout)
+    g = torch.Generator().manual_seed(1)
+    mixing = torch.randn((3, m, m) if per_head else (m, m), generator=g, dtype=torch.float64)
+    if normalize:  # keep the denominator away from zero: positive weights as after init
+        mixing = mixing.abs() + 0.1
+    rot = dict(q_rot=q_rot, k_rot=k_rot) if rotated else {}
+    fast = mhla_attention(q, k, v, grid, layout, mixing, normalize=normalize, **rot)
+    slow = mhla_attention_reference(q, k, v, grid, layout, mixing, normalize=normalize, **rot)
+    assert fast.shape == v.shape and fast.dtype == v.dtype
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
+
+
+def test_uneven_blocks_follow_floor_rule():
+    """A hand-checked 1-D case: grid 5 cut into 2 blocks -> tokens {0,1,2} and {3,4}."""
+    q = torch.ones(1, 5, 1, 1, dtype=torch.float64)
+    k = torch.ones(1, 5, 1, 1, dtype=torch.float64)
+    v = torch.arange(5, dtype=torch.float64).view(1, 5, 1, 1)
+    mixing = torch.eye(2, dtype=torch.float64)  # each block sees only itself
+    out = mhla_attention(q, k, v, (5,), (2,), mixing, normalize=True, eps=0.0)
+    expected = torch.tensor([1.0, 1.0, 1.0, 3.5, 3.5], dtype=torch.float64)  # block means
+    torch.testing.assert_close(out.flatten(), expected)
+
+
+def test_layout_of_ones_is_global_linear_attention():
+    grid = (3, 4, 5)
+    q, k, v, q_rot, k_rot = make_inputs(grid)
+    out = mhla_attention(q, k, v, grid, (1, 1, 1), torch.ones(1, 1, dtype=torch.float64), q_rot=q_rot, k_rot=k_rot)
+    # global linear attention: q̂ (Σ k̂ vᵀ) / (q · Σ k + eps)
+    state = torch.einsum("bnhd,bnhe->bhde", k_rot, v)
+    numerator = torch.einsum("bnhd,bhde->bnhe", q_rot, state)
+    denominator = torch.einsum("bnhd,bhd->bnh", q, k.sum(1)) + 1e-6
+    torch.testing.assert_close(out, numerator / denominator[..., None], rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_float64():
+    grid, layout = (3, 4), (2, 3)
+    q, k, v, q_rot, k_rot = make_inputs(grid, heads=2, dim=3, value_dim=2, batch=1)
+    mixing = mixing_init(layout, dtype=torch.float64) + 0.05
+    tensors = [t.clone().requires_grad_() for t in (q, k, v, q_rot, k_rot, mixing)]
+
+    def fn(q, k, v, q_rot, k_rot, mixing):
+        return mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=True)
+
+    assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-6)
+    q_only = [tensors[0], tensors[1], tensors[2]]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: mhla_attention(q, k, v, grid, layout, tensors[5].detach(), normalize=False), q_only
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_finite_and_close(dtype):
+    grid, layout = (4, 6, 8), (2, 3, 4)
+    q, k, v, _, _ = make_inputs(grid, heads=2, dim=16, value_dim=16, batch=1, dtype=torch.float32)
+    mixing = mixing_init(layout)
+    out = mhla_attention(q.to(dtype), k.to(dtype), v.to(dtype), grid, layout, mixing.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    exact = mhla_attention(q, k, v, grid, layout, mixing)
+    torch.testing.assert_close(out.float(), exact, rtol=3e-2, atol=3e-2)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_forms_token_by_token_matrix():
+    grid, layout = (4, 16, 16), (2, 4, 4)
+    n = math.prod(grid)
+    q, k, v, q_rot, k_rot = make_inputs(grid, heads=1, dim=2, value_dim=2, batch=1, dtype=torch.float32)
+    with _LargestTensor() as spy:
+        mhla_attention(q, k, v, grid, layout, mixing_init(layout), q_rot=q_rot, k_rot=k_rot)
+    assert spy.largest < n * n // 100, f"largest intermediate {spy.largest} elements for N={n}"
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        (dict(layout=(3, 5)), "`layout`"),  # larger than the grid on axis 0
+        (dict(layout=(2,)), "`layout`"),  # wrong number of axes
+        (dict(grid=(2, 5)), "`grid`"),  # product != N
+        (dict(mixing=torch.ones(3, 3)), "`mixing`"),
+        (dict(mixing=torch.ones(5, 4, 4)), "`mixing`"),
+    ],
+)
+def test_bad_inputs_name_the_argument(kwargs, argument):
+    q, k, v, _, _ = make_inputs((2, 4), dtype=torch.float32)
+    args = dict(grid=(2, 4), layout=(2, 2), mixing=torch.ones(4, 4))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=argument):
+        mhla_attention(q, k, v, args["grid"], args["layout"], args["mixing"])
+
+
+def test_bad_tensor_shapes_name_the_argument():
+    q, k, v, q_rot, _ = make_inputs((2, 4), dtype=torch.float32)
+    mixing = torch.ones(4, 4)
+    with pytest.raises(ValueError, match="`k`"):
+        mhla_attention(q, k[:, :, :2], v, (2, 4), (2, 2), mixing)
+    with pytest.raises(ValueError, match="`v`"):
+        mhla_attention(q, k, v[:, :4], (2, 4), (2, 2), mixing)
+    with pytest.raises(ValueError, match="`q_rot`"):
+        mhla_attention(q, k, v, (2, 4), (2, 2), mixing, q_rot=q_rot[..., :2])
