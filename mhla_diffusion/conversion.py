@@ -18,9 +18,12 @@ from .processors.wan import WanMHLAProcessor
 
 __all__ = [
     "MHLAConversion",
+    "build_mhla_processors",
     "convert_to_mhla",
     "get_mhla_conversion",
     "image_token_grid",
+    "install_mhla_processors",
+    "mhla_parameter_names",
     "model_family",
     "revert_mhla",
     "self_attention_layers",
@@ -200,12 +203,13 @@ def convert_to_mhla(transformer: nn.Module, config: MHLAConfig | None = None) ->
         raise ValueError("this transformer is already converted to MHLA; call revert_mhla(transformer) first")
     context = TokenGridContext()
     resolved, processors = build_mhla_processors(transformer, config, context)
-    return _install(transformer, resolved, processors, context)
+    return install_mhla_processors(transformer, resolved, processors, context)
 
 
-def _install(
+def install_mhla_processors(
     transformer: nn.Module, resolved: MHLAConfig, processors: dict[str, MHLAProcessor], context: TokenGridContext
 ) -> MHLAConversion:
+    """Set processors made by :func:`build_mhla_processors` (sharing ``context``) and attach the grid hook."""
     modules = dict(transformer.named_modules())
     originals = {}
     install_grid_hook(transformer, _patch_size(transformer), context)

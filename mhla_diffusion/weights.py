@@ -27,9 +27,9 @@ from torch import nn
 
 from .config import MHLAConfig
 from .conversion import (
-    _install,
     build_mhla_processors,
     get_mhla_conversion,
+    install_mhla_processors,
     mhla_parameter_names,
     model_family,
     self_attention_layers,
@@ -202,7 +202,7 @@ def _load_into(transformer: nn.Module, meta: dict[str, Any], tensors: dict[str, 
     for name, proc in processors.items():
         prefix = f"{name}.processor."
         proc.load_state_dict({key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}, strict=True)
-    _install(transformer, resolved, processors, context)
+    install_mhla_processors(transformer, resolved, processors, context)
 
 
 @contextmanager

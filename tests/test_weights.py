@@ -54,6 +54,10 @@ def test_whole_transformer_round_trip_is_bit_exact(tmp_path):
     assert type(loaded).__name__ == "WanTransformer3DModel"
     assert get_mhla_conversion(loaded).layer_names == ["blocks.1.attn1", "blocks.2.attn1"]
     assert torch.equal(run(loaded, inputs), expected)
+    dit = tiny_dit_transformer()
+    convert_to_mhla(dit, MHLAConfig(gate=True))
+    save_mhla(dit, tmp_path / "dit", include_base=True)
+    assert torch.equal(run(load_mhla(tmp_path / "dit"), dit_inputs()), run(dit, dit_inputs()))
     # the MHLA part of a whole-transformer folder also loads into a separately built base model
     fresh = tiny_wan_transformer(num_layers=3, seed=3)
     fresh.load_state_dict(base_weights(model))
