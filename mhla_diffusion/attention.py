@@ -94,28 +94,32 @@ def mhla_attention(
     m, p = plan.num_blocks, plan.block_len
 
     def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
-        # (B, N, H, d) -> (B, M, P, H, d), one gather; padded slots zeroed where they would add up.
-        xb = x.index_select(1, plan.gather).view(batch, m, p, heads, x.shape[-1]).to(dtype)
+        # (B, N, H, d) -> (B, H, M, P, d): one gather, head-major so the products below are plain
+        # batched matmuls; padded slots are zeroed where they would add to a sum.
+        xb = x.transpose(1, 2).index_select(2, plan.gather).view(batch, heads, m, p, x.shape[-1]).to(dtype)
         if zero_padding and plan.valid is not None:
-            xb = xb * plan.valid[None, :, :, None, None].to(dtype)
+            xb = xb * plan.valid[:, :, None].to(dtype)
         return xb
 
     mix = mixing.to(dtype)
-    mix_eq = "om" if mix.ndim == 2 else "hom"
+    if mix.ndim == 3:
+        mix = mix[None]  # (1, H, M, M) against (B, H, M, ...)
 
     k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
-    kv_summary = torch.einsum("bmphd,bmphe->bhmde", k_hat, to_blocks(v))  # S_j
-    mixed_summary = torch.einsum(f"{mix_eq},bhmde->bhode", mix, kv_summary)  # S̃_o
+    v_blocks = to_blocks(v)
+    kv_summary = k_hat.transpose(-1, -2) @ v_blocks  # S_j: (B, H, M, D, Dv)
+    d, dv = kv_summary.shape[-2:]
+    mixed_summary = (mix @ kv_summary.reshape(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)  # S̃_o
     q_hat = to_blocks(q if q_rot is None else q_rot)
-    out = torch.einsum("bmphd,bhmde->bmphe", q_hat, mixed_summary)
+    out = q_hat @ mixed_summary  # (B, H, M, P, Dv)
 
     if normalize:
         k_plain = k_hat if k_rot is None else to_blocks(k, zero_padding=True)
         q_plain = q_hat if q_rot is None else to_blocks(q)
-        key_sum = k_plain.sum(dim=2).transpose(1, 2)  # z_j: (B, H, M, D)
-        mixed_key_sum = torch.einsum(f"{mix_eq},bhmd->bhod", mix, key_sum)  # z̃_o
-        denominator = torch.einsum("bmphd,bhmd->bmph", q_plain, mixed_key_sum) + eps
-        out = out / denominator.unsqueeze(-1)
+        mixed_key_sum = mix @ k_plain.sum(dim=3)  # z̃_o: (B, H, M, D)
+        denominator = q_plain @ mixed_key_sum.unsqueeze(-1) + eps  # (B, H, M, P, 1)
+        out = out / denominator
 
-    out = out.reshape(batch, m * p, heads, out.shape[-1]).index_select(1, plan.scatter)
+    # one gather back to token order, straight into a contiguous (B, N, H, Dv)
+    out = out.reshape(batch, heads, m * p, dv).transpose(1, 2).index_select(1, plan.scatter)
     return out.to(v.dtype)

@@ -216,3 +216,15 @@ def test_grid_smaller_than_layout_is_a_clear_error(tiny_wan):
     convert_to_mhla(tiny_wan, MHLAConfig(layout=(3, 2, 2)))
     with pytest.raises(ValueError, match="layout"):
         run(tiny_wan, wan_inputs(frames=1))
+
+
+def test_only_chosen_dit_layers_change_and_frozen_mixing(tiny_dit, dit_batch):
+    before = capture_attention_outputs(tiny_dit, dit_batch)
+    original = tiny_dit.transformer_blocks[0].attn1.processor
+    convert_to_mhla(tiny_dit, MHLAConfig(layers=[1], learnable_mixing=False))
+    assert tiny_dit.transformer_blocks[0].attn1.processor is original
+    processor = tiny_dit.transformer_blocks[1].attn1.processor
+    assert isinstance(processor, DiTMHLAProcessor) and not processor.mixing.requires_grad
+    after = capture_attention_outputs(tiny_dit, dit_batch)
+    assert torch.equal(after["transformer_blocks.0.attn1"], before["transformer_blocks.0.attn1"])
+    assert not torch.allclose(after["transformer_blocks.1.attn1"], before["transformer_blocks.1.attn1"])
