@@ -106,8 +106,9 @@ class MHLAProcessor(nn.Module):
         ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v``; the gate reads it.
         """
         grid = self.grid_context.require(q.shape[1])
-        q = F.relu(q.float()) + self.eps
-        k = F.relu(k.float()) + self.eps
+        features = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the feature map and RoPE
+        q = F.relu(q.to(features)) + self.eps
+        k = F.relu(k.to(features)) + self.eps
         q_rot = k_rot = None
         if rotary_emb is not None:  # RoPE after the feature map, on the numerator path only
             q_rot, k_rot = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
