@@ -13,6 +13,7 @@ from .conversion import (
     video_token_grid,
 )
 from .mixing import block_distances, mixing_init
+from .models import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
 from .processors import DiTMHLAProcessor, MHLAProcessor, WanMHLAProcessor
 from .weights import load_mhla, load_transformer, save_mhla
 
@@ -20,9 +21,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DiTMHLAProcessor",
+    "MHLADiTTransformer2DModel",
     "MHLAConfig",
     "MHLAConversion",
     "MHLAProcessor",
+    "MHLAWanTransformer3DModel",
     "WanMHLAProcessor",
     "auto_layout",
     "block_distances",

@@ -52,7 +52,7 @@ def _model_shape(transformer: nn.Module) -> dict[str, Any]:
     attn = layers[0][1]
     return {
         "family": model_family(transformer),
-        "transformer_class": type(transformer).__name__,
+        "transformer_class": {"wan": "WanTransformer3DModel", "dit": "DiTTransformer2DModel"}[model_family(transformer)],
         "num_layers": len(layers),
         "heads": int(attn.heads),
         "head_dim": int(attn.to_q.out_features // attn.heads),
@@ -119,9 +119,13 @@ def _find_file(source: str | os.PathLike, filename: str, subfolder: str | None, 
         return None
 
 
-def _read_meta(source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _read_meta(
+    source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any], required: bool = True
+) -> dict[str, Any] | None:
     path = _find_file(source, MHLA_CONFIG_NAME, subfolder, hub_kwargs)
     if path is None:
+        if not required:
+            return None
         where = f"{source}/{subfolder}" if subfolder else str(source)
         raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in {where}: point to a folder written by save_mhla")
     meta = json.loads(path.read_text())
@@ -233,29 +237,48 @@ def load_mhla(
     * ``load_mhla(folder, transformer)``: convert ``transformer`` (a base model of the same shape)
       with the saved config and load the MHLA parameters; works with both folder forms.
     * ``load_mhla(folder)``: the folder holds a whole converted transformer: load it with Diffusers'
-      ``from_pretrained`` (``kwargs`` such as ``torch_dtype`` pass through), then its MHLA parameters.
+      ``from_pretrained`` (``kwargs`` such as ``torch_dtype`` pass through), then its MHLA parameters;
+      the model comes back as :class:`MHLAWanTransformer3DModel` / :class:`MHLADiTTransformer2DModel`.
 
     Returns the converted transformer. Any key mismatch raises ``ValueError`` listing the keys.
     """
-    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-    variant = kwargs.get("variant")
-    meta = _read_meta(source, subfolder, hub_kwargs)
     if transformer is None:
+        from .models import mhla_transformer_class
+
+        meta = _read_meta(source, subfolder, {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
         if meta["contents"] != "transformer":
             raise ValueError(
                 f"{source} holds only MHLA parameters: pass the base transformer too, load_mhla(folder, transformer)"
             )
-        import diffusers
+        return mhla_transformer_class(meta["family"]).from_pretrained(source, subfolder=subfolder, **kwargs)
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    meta = _read_meta(source, subfolder, hub_kwargs)
+    tensors = _read_mhla_tensors(_weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))
+    _load_into(transformer, meta, tensors)
+    return transformer
 
-        cls = getattr(diffusers, meta["transformer_class"], None)
-        if cls is None:
-            raise ValueError(f"unknown transformer class {meta['transformer_class']!r} in {MHLA_CONFIG_NAME}")
-        # Weights left memory-mapped by `from_pretrained` made CPU outputs differ from the saved model
-        # in the last bit (seen with diffusers 0.42); reading the file into memory keeps reloads exact.
-        kwargs.setdefault("disable_mmap", True)
-        with _quiet_about_processor_keys(cls):
-            transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
-    tensors = _read_mhla_tensors(_weight_files(source, meta, subfolder, variant, hub_kwargs))
+
+def from_pretrained_keeping_mhla(
+    cls: type, base_from_pretrained: Any, source: str | os.PathLike, subfolder: str | None = None, **kwargs: Any
+) -> nn.Module:
+    """Diffusers' ``from_pretrained`` (``base_from_pretrained``) plus the MHLA layers a folder declares.
+
+    Without an ``mhla_config.json`` beside the weights this is the plain Diffusers load. With one,
+    the checkpoint's ``.processor.`` keys are loaded strictly into freshly built MHLA processors
+    instead of being dropped with a warning.
+    """
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    meta = _read_meta(source, subfolder, hub_kwargs, required=False)
+    # Weights left memory-mapped by `from_pretrained` made CPU outputs differ from the saved model
+    # in the last bit (seen with diffusers 0.42); reading the file into memory keeps reloads exact.
+    kwargs.setdefault("disable_mmap", True)
+    if meta is None:
+        return base_from_pretrained(source, subfolder=subfolder, **kwargs)
+    if meta["contents"] != "transformer":
+        raise ValueError(f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer)")
+    with _quiet_about_processor_keys(cls):
+        transformer = base_from_pretrained(source, subfolder=subfolder, **kwargs)
+    tensors = _read_mhla_tensors(_weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))
     _load_into(transformer, meta, tensors)
     return transformer
 

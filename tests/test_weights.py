@@ -9,7 +9,7 @@ import torch
 from conftest import dit_inputs, run, wan_inputs
 from safetensors.torch import load_file, save_file
 
-from mhla_diffusion import MHLAConfig, convert_to_mhla, get_mhla_conversion, load_mhla, load_transformer, save_mhla
+from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, convert_to_mhla, get_mhla_conversion, load_mhla, load_transformer, save_mhla
 from mhla_diffusion.tiny import tiny_dit_transformer, tiny_wan_transformer
 
 
@@ -51,7 +51,7 @@ def test_whole_transformer_round_trip_is_bit_exact(tmp_path):
     expected = run(model, inputs)
     save_mhla(model, tmp_path, include_base=True)
     loaded = load_mhla(tmp_path)
-    assert type(loaded).__name__ == "WanTransformer3DModel"
+    assert isinstance(loaded, MHLAWanTransformer3DModel)
     assert get_mhla_conversion(loaded).layer_names == ["blocks.1.attn1", "blocks.2.attn1"]
     assert torch.equal(run(loaded, inputs), expected)
     dit = tiny_dit_transformer()
