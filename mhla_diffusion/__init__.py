@@ -10,6 +10,7 @@ from .conversion import (
     get_mhla_conversion,
     image_token_grid,
     revert_mhla,
+    softmax_attention,
     video_token_grid,
 )
 from .mixing import block_distances, mixing_init
@@ -41,6 +42,7 @@ __all__ = [
     "num_blocks",
     "revert_mhla",
     "save_mhla",
+    "softmax_attention",
     "token_block_ids",
     "video_token_grid",
 ]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ __all__ = [
     "model_family",
     "revert_mhla",
     "self_attention_layers",
+    "softmax_attention",
     "video_token_grid",
 ]
 
@@ -240,6 +242,27 @@ def revert_mhla(transformer: nn.Module) -> None:
     remove_grid_hook(transformer)
     del transformer._mhla_conversion
     del transformer._mhla_original_processors
+
+
+@contextmanager
+def softmax_attention(transformer: nn.Module) -> Iterator[nn.Module]:
+    """Run a converted transformer with its original softmax self-attention inside the block.
+
+    The MHLA processors (and their parameters) are put back on exit, so one loaded model serves a
+    side-by-side comparison. A transformer that is not converted is left as it is.
+    """
+    if get_mhla_conversion(transformer) is None:
+        yield transformer
+        return
+    modules = dict(transformer.named_modules())
+    mhla = {name: modules[name].processor for name in transformer._mhla_original_processors}
+    try:
+        for name, processor in transformer._mhla_original_processors.items():
+            modules[name].set_processor(processor)
+        yield transformer
+    finally:
+        for name, processor in mhla.items():
+            modules[name].set_processor(processor)
 
 
 def mhla_parameter_names(transformer: nn.Module) -> list[str]:

@@ -18,6 +18,7 @@ from mhla_diffusion import (
     get_mhla_conversion,
     mhla_attention_reference,
     revert_mhla,
+    softmax_attention,
     video_token_grid,
 )
 from mhla_diffusion.tiny import tiny_wan_transformer
@@ -228,3 +229,14 @@ def test_only_chosen_dit_layers_change_and_frozen_mixing(tiny_dit, dit_batch):
     after = capture_attention_outputs(tiny_dit, dit_batch)
     assert torch.equal(after["transformer_blocks.0.attn1"], before["transformer_blocks.0.attn1"])
     assert not torch.allclose(after["transformer_blocks.1.attn1"], before["transformer_blocks.1.attn1"])
+
+
+def test_softmax_attention_context_switches_and_restores(tiny_wan, wan_batch):
+    reference = run(tiny_wan, wan_batch)
+    convert_to_mhla(tiny_wan, MHLAConfig(layout=(2, 2, 2)))
+    mhla_out = run(tiny_wan, wan_batch)
+    keys = set(tiny_wan.state_dict())
+    with softmax_attention(tiny_wan):
+        assert torch.equal(run(tiny_wan, wan_batch), reference)
+    assert torch.equal(run(tiny_wan, wan_batch), mhla_out)
+    assert set(tiny_wan.state_dict()) == keys
