@@ -18,6 +18,10 @@ from .models import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
 from .processors import DiTMHLAProcessor, MHLAProcessor, WanMHLAProcessor
 from .weights import load_mhla, load_transformer, save_mhla
 
+# Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a
+# model_index.json only if this package also exposes the base class it checks against.
+from diffusers import ModelMixin  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 __all__ = [

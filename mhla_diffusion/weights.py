@@ -36,7 +36,16 @@ from .conversion import (
 )
 from .processors.grid import TokenGridContext
 
-__all__ = ["MHLA_CONFIG_NAME", "MHLA_WEIGHTS_NAME", "load_mhla", "load_transformer", "save_mhla"]
+__all__ = [
+    "MHLA_CONFIG_NAME",
+    "MHLA_WEIGHTS_NAME",
+    "from_pretrained_keeping_mhla",
+    "load_mhla",
+    "load_transformer",
+    "read_mhla_config",
+    "save_mhla",
+    "write_mhla_config",
+]
 
 MHLA_CONFIG_NAME = "mhla_config.json"
 MHLA_WEIGHTS_NAME = "mhla_weights.safetensors"
@@ -84,22 +93,46 @@ def save_mhla(
         )
     folder.mkdir(parents=True, exist_ok=True)
 
-    meta = {
-        "format": _FORMAT,
-        "format_version": _FORMAT_VERSION,
-        "contents": "transformer" if include_base else "mhla",
-        **_model_shape(transformer),
-        "layer_names": conversion.layer_names,
-        "mhla_config": conversion.config.to_dict(),
-    }
     if include_base:
         transformer.save_pretrained(folder, safe_serialization=True)
     else:
         state = transformer.state_dict()
         tensors = {key: state[key].detach().contiguous().cpu() for key in mhla_parameter_names(transformer)}
         save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "producer": _FORMAT})
-    (folder / MHLA_CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    write_mhla_config(transformer, folder, contents="transformer" if include_base else "mhla")
     return folder
+
+
+def write_mhla_config(transformer: nn.Module, folder: str | os.PathLike, contents: str = "transformer") -> Path:
+    """Write ``mhla_config.json`` for a converted ``transformer`` into ``folder``.
+
+    ``contents`` says where the MHLA parameters are: ``"transformer"`` (in the Diffusers weights
+    files beside it, e.g. after ``save_pretrained``) or ``"mhla"`` (in ``mhla_weights.safetensors``).
+    """
+    conversion = get_mhla_conversion(transformer)
+    if conversion is None:
+        raise ValueError("the transformer is not converted to MHLA")
+    if contents not in ("transformer", "mhla"):
+        raise ValueError(f"`contents` must be 'transformer' or 'mhla', got {contents!r}")
+    meta = {
+        "format": _FORMAT,
+        "format_version": _FORMAT_VERSION,
+        "contents": contents,
+        **_model_shape(transformer),
+        "layer_names": conversion.layer_names,
+        "mhla_config": conversion.config.to_dict(),
+    }
+    path = Path(folder) / MHLA_CONFIG_NAME
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def read_mhla_config(source: str | os.PathLike, subfolder: str | None = None, **hub_kwargs: Any) -> dict[str, Any] | None:
+    """The ``mhla_config.json`` of a folder or hub repo as a dict (``None`` when there is none).
+
+    Cheap: lets callers check the block layout against a requested size before loading any model.
+    """
+    return _read_meta(source, subfolder, hub_kwargs, required=False)
 
 
 def _find_file(source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path | None:

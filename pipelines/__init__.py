@@ -1,2 +1,7 @@
-"""Sampling pipelines over Diffusers' ``WanPipeline`` and ``DiTPipeline`` (installed as
-``mhla_diffusion.pipelines``). Built by the pipelines issue; this package is empty until then."""
+"""Sampling pipelines over Diffusers' ``WanPipeline`` and ``DiTPipeline`` with MHLA (``mhla_diffusion.pipelines``)."""
+
+from .dit import MHLADiTPipeline
+from .mhla_mixin import MHLAPipelineMixin
+from .wan import MHLAWanPipeline
+
+__all__ = ["MHLADiTPipeline", "MHLAPipelineMixin", "MHLAWanPipeline"]

@@ -1,0 +1,88 @@
+"""Class-to-image: Diffusers' ``DiTPipeline`` with MHLA self-attention."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from diffusers import DiTPipeline
+
+from .mhla_mixin import MHLAPipelineMixin
+
+__all__ = ["MHLADiTPipeline"]
+
+
+class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
+    """``DiTPipeline`` whose transformer may use MHLA (see :class:`MHLAPipelineMixin`).
+
+    Beyond the stock pipeline: classes may be given by name or id, ``id2label`` survives
+    ``save_pretrained``, and ``callback_on_step_end`` is supported (called after every scheduler
+    step with ``{"latents": ...}``; with guidance the latents hold both CFG halves, as DiT keeps them).
+    """
+
+    _stock_pipeline_name = "DiTPipeline"
+    _stock_transformer_name = "DiTTransformer2DModel"
+    _mhla_transformer_name = "MHLADiTTransformer2DModel"
+
+    def __init__(self, transformer, vae, scheduler, id2label: dict[int, str] | None = None):
+        super().__init__(transformer=transformer, vae=vae, scheduler=scheduler, id2label=id2label)
+        if id2label is not None:  # stock DiTPipeline forgets it on save
+            self.register_to_config(id2label={int(k): v for k, v in id2label.items()})
+
+    def class_ids(self, classes: int | str | Sequence[int | str]) -> list[int]:
+        """Class ids for ids and/or label names; unknown names or ids are a ``ValueError``."""
+        items = [classes] if isinstance(classes, (int, str)) else list(classes)
+        num_classes = int(self.transformer.config.num_embeds_ada_norm)
+        ids, unknown = [], []
+        for item in items:
+            if isinstance(item, str) and not item.strip().isdigit():
+                if item.strip() in self.labels:
+                    ids.append(self.labels[item.strip()])
+                else:
+                    unknown.append(item)
+            else:
+                ids.append(int(item))
+        if unknown:
+            known = ", ".join(list(self.labels)[:8]) or "none: the pipeline has no id2label"
+            raise ValueError(f"unknown class names {unknown}; known names include {known}")
+        bad = [i for i in ids if not 0 <= i < num_classes]
+        if bad:
+            raise ValueError(f"class ids {bad} out of range: the model has classes 0..{num_classes - 1}")
+        return ids
+
+    def __call__(
+        self,
+        class_labels: int | str | Sequence[int | str],
+        guidance_scale: float = 4.0,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        num_inference_steps: int = 50,
+        output_type: str | None = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Callable[..., dict[str, Any]] | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    ):
+        """Generate one image per class label (id or name). Other arguments as ``DiTPipeline.__call__``."""
+        labels = self.class_ids(class_labels)
+        if callback_on_step_end is not None and set(callback_on_step_end_tensor_inputs) - {"latents"}:
+            raise ValueError("MHLADiTPipeline passes only `latents` to callback_on_step_end")
+        call = lambda: super(MHLADiTPipeline, self).__call__(  # noqa: E731
+            labels, guidance_scale, generator, num_inference_steps, output_type, return_dict
+        )
+        if callback_on_step_end is None:
+            return call()
+        scheduler_step = self.scheduler.step
+        step_index = [0]
+
+        def step_with_callback(model_output, timestep, sample, *args, **kwargs):
+            out = scheduler_step(model_output, timestep, sample, *args, **kwargs)
+            result = callback_on_step_end(self, step_index[0], timestep, {"latents": out.prev_sample})
+            step_index[0] += 1
+            if result and "latents" in result:
+                out.prev_sample = result["latents"]
+            return out
+
+        self.scheduler.step = step_with_callback  # the stock loop calls self.scheduler.step once per step
+        try:
+            return call()
+        finally:
+            del self.scheduler.step
