@@ -3,6 +3,9 @@
     mhla convert --tiny wan                       # convert a tiny Wan model, print what changed
     mhla convert --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --layers hybrid \\
         --target-size 81x480x832 --output mhla_init/
+    mhla text-to-video --model ... --mhla-weights mhla_init/ --prompt "a cat surfing"
+    mhla class-to-image --model facebook/DiT-XL-2-256 --mhla-weights ... --class 207
+    mhla import-wan released.safetensors --output wan_mhla_transformer/
 """
 
 from __future__ import annotations
@@ -194,7 +197,10 @@ def _run_convert(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from .pipelines.cli import register as register_generation
+
     _add_convert(subparsers)
+    register_generation(subparsers)
     return parser
 
 
@@ -203,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError, TypeError) as error:
+    except (ValueError, TypeError, OSError) as error:  # bad input: a readable line, not a traceback
         print(f"mhla {args.command}: error: {error}", file=sys.stderr)
         return 2
 

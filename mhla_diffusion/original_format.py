@@ -178,7 +178,7 @@ def load_original_wan(
     *,
     layout: Sequence[int] | None = None,
     attention_head_dim: int = 128,
-    torch_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """Build a Diffusers Wan transformer from an original-format checkpoint (file or state dict).
@@ -216,6 +216,6 @@ def load_original_wan(
             )
         )
     transformer.load_state_dict(renamed, strict=True)
-    if torch_dtype is not None:
-        transformer.to(torch_dtype)
+    if dtype is not None:
+        transformer.to(dtype)
     return transformer.eval()

@@ -270,7 +270,7 @@ def load_mhla(
     * ``load_mhla(folder, transformer)``: convert ``transformer`` (a base model of the same shape)
       with the saved config and load the MHLA parameters; works with both folder forms.
     * ``load_mhla(folder)``: the folder holds a whole converted transformer: load it with Diffusers'
-      ``from_pretrained`` (``kwargs`` such as ``torch_dtype`` pass through), then its MHLA parameters;
+      ``from_pretrained`` (``kwargs`` such as ``dtype`` pass through), then its MHLA parameters;
       the model comes back as :class:`MHLAWanTransformer3DModel` / :class:`MHLADiTTransformer2DModel`.
 
     Returns the converted transformer. Any key mismatch raises ``ValueError`` listing the keys.
@@ -328,7 +328,7 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
     """Load a base Wan or DiT transformer from a local folder or hub id with Diffusers' ``from_pretrained``.
 
     ``source`` may be a transformer folder or a whole pipeline folder (then ``subfolder`` defaults
-    to ``"transformer"``). ``kwargs`` (``torch_dtype``, ``revision``, ...) pass through.
+    to ``"transformer"``). ``kwargs`` (``dtype``, ``revision``, ...) pass through.
     """
     hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     if subfolder is None and _find_file(source, "model_index.json", None, hub_kwargs) is not None:

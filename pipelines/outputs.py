@@ -1,0 +1,110 @@
+"""Writing generated videos and images, each with its settings as JSON beside it.
+
+Nothing is overwritten unless asked: every path a run will write is planned and checked first,
+before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["OutputPlan", "VIDEO_FORMATS", "plan_outputs", "save_image", "save_video", "slugify", "write_settings"]
+
+#: Video outputs: H.264 mp4, animated gif, or a folder of PNG frames.
+VIDEO_FORMATS = ("mp4", "gif", "frames")
+_SUFFIXES = {"mp4": ".mp4", "gif": ".gif", "frames": "", "png": ".png"}
+
+
+def slugify(text: str, max_length: int = 40) -> str:
+    """A file-name-safe short form of a prompt or label."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return slug[:max_length].rstrip("-") or "item"
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """Where one generated item goes: ``media`` (a file, or a folder of PNG frames) and ``settings`` JSON."""
+
+    media: Path
+    settings: Path
+
+
+def plan_outputs(output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, overwrite: bool = False) -> list[OutputPlan]:
+    """Plan ``output_dir/<stem><suffix>`` + ``<stem>.json`` per stem; refuse clashes and unwritable folders.
+
+    ``fmt``: a video format (``mp4``, ``gif``, ``frames`` = folder of PNGs) or ``png`` for images.
+    """
+    if fmt not in _SUFFIXES:
+        raise ValueError(f"unknown output format {fmt!r}: choose one of {', '.join(VIDEO_FORMATS)}")
+    folder = Path(output_dir)
+    if len(set(stems)) != len(stems):
+        raise ValueError("two outputs would get the same file name; give distinct prompts/classes or seeds")
+    plans = [OutputPlan(folder / f"{stem}{_SUFFIXES[fmt]}", folder / f"{stem}.json") for stem in stems]
+    existing = [str(p) for plan in plans for p in (plan.media, plan.settings) if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{len(existing)} output(s) already exist, e.g. {existing[:3]}; pass --overwrite or another --output-dir")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output-dir {folder} exists and is not a folder")
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write to {folder}: {probe} is not writable; choose another --output-dir")
+    return plans
+
+
+def _to_uint8(array: np.ndarray) -> np.ndarray:
+    """``float`` in [0, 1] (what pipelines return for ``output_type="np"``) -> ``uint8``."""
+    if array.dtype == np.uint8:
+        return array
+    return (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def save_video(frames: np.ndarray, plan: OutputPlan, fmt: str, fps: int) -> Path:
+    """Write ``frames`` ``(F, H, W, 3)`` as mp4 (H.264 via imageio-ffmpeg), gif, or a folder of PNGs."""
+    import imageio.v3 as iio
+
+    frames = _to_uint8(np.asarray(frames))
+    plan.media.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "mp4":
+        _write_mp4(frames, plan.media, fps)
+    elif fmt == "gif":
+        iio.imwrite(plan.media, frames, extension=".gif", duration=1000 / fps, loop=0)
+    else:
+        plan.media.mkdir(parents=True, exist_ok=True)
+        for index, frame in enumerate(frames):
+            iio.imwrite(plan.media / f"frame_{index:04d}.png", frame)
+    return plan.media
+
+
+def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
+    import imageio
+
+    # imageio-ffmpeg ships its own ffmpeg binary; yuv420p keeps the file playable everywhere.
+    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", macro_block_size=1,
+                            ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"]) as writer:
+        for frame in frames:
+            writer.append_data(frame)
+
+
+def save_image(image: np.ndarray, plan: OutputPlan) -> Path:
+    """Write one image ``(H, W, 3)`` as PNG at ``plan.media``."""
+    import imageio.v3 as iio
+
+    plan.media.parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(plan.media, _to_uint8(np.asarray(image)))
+    return plan.media
+
+
+def write_settings(plan: OutputPlan, settings: dict[str, Any]) -> Path:
+    """Write the run's settings next to its output."""
+    plan.settings.parent.mkdir(parents=True, exist_ok=True)
+    plan.settings.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    return plan.settings
