@@ -55,6 +55,8 @@ def plan_outputs(output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, 
     probe = folder
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"cannot create --output-dir {folder}: {probe} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write to {folder}: {probe} is not writable; choose another --output-dir")
     return plans

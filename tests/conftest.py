@@ -60,3 +60,43 @@ def dit_batch():
 def run(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs).sample
+
+
+# ----------------------------------------------------------------------------- tiny pipelines on disk
+
+
+@pytest.fixture(scope="session")
+def pipeline_dirs(tmp_path_factory):
+    """Tiny Wan and DiT pipelines saved to disk, with MHLA weights folders for them.
+
+    Keys: ``wan`` / ``dit`` (stock Diffusers pipeline folders), ``wan_mhla`` / ``dit_mhla``
+    (``save_mhla`` folders; Wan with a (2, 2, 2) layout, DiT with its auto 2x2 layout).
+    """
+    from mhla_diffusion import MHLAConfig, convert_to_mhla, save_mhla
+    from mhla_diffusion.tiny import TINY_ID2LABEL, tiny_dit_pipeline, tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("pipelines")
+    wan = tiny_wan_pipeline()
+    wan.save_pretrained(root / "wan")
+    convert_to_mhla(wan.transformer, MHLAConfig(layout=(2, 2, 2), gate=True))
+    with torch.no_grad():
+        wan.transformer.blocks[0].attn1.processor.mixing.mul_(1.5)
+    save_mhla(wan.transformer, root / "wan_mhla")
+
+    dit = tiny_dit_pipeline()
+    dit.register_to_config(id2label=TINY_ID2LABEL)  # so the stock pipeline saves it
+    dit.save_pretrained(root / "dit")
+    convert_to_mhla(dit.transformer, MHLAConfig(lepe=True))
+    save_mhla(dit.transformer, root / "dit_mhla")
+    return {name: root / name for name in ("wan", "wan_mhla", "dit", "dit_mhla")}
+
+
+#: Small, fast text-to-video call arguments for the tiny Wan pipeline.
+WAN_CALL = dict(
+    prompt="a red circle moving left", negative_prompt="blue", height=32, width=32, num_frames=9,
+    num_inference_steps=2, max_sequence_length=16, output_type="np",
+)
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(seed)

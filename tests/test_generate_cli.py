@@ -1,0 +1,133 @@
+"""`mhla text-to-video`, `mhla class-to-image` and `mhla import-wan` end to end on tiny pipelines."""
+
+from __future__ import annotations
+
+import json
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+from safetensors.torch import save_file
+from test_original_format import released_model, to_original
+
+from mhla_diffusion.cli import main
+
+VIDEO = ["--num-frames", "9", "--height", "32", "--width", "48", "--steps", "2", "--max-sequence-length", "16"]
+
+
+def t2v(dirs, out, *extra):
+    return main(["text-to-video", "--model", str(dirs["wan"]), "--mhla-weights", str(dirs["wan_mhla"]),
+                 "--output-dir", str(out), *VIDEO, *extra])
+
+
+def test_text_to_video_writes_decodable_video_and_settings(pipeline_dirs, tmp_path, capsys):
+    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a red circle moving left", "--fps", "8") == 0
+    video = tmp_path / "000-a-red-circle-moving-left-seed0-mhla.mp4"
+    frames = np.stack(list(iio.imiter(video)))
+    assert frames.shape == (9, 32, 48, 3)
+    settings = json.loads(video.with_suffix(".json").read_text())
+    assert settings["prompt"] == "a red circle moving left" and settings["attention"] == "mhla"
+    assert settings["seed"] == 0 and settings["num_inference_steps"] == 2 and settings["wall_time_s"] > 0
+    assert settings["block_layout"] == [2, 2, 2]
+    assert "(mhla, " in capsys.readouterr().out
+
+
+def test_formats_attention_modes_and_prompts_file(pipeline_dirs, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n\na blue square\n")
+    out = tmp_path / "out"
+    assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "gif") == 0
+    assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "frames", "--attention", "sdpa") == 0
+    gif = np.stack(list(iio.imiter(out / "001-a-blue-square-seed0-mhla.gif")))
+    assert gif.shape[:3] == (9, 32, 48)
+    pngs = sorted((out / "001-a-blue-square-seed0-sdpa").glob("frame_*.png"))
+    assert len(pngs) == 9 and iio.imread(pngs[0]).shape == (32, 48, 3)
+    sdpa = np.stack([iio.imread(p) for p in pngs]).astype(int)
+    assert np.abs(sdpa - gif[..., :3].astype(int)).max() > 0  # softmax and MHLA give different videos
+    assert json.loads((out / "001-a-blue-square-seed0-sdpa.json").read_text())["mhla_layers"] == []
+
+
+def test_existing_outputs_are_kept(pipeline_dirs, tmp_path, capsys):
+    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat") == 0
+    video = tmp_path / "000-a-cat-seed0-mhla.mp4"
+    before = video.read_bytes()
+    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", "--seed", "0") == 2
+    assert "--overwrite" in capsys.readouterr().err and video.read_bytes() == before
+    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", "--overwrite") == 0
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--prompt", "x", "--height", "40"], "--height 40 must be a positive multiple of 16"),
+        (["--prompt", "x", "--num-frames", "1"], "smaller than the MHLA block layout"),
+        (["--prompt", " "], "empty prompt"),
+        ([], "give a prompt"),
+        (["--prompt", "x", "--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_text_to_video_bad_input(pipeline_dirs, tmp_path, capsys, extra, message):
+    assert t2v(pipeline_dirs, tmp_path, *extra) == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_more_bad_input(pipeline_dirs, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert t2v(pipeline_dirs, tmp_path / "o", "--prompts-file", str(empty)) == 2
+    assert "has no prompts" in capsys.readouterr().err
+    assert main(["text-to-video", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert t2v(pipeline_dirs, blocker / "sub", "--prompt", "x") == 2
+    assert "is a file" in capsys.readouterr().err
+    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--prompt", "x", *VIDEO,
+                 "--output-dir", str(tmp_path / "o")]) == 2
+    assert "--attention mhla, but the model has no MHLA layers" in capsys.readouterr().err
+
+
+def test_frame_count_is_rounded_with_a_warning(pipeline_dirs, tmp_path, capsys):
+    args = [a if a != "9" else "11" for a in VIDEO]
+    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--mhla-weights", str(pipeline_dirs["wan_mhla"]),
+                 "--prompt", "x", "--output-dir", str(tmp_path), "--format", "gif", *args]) == 0
+    assert "generating 9 frames" in capsys.readouterr().err
+    assert json.loads((tmp_path / "000-x-seed0-mhla.json").read_text())["num_frames"] == 9
+
+
+def test_class_to_image(pipeline_dirs, tmp_path, capsys):
+    base = ["class-to-image", "--model", str(pipeline_dirs["dit"]), "--mhla-weights", str(pipeline_dirs["dit_mhla"]),
+            "--steps", "3", "--output-dir", str(tmp_path)]
+    assert main([*base, "--class", "goldfish,3", "--class", "hammerhead"]) == 0
+    image = iio.imread(tmp_path / "000-goldfish-seed0-mhla.png")
+    assert image.shape == (16, 16, 3)
+    settings = json.loads((tmp_path / "002-hammerhead-seed0-mhla.json").read_text())
+    assert settings["class_id"] == 4 and settings["attention"] == "mhla"
+    assert main([*base, "--class", "blue whale"]) == 2
+    assert "unknown class names ['blue whale']" in capsys.readouterr().err
+    assert main([*base, "--class", "goldfish", "--attention", "sdpa"]) == 0
+    assert not np.array_equal(iio.imread(tmp_path / "000-goldfish-seed0-sdpa.png"), image)
+
+
+def test_import_wan_then_generate(pipeline_dirs, tmp_path, capsys):
+    checkpoint = tmp_path / "released.safetensors"
+    save_file(to_original(released_model(gate=True)), checkpoint)
+    out = tmp_path / "transformer"
+    assert main(["import-wan", str(checkpoint), "--output", str(out), "--layout", "2x2x3", "--attention-head-dim", "12"]) == 0
+    assert "MHLA on 2 of 3" in capsys.readouterr().out
+    assert (out / "mhla_config.json").is_file()
+    # the imported transformer replaces the pipeline's (its text_dim and channels match the tiny pipeline)
+    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--transformer", str(out), "--prompt", "x",
+                 "--output-dir", str(tmp_path / "videos"), "--format", "gif", *VIDEO]) == 0
+    settings = json.loads((tmp_path / "videos" / "000-x-seed0-mhla.json").read_text())
+    assert settings["transformer"] == str(out) and settings["mhla_layers"] == [1, 2]
+    assert settings["block_layout"] == [2, 2, 3]
+
+
+def test_unwritable_output_folder_is_refused(tmp_path, monkeypatch):
+    from mhla_diffusion.pipelines import outputs
+
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: False)  # root may write anywhere; simulate
+    with pytest.raises(PermissionError, match="not writable"):
+        outputs.plan_outputs(tmp_path / "new", ["a"], "mp4")
