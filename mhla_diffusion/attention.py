@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .block_layout import block_plan, num_blocks, validate_grid_layout
+from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
 
 __all__ = ["mhla_attention", "validate_attention_inputs"]
 
@@ -70,6 +70,7 @@ def mhla_attention(
     k_rot: torch.Tensor | None = None,
     normalize: bool = True,
     eps: float = 1e-6,
+    heads_per_chunk: int | None = None,
 ) -> torch.Tensor:
     """Multi-head linear attention over token blocks.
 
@@ -83,22 +84,56 @@ def mhla_attention(
         q_rot, k_rot: rotated features for the numerator (RoPE after the feature map); default ``q``, ``k``.
         normalize: divide by the mixed denominator ``q_t · z̃_b(t) + eps`` (un-rotated ``q``, ``k``).
         eps: added to the denominator.
+        heads_per_chunk: process this many heads at a time to bound the working memory (default: all).
 
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot)
+    if heads_per_chunk is not None and heads_per_chunk < 1:
+        raise ValueError(f"`heads_per_chunk` must be >= 1, got {heads_per_chunk}")
+    plan = block_plan(grid, layout, device=q.device)
+    heads = q.shape[2]
+    if heads_per_chunk is None or heads_per_chunk >= heads:
+        return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize, eps)
+    out = v.new_empty(v.shape)
+    for start in range(0, heads, heads_per_chunk):
+        h = slice(start, start + heads_per_chunk)
+        chunk = lambda x: None if x is None else x[:, :, h]  # noqa: E731
+        out[:, :, h] = _mhla_blocks(
+            q[:, :, h], k[:, :, h], v[:, :, h], plan, mixing if mixing.ndim == 2 else mixing[h],
+            chunk(q_rot), chunk(k_rot), normalize, eps,
+        )
+    return out
+
+
+def _mhla_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    mixing: torch.Tensor,
+    q_rot: torch.Tensor | None,
+    k_rot: torch.Tensor | None,
+    normalize: bool,
+    eps: float,
+) -> torch.Tensor:
+    """The operator on validated inputs (see :func:`mhla_attention`)."""
     batch, n, heads, _ = q.shape
     dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-    plan = block_plan(grid, layout, device=q.device)
     m, p = plan.num_blocks, plan.block_len
+    # Without autograd the temporaries can be updated in place, which keeps peak memory low.
+    inplace = not (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, q_rot, k_rot, mixing)
+    ))
 
     def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
         # (B, N, H, d) -> (B, H, M, P, d): one gather, head-major so the products below are plain
         # batched matmuls; padded slots are zeroed where they would add to a sum.
         xb = x.transpose(1, 2).index_select(2, plan.gather).view(batch, heads, m, p, x.shape[-1]).to(dtype)
         if zero_padding and plan.valid is not None:
-            xb = xb * plan.valid[:, :, None].to(dtype)
+            mask = plan.valid[:, :, None].to(dtype)
+            xb = xb.mul_(mask) if inplace else xb * mask
         return xb
 
     mix = mixing.to(dtype)
@@ -108,18 +143,24 @@ def mhla_attention(
     k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
     v_blocks = to_blocks(v)
     kv_summary = k_hat.transpose(-1, -2) @ v_blocks  # S_j: (B, H, M, D, Dv)
+    if normalize:
+        key_sum = (k_hat if k_rot is None else to_blocks(k, zero_padding=True)).sum(dim=3)  # z_j: (B, H, M, D)
+    del k_hat, v_blocks
     d, dv = kv_summary.shape[-2:]
     mixed_summary = (mix @ kv_summary.reshape(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)  # S̃_o
+    del kv_summary
     q_hat = to_blocks(q if q_rot is None else q_rot)
     out = q_hat @ mixed_summary  # (B, H, M, P, Dv)
+    del mixed_summary
 
     if normalize:
-        k_plain = k_hat if k_rot is None else to_blocks(k, zero_padding=True)
         q_plain = q_hat if q_rot is None else to_blocks(q)
-        mixed_key_sum = mix @ k_plain.sum(dim=3)  # z̃_o: (B, H, M, D)
-        denominator = q_plain @ mixed_key_sum.unsqueeze(-1) + eps  # (B, H, M, P, 1)
-        out = out / denominator
+        del q_hat
+        denominator = q_plain @ (mix @ key_sum).unsqueeze(-1)  # q · z̃_o: (B, H, M, P, 1)
+        del q_plain
+        denominator = denominator.add_(eps) if inplace else denominator + eps
+        out = out.div_(denominator) if inplace else out / denominator
 
     # one gather back to token order, straight into a contiguous (B, N, H, Dv)
-    out = out.reshape(batch, heads, m * p, dv).transpose(1, 2).index_select(1, plan.scatter)
+    out = out.view(batch, heads, m * p, dv).transpose(1, 2).index_select(1, plan.scatter)
     return out.to(v.dtype)

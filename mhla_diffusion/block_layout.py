@@ -60,7 +60,7 @@ def validate_grid_layout(
 
 def num_blocks(layout: Sequence[int]) -> int:
     """Total number of blocks ``M`` of a layout."""
-    return math.prod(int(b) for b in layout)
+    return math.prod([int(b) for b in layout])
 
 
 def _axis_segments(size: int, blocks: int) -> tuple[list[int], list[int]]:
@@ -116,12 +116,18 @@ def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device 
         token_index = token_index.unsqueeze(k).unsqueeze(-1) * size + coord.reshape((1,) * k + (blocks,) + (1,) * k + (pad,))
         slot_valid = slot_valid.unsqueeze(k).unsqueeze(-1) & valid.reshape((1,) * k + (blocks,) + (1,) * k + (pad,))
     m, p = num_blocks(layout), math.prod(pads)
-    gather = token_index.reshape(m * p)
-    valid_flat = slot_valid.reshape(m * p)
-    scatter = torch.empty(math.prod(grid), dtype=torch.long, device=device)
-    scatter[gather[valid_flat]] = torch.arange(m * p, device=device)[valid_flat]
+    # The padded slot of every token, by arithmetic alone (no boolean indexing: torch.compile-friendly).
+    block = torch.zeros((), dtype=torch.long, device=device)
+    slot = torch.zeros((), dtype=torch.long, device=device)
+    for size, blocks, pad in zip(grid, layout, pads):
+        coord = torch.arange(size, device=device)
+        axis_block = coord * blocks // size
+        axis_offset = coord - (axis_block * size + blocks - 1) // blocks  # minus the block's first coordinate
+        block = block[..., None] * blocks + axis_block
+        slot = slot[..., None] * pad + axis_offset
+    scatter = (block * p + slot).reshape(-1)
     all_valid = all(size % blocks == 0 for size, blocks in zip(grid, layout))
-    return BlockPlan(m, p, gather, scatter, None if all_valid else valid_flat.reshape(m, p))
+    return BlockPlan(m, p, token_index.reshape(m * p), scatter, None if all_valid else slot_valid.reshape(m, p))
 
 
 def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int, ...]:

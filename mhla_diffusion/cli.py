@@ -197,10 +197,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from .bench import register as register_bench
     from .pipelines.cli import register as register_generation
 
     _add_convert(subparsers)
     register_generation(subparsers)
+    register_bench(subparsers)
     return parser
 
 

@@ -1,0 +1,114 @@
+"""The fast path's promises: torch.compile without graph breaks, chunking, bounded memory, and `mhla bench`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_operator import make_inputs
+
+from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init
+from mhla_diffusion.bench import BenchCase, PeakMemory, attention_table
+from mhla_diffusion.cli import main
+
+
+@pytest.mark.parametrize("grid,layout", [((3, 4, 6), (1, 2, 3)), ((5, 7), (2, 3))])
+def test_compiles_without_graph_breaks(grid, layout):
+    q, k, v, q_rot, k_rot = make_inputs(grid, dtype=torch.float32)
+    mixing = mixing_init(layout)
+
+    def fn(q, k, v, q_rot, k_rot, mixing):
+        return mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, heads_per_chunk=2)
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(q, k, v, q_rot, k_rot, mixing)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, q_rot, k_rot, mixing), fn(q, k, v, q_rot, k_rot, mixing))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_head_chunks_equal_one_pass_and_reference(per_head):
+    grid, layout = (3, 5, 4), (2, 2, 2)
+    q, k, v, q_rot, k_rot = make_inputs(grid, heads=5)
+    mixing = mixing_init(layout, dtype=torch.float64) + 0.01
+    if per_head:
+        mixing = mixing.expand(5, -1, -1) * torch.linspace(0.5, 1.5, 5, dtype=torch.float64)[:, None, None]
+    whole = mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot)
+    for chunk in (1, 2, 3):
+        torch.testing.assert_close(mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, heads_per_chunk=chunk), whole)
+    torch.testing.assert_close(whole, mhla_attention_reference(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mhla_attention(*leaves, grid, layout, mixing, heads_per_chunk=2).sum().backward()
+    grads = [t.grad for t in leaves]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mhla_attention(*leaves, grid, layout, mixing).sum().backward()
+    for a, b in zip(grads, (t.grad for t in leaves)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="heads_per_chunk"):
+        mhla_attention(q, k, v, grid, layout, mixing, heads_per_chunk=0)
+
+
+@pytest.mark.parametrize("grid,layout", [((6, 10, 10), (2, 2, 5)), ((6, 10, 10), (4, 3, 3))])
+def test_peak_extra_memory_within_1_5x_of_io(grid, layout):
+    q, k, v, _, _ = make_inputs(grid, heads=4, dim=32, value_dim=32, batch=1, dtype=torch.float32)
+    io_bytes = 4 * q.numel() * q.element_size()
+    with torch.no_grad(), PeakMemory() as memory:
+        out = mhla_attention(q, k, v, grid, layout, mixing_init(layout))
+    assert out.shape == v.shape
+    assert 0 < memory.peak <= 1.5 * io_bytes, memory.peak / io_bytes
+    with torch.no_grad(), PeakMemory() as chunked:
+        mhla_attention(q, k, v, grid, layout, mixing_init(layout), heads_per_chunk=1)
+    assert chunked.peak < memory.peak
+
+
+def test_peak_memory_tracker_counts_new_tensors_only():
+    x = torch.ones(1000)
+    with PeakMemory() as memory:
+        view = x[:500]  # no new memory
+        y = x * 2  # 4000 bytes
+        z = y + 1  # 4000 more while y lives
+        del y, view
+        w = z * 3  # y freed: peak stays 8000
+    assert memory.peak == 8000 and w.numel() == 1000
+
+
+def test_attention_table_reports_ratios():
+    rows = attention_table([BenchCase.parse("2x4x6"), BenchCase.parse("3x4x4:1x2x2")], heads=2, head_dim=8, repeats=1)
+    methods = [r["method"] for r in rows]
+    assert methods == ["sdpa (native)", "linear", "mhla"] * 2
+    mhla = rows[2]
+    assert mhla["layout"].endswith("(auto)") and mhla["blocks"] == math.prod(BenchCase.parse("2x4x6").layout)
+    assert mhla["sdpa_over_mhla"] > 0 and mhla["mhla_over_linear"] > 0 and mhla["median_ms"] > 0
+    assert "sdpa_over_mhla" not in rows[0]
+
+
+def test_bench_command_prints_both_tables(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--case", "2x4x6", "--heads", "2", "--head-dim", "8", "--repeats", "1",
+                 "--block-grid", "2x4x4", "--block-dim", "32", "--block-heads", "2", "--block-ffn", "64",
+                 "--block-text-tokens", "4", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 2x4x6 | 48 |" in text and "SDPA / MHLA" in text and "default (sdpa)" in text
+    assert out.is_file()
+    assert main(["bench", "--case", "2x4:3x1"]) == 2
+    assert "`layout`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["wan", "dit"])
+def test_converted_models_trace_without_graph_breaks(family, tiny_wan, tiny_dit):
+    from conftest import dit_inputs, wan_inputs
+
+    from mhla_diffusion import MHLAConfig, convert_to_mhla
+
+    if family == "wan":
+        model, inputs = tiny_wan, wan_inputs(3, 5, 7)
+        convert_to_mhla(model, MHLAConfig.released_wan(layout=(2, 2, 2), lepe=True))
+    else:
+        model, inputs = tiny_dit, dit_inputs()
+        convert_to_mhla(model, MHLAConfig(lepe=True, gate=True))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(**inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
