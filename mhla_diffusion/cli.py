@@ -198,10 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from .bench import register as register_bench
+    from .eval.cli import register as register_eval
     from .pipelines.cli import register as register_generation
 
     _add_convert(subparsers)
     register_generation(subparsers)
+    register_eval(subparsers)
     register_bench(subparsers)
     return parser
 
