@@ -4,6 +4,7 @@ from .attention import mhla_attention
 from .attention_reference import mhla_attention_reference
 from .block_layout import auto_layout, block_plan, num_blocks, token_block_ids
 from .config import MHLAConfig
+from .cpu_memory import retain_freed_memory
 from .conversion import (
     MHLAConversion,
     convert_to_mhla,
@@ -44,6 +45,7 @@ __all__ = [
     "mhla_attention_reference",
     "mixing_init",
     "num_blocks",
+    "retain_freed_memory",
     "revert_mhla",
     "save_mhla",
     "softmax_attention",

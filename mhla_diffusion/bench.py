@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import mhla_attention
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
+from .cpu_memory import retain_freed_memory
 from .mixing import mixing_init
 
 __all__ = ["BenchCase", "PeakMemory", "attention_table", "format_table", "register", "time_call", "wan_block_table"]
@@ -309,6 +310,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-ffn", type=int, default=8960)
     p.add_argument("--block-text-tokens", type=int, default=512)
     p.add_argument("--no-block", dest="block", action="store_false", help="skip the Wan block table")
+    p.add_argument("--malloc", choices=("retain", "default"), default="retain",
+                   help="CPU: retain (default) keeps freed memory for reuse (see mhla_diffusion.cpu_memory), "
+                   "default leaves glibc as it is")
     p.add_argument("--output", type=Path, help="also write both tables as JSON here")
     p.set_defaults(func=_run_bench)
 
@@ -331,7 +335,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.output} exists; choose another --output")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        retained = args.malloc == "retain" and retain_freed_memory()
+        where = (f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
+                 f"malloc {'keeps freed memory' if retained else 'default'}")
     print(f"# mhla bench: {where}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}, median of {args.repeats}")
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     rows = attention_table(

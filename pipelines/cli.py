@@ -168,8 +168,12 @@ def _check_grid_fits(grid: tuple[int, ...], meta: dict[str, Any] | None, what: s
 def _device_and_dtype(args: argparse.Namespace):
     import torch
 
+    from ..cpu_memory import retain_freed_memory
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if device == "cpu":
+        retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
     return device, getattr(torch, name)
 
 
