@@ -1,0 +1,207 @@
+"""Run folders and checkpoints.
+
+* A run folder is marked by ``run_config.yaml``. A new run refuses a folder that already holds
+  anything; ``overwrite_output_dir`` deletes an earlier *run* (never a folder without the marker),
+  ``resume`` continues it.
+* Checkpoints are Accelerate states (model or trainable weights, optimizers, LR schedulers, RNG
+  states of every process, EMA, data position) written to ``checkpoints/.tmp-step-N`` and renamed to
+  ``checkpoints/step-N`` once complete; only the newest ``checkpoints_total_limit`` are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "RUN_CONFIG",
+    "TrainingState",
+    "check_run_dir",
+    "list_checkpoints",
+    "prepare_run_dir",
+    "resolve_resume",
+    "save_checkpoint",
+    "save_trainable_only",
+]
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.yaml"
+TRAINABLE_WEIGHTS = "trainable_weights.safetensors"
+RUN_OUTPUTS = ("checkpoints", "final", "final-no-ema", "pipeline", "logs", "validation", RUN_CONFIG)
+_PREFIX = "step-"
+
+
+@dataclass
+class TrainingState:
+    """Where the run is: optimizer steps done, and this epoch's data position (per process)."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this process has consumed in `epoch`
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key, value in state.items():
+            setattr(self, key, int(value))
+
+
+# ---------------------------------------------------------------------- run folder
+
+
+def check_run_dir(output_dir: str | Path, resume: str | None, overwrite: bool, ignore: tuple[str, ...] = ()) -> str:
+    """Read-only check of ``output_dir`` (safe on every process). Returns ``new``, ``resume`` or ``overwrite``.
+
+    ``ignore`` names entries that do not count as content (e.g. a cache folder kept between runs).
+    """
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"output_dir {folder} exists and is not a folder")
+    content = [p.name for p in folder.iterdir() if p.name not in ignore] if folder.is_dir() else []
+    is_run = (folder / RUN_CONFIG).is_file()
+    if resume is not None:
+        if resume != "latest" and not Path(resume).is_dir():
+            raise FileNotFoundError(f"resume checkpoint {resume} does not exist; use `latest` or a checkpoints/step-N folder")
+        if content and not is_run:
+            raise ValueError(f"output_dir {folder} is not a training run folder (no {RUN_CONFIG}); cannot resume into it")
+        if resume == "latest" and not list_checkpoints(folder) and (folder / "final").exists():
+            raise FileExistsError(
+                f"nothing to resume in {folder}: it holds a finished run without checkpoints (checkpointing_steps: 0); "
+                "pass --overwrite_output_dir true to train it again from the start, or choose another output_dir"
+            )
+        return "resume"
+    if not content:
+        return "new"
+    if not is_run:
+        raise FileExistsError(
+            f"output_dir {folder} is not empty and is not a training run folder (no {RUN_CONFIG}): choose another "
+            "output_dir; it is never deleted"
+        )
+    if overwrite:
+        return "overwrite"
+    raise FileExistsError(
+        f"output_dir {folder} already holds a training run: pass --resume latest to continue it, "
+        "--overwrite_output_dir true to replace it, or choose another output_dir"
+    )
+
+
+def prepare_run_dir(output_dir: str | Path, mode: str, options: dict[str, Any]) -> None:
+    """Main process only: clear an overwritten run, create the folder, record the options."""
+    folder = Path(output_dir)
+    if mode == "overwrite":
+        for name in RUN_OUTPUTS:
+            path = folder / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / RUN_CONFIG
+    if mode == "resume" and config.is_file():
+        before = yaml.safe_load(config.read_text()) or {}
+        changed = sorted(k for k in set(before) | set(options) if k != "resume" and before.get(k) != options.get(k))
+        if changed:
+            logger.warning("resuming with changed options: %s", ", ".join(f"{k}: {before.get(k)!r} -> {options.get(k)!r}" for k in changed))
+    config.write_text(yaml.safe_dump(options, sort_keys=False))
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``(step, folder)`` of a run, oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith(_PREFIX) and path.name[len(_PREFIX):].isdigit():
+            found.append((int(path.name[len(_PREFIX):]), path))
+    return sorted(found)
+
+
+def resolve_resume(output_dir: str | Path, resume: str | None) -> Path | None:
+    """The checkpoint folder to resume from (``None``: start fresh; ``latest`` with no checkpoint yet)."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            logger.info("resume=latest: no checkpoint in %s yet, starting a new run", output_dir)
+            return None
+        return found[-1][1]
+    return Path(resume)
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, step: int, total_limit: int | None) -> Path:
+    """Write the Accelerate state atomically as ``checkpoints/step-{step:08d}`` and prune old ones."""
+    root = Path(output_dir) / "checkpoints"
+    final = root / f"{_PREFIX}{step:08d}"
+    temporary = root / f".tmp-{_PREFIX}{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(temporary, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(temporary))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # re-saving a step after resuming from an older checkpoint
+            stale = root / f".old-{final.name}"
+            os.replace(final, stale)
+            os.replace(temporary, final)
+            shutil.rmtree(stale)
+        else:
+            os.replace(temporary, final)
+        if total_limit is not None:
+            for _, old in list_checkpoints(output_dir)[:-total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_trainable_only(accelerator, model: torch.nn.Module, names: list[str]) -> None:
+    """Make checkpoints hold only the parameters ``names`` that train in some stage (not a frozen base).
+
+    The base weights are reloaded from ``pretrained_model`` on resume; this registers Accelerate
+    save/load hooks that replace the model file by ``trainable_weights.safetensors`` and load it
+    strictly. Not for FSDP/DeepSpeed, whose sharded states Accelerate must write itself.
+    """
+    wanted = set(names)
+
+    def trainable() -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in model.named_parameters() if name in wanted}
+
+    def save_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            tensors = {name: p.detach().contiguous().cpu() for name, p in trainable().items()}
+            save_file(tensors, os.path.join(output_dir, TRAINABLE_WEIGHTS))
+        weights.clear()  # Accelerate writes no model file
+
+    def load_hook(models, input_dir):
+        models.clear()  # Accelerate loads no model file
+        path = os.path.join(input_dir, TRAINABLE_WEIGHTS)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete or from a full-model run")
+        saved, params = load_file(path), trainable()
+        if set(saved) != set(params):
+            missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+            raise ValueError(
+                f"checkpoint {input_dir} does not match the trainable parameters (missing {missing[:5]}, unexpected "
+                f"{extra[:5]}): resume with the same trainable / mhla / lora options"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(saved[name].to(p.device, p.dtype))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)

@@ -1,0 +1,104 @@
+"""Load single components (VAE, text encoder, tokenizer, scheduler, transformer) of a Diffusers
+pipeline folder or hub id, so a trainer loads only what it needs (no text encoder with a full cache).
+
+The transformer comes out converted to MHLA: restored from the folder when it was saved by our
+pipelines (``transformer/mhla_config.json``), loaded from ``mhla_weights``, or freshly converted
+with the run's :class:`MHLAConfig`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import MHLAConfig
+from ..conversion import convert_to_mhla
+from ..weights import load_mhla, load_transformer, read_mhla_config
+
+__all__ = ["check_model_source", "load_component", "load_mhla_transformer", "mhla_config_from_options", "pipeline_index"]
+
+
+def check_model_source(source: str) -> None:
+    """A local path that does not exist is an error (hub ids are left to the hub)."""
+    looks_local = os.path.isabs(source) or source.startswith((".", "~")) or source.count("/") != 1
+    if (looks_local or os.path.exists(source)) and not os.path.isdir(source):
+        raise FileNotFoundError(
+            f"pretrained_model {source} is not a folder. Download it first (huggingface-cli download <hub id> "
+            f"--local-dir {source}) or give a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+        )
+
+
+def pipeline_index(source: str, revision: str | None = None) -> dict[str, Any]:
+    """The ``model_index.json`` of a pipeline folder or hub repo."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(source, revision=revision)
+    except (OSError, EnvironmentError) as err:
+        raise FileNotFoundError(f"{source} is not a Diffusers pipeline (no model_index.json): {err}") from None
+
+
+def load_component(source: str, name: str, revision: str | None = None, dtype: torch.dtype | None = None) -> Any:
+    """Component ``name`` of the pipeline at ``source``, with the class its ``model_index.json`` names."""
+    index = pipeline_index(source, revision)
+    entry = index.get(name)
+    if not entry or entry[0] is None:
+        raise ValueError(f"the pipeline at {source} has no `{name}` component")
+    library, class_name = entry
+    cls = getattr(importlib.import_module(library), class_name)
+    kwargs: dict[str, Any] = {"subfolder": name}
+    if revision is not None:
+        kwargs["revision"] = revision
+    if dtype is not None and isinstance(cls, type) and issubclass(cls, nn.Module):
+        kwargs["dtype"] = dtype
+    return cls.from_pretrained(source, **kwargs)
+
+
+def mhla_config_from_options(mhla: dict[str, Any], preset: str | None) -> MHLAConfig:
+    """:class:`MHLAConfig` from the options' ``mhla`` mapping (and ``mhla_preset``)."""
+    if preset == "released-wan":
+        return MHLAConfig.released_wan(**mhla)
+    return MHLAConfig.from_dict(mhla)
+
+
+def load_mhla_transformer(
+    source: str,
+    config: MHLAConfig,
+    mhla_weights: str | None = None,
+    revision: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[nn.Module, str]:
+    """The pipeline's transformer with MHLA, and how MHLA got there (``saved``, ``mhla_weights``, ``converted``)."""
+    kwargs: dict[str, Any] = {}
+    if revision is not None:
+        kwargs["revision"] = revision
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    subfolder = "transformer" if _is_pipeline(source, revision) else None
+    saved = read_mhla_config(source, subfolder=subfolder, **({"revision": revision} if revision else {}))
+    if saved is not None and saved.get("contents") == "transformer":
+        if mhla_weights is not None:
+            raise ValueError(f"{source} already holds an MHLA transformer: drop `mhla_weights`")
+        return load_mhla(source, subfolder=subfolder, **kwargs), "saved"
+    transformer = load_transformer(source, subfolder=subfolder, **kwargs)
+    if mhla_weights is not None:
+        load_mhla(mhla_weights, transformer)
+        return transformer, "mhla_weights"
+    convert_to_mhla(transformer, config)
+    return transformer, "converted"
+
+
+def _is_pipeline(source: str, revision: str | None) -> bool:
+    """Whether ``source`` is a pipeline (has ``model_index.json``) rather than a transformer folder."""
+    if os.path.isdir(source):
+        return Path(source, "model_index.json").is_file()
+    try:
+        pipeline_index(source, revision)
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,150 @@
+"""Latent / text-embedding cache: an optional pre-pass that encodes the data set once, so training
+needs neither the VAE encoder nor the text encoder in memory.
+
+Layout of ``cache_dir``::
+
+    cache_config.json           settings the tensors depend on (model, sizes, dtypes); a mismatch is an error
+    latents/<xx>/<sha1>.safetensors   one entry per sample and bucket
+    prompts/<xx>/<sha1>.safetensors   one entry per distinct caption (plus "" and validation prompts)
+    index.json                  the sample index; written last, so its presence means the cache is complete
+
+Entries are named by a hash of what they depend on (file, bucket; caption text), written to a
+temporary name and renamed, so an interrupted pre-pass resumes where it stopped and a changed
+caption or bucket gets a fresh entry. Processes split the missing entries (``i % world == rank``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+__all__ = ["LatentCache", "fill_entries", "run_prepass"]
+
+logger = logging.getLogger(__name__)
+
+_CONFIG, _INDEX = "cache_config.json", "index.json"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+class LatentCache:
+    """A cache folder tied to ``settings`` (a JSON-able dict of everything the tensors depend on)."""
+
+    def __init__(self, folder: str | Path, settings: dict[str, Any]) -> None:
+        self.folder = Path(folder)
+        self.settings = json.loads(json.dumps(settings))  # normalise tuples -> lists
+
+    # ------------------------------------------------------------------ settings and index
+
+    def check_settings(self) -> None:
+        """Raise when the folder holds a cache built with other settings (never mixes the two)."""
+        path = self.folder / _CONFIG
+        if not path.is_file():
+            if self.folder.is_dir() and any(self.folder.iterdir()):
+                raise FileExistsError(
+                    f"cache_dir {self.folder} is not empty and holds no {_CONFIG}: choose an empty or new cache_dir"
+                )
+            return
+        saved = json.loads(path.read_text())
+        different = sorted(k for k in set(saved) | set(self.settings) if saved.get(k) != self.settings.get(k))
+        if different:
+            details = ", ".join(f"{k}: cache {saved.get(k)!r} vs now {self.settings.get(k)!r}" for k in different[:4])
+            raise ValueError(
+                f"cache_dir {self.folder} was built with other settings ({details}); use another cache_dir "
+                "or delete this one"
+            )
+
+    def write_settings(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _atomic_text(self.folder / _CONFIG, json.dumps(self.settings, indent=2) + "\n")
+
+    def read_index(self) -> dict[str, Any] | None:
+        path = self.folder / _INDEX
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write_index(self, index: dict[str, Any]) -> None:
+        _atomic_text(self.folder / _INDEX, json.dumps(index) + "\n")
+
+    # ------------------------------------------------------------------ entries
+
+    def path(self, kind: str, identity: Any) -> Path:
+        """Entry file of ``kind`` (``latents`` / ``prompts``) for a JSON-able ``identity``."""
+        digest = _digest(identity)
+        return self.folder / kind / digest[:2] / f"{digest}.safetensors"
+
+    def has(self, kind: str, identity: Any) -> bool:
+        return self.path(kind, identity).is_file()
+
+    def write(self, kind: str, identity: Any, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.path(kind, identity)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(temporary))
+        os.replace(temporary, path)
+
+    def read(self, kind: str, identity: Any) -> dict[str, torch.Tensor]:
+        path = self.path(kind, identity)
+        if not path.is_file():
+            raise FileNotFoundError(f"cache entry {path} is missing: delete {self.folder / _INDEX} to rebuild the cache")
+        return load_file(str(path))
+
+
+def fill_entries(
+    cache: LatentCache,
+    kind: str,
+    identities: Sequence[Any],
+    encode: Callable[[int], dict[str, torch.Tensor]],
+    rank: int = 0,
+    world: int = 1,
+    description: str = "caching",
+    show_progress: bool = True,
+) -> list[tuple[int, str]]:
+    """Encode this process's share of the missing entries (``encode(i)`` for ``identities[i]``).
+
+    Returns ``(i, error message)`` of the items whose ``encode`` raised a ``MediaError`` (files that
+    broke after indexing); the caller gathers them across processes and drops those samples.
+    """
+    from .media import MediaError
+
+    todo = [i for i in range(rank, len(identities), world) if not cache.has(kind, identities[i])]
+    failures = []
+    for i in tqdm(todo, desc=f"{description} (process {rank})", disable=not show_progress or not todo):
+        try:
+            tensors = encode(i)
+        except MediaError as err:
+            logger.warning("skipping unreadable sample while caching: %s", err)
+            failures.append((i, str(err)))
+            continue
+        cache.write(kind, identities[i], tensors)
+    return failures
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def run_prepass(
+    accelerator, cache: LatentCache, kind: str, identities: Sequence[Any], encode: Callable[[int], dict[str, torch.Tensor]],
+    description: str,
+) -> list[tuple[int, str]]:
+    """:func:`fill_entries` on every process, then the failures of all processes (after a barrier)."""
+    from accelerate.utils import gather_object
+
+    failures = fill_entries(cache, kind, identities, encode, accelerator.process_index, accelerator.num_processes,
+                            description, show_progress=accelerator.is_local_main_process)
+    if accelerator.num_processes > 1:
+        failures = gather_object(failures)
+    accelerator.wait_for_everyone()
+    return sorted(failures)

@@ -1,0 +1,164 @@
+"""Training objectives: Wan's flow matching and DiT's epsilon prediction (+ variational bound).
+
+Flow matching (MHLA reference, ``predict_flow_v`` / ``linear_flow``):
+``u ~ sigmoid(N(mean, std))``, ``sigma = floor(1000 u) / 1000``, shifted ``s = shift * sigma / (1 + (shift - 1) sigma)``,
+``x_t = (1 - s) x0 + s * noise``, target ``noise - x0``, timestep ``int(1000 s)``, plain MSE.
+
+DiT (ADM ``GaussianDiffusion`` with learned range variance, ``loss_type=MSE``): ``x_t`` from Diffusers'
+scheduler ``add_noise``, loss ``MSE(eps) + VB`` where the VB term (in bits per dimension) trains the
+variance channels against the true posterior with the predicted mean held fixed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers.training_utils import compute_density_for_timestep_sampling
+
+__all__ = ["DiffusionObjective", "FlowMatchInputs", "flow_match_inputs", "flow_match_loss", "normal_kl",
+           "discretized_gaussian_log_likelihood"]
+
+
+@dataclass
+class FlowMatchInputs:
+    noisy: torch.Tensor  # (B, C, F, H, W)
+    timesteps: torch.Tensor  # (B,) int64 in [0, num_train_timesteps)
+    sigmas: torch.Tensor  # (B,) shifted sigma in [0, 1)
+    target: torch.Tensor  # (B, C, F, H, W) = noise - x0
+
+
+def flow_match_inputs(
+    latents: torch.Tensor,
+    generator: torch.Generator | None,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    shift: float = 3.0,
+    num_train_timesteps: int = 1000,
+) -> FlowMatchInputs:
+    """Noisy latents, timesteps and velocity target for ``latents`` ``(B, C, ...)`` (float32)."""
+    batch = latents.shape[0]
+    u = compute_density_for_timestep_sampling(
+        "logit_normal", batch, logit_mean=logit_mean, logit_std=logit_std, device=latents.device, generator=generator
+    )
+    index = (u * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
+    sigma = index.float() / num_train_timesteps
+    sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
+    noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+    s = sigma.view(batch, *([1] * (latents.ndim - 1)))
+    noisy = (1.0 - s) * latents + s * noise
+    timesteps = (sigma * num_train_timesteps).long()  # truncated, as the reference
+    return FlowMatchInputs(noisy=noisy, timesteps=timesteps, sigmas=sigma, target=noise - latents)
+
+
+def flow_match_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Plain MSE over all elements, in float32."""
+    return F.mse_loss(prediction.float(), target.float())
+
+
+# ---------------------------------------------------------------------- DiT: epsilon + VB
+
+
+def normal_kl(mean1: torch.Tensor, logvar1: torch.Tensor, mean2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``KL(N(mean1, e^logvar1) || N(mean2, e^logvar2))`` in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def _approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
+    """Log-likelihood of ``x`` in ``[-1, 1]`` under a Gaussian discretised to 256 bins (ADM's decoder term)."""
+    centered = x - means
+    inv_stdv = torch.exp(-log_scales)
+    cdf_plus = _approx_standard_normal_cdf(inv_stdv * (centered + 1.0 / 255.0))
+    cdf_min = _approx_standard_normal_cdf(inv_stdv * (centered - 1.0 / 255.0))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_cdf_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
+
+
+def _mean_flat(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=tuple(range(1, x.ndim)))
+
+
+class DiffusionObjective:
+    """DiT's objective on a Diffusers DDPM-family scheduler (betas, ``add_noise``, prediction type).
+
+    Args:
+        scheduler: e.g. ``DDPMScheduler`` (only its betas / alphas and ``add_noise`` are used).
+        learned_sigma: the model outputs ``2C`` channels (epsilon, variance interpolation ``v``).
+        vb: add the variational-bound term for the variance channels (ADM hybrid loss).
+    """
+
+    def __init__(self, scheduler, learned_sigma: bool, vb: bool = True) -> None:
+        self.scheduler = scheduler
+        self.prediction_type = scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"DiT training supports epsilon or v_prediction schedulers, got {self.prediction_type!r}")
+        self.learned_sigma = learned_sigma
+        self.vb = vb and learned_sigma
+        if self.vb and self.prediction_type != "epsilon":
+            raise ValueError("the VB term needs an epsilon-prediction scheduler; set learned_sigma_loss: none")
+        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
+        betas = scheduler.betas.double()
+        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
+        posterior_variance = betas * (1.0 - prev) / (1.0 - alphas_cumprod)
+        self._tables = {
+            "sqrt_recip_alphas_cumprod": torch.sqrt(1.0 / alphas_cumprod),
+            "sqrt_recipm1_alphas_cumprod": torch.sqrt(1.0 / alphas_cumprod - 1.0),
+            "posterior_log_variance_clipped": torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]])),
+            "log_betas": torch.log(betas),
+            "posterior_mean_coef1": betas * torch.sqrt(prev) / (1.0 - alphas_cumprod),
+            "posterior_mean_coef2": (1.0 - prev) * torch.sqrt(1.0 - betas) / (1.0 - alphas_cumprod),
+        }
+
+    def _at(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        values = self._tables[name].to(like.device)[t].to(like.dtype)
+        return values.view(-1, *([1] * (like.ndim - 1)))
+
+    def sample_inputs(self, latents: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Uniform timesteps, noise and ``x_t`` for ``latents`` ``(B, C, H, W)`` -> ``(noisy, timesteps, noise)``."""
+        batch = latents.shape[0]
+        timesteps = torch.randint(0, self.num_train_timesteps, (batch,), generator=generator, device=latents.device)
+        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        noisy = self.scheduler.add_noise(latents, noise, timesteps)
+        return noisy, timesteps, noise
+
+    def loss(
+        self, model_output: torch.Tensor, latents: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean loss over the batch and its parts ``{"mse", "vb"}`` (detached, for logging)."""
+        model_output = model_output.float()
+        channels = latents.shape[1]
+        prediction = model_output[:, :channels]
+        target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
+        mse = _mean_flat((prediction - target.float()) ** 2)
+        parts = {"mse": mse.mean().detach()}
+        total = mse
+        if self.vb:
+            vb = self.vb_term(prediction.detach(), model_output[:, channels: 2 * channels], latents.float(), noisy.float(), timesteps)
+            parts["vb"] = vb.mean().detach()
+            total = total + vb
+        return total.mean(), parts
+
+    def vb_term(self, eps: torch.Tensor, var_values: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Per-sample VB term in bits/dim: ``KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t))``, decoder NLL at ``t = 0``."""
+        min_log = self._at("posterior_log_variance_clipped", t, x_t)
+        max_log = self._at("log_betas", t, x_t)
+        frac = (var_values + 1.0) / 2.0
+        model_log_variance = frac * max_log + (1.0 - frac) * min_log
+        pred_x0 = self._at("sqrt_recip_alphas_cumprod", t, x_t) * x_t - self._at("sqrt_recipm1_alphas_cumprod", t, x_t) * eps
+        coef1, coef2 = self._at("posterior_mean_coef1", t, x_t), self._at("posterior_mean_coef2", t, x_t)
+        model_mean = coef1 * pred_x0 + coef2 * x_t
+        true_mean = coef1 * x0 + coef2 * x_t
+        kl = _mean_flat(normal_kl(true_mean, min_log, model_mean, model_log_variance)) / math.log(2.0)
+        decoder_nll = -_mean_flat(
+            discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_variance)
+        ) / math.log(2.0)
+        return torch.where(t == 0, decoder_nll, kl)

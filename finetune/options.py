@@ -1,0 +1,429 @@
+"""Trainer options: one dataclass per trainer, read from a YAML file with ``--key value`` overrides.
+
+``WanTrainOptions`` and ``DiTTrainOptions`` share :class:`TrainOptions`. Defaults follow the MHLA
+reference recipes (Wan: flow matching, AdamW 2e-5, clip 0.1, bf16; DiT: epsilon + VB, AdamW 1e-4,
+EMA 0.9999). Every value can come from the YAML file and be overridden on the command line:
+
+    python -m mhla_diffusion.finetune.train_wan --config wan.yaml --max_train_steps 2000 --mhla.layers hybrid
+
+Keys may be spelled with ``_`` or ``-``; nested ``mhla`` options use a dot. Values are parsed as
+YAML (``true``, ``3``, ``[480, 832]``), then checked against the field's type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+__all__ = ["DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli"]
+
+T = TypeVar("T", bound="TrainOptions")
+
+_TRAINABLE = ("all", "mhla", "attention", "lora")
+_PRECISIONS = ("no", "fp16", "bf16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainOptions:
+    """Options shared by both trainers (see the field comments; ``finetune/README.md`` has a table)."""
+
+    # --- model
+    pretrained_model: str = ""  # Diffusers pipeline folder or hub id (required)
+    revision: str | None = None  # hub revision of pretrained_model
+    mhla: dict = field(default_factory=dict)  # MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}
+    mhla_preset: str | None = None  # "released-wan": MHLAConfig.released_wan(), with `mhla` as overrides
+    mhla_weights: str | None = None  # start from a save_mhla folder instead of a fresh conversion
+    trainable: str = "all"  # all | mhla (new MHLA parameters) | attention (MHLA + its self-attention) | lora
+    # --- run folder
+    output_dir: str = ""  # required; never reused for a new run unless overwrite_output_dir
+    overwrite_output_dir: bool = False
+    resume: str | None = None  # "latest" or a checkpoint folder
+    seed: int = 1
+    # --- data
+    data_dir: str = ""  # required
+    cache_latents: bool = False  # pre-pass: encode latents (and text) once to disk, then train from the cache
+    cache_dir: str | None = None  # default <output_dir>/cache; share it between runs with the same data settings
+    cache_dtype: str = "float32"  # float32 | bfloat16 | float16 for cached tensors
+    latent_sampling: str = "sample"  # sample (posterior sample each step) | mode (posterior mean)
+    dataloader_num_workers: int = 0
+    # --- optimisation
+    learning_rate: float = 2e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-10
+    weight_decay: float = 0.0
+    lr_scheduler: str = "constant_with_warmup"  # any name of diffusers.optimization.get_scheduler
+    lr_warmup_steps: int = 1000  # optimizer steps
+    max_grad_norm: float = 0.1  # 0 turns clipping off
+    train_batch_size: int = 4  # per process
+    gradient_accumulation_steps: int = 1
+    max_train_steps: int = 1000  # end-to-end optimizer steps (after the attention-transfer stage)
+    mixed_precision: str | None = "bf16"  # no | fp16 | bf16 | null (use accelerate's config)
+    frozen_dtype: str = "auto"  # dtype of frozen weights; auto = the mixed-precision dtype (float32 under FSDP)
+    gradient_checkpointing: bool = True
+    allow_tf32: bool = True
+    # --- attention transfer (stage 1, optional)
+    attention_transfer_steps: int = 0  # 0 = off
+    attention_transfer_lr: float = 1e-3
+    attention_transfer_params: str = "auto"  # attention (MHLA + the layer's q/k/v/o, norms) | mhla (new parameters
+    # only; far weaker) | auto (attention, or mhla when trainable is mhla / lora, whose outputs keep only those)
+    attention_transfer_teacher_forcing: bool = True  # later layers see the softmax output, not the student's
+    # --- checkpoints and outputs
+    checkpointing_steps: int = 500
+    checkpoints_total_limit: int | None = 3
+    save_pipeline: bool = False  # also write a full pipeline folder (<output_dir>/pipeline) at the end
+    # --- logging and validation
+    report_to: str = "auto"  # auto (tensorboard if installed, else jsonl) | tensorboard | wandb | jsonl | none
+    tracker_project_name: str = "mhla-finetune"
+    validation_steps: int = 0  # 0 = only at the end (when validation inputs are given)
+    validation_num_inference_steps: int = 20
+    validation_guidance_scale: float = 3.0
+    validation_seed: int = 0
+
+    # ------------------------------------------------------------------ checks
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad option and how to fix it (no file or model access)."""
+        for name in ("pretrained_model", "output_dir", "data_dir"):
+            if not getattr(self, name):
+                raise ValueError(f"`{name}` is required: set it in the YAML file or pass --{name} VALUE")
+        _choice("trainable", self.trainable, self._trainable_choices())
+        if self.mixed_precision is not None:
+            _choice("mixed_precision", self.mixed_precision, _PRECISIONS)
+        _choice("frozen_dtype", self.frozen_dtype, _DTYPES)
+        _choice("cache_dtype", self.cache_dtype, _DTYPES[1:])
+        _choice("latent_sampling", self.latent_sampling, ("sample", "mode"))
+        _choice("attention_transfer_params", self.attention_transfer_params, ("auto", "mhla", "attention"))
+        _choice("report_to", self.report_to, ("auto", "tensorboard", "wandb", "jsonl", "none"))
+        if self.mhla_preset is not None:
+            _choice("mhla_preset", self.mhla_preset, ("released-wan",))
+        if self.mhla_weights is not None and (self.mhla or self.mhla_preset):
+            raise ValueError("`mhla_weights` brings its own MHLA config: drop `mhla` / `mhla_preset`")
+        if self.resume is not None and self.overwrite_output_dir:
+            raise ValueError("`resume` continues the run in output_dir, `overwrite_output_dir` deletes it: choose one")
+        for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("lr_warmup_steps", "attention_transfer_steps", "dataloader_num_workers", "validation_steps",
+                     "checkpointing_steps"):
+            _at_least(name, getattr(self, name), 0)
+        if self.checkpoints_total_limit is not None:
+            _at_least("checkpoints_total_limit", self.checkpoints_total_limit, 1)
+        for name in ("learning_rate", "attention_transfer_lr", "adam_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("`weight_decay` and `max_grad_norm` must be >= 0 (max_grad_norm 0 = no clipping)")
+        if self.trainable in ("mhla", "lora") and self.attention_transfer_params == "attention":
+            raise ValueError(
+                f"attention_transfer_params: attention trains the layers' projections, but trainable: {self.trainable} "
+                "saves only MHLA (and LoRA) weights, so they would be lost: use attention_transfer_params: mhla, or "
+                "trainable: attention / all"
+            )
+        from diffusers.optimization import SchedulerType
+
+        _choice("lr_scheduler", self.lr_scheduler, [s.value for s in SchedulerType])
+
+    def _trainable_choices(self) -> Sequence[str]:
+        return _TRAINABLE
+
+    def transfer_params(self) -> str:
+        """``attention_transfer_params`` with ``auto`` resolved."""
+        if self.attention_transfer_params != "auto":
+            return self.attention_transfer_params
+        return "mhla" if self.trainable in ("mhla", "lora") else "attention"
+
+    # ------------------------------------------------------------------ I/O
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else Path(self.output_dir) / "cache"
+
+
+@dataclass
+class WanTrainOptions(TrainOptions):
+    """Text-to-video (Wan2.1 + MHLA): reference recipe of the MHLA paper's Wan fine-tune."""
+
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81  # 4k+1
+    resolution_buckets: list[list[int]] | None = None  # [[h, w], ...]; default [[height, width]]
+    frame_buckets: list[int] | None = None  # frame counts (4k+1) videos may train at; default [num_frames]
+    frame_stride: int = 1  # take every n-th frame
+    frame_sampling: str = "start"  # start (first frames, as the reference) | random (random clip start)
+    max_sequence_length: int = 512
+    caption_dropout: float = 0.1  # probability of training on the empty prompt
+    caption_column: str | None = None  # metadata column with the caption; default: text, caption or prompt
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    flow_shift: float = 3.0
+    lora_rank: int = 64
+    lora_alpha: int = 64
+    lora_target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    text_encoder_dtype: str = "auto"  # auto = the mixed-precision dtype
+    vae_dtype: str = "auto"
+    validation_prompts: list[str] = field(default_factory=list)
+    validation_negative_prompt: str = ""
+    validation_height: int | None = None  # default: height
+    validation_width: int | None = None
+    validation_num_frames: int | None = None
+    validation_fps: int = 16
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value < 16 or value % 16:
+                raise ValueError(f"`{name}` {value} must be a positive multiple of 16 (Wan VAE x8, patch 2)")
+        _four_k_plus_one("num_frames", self.num_frames)
+        for h, w in self.bucket_sizes():
+            if h < 16 or w < 16 or h % 16 or w % 16:
+                raise ValueError(f"resolution bucket {[h, w]} must be [height, width], multiples of 16")
+        for frames in self.frame_counts():
+            _four_k_plus_one("frame_buckets entry", frames)
+        _at_least("frame_stride", self.frame_stride, 1)
+        _at_least("max_sequence_length", self.max_sequence_length, 1)
+        _choice("frame_sampling", self.frame_sampling, ("start", "random"))
+        _choice("text_encoder_dtype", self.text_encoder_dtype, _DTYPES)
+        _choice("vae_dtype", self.vae_dtype, _DTYPES)
+        if not 0 <= self.caption_dropout <= 1:
+            raise ValueError(f"`caption_dropout` must be in [0, 1], got {self.caption_dropout}")
+        if self.logit_std <= 0 or self.flow_shift <= 0:
+            raise ValueError("`logit_std` and `flow_shift` must be > 0")
+        if self.trainable == "lora":
+            _at_least("lora_rank", self.lora_rank, 1)
+            if not self.lora_target_modules:
+                raise ValueError("`lora_target_modules` is empty: list module names such as to_q, to_k, to_v, to_out.0")
+        if self.cache_latents and self.frame_sampling == "random":
+            raise ValueError("cached latents fix each clip once: use frame_sampling: start with cache_latents")
+        if any(not str(p).strip() for p in self.validation_prompts):
+            raise ValueError("`validation_prompts` has an empty prompt")
+
+    def bucket_sizes(self) -> list[tuple[int, int]]:
+        """Resolution buckets ``(height, width)``; the first is the main size."""
+        if self.resolution_buckets is None:
+            return [(self.height, self.width)]
+        sizes = []
+        for bucket in self.resolution_buckets:
+            if len(bucket) != 2:
+                raise ValueError(f"resolution bucket {bucket} must be [height, width]")
+            sizes.append((int(bucket[0]), int(bucket[1])))
+        if not sizes:
+            raise ValueError("`resolution_buckets` is empty: give at least one [height, width] or leave it unset")
+        return sizes
+
+    def frame_counts(self) -> list[int]:
+        """Frame buckets for videos, ascending."""
+        counts = sorted({int(f) for f in (self.frame_buckets or [self.num_frames])})
+        if not counts:
+            raise ValueError("`frame_buckets` is empty: give frame counts such as [17, 49, 81] or leave it unset")
+        return counts
+
+
+@dataclass
+class DiTTrainOptions(TrainOptions):
+    """Class-to-image (DiT + MHLA): reference recipe of the MHLA paper's DiT training."""
+
+    seed: int = 0
+    learning_rate: float = 1e-4
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
+    max_grad_norm: float = 0.0
+    adam_epsilon: float = 1e-8
+    train_batch_size: int = 32
+    mixed_precision: str | None = None  # the reference trains in fp32 (+TF32) unless accelerate is configured
+    gradient_checkpointing: bool = False
+    resolution: int = 256
+    class_dropout: float = 0.1  # labels replaced by the null class (num_classes) for classifier-free guidance
+    random_flip: bool = True
+    ema_decay: float = 0.9999  # 0 turns EMA off
+    ema_warmup: bool = False  # False: constant decay from the first step, as the reference
+    clamp_mixing: bool = True  # clamp mixing coefficients to [0, 1] after every step, as the reference
+    learned_sigma_loss: str = "vb"  # vb (MSE + variational bound, as DiT) | none; used when the model predicts sigma
+    class_map: dict | None = None  # folder name -> class id; default: numeric folder names, else sorted order
+    validation_classes: list = field(default_factory=list)
+    validation_guidance_scale: float = 4.0
+    validation_num_inference_steps: int = 50
+
+    def validate(self) -> None:
+        super().validate()
+        _at_least("resolution", self.resolution, 8)
+        if not 0 <= self.class_dropout <= 1:
+            raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"`ema_decay` must be in [0, 1) (0 = no EMA), got {self.ema_decay}")
+        _choice("learned_sigma_loss", self.learned_sigma_loss, ("vb", "none"))
+
+    def _trainable_choices(self) -> Sequence[str]:
+        return ("all", "mhla", "attention")  # Diffusers has no LoRA loader for DiTPipeline
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions] | None = None) -> tuple[str | None, dict[str, Any]]:
+    """``--config PATH`` and ``--key value`` / ``--key=value`` pairs -> (config path, raw overrides).
+
+    ``--help`` prints the options of ``cls`` with their defaults and exits.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    parser.add_argument("-h", "--help", action="store_true")
+    known, rest = parser.parse_known_args(argv)
+    if known.help:
+        print(_help_text(cls))
+        raise SystemExit(0)
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if not token.startswith("--") or len(token) < 3:
+            raise ValueError(f"unexpected argument {token!r}: options are --key value (e.g. --max_train_steps 100)")
+        key, eq, value = token[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+                raise ValueError(f"--{key} needs a value (booleans too: --{key} true)")
+            value = rest[i + 1]
+            i += 1
+        overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        i += 1
+    return known.config, overrides
+
+
+def _help_text(cls: type[TrainOptions] | None) -> str:
+    lines = [
+        "usage: python -m mhla_diffusion.finetune.train_wan|train_dit --config CONFIG.yaml [--key value ...]",
+        "Every option of the YAML file can be overridden as --key value (YAML syntax for lists: '[480, 832]');",
+        "MHLA options as --mhla.KEY value (any MHLAConfig field). See finetune/README.md.",
+    ]
+    if cls is not None:
+        lines.append("\noptions (default):")
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            lines.append(f"  --{f.name} ({default!r})")
+    return "\n".join(lines)
+
+
+def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
+    """Build and validate ``cls`` from a flat dict whose ``mhla.X`` keys go into the ``mhla`` dict."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    mhla: dict[str, Any] = {}
+    for raw_key, value in values.items():
+        key = raw_key.replace("-", "_")
+        if key.startswith("mhla."):
+            mhla[key[5:]] = value
+            continue
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            raise ValueError(f"unknown option `{raw_key}`{hint}; see finetune/README.md for the list")
+        kwargs[key] = _coerce(key, value, hints[key])
+    if mhla:
+        kwargs["mhla"] = {**kwargs.get("mhla", {}), **mhla}
+    options = cls(**kwargs)
+    options.validate()
+    return options
+
+
+def load_options(cls: type[T], argv: Sequence[str] | None = None) -> T:
+    """Options of a trainer from ``--config`` (YAML) and command-line overrides."""
+    config_path, overrides = parse_cli(argv, cls)
+    values: dict[str, Any] = {}
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path} must hold a mapping of option: value")
+        values.update(loaded)
+    for key, value in overrides.items():
+        if key.startswith("mhla.") and isinstance(values.get("mhla"), dict):
+            values["mhla"] = {**values["mhla"], key[5:]: value}
+        else:
+            values[key] = value
+    return options_from_dict(cls, values)
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the annotation ``hint`` (ints are accepted for floats)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(name, value, arg)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0])
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"`{name}` must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"`{name}` must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"`{name}` must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare `no` (mixed_precision: no) as false
+            return "no" if value is False else "yes"
+        if isinstance(value, (str, int, float)):
+            return str(value)
+        raise ValueError(f"`{name}` must be a string, got {value!r}")
+    if origin is list or hint is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"`{name}` must be a list (YAML: [a, b]), got {value!r}")
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_coerce(name, v, item) for v in value]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"`{name}` must be a mapping (YAML: {{key: value}}), got {value!r}")
+        return dict(value)
+    return value
+
+
+def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"`{name}` must be >= {low}, got {value}")
+
+
+def _four_k_plus_one(name: str, frames: int) -> None:
+    if frames < 1 or (frames - 1) % 4:
+        raise ValueError(f"`{name}` {frames} must be 4k+1 (1, 5, ..., 81) for the Wan VAE")

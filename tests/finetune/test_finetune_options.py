@@ -1,0 +1,80 @@
+"""Trainer options: YAML + command-line overrides, type checks, reference-recipe defaults."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from mhla_diffusion.finetune.options import DiTTrainOptions, WanTrainOptions, load_options, options_from_dict
+
+REQUIRED = dict(pretrained_model="model", data_dir="data", output_dir="out")
+
+
+def test_yaml_then_cli_overrides(tmp_path):
+    config = tmp_path / "wan.yaml"
+    config.write_text(yaml.safe_dump({**REQUIRED, "max_train_steps": 10, "mhla": {"layers": "hybrid", "gate": True},
+                                      "resolution_buckets": [[480, 832], [480, 480]]}))
+    options = load_options(WanTrainOptions, [
+        "--config", str(config), "--max-train-steps", "25", "--learning_rate=1e-4", "--mhla.layout", "[3, 5, 10]",
+        "--gradient_checkpointing", "false", "--validation_prompts", '["a cat", "a dog"]', "--mixed_precision", "no",
+    ])
+    assert options.mixed_precision == "no"  # not YAML's boolean false
+    assert options.max_train_steps == 25 and options.learning_rate == 1e-4
+    assert options.mhla == {"layers": "hybrid", "gate": True, "layout": [3, 5, 10]}
+    assert options.gradient_checkpointing is False
+    assert options.validation_prompts == ["a cat", "a dog"]
+    assert options.bucket_sizes() == [(480, 832), (480, 480)]
+
+
+def test_reference_recipe_defaults():
+    wan = options_from_dict(WanTrainOptions, REQUIRED)
+    assert (wan.learning_rate, wan.adam_beta1, wan.adam_beta2, wan.adam_epsilon, wan.weight_decay) == (2e-5, 0.9, 0.999, 1e-10, 0.0)
+    assert (wan.lr_scheduler, wan.max_grad_norm, wan.mixed_precision) == ("constant_with_warmup", 0.1, "bf16")
+    assert (wan.logit_mean, wan.logit_std, wan.flow_shift, wan.caption_dropout) == (0.0, 1.0, 3.0, 0.1)
+    assert wan.gradient_checkpointing and wan.num_frames == 81 and wan.train_batch_size == 4
+    dit = options_from_dict(DiTTrainOptions, REQUIRED)
+    assert (dit.learning_rate, dit.lr_scheduler, dit.max_grad_norm, dit.ema_decay) == (1e-4, "constant", 0.0, 0.9999)
+    assert dit.clamp_mixing and dit.class_dropout == 0.1 and dit.learned_sigma_loss == "vb"
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"max_train_stepz": 3}, "did you mean `max_train_steps`"),
+        ({"max_train_steps": "many"}, "`max_train_steps` must be an integer"),
+        ({"gradient_checkpointing": "yes"}, "must be true or false"),
+        ({"num_frames": 80}, "4k+1"),
+        ({"resolution_buckets": [[480, 830]]}, "multiples of 16"),
+        ({"trainable": "some"}, "`trainable` must be one of"),
+        ({"output_dir": ""}, "`output_dir` is required"),
+        ({"resume": "latest", "overwrite_output_dir": True}, "choose one"),
+        ({"cache_latents": True, "frame_sampling": "random"}, "frame_sampling: start"),
+    ],
+)
+def test_bad_options_name_the_problem(values, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("[", r"\[")):
+        options_from_dict(WanTrainOptions, {**REQUIRED, **values})
+
+
+def test_dit_has_no_lora():
+    with pytest.raises(ValueError, match="`trainable` must be one of all, mhla, attention"):
+        options_from_dict(DiTTrainOptions, {**REQUIRED, "trainable": "lora"})
+
+
+def test_cli_needs_values_and_a_real_config(tmp_path):
+    with pytest.raises(ValueError, match="needs a value"):
+        load_options(WanTrainOptions, ["--max_train_steps"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_options(WanTrainOptions, ["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("name", ["wan2.1_t2v_1.3b_mhla.yaml", "wan2.1_t2v_1.3b_mhla_released.yaml", "dit_xl2_256_mhla.yaml"])
+def test_example_configs_are_valid(name):
+    from pathlib import Path
+
+    import mhla_diffusion.finetune as finetune
+
+    path = Path(finetune.__file__).parent / "configs" / name
+    cls = DiTTrainOptions if name.startswith("dit") else WanTrainOptions
+    options = load_options(cls, ["--config", str(path)])
+    assert options.pretrained_model in ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "facebook/DiT-XL-2-256")
