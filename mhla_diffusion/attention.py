@@ -156,7 +156,7 @@ def _mhla_blocks(
     if normalize:
         q_plain = q_hat if q_rot is None else to_blocks(q)
         del q_hat
-        denominator = q_plain @ (mix @ key_sum).unsqueeze(-1)  # q · z̃_o: (B, H, M, P, 1)
+        denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mix @ key_sum).unsqueeze(-1)  # q · z̃_o
         del q_plain
         denominator = denominator.add_(eps) if inplace else denominator + eps
         out = out.div_(denominator) if inplace else out / denominator

@@ -19,6 +19,7 @@ __all__ = [
     "BlockPlan",
     "auto_layout",
     "block_plan",
+    "estimated_cost_ratio",
     "num_blocks",
     "token_block_ids",
     "validate_grid_layout",
@@ -130,13 +131,26 @@ def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device 
     return BlockPlan(m, p, token_index.reshape(m * p), scatter, None if all_valid else slot_valid.reshape(m, p))
 
 
+def estimated_cost_ratio(grid: Sequence[int], layout: Sequence[int]) -> float:
+    """MHLA's arithmetic relative to global linear attention on ``grid``: ``M P / N + M^2 / (2 N)``.
+
+    ``M P`` counts the padded block slots the block products run over (uneven blocks are padded to
+    the largest), ``M^2 / (2 N)`` the mixing (``2 M^2 D^2`` FLOPs against ``4 N D^2`` per head).
+    """
+    n = math.prod(grid)
+    m = math.prod(layout)
+    padded = m * math.prod([-(-g // b) for g, b in zip(grid, layout)])
+    return padded / n + m * m / (2 * n)
+
+
 def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int, ...]:
     """Choose a block layout for ``grid`` with ``M <= max_blocks`` (default ``floor(sqrt(N))``).
 
-    The mixing costs ``2 M^2 D^2`` FLOPs per head against ``4 N D^2`` for the key-value summaries,
-    so ``M <= sqrt(N)`` keeps MHLA within 1.5x of global linear attention. Among the layouts that
-    fit, the choice favours many blocks, near-cubic blocks (equal token extent on every axis, as the
-    reference's 7x6x5 blocks on the 21x30x50 video grid) and grids that divide evenly.
+    ``M <= sqrt(N)`` keeps the mixing (``2 M^2 D^2`` FLOPs per head) within half of the key-value
+    products (``4 N D^2``). Among the layouts that fit, the choice favours many blocks and
+    near-cubic blocks (equal token extent on every axis, as the reference's 7x6x5 blocks on the
+    21x30x50 video grid), and avoids layouts whose padded uneven blocks and mixing would cost more
+    than about 1.35x global linear attention (:func:`estimated_cost_ratio`).
     """
     grid = tuple(int(g) for g in grid)
     validate_grid_layout(grid, (1,) * len(grid))
@@ -152,8 +166,8 @@ def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int
         logs = [math.log(g / b) for g, b in zip(grid, layout)]
         mean = sum(logs) / len(logs)
         anisotropy = sum((x - mean) ** 2 for x in logs) / len(logs)
-        uneven = sum(g % b != 0 for g, b in zip(grid, layout))
-        cost = 4.0 * anisotropy + math.log(limit / m) + 0.1 * uneven
+        slowdown = max(0.0, estimated_cost_ratio(grid, layout) - 1.35)
+        cost = 4.0 * anisotropy + math.log(limit / m) + 3.0 * slowdown
         if best is None or cost < best[0] - 1e-12:
             best = (cost, layout)
     assert best is not None  # the all-ones layout always fits

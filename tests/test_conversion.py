@@ -206,7 +206,7 @@ def test_conversion_errors(tiny_wan):
         MHLAConfig(layers="some")
     assert get_mhla_conversion(tiny_wan) is None  # nothing was changed by the failed calls
     convert_to_mhla(tiny_wan, MHLAConfig(target_grid=video_token_grid(81, 480, 832)))
-    assert get_mhla_conversion(tiny_wan).layout == (3, 6, 10)
+    assert get_mhla_conversion(tiny_wan).layout == (3, 5, 9)
     with pytest.raises(ValueError, match="already converted"):
         convert_to_mhla(tiny_wan, MHLAConfig(layout=(1, 1, 1)))
     with pytest.raises(TypeError, match="WanTransformer3DModel"):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig, auto_layout, block_plan, mixing_init, token_block_ids
+from mhla_diffusion.block_layout import estimated_cost_ratio
 
 
 def test_linear_column_normalised_on_4x4():
@@ -111,3 +112,7 @@ def test_auto_layout():
         assert math.prod(layout) <= math.isqrt(math.prod(grid))
         assert all(1 <= b <= g for b, g in zip(layout, grid))
     assert math.prod(auto_layout((21, 30, 52), max_blocks=40)) <= 40
+    # uneven blocks are padded: the choice keeps padding plus mixing near 1.35x linear attention
+    assert estimated_cost_ratio((9, 20, 26), auto_layout((9, 20, 26))) <= 1.4
+    assert estimated_cost_ratio((9, 20, 26), (3, 5, 13)) > 3  # the 195-block layout: mixing dominates
+    assert estimated_cost_ratio((21, 30, 50), (3, 5, 10)) == pytest.approx(1 + 150**2 / 63000)
