@@ -23,6 +23,7 @@ import torch
 
 from .config import MHLAConfig
 from .conversion import convert_to_mhla
+from .weights import check_state_dict
 
 __all__ = ["load_original_wan", "original_wan_config", "read_checkpoint", "rename_original_wan_keys"]
 
@@ -198,23 +199,7 @@ def load_original_wan(
     transformer = MHLAWanTransformer3DModel(**config)
     if mhla_config is not None:
         convert_to_mhla(transformer, mhla_config)
-    expected = transformer.state_dict()
-    missing = sorted(set(expected) - set(renamed))
-    unexpected = sorted(set(renamed) - set(expected))
-    wrong_shape = sorted(
-        f"{k}: checkpoint {tuple(renamed[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(expected) & set(renamed)
-        if renamed[k].shape != expected[k].shape
-    )
-    if missing or unexpected or wrong_shape:
-        raise ValueError(
-            "the checkpoint does not fit the Wan transformer its shapes describe: "
-            + "; ".join(
-                f"{label} {items}"
-                for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shapes", wrong_shape))
-                if items
-            )
-        )
+    check_state_dict(transformer.state_dict(), renamed, "the checkpoint does not fit the Wan transformer its shapes describe")
     transformer.load_state_dict(renamed, strict=True)
     if dtype is not None:
         transformer.to(dtype)

@@ -42,6 +42,7 @@ __all__ = [
     "from_pretrained_keeping_mhla",
     "load_mhla",
     "load_transformer",
+    "check_state_dict",
     "read_mhla_config",
     "save_mhla",
     "write_mhla_config",
@@ -220,26 +221,26 @@ def _load_into(transformer: nn.Module, meta: dict[str, Any], tensors: dict[str, 
     context = TokenGridContext()
     resolved, processors = build_mhla_processors(transformer, config, context)
     expected = {f"{name}.processor.{key}": value for name, proc in processors.items() for key, value in proc.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    wrong_shape = sorted(
-        f"{key}: saved {tuple(tensors[key].shape)} vs model {tuple(expected[key].shape)}"
-        for key in set(expected) & set(tensors)
-        if tensors[key].shape != expected[key].shape
-    )
-    if missing or unexpected or wrong_shape:
-        problems = []
-        if missing:
-            problems.append(f"missing keys {missing}")
-        if unexpected:
-            problems.append(f"unexpected keys {unexpected}")
-        if wrong_shape:
-            problems.append(f"wrong shapes {wrong_shape}")
-        raise ValueError("MHLA weights do not match the model: " + "; ".join(problems))
+    check_state_dict(expected, tensors, "MHLA weights do not match the model")
     for name, proc in processors.items():
         prefix = f"{name}.processor."
         proc.load_state_dict({key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}, strict=True)
     install_mhla_processors(transformer, resolved, processors, context)
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor], problem: str) -> None:
+    """Raise ``ValueError(problem: ...)`` listing missing, unexpected and wrongly shaped keys of ``given``."""
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    wrong_shape = sorted(
+        f"{key}: saved {tuple(given[key].shape)} vs model {tuple(expected[key].shape)}"
+        for key in set(expected) & set(given)
+        if given[key].shape != expected[key].shape
+    )
+    found = [(label, keys) for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                                 ("wrong shapes", wrong_shape)) if keys]
+    if found:
+        raise ValueError(f"{problem}: " + "; ".join(f"{label} {keys}" for label, keys in found))
 
 
 @contextmanager
