@@ -137,7 +137,7 @@ def _random_inputs(transformer, family: str, layout: Sequence[int]):
 def _run_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .conversion import build_mhla_processors, convert_to_mhla, model_family
+    from .conversion import convert_to_mhla, model_family, resolve_mhla_config
     from .weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
 
     started = time.perf_counter()
@@ -164,7 +164,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     print(f"model: {source} -> {type(transformer).__name__}, "
           f"{sum(p.numel() for p in transformer.parameters()):,} parameters")
-    resolved, _ = build_mhla_processors(transformer, config)  # resolves the layout; errors before any work
+    resolved = resolve_mhla_config(transformer, config)  # the layout, and any config error, before any work
     if args.check:
         latents, kwargs = _random_inputs(transformer, family, resolved.layout)
         with torch.no_grad():

@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import torch
 from torch import nn
 
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
@@ -26,6 +25,7 @@ __all__ = [
     "install_mhla_processors",
     "mhla_parameter_names",
     "model_family",
+    "resolve_mhla_config",
     "revert_mhla",
     "self_attention_layers",
     "softmax_attention",
@@ -168,6 +168,12 @@ def get_mhla_conversion(transformer: nn.Module) -> MHLAConversion | None:
     return getattr(transformer, "_mhla_conversion", None)
 
 
+def resolve_mhla_config(transformer: nn.Module, config: MHLAConfig) -> MHLAConfig:
+    """``config`` with explicit layer indices and block layout for ``transformer`` (``auto`` resolved)."""
+    indices = _resolve_layers(config.layers, len(self_attention_layers(transformer)))
+    return dataclasses.replace(config, layers=indices, layout=_resolve_layout(config, transformer))
+
+
 def build_mhla_processors(
     transformer: nn.Module, config: MHLAConfig, grid_context: TokenGridContext | None = None
 ) -> tuple[MHLAConfig, dict[str, MHLAProcessor]]:
@@ -177,9 +183,8 @@ def build_mhla_processors(
     """
     family = model_family(transformer)
     layers = self_attention_layers(transformer)
-    indices = _resolve_layers(config.layers, len(layers))
-    layout = _resolve_layout(config, transformer)
-    resolved = dataclasses.replace(config, layers=indices, layout=layout)
+    resolved = resolve_mhla_config(transformer, config)
+    indices, layout = resolved.layers, tuple(resolved.layout)
     context = grid_context if grid_context is not None else TokenGridContext()  # shared by this model's processors
     processors: dict[str, MHLAProcessor] = {}
     for i in indices:
