@@ -103,7 +103,12 @@ def _check_model_source(model: str, hub_id: str) -> None:
 def _declared_mhla(args: argparse.Namespace) -> dict[str, Any] | None:
     """The MHLA config the run will use, when it can be read without loading a model."""
     if args.mhla_weights is not None:
-        return read_mhla_config(args.mhla_weights) or _missing_mhla(args.mhla_weights)
+        meta = read_mhla_config(args.mhla_weights)
+        if meta is None:
+            raise FileNotFoundError(
+                f"--mhla-weights {args.mhla_weights} has no mhla_config.json: give a folder written by save_mhla"
+            )
+        return meta
     if args.transformer is not None and args.transformer.is_dir():
         return read_mhla_config(args.transformer)
     if os.path.isdir(args.model):
@@ -111,12 +116,8 @@ def _declared_mhla(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
-def _missing_mhla(folder: Path) -> None:
-    raise FileNotFoundError(f"--mhla-weights {folder} has no mhla_config.json: give a folder written by save_mhla")
-
-
 def _read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = [p for p in args.prompt]
+    prompts = list(args.prompt)
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
             raise FileNotFoundError(f"--prompts-file {args.prompts_file} does not exist")
