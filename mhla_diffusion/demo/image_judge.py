@@ -5,7 +5,6 @@ Trained only on real digits (the train side of :func:`~.digits.split_digits`), n
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
+from .judge_training import fit_judge
 
 __all__ = ["ImageJudge", "class_accuracy", "images_to_tensor", "predict_classes", "train_image_judge"]
 
@@ -117,21 +117,10 @@ def train_image_judge(images: np.ndarray, labels: np.ndarray, steps: int = 300, 
     generator = torch.Generator().manual_seed(seed)
     judge = ImageJudge(width=width, embed_dim=embed_dim, num_classes=num_classes,
                        image_size=images.shape[1])
-    optimizer = torch.optim.AdamW(judge.parameters(), lr=lr, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * s / steps)))
-    started, running = time.perf_counter(), 0.0
-    judge.train()
-    for step in range(steps):
+
+    def batch_loss(step: int) -> torch.Tensor:
         pick = torch.randint(0, len(data), (batch_size,), generator=generator)
         batch = _shift(data[pick], generator, max_shift) if max_shift else data[pick]
-        loss = F.cross_entropy(judge(batch), targets[pick])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        running += loss.item()
-        if log_every and (step + 1) % log_every == 0:
-            print(f"image judge step {step + 1}/{steps} loss {running / log_every:.4f} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
-            running = 0.0
-    return judge.eval()
+        return F.cross_entropy(judge(batch), targets[pick])
+
+    return fit_judge(judge, steps, lr, batch_loss, "image judge", log_every)

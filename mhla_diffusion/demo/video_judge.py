@@ -6,7 +6,6 @@ never sees a generative model, so it can score any model's samples: :func:`promp
 
 from __future__ import annotations
 
-import time
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .judge_training import fit_judge
 from .moving_shapes import ATTRIBUTES, FRAME_SIZE, NUM_FRAMES, generate_clips
 
 __all__ = ["VideoJudge", "clips_to_tensor", "predict_attributes", "prompt_accuracy", "train_video_judge"]
@@ -143,23 +143,12 @@ def train_video_judge(steps: int = 600, batch_size: int = 32, lr: float = 3e-3, 
         raise ValueError(f"steps and batch_size must be >= 1 and lr > 0, got {steps}, {batch_size}, {lr}")
     torch.manual_seed(seed)
     judge = VideoJudge(width=width, embed_dim=embed_dim)
-    optimizer = torch.optim.AdamW(judge.parameters(), lr=lr, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * s / steps)))
     total = steps * batch_size
-    started, running = time.perf_counter(), 0.0
-    judge.train()
-    for step in range(steps):
+
+    def batch_loss(step: int) -> torch.Tensor:
         clips, labels, _ = generate_clips(total, data_seed, start=step * batch_size, count=batch_size)
         logits = judge(clips_to_tensor(clips))
         targets = torch.from_numpy(labels)
-        loss = sum(F.cross_entropy(logits[name], targets[:, i]) for i, name in enumerate(ATTRIBUTES))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        running += loss.item()
-        if log_every and (step + 1) % log_every == 0:
-            print(f"video judge step {step + 1}/{steps} loss {running / log_every:.4f} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
-            running = 0.0
-    return judge.eval()
+        return sum(F.cross_entropy(logits[name], targets[:, i]) for i, name in enumerate(ATTRIBUTES))
+
+    return fit_judge(judge, steps, lr, batch_loss, "video judge", log_every)
