@@ -1,4 +1,5 @@
-"""Fine-tuning Wan2.1 and DiT converted to MHLA, with Accelerate (installed as ``mhla_diffusion.finetune``).
+"""Fine-tuning Wan2.1 and DiT converted to MHLA, with Accelerate (installed as ``mhla_diffusion.finetune``);
+``attention: softmax`` trains the softmax models as they are (e.g. teachers for an MHLA run).
 
 Trainers (one script each, ``python -m`` or ``accelerate launch -m``):
 

@@ -3,7 +3,8 @@ pipeline folder or hub id, so a trainer loads only what it needs (no text encode
 
 The transformer comes out converted to MHLA: restored from the folder when it was saved by our
 pipelines (``transformer/mhla_config.json``), loaded from ``mhla_weights``, or freshly converted
-with the run's :class:`MHLAConfig`.
+with the run's :class:`MHLAConfig` (:func:`load_mhla_transformer`); or, for ``attention: softmax``
+runs, as it is, which must then be a softmax model (:func:`load_softmax_transformer`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from ..config import MHLAConfig
 from ..conversion import convert_to_mhla
 from ..weights import load_mhla, load_transformer, read_mhla_config
 
-__all__ = ["check_model_source", "load_component", "load_mhla_transformer", "mhla_config_from_options", "pipeline_index"]
+__all__ = [
+    "check_model_source",
+    "load_component",
+    "load_mhla_transformer",
+    "load_softmax_transformer",
+    "mhla_config_from_options",
+    "pipeline_index",
+    "save_plain_transformer",
+]
 
 
 def check_model_source(source: str) -> None:
@@ -91,6 +100,39 @@ def load_mhla_transformer(
         return transformer, "mhla_weights"
     convert_to_mhla(transformer, config)
     return transformer, "converted"
+
+
+def load_softmax_transformer(
+    source: str, revision: str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The pipeline's transformer as it is, for ``attention: softmax``; an MHLA transformer is an error."""
+    kwargs: dict[str, Any] = {}
+    if revision is not None:
+        kwargs["revision"] = revision
+    subfolder = "transformer" if _is_pipeline(source, revision) else None
+    saved = read_mhla_config(source, subfolder=subfolder, **kwargs)
+    if saved is not None:
+        where = f"{source}/{subfolder}" if subfolder else source
+        raise ValueError(
+            f"attention: softmax, but {where} holds an MHLA transformer (mhla_config.json): start from a softmax "
+            "pipeline (e.g. the base model or a softmax run's <output_dir>/pipeline), or use attention: mhla"
+        )
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return load_transformer(source, subfolder=subfolder, **kwargs)
+
+
+def save_plain_transformer(transformer: nn.Module, folder: str | os.PathLike) -> Path:
+    """Diffusers' ``save_pretrained`` of a transformer without MHLA (``attention: softmax`` runs);
+    MHLA files left in ``folder`` by an earlier save are removed, so it never reloads as MHLA."""
+    from ..weights import MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME):
+        (folder / name).unlink(missing_ok=True)
+    transformer.save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def _is_pipeline(source: str, revision: str | None) -> bool:

@@ -41,7 +41,16 @@ from .options import TrainOptions
 from .trainable import set_trainable
 from .tracking import make_trackers
 
-__all__ = ["TaskParts", "Task", "clean_parameter_name", "make_accelerator", "resolve_dtype", "run_task", "step_generator"]
+__all__ = [
+    "TaskParts",
+    "Task",
+    "clean_parameter_name",
+    "make_accelerator",
+    "reset_accelerate_state",
+    "resolve_dtype",
+    "run_task",
+    "step_generator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +62,7 @@ BatchLoss = Callable[[nn.Module, dict[str, Any], torch.Generator], tuple[torch.T
 class TaskParts:
     """What a task hands to :func:`run_task`."""
 
-    transformer: nn.Module  # converted to MHLA (LoRA adapter already attached for trainable: lora)
+    transformer: nn.Module  # converted to MHLA, or as loaded for attention: softmax (LoRA adapter already attached)
     dataset: Dataset  # items requested as (index, epoch)
     buckets: list[Hashable]  # bucket key per sample: one bucket per batch
     collate_fn: Callable[[list], dict[str, Any]]
@@ -137,14 +146,16 @@ def _batches(sampler: BucketBatchSampler, dataset: Dataset, collate, workers: in
 
 
 def _cpu_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-    """A CPU model of the same architecture (MHLA layers, LoRA adapter) holding ``state_dict``.
+    """A CPU model of the same architecture (MHLA layers if any, LoRA adapter) holding ``state_dict``.
 
     Used under FSDP, whose local model holds only shards.
     """
     # FSDP2 swaps the model's class for a generated torch.distributed subclass: build the original one.
     cls = next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed"))
     copy = cls.from_config(model.config)
-    convert_to_mhla(copy, get_mhla_conversion(model).config)
+    conversion = get_mhla_conversion(model)
+    if conversion is not None:  # None: an attention: softmax run
+        convert_to_mhla(copy, conversion.config)
     peft_config = getattr(model, "peft_config", None)
     if peft_config:
         copy.add_adapter(peft_config["default"])
@@ -155,11 +166,30 @@ def _cpu_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Modul
 # ---------------------------------------------------------------------- the run
 
 
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons (``AcceleratorState``, ``PartialState``,
+    ``GradientState``), so the next :class:`Accelerator` of this process takes its own settings
+    (mixed precision, accumulation steps) instead of failing on or inheriting the last run's."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | None = None) -> Path:
     """Run a training task end to end; returns the final output folder.
 
     ``on_step_end(step, logs)`` is called after every optimizer step (used by tests to interrupt a run).
+    Runs may follow each other in one Python process: Accelerate's state is reset when a run ends
+    (or fails), and every run seeds its own random numbers.
     """
+    try:
+        return _run_task(task, on_step_end)
+    finally:
+        reset_accelerate_state()
+
+
+def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | None) -> Path:
     from accelerate.utils import DistributedType, set_seed
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel, cast_training_params

@@ -121,7 +121,7 @@ class ClassImageDataset(Dataset):
         image = adm_center_crop(read_image(sample.path), self.resolution)
         if self.flipped(epoch, index):
             image = image[:, ::-1]
-        pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float() / 127.5 - 1.0
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 127.5 - 1.0  # a writable copy
         return {"pixels": pixels, "label": sample.label, "index": index}
 
     def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:

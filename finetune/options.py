@@ -28,6 +28,7 @@ __all__ = ["DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options",
 T = TypeVar("T", bound="TrainOptions")
 
 _TRAINABLE = ("all", "mhla", "attention", "lora")
+_ATTENTION = ("mhla", "softmax")
 _PRECISIONS = ("no", "fp16", "bf16")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -39,6 +40,7 @@ class TrainOptions:
     # --- model
     pretrained_model: str = ""  # Diffusers pipeline folder or hub id (required)
     revision: str | None = None  # hub revision of pretrained_model
+    attention: str = "mhla"  # mhla (convert the model, then train) | softmax (train the model's own attention as it is)
     mhla: dict = field(default_factory=dict)  # MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}
     mhla_preset: str | None = None  # "released-wan": MHLAConfig.released_wan(), with `mhla` as overrides
     mhla_weights: str | None = None  # start from a save_mhla folder instead of a fresh conversion
@@ -96,7 +98,10 @@ class TrainOptions:
         for name in ("pretrained_model", "output_dir", "data_dir"):
             if not getattr(self, name):
                 raise ValueError(f"`{name}` is required: set it in the YAML file or pass --{name} VALUE")
+        _choice("attention", self.attention, _ATTENTION)
         _choice("trainable", self.trainable, self._trainable_choices())
+        if self.attention == "softmax":
+            self._check_softmax()
         if self.mixed_precision is not None:
             _choice("mixed_precision", self.mixed_precision, _PRECISIONS)
         _choice("frozen_dtype", self.frozen_dtype, _DTYPES)
@@ -137,6 +142,24 @@ class TrainOptions:
 
     def _trainable_choices(self) -> Sequence[str]:
         return _TRAINABLE
+
+    def _softmax_trainable(self) -> Sequence[str]:
+        return ("all", "lora")
+
+    def _check_softmax(self) -> None:
+        """``attention: softmax`` trains the model as it is: no MHLA option may be set."""
+        set_options = [name for name in ("mhla", "mhla_preset", "mhla_weights") if getattr(self, name)]
+        if set_options:
+            names, verb = ", ".join(f"`{n}`" for n in set_options), "are" if len(set_options) > 1 else "is"
+            raise ValueError(f"attention: softmax trains the model without MHLA, but {names} {verb} set: drop "
+                             f"{'them' if len(set_options) > 1 else 'it'}, or use attention: mhla")
+        if self.attention_transfer_steps:
+            raise ValueError("attention: softmax has no MHLA layers to distil into: set attention_transfer_steps: 0, "
+                             "or use attention: mhla")
+        allowed = self._softmax_trainable()
+        if self.trainable not in allowed:
+            raise ValueError(f"attention: softmax trains `trainable: {' or '.join(allowed)}` (`{self.trainable}` selects "
+                             "MHLA parameters, which a softmax model does not have)")
 
     def transfer_params(self) -> str:
         """``attention_transfer_params`` with ``auto`` resolved."""
@@ -187,16 +210,23 @@ class WanTrainOptions(TrainOptions):
 
     def validate(self) -> None:
         super().validate()
+        # Sizes must also be multiples of VAE scale x patch size; the trainer checks that against the
+        # model's configs at setup (x16 for Wan2.1: VAE x8, patch 2).
         for name in ("height", "width"):
-            value = getattr(self, name)
-            if value < 16 or value % 16:
-                raise ValueError(f"`{name}` {value} must be a positive multiple of 16 (Wan VAE x8, patch 2)")
+            _at_least(name, getattr(self, name), 1)
         _four_k_plus_one("num_frames", self.num_frames)
         for h, w in self.bucket_sizes():
-            if h < 16 or w < 16 or h % 16 or w % 16:
-                raise ValueError(f"resolution bucket {[h, w]} must be [height, width], multiples of 16")
+            if h < 1 or w < 1:
+                raise ValueError(f"resolution bucket {[h, w]} must be [height, width], positive")
         for frames in self.frame_counts():
             _four_k_plus_one("frame_buckets entry", frames)
+        if self.validation_prompts:
+            height, width = self.validation_height or self.height, self.validation_width or self.width
+            if height % 16 or width % 16:
+                raise ValueError(f"validation samples of {height}x{width}: WanPipeline needs height and width divisible "
+                                 "by 16 (set validation_height / validation_width)")
+            if self.validation_num_frames is not None:
+                _four_k_plus_one("validation_num_frames", self.validation_num_frames)
         _at_least("frame_stride", self.frame_stride, 1)
         _at_least("max_sequence_length", self.max_sequence_length, 1)
         _choice("frame_sampling", self.frame_sampling, ("start", "random"))
@@ -272,6 +302,9 @@ class DiTTrainOptions(TrainOptions):
 
     def _trainable_choices(self) -> Sequence[str]:
         return ("all", "mhla", "attention")  # Diffusers has no LoRA loader for DiTPipeline
+
+    def _softmax_trainable(self) -> Sequence[str]:
+        return ("all",)
 
 
 # ---------------------------------------------------------------------- parsing

@@ -1,4 +1,5 @@
-"""Class-to-image fine-tuning: DiT converted to MHLA, trained with DiT's epsilon (+ VB) objective.
+"""Class-to-image fine-tuning: DiT converted to MHLA (or, with ``attention: softmax``, as it is),
+trained with DiT's epsilon (+ VB) objective.
 
     python -m mhla_diffusion.finetune.train_dit --config dit.yaml [--key value ...]
     accelerate launch -m mhla_diffusion.finetune.train_dit --config dit.yaml
@@ -21,7 +22,15 @@ from torch import nn
 
 from ..conversion import get_mhla_conversion
 from ..weights import save_mhla
-from .components import check_model_source, load_component, load_mhla_transformer, mhla_config_from_options, pipeline_index
+from .components import (
+    check_model_source,
+    load_component,
+    load_mhla_transformer,
+    load_softmax_transformer,
+    mhla_config_from_options,
+    pipeline_index,
+    save_plain_transformer,
+)
 from .data import DataReport
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .image_data import (
@@ -38,7 +47,7 @@ from .latents import dit_latent_normalization, draw_latents, encode_posterior
 from .objectives import DiffusionObjective
 from .options import DiTTrainOptions, load_options
 
-__all__ = ["DiTTask", "clamp_mixing", "disable_label_dropout", "main", "train"]
+__all__ = ["DiTTask", "clamp_mixing", "disable_label_dropout", "folder_labels", "main", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +67,20 @@ def disable_label_dropout(transformer: nn.Module) -> int:
 
 @torch.no_grad()
 def clamp_mixing(transformer: nn.Module) -> None:
-    """Clamp every MHLA mixing matrix to [0, 1] (the reference does this after each DiT step)."""
-    for name in get_mhla_conversion(transformer).layer_names:
+    """Clamp every MHLA mixing matrix to [0, 1] (the reference does this after each DiT step; nothing
+    to do without MHLA)."""
+    conversion = get_mhla_conversion(transformer)
+    for name in conversion.layer_names if conversion is not None else ():
         transformer.get_submodule(name).processor.mixing.clamp_(0.0, 1.0)
+
+
+def folder_labels(samples: list[ImageSample]) -> dict[int, str]:
+    """``{class id: class folder name}`` of the training images: the ``id2label`` written to the output
+    pipelines when ``pretrained_model`` has none (folders ``0``..``9`` -> ``{0: "0", ..., 9: "9"}``)."""
+    labels: dict[int, str] = {}
+    for sample in samples:
+        labels.setdefault(int(sample.label), Path(sample.key).parts[0])
+    return dict(sorted(labels.items()))
 
 
 class DiTTask(Task):
@@ -86,11 +106,13 @@ class DiTTask(Task):
         self.num_classes = int(transformer.config.num_embeds_ada_norm)
         self.in_channels = int(transformer.config.in_channels)
         self._check_resolution(transformer)
+        samples, report = self._index_data(accelerator)
+        if not self.id2label:
+            self.id2label = folder_labels(samples)
         if o.validation_classes:
             from ..pipelines.dit import label_index, resolve_class_ids
 
             resolve_class_ids(list(o.validation_classes), label_index(self.id2label), self.num_classes)
-        samples, report = self._index_data(accelerator)
         if o.cache_latents:
             samples, report = self._fill_cache(accelerator, samples, report)
         else:
@@ -119,7 +141,7 @@ class DiTTask(Task):
             batch_loss=self.batch_loss,
             save_final=self.save_final,
             validate=self.validate if o.validation_classes else None,
-            after_optimizer_step=clamp_mixing if o.clamp_mixing else None,
+            after_optimizer_step=clamp_mixing if o.clamp_mixing and o.attention == "mhla" else None,
             ema_decay=o.ema_decay,
             ema_warmup=o.ema_warmup,
             data_metrics=report.metrics(),
@@ -128,8 +150,13 @@ class DiTTask(Task):
 
     def _load_transformer(self, accelerator) -> nn.Module:
         o = self.options
-        config = mhla_config_from_options(o.mhla, o.mhla_preset)
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
+        if o.attention == "softmax":
+            transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            if accelerator.is_main_process:
+                logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
+            return transformer.train()
+        config = mhla_config_from_options(o.mhla, o.mhla_preset)
         transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
@@ -148,7 +175,8 @@ class DiTTask(Task):
             raise ValueError(f"`resolution` {o.resolution} must be a multiple of {step} (VAE x{vae_scale}, patch "
                              f"{transformer.config.patch_size})")
         side = o.resolution // step
-        layout = get_mhla_conversion(transformer).layout
+        conversion = get_mhla_conversion(transformer)
+        layout = conversion.layout if conversion is not None else ()
         if any(b > side for b in layout):
             raise ValueError(f"`resolution` {o.resolution} gives a {side}x{side} token grid, smaller than the MHLA "
                              f"layout {layout}: train at a larger resolution or use a smaller mhla.layout")
@@ -241,9 +269,13 @@ class DiTTask(Task):
         return self.objective.loss(output, latents, noisy, timesteps, noise)
 
     def save_final(self, model: nn.Module, name: str) -> Path:
-        """``final``: MHLA weights only (``trainable: mhla``) or the whole converted transformer."""
+        """``final``: MHLA weights only (``trainable: mhla``) or the whole converted transformer; the
+        plain Diffusers transformer for ``attention: softmax``."""
         folder = Path(self.options.output_dir) / name
-        save_mhla(model, folder, include_base=self.options.trainable != "mhla", overwrite=True)
+        if self.options.attention == "softmax":
+            save_plain_transformer(model, folder)
+        else:
+            save_mhla(model, folder, include_base=self.options.trainable != "mhla", overwrite=True)
         logger.info("saved %s", folder)
         return folder
 

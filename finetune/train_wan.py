@@ -1,4 +1,5 @@
-"""Text-to-video fine-tuning: Wan2.1 converted to MHLA, trained with flow matching.
+"""Text-to-video fine-tuning: Wan2.1 converted to MHLA (or, with ``attention: softmax``, as it is),
+trained with flow matching.
 
     python -m mhla_diffusion.finetune.train_wan --config wan.yaml [--key value ...]
     accelerate launch -m mhla_diffusion.finetune.train_wan --config wan.yaml      # DDP / FSDP via accelerate config
@@ -22,7 +23,15 @@ from torch import nn
 from ..block_layout import validate_grid_layout
 from ..conversion import get_mhla_conversion
 from ..weights import save_mhla
-from .components import check_model_source, load_component, load_mhla_transformer, mhla_config_from_options, pipeline_index
+from .components import (
+    check_model_source,
+    load_component,
+    load_mhla_transformer,
+    load_softmax_transformer,
+    mhla_config_from_options,
+    pipeline_index,
+    save_plain_transformer,
+)
 from .data import DataReport
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .latent_cache import LatentCache, run_prepass
@@ -67,6 +76,7 @@ class WanTask(Task):
         self.device = accelerator.device
         self.encoder_dtype = {n: resolve_dtype(getattr(o, n), accelerator, wrapped=False) for n in ("vae_dtype", "text_encoder_dtype")}
         self.latent_channels = self._latent_channels()
+        self._check_sizes()
 
         samples, report = self._index_data(accelerator)
         transformer = self._load_transformer(accelerator)
@@ -129,12 +139,17 @@ class WanTask(Task):
         from diffusers import AutoencoderKLWan
 
         o = self.options
+        dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
+        if o.attention == "softmax":
+            transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            if accelerator.is_main_process:
+                logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
+            return transformer.train()
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
         if config.layout == "auto" and config.target_grid is None:
             vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
             patch = self._patch_size()
             config.target_grid = self._token_grid((o.num_frames, o.height, o.width), patch, vae_config)
-        dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
@@ -156,12 +171,39 @@ class WanTask(Task):
         latent_frames = (frames - 1) // temporal + 1
         return latent_frames // patch[0], height // spatial // patch[1], width // spatial // patch[2]
 
+    def _check_sizes(self) -> None:
+        """Every training and validation size must be a whole number of patches of latents (VAE scale x
+        patch size: 16 px and 4k+1 frames for Wan2.1, 8 px with patch 1); checked from the configs only."""
+        from diffusers import AutoencoderKLWan
+
+        o = self.options
+        vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+        temporal, spatial = vae_config.get("scale_factor_temporal", 4), vae_config.get("scale_factor_spatial", 8)
+        patch = self._patch_size()
+        sizes = {(h, w): "resolution bucket" for h, w in o.bucket_sizes()}
+        frames = set(o.frame_counts())
+        if o.validation_prompts:
+            sizes.setdefault((o.validation_height or o.height, o.validation_width or o.width), "validation size")
+            frames.add(o.validation_num_frames or o.num_frames)
+        step_h, step_w = spatial * patch[1], spatial * patch[2]
+        for (h, w), what in sorted(sizes.items()):
+            if h % step_h or w % step_w:
+                raise ValueError(f"{what} {h}x{w} (height x width) must be a multiple of {step_h}x{step_w}: VAE "
+                                 f"x{spatial}, transformer patch {list(patch)}")
+        for count in sorted(frames):
+            if (count - 1) % temporal or ((count - 1) // temporal + 1) % patch[0]:
+                raise ValueError(f"{count} frames do not make whole latent patches: VAE x{temporal} in time, temporal "
+                                 f"patch {patch[0]}")
+
     def _check_buckets(self, transformer: nn.Module, samples: list[VideoSample]) -> None:
         """Every bucket's token grid must hold the MHLA block layout (checked before any encoding)."""
         from diffusers import AutoencoderKLWan
 
+        conversion = get_mhla_conversion(transformer)
+        if conversion is None:  # attention: softmax
+            return
         o = self.options
-        layout = get_mhla_conversion(transformer).layout
+        layout = conversion.layout
         vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
         patch = tuple(int(p) for p in transformer.config.patch_size)
         buckets = {s.bucket for s in samples}
@@ -285,10 +327,15 @@ class WanTask(Task):
     # ------------------------------------------------------------------ outputs
 
     def save_final(self, model: nn.Module, name: str) -> Path:
-        """``final``: MHLA weights (``mhla``), + LoRA file (``lora``), or the whole transformer (``all``/``attention``)."""
+        """``final``: MHLA weights (``mhla``), + LoRA file (``lora``), or the whole transformer (``all``/``attention``).
+
+        ``attention: softmax``: the Diffusers transformer folder (``all``) or the LoRA file alone (``lora``)."""
         o = self.options
         folder = Path(o.output_dir) / name
-        if o.trainable in ("mhla", "lora"):
+        if o.attention == "softmax":
+            if o.trainable == "all":
+                save_plain_transformer(model, folder)
+        elif o.trainable in ("mhla", "lora"):
             save_mhla(model, folder, overwrite=True)
         else:
             save_mhla(model, folder, include_base=True, overwrite=True)
@@ -330,7 +377,8 @@ class WanTask(Task):
         )
 
     def save_pipeline(self, model: nn.Module) -> None:
-        """``<output_dir>/pipeline``: a full MHLAWanPipeline folder (LoRA fused into the base weights)."""
+        """``<output_dir>/pipeline``: a full MHLAWanPipeline folder (LoRA fused into the base weights); a
+        plain WanPipeline folder for ``attention: softmax``."""
         transformer = model
         if self.options.trainable == "lora":
             transformer = copy.deepcopy(model)

@@ -5,6 +5,8 @@
 * ``attention``: those plus the converted self-attention layers' projections and q/k norms.
 * ``lora``: a PEFT LoRA adapter on the base weights (``lora_target_modules``, as Diffusers' LoRA
   training scripts) and the MHLA processor parameters in full.
+
+A model without MHLA layers (``attention: softmax`` runs) trains with ``all`` or ``lora`` (the adapter).
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def set_trainable(model: nn.Module, mode: str) -> list[str]:
         chosen = set(mhla_processor_parameter_names(model))
     elif mode == "attention":
         chosen = set(attention_parameter_names(model))
-    elif mode == "lora":
-        chosen = {name for name, _ in model.named_parameters() if ".lora_" in name} | set(mhla_processor_parameter_names(model))
+    elif mode == "lora":  # (a softmax model, without MHLA layers: the adapter only)
+        chosen = {name for name, _ in model.named_parameters() if ".lora_" in name}
+        if conversion is not None:
+            chosen |= set(mhla_processor_parameter_names(model))
         if not any(".lora_" in name for name in chosen):
             raise ValueError("trainable: lora, but the transformer has no LoRA adapter: call add_lora first")
     else:

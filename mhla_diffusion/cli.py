@@ -6,6 +6,7 @@
     mhla text-to-video --model ... --mhla-weights mhla_init/ --prompt "a cat surfing"
     mhla class-to-image --model facebook/DiT-XL-2-256 --mhla-weights ... --class 207
     mhla import-wan released.safetensors --output wan_mhla_transformer/
+    mhla demo                                     # Gradio web demo on 127.0.0.1 (pip install .[demo])
 """
 
 from __future__ import annotations
@@ -198,13 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from .bench import register as register_bench
+    from .demo.build import register as register_demo_models
     from .eval.cli import register as register_eval
     from .pipelines.cli import register as register_generation
+    from .webdemo import register as register_demo
 
     _add_convert(subparsers)
     register_generation(subparsers)
     register_eval(subparsers)
     register_bench(subparsers)
+    register_demo_models(subparsers)
+    register_demo(subparsers)
     return parser
 
 

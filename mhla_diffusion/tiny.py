@@ -12,6 +12,7 @@ __all__ = [
     "TINY_ID2LABEL",
     "tiny_dit_pipeline",
     "tiny_dit_transformer",
+    "tiny_text_encoder",
     "tiny_tokenizer",
     "tiny_wan_pipeline",
     "tiny_wan_transformer",
@@ -83,23 +84,29 @@ def tiny_tokenizer(vocabulary: list[str] | None = None, max_length: int = 512) -
     )
 
 
+def tiny_text_encoder(vocab_size: int, seed: int = 0) -> "UMT5EncoderModel":  # noqa: F821
+    """A 2-layer ``UMT5EncoderModel`` of width 32 (Wan's text encoder family), randomly initialised."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        )
+    ).eval()
+
+
 def tiny_wan_pipeline(num_layers: int = 2, seed: int = 0) -> "WanPipeline":  # noqa: F821
     """A complete Diffusers ``WanPipeline`` at toy size: tokenizer, UMT5 encoder, Wan VAE, transformer, UniPC.
 
     Video sizes must be multiples of 16 pixels (VAE x8, patch 2) and ``4k+1`` frames.
     """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
-    from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_tokenizer()
-    torch.manual_seed(seed)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        )
-    ).eval()
+    text_encoder = tiny_text_encoder(len(tokenizer), seed=seed)
     vae = AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     ).eval()

@@ -20,7 +20,7 @@ from ..weights import read_mhla_config
 from .dit import label_index, resolve_class_ids
 from .outputs import VIDEO_FORMATS, plan_outputs, save_image, save_video, slugify, write_settings
 
-__all__ = ["register"]
+__all__ = ["check_model_source", "device_and_dtype", "load_pipeline", "local_labels", "register"]
 
 WAN_HUB_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 DIT_HUB_ID = "facebook/DiT-XL-2-256"
@@ -92,7 +92,8 @@ def _looks_local(model: str) -> bool:
     return os.path.exists(model) or os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") != 1
 
 
-def _check_model_source(model: str, hub_id: str) -> None:
+def check_model_source(model: str, hub_id: str) -> None:
+    """A readable ``FileNotFoundError`` when ``model`` looks like a local folder that does not exist."""
     if _looks_local(model) and not os.path.isdir(model):
         raise FileNotFoundError(
             f"model folder {model} not found. Get the weights with `huggingface-cli download {hub_id} --local-dir {model}` "
@@ -166,16 +167,21 @@ def _check_grid_fits(grid: tuple[int, ...], meta: dict[str, Any] | None, what: s
         ) from None
 
 
-def _device_and_dtype(args: argparse.Namespace):
+def device_and_dtype(device: str | None = None, dtype: str | None = None):
+    """``(device, torch dtype)``: cuda when available, bfloat16 on GPU and float32 on CPU unless given."""
     import torch
 
     from ..cpu_memory import retain_freed_memory
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if device == "cpu":
         retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
     return device, getattr(torch, name)
+
+
+def _device_and_dtype(args: argparse.Namespace):
+    return device_and_dtype(args.device, args.dtype)
 
 
 # ---------------------------------------------------------------- model loading
@@ -194,17 +200,29 @@ def _load_transformer_arg(path: Path, dtype) -> Any:
     return load_transformer(path, dtype=dtype)
 
 
-def _load_pipeline(cls: type, args: argparse.Namespace, dtype, component_dtypes: dict | None = None):
+def load_pipeline(
+    cls: type, model: str | os.PathLike, *, mhla_weights: Path | None = None, transformer: Path | None = None,
+    attention: str = "mhla", dtype=None, component_dtypes: dict | None = None,
+):
+    """Load ``cls`` (``MHLAWanPipeline`` / ``MHLADiTPipeline``) as ``--model`` / ``--mhla-weights`` / ``--transformer`` say.
+
+    With ``attention="mhla"`` a model without MHLA layers is a ``ValueError``.
+    """
     kwargs: dict[str, Any] = {"dtype": {"default": dtype, **(component_dtypes or {})} if component_dtypes else dtype}
-    if args.transformer is not None:
-        kwargs["transformer"] = _load_transformer_arg(args.transformer, dtype)
-    pipe = cls.from_pretrained(args.model, mhla_weights=args.mhla_weights, **kwargs)
-    if args.attention == "mhla" and pipe.mhla is None:
+    if transformer is not None:
+        kwargs["transformer"] = _load_transformer_arg(Path(transformer), dtype)
+    pipe = cls.from_pretrained(model, mhla_weights=mhla_weights, **kwargs)
+    if attention == "mhla" and pipe.mhla is None:
         raise ValueError(
             "--attention mhla, but the model has no MHLA layers: pass --mhla-weights, a --transformer with MHLA, "
             "or a folder saved by our pipeline (use --attention sdpa for the plain softmax model)"
         )
     return pipe
+
+
+def _load_pipeline(cls: type, args: argparse.Namespace, dtype, component_dtypes: dict | None = None):
+    return load_pipeline(cls, args.model, mhla_weights=args.mhla_weights, transformer=args.transformer,
+                         attention=args.attention, dtype=dtype, component_dtypes=component_dtypes)
 
 
 def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) -> dict[str, Any]:
@@ -237,7 +255,7 @@ def _run_text_to_video(args: argparse.Namespace) -> int:
 
     prompts = _read_prompts(args)
     num_frames = _check_video_size(args)
-    _check_model_source(args.model, WAN_HUB_ID)
+    check_model_source(args.model, WAN_HUB_ID)
     meta = _declared_mhla(args) if args.attention == "mhla" else None
     _check_grid_fits(video_token_grid(num_frames, args.height, args.width), meta, f"a {num_frames}x{args.height}x{args.width} video")
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
@@ -277,7 +295,7 @@ def _run_text_to_video(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_labels(model: str) -> tuple[dict[str, int], int] | None:
+def local_labels(model: str) -> tuple[dict[str, int], int] | None:
     """Labels and class count of a local DiT pipeline folder, read without loading it."""
     index, config = Path(model, "model_index.json"), Path(model, "transformer", "config.json")
     if not (index.is_file() and config.is_file()):
@@ -292,8 +310,8 @@ def _run_class_to_image(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --class (an id such as 207 or a name such as 'golden retriever')")
     if args.steps < 1 or args.guidance_scale < 0:
         raise ValueError("--steps must be >= 1 and --guidance-scale >= 0")
-    _check_model_source(args.model, DIT_HUB_ID)
-    local = _local_labels(args.model) if os.path.isdir(args.model) else None
+    check_model_source(args.model, DIT_HUB_ID)
+    local = local_labels(args.model) if os.path.isdir(args.model) else None
     if local is not None:
         resolve_class_ids(classes, *local)
     stems = [f"{i:03d}-{slugify(c)}-seed{args.seed}-{args.attention}" for i, c in enumerate(classes)]

@@ -48,7 +48,8 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
     """``DiTPipeline`` whose transformer may use MHLA (see :class:`MHLAPipelineMixin`).
 
     Beyond the stock pipeline: classes may be given by name or id, ``id2label`` survives
-    ``save_pretrained``, and ``callback_on_step_end`` is supported (called after every scheduler
+    ``save_pretrained``, guidance uses the model's own null class (``num_embeds_ada_norm``; the stock
+    pipeline assumes ImageNet's 1000), and ``callback_on_step_end`` is supported (called after every scheduler
     step with ``{"latents": ...}``; with guidance the latents hold both CFG halves, as DiT keeps them).
     """
 
@@ -60,6 +61,30 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
         super().__init__(transformer=transformer, vae=vae, scheduler=scheduler, id2label=id2label)
         if id2label is not None:  # stock DiTPipeline forgets it on save
             self.register_to_config(id2label={int(k): v for k, v in id2label.items()})
+
+    def _with_null_class(self, call: Callable[[], Any], guided: bool) -> Any:
+        """Run ``call`` so that the unconditional half of a guided batch gets this model's null class.
+
+        The stock ``DiTPipeline`` labels that half 1000, ImageNet's null class; a model with
+        ``num_embeds_ada_norm`` other than 1000 keeps its null class at ``num_embeds_ada_norm``.
+        """
+        null = int(self.transformer.config.num_embeds_ada_norm)
+        if not guided or null == 1000:
+            return call()
+
+        def relabel(module, args, kwargs):
+            labels = kwargs.get("class_labels")
+            if labels is not None:
+                labels = labels.clone()
+                labels[labels.shape[0] // 2:] = null
+                kwargs["class_labels"] = labels
+            return args, kwargs
+
+        handle = self.transformer.register_forward_pre_hook(relabel, with_kwargs=True)
+        try:
+            return call()
+        finally:
+            handle.remove()
 
     def class_ids(self, classes: int | str | Sequence[int | str]) -> list[int]:
         """Class ids for ids and/or label names; unknown names or ids are a ``ValueError``."""
@@ -80,9 +105,10 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
         labels = self.class_ids(class_labels)
         if callback_on_step_end is not None and set(callback_on_step_end_tensor_inputs) - {"latents"}:
             raise ValueError("MHLADiTPipeline passes only `latents` to callback_on_step_end")
-        call = lambda: super(MHLADiTPipeline, self).__call__(  # noqa: E731
+        stock_call = lambda: super(MHLADiTPipeline, self).__call__(  # noqa: E731
             labels, guidance_scale, generator, num_inference_steps, output_type, return_dict
         )
+        call = lambda: self._with_null_class(stock_call, guidance_scale > 1)  # noqa: E731
         if callback_on_step_end is None:
             return call()
         scheduler_step = self.scheduler.step

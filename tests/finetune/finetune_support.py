@@ -97,6 +97,21 @@ def image_classes(tmp_path_factory) -> Path:
     return root
 
 
+def make_digit_classes(folder: Path, classes: int = 10, per_class: int = 2, size: int = 32) -> Path:
+    """Class folders ``0``..``classes-1`` of ``size`` px images, each class its own bar position."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in range(classes):
+        (folder / str(label)).mkdir(parents=True)
+        for i in range(per_class):
+            image = rng.integers(0, 40, (size, size, 3), dtype=np.uint8)
+            row = label * size // classes
+            image[row: row + max(1, size // classes)] = 220
+            Image.fromarray(image).save(folder / str(label) / f"{i}.png")
+    return folder
+
+
 def wan_options(pretrained: Path, data: Path, output: Path, **overrides):
     """Tiny, fast, validated text-to-video options (32x32, 9 frames, fp32, layout 1x2x2)."""
     from mhla_diffusion.finetune.options import WanTrainOptions, options_from_dict

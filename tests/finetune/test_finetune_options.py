@@ -44,7 +44,8 @@ def test_reference_recipe_defaults():
         ({"max_train_steps": "many"}, "`max_train_steps` must be an integer"),
         ({"gradient_checkpointing": "yes"}, "must be true or false"),
         ({"num_frames": 80}, "4k+1"),
-        ({"resolution_buckets": [[480, 830]]}, "multiples of 16"),
+        ({"resolution_buckets": [[480]]}, "must be [height, width]"),
+        ({"validation_prompts": ["a cat"], "validation_width": 840}, "divisible by 16"),
         ({"trainable": "some"}, "`trainable` must be one of"),
         ({"output_dir": ""}, "`output_dir` is required"),
         ({"resume": "latest", "overwrite_output_dir": True}, "choose one"),
@@ -54,6 +55,26 @@ def test_reference_recipe_defaults():
 def test_bad_options_name_the_problem(values, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("[", r"\[")):
         options_from_dict(WanTrainOptions, {**REQUIRED, **values})
+
+
+@pytest.mark.parametrize(
+    "cls, values, message",
+    [
+        (WanTrainOptions, {"attention": "linear"}, "`attention` must be one of mhla, softmax"),
+        (WanTrainOptions, {"mhla": {"layers": "hybrid"}}, "`mhla` is set"),
+        (DiTTrainOptions, {"mhla_preset": "released-wan"}, "`mhla_preset` is set"),
+        (WanTrainOptions, {"mhla_weights": "w"}, "`mhla_weights` is set"),
+        (DiTTrainOptions, {"attention_transfer_steps": 10}, "attention_transfer_steps: 0"),
+        (WanTrainOptions, {"trainable": "mhla"}, "trains `trainable: all or lora`"),
+        (WanTrainOptions, {"trainable": "attention"}, "trains `trainable: all or lora`"),
+        (DiTTrainOptions, {"trainable": "attention"}, "trains `trainable: all`"),
+    ],
+)
+def test_softmax_runs_take_no_mhla_options(cls, values, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        options_from_dict(cls, {**REQUIRED, "attention": "softmax", **values})
+    assert options_from_dict(cls, {**REQUIRED, "attention": "softmax"}).attention == "softmax"
+    assert options_from_dict(cls, REQUIRED).attention == "mhla"
 
 
 def test_dit_has_no_lora():

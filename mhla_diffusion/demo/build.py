@@ -1,0 +1,440 @@
+"""``mhla demo-models``: train the embedded demonstration models from scratch and reproduce the
+paper's claim at toy scale, with this project's own data, trainers and evaluator.
+
+Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it finished):
+
+1. ``data``: moving-shapes clips (a GIF folder for the Wan trainer) and the digits split;
+2. ``judges``: the video and image classifiers (trained on generator ground truth only);
+3. ``autoencoders``: the tiny Wan VAE and the tiny KL VAE;
+4. ``base``: pipeline folders with a randomly initialised transformer, the trained VAE, a random
+   frozen UMT5 text encoder (as Wan keeps its encoder frozen) and a tokenizer built here;
+5. ``teachers``: softmax teachers trained by ``finetune/train_wan`` / ``train_dit`` (``attention: softmax``);
+6. ``students``: conversions of the teacher fine-tuned with the same trainers and the same budget:
+   MHLA (all layers) with and without attention transfer, MHLA hybrid 2/3, global linear attention
+   (a layout of ones, one block);
+7. ``evaluate``: samples of every model scored by the judges -> ``reproduction.csv`` / ``.md``;
+8. ``export``: teachers, MHLA students and judges copied to ``--output`` (default: the package's
+   ``embedded_models``), plus ``build_report.json``.
+
+``--smoke`` runs every stage with a handful of steps and samples (the CI check of this command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..embedded import EMBEDDED_ROOT, embedded_defaults
+from .autoencoders import tiny_image_vae, tiny_video_vae, train_image_vae, train_video_vae
+from .digits import split_digits, write_digits_folder
+from .image_judge import class_accuracy, train_image_judge
+from .judge_io import load_judge, save_judge
+from .moving_shapes import ATTRIBUTES, generate_clips
+from .reproduction import (ScoreRow, balanced_captions, median_seconds, sample_clips, sample_digits, score_clips,
+                           score_digits, table_markdown, write_table_csv)
+from .shapes_dataset import write_shapes_dataset
+from .video_judge import prompt_accuracy, train_video_judge
+
+__all__ = ["BuildSettings", "STUDENTS", "build_demo_models", "register"]
+
+logger = logging.getLogger(__name__)
+
+#: Student name -> (MHLA layers, one block (global linear attention) instead of the MHLA layout,
+#: attention-transfer stage on).
+STUDENTS: dict[str, tuple[str, bool, bool]] = {
+    "mhla": ("all", False, True),
+    "mhla-no-transfer": ("all", False, False),
+    "mhla-hybrid": ("hybrid", False, True),
+    "linear": ("all", True, True),
+}
+#: MHLA block layouts: video token grid 5x8x8 -> 16 blocks of 5x2x2 tokens (every block spans the
+#: clip, so motion stays inside a block); digits 16x16 -> 16 blocks of 4x4 (DiT-XL/2's layout).
+VIDEO_LAYOUT, IMAGE_LAYOUT = (1, 4, 4), (4, 4)
+DATA_SEED, REFERENCE_SEED, EVAL_SEED = 0, 5000, 10_000
+
+
+@dataclass
+class BuildSettings:
+    """Sizes and budgets of one build (defaults: the committed models; :meth:`smoke`: CI)."""
+
+    train_clips: int = 960
+    train_digits: int | None = None  # None: the whole training split (1438 digits)
+    reference_clips: int = 480
+    video_judge_steps: int = 600
+    image_judge_steps: int = 300
+    vae_clips: int = 480
+    video_vae_steps: int = 1500
+    image_vae_steps: int = 1500
+    video_layers: int = 6
+    image_layers: int = 6
+    video_teacher_steps: int = 3000
+    video_student_steps: int = 600
+    video_transfer_steps: int = 200
+    video_batch_size: int = 8
+    image_teacher_steps: int = 3000
+    image_student_steps: int = 600
+    image_transfer_steps: int = 200
+    image_batch_size: int = 32
+    teacher_lr: float = 5e-4
+    student_lr: float = 2e-4
+    eval_clips: int = 96
+    eval_images: int = 300
+    eval_batch_size: int = 16
+    seed: int = 0
+
+    @classmethod
+    def smoke(cls) -> "BuildSettings":
+        return cls(train_clips=16, train_digits=20, reference_clips=8, video_judge_steps=2, image_judge_steps=2, vae_clips=8,
+                   video_vae_steps=2, image_vae_steps=2, video_layers=3, image_layers=3, video_teacher_steps=2,
+                   video_student_steps=1, video_transfer_steps=1, video_batch_size=2, image_teacher_steps=2,
+                   image_student_steps=1, image_transfer_steps=1, image_batch_size=4, eval_clips=4, eval_images=6,
+                   eval_batch_size=4)
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+class _Stages:
+    """Runs named stages once; a finished stage leaves ``<work>/stages/<name>.json`` with its results."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        (work / "stages").mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        marker = self.work / "stages" / f"{name}.json"
+        if marker.is_file():
+            logger.info("stage %s: already done (%s)", name, marker)
+            return json.loads(marker.read_text())
+        logger.info("stage %s ...", name)
+        began = time.perf_counter()
+        result = fn()
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        marker.write_text(json.dumps(result, indent=2))
+        logger.info("stage %s: done in %.0f s", name, result["seconds"])
+        return result
+
+
+def _data(work: Path, s: BuildSettings) -> dict[str, Any]:
+    write_shapes_dataset(work / "data" / "shapes", s.train_clips, seed=DATA_SEED, overwrite=True)
+    split = split_digits(seed=s.seed)
+    keep = slice(0, s.train_digits)
+    write_digits_folder(work / "data" / "digits", split.train_images[keep], split.train_labels[keep], overwrite=True,
+                        indices=split.train_indices[keep])
+    return {"train_clips": s.train_clips, "train_digits": int(len(split.train_images[keep])),
+            "held_out_digits": int(len(split.test_images))}
+
+
+def _judges(work: Path, s: BuildSettings) -> dict[str, Any]:
+    video = train_video_judge(steps=s.video_judge_steps, seed=s.seed)
+    held_clips, held_labels, _ = generate_clips(s.reference_clips, seed=REFERENCE_SEED)
+    video_acc = prompt_accuracy(video, held_clips, held_labels)
+    split = split_digits(seed=s.seed)
+    image = train_image_judge(split.train_images, split.train_labels, steps=s.image_judge_steps, seed=s.seed)
+    image_acc = class_accuracy(image, split.test_images, split.test_labels)
+    save_judge(video, work / "judges" / "video", metadata={"held_out_accuracy": video_acc}, overwrite=True)
+    save_judge(image, work / "judges" / "image", metadata={"held_out_accuracy": image_acc}, overwrite=True)
+    return {"video_held_out_accuracy": video_acc, "image_held_out_accuracy": image_acc,
+            "video_held_out_clips": s.reference_clips, "image_held_out_digits": int(len(split.test_images))}
+
+
+def _autoencoders(work: Path, s: BuildSettings) -> dict[str, Any]:
+    clips, _, _ = generate_clips(s.vae_clips, seed=DATA_SEED + 1)
+    video_vae = tiny_video_vae(seed=s.seed)
+    video_losses = train_video_vae(video_vae, clips, steps=s.video_vae_steps, seed=s.seed)
+    video_vae.save_pretrained(work / "autoencoders" / "video")
+    split = split_digits(seed=s.seed)
+    image_vae = tiny_image_vae(seed=s.seed)
+    image_losses = train_image_vae(image_vae, split.train_images, steps=s.image_vae_steps, seed=s.seed)
+    image_vae.save_pretrained(work / "autoencoders" / "image")
+    return {"video_final_loss": float(np.mean(video_losses[-20:])), "image_final_loss": float(np.mean(image_losses[-20:]))}
+
+
+def _caption_words() -> list[str]:
+    return ["a", "moving", *ATTRIBUTES["shape"], *ATTRIBUTES["colour"], *ATTRIBUTES["direction"]]
+
+
+def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
+    from diffusers import (AutoencoderKL, AutoencoderKLWan, DDIMScheduler, DiTPipeline, UniPCMultistepScheduler,
+                           WanPipeline)
+
+    from ..tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
+
+    vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video")
+    tokenizer = tiny_tokenizer(_caption_words())
+    text_encoder = tiny_text_encoder(len(tokenizer), seed=s.seed)
+    transformer = tiny_wan_transformer(
+        num_layers=s.video_layers, seed=s.seed, patch_size=(1, 1, 1), num_attention_heads=4, attention_head_dim=32,
+        in_channels=vae.config.z_dim, out_channels=vae.config.z_dim, text_dim=text_encoder.config.d_model,
+        ffn_dim=256, rope_max_seq_len=64,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                scheduler=scheduler).save_pretrained(work / "base" / "shapes-t2v")
+
+    image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image")
+    latent_side = 32 // 2 ** (len(image_vae.config.block_out_channels) - 1)
+    dit = tiny_dit_transformer(
+        num_layers=s.image_layers, seed=s.seed, num_attention_heads=4, attention_head_dim=32,
+        in_channels=image_vae.config.latent_channels, out_channels=2 * image_vae.config.latent_channels,
+        sample_size=latent_side, patch_size=1, num_embeds_ada_norm=10,
+    )
+    ddim = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02,
+                         clip_sample=False)
+    id2label = {i: str(i) for i in range(10)}
+    pipe = DiTPipeline(transformer=dit, vae=image_vae, scheduler=ddim, id2label=id2label)
+    pipe.register_to_config(id2label=id2label)
+    pipe.save_pretrained(work / "base" / "digits-c2i")
+    count = lambda m: int(sum(p.numel() for p in m.parameters()))  # noqa: E731
+    return {"video_transformer_params": count(transformer), "image_transformer_params": count(dit),
+            "text_encoder_params": count(text_encoder)}
+
+
+def _common(s: BuildSettings, output_dir: Path) -> dict[str, Any]:
+    return dict(output_dir=str(output_dir), overwrite_output_dir=True, seed=s.seed, mixed_precision="no",
+                gradient_checkpointing=False, report_to="none", checkpointing_steps=0, save_pipeline=True,
+                max_grad_norm=1.0, lr_warmup_steps=0, dataloader_num_workers=0)
+
+
+def _cache_dir(work: Path, data: str, pretrained: Path) -> Path:
+    """One latent cache per data set and source pipeline (the students share the teacher's)."""
+    return work / "cache" / f"{data}-{'base' if pretrained.parent.name == 'base' else 'teacher'}"
+
+
+def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
+                   mhla: dict[str, Any] | None, transfer: int) -> "WanTrainOptions":  # noqa: F821
+    from ..finetune.options import WanTrainOptions, options_from_dict
+
+    d = embedded_defaults()
+    values = dict(
+        _common(s, work / "runs" / f"t2v-{name}"), pretrained_model=str(pretrained), data_dir=str(work / "data" / "shapes"),
+        height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
+        caption_dropout=0.1, cache_latents=True, cache_dir=str(_cache_dir(work, "shapes", pretrained)), learning_rate=lr,
+        lr_scheduler="constant", train_batch_size=s.video_batch_size, max_train_steps=steps,
+        attention_transfer_steps=transfer,
+    )
+    if mhla is None:
+        values["attention"] = "softmax"
+    else:
+        values["mhla"] = mhla
+    return options_from_dict(WanTrainOptions, values)
+
+
+def _image_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
+                   mhla: dict[str, Any] | None, transfer: int) -> "DiTTrainOptions":  # noqa: F821
+    from ..finetune.options import DiTTrainOptions, options_from_dict
+
+    values = dict(
+        _common(s, work / "runs" / f"c2i-{name}"), pretrained_model=str(pretrained), data_dir=str(work / "data" / "digits"),
+        resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0, cache_latents=True,
+        cache_dir=str(_cache_dir(work, "digits", pretrained)), learning_rate=lr, train_batch_size=s.image_batch_size,
+        max_train_steps=steps, attention_transfer_steps=transfer,
+    )
+    if mhla is None:
+        values["attention"] = "softmax"
+    else:
+        values["mhla"] = mhla
+    return options_from_dict(DiTTrainOptions, values)
+
+
+def _student_mhla(name: str, layout: tuple[int, ...]) -> dict[str, Any]:
+    layers, one_block, _ = STUDENTS[name]
+    return {"layers": layers, "layout": [1] * len(layout) if one_block else list(layout)}
+
+
+def _teachers(work: Path, s: BuildSettings) -> dict[str, Any]:
+    from ..finetune.train_dit import train as train_dit
+    from ..finetune.train_wan import train as train_wan
+
+    train_wan(_video_options(work, s, "softmax", work / "base" / "shapes-t2v", s.video_teacher_steps, s.teacher_lr,
+                             None, 0))
+    train_dit(_image_options(work, s, "softmax", work / "base" / "digits-c2i", s.image_teacher_steps, s.teacher_lr,
+                             None, 0))
+    return {"video_steps": s.video_teacher_steps, "image_steps": s.image_teacher_steps}
+
+
+def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
+    from ..finetune.train_dit import train as train_dit
+    from ..finetune.train_wan import train as train_wan
+
+    seconds: dict[str, float] = {}
+    for name, (_, _, transfer) in STUDENTS.items():
+        began = time.perf_counter()
+        train_wan(_video_options(work, s, name, work / "runs" / "t2v-softmax" / "pipeline", s.video_student_steps,
+                                 s.student_lr, _student_mhla(name, VIDEO_LAYOUT), s.video_transfer_steps if transfer else 0))
+        seconds[f"t2v-{name}"] = round(time.perf_counter() - began, 1)
+        began = time.perf_counter()
+        train_dit(_image_options(work, s, name, work / "runs" / "c2i-softmax" / "pipeline", s.image_student_steps,
+                                 s.student_lr, _student_mhla(name, IMAGE_LAYOUT), s.image_transfer_steps if transfer else 0))
+        seconds[f"c2i-{name}"] = round(time.perf_counter() - began, 1)
+    return {"seconds_per_run": seconds, "video_steps": s.video_student_steps, "image_steps": s.image_student_steps,
+            "video_transfer_steps": s.video_transfer_steps, "image_transfer_steps": s.image_transfer_steps}
+
+
+def _layout_of(pipe) -> str:
+    from ..conversion import get_mhla_conversion
+
+    conversion = get_mhla_conversion(pipe.transformer)
+    if conversion is None:
+        return "-"
+    layers = len(conversion.layer_names)
+    total = conversion.num_layers
+    return "x".join(map(str, conversion.layout)) + ("" if layers == total else f" ({layers}/{total} layers)")
+
+
+def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
+    from ..pipelines import MHLADiTPipeline, MHLAWanPipeline
+
+    torch.set_grad_enabled(False)
+    d = embedded_defaults()
+    video_judge, image_judge = load_judge(work / "judges" / "video"), load_judge(work / "judges" / "image")
+    reference_clips, _, _ = generate_clips(s.reference_clips, seed=REFERENCE_SEED)
+    split = split_digits(seed=s.seed)
+    captions, labels = balanced_captions(s.eval_clips)
+    digit_labels = np.arange(s.eval_images) % 10
+    rows: list[ScoreRow] = []
+    names = ["softmax", *STUDENTS]
+
+    real_clips, real_labels, _ = generate_clips(s.eval_clips, seed=EVAL_SEED)
+    accuracy, metrics = score_clips(real_clips, real_labels, reference_clips, video_judge)
+    rows.append(ScoreRow("text-to-video", "real clips (held out)", "-", "-", accuracy, metrics["fid"],
+                         metrics["precision"], metrics["recall"], None, s.eval_clips, "the data itself"))
+    for name in names:
+        pipe = MHLAWanPipeline.from_pretrained(work / "runs" / f"t2v-{name}" / "pipeline")
+        pipe.set_progress_bar_config(disable=True)
+        clips, times = sample_clips(pipe, captions, seed=EVAL_SEED, batch_size=s.eval_batch_size,
+                                    num_frames=d.num_frames, height=d.height, width=d.width, steps=d.video_steps,
+                                    guidance_scale=d.video_guidance_scale, max_sequence_length=d.max_sequence_length)
+        accuracy, metrics = score_clips(clips, labels, reference_clips, video_judge)
+        rows.append(ScoreRow("text-to-video", _model_name(name), _attention_name(name), _layout_of(pipe), accuracy,
+                             metrics["fid"], metrics["precision"], metrics["recall"], median_seconds(times),
+                             s.eval_clips))
+
+    accuracy, metrics = score_digits(split.train_images[: s.eval_images], split.train_labels[: s.eval_images],
+                                     split.test_images, image_judge)
+    rows.append(ScoreRow("class-to-image", "real digits (training set)", "-", "-", accuracy, metrics["fid"],
+                         metrics["precision"], metrics["recall"], None, s.eval_images, "the data itself"))
+    for name in names:
+        pipe = MHLADiTPipeline.from_pretrained(work / "runs" / f"c2i-{name}" / "pipeline")
+        pipe.set_progress_bar_config(disable=True)
+        images, times = sample_digits(pipe, digit_labels, seed=EVAL_SEED, batch_size=4 * s.eval_batch_size,
+                                      steps=d.image_steps, guidance_scale=d.image_guidance_scale)
+        accuracy, metrics = score_digits(images, digit_labels, split.test_images, image_judge)
+        rows.append(ScoreRow("class-to-image", _model_name(name), _attention_name(name), _layout_of(pipe), accuracy,
+                             metrics["fid"], metrics["precision"], metrics["recall"], median_seconds(times),
+                             s.eval_images))
+    torch.set_grad_enabled(True)
+    write_table_csv(rows, work / "reproduction.csv")
+    (work / "reproduction.md").write_text(table_markdown(rows))
+    return {"rows": [row.as_dict() for row in rows]}
+
+
+def _model_name(name: str) -> str:
+    return {"softmax": "softmax teacher", "mhla": "MHLA (all layers)", "mhla-no-transfer": "MHLA, no attention transfer",
+            "mhla-hybrid": "MHLA hybrid 2/3", "linear": "linear attention (1 block)"}[name]
+
+
+def _attention_name(name: str) -> str:
+    return "softmax" if name == "softmax" else ("linear" if name == "linear" else "MHLA")
+
+
+def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any]) -> dict[str, Any]:
+    output.mkdir(parents=True, exist_ok=True)
+    pairs = {"shapes-t2v-softmax": "t2v-softmax", "shapes-t2v-mhla": "t2v-mhla",
+             "digits-c2i-softmax": "c2i-softmax", "digits-c2i-mhla": "c2i-mhla"}
+    for target, run in pairs.items():
+        _replace_tree(work / "runs" / run / "pipeline", output / target)
+    for kind in ("video", "image"):
+        _replace_tree(work / "judges" / kind, output / "judges" / kind)
+    for name in ("reproduction.csv", "reproduction.md"):
+        shutil.copy2(work / name, output / name)
+    sizes = {p.name: _folder_mb(p) for p in sorted(output.iterdir()) if p.is_dir()}
+    (output / "build_report.json").write_text(json.dumps(
+        {"settings": dataclasses.asdict(s), "stages": report, "sizes_mb": sizes}, indent=2))
+    return {"output": str(output), "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2)}
+
+
+def _replace_tree(source: Path, target: Path) -> None:
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.pt", "cache"))
+
+
+def _folder_mb(folder: Path) -> float:
+    return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 2)
+
+
+def build_demo_models(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None = None,
+                      overwrite: bool = False) -> dict[str, Any]:
+    """Run every stage (resuming a previous run in ``work_dir``); returns the stage results.
+
+    ``output`` (``None``: do not export) receives the four pipelines and two judges; an existing
+    non-empty ``output`` is replaced only with ``overwrite`` (checked before any work starts).
+    """
+    s = settings or BuildSettings()
+    work = Path(work_dir)
+    out = Path(output) if output is not None else None
+    if out is not None and out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} already holds models; pass --overwrite to replace them or choose another --output")
+    work.mkdir(parents=True, exist_ok=True)
+    settings_file = work / "settings.json"
+    wanted = dataclasses.asdict(s)
+    if settings_file.is_file() and json.loads(settings_file.read_text()) != wanted:
+        raise ValueError(f"{work} holds a build with other settings ({settings_file}); use another --work-dir "
+                         "or delete that folder")
+    settings_file.write_text(json.dumps(wanted, indent=2))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    stages = _Stages(work)
+    report: dict[str, Any] = {}
+    report["data"] = stages.run("data", lambda: _data(work, s))
+    report["judges"] = stages.run("judges", lambda: _judges(work, s))
+    report["autoencoders"] = stages.run("autoencoders", lambda: _autoencoders(work, s))
+    report["base"] = stages.run("base", lambda: _base(work, s))
+    report["teachers"] = stages.run("teachers", lambda: _teachers(work, s))
+    report["students"] = stages.run("students", lambda: _students(work, s))
+    report["evaluate"] = stages.run("evaluate", lambda: _evaluate(work, s))
+    if out is not None:
+        report["export"] = _export(work, out, s, report)
+    report["total_seconds"] = round(sum(v.get("seconds", 0) for v in report.values() if isinstance(v, dict)), 1)
+    return report
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo-models", help="train the embedded demonstration models and the reproduction table from scratch",
+        description="Train the small moving-shapes (Wan architecture) and digits (DiT architecture) models, their "
+        "MHLA / hybrid / linear conversions and judges, score them, and write the models to --output.",
+    )
+    p.add_argument("--work-dir", type=Path, default=Path("runs/demo-models"),
+                   help="intermediate files; a rerun resumes finished stages (default runs/demo-models)")
+    p.add_argument("--output", type=Path, default=EMBEDDED_ROOT,
+                   help=f"where the final models go (default: the package's {EMBEDDED_ROOT.name})")
+    p.add_argument("--overwrite", action="store_true", help="replace models already in --output")
+    p.add_argument("--smoke", action="store_true", help="a few steps per stage: checks the whole chain in minutes")
+    p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    settings = BuildSettings.smoke() if args.smoke else BuildSettings()
+    if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
+        raise ValueError("--smoke models are untrained: give --output for them (or --no-export), not the package folder")
+    report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite)
+    print((args.work_dir / "reproduction.md").read_text())
+    print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
+    return 0

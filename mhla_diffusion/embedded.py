@@ -1,0 +1,74 @@
+"""The small demonstration models that ship inside the package (no download, seconds on a CPU).
+
+``mhla demo-models`` (:mod:`mhla_diffusion.demo.build`) trains them from scratch and writes them to
+``mhla_diffusion/embedded_models/``:
+
+* ``shapes-t2v-softmax`` / ``shapes-t2v-mhla``: text-to-video, Wan2.1 architecture (our
+  ``MHLAWanPipeline``), trained on procedural "moving shapes" clips (17 frames, 64x64);
+* ``digits-c2i-softmax`` / ``digits-c2i-mhla``: class-to-image, DiT architecture, trained on
+  scikit-learn's handwritten digits (32x32, classes "0" ... "9");
+* ``judges/video`` / ``judges/image``: the classifiers that score generated samples.
+
+They are toy models that show the system working end to end, not substitutes for Wan2.1 or DiT-XL/2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "embedded_defaults", "embedded_judge", "embedded_model"]
+
+EMBEDDED_ROOT = Path(__file__).resolve().parent / "embedded_models"
+
+Task = Literal["text-to-video", "class-to-image"]
+Attention = Literal["mhla", "softmax"]
+_FOLDERS = {"text-to-video": "shapes-t2v", "class-to-image": "digits-c2i"}
+
+
+@dataclass(frozen=True)
+class EmbeddedDefaults:
+    """Generation settings the embedded models were trained for."""
+
+    num_frames: int = 17
+    height: int = 64
+    width: int = 64
+    fps: int = 8
+    max_sequence_length: int = 16  # the text length the model was trained with
+    video_steps: int = 20
+    video_guidance_scale: float = 5.0
+    image_steps: int = 25
+    image_guidance_scale: float = 4.0
+
+
+def embedded_defaults() -> EmbeddedDefaults:
+    return EmbeddedDefaults()
+
+
+def embedded_model(task: Task = "text-to-video", attention: Attention = "mhla", root: str | Path | None = None) -> Path:
+    """Pipeline folder of an embedded model (``from_pretrained``-ready).
+
+    Raises ``FileNotFoundError`` with the command that builds them when the folder is missing.
+    """
+    if task not in _FOLDERS:
+        raise ValueError(f"task must be one of {', '.join(_FOLDERS)}; got {task!r}")
+    if attention not in ("mhla", "softmax"):
+        raise ValueError(f"attention must be 'mhla' or 'softmax'; got {attention!r}")
+    folder = Path(root or EMBEDDED_ROOT) / f"{_FOLDERS[task]}-{attention}"
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"embedded model {folder} is missing: rebuild the demonstration models with `mhla demo-models` "
+            "(or pass --model with a Diffusers pipeline folder)"
+        )
+    return folder
+
+
+def embedded_judge(kind: Literal["video", "image"], root: str | Path | None = None) -> Path:
+    """Folder of an embedded judge (load with :func:`mhla_diffusion.demo.load_judge`)."""
+    if kind not in ("video", "image"):
+        raise ValueError(f"kind must be 'video' or 'image'; got {kind!r}")
+    folder = Path(root or EMBEDDED_ROOT) / "judges" / kind
+    if not folder.is_dir():
+        raise FileNotFoundError(f"embedded judge {folder} is missing: rebuild with `mhla demo-models`")
+    return folder

@@ -1,0 +1,101 @@
+"""Starting and stopping the web demo: ``python app.py`` and ``mhla demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from .config import DemoConfig, add_arguments, config_from_args
+from .outputs import SessionOutputs
+
+__all__ = ["build_parser", "main", "prepare_environment", "register", "run", "serve"]
+
+DESCRIPTION = ("Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention. "
+               "Serves on 127.0.0.1; offline (no analytics, no share link).")
+
+
+def prepare_environment(outputs: SessionOutputs) -> None:
+    """Environment for an offline Gradio: no analytics or telemetry, its cache inside the demo's temp folder."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(outputs.root / "gradio"))
+    os.environ.pop("GRADIO_SHARE", None)
+
+
+def serve(config: DemoConfig, block: bool = True):
+    """Load the models, build the page and launch it. Returns ``(demo, outputs)``.
+
+    With ``block`` (the command line) this returns after Ctrl+C or SIGTERM, with the server closed and the
+    temporary outputs deleted; without it the caller closes ``demo`` and calls ``outputs.remove_all()``.
+    """
+    outputs = SessionOutputs()
+    prepare_environment(outputs)
+    print(f"outputs: {outputs.root}", flush=True)
+    stop = threading.Event()
+    if block and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    demo = None
+    finished = False
+    try:
+        from .models import ModelStore
+        from .ui import build_demo
+
+        store = ModelStore(config)
+        if config.preload:
+            print("loading models ...", flush=True)
+            store.preload()
+        demo = build_demo(config, store, outputs)
+        demo.launch(
+            server_name=config.host, server_port=config.port, share=False, inbrowser=False, ssr_mode=False,
+            allowed_paths=[str(outputs.root)], prevent_thread_lock=True, quiet=False,
+        )
+        if not block:
+            finished = True
+            return demo, outputs
+        while demo.is_running and not stop.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        pass  # Ctrl+C: close down below
+    finally:
+        if not finished:
+            if demo is not None:
+                demo.close()
+            outputs.remove_all()
+            print("server closed, temporary outputs deleted", flush=True)
+    return demo, outputs
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry of ``mhla demo`` (and ``python app.py``)."""
+    serve(config_from_args(args))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``mhla demo`` to the ``mhla`` parser."""
+    parser = subparsers.add_parser("demo", help="start the Gradio web demo (MHLA vs softmax, side by side)",
+                                   description=DESCRIPTION)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=Path(sys.argv[0]).name or "app.py", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python app.py [flags]``: bad flags or missing model folders give one readable line and exit 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError, OSError) as error:
+        print(f"demo: error: {error}", file=sys.stderr)
+        return 2

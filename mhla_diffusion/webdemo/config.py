@@ -1,0 +1,205 @@
+"""The web demo's settings: command-line flags, each with an environment variable as its default.
+
+Models default to the embedded demonstration models (:mod:`mhla_diffusion.embedded`). For each task
+the "compare" option needs a softmax model; where it comes from (see :func:`resolve_task_models`):
+
+* ``--t2v-softmax-model`` / ``--c2i-softmax-model`` given: that pipeline folder, run with softmax attention;
+* the embedded default: the embedded softmax teacher the MHLA model was converted from;
+* ``--*-model`` plus ``--*-mhla-weights`` or ``--*-transformer``: the base model's own transformer, as is
+  (text encoder, VAE and tokenizer shared with the MHLA pipeline);
+* a ``--*-model`` that already holds MHLA (a folder saved by our pipelines): the same weights run
+  with the original softmax attention (``softmax_attention()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ..embedded import embedded_defaults, embedded_model
+from .validation import Limits
+
+__all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
+
+SoftmaxSource = Literal["folder", "base", "same"]
+ENV_PREFIX = "MHLA_DEMO_"
+
+
+@dataclass(frozen=True)
+class TaskModels:
+    """Where one task's MHLA model and its softmax counterpart come from."""
+
+    task: Literal["text-to-video", "class-to-image"]
+    model: str
+    mhla_weights: Path | None = None
+    transformer: Path | None = None
+    softmax_model: str | None = None
+    softmax_source: SoftmaxSource = "same"
+
+    def describe(self) -> str:
+        """One line for the page (folder names, not whole paths)."""
+        def short(path: str | Path) -> str:
+            return Path(path).name or str(path)
+
+        extra = "".join(f" + {name} {short(value)}" for name, value in
+                        (("MHLA weights", self.mhla_weights), ("transformer", self.transformer)) if value)
+        softmax = {"folder": f"softmax model {short(self.softmax_model or '')}", "base": "softmax: the base model as is",
+                   "same": "softmax: the same weights with the original attention"}[self.softmax_source]
+        return f"{short(self.model)}{extra}; {softmax}"
+
+
+@dataclass(frozen=True)
+class UIDefaults:
+    """Values the form starts with."""
+
+    num_frames: int
+    height: int
+    width: int
+    fps: int
+    video_steps: int
+    video_guidance_scale: float
+    image_steps: int
+    image_guidance_scale: float
+    negative_prompt: str = ""
+    prompt: str = "a red circle moving right"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything the demo needs to start."""
+
+    video: TaskModels
+    image: TaskModels
+    defaults: UIDefaults
+    limits: Limits = field(default_factory=Limits)
+    device: str | None = None
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+    concurrency: int = 1
+    max_queue: int = 16
+    preload: bool = True
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(ENV_PREFIX + name, default) or default
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = _env(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {ENV_PREFIX}{name}={value!r} must be a whole number") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    value = _env(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {ENV_PREFIX}{name}={value!r} must be a number") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's flags (shared by ``python app.py`` and ``mhla demo``)."""
+    d = embedded_defaults()
+    for prefix, task, env, example in (("t2v", "text-to-video", "T2V", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+                                       ("c2i", "class-to-image", "C2I", "facebook/DiT-XL-2-256")):
+        group = parser.add_argument_group(f"{task} model (default: the embedded {task} models)")
+        group.add_argument(f"--{prefix}-model", default=_env(f"{env}_MODEL"),
+                           help=f"Diffusers pipeline folder or hub id, e.g. {example} (env {ENV_PREFIX}{env}_MODEL)")
+        group.add_argument(f"--{prefix}-mhla-weights", type=Path, default=_env(f"{env}_MHLA_WEIGHTS"),
+                           help=f"MHLA weights folder (save_mhla / `mhla convert --output`) (env {ENV_PREFIX}{env}_MHLA_WEIGHTS)")
+        group.add_argument(f"--{prefix}-transformer", type=Path, default=_env(f"{env}_TRANSFORMER"),
+                           help=f"converted transformer folder or original-format checkpoint (env {ENV_PREFIX}{env}_TRANSFORMER)")
+        group.add_argument(f"--{prefix}-softmax-model", default=_env(f"{env}_SOFTMAX_MODEL"),
+                           help="pipeline folder for the softmax side of 'compare' (default: see the README) "
+                           f"(env {ENV_PREFIX}{env}_SOFTMAX_MODEL)")
+    run = parser.add_argument_group("server and device")
+    run.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to serve on (default 127.0.0.1)")
+    run.add_argument("--port", type=int, default=_env_int("PORT", None), help="port (default: 7860 or the next free one)")
+    run.add_argument("--concurrency", type=int, default=_env_int("CONCURRENCY", 1),
+                     help="generations run at once, all tabs together (default 1); others wait in the queue")
+    run.add_argument("--max-queue", type=int, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)")
+    run.add_argument("--device", default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)")
+    run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=_env("DTYPE"),
+                     help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    run.add_argument("--no-preload", dest="preload", action="store_false",
+                     help="load the models on the first request instead of at start")
+    form = parser.add_argument_group("form defaults and limits")
+    form.add_argument("--num-frames", type=int, default=_env_int("NUM_FRAMES", d.num_frames), help=f"default {d.num_frames}")
+    form.add_argument("--height", type=int, default=_env_int("HEIGHT", d.height), help=f"default {d.height}")
+    form.add_argument("--width", type=int, default=_env_int("WIDTH", d.width), help=f"default {d.width}")
+    form.add_argument("--fps", type=int, default=_env_int("FPS", d.fps), help=f"frames per second of the videos (default {d.fps})")
+    form.add_argument("--video-steps", type=int, default=_env_int("VIDEO_STEPS", d.video_steps), help=f"default {d.video_steps}")
+    form.add_argument("--video-guidance-scale", type=float, default=_env_float("VIDEO_GUIDANCE_SCALE", d.video_guidance_scale),
+                      help=f"default {d.video_guidance_scale}")
+    form.add_argument("--image-steps", type=int, default=_env_int("IMAGE_STEPS", d.image_steps), help=f"default {d.image_steps}")
+    form.add_argument("--image-guidance-scale", type=float, default=_env_float("IMAGE_GUIDANCE_SCALE", d.image_guidance_scale),
+                      help=f"default {d.image_guidance_scale}")
+    form.add_argument("--max-steps", type=int, default=_env_int("MAX_STEPS", Limits.max_steps), help="default 100")
+    form.add_argument("--max-frames", type=int, default=_env_int("MAX_FRAMES", Limits.max_frames), help="default 81")
+    form.add_argument("--max-size", type=int, default=_env_int("MAX_SIZE", Limits.max_size), help="largest height/width (default 1024)")
+
+
+def resolve_task_models(
+    task: Literal["text-to-video", "class-to-image"], model: str | None, mhla_weights: Path | None,
+    transformer: Path | None, softmax_model: str | None,
+) -> TaskModels:
+    """Which folders a task uses (see the module docstring); missing local folders are readable errors."""
+    from ..pipelines.cli import DIT_HUB_ID, WAN_HUB_ID, check_model_source
+
+    flag = "--t2v" if task == "text-to-video" else "--c2i"
+    if model is None:
+        if mhla_weights is not None or transformer is not None:
+            raise ValueError(f"{flag}-mhla-weights / {flag}-transformer need {flag}-model (the base pipeline)")
+        model = str(embedded_model(task, "mhla"))
+        if softmax_model is None:
+            try:
+                softmax_model = str(embedded_model(task, "softmax"))
+            except FileNotFoundError:
+                softmax_model = None  # compare then runs the MHLA model's weights with softmax attention
+    hub_id = WAN_HUB_ID if task == "text-to-video" else DIT_HUB_ID
+    check_model_source(model, hub_id)
+    if softmax_model is not None:
+        check_model_source(softmax_model, hub_id)
+    for name, path in (("mhla-weights", mhla_weights), ("transformer", transformer)):
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{flag}-{name} {path} does not exist")
+    if softmax_model is not None:
+        source: SoftmaxSource = "folder"
+    elif mhla_weights is not None or transformer is not None:
+        source = "base"
+    else:
+        source = "same"
+    return TaskModels(task, model, mhla_weights, transformer, softmax_model, source)
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """A :class:`DemoConfig` from parsed flags; model folders are checked here, before anything loads."""
+    if args.concurrency < 1 or args.max_queue < 1:
+        raise ValueError("--concurrency and --max-queue must be >= 1")
+    limits = Limits(max_steps=args.max_steps, max_frames=args.max_frames, max_size=args.max_size)
+    defaults = UIDefaults(
+        num_frames=args.num_frames, height=args.height, width=args.width, fps=args.fps,
+        video_steps=args.video_steps, video_guidance_scale=args.video_guidance_scale,
+        image_steps=args.image_steps, image_guidance_scale=args.image_guidance_scale,
+    )
+    if args.fps < 1:
+        raise ValueError("--fps must be >= 1")
+    return DemoConfig(
+        video=resolve_task_models("text-to-video", args.t2v_model, args.t2v_mhla_weights, args.t2v_transformer,
+                                  args.t2v_softmax_model),
+        image=resolve_task_models("class-to-image", args.c2i_model, args.c2i_mhla_weights, args.c2i_transformer,
+                                  args.c2i_softmax_model),
+        defaults=defaults, limits=limits, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
+        concurrency=args.concurrency, max_queue=args.max_queue, preload=args.preload,
+    )

@@ -1,0 +1,146 @@
+"""Checks of the web demo's inputs, run before any model work.
+
+Every problem is a :class:`DemoInputError` whose message is shown in the page as it is, so each one
+says what was wrong and what is allowed. Nothing here imports Gradio or loads a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..pipelines.dit import resolve_class_ids
+
+__all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoRequest", "image_request", "video_request"]
+
+#: Largest seed accepted (torch generators take 64-bit seeds; 32 bits are plenty to type).
+MAX_SEED = 2**32 - 1
+
+
+class DemoInputError(ValueError):
+    """A bad value typed into the demo; the message is meant for the page."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the demo accepts (bounds keep one request from exhausting the machine)."""
+
+    max_steps: int = 100
+    max_frames: int = 81
+    min_size: int = 16
+    max_size: int = 1024
+    max_guidance: float = 20.0
+    max_prompt_chars: int = 2000
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """One checked text-to-video request."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    guidance_scale: float
+    num_frames: int
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """One checked class-to-image request (``class_id`` resolved from a name or an id)."""
+
+    class_label: str
+    class_id: int
+    seed: int
+    steps: int
+    guidance_scale: float
+
+
+def _integer(value: Any, name: str) -> int:
+    """``value`` as an int; ``None``, text and fractional numbers are errors."""
+    if isinstance(value, bool) or value is None or value == "":
+        raise DemoInputError(f"{name} is missing: enter a whole number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise DemoInputError(f"{name} must be a whole number, got {value!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise DemoInputError(f"{name} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or value is None or value == "":
+        raise DemoInputError(f"{name} is missing: enter a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise DemoInputError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise DemoInputError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
+def _in_range(value: float, low: float, high: float, name: str) -> None:
+    if not low <= value <= high:
+        raise DemoInputError(f"{name} {value:g} is out of range: use {low:g} to {high:g}")
+
+
+def _common(seed: Any, steps: Any, guidance: Any, limits: Limits) -> tuple[int, int, float]:
+    seed_value = _integer(seed, "Seed")
+    _in_range(seed_value, 0, MAX_SEED, "Seed")
+    step_count = _integer(steps, "Steps")
+    _in_range(step_count, 1, limits.max_steps, "Steps")
+    scale = _number(guidance, "Guidance scale")
+    _in_range(scale, 0.0, limits.max_guidance, "Guidance scale")
+    return seed_value, step_count, scale
+
+
+def video_request(
+    prompt: Any, negative_prompt: Any, seed: Any, steps: Any, guidance: Any, num_frames: Any, height: Any, width: Any,
+    limits: Limits = Limits(),
+) -> VideoRequest:
+    """Check the text-to-video inputs; raise :class:`DemoInputError` on the first problem."""
+    text = (prompt or "").strip() if isinstance(prompt, str) or prompt is None else str(prompt).strip()
+    if not text:
+        raise DemoInputError("The prompt is empty: describe the video to generate")
+    if len(text) > limits.max_prompt_chars:
+        raise DemoInputError(f"The prompt is too long ({len(text)} characters; at most {limits.max_prompt_chars})")
+    negative = "" if negative_prompt is None else str(negative_prompt).strip()
+    seed_value, step_count, scale = _common(seed, steps, guidance, limits)
+    frames = _integer(num_frames, "Frames")
+    if frames < 1 or frames % 4 != 1:
+        raise DemoInputError(f"Frames {frames} is not supported: use 4k+1 frames (1, 5, 9, 13, 17, ...)")
+    if frames > limits.max_frames:
+        raise DemoInputError(f"Frames {frames} is too many: at most {limits.max_frames}")
+    sizes = {}
+    for name, value in (("Height", height), ("Width", width)):
+        size = _integer(value, name)
+        if size % 16:
+            raise DemoInputError(f"{name} {size} is not supported: use a multiple of 16 (VAE x8, patch 2)")
+        _in_range(size, limits.min_size, limits.max_size, name)
+        sizes[name] = size
+    return VideoRequest(text, negative, seed_value, step_count, scale, frames, sizes["Height"], sizes["Width"])
+
+
+def image_request(
+    class_label: Any, seed: Any, steps: Any, guidance: Any, labels: dict[str, int], num_classes: int,
+    limits: Limits = Limits(),
+) -> ImageRequest:
+    """Check the class-to-image inputs; ``class_label`` is a name from ``labels`` or an id below ``num_classes``."""
+    label = "" if class_label is None else str(class_label).strip()
+    if not label:
+        raise DemoInputError("No class given: choose a class name or type a class id")
+    try:
+        (class_id,) = resolve_class_ids([label], labels, num_classes)
+    except ValueError:
+        examples = ", ".join(list(labels)[:5])
+        raise DemoInputError(
+            f"Unknown class {label!r}: choose a listed class name or an id from 0 to {num_classes - 1}"
+            + (f" (names such as {examples})" if examples else "")
+        ) from None
+    seed_value, step_count, scale = _common(seed, steps, guidance, limits)
+    return ImageRequest(label, class_id, seed_value, step_count, scale)

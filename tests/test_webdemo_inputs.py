@@ -1,0 +1,133 @@
+"""The web demo's parts that need no server: input checks, flags, model sources, output folders."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from mhla_diffusion.webdemo import DemoInputError, Limits, image_request, video_request
+from mhla_diffusion.webdemo.app import build_parser
+from mhla_diffusion.webdemo.config import config_from_args, resolve_task_models
+from mhla_diffusion.webdemo.outputs import SessionOutputs
+
+GOOD_VIDEO = dict(prompt=" a cat ", negative_prompt=None, seed=3.0, steps=20, guidance=5, num_frames=17, height=64, width=96)
+
+
+def test_video_request_accepts_and_normalises():
+    request = video_request(**GOOD_VIDEO)
+    assert (request.prompt, request.negative_prompt, request.seed, request.num_frames) == ("a cat", "", 3, 17)
+    assert (request.height, request.width, request.steps, request.guidance_scale) == (64, 96, 20, 5.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(prompt="   "), "prompt is empty"),
+    (dict(prompt=None), "prompt is empty"),
+    (dict(height=50), "Height 50 is not supported: use a multiple of 16"),
+    (dict(width=2048), "Width 2048 is out of range"),
+    (dict(width=0), "Width 0 is out of range"),
+    (dict(steps=0), "Steps 0 is out of range"),
+    (dict(steps=101), "Steps 101 is out of range"),
+    (dict(steps=2.5), "Steps must be a whole number"),
+    (dict(steps=None), "Steps is missing"),
+    (dict(num_frames=16), "use 4k+1 frames"),
+    (dict(num_frames=85), "Frames 85 is too many"),
+    (dict(seed=-1), "Seed -1 is out of range"),
+    (dict(guidance=float("nan")), "Guidance scale must be a finite number"),
+    (dict(guidance=50), "Guidance scale 50 is out of range"),
+])
+def test_video_request_errors_are_readable(change, message):
+    with pytest.raises(DemoInputError, match=message.replace("+", r"\+")):
+        video_request(**{**GOOD_VIDEO, **change})
+
+
+def test_limits_are_configurable():
+    with pytest.raises(DemoInputError, match="at most 9"):
+        video_request(**{**GOOD_VIDEO, "num_frames": 13}, limits=Limits(max_frames=9))
+
+
+LABELS = {"tench": 0, "Tinca tinca": 0, "goldfish": 1}
+
+
+def test_image_request_by_name_or_id():
+    assert image_request("goldfish", 0, 10, 4.0, LABELS, 1000).class_id == 1
+    assert image_request(" 7 ", 0, 10, 4.0, LABELS, 1000).class_id == 7
+    assert image_request("Tinca tinca", 0, 10, 4.0, LABELS, 1000).class_label == "Tinca tinca"
+    for bad, message in (("zebra", "Unknown class 'zebra'.*names such as tench"), ("1000", "id from 0 to 999"),
+                         ("", "No class given"), ("-1", "Unknown class")):
+        with pytest.raises(DemoInputError, match=message):
+            image_request(bad, 0, 10, 4.0, LABELS, 1000)
+
+
+def test_flags_and_environment(pipeline_dirs, monkeypatch):
+    monkeypatch.setenv("MHLA_DEMO_C2I_MODEL", str(pipeline_dirs["dit"]))
+    monkeypatch.setenv("MHLA_DEMO_CONCURRENCY", "2")
+    args = build_parser().parse_args(["--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights",
+                                      str(pipeline_dirs["wan_mhla"]), "--num-frames", "9", "--max-steps", "30"])
+    config = config_from_args(args)
+    assert config.video.softmax_source == "base" and config.video.mhla_weights == pipeline_dirs["wan_mhla"]
+    assert config.image.model == str(pipeline_dirs["dit"]) and config.image.softmax_source == "same"
+    assert (config.concurrency, config.host, config.defaults.num_frames, config.limits.max_steps) == (2, "127.0.0.1", 9, 30)
+
+
+def test_model_sources_and_missing_folders(pipeline_dirs, tmp_path):
+    dit, weights = str(pipeline_dirs["dit"]), pipeline_dirs["dit_mhla"]
+    assert resolve_task_models("class-to-image", dit, weights, None, dit).softmax_source == "folder"
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_task_models("class-to-image", str(tmp_path / "nowhere"), None, None, None)
+    with pytest.raises(FileNotFoundError, match="mhla-weights"):
+        resolve_task_models("class-to-image", dit, tmp_path / "nowhere", None, None)
+    with pytest.raises(ValueError, match="need --c2i-model"):
+        resolve_task_models("class-to-image", None, weights, None, None)
+
+
+def test_mhla_demo_subcommand_exists():
+    from mhla_diffusion.cli import build_parser as mhla_parser
+
+    args = mhla_parser().parse_args(["demo", "--port", "7000", "--no-preload"])
+    assert args.command == "demo" and args.port == 7000 and args.preload is False
+
+
+def test_session_outputs_are_separate_and_cleaned(tmp_path):
+    outputs = SessionOutputs(tmp_path / "root", max_age_s=60)
+    frames = np.zeros((5, 16, 16, 3), dtype=np.float32)
+    video = outputs.save_video("abc", frames, "mhla", fps=8)
+    image = outputs.save_image("../evil", np.ones((16, 16, 3), dtype=np.float32), "softmax")
+    assert video.parent == outputs.root / "abc" and video.suffix == ".mp4" and video.stat().st_size > 0
+    assert image.parent.parent == outputs.root and image.suffix == ".png"  # session ids cannot escape the root
+    stale = outputs.folder("old")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    outputs.folder("abc")  # any request sweeps folders unused for max_age_s
+    assert not stale.exists() and video.exists()
+    outputs.remove("abc")
+    assert not video.parent.exists()
+    outputs.remove_all()
+    assert not outputs.root.exists()
+
+
+def test_softmax_sources_agree(pipeline_dirs, tmp_path):
+    """'same' (MHLA weights under softmax attention), 'base' and 'folder' give the base model's image."""
+    from mhla_diffusion.pipelines import MHLADiTPipeline
+    from mhla_diffusion.webdemo.config import DemoConfig
+    from mhla_diffusion.webdemo.models import ModelStore
+
+    dit, weights = str(pipeline_dirs["dit"]), pipeline_dirs["dit_mhla"]
+    saved = tmp_path / "dit_mhla_pipeline"
+    MHLADiTPipeline.from_pretrained(dit, mhla_weights=weights).save_pretrained(saved)
+    video = resolve_task_models("text-to-video", str(pipeline_dirs["wan"]), pipeline_dirs["wan_mhla"], None, None)
+    request = image_request("goldfish", 0, 2, 4.0, LABELS, 1000)
+    images, steps = {}, []
+    for source, task in (("same", (str(saved), None, None, None)), ("base", (dit, weights, None, None)),
+                         ("folder", (str(saved), None, None, dit))):
+        models = resolve_task_models("class-to-image", *task)
+        assert models.softmax_source == source
+        store = ModelStore(DemoConfig(video=video, image=models, defaults=None, device="cpu"))
+        assert store.class_choices() == ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead"]
+        images[source] = store.generate_image(request, "softmax", progress=lambda step, total: steps.append((step, total)))
+        mhla = store.generate_image(request, "mhla")
+        assert not np.allclose(mhla.array, images[source].array)
+    assert steps[:2] == [(1, 2), (2, 2)]
+    np.testing.assert_allclose(images["same"].array, images["base"].array, atol=1e-5)
+    np.testing.assert_allclose(images["same"].array, images["folder"].array, atol=1e-5)

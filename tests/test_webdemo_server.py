@@ -1,0 +1,266 @@
+"""The web demo as users meet it: ``python app.py`` started here, called through ``gradio_client`` and,
+once, driven in headless Chromium (Debian's ``chromium``; no browser download).
+
+One server per module, on tiny pipelines built by the ``pipeline_dirs`` fixture; it is shut down with
+SIGTERM at the end and must exit 0 having deleted its temporary outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
+gradio_client = pytest.importorskip("gradio_client")
+
+REPO = Path(__file__).resolve().parents[1]
+#: Form defaults the server starts with (small, so a generation takes about a second on a CPU).
+FRAMES, SIZE, STEPS = 9, 32, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DemoServer:
+    """A ``python app.py`` subprocess and what the tests need from it."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def output_root(self) -> Path:
+        match = re.search(r"outputs: (\S+)", self.log_text())
+        assert match, self.log_text()
+        return Path(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def demo_server(pipeline_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("webdemo")
+    (root / "tmp").mkdir()
+    port = _free_port()
+    log = root / "server.log"
+    env = {**os.environ, "TMPDIR": str(root / "tmp"), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("GRADIO_TEMP_DIR", None)
+    command = [sys.executable, "app.py", "--port", str(port)]
+    if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
+        command += [
+            "--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"]),
+            "--c2i-model", str(pipeline_dirs["dit"]), "--c2i-mhla-weights", str(pipeline_dirs["dit_mhla"]),
+            "--num-frames", str(FRAMES), "--height", str(SIZE), "--width", str(SIZE),
+            "--video-steps", str(STEPS), "--image-steps", str(STEPS), "--max-steps", "50",
+        ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = DemoServer(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:  # a dead server must not be mistaken for a stale one on the port
+                pytest.fail(f"app.py exited with {proc.returncode}:\n{server.log_text()}")
+            try:
+                with urllib.request.urlopen(server.url + "/config", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"app.py did not serve within 120 s:\n{server.log_text()}")
+            time.sleep(0.25)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode == 0, server.log_text()
+    assert not server.output_root().exists(), "temporary outputs left behind"
+
+
+@pytest.fixture(scope="module")
+def client(demo_server, tmp_path_factory):
+    downloads = tmp_path_factory.mktemp("downloads")
+    return gradio_client.Client(demo_server.url, verbose=False, download_files=str(downloads))
+
+
+def _path(value) -> Path:
+    """A downloaded file path (gradio_client gives a str, or a dict for videos in older versions)."""
+    if isinstance(value, dict):
+        value = value.get("video") or value.get("path")
+    assert isinstance(value, str), value
+    return Path(value)
+
+
+def _video_shape(path: Path) -> tuple[int, int, int]:
+    import imageio.v2 as imageio
+
+    with imageio.get_reader(path, format="FFMPEG") as reader:
+        frames = [frame for frame in reader]
+    return len(frames), *frames[0].shape[:2]
+
+
+def test_video_with_softmax_comparison(client):
+    mhla, softmax, summary = client.predict(
+        "a red circle moving left", "", 3, STEPS, 5.0, FRAMES, SIZE, SIZE, True, api_name="/generate_video")
+    for value in (mhla, softmax):
+        path = _path(value)
+        assert path.suffix == ".mp4" and path.read_bytes()[4:8] == b"ftyp"
+        assert _video_shape(path) == (FRAMES, SIZE, SIZE)
+    assert _path(mhla).read_bytes() != _path(softmax).read_bytes()
+    assert "MHLA" in summary and "Softmax" in summary and re.search(r"\d+\.\d\d s", summary)
+
+
+def test_video_without_comparison(client):
+    mhla, softmax, summary = client.predict(
+        "a blue square moving up", "red", 0, 1, 0.0, 5, 48, SIZE, False, api_name="/generate_video")
+    assert _video_shape(_path(mhla)) == (5, 48, SIZE)
+    assert softmax is None and "Softmax" not in summary
+
+
+def test_images_by_name_and_id(client):
+    from PIL import Image
+
+    mhla, softmax, summary = client.predict("goldfish", 0, STEPS, 4.0, True, api_name="/generate_image")
+    for value in (mhla, softmax):
+        path = _path(value)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(path) as image:
+            assert image.size == (16, 16) and image.mode == "RGB"
+    assert "id 1" in summary
+    mhla, softmax, summary = client.predict("3", 1, 1, 4.0, False, api_name="/generate_image")
+    assert softmax is None and "id 3" in summary and _path(mhla).suffix == ".png"
+
+
+BAD_VIDEO = [
+    (("  ", "", 0, STEPS, 5.0, FRAMES, SIZE, SIZE, False), "prompt is empty"),
+    (("a cat", "", 0, STEPS, 5.0, FRAMES, 50, SIZE, False), "multiple of 16"),
+    (("a cat", "", 0, STEPS, 5.0, FRAMES, SIZE, 4096, False), "out of range"),
+    # the steps slider checks its own range (Gradio's message); validation.video_request checks it again
+    (("a cat", "", 0, 0, 5.0, FRAMES, SIZE, SIZE, False), "less than minimum value 1"),
+    (("a cat", "", 0, 999, 5.0, FRAMES, SIZE, SIZE, False), "greater than maximum value 50"),
+    (("a cat", "", 0, STEPS, 5.0, 10, SIZE, SIZE, False), "4k+1"),
+    (("a cat", "", 0, STEPS, 5.0, 1, 16, 16, False), "block layout"),  # token grid smaller than MHLA's 2x2x2
+]
+BAD_IMAGE = [(("zebra", 0, STEPS, 4.0, False), "Unknown class 'zebra'"), (("5000", 0, STEPS, 4.0, False), "Unknown class")]
+
+
+def test_bad_input_is_a_readable_error_and_the_server_keeps_serving(client):
+    from gradio_client.exceptions import AppError
+
+    calls = [(args, expected, "/generate_video") for args, expected in BAD_VIDEO]
+    calls += [(args, expected, "/generate_image") for args, expected in BAD_IMAGE]
+    for args, expected, api in calls:
+        with pytest.raises(AppError) as caught:
+            client.predict(*args, api_name=api)
+        message = str(caught.value)
+        assert expected in message and "Traceback" not in message, message
+    mhla, _, _ = client.predict("a cat", "", 0, 1, 5.0, FRAMES, SIZE, SIZE, False, api_name="/generate_video")
+    assert _path(mhla).is_file()
+
+
+def test_page_is_offline_and_local(demo_server):
+    with urllib.request.urlopen(demo_server.url + "/config", timeout=5) as response:
+        config = json.load(response)
+    assert not any(str(sheet).startswith("http") for sheet in config.get("stylesheets", []))
+    assert config.get("analytics_enabled") is False
+    assert "share" not in demo_server.log_text().lower() or "gradio.live" not in demo_server.log_text()
+    assert demo_server.output_root().is_dir()
+
+
+# ---------------------------------------------------------------- the browser
+
+
+def _chromium() -> str:
+    """Debian's Chromium, or skip (fail when MHLA_REQUIRE_BROWSER=1, as in CI)."""
+    required = os.environ.get("MHLA_REQUIRE_BROWSER") == "1"
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    problem = None
+    if path is None:
+        problem = "no `chromium` on PATH (apt-get install -y chromium)"
+    else:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            problem = "playwright is not installed (pip install -e .[test])"
+    if problem:
+        if required:
+            pytest.fail(f"MHLA_REQUIRE_BROWSER=1 but {problem}")
+        pytest.skip(problem)
+    return path
+
+
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+VIDEO_LOADED = """(id) => {
+    const v = document.querySelector(`#${id} video`);
+    return v && v.src && v.readyState >= 1 && !v.error;
+}"""
+
+
+def test_generate_video_in_chromium(demo_server, tmp_path):
+    executable = _chromium()
+    from playwright.sync_api import sync_playwright
+
+    save = os.environ.get("MHLA_SAVE_SCREENSHOT")
+    screenshot = REPO / "docs" / "web-demo.png" if save == "1" else Path(save) if save else tmp_path / "web-demo.png"
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    external: list[str] = []
+
+    def local_only(route):
+        url = route.request.url
+        if url.startswith((demo_server.url, "data:", "blob:")):
+            route.continue_()
+        else:
+            external.append(url)
+            route.abort()
+
+    sessions_before = {path.name for path in demo_server.output_root().iterdir()}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, headless=True, args=BROWSER_ARGS)
+        try:
+            page = browser.new_context(viewport={"width": 1280, "height": 820}).new_page()
+            page.route("**/*", local_only)
+            page.goto(demo_server.url, wait_until="domcontentloaded")
+            prompt = page.locator("#t2v-prompt textarea")
+            prompt.wait_for(timeout=30_000)
+            prompt.fill("a green circle moving right")
+            page.locator("#t2v-generate").click()
+            for element in ("t2v-mhla", "t2v-softmax"):
+                page.wait_for_function(VIDEO_LOADED, arg=element, timeout=60_000)
+            page.locator("#t2v-summary").get_by_text("Softmax took").wait_for(timeout=10_000)
+            page.screenshot(path=str(screenshot), full_page=True)
+            # a bad input shows a readable error in the page, not a stack trace
+            page.locator("#t2v-height input").fill("50")
+            page.locator("#t2v-generate").click()
+            page.get_by_text("multiple of 16").first.wait_for(timeout=30_000)
+            assert "Traceback" not in page.content()
+            (session,) = {path.name for path in demo_server.output_root().iterdir()} - sessions_before
+            page.close()  # the tab's session ends: its output folder goes
+            deadline = time.monotonic() + 10
+            while (demo_server.output_root() / session).exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not (demo_server.output_root() / session).exists(), "session outputs not cleaned up"
+        finally:
+            browser.close()
+    assert external == [], f"the page fetched outside hosts: {external}"
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
