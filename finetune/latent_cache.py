@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-__all__ = ["LatentCache", "fill_entries", "run_prepass"]
+__all__ = ["LatentCache", "encoder_identity", "fill_entries", "run_prepass"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,42 @@ _CONFIG, _INDEX = "cache_config.json", "index.json"
 
 def _digest(value: Any) -> str:
     return hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+#: Config keys that record where or with which version a component was saved, not what it computes.
+_SAVE_BOOKKEEPING = frozenset({"_name_or_path", "_diffusers_version", "transformers_version", "is_local",
+                               "local_files_only"})
+
+
+def encoder_identity(source: str, revision: str | None, components: Sequence[str]) -> dict[str, Any]:
+    """What identifies the encoders of ``source`` for the cache.
+
+    A hub id is named by id and revision. A local pipeline folder is named by the contents of its
+    encoder ``components``: JSON files by content minus save bookkeeping such as ``_name_or_path``,
+    other files by name, size and a hash of their first MiB (an 11 GB text encoder is not read). So
+    two pipelines that share their VAE and text encoder -- a teacher and the models fine-tuned from
+    it -- share one cache.
+    """
+    folder = Path(source)
+    if not folder.is_dir():
+        return {"pretrained_model": source, "revision": revision}
+    summary: dict[str, Any] = {}
+    for name in components:
+        for file in sorted(p for p in (folder / name).rglob("*") if p.is_file()):
+            key = file.relative_to(folder).as_posix()
+            if file.suffix == ".json":  # without the bookkeeping that saving again changes
+                try:
+                    content = json.loads(file.read_text())
+                except ValueError:
+                    content = file.read_text()
+                if isinstance(content, dict):
+                    content = {k: v for k, v in content.items() if k not in _SAVE_BOOKKEEPING}
+                summary[key] = _digest(content)
+                continue
+            with file.open("rb") as handle:
+                head = handle.read(1 << 20)
+            summary[key] = [file.stat().st_size, hashlib.sha1(head).hexdigest()]
+    return {"encoders": _digest(summary)}
 
 
 class LatentCache:

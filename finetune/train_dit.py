@@ -42,7 +42,7 @@ from .image_data import (
     index_class_folder,
     latent_identity,
 )
-from .latent_cache import LatentCache, run_prepass
+from .latent_cache import LatentCache, encoder_identity, run_prepass
 from .latents import dit_latent_normalization, draw_latents, encode_posterior
 from .objectives import DiffusionObjective
 from .options import DiTTrainOptions, load_options
@@ -187,7 +187,7 @@ class DiTTask(Task):
     def _cache_settings(self) -> dict[str, Any]:
         o = self.options
         return {
-            "task": "dit", "pretrained_model": o.pretrained_model, "revision": o.revision,
+            "task": "dit", **encoder_identity(o.pretrained_model, o.revision, ("vae",)),
             "data_dir": str(Path(o.data_dir).resolve()), "resolution": o.resolution, "random_flip": o.random_flip,
             "class_map": o.class_map, "cache_dtype": o.cache_dtype, "latent_sampling": o.latent_sampling,
             "vae_dtype": str(self.vae_dtype),

@@ -34,7 +34,7 @@ from .components import (
 )
 from .data import DataReport
 from .engine import Task, TaskParts, resolve_dtype, run_task
-from .latent_cache import LatentCache, run_prepass
+from .latent_cache import LatentCache, encoder_identity, run_prepass
 from .latents import draw_latents, encode_posterior, wan_latent_normalization
 from .objectives import flow_match_inputs, flow_match_loss
 from .options import WanTrainOptions, load_options
@@ -127,7 +127,7 @@ class WanTask(Task):
     def _cache_settings(self) -> dict[str, Any]:
         o = self.options
         return {
-            "task": "wan", "pretrained_model": o.pretrained_model, "revision": o.revision,
+            "task": "wan", **encoder_identity(o.pretrained_model, o.revision, ("vae", "text_encoder", "tokenizer")),
             "data_dir": str(Path(o.data_dir).resolve()), "resolution_buckets": o.bucket_sizes(),
             "frame_buckets": o.frame_counts(), "frame_stride": o.frame_stride, "caption_column": o.caption_column,
             "max_sequence_length": o.max_sequence_length, "cache_dtype": o.cache_dtype,

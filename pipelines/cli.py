@@ -36,15 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     video.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     video.add_argument("--prompts-file", type=Path, help="a text file with one prompt per line")
     video.add_argument("--negative-prompt", default="", help="negative prompt (default: empty, as the MHLA recipe)")
-    video.add_argument("--num-frames", type=int, default=81, help="frames, 4k+1 (default 81)")
-    video.add_argument("--height", type=int, default=480, help="pixels, a multiple of 16 (default 480)")
-    video.add_argument("--width", type=int, default=832, help="pixels, a multiple of 16 (default 832)")
-    video.add_argument("--steps", type=int, default=50, help="denoising steps (default 50)")
-    video.add_argument("--guidance-scale", type=float, default=5.0, help="classifier-free guidance (default 5.0)")
+    video.add_argument("--num-frames", type=int, help="frames, 4k+1 (default 81; embedded model: 17)")
+    video.add_argument("--height", type=int, help="pixels, a multiple of 16 (default 480; embedded model: 64)")
+    video.add_argument("--width", type=int, help="pixels, a multiple of 16 (default 832; embedded model: 64)")
+    video.add_argument("--steps", type=int, help="denoising steps (default 50; embedded model: 20)")
+    video.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default 5.0)")
     video.add_argument("--flow-shift", type=float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
-    video.add_argument("--fps", type=int, default=16, help="frames per second of the written video (default 16)")
+    video.add_argument("--fps", type=int, help="frames per second of the written video (default 16; embedded model: 8)")
     video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
-    video.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (default 512)")
+    video.add_argument("--max-sequence-length", type=int, help="text tokens (default 512; embedded model: 16)")
     video.set_defaults(func=_run_text_to_video)
 
     image = subparsers.add_parser(
@@ -54,8 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(image, DIT_HUB_ID)
     image.add_argument("--class", dest="classes", action="append", default=[],
                        help="class id or name, or a comma-separated list (repeatable)")
-    image.add_argument("--steps", type=int, default=50, help="denoising steps (default 50)")
-    image.add_argument("--guidance-scale", type=float, default=4.0, help="classifier-free guidance (default 4.0)")
+    image.add_argument("--steps", type=int, help="denoising steps (default 50; embedded model: 25)")
+    image.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default 4.0)")
     image.set_defaults(func=_run_class_to_image)
 
     imp = subparsers.add_parser(
@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser, hub_id: str) -> None:
-    p.add_argument("--model", required=True, help=f"Diffusers pipeline folder or hub id (e.g. {hub_id})")
+    p.add_argument("--model", help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
+                   "embedded demonstration model (mhla_diffusion/embedded_models)")
     p.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
     p.add_argument("--transformer", type=Path, help="a converted transformer folder (save_mhla include_base, import-wan)")
     p.add_argument("--attention", choices=("mhla", "sdpa"), default="mhla",
@@ -250,14 +251,54 @@ def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) 
 # ---------------------------------------------------------------- subcommands
 
 
+def _apply_defaults(args: argparse.Namespace, task: str) -> None:
+    """Fill unset options: the embedded model and its settings without --model, else the real models' defaults."""
+    from ..embedded import embedded_defaults, embedded_model
+
+    embedded = args.model is None
+    if embedded:
+        if args.mhla_weights is not None or args.transformer is not None:
+            raise ValueError("--mhla-weights / --transformer need the --model they belong to")
+        args.model = str(embedded_model(task, "mhla"))
+    d = embedded_defaults()
+    if task == "text-to-video":
+        values = dict(num_frames=d.num_frames, height=d.height, width=d.width, steps=d.video_steps,
+                      guidance_scale=d.video_guidance_scale, fps=d.fps, max_sequence_length=d.max_sequence_length)
+        if not embedded:
+            values = dict(num_frames=81, height=480, width=832, steps=50, guidance_scale=5.0, fps=16,
+                          max_sequence_length=512)
+    else:
+        values = dict(steps=d.image_steps, guidance_scale=d.image_guidance_scale) if embedded else dict(
+            steps=50, guidance_scale=4.0)
+    for name, value in values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _local_video_geometry(model: str) -> dict[str, tuple[int, ...]]:
+    """Patch size and VAE scale of a local Wan pipeline folder (``{}`` for hub ids: Wan2.1's defaults apply)."""
+    folder = Path(model)
+    try:
+        transformer = json.loads((folder / "transformer" / "config.json").read_text())
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    temporal, spatial = int(vae.get("scale_factor_temporal", 4)), int(vae.get("scale_factor_spatial", 8))
+    return {"patch_size": tuple(int(p) for p in transformer.get("patch_size", (1, 2, 2))),
+            "vae_scale": (temporal, spatial, spatial)}
+
+
 def _run_text_to_video(args: argparse.Namespace) -> int:
     from ..conversion import video_token_grid
 
+    _apply_defaults(args, "text-to-video")
     prompts = _read_prompts(args)
     num_frames = _check_video_size(args)
     check_model_source(args.model, WAN_HUB_ID)
     meta = _declared_mhla(args) if args.attention == "mhla" else None
-    _check_grid_fits(video_token_grid(num_frames, args.height, args.width), meta, f"a {num_frames}x{args.height}x{args.width} video")
+    geometry = _local_video_geometry(args.model) if os.path.isdir(args.model) else {}
+    _check_grid_fits(video_token_grid(num_frames, args.height, args.width, **geometry), meta,
+                     f"a {num_frames}x{args.height}x{args.width} video")
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
     plans = plan_outputs(args.output_dir, stems, args.format, args.overwrite)
 
@@ -305,6 +346,7 @@ def local_labels(model: str) -> tuple[dict[str, int], int] | None:
 
 
 def _run_class_to_image(args: argparse.Namespace) -> int:
+    _apply_defaults(args, "class-to-image")
     classes = [c.strip() for item in args.classes for c in item.split(",") if c.strip()]
     if not classes:
         raise ValueError("give at least one --class (an id such as 207 or a name such as 'golden retriever')")

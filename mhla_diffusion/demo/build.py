@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..cpu_memory import retain_freed_memory
 from ..embedded import EMBEDDED_ROOT, embedded_defaults
 from .autoencoders import tiny_image_vae, tiny_video_vae, train_image_vae, train_video_vae
 from .digits import split_digits, write_digits_folder
@@ -60,6 +61,10 @@ STUDENTS: dict[str, tuple[str, bool, bool]] = {
 #: MHLA block layouts: video token grid 5x8x8 -> 16 blocks of 5x2x2 tokens (every block spans the
 #: clip, so motion stays inside a block); digits 16x16 -> 16 blocks of 4x4 (DiT-XL/2's layout).
 VIDEO_LAYOUT, IMAGE_LAYOUT = (1, 4, 4), (4, 4)
+#: Video VAE: 4x spatial and 4x temporal compression (Wan2.1 compresses 8x spatially; at 64x64 a VAE
+#: that small and that quickly trained loses the shapes' outlines), 8 latent channels. With the
+#: transformer's 1x2x2 patches a 17x64x64 clip is a 5x8x8 token grid (320 tokens).
+VIDEO_VAE = {"dim_mult": [1, 2, 4], "temperal_downsample": [True, True], "z_dim": 8}
 DATA_SEED, REFERENCE_SEED, EVAL_SEED = 0, 5000, 10_000
 
 
@@ -73,32 +78,37 @@ class BuildSettings:
     video_judge_steps: int = 600
     image_judge_steps: int = 300
     vae_clips: int = 480
-    video_vae_steps: int = 1500
-    image_vae_steps: int = 1500
+    video_vae_steps: int = 600
+    video_vae_batch_size: int = 8
+    image_vae_steps: int = 250
     video_layers: int = 6
+    video_heads: int = 4  # of dim 32
     image_layers: int = 6
-    video_teacher_steps: int = 3000
-    video_student_steps: int = 600
-    video_transfer_steps: int = 200
+    image_heads: int = 2
+    video_teacher_steps: int = 1600
+    video_student_steps: int = 400
+    video_transfer_steps: int = 150
     video_batch_size: int = 8
-    image_teacher_steps: int = 3000
-    image_student_steps: int = 600
-    image_transfer_steps: int = 200
+    image_teacher_steps: int = 1500
+    image_student_steps: int = 400
+    image_transfer_steps: int = 150
     image_batch_size: int = 32
-    teacher_lr: float = 5e-4
+    teacher_lr: float = 7e-4
     student_lr: float = 2e-4
     eval_clips: int = 96
-    eval_images: int = 300
+    eval_images: int = 250
     eval_batch_size: int = 16
+    video_sample_steps: int = embedded_defaults().video_steps
+    image_sample_steps: int = embedded_defaults().image_steps
     seed: int = 0
 
     @classmethod
     def smoke(cls) -> "BuildSettings":
         return cls(train_clips=16, train_digits=20, reference_clips=8, video_judge_steps=2, image_judge_steps=2, vae_clips=8,
-                   video_vae_steps=2, image_vae_steps=2, video_layers=3, image_layers=3, video_teacher_steps=2,
+                   video_vae_steps=2, video_vae_batch_size=2, image_vae_steps=2, video_layers=3, image_layers=3, video_teacher_steps=2,
                    video_student_steps=1, video_transfer_steps=1, video_batch_size=2, image_teacher_steps=2,
                    image_student_steps=1, image_transfer_steps=1, image_batch_size=4, eval_clips=4, eval_images=6,
-                   eval_batch_size=4)
+                   eval_batch_size=4, video_sample_steps=2, image_sample_steps=2)
 
 
 # ---------------------------------------------------------------------------- stages
@@ -150,12 +160,14 @@ def _judges(work: Path, s: BuildSettings) -> dict[str, Any]:
 
 def _autoencoders(work: Path, s: BuildSettings) -> dict[str, Any]:
     clips, _, _ = generate_clips(s.vae_clips, seed=DATA_SEED + 1)
-    video_vae = tiny_video_vae(seed=s.seed)
-    video_losses = train_video_vae(video_vae, clips, steps=s.video_vae_steps, seed=s.seed)
+    video_vae = tiny_video_vae(seed=s.seed, **VIDEO_VAE)
+    video_losses = train_video_vae(video_vae, clips, steps=s.video_vae_steps, batch_size=s.video_vae_batch_size,
+                                   seed=s.seed)
     video_vae.save_pretrained(work / "autoencoders" / "video")
     split = split_digits(seed=s.seed)
     image_vae = tiny_image_vae(seed=s.seed)
-    image_losses = train_image_vae(image_vae, split.train_images, steps=s.image_vae_steps, seed=s.seed)
+    image_losses = train_image_vae(image_vae, split.train_images[: s.train_digits], steps=s.image_vae_steps,
+                                   seed=s.seed)
     image_vae.save_pretrained(work / "autoencoders" / "image")
     return {"video_final_loss": float(np.mean(video_losses[-20:])), "image_final_loss": float(np.mean(image_losses[-20:]))}
 
@@ -174,7 +186,7 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     tokenizer = tiny_tokenizer(_caption_words())
     text_encoder = tiny_text_encoder(len(tokenizer), seed=s.seed)
     transformer = tiny_wan_transformer(
-        num_layers=s.video_layers, seed=s.seed, patch_size=(1, 1, 1), num_attention_heads=4, attention_head_dim=32,
+        num_layers=s.video_layers, seed=s.seed, patch_size=(1, 2, 2), num_attention_heads=s.video_heads, attention_head_dim=32,
         in_channels=vae.config.z_dim, out_channels=vae.config.z_dim, text_dim=text_encoder.config.d_model,
         ffn_dim=256, rope_max_seq_len=64,
     )
@@ -186,7 +198,7 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image")
     latent_side = 32 // 2 ** (len(image_vae.config.block_out_channels) - 1)
     dit = tiny_dit_transformer(
-        num_layers=s.image_layers, seed=s.seed, num_attention_heads=4, attention_head_dim=32,
+        num_layers=s.image_layers, seed=s.seed, num_attention_heads=s.image_heads, attention_head_dim=32,
         in_channels=image_vae.config.latent_channels, out_channels=2 * image_vae.config.latent_channels,
         sample_size=latent_side, patch_size=1, num_embeds_ada_norm=10,
     )
@@ -201,15 +213,11 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
             "text_encoder_params": count(text_encoder)}
 
 
-def _common(s: BuildSettings, output_dir: Path) -> dict[str, Any]:
+def _common(s: BuildSettings, output_dir: Path, steps: int) -> dict[str, Any]:
     return dict(output_dir=str(output_dir), overwrite_output_dir=True, seed=s.seed, mixed_precision="no",
                 gradient_checkpointing=False, report_to="none", checkpointing_steps=0, save_pipeline=True,
-                max_grad_norm=1.0, lr_warmup_steps=0, dataloader_num_workers=0)
-
-
-def _cache_dir(work: Path, data: str, pretrained: Path) -> Path:
-    """One latent cache per data set and source pipeline (the students share the teacher's)."""
-    return work / "cache" / f"{data}-{'base' if pretrained.parent.name == 'base' else 'teacher'}"
+                max_grad_norm=1.0, lr_scheduler="constant_with_warmup", lr_warmup_steps=min(100, steps // 10),
+                dataloader_num_workers=0, max_train_steps=steps)
 
 
 def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
@@ -218,10 +226,10 @@ def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, st
 
     d = embedded_defaults()
     values = dict(
-        _common(s, work / "runs" / f"t2v-{name}"), pretrained_model=str(pretrained), data_dir=str(work / "data" / "shapes"),
+        _common(s, work / "runs" / f"t2v-{name}", steps), pretrained_model=str(pretrained), data_dir=str(work / "data" / "shapes"),
         height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
-        caption_dropout=0.1, cache_latents=True, cache_dir=str(_cache_dir(work, "shapes", pretrained)), learning_rate=lr,
-        lr_scheduler="constant", train_batch_size=s.video_batch_size, max_train_steps=steps,
+        caption_dropout=0.1, cache_latents=True, cache_dir=str(work / "cache" / "shapes"), learning_rate=lr,
+        train_batch_size=s.video_batch_size,
         attention_transfer_steps=transfer,
     )
     if mhla is None:
@@ -236,10 +244,10 @@ def _image_options(work: Path, s: BuildSettings, name: str, pretrained: Path, st
     from ..finetune.options import DiTTrainOptions, options_from_dict
 
     values = dict(
-        _common(s, work / "runs" / f"c2i-{name}"), pretrained_model=str(pretrained), data_dir=str(work / "data" / "digits"),
+        _common(s, work / "runs" / f"c2i-{name}", steps), pretrained_model=str(pretrained), data_dir=str(work / "data" / "digits"),
         resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0, cache_latents=True,
-        cache_dir=str(_cache_dir(work, "digits", pretrained)), learning_rate=lr, train_batch_size=s.image_batch_size,
-        max_train_steps=steps, attention_transfer_steps=transfer,
+        cache_dir=str(work / "cache" / "digits"), learning_rate=lr, train_batch_size=s.image_batch_size,
+        attention_transfer_steps=transfer,
     )
     if mhla is None:
         values["attention"] = "softmax"
@@ -314,7 +322,7 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
         pipe = MHLAWanPipeline.from_pretrained(work / "runs" / f"t2v-{name}" / "pipeline")
         pipe.set_progress_bar_config(disable=True)
         clips, times = sample_clips(pipe, captions, seed=EVAL_SEED, batch_size=s.eval_batch_size,
-                                    num_frames=d.num_frames, height=d.height, width=d.width, steps=d.video_steps,
+                                    num_frames=d.num_frames, height=d.height, width=d.width, steps=s.video_sample_steps,
                                     guidance_scale=d.video_guidance_scale, max_sequence_length=d.max_sequence_length)
         accuracy, metrics = score_clips(clips, labels, reference_clips, video_judge)
         rows.append(ScoreRow("text-to-video", _model_name(name), _attention_name(name), _layout_of(pipe), accuracy,
@@ -329,7 +337,7 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
         pipe = MHLADiTPipeline.from_pretrained(work / "runs" / f"c2i-{name}" / "pipeline")
         pipe.set_progress_bar_config(disable=True)
         images, times = sample_digits(pipe, digit_labels, seed=EVAL_SEED, batch_size=4 * s.eval_batch_size,
-                                      steps=d.image_steps, guidance_scale=d.image_guidance_scale)
+                                      steps=s.image_sample_steps, guidance_scale=d.image_guidance_scale)
         accuracy, metrics = score_digits(images, digit_labels, split.test_images, image_judge)
         rows.append(ScoreRow("class-to-image", _model_name(name), _attention_name(name), _layout_of(pipe), accuracy,
                              metrics["fid"], metrics["precision"], metrics["recall"], median_seconds(times),
@@ -394,7 +402,7 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
         raise ValueError(f"{work} holds a build with other settings ({settings_file}); use another --work-dir "
                          "or delete that folder")
     settings_file.write_text(json.dumps(wanted, indent=2))
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    retain_freed_memory()  # glibc would hand every large freed block back and page-fault it in again
     stages = _Stages(work)
     report: dict[str, Any] = {}
     report["data"] = stages.run("data", lambda: _data(work, s))

@@ -82,6 +82,7 @@ class DemoConfig:
     concurrency: int = 1
     max_queue: int = 16
     preload: bool = True
+    max_sequence_length: int = 512  # text tokens; the embedded model was trained with 16
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -135,6 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="load the models on the first request instead of at start")
     form = parser.add_argument_group("form defaults and limits")
+    form.add_argument("--max-sequence-length", type=int, default=_env_int("MAX_SEQUENCE_LENGTH", None),
+                      help=f"text tokens of the prompt (default {d.max_sequence_length} for the embedded model, else 512)")
     form.add_argument("--num-frames", type=int, default=_env_int("NUM_FRAMES", d.num_frames), help=f"default {d.num_frames}")
     form.add_argument("--height", type=int, default=_env_int("HEIGHT", d.height), help=f"default {d.height}")
     form.add_argument("--width", type=int, default=_env_int("WIDTH", d.width), help=f"default {d.width}")
@@ -187,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """A :class:`DemoConfig` from parsed flags; model folders are checked here, before anything loads."""
     if args.concurrency < 1 or args.max_queue < 1:
         raise ValueError("--concurrency and --max-queue must be >= 1")
+    d = embedded_defaults()
     limits = Limits(max_steps=args.max_steps, max_frames=args.max_frames, max_size=args.max_size)
     defaults = UIDefaults(
         num_frames=args.num_frames, height=args.height, width=args.width, fps=args.fps,
@@ -202,4 +206,5 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
                                   args.c2i_softmax_model),
         defaults=defaults, limits=limits, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
         concurrency=args.concurrency, max_queue=args.max_queue, preload=args.preload,
+        max_sequence_length=args.max_sequence_length or (d.max_sequence_length if args.t2v_model is None else 512),
     )

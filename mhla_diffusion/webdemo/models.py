@@ -166,7 +166,8 @@ class ModelStore:
                     prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
                     height=request.height, width=request.width, num_inference_steps=request.steps,
                     guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
-                    output_type="np", callback_on_step_end=self._step_callback(progress, request.steps),
+                    max_sequence_length=self.config.max_sequence_length, output_type="np",
+                    callback_on_step_end=self._step_callback(progress, request.steps),
                 ).frames[0]
             return Generated(np.asarray(frames), time.perf_counter() - started, attention)
 

@@ -172,3 +172,19 @@ def test_class_images_are_cropped_and_flipped_per_epoch(image_classes):
     flipped_epoch = coins.index(True)
     plain = ClassImageDataset(samples, resolution=16, random_flip=False).load(0, flipped_epoch)["pixels"]
     assert torch.equal(dataset.load(0, flipped_epoch)["pixels"], plain.flip(-1))
+
+
+def test_cache_identity_follows_the_encoders_not_the_folder_name(pipeline_dirs, tmp_path):
+    import shutil
+
+    from mhla_diffusion.finetune.latent_cache import encoder_identity
+
+    parts = ("vae", "text_encoder", "tokenizer")
+    copy = tmp_path / "fine-tuned"
+    shutil.copytree(pipeline_dirs["wan"], copy)
+    shutil.rmtree(copy / "transformer")  # a different transformer keeps the cache valid
+    assert encoder_identity(str(copy), None, parts) == encoder_identity(str(pipeline_dirs["wan"]), None, parts)
+    config = copy / "vae" / "config.json"
+    config.write_text(config.read_text().replace('"z_dim": 16', '"z_dim": 17'))
+    assert encoder_identity(str(copy), None, parts) != encoder_identity(str(pipeline_dirs["wan"]), None, parts)
+    assert encoder_identity("org/model", "main", parts) == {"pretrained_model": "org/model", "revision": "main"}
