@@ -36,7 +36,8 @@ import torch
 
 from ..cpu_memory import retain_freed_memory
 from ..embedded import EMBEDDED_ROOT, embedded_defaults
-from .autoencoders import tiny_image_vae, tiny_video_vae, train_image_vae, train_video_vae
+from .autoencoders import (reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
+                           train_video_vae)
 from .digits import split_digits, write_digits_folder
 from .image_judge import class_accuracy, train_image_judge
 from .judge_io import load_judge, save_judge
@@ -302,6 +303,8 @@ def _layout_of(pipe) -> str:
 
 
 def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
     from ..pipelines import MHLADiTPipeline, MHLAWanPipeline
 
     torch.set_grad_enabled(False)
@@ -318,6 +321,11 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
     accuracy, metrics = score_clips(real_clips, real_labels, reference_clips, video_judge)
     rows.append(ScoreRow("text-to-video", "real clips (held out)", "-", "-", accuracy, metrics["fid"],
                          metrics["precision"], metrics["recall"], None, s.eval_clips, "the data itself"))
+    video_vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video").eval()
+    accuracy, metrics = score_clips(reconstruct_clips(video_vae, real_clips), real_labels, reference_clips, video_judge)
+    rows.append(ScoreRow("text-to-video", "real clips through the VAE", "-", "-", accuracy, metrics["fid"],
+                         metrics["precision"], metrics["recall"], None, s.eval_clips,
+                         "the best any generator with this VAE can do"))
     for name in names:
         pipe = MHLAWanPipeline.from_pretrained(work / "runs" / f"t2v-{name}" / "pipeline")
         pipe.set_progress_bar_config(disable=True)
@@ -333,6 +341,13 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
                                      split.test_images, image_judge)
     rows.append(ScoreRow("class-to-image", "real digits (training set)", "-", "-", accuracy, metrics["fid"],
                          metrics["precision"], metrics["recall"], None, s.eval_images, "the data itself"))
+    image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image").eval()
+    real_digits = split.train_images[: s.eval_images]
+    accuracy, metrics = score_digits(reconstruct_images(image_vae, real_digits), split.train_labels[: s.eval_images],
+                                     split.test_images, image_judge)
+    rows.append(ScoreRow("class-to-image", "real digits through the VAE", "-", "-", accuracy, metrics["fid"],
+                         metrics["precision"], metrics["recall"], None, s.eval_images,
+                         "the best any generator with this VAE can do"))
     for name in names:
         pipe = MHLADiTPipeline.from_pretrained(work / "runs" / f"c2i-{name}" / "pipeline")
         pipe.set_progress_bar_config(disable=True)
@@ -434,12 +449,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace models already in --output")
     p.add_argument("--smoke", action="store_true", help="a few steps per stage: checks the whole chain in minutes")
     p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                   help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable; names: the fields "
+                   "of mhla_diffusion.demo.build.BuildSettings)")
     p.set_defaults(func=_run)
+
+
+def settings_with(settings: BuildSettings, overrides: list[str]) -> BuildSettings:
+    """``settings`` with ``NAME=VALUE`` overrides, each checked against the field's type."""
+    fields = {f.name: f for f in dataclasses.fields(BuildSettings)}
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise ValueError(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
+        kind = int if name == "train_digits" else type(getattr(fields[name], "default"))
+        try:
+            changes[name] = None if name == "train_digits" and value.lower() == "none" else kind(value)
+        except ValueError:
+            raise ValueError(f"--set {item!r}: {name} takes a {kind.__name__}") from None
+    return dataclasses.replace(settings, **changes)
 
 
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    settings = BuildSettings.smoke() if args.smoke else BuildSettings()
+    settings = settings_with(BuildSettings.smoke() if args.smoke else BuildSettings(), args.overrides)
     if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
         raise ValueError("--smoke models are untrained: give --output for them (or --no-export), not the package folder")
     report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite)

@@ -25,7 +25,7 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     root, report = smoke_build
     out = root / "out"
     rows = list(csv.DictReader((out / "reproduction.csv").open()))
-    models = 2 + len(STUDENTS)  # the data itself, the teacher, the students
+    models = 3 + len(STUDENTS)  # the data, the data through the VAE, the teacher, the students
     assert [r["task"] for r in rows] == ["text-to-video"] * models + ["class-to-image"] * models
     for row in rows:
         assert 0 <= float(row["fid"]) and (row["seconds_per_sample"] == "" or float(row["seconds_per_sample"]) > 0)
@@ -52,3 +52,14 @@ def test_rerun_resumes_and_output_is_protected(smoke_build):
     other.video_teacher_steps += 1
     with pytest.raises(ValueError, match="other settings"):
         build_demo_models(root / "work", None, other)
+
+
+def test_settings_overrides_are_checked():
+    from mhla_diffusion.demo.build import settings_with
+
+    changed = settings_with(BuildSettings(), ["video_teacher_steps=6000", "teacher_lr=1e-3", "train_digits=100"])
+    assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        settings_with(BuildSettings(), ["video_teacher_step=1"])
+    with pytest.raises(ValueError, match="takes a int"):
+        settings_with(BuildSettings(), ["video_teacher_steps=many"])
