@@ -467,7 +467,7 @@ def settings_with(settings: BuildSettings, overrides: list[str]) -> BuildSetting
         try:
             changes[name] = None if name == "train_digits" and value.lower() == "none" else kind(value)
         except ValueError:
-            raise ValueError(f"--set {item!r}: {name} takes a {kind.__name__}") from None
+            raise ValueError(f"--set {item!r}: {name} must be of type {kind.__name__}") from None
     return dataclasses.replace(settings, **changes)
 
 

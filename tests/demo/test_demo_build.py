@@ -61,5 +61,5 @@ def test_settings_overrides_are_checked():
     assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)
     with pytest.raises(ValueError, match="NAME=VALUE"):
         settings_with(BuildSettings(), ["video_teacher_step=1"])
-    with pytest.raises(ValueError, match="takes a int"):
+    with pytest.raises(ValueError, match="must be of type int"):
         settings_with(BuildSettings(), ["video_teacher_steps=many"])
