@@ -214,11 +214,22 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
             "text_encoder_params": count(text_encoder)}
 
 
-def _common(s: BuildSettings, output_dir: Path, steps: int) -> dict[str, Any]:
-    return dict(output_dir=str(output_dir), overwrite_output_dir=True, seed=s.seed, mixed_precision="no",
-                gradient_checkpointing=False, report_to="none", checkpointing_steps=0, save_pipeline=True,
-                max_grad_norm=1.0, lr_scheduler="constant_with_warmup", lr_warmup_steps=min(100, steps // 10),
-                dataloader_num_workers=0, max_train_steps=steps)
+def _run_values(work: Path, s: BuildSettings, run: str, data: str, pretrained: Path, steps: int, lr: float,
+                mhla: dict[str, Any] | None, transfer: int) -> dict[str, Any]:
+    """Trainer options both tasks share: the run folder, the budget, and softmax (``mhla`` None) or MHLA."""
+    values = dict(
+        output_dir=str(work / "runs" / run), overwrite_output_dir=True, seed=s.seed, mixed_precision="no",
+        gradient_checkpointing=False, report_to="none", checkpointing_steps=0, save_pipeline=True,
+        max_grad_norm=1.0, lr_scheduler="constant_with_warmup", lr_warmup_steps=min(100, steps // 10),
+        dataloader_num_workers=0, max_train_steps=steps, pretrained_model=str(pretrained),
+        data_dir=str(work / "data" / data), cache_latents=True, cache_dir=str(work / "cache" / data),
+        learning_rate=lr, attention_transfer_steps=transfer,
+    )
+    if mhla is None:
+        values["attention"] = "softmax"
+    else:
+        values["mhla"] = mhla
+    return values
 
 
 def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
@@ -226,17 +237,9 @@ def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, st
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
-    values = dict(
-        _common(s, work / "runs" / f"t2v-{name}", steps), pretrained_model=str(pretrained), data_dir=str(work / "data" / "shapes"),
-        height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
-        caption_dropout=0.1, cache_latents=True, cache_dir=str(work / "cache" / "shapes"), learning_rate=lr,
-        train_batch_size=s.video_batch_size,
-        attention_transfer_steps=transfer,
-    )
-    if mhla is None:
-        values["attention"] = "softmax"
-    else:
-        values["mhla"] = mhla
+    values = _run_values(work, s, f"t2v-{name}", "shapes", pretrained, steps, lr, mhla, transfer)
+    values.update(height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
+                  caption_dropout=0.1, train_batch_size=s.video_batch_size)
     return options_from_dict(WanTrainOptions, values)
 
 
@@ -244,16 +247,9 @@ def _image_options(work: Path, s: BuildSettings, name: str, pretrained: Path, st
                    mhla: dict[str, Any] | None, transfer: int) -> "DiTTrainOptions":  # noqa: F821
     from ..finetune.options import DiTTrainOptions, options_from_dict
 
-    values = dict(
-        _common(s, work / "runs" / f"c2i-{name}", steps), pretrained_model=str(pretrained), data_dir=str(work / "data" / "digits"),
-        resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0, cache_latents=True,
-        cache_dir=str(work / "cache" / "digits"), learning_rate=lr, train_batch_size=s.image_batch_size,
-        attention_transfer_steps=transfer,
-    )
-    if mhla is None:
-        values["attention"] = "softmax"
-    else:
-        values["mhla"] = mhla
+    values = _run_values(work, s, f"c2i-{name}", "digits", pretrained, steps, lr, mhla, transfer)
+    values.update(resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0,
+                  train_batch_size=s.image_batch_size)
     return options_from_dict(DiTTrainOptions, values)
 
 
