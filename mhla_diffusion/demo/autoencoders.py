@@ -241,22 +241,21 @@ def train_image_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, l
 
 
 @torch.no_grad()
+def _reconstruct(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torch.Tensor], batch_size: int) -> np.ndarray:
+    """uint8 channels-last ``pixels`` -> their decoded posterior means, uint8 of the same shape."""
+    out = []
+    for start in range(0, len(pixels), batch_size):
+        z = vae.encode(to_tensor(pixels[start: start + batch_size])).latent_dist.mean
+        x = vae.decode(z).sample.clamp(-1, 1)
+        out.append(((x + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).numpy())
+    return np.concatenate(out) if out else np.zeros_like(pixels)
+
+
 def reconstruct_clips(vae, clips: np.ndarray, batch_size: int = 16) -> np.ndarray:
     """uint8 clips ``(N, F, H, W, 3)`` -> their decoded posterior means, uint8 of the same shape."""
-    out = []
-    for start in range(0, len(clips), batch_size):
-        z = vae.encode(clips_to_tensor(clips[start: start + batch_size])).latent_dist.mean
-        x = vae.decode(z).sample.clamp(-1, 1)
-        out.append(((x + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1).numpy())
-    return np.concatenate(out) if out else np.zeros_like(clips)
+    return _reconstruct(vae, clips, clips_to_tensor, batch_size)
 
 
-@torch.no_grad()
 def reconstruct_images(vae, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
     """uint8 images ``(N, H, W, 3)`` -> their decoded posterior means, uint8 of the same shape."""
-    out = []
-    for start in range(0, len(images), batch_size):
-        z = vae.encode(images_to_tensor(images[start: start + batch_size])).latent_dist.mean
-        x = vae.decode(z).sample.clamp(-1, 1)
-        out.append(((x + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy())
-    return np.concatenate(out) if out else np.zeros_like(images)
+    return _reconstruct(vae, images, images_to_tensor, batch_size)

@@ -59,6 +59,21 @@ def _runs(compare: bool) -> list[Attention]:
     return ["mhla", "softmax"] if compare else ["mhla"]
 
 
+def _run_compared(compare: bool, steps: int, progress: gr.Progress,
+                  generate: Callable[[Attention, Callable[[int, int], None]], Generated],
+                  save: Callable[[Generated], Any]) -> tuple[list[Generated], dict[str, Any]]:
+    """MHLA (and, with ``compare``, softmax) one after the other on one progress bar; the results
+    and ``{attention: saved output}``."""
+    runs = _runs(compare)
+    results, paths = [], {}
+    for index, attention in enumerate(runs):
+        progress((index * steps, len(runs) * steps), desc=f"{_TITLES[attention]}: starting")
+        result = generate(attention, _progress_for(progress, index, len(runs), steps, attention))
+        results.append(result)
+        paths[attention] = save(result)
+    return results, paths
+
+
 def _progress_for(progress: gr.Progress, index: int, count: int, steps: int, attention: Attention):
     def report(step: int, total: int) -> None:
         progress((index * steps + step, count * steps), desc=f"{_TITLES[attention]}: step {step}/{total}", unit="steps")
@@ -80,13 +95,9 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                        request: gr.Request, progress: gr.Progress = gr.Progress()):
         def work():
             checked = video_request(prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits)
-            runs = _runs(compare)
-            results, paths = [], {}
-            for index, attention in enumerate(runs):
-                progress((index * checked.steps, len(runs) * checked.steps), desc=f"{_TITLES[attention]}: starting")
-                result = store.generate_video(checked, attention, _progress_for(progress, index, len(runs), checked.steps, attention))
-                results.append(result)
-                paths[attention] = outputs.save_video(_session(request), result.array, attention, defaults.fps)
+            results, paths = _run_compared(
+                compare, checked.steps, progress, lambda attention, report: store.generate_video(checked, attention, report),
+                lambda result: outputs.save_video(_session(request), result.array, result.attention, defaults.fps))
             what = (f"{checked.num_frames} frames, {checked.height}x{checked.width}, {checked.steps} steps, "
                     f"guidance {checked.guidance_scale:g}, seed {checked.seed}")
             return _paths(paths) + (_summary(results, what),)
@@ -98,13 +109,9 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
         def work():
             labels, num_classes = store.class_labels()
             checked = image_request(class_label, seed, steps, guidance, labels, num_classes, limits)
-            runs = _runs(compare)
-            results, paths = [], {}
-            for index, attention in enumerate(runs):
-                progress((index * checked.steps, len(runs) * checked.steps), desc=f"{_TITLES[attention]}: starting")
-                result = store.generate_image(checked, attention, _progress_for(progress, index, len(runs), checked.steps, attention))
-                results.append(result)
-                paths[attention] = outputs.save_image(_session(request), result.array, attention)
+            results, paths = _run_compared(
+                compare, checked.steps, progress, lambda attention, report: store.generate_image(checked, attention, report),
+                lambda result: outputs.save_image(_session(request), result.array, result.attention))
             what = (f"class {checked.class_label!r} (id {checked.class_id}), {checked.steps} steps, "
                     f"guidance {checked.guidance_scale:g}, seed {checked.seed}")
             return _paths(paths) + (_summary(results, what),)
