@@ -298,62 +298,72 @@ def _layout_of(pipe) -> str:
     return "x".join(map(str, conversion.layout)) + ("" if layers == total else f" ({layers}/{total} layers)")
 
 
+def _row(task: str, model: str, scored: tuple[dict[str, float], dict], count: int, attention: str = "-",
+         layout: str = "-", seconds: float | None = None, notes: str = "") -> ScoreRow:
+    """A table row from ``(accuracy, judge-feature metrics)``."""
+    accuracy, metrics = scored
+    return ScoreRow(task, model, attention, layout, accuracy, metrics["fid"], metrics["precision"], metrics["recall"],
+                    seconds, count, notes)
+
+
+def _model_rows(work: Path, task: str, prefix: str, pipeline_cls: type, sample: Callable, score: Callable,
+                count: int) -> list[ScoreRow]:
+    """One row per trained model (teacher and students): ``sample(pipe) -> (samples, seconds per sample
+    of each batch)``, ``score(samples) -> (accuracy, metrics)``."""
+    rows = []
+    for name in ["softmax", *STUDENTS]:
+        pipe = pipeline_cls.from_pretrained(work / "runs" / f"{prefix}-{name}" / "pipeline")
+        pipe.set_progress_bar_config(disable=True)
+        samples, times = sample(pipe)
+        rows.append(_row(task, _model_name(name), score(samples), count, _attention_name(name), _layout_of(pipe),
+                         median_seconds(times)))
+    return rows
+
+
+_VAE_CEILING = "the best any generator with this VAE can do"
+
+
 def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
     from ..pipelines import MHLADiTPipeline, MHLAWanPipeline
 
-    torch.set_grad_enabled(False)
     d = embedded_defaults()
     video_judge, image_judge = load_judge(work / "judges" / "video"), load_judge(work / "judges" / "image")
     reference_clips, _, _ = generate_clips(s.reference_clips, seed=REFERENCE_SEED)
     split = split_digits(seed=s.seed)
     captions, labels = balanced_captions(s.eval_clips)
     digit_labels = np.arange(s.eval_images) % 10
-    rows: list[ScoreRow] = []
-    names = ["softmax", *STUDENTS]
-
     real_clips, real_labels, _ = generate_clips(s.eval_clips, seed=EVAL_SEED)
-    accuracy, metrics = score_clips(real_clips, real_labels, reference_clips, video_judge)
-    rows.append(ScoreRow("text-to-video", "real clips (held out)", "-", "-", accuracy, metrics["fid"],
-                         metrics["precision"], metrics["recall"], None, s.eval_clips, "the data itself"))
-    video_vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video").eval()
-    accuracy, metrics = score_clips(reconstruct_clips(video_vae, real_clips), real_labels, reference_clips, video_judge)
-    rows.append(ScoreRow("text-to-video", "real clips through the VAE", "-", "-", accuracy, metrics["fid"],
-                         metrics["precision"], metrics["recall"], None, s.eval_clips,
-                         "the best any generator with this VAE can do"))
-    for name in names:
-        pipe = MHLAWanPipeline.from_pretrained(work / "runs" / f"t2v-{name}" / "pipeline")
-        pipe.set_progress_bar_config(disable=True)
-        clips, times = sample_clips(pipe, captions, seed=EVAL_SEED, batch_size=s.eval_batch_size,
-                                    num_frames=d.num_frames, height=d.height, width=d.width, steps=s.video_sample_steps,
-                                    guidance_scale=d.video_guidance_scale, max_sequence_length=d.max_sequence_length)
-        accuracy, metrics = score_clips(clips, labels, reference_clips, video_judge)
-        rows.append(ScoreRow("text-to-video", _model_name(name), _attention_name(name), _layout_of(pipe), accuracy,
-                             metrics["fid"], metrics["precision"], metrics["recall"], median_seconds(times),
-                             s.eval_clips))
+    real_digits, real_digit_labels = split.train_images[: s.eval_images], split.train_labels[: s.eval_images]
 
-    accuracy, metrics = score_digits(split.train_images[: s.eval_images], split.train_labels[: s.eval_images],
-                                     split.test_images, image_judge)
-    rows.append(ScoreRow("class-to-image", "real digits (training set)", "-", "-", accuracy, metrics["fid"],
-                         metrics["precision"], metrics["recall"], None, s.eval_images, "the data itself"))
-    image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image").eval()
-    real_digits = split.train_images[: s.eval_images]
-    accuracy, metrics = score_digits(reconstruct_images(image_vae, real_digits), split.train_labels[: s.eval_images],
-                                     split.test_images, image_judge)
-    rows.append(ScoreRow("class-to-image", "real digits through the VAE", "-", "-", accuracy, metrics["fid"],
-                         metrics["precision"], metrics["recall"], None, s.eval_images,
-                         "the best any generator with this VAE can do"))
-    for name in names:
-        pipe = MHLADiTPipeline.from_pretrained(work / "runs" / f"c2i-{name}" / "pipeline")
-        pipe.set_progress_bar_config(disable=True)
-        images, times = sample_digits(pipe, digit_labels, seed=EVAL_SEED, batch_size=4 * s.eval_batch_size,
-                                      steps=s.image_sample_steps, guidance_scale=d.image_guidance_scale)
-        accuracy, metrics = score_digits(images, digit_labels, split.test_images, image_judge)
-        rows.append(ScoreRow("class-to-image", _model_name(name), _attention_name(name), _layout_of(pipe), accuracy,
-                             metrics["fid"], metrics["precision"], metrics["recall"], median_seconds(times),
-                             s.eval_images))
-    torch.set_grad_enabled(True)
+    def score_video(clips: np.ndarray, attributes: np.ndarray = labels):
+        return score_clips(clips, attributes, reference_clips, video_judge)
+
+    def score_image(images: np.ndarray, classes: np.ndarray = digit_labels):
+        return score_digits(images, classes, split.test_images, image_judge)
+
+    with torch.no_grad():
+        video_vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video").eval()
+        image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image").eval()
+        rows = [
+            _row("text-to-video", "real clips (held out)", score_video(real_clips, real_labels), s.eval_clips,
+                 notes="the data itself"),
+            _row("text-to-video", "real clips through the VAE",
+                 score_video(reconstruct_clips(video_vae, real_clips), real_labels), s.eval_clips, notes=_VAE_CEILING),
+            *_model_rows(work, "text-to-video", "t2v", MHLAWanPipeline, lambda pipe: sample_clips(
+                pipe, captions, seed=EVAL_SEED, batch_size=s.eval_batch_size, num_frames=d.num_frames, height=d.height,
+                width=d.width, steps=s.video_sample_steps, guidance_scale=d.video_guidance_scale,
+                max_sequence_length=d.max_sequence_length), score_video, s.eval_clips),
+            _row("class-to-image", "real digits (training set)", score_image(real_digits, real_digit_labels),
+                 s.eval_images, notes="the data itself"),
+            _row("class-to-image", "real digits through the VAE",
+                 score_image(reconstruct_images(image_vae, real_digits), real_digit_labels), s.eval_images,
+                 notes=_VAE_CEILING),
+            *_model_rows(work, "class-to-image", "c2i", MHLADiTPipeline, lambda pipe: sample_digits(
+                pipe, digit_labels, seed=EVAL_SEED, batch_size=4 * s.eval_batch_size, steps=s.image_sample_steps,
+                guidance_scale=d.image_guidance_scale), score_image, s.eval_images),
+        ]
     write_table_csv(rows, work / "reproduction.csv")
     (work / "reproduction.md").write_text(table_markdown(rows))
     return {"rows": [row.as_dict() for row in rows]}
