@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Gradio web demo of MHLA: ``python app.py [flags]`` (``python app.py --help``; same as ``mhla demo``).
+"""Gradio web demo of MHLA: ``python app.py [flags]`` (``python app.py --help``; same as ``mhla web``).
 
 Text-to-video and class-to-image tabs, each able to run the same seed with MHLA and with the
 original softmax attention side by side. Defaults to the embedded demonstration models.
@@ -7,7 +7,7 @@ original softmax attention side by side. Defaults to the embedded demonstration 
 
 import sys
 
-from mhla_diffusion.webdemo import main
+from mhla_diffusion.web import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,54 +1,32 @@
-"""mhla-diffusion: Multi-Head Linear Attention (MHLA) for Diffusers' Wan2.1 and DiT transformers."""
+"""mhla-diffusion: Multi-Head Linear Attention (MHLA) for Diffusers' Wan2.1 and DiT transformers.
 
-from .attention import mhla_attention
-from .attention_reference import mhla_attention_reference
-from .block_layout import auto_layout, block_plan, num_blocks, token_block_ids
-from .config import MHLAConfig
-from .cpu_memory import retain_freed_memory
-from .conversion import (
-    MHLAConversion,
-    convert_to_mhla,
-    get_mhla_conversion,
-    image_token_grid,
-    revert_mhla,
-    softmax_attention,
-    video_token_grid,
-)
-from .mixing import block_distances, mixing_init
-from .models import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
-from .processors import DiTMHLAProcessor, MHLAProcessor, WanMHLAProcessor
-from .weights import load_mhla, load_transformer, save_mhla
+The public API below is imported on first use (PEP 562), so ``import mhla_diffusion`` and the
+``mhla`` command start without loading torch or Diffusers. Layers and import directions:
+``docs/architecture.md``.
+"""
 
-# Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a
-# model_index.json only if this package also exposes the base class it checks against.
-from diffusers import ModelMixin  # noqa: E402,F401
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DiTMHLAProcessor",
-    "MHLADiTTransformer2DModel",
-    "MHLAConfig",
-    "MHLAConversion",
-    "MHLAProcessor",
-    "MHLAWanTransformer3DModel",
-    "WanMHLAProcessor",
-    "auto_layout",
-    "block_distances",
-    "block_plan",
-    "convert_to_mhla",
-    "get_mhla_conversion",
-    "image_token_grid",
-    "load_mhla",
-    "load_transformer",
-    "mhla_attention",
-    "mhla_attention_reference",
-    "mixing_init",
-    "num_blocks",
-    "retain_freed_memory",
-    "revert_mhla",
-    "save_mhla",
-    "softmax_attention",
-    "token_block_ids",
-    "video_token_grid",
-]
+_EXPORTS = {
+    "mhla_attention": ".attention",
+    "mhla_attention_reference": ".attention_reference",
+    **dict.fromkeys(["auto_layout", "block_plan", "num_blocks", "token_block_ids"], ".block_layout"),
+    "MHLAConfig": ".config",
+    "retain_freed_memory": ".cpu_memory",
+    **dict.fromkeys(
+        ["MHLAConversion", "convert_to_mhla", "get_mhla_conversion", "revert_mhla", "softmax_attention"], ".conversion"
+    ),
+    **dict.fromkeys(["image_token_grid", "video_token_grid"], ".geometry"),
+    **dict.fromkeys(["block_distances", "mixing_init"], ".mixing"),
+    **dict.fromkeys(["MHLADiTTransformer2DModel", "MHLAWanTransformer3DModel"], ".models"),
+    **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".processors"),
+    **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".weights"),
+    # Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a
+    # model_index.json only if this package also exposes the base class it checks against.
+    "ModelMixin": "diffusers",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(name for name in _EXPORTS if name != "ModelMixin")

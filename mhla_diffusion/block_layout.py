@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from .geometry import validate_grid_layout
+
 __all__ = [
     "BlockPlan",
     "auto_layout",
@@ -24,39 +26,6 @@ __all__ = [
     "token_block_ids",
     "validate_grid_layout",
 ]
-
-
-def validate_grid_layout(
-    grid: Sequence[int], layout: Sequence[int], num_tokens: int | None = None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check ``grid`` and ``layout`` against each other (and ``num_tokens``); return them as tuples.
-
-    Raises ``ValueError`` naming the offending argument.
-    """
-    try:
-        grid = tuple(int(g) for g in grid)
-    except TypeError:
-        raise ValueError(f"`grid` must be a sequence of 1 to 3 positive ints, got {grid!r}") from None
-    try:
-        layout = tuple(int(b) for b in layout)
-    except TypeError:
-        raise ValueError(f"`layout` must be a sequence of ints (blocks per axis), got {layout!r}") from None
-    if not 1 <= len(grid) <= 3 or any(g < 1 for g in grid):
-        raise ValueError(f"`grid` must have 1 to 3 positive sizes, got {grid}")
-    if len(layout) != len(grid):
-        raise ValueError(
-            f"`layout` {layout} has {len(layout)} axes but `grid` {grid} has {len(grid)}: give one block count per grid axis"
-        )
-    bad = [a for a, (g, b) in enumerate(zip(grid, layout)) if not 1 <= b <= g]
-    if bad:
-        raise ValueError(
-            f"`layout` {layout} does not fit `grid` {grid} on axis {bad}: each axis needs 1 <= blocks <= grid size"
-        )
-    if num_tokens is not None and math.prod(grid) != num_tokens:
-        raise ValueError(
-            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: the grid's product must equal N"
-        )
-    return grid, layout
 
 
 def num_blocks(layout: Sequence[int]) -> int:

@@ -81,7 +81,7 @@ def _add_convert(subparsers: argparse._SubParsersAction) -> None:
 
 def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Sequence[int] = (1, 2, 2)):
     from .config import MHLAConfig
-    from .conversion import image_token_grid, video_token_grid
+    from .geometry import image_token_grid, video_token_grid
 
     options: dict = {}
     if args.preset.startswith("released-wan"):
@@ -199,10 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from .bench import register as register_bench
-    from .demo.build import register as register_demo_models
+    from .embedded.build import register as register_demo_models
     from .eval.cli import register as register_eval
     from .pipelines.cli import register as register_generation
-    from .webdemo import register as register_demo
+    from .web import register as register_demo
 
     _add_convert(subparsers)
     register_generation(subparsers)

@@ -21,7 +21,6 @@ __all__ = [
     "build_mhla_processors",
     "convert_to_mhla",
     "get_mhla_conversion",
-    "image_token_grid",
     "install_mhla_processors",
     "mhla_parameter_names",
     "model_family",
@@ -29,7 +28,6 @@ __all__ = [
     "revert_mhla",
     "self_attention_layers",
     "softmax_attention",
-    "video_token_grid",
 ]
 
 _PROCESSOR_CLASSES: dict[str, type[MHLAProcessor]] = {"wan": WanMHLAProcessor, "dit": DiTMHLAProcessor}
@@ -97,34 +95,6 @@ def self_attention_layers(transformer: nn.Module) -> list[tuple[str, nn.Module]]
 def _patch_size(transformer: nn.Module) -> tuple[int, ...]:
     patch = transformer.config.patch_size
     return tuple(int(p) for p in patch) if model_family(transformer) == "wan" else (int(patch), int(patch))
-
-
-def video_token_grid(
-    num_frames: int, height: int, width: int, patch_size: Sequence[int] = (1, 2, 2), vae_scale: Sequence[int] = (4, 8, 8)
-) -> tuple[int, int, int]:
-    """Token grid (frames, height, width) of a Wan video of ``num_frames`` x ``height`` x ``width`` pixels."""
-    if num_frames < 1 or (num_frames - 1) % vae_scale[0]:
-        raise ValueError(f"`num_frames` must be {vae_scale[0]}k+1 for the Wan VAE, got {num_frames}")
-    for name, size, scale, patch in (("height", height, vae_scale[1], patch_size[1]), ("width", width, vae_scale[2], patch_size[2])):
-        if size < 1 or size % (scale * patch):
-            raise ValueError(f"`{name}` must be a positive multiple of {scale * patch}, got {size}")
-    latent_frames = (num_frames - 1) // vae_scale[0] + 1
-    if latent_frames % patch_size[0]:
-        raise ValueError(f"{latent_frames} latent frames do not divide by the temporal patch size {patch_size[0]}")
-    return (
-        latent_frames // patch_size[0],
-        height // (vae_scale[1] * patch_size[1]),
-        width // (vae_scale[2] * patch_size[2]),
-    )
-
-
-def image_token_grid(height: int, width: int, patch_size: int = 2, vae_scale: int = 8) -> tuple[int, int]:
-    """Token grid (rows, columns) of an image of ``height`` x ``width`` pixels (DiT)."""
-    step = vae_scale * patch_size
-    for name, size in (("height", height), ("width", width)):
-        if size < 1 or size % step:
-            raise ValueError(f"`{name}` must be a positive multiple of {step}, got {size}")
-    return height // step, width // step
 
 
 def _resolve_layers(spec: str | Sequence[int], total: int) -> list[int]:

@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser, hub_id: str) -> None:
     p.add_argument("--model", help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
-                   "embedded demonstration model (mhla_diffusion/embedded_models)")
+                   "embedded demonstration model (mhla_diffusion/embedded/models)")
     p.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
     p.add_argument("--transformer", type=Path, help="a converted transformer folder (save_mhla include_base, import-wan)")
     p.add_argument("--attention", choices=("mhla", "sdpa"), default="mhla",
@@ -289,7 +289,7 @@ def _local_video_geometry(model: str) -> dict[str, tuple[int, ...]]:
 
 
 def _run_text_to_video(args: argparse.Namespace) -> int:
-    from ..conversion import video_token_grid
+    from ..geometry import video_token_grid
 
     _apply_defaults(args, "text-to-video")
     prompts = _read_prompts(args)

@@ -1,6 +1,6 @@
 """The Gradio page: a text-to-video tab and a class-to-image tab, MHLA beside softmax.
 
-Import this module only after :func:`mhla_diffusion.webdemo.app.prepare_environment` (it turns
+Import this module only after :func:`mhla_diffusion.web.app.prepare_environment` (it turns
 analytics off and points Gradio's cache into the demo's temporary folder before Gradio loads).
 """
 

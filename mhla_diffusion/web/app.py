@@ -1,4 +1,4 @@
-"""Starting and stopping the web demo: ``python app.py`` and ``mhla demo``."""
+"""Starting and stopping the web demo: ``python app.py`` and ``mhla web``."""
 
 from __future__ import annotations
 
@@ -72,13 +72,13 @@ def serve(config: DemoConfig, block: bool = True):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry of ``mhla demo`` (and ``python app.py``)."""
+    """Entry of ``mhla web`` (and ``python app.py``)."""
     serve(config_from_args(args))
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``mhla demo`` to the ``mhla`` parser."""
+    """Add ``mhla web`` to the ``mhla`` parser."""
     parser = subparsers.add_parser("demo", help="start the Gradio web demo (MHLA vs softmax, side by side)",
                                    description=DESCRIPTION)
     add_arguments(parser)

@@ -1,4 +1,4 @@
-"""`mhla demo-models` in its smoke setting: every stage runs, the table and models come out, and
+"""`mhla build-embedded` in its smoke setting: every stage runs, the table and models come out, and
 the command refuses to replace models or mix settings before doing any work."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mhla_diffusion.demo.build import STUDENTS, BuildSettings, build_demo_models
+from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
 from mhla_diffusion.embedded import embedded_judge, embedded_model
 
 
@@ -55,7 +55,7 @@ def test_rerun_resumes_and_output_is_protected(smoke_build):
 
 
 def test_settings_overrides_are_checked():
-    from mhla_diffusion.demo.build import settings_with
+    from mhla_diffusion.embedded.build import settings_with
 
     changed = settings_with(BuildSettings(), ["video_teacher_steps=6000", "teacher_lr=1e-3", "train_digits=100"])
     assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from demo_support import digits_split
+from embedded_support import digits_split
 
-from mhla_diffusion.demo import NUM_DIGIT_CLASSES, split_digits, write_digits_folder
+from mhla_diffusion.embedded import NUM_DIGIT_CLASSES, split_digits, write_digits_folder
 from mhla_diffusion.finetune.image_data import ClassImageDataset, index_class_folder
 
 

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from mhla_diffusion.webdemo import DemoInputError, Limits, image_request, video_request
-from mhla_diffusion.webdemo.app import build_parser
-from mhla_diffusion.webdemo.config import config_from_args, resolve_task_models
-from mhla_diffusion.webdemo.outputs import SessionOutputs
+from mhla_diffusion.web import DemoInputError, Limits, image_request, video_request
+from mhla_diffusion.web.app import build_parser
+from mhla_diffusion.web.config import config_from_args, resolve_task_models
+from mhla_diffusion.web.outputs import SessionOutputs
 
 GOOD_VIDEO = dict(prompt=" a cat ", negative_prompt=None, seed=3.0, steps=20, guidance=5, num_frames=17, height=64, width=96)
 
@@ -110,8 +110,8 @@ def test_session_outputs_are_separate_and_cleaned(tmp_path):
 def test_softmax_sources_agree(pipeline_dirs, tmp_path):
     """'same' (MHLA weights under softmax attention), 'base' and 'folder' give the base model's image."""
     from mhla_diffusion.pipelines import MHLADiTPipeline
-    from mhla_diffusion.webdemo.config import DemoConfig
-    from mhla_diffusion.webdemo.models import ModelStore
+    from mhla_diffusion.web.config import DemoConfig
+    from mhla_diffusion.web.models import ModelStore
 
     dit, weights = str(pipeline_dirs["dit"]), pipeline_dirs["dit_mhla"]
     saved = tmp_path / "dit_mhla_pipeline"

@@ -1,4 +1,4 @@
-"""Gradio web demo: text-to-video and class-to-image with MHLA beside softmax (``python app.py``, ``mhla demo``).
+"""Gradio web demo: text-to-video and class-to-image with MHLA beside softmax (``python app.py``, ``mhla web``).
 
 Gradio is an optional dependency (``pip install mhla-diffusion[demo]``); it is imported only when the
 demo starts, so this package and its input checks load without it.

@@ -1,7 +1,7 @@
 """The small demonstration models that ship inside the package (no download, seconds on a CPU).
 
-``mhla demo-models`` (:mod:`mhla_diffusion.demo.build`) trains them from scratch and writes them to
-``mhla_diffusion/embedded_models/``:
+``mhla build-embedded`` (:mod:`mhla_diffusion.embedded.build`) trains them from scratch and writes them to
+``mhla_diffusion/embedded/models/``:
 
 * ``shapes-t2v-softmax`` / ``shapes-t2v-mhla``: text-to-video, Wan2.1 architecture (our
   ``MHLAWanPipeline``), trained on procedural "moving shapes" clips (17 frames, 64x64);
@@ -20,7 +20,7 @@ from typing import Literal
 
 __all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "embedded_defaults", "embedded_judge", "embedded_model"]
 
-EMBEDDED_ROOT = Path(__file__).resolve().parent / "embedded_models"
+EMBEDDED_ROOT = Path(__file__).resolve().parent / "models"
 
 Task = Literal["text-to-video", "class-to-image"]
 Attention = Literal["mhla", "softmax"]
@@ -58,17 +58,17 @@ def embedded_model(task: Task = "text-to-video", attention: Attention = "mhla", 
     folder = Path(root or EMBEDDED_ROOT) / f"{_FOLDERS[task]}-{attention}"
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(
-            f"embedded model {folder} is missing: rebuild the demonstration models with `mhla demo-models` "
+            f"embedded model {folder} is missing: rebuild the demonstration models with `mhla build-embedded` "
             "(or pass --model with a Diffusers pipeline folder)"
         )
     return folder
 
 
 def embedded_judge(kind: Literal["video", "image"], root: str | Path | None = None) -> Path:
-    """Folder of an embedded judge (load with :func:`mhla_diffusion.demo.load_judge`)."""
+    """Folder of an embedded judge (load with :func:`mhla_diffusion.embedded.load_judge`)."""
     if kind not in ("video", "image"):
         raise ValueError(f"kind must be 'video' or 'image'; got {kind!r}")
     folder = Path(root or EMBEDDED_ROOT) / "judges" / kind
     if not folder.is_dir():
-        raise FileNotFoundError(f"embedded judge {folder} is missing: rebuild with `mhla demo-models`")
+        raise FileNotFoundError(f"embedded judge {folder} is missing: rebuild with `mhla build-embedded`")
     return folder

@@ -1,4 +1,4 @@
-"""``mhla demo-models``: train the embedded demonstration models from scratch and reproduce the
+"""``mhla build-embedded``: train the embedded demonstration models from scratch and reproduce the
 paper's claim at toy scale, with this project's own data, trainers and evaluator.
 
 Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it finished):
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..cpu_memory import retain_freed_memory
-from ..embedded import EMBEDDED_ROOT, embedded_defaults
+from .locations import EMBEDDED_ROOT, embedded_defaults
 from .autoencoders import (reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
                            train_video_vae)
 from .digits import split_digits, write_digits_folder
@@ -457,7 +457,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable; names: the fields "
-                   "of mhla_diffusion.demo.build.BuildSettings)")
+                   "of mhla_diffusion.embedded.build.BuildSettings)")
     p.set_defaults(func=_run)
 
 

@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from mhla_diffusion.demo import BACKGROUND, DigitSplit, split_digits
+from mhla_diffusion.embedded import BACKGROUND, DigitSplit, split_digits
 
 
 def shape_mask(frames: np.ndarray) -> np.ndarray:

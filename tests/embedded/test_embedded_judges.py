@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from demo_support import digits_split
+from embedded_support import digits_split
 
-from mhla_diffusion.demo import (ATTRIBUTES, ImageJudge, VideoJudge, class_accuracy, clips_to_filmstrips,
+from mhla_diffusion.embedded import (ATTRIBUTES, ImageJudge, VideoJudge, class_accuracy, clips_to_filmstrips,
                                  filmstrips_to_clips, generate_clips, judge_features, load_judge, load_judge_features,
                                  prompt_accuracy, save_judge, shape_clip, train_image_judge, train_video_judge)
 from mhla_diffusion.eval import ArrayImages, Reference, compute_activations, evaluate, frechet_distance

@@ -110,7 +110,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's flags (shared by ``python app.py`` and ``mhla demo``)."""
+    """The demo's flags (shared by ``python app.py`` and ``mhla web``)."""
     d = embedded_defaults()
     for prefix, task, env, example in (("t2v", "text-to-video", "T2V", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
                                        ("c2i", "class-to-image", "C2I", "facebook/DiT-XL-2-256")):

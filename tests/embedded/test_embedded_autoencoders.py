@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from demo_support import digits_split
+from embedded_support import digits_split
 
-from mhla_diffusion.demo import (generate_clips, latent_statistics, tiny_image_vae, tiny_video_vae, train_image_vae,
+from mhla_diffusion.embedded import (generate_clips, latent_statistics, tiny_image_vae, tiny_video_vae, train_image_vae,
                                  train_video_vae)
-from mhla_diffusion.demo.image_judge import images_to_tensor
-from mhla_diffusion.demo.video_judge import clips_to_tensor
+from mhla_diffusion.embedded.image_judge import images_to_tensor
+from mhla_diffusion.embedded.video_judge import clips_to_tensor
 
 
 def _small_clips(count: int = 2) -> np.ndarray:

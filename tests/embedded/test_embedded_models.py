@@ -1,4 +1,4 @@
-"""The committed demonstration models and judges (``mhla_diffusion/embedded_models``)."""
+"""The committed demonstration models and judges (``mhla_diffusion/embedded/models``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_image_model_generates_digits():
 
 
 def test_judges_score_held_out_real_data():
-    from mhla_diffusion.demo import class_accuracy, generate_clips, load_judge, prompt_accuracy, split_digits
+    from mhla_diffusion.embedded import class_accuracy, generate_clips, load_judge, prompt_accuracy, split_digits
 
     clips, labels, _ = generate_clips(96, seed=777)  # clips no judge or generator was trained on
     video = prompt_accuracy(load_judge(embedded_judge("video")), clips, labels)

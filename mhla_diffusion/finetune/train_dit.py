@@ -1,0 +1,318 @@
+"""Class-to-image fine-tuning: DiT converted to MHLA (or, with ``attention: softmax``, as it is),
+trained with DiT's epsilon (+ VB) objective.
+
+    python -m mhla_diffusion.finetune.train_dit --config dit.yaml [--key value ...]
+    accelerate launch -m mhla_diffusion.finetune.train_dit --config dit.yaml
+
+Recipe (defaults, MHLA reference): uniform timesteps on the model's DDPM betas, MSE on epsilon plus
+the variational bound for the learned variance; AdamW 1e-4, constant, no clipping; EMA 0.9999 of
+every step; class dropout 0.1 to the null class done here (the model's own ``LabelEmbedding``
+dropout is switched off); mixing coefficients clamped to [0, 1] after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..conversion import get_mhla_conversion
+from ..weights import save_mhla
+from .components import (
+    check_model_source,
+    load_component,
+    load_mhla_transformer,
+    load_softmax_transformer,
+    mhla_config_from_options,
+    pipeline_index,
+    save_plain_transformer,
+)
+from .data import DataReport
+from .engine import Task, TaskParts, resolve_dtype, run_task
+from .image_data import (
+    CachedImageDataset,
+    ClassImageDataset,
+    ImageSample,
+    collate_cached_images,
+    collate_images,
+    index_class_folder,
+    latent_identity,
+)
+from .latent_cache import LatentCache, encoder_identity, run_prepass
+from .latents import dit_latent_normalization, draw_latents, encode_posterior
+from .objectives import DiffusionObjective
+from .options import DiTTrainOptions, load_options
+
+__all__ = ["DiTTask", "clamp_mixing", "disable_label_dropout", "folder_labels", "main", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+def disable_label_dropout(transformer: nn.Module) -> int:
+    """Switch off the random label dropping of every ``LabelEmbedding`` (each block draws its own in
+    train mode); class dropout is done once per sample by the trainer. Returns how many were found."""
+    from diffusers.models.embeddings import LabelEmbedding
+
+    found = 0
+    for module in transformer.modules():
+        if isinstance(module, LabelEmbedding):
+            module.dropout_prob = 0.0
+            found += 1
+    return found
+
+
+@torch.no_grad()
+def clamp_mixing(transformer: nn.Module) -> None:
+    """Clamp every MHLA mixing matrix to [0, 1] (the reference does this after each DiT step; nothing
+    to do without MHLA)."""
+    conversion = get_mhla_conversion(transformer)
+    for name in conversion.layer_names if conversion is not None else ():
+        transformer.get_submodule(name).processor.mixing.clamp_(0.0, 1.0)
+
+
+def folder_labels(samples: list[ImageSample]) -> dict[int, str]:
+    """``{class id: class folder name}`` of the training images: the ``id2label`` written to the output
+    pipelines when ``pretrained_model`` has none (folders ``0``..``9`` -> ``{0: "0", ..., 9: "9"}``)."""
+    labels: dict[int, str] = {}
+    for sample in samples:
+        labels.setdefault(int(sample.label), Path(sample.key).parts[0])
+    return dict(sorted(labels.items()))
+
+
+class DiTTask(Task):
+    """Data, model and loss of the class-to-image trainer."""
+
+    def __init__(self, options: DiTTrainOptions) -> None:
+        self.options = options
+        self.vae = None
+        self.cache: LatentCache | None = None
+
+    def setup(self, accelerator) -> TaskParts:
+        o = self.options
+        check_model_source(o.pretrained_model)
+        index = pipeline_index(o.pretrained_model, o.revision)
+        for name in ("vae", "transformer", "scheduler"):
+            if not index.get(name) or index[name][0] is None:
+                raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a DiT pipeline")
+        self.id2label = index.get("id2label")
+        self.device = accelerator.device
+        self.vae_dtype = resolve_dtype("auto", accelerator, wrapped=False)
+
+        transformer = self._load_transformer(accelerator)
+        self.num_classes = int(transformer.config.num_embeds_ada_norm)
+        self.in_channels = int(transformer.config.in_channels)
+        self._check_resolution(transformer)
+        samples, report = self._index_data(accelerator)
+        if not self.id2label:
+            self.id2label = folder_labels(samples)
+        if o.validation_classes:
+            from ..pipelines.dit import label_index, resolve_class_ids
+
+            resolve_class_ids(list(o.validation_classes), label_index(self.id2label), self.num_classes)
+        if o.cache_latents:
+            samples, report = self._fill_cache(accelerator, samples, report)
+        else:
+            self._load_vae()
+        if accelerator.is_main_process:
+            report.warn()
+        if disable_label_dropout(transformer) == 0:
+            raise ValueError("the DiT transformer has no LabelEmbedding: class-conditional training needs num_embeds_ada_norm")
+
+        scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        from diffusers import DDPMScheduler
+
+        out_channels = int(transformer.config.out_channels or self.in_channels)
+        self.objective = DiffusionObjective(DDPMScheduler.from_config(scheduler.config),
+                                            learned_sigma=out_channels == 2 * self.in_channels,
+                                            vb=o.learned_sigma_loss == "vb")
+        if o.cache_latents:
+            dataset, collate = CachedImageDataset(self.cache, samples, o.random_flip, o.seed), collate_cached_images
+        else:
+            dataset, collate = ClassImageDataset(samples, o.resolution, o.random_flip, o.seed), collate_images
+        return TaskParts(
+            transformer=transformer,
+            dataset=dataset,
+            buckets=[0] * len(samples),
+            collate_fn=collate,
+            batch_loss=self.batch_loss,
+            save_final=self.save_final,
+            validate=self.validate if o.validation_classes else None,
+            after_optimizer_step=clamp_mixing if o.clamp_mixing and o.attention == "mhla" else None,
+            ema_decay=o.ema_decay,
+            ema_warmup=o.ema_warmup,
+            data_metrics=report.metrics(),
+            finish=self.save_pipeline if o.save_pipeline else None,
+        )
+
+    def _load_transformer(self, accelerator) -> nn.Module:
+        o = self.options
+        dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
+        if o.attention == "softmax":
+            transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            if accelerator.is_main_process:
+                logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
+            return transformer.train()
+        config = mhla_config_from_options(o.mhla, o.mhla_preset)
+        transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
+        if how == "saved" and (o.mhla or o.mhla_preset):
+            logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
+        if accelerator.is_main_process:
+            logger.info("%s", get_mhla_conversion(transformer).summary())
+        return transformer.train()
+
+    def _check_resolution(self, transformer: nn.Module) -> None:
+        from diffusers import AutoencoderKL
+
+        o = self.options
+        vae_config = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+        vae_scale = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        step = vae_scale * int(transformer.config.patch_size)
+        if o.resolution % step:
+            raise ValueError(f"`resolution` {o.resolution} must be a multiple of {step} (VAE x{vae_scale}, patch "
+                             f"{transformer.config.patch_size})")
+        side = o.resolution // step
+        conversion = get_mhla_conversion(transformer)
+        layout = conversion.layout if conversion is not None else ()
+        if any(b > side for b in layout):
+            raise ValueError(f"`resolution` {o.resolution} gives a {side}x{side} token grid, smaller than the MHLA "
+                             f"layout {layout}: train at a larger resolution or use a smaller mhla.layout")
+        native = int(transformer.config.sample_size) * vae_scale
+        if o.resolution != native:
+            logger.warning("training at %d px, the model was built for %d px", o.resolution, native)
+
+    def _cache_settings(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "task": "dit", **encoder_identity(o.pretrained_model, o.revision, ("vae",)),
+            "data_dir": str(Path(o.data_dir).resolve()), "resolution": o.resolution, "random_flip": o.random_flip,
+            "class_map": o.class_map, "cache_dtype": o.cache_dtype, "latent_sampling": o.latent_sampling,
+            "vae_dtype": str(self.vae_dtype),
+        }
+
+    def _index_data(self, accelerator) -> tuple[list[ImageSample], DataReport]:
+        from accelerate.utils import gather_object
+
+        o = self.options
+        if o.cache_latents:
+            self.cache = LatentCache(o.resolved_cache_dir(), self._cache_settings())
+            self.cache.check_settings()
+            cached = self.cache.read_index()
+            if cached is not None:
+                logger.info("using the cached index of %d images in %s", len(cached["samples"]), self.cache.folder)
+                return [ImageSample.from_dict(s) for s in cached["samples"]], DataReport.from_dict(cached["report"])
+        samples, report, _ = index_class_folder(o.data_dir, self.num_classes, o.class_map, accelerator.process_index,
+                                                accelerator.num_processes, gather_object)
+        return samples, report
+
+    def _load_vae(self) -> None:
+        if self.vae is None:
+            o = self.options
+            self.vae = load_component(o.pretrained_model, "vae", o.revision, self.vae_dtype)
+            self.vae.requires_grad_(False).eval().to(self.device)
+            self.latent_shift, self.latent_scale = dit_latent_normalization(self.vae)
+
+    def _fill_cache(self, accelerator, samples: list[ImageSample], report: DataReport) -> tuple[list[ImageSample], DataReport]:
+        o = self.options
+        if accelerator.is_main_process:
+            self.cache.write_settings()
+        accelerator.wait_for_everyone()
+        need = [s for s in samples if not self.cache.has("latents", latent_identity(s))]
+        if need:
+            self._load_vae()
+            pixels = ClassImageDataset(samples, o.resolution, random_flip=False)
+            dtype = getattr(torch, o.cache_dtype)
+
+            def encode(i: int) -> dict[str, torch.Tensor]:
+                image = pixels.load(i, 0)["pixels"][None]
+                views = {"latents": image, **({"latents_flipped": image.flip(-1)} if o.random_flip else {})}
+                out = {}
+                for key, view in views.items():
+                    params = encode_posterior(self.vae, view, self.latent_shift, self.latent_scale)[0]
+                    out[key] = (params if o.latent_sampling == "sample" else params[: params.shape[0] // 2]).to(dtype)
+                return out
+
+            failures = run_prepass(accelerator, self.cache, "latents", [latent_identity(s) for s in samples], encode,
+                                   "caching latents")
+            if failures:
+                bad = {i for i, _ in failures}
+                report.corrupt.extend(samples[i].key for i in sorted(bad))
+                samples = [s for i, s in enumerate(samples) if i not in bad]
+                report.used = len(samples)
+                if not samples:
+                    raise ValueError(f"no usable images left after caching: {report.summary()}")
+        if accelerator.is_main_process:
+            self.cache.write_index({"samples": [s.to_dict() for s in samples], "report": report.to_dict()})
+        accelerator.wait_for_everyone()
+        if o.validation_classes or o.save_pipeline:
+            self._load_vae()
+        else:
+            self.vae = None
+        return samples, report
+
+    def batch_loss(self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        """Epsilon (+ VB) loss of one batch. Random draws: class dropout, latents, timesteps/noise."""
+        o = self.options
+        labels = batch["labels"]
+        drop = torch.rand(labels.shape[0], generator=generator, device=generator.device) < o.class_dropout
+        labels = torch.where(drop.to(labels.device), torch.full_like(labels, self.num_classes), labels)
+        if "latents" in batch:
+            stored = batch["latents"]
+        else:
+            stored = encode_posterior(self.vae, batch["pixels"], self.latent_shift, self.latent_scale)
+        latents = draw_latents(stored.to(self.device), self.in_channels, o.latent_sampling, generator)
+        noisy, timesteps, noise = self.objective.sample_inputs(latents, generator)
+        output = model(hidden_states=noisy, timestep=timesteps, class_labels=labels, return_dict=False)[0]
+        return self.objective.loss(output, latents, noisy, timesteps, noise)
+
+    def save_final(self, model: nn.Module, name: str) -> Path:
+        """``final``: MHLA weights only (``trainable: mhla``) or the whole converted transformer; the
+        plain Diffusers transformer for ``attention: softmax``."""
+        folder = Path(self.options.output_dir) / name
+        if self.options.attention == "softmax":
+            save_plain_transformer(model, folder)
+        else:
+            save_mhla(model, folder, include_base=self.options.trainable != "mhla", overwrite=True)
+        logger.info("saved %s", folder)
+        return folder
+
+    def _pipeline(self, transformer: nn.Module):
+        from ..pipelines import MHLADiTPipeline
+
+        o = self.options
+        self._load_vae()
+        scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        pipe = MHLADiTPipeline(transformer=transformer, vae=self.vae, scheduler=scheduler, id2label=self.id2label)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def validate(self, model: nn.Module, step: int) -> None:
+        from .validation import write_dit_samples
+
+        o = self.options
+        write_dit_samples(self._pipeline(model), o.validation_classes, o.output_dir, step,
+                          num_inference_steps=o.validation_num_inference_steps,
+                          guidance_scale=o.validation_guidance_scale, seed=o.validation_seed)
+
+    def save_pipeline(self, model: nn.Module) -> None:
+        folder = Path(self.options.output_dir) / "pipeline"
+        self._pipeline(model).save_pretrained(folder)
+        logger.info("saved pipeline %s", folder)
+
+
+def train(options: DiTTrainOptions, on_step_end=None) -> Path:
+    """Run the class-to-image trainer; returns the final output folder."""
+    return run_task(DiTTask(options), on_step_end=on_step_end)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .entry import run_main
+
+    return run_main(lambda args: train(load_options(DiTTrainOptions, args)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

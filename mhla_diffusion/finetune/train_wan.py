@@ -1,0 +1,404 @@
+"""Text-to-video fine-tuning: Wan2.1 converted to MHLA (or, with ``attention: softmax``, as it is),
+trained with flow matching.
+
+    python -m mhla_diffusion.finetune.train_wan --config wan.yaml [--key value ...]
+    accelerate launch -m mhla_diffusion.finetune.train_wan --config wan.yaml      # DDP / FSDP via accelerate config
+
+Recipe (defaults, MHLA reference): logit-normal timesteps (0, 1) with shift 3, target noise - x0,
+plain MSE; AdamW 2e-5 (0.9, 0.999, eps 1e-10, wd 0) with linear warmup then constant; clip 0.1;
+bf16; gradient checkpointing; caption dropout 0.1 to the empty prompt. See ``finetune/README.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..block_layout import validate_grid_layout
+from ..conversion import get_mhla_conversion
+from ..weights import save_mhla
+from .components import (
+    check_model_source,
+    load_component,
+    load_mhla_transformer,
+    load_softmax_transformer,
+    mhla_config_from_options,
+    pipeline_index,
+    save_plain_transformer,
+)
+from .data import DataReport
+from .engine import Task, TaskParts, resolve_dtype, run_task
+from .latent_cache import LatentCache, encoder_identity, run_prepass
+from .latents import draw_latents, encode_posterior, wan_latent_normalization
+from .objectives import flow_match_inputs, flow_match_loss
+from .options import WanTrainOptions, load_options
+from .text import encode_prompts, pad_prompt_embeds
+from .trainable import add_lora
+from .video_data import (
+    CachedVideoDataset,
+    VideoSample,
+    VideoTextDataset,
+    collate_cached_video,
+    collate_pixels,
+    index_video_folder,
+    latent_identity,
+)
+
+__all__ = ["WanTask", "main", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+class WanTask(Task):
+    """Data, model and loss of the text-to-video trainer (see :func:`mhla_diffusion.finetune.engine.run_task`)."""
+
+    def __init__(self, options: WanTrainOptions) -> None:
+        self.options = options
+        self.vae = self.text_encoder = self.tokenizer = None
+        self.cache: LatentCache | None = None
+        self._prompt_cache: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, accelerator) -> TaskParts:
+        o = self.options
+        check_model_source(o.pretrained_model)
+        index = pipeline_index(o.pretrained_model, o.revision)
+        for name in ("vae", "text_encoder", "tokenizer", "transformer"):
+            if not index.get(name) or index[name][0] is None:
+                raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a Wan text-to-video pipeline")
+        self.device = accelerator.device
+        self.encoder_dtype = {n: resolve_dtype(getattr(o, n), accelerator, wrapped=False) for n in ("vae_dtype", "text_encoder_dtype")}
+        self.latent_channels = self._latent_channels()
+        self._check_sizes()
+
+        samples, report = self._index_data(accelerator)
+        transformer = self._load_transformer(accelerator)
+        self._check_buckets(transformer, samples)
+        if o.cache_latents:
+            samples, report = self._fill_cache(accelerator, samples, report)
+        else:
+            self._load_encoders(vae=True, text=True)
+        if accelerator.is_main_process:
+            report.warn()
+        if o.trainable == "lora":
+            add_lora(transformer, o.lora_rank, o.lora_alpha, o.lora_target_modules)
+
+        if o.cache_latents:
+            dataset, collate = CachedVideoDataset(self.cache, samples), collate_cached_video
+        else:
+            dataset = VideoTextDataset(samples, o.frame_stride, o.frame_sampling, o.seed)
+            collate = collate_pixels
+        return TaskParts(
+            transformer=transformer,
+            dataset=dataset,
+            buckets=[s.bucket for s in samples],
+            collate_fn=collate,
+            batch_loss=self.batch_loss,
+            save_final=self.save_final,
+            validate=self.validate if o.validation_prompts else None,
+            data_metrics=report.metrics(),
+            finish=self.save_pipeline if o.save_pipeline else None,
+        )
+
+    def _index_data(self, accelerator) -> tuple[list[VideoSample], DataReport]:
+        from accelerate.utils import gather_object
+
+        o = self.options
+        if o.cache_latents:
+            self.cache = LatentCache(o.resolved_cache_dir(), self._cache_settings())
+            self.cache.check_settings()
+            cached = self.cache.read_index()
+            if cached is not None:
+                logger.info("using the cached index of %d samples in %s (delete its index.json after changing the data)",
+                            len(cached["samples"]), self.cache.folder)
+                return [VideoSample.from_dict(s) for s in cached["samples"]], DataReport.from_dict(cached["report"])
+        return index_video_folder(
+            o.data_dir, o.bucket_sizes(), o.frame_counts(), o.frame_stride, o.caption_column,
+            accelerator.process_index, accelerator.num_processes, gather_object,
+        )
+
+    def _cache_settings(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "task": "wan", **encoder_identity(o.pretrained_model, o.revision, ("vae", "text_encoder", "tokenizer")),
+            "data_dir": str(Path(o.data_dir).resolve()), "resolution_buckets": o.bucket_sizes(),
+            "frame_buckets": o.frame_counts(), "frame_stride": o.frame_stride, "caption_column": o.caption_column,
+            "max_sequence_length": o.max_sequence_length, "cache_dtype": o.cache_dtype,
+            "latent_sampling": o.latent_sampling, "vae_dtype": str(self.encoder_dtype["vae_dtype"]),
+            "text_encoder_dtype": str(self.encoder_dtype["text_encoder_dtype"]),
+        }
+
+    def _load_transformer(self, accelerator) -> nn.Module:
+        from diffusers import AutoencoderKLWan
+
+        o = self.options
+        dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
+        if o.attention == "softmax":
+            transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            if accelerator.is_main_process:
+                logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
+            return transformer.train()
+        config = mhla_config_from_options(o.mhla, o.mhla_preset)
+        if config.layout == "auto" and config.target_grid is None:
+            vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+            patch = self._patch_size()
+            config.target_grid = self._token_grid((o.num_frames, o.height, o.width), patch, vae_config)
+        transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
+        if how == "saved" and (o.mhla or o.mhla_preset):
+            logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
+        if accelerator.is_main_process:
+            logger.info("%s", get_mhla_conversion(transformer).summary())
+        return transformer.train()
+
+    def _patch_size(self) -> tuple[int, int, int]:
+        from diffusers import WanTransformer3DModel
+
+        config = WanTransformer3DModel.load_config(self.options.pretrained_model, subfolder="transformer",
+                                                   revision=self.options.revision)
+        return tuple(int(p) for p in config["patch_size"])
+
+    @staticmethod
+    def _token_grid(bucket: tuple[int, int, int], patch: tuple[int, int, int], vae_config: dict) -> tuple[int, int, int]:
+        frames, height, width = bucket
+        temporal, spatial = vae_config.get("scale_factor_temporal", 4), vae_config.get("scale_factor_spatial", 8)
+        latent_frames = (frames - 1) // temporal + 1
+        return latent_frames // patch[0], height // spatial // patch[1], width // spatial // patch[2]
+
+    def _check_sizes(self) -> None:
+        """Every training and validation size must be a whole number of patches of latents (VAE scale x
+        patch size: 16 px and 4k+1 frames for Wan2.1, 8 px with patch 1); checked from the configs only."""
+        from diffusers import AutoencoderKLWan
+
+        o = self.options
+        vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+        temporal, spatial = vae_config.get("scale_factor_temporal", 4), vae_config.get("scale_factor_spatial", 8)
+        patch = self._patch_size()
+        sizes = {(h, w): "resolution bucket" for h, w in o.bucket_sizes()}
+        frames = set(o.frame_counts())
+        if o.validation_prompts:
+            sizes.setdefault((o.validation_height or o.height, o.validation_width or o.width), "validation size")
+            frames.add(o.validation_num_frames or o.num_frames)
+        step_h, step_w = spatial * patch[1], spatial * patch[2]
+        for (h, w), what in sorted(sizes.items()):
+            if h % step_h or w % step_w:
+                raise ValueError(f"{what} {h}x{w} (height x width) must be a multiple of {step_h}x{step_w}: VAE "
+                                 f"x{spatial}, transformer patch {list(patch)}")
+        for count in sorted(frames):
+            if (count - 1) % temporal or ((count - 1) // temporal + 1) % patch[0]:
+                raise ValueError(f"{count} frames do not make whole latent patches: VAE x{temporal} in time, temporal "
+                                 f"patch {patch[0]}")
+
+    def _check_buckets(self, transformer: nn.Module, samples: list[VideoSample]) -> None:
+        """Every bucket's token grid must hold the MHLA block layout (checked before any encoding)."""
+        from diffusers import AutoencoderKLWan
+
+        conversion = get_mhla_conversion(transformer)
+        if conversion is None:  # attention: softmax
+            return
+        o = self.options
+        layout = conversion.layout
+        vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+        patch = tuple(int(p) for p in transformer.config.patch_size)
+        buckets = {s.bucket for s in samples}
+        if o.validation_prompts:
+            buckets.add((o.validation_num_frames or o.num_frames, o.validation_height or o.height,
+                         o.validation_width or o.width))
+        for bucket in sorted(buckets):
+            grid = self._token_grid(bucket, patch, vae_config)
+            try:
+                validate_grid_layout(grid, layout)
+            except ValueError:
+                kind = "images (1 frame)" if bucket[0] == 1 else f"{bucket[0]}-frame clips"
+                raise ValueError(
+                    f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind}) has token grid {grid}, smaller than the MHLA "
+                    f"block layout {layout} on some axis: drop those files or buckets, or use a layout that fits "
+                    "(mhla.layout with fewer blocks on that axis)"
+                ) from None
+
+    def _load_encoders(self, vae: bool, text: bool) -> None:
+        o = self.options
+        if vae and self.vae is None:
+            self.vae = load_component(o.pretrained_model, "vae", o.revision, self.encoder_dtype["vae_dtype"])
+            self.vae.requires_grad_(False).eval().to(self.device)
+            channels = int(self.vae.config.z_dim)
+            self.latent_shift, self.latent_scale = wan_latent_normalization(self.vae, channels)
+        if text and self.text_encoder is None:
+            self.tokenizer = load_component(o.pretrained_model, "tokenizer", o.revision)
+            self.text_encoder = load_component(o.pretrained_model, "text_encoder", o.revision,
+                                               self.encoder_dtype["text_encoder_dtype"])
+            self.text_encoder.requires_grad_(False).eval().to(self.device)
+
+    def _latent_channels(self) -> int:
+        from diffusers import AutoencoderKLWan
+
+        return int(AutoencoderKLWan.load_config(self.options.pretrained_model, subfolder="vae",
+                                                revision=self.options.revision)["z_dim"])
+
+    # ------------------------------------------------------------------ latent cache pre-pass
+
+    def _fill_cache(self, accelerator, samples: list[VideoSample], report: DataReport) -> tuple[list[VideoSample], DataReport]:
+        o = self.options
+        cache = self.cache
+        prompts = sorted({s.caption for s in samples} | {"", o.validation_negative_prompt} | set(o.validation_prompts))
+        need_latents = [s for s in samples if not cache.has("latents", latent_identity(s))]
+        need_prompts = [p for p in prompts if not cache.has("prompts", p)]
+        if accelerator.is_main_process:
+            cache.write_settings()
+        accelerator.wait_for_everyone()
+        if need_latents or need_prompts:
+            self._load_encoders(vae=bool(need_latents), text=bool(need_prompts))
+        dtype = getattr(torch, o.cache_dtype)
+        if need_latents:
+            pixels = VideoTextDataset(samples, o.frame_stride, "start", o.seed)
+
+            def encode_latents(i: int) -> dict[str, torch.Tensor]:
+                params = encode_posterior(self.vae, pixels.load(i, 0)["pixels"][None], self.latent_shift, self.latent_scale)[0]
+                stored = params if o.latent_sampling == "sample" else params[: params.shape[0] // 2]
+                return {"latents": stored.to(dtype)}
+
+            failures = run_prepass(accelerator, cache, "latents", [latent_identity(s) for s in samples],
+                                   encode_latents, "caching latents")
+            if failures:
+                bad = {i for i, _ in failures}
+                report.corrupt.extend(samples[i].key for i in sorted(bad))
+                samples = [s for i, s in enumerate(samples) if i not in bad]
+                report.used = len(samples)
+                if not samples:
+                    raise ValueError(f"no usable files left after caching: {report.summary()}")
+        if need_prompts:
+            def encode_prompt(i: int) -> dict[str, torch.Tensor]:
+                embeds = encode_prompts(self.tokenizer, self.text_encoder, [prompts[i]], o.max_sequence_length)[0]
+                return {"prompt_embeds": embeds.to(dtype)}
+
+            run_prepass(accelerator, cache, "prompts", prompts, encode_prompt, "caching prompts")
+        if accelerator.is_main_process:
+            cache.write_index({"samples": [s.to_dict() for s in samples], "report": report.to_dict()})
+        accelerator.wait_for_everyone()
+        # Training reads the cache: the text encoder is never needed again; the VAE only to decode samples.
+        self.text_encoder = self.tokenizer = None
+        if o.validation_prompts:
+            self._load_encoders(vae=True, text=False)
+        else:
+            self.vae = None
+        return samples, report
+
+    # ------------------------------------------------------------------ one step
+
+    def _empty_embed(self) -> torch.Tensor:
+        return self._embed("")
+
+    def _embed(self, prompt: str) -> torch.Tensor:
+        """Unpadded ``(L, D)`` embedding of a prompt (cache or text encoder), kept on the device."""
+        if prompt not in self._prompt_cache:
+            if self.cache is not None and self.cache.has("prompts", prompt):
+                embed = self.cache.read("prompts", prompt)["prompt_embeds"]
+            else:
+                self._load_encoders(vae=False, text=True)
+                embed = encode_prompts(self.tokenizer, self.text_encoder, [prompt], self.options.max_sequence_length)[0]
+            self._prompt_cache[prompt] = embed.to(self.device)
+        return self._prompt_cache[prompt]
+
+    def batch_loss(self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        """Flow-matching loss of one batch. Random draws in a fixed order: caption dropout, latents, timesteps/noise."""
+        o = self.options
+        size = batch["indices"].shape[0]
+        drop = (torch.rand(size, generator=generator, device=generator.device) < o.caption_dropout).tolist()
+        if "latents" in batch:
+            stored = batch["latents"]
+            embeds = [self._empty_embed() if d else e for d, e in zip(drop, batch["prompt_embeds"])]
+        else:
+            stored = encode_posterior(self.vae, batch["pixels"], self.latent_shift, self.latent_scale)
+            captions = ["" if d else c for d, c in zip(drop, batch["captions"])]
+            embeds = encode_prompts(self.tokenizer, self.text_encoder, captions, o.max_sequence_length)
+        latents = draw_latents(stored.to(self.device), self.latent_channels, o.latent_sampling, generator)
+        inputs = flow_match_inputs(latents, generator, o.logit_mean, o.logit_std, o.flow_shift)
+        text = pad_prompt_embeds([e.to(self.device) for e in embeds], o.max_sequence_length).float()
+        prediction = model(hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text,
+                           return_dict=False)[0]
+        return flow_match_loss(prediction, inputs.target), {}
+
+    # ------------------------------------------------------------------ outputs
+
+    def save_final(self, model: nn.Module, name: str) -> Path:
+        """``final``: MHLA weights (``mhla``), + LoRA file (``lora``), or the whole transformer (``all``/``attention``).
+
+        ``attention: softmax``: the Diffusers transformer folder (``all``) or the LoRA file alone (``lora``)."""
+        o = self.options
+        folder = Path(o.output_dir) / name
+        if o.attention == "softmax":
+            if o.trainable == "all":
+                save_plain_transformer(model, folder)
+        elif o.trainable in ("mhla", "lora"):
+            save_mhla(model, folder, overwrite=True)
+        else:
+            save_mhla(model, folder, include_base=True, overwrite=True)
+        if o.trainable == "lora":
+            from diffusers import WanPipeline
+            from peft.utils import get_peft_model_state_dict
+
+            WanPipeline.save_lora_weights(  # the adapter metadata keeps lora_alpha (scale alpha / rank) on reload
+                folder, transformer_lora_layers=get_peft_model_state_dict(model),
+                transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
+            )
+        logger.info("saved %s", folder)
+        return folder
+
+    def _pipeline(self, transformer: nn.Module, with_text: bool):
+        from ..pipelines import MHLAWanPipeline
+
+        o = self.options
+        self._load_encoders(vae=True, text=with_text)
+        scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        pipe = MHLAWanPipeline(tokenizer=self.tokenizer if with_text else None,
+                               text_encoder=self.text_encoder if with_text else None,
+                               vae=self.vae, transformer=transformer, scheduler=scheduler)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def validate(self, model: nn.Module, step: int) -> None:
+        from .validation import write_wan_samples
+
+        o = self.options
+        pipe = self._pipeline(model, with_text=False)
+        embeds = [pad_prompt_embeds([self._embed(p)], o.max_sequence_length) for p in o.validation_prompts]
+        negative = pad_prompt_embeds([self._embed(o.validation_negative_prompt)], o.max_sequence_length)
+        write_wan_samples(
+            pipe, o.validation_prompts, embeds, negative, o.output_dir, step,
+            num_frames=o.validation_num_frames or o.num_frames, height=o.validation_height or o.height,
+            width=o.validation_width or o.width, num_inference_steps=o.validation_num_inference_steps,
+            guidance_scale=o.validation_guidance_scale, seed=o.validation_seed, fps=o.validation_fps,
+        )
+
+    def save_pipeline(self, model: nn.Module) -> None:
+        """``<output_dir>/pipeline``: a full MHLAWanPipeline folder (LoRA fused into the base weights); a
+        plain WanPipeline folder for ``attention: softmax``."""
+        transformer = model
+        if self.options.trainable == "lora":
+            transformer = copy.deepcopy(model)
+            transformer.fuse_lora()
+            transformer.unload_lora()
+        folder = Path(self.options.output_dir) / "pipeline"
+        self._pipeline(transformer, with_text=True).save_pretrained(folder)
+        logger.info("saved pipeline %s", folder)
+
+
+def train(options: WanTrainOptions, on_step_end=None) -> Path:
+    """Run the text-to-video trainer; returns the final output folder."""
+    return run_task(WanTask(options), on_step_end=on_step_end)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .entry import run_main
+
+    return run_main(lambda args: train(load_options(WanTrainOptions, args)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
