@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Sample a pipeline for evaluation into ADM's .npz format, on one or many GPUs (`mhla eval-sample`).
 
-    accelerate launch eval/sample.py --model ... --num-samples 50000 --output samples/"""
+    accelerate launch eval/sample.py --pipeline facebook/DiT-XL-2-256 --output-dir samples/dit --num-samples 50000"""
 
 import sys
 from pathlib import Path

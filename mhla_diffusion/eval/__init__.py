@@ -1,4 +1,4 @@
-"""ADM-compatible FID / sFID / IS / precision-recall evaluation (installed as ``mhla_diffusion.eval``).
+"""ADM-compatible FID / sFID / IS / precision-recall evaluation.
 
 Definitions follow OpenAI's ADM evaluator (the numbers in the ADM, DiT and MHLA papers); the
 Inception network is torch-fidelity's TF-compatible port, loaded from a weights file the user

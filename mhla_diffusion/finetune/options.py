@@ -35,7 +35,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class TrainOptions:
-    """Options shared by both trainers (see the field comments; ``finetune/README.md`` has a table)."""
+    """Options shared by both trainers (see the field comments; ``--help`` lists every option with its default)."""
 
     # --- model
     pretrained_model: str = ""  # Diffusers pipeline folder or hub id (required)
@@ -341,9 +341,9 @@ def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions] | None = None)
 
 def _help_text(cls: type[TrainOptions] | None) -> str:
     lines = [
-        "usage: python -m mhla_diffusion.finetune.train_wan|train_dit --config CONFIG.yaml [--key value ...]",
+        "usage: python finetune/train_wan.py|train_dit.py (or python -m mhla_diffusion.finetune.train_wan|train_dit) --config CONFIG.yaml [--key value ...]",
         "Every option of the YAML file can be overridden as --key value (YAML syntax for lists: '[480, 832]');",
-        "MHLA options as --mhla.KEY value (any MHLAConfig field). See finetune/README.md.",
+        "MHLA options as --mhla.KEY value (any MHLAConfig field). Example configs: finetune/configs/ (see finetune/README.md).",
     ]
     if cls is not None:
         lines.append("\noptions (default):")
@@ -367,7 +367,7 @@ def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean `{close[0]}`?)" if close else ""
-            raise ValueError(f"unknown option `{raw_key}`{hint}; see finetune/README.md for the list")
+            raise ValueError(f"unknown option `{raw_key}`{hint}; `--help` lists every option")
         kwargs[key] = _coerce(key, value, hints[key])
     if mhla:
         kwargs["mhla"] = {**kwargs.get("mhla", {}), **mhla}
