@@ -13,6 +13,7 @@ head and no N x N matrix is ever formed.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -31,8 +32,13 @@ def validate_attention_inputs(
     mixing: torch.Tensor,
     q_rot: torch.Tensor | None,
     k_rot: torch.Tensor | None,
+    plan: BlockPlan | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check the operator's arguments; raise ``ValueError`` naming the first bad one."""
+    """Check the operator's arguments; raise ``ValueError`` naming the first bad one.
+
+    With a ``plan`` (built by :func:`~mhla_diffusion.block_layout.block_plan`, which validated its
+    grid and layout), grid and layout are only compared with the plan's, not validated again.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             raise ValueError(f"`{name}` must be a 4-D tensor (B, N, H, D), got {getattr(t, 'shape', type(t))}")
@@ -43,13 +49,40 @@ def validate_attention_inputs(
     for name, t in (("q_rot", q_rot), ("k_rot", k_rot)):
         if t is not None and t.shape != q.shape:
             raise ValueError(f"`{name}` shape {tuple(t.shape)} must equal `q` shape {tuple(q.shape)}")
-    grid, layout = validate_grid_layout(grid, layout, num_tokens=q.shape[1])
+    if plan is None:
+        grid, layout = validate_grid_layout(grid, layout, num_tokens=q.shape[1])
+    else:
+        grid, layout = _check_plan(plan, grid, layout, q.shape[1], q.device)
     m, heads = num_blocks(layout), q.shape[2]
     if not isinstance(mixing, torch.Tensor) or mixing.shape not in ((m, m), (heads, m, m)):
         raise ValueError(
             f"`mixing` must have shape ({m}, {m}) or per-head ({heads}, {m}, {m}) for layout {layout} "
             f"and {heads} heads, got {tuple(getattr(mixing, 'shape', ()))}"
         )
+    return grid, layout
+
+
+def _check_plan(
+    plan: BlockPlan, grid: Sequence[int], layout: Sequence[int], num_tokens: int, device: torch.device
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check that a precomputed ``plan`` is the one for ``grid``, ``layout``, ``N`` and ``device``."""
+    if not isinstance(plan, BlockPlan):
+        raise ValueError(f"`plan` must be a BlockPlan from block_plan(grid, layout, device), got {type(plan).__name__}")
+    try:
+        grid, layout = tuple(int(g) for g in grid), tuple(int(b) for b in layout)
+    except TypeError:
+        return validate_grid_layout(grid, layout, num_tokens=num_tokens)  # raises, naming the bad argument
+    if grid != plan.grid or layout != plan.layout:
+        raise ValueError(
+            f"`plan` was built for grid {plan.grid} and layout {plan.layout}, but the call has grid {grid} and "
+            f"layout {layout}: build it with block_plan(grid, layout, device) for this call"
+        )
+    if math.prod(grid) != num_tokens:
+        raise ValueError(
+            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: the grid's product must equal N"
+        )
+    if plan.device != device:
+        raise ValueError(f"`plan` is on {plan.device} but the inputs are on {device}: build it on the inputs' device")
     return grid, layout
 
 
@@ -71,6 +104,7 @@ def mhla_attention(
     normalize: bool = True,
     eps: float = 1e-6,
     heads_per_chunk: int | None = None,
+    plan: BlockPlan | None = None,
 ) -> torch.Tensor:
     """Multi-head linear attention over token blocks.
 
@@ -85,14 +119,19 @@ def mhla_attention(
         normalize: divide by the mixed denominator ``q_t · z̃_b(t) + eps`` (un-rotated ``q``, ``k``).
         eps: added to the denominator.
         heads_per_chunk: process this many heads at a time to bound the working memory (default: all).
+        plan: the :class:`~mhla_diffusion.block_layout.BlockPlan` of ``grid`` and ``layout`` on the
+            inputs' device, built once and reused across calls (the MHLA processors get one per
+            transformer forward from their grid context); default: built here. A plan for another
+            grid, layout or device raises ``ValueError``. The result does not depend on it.
 
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
     """
-    grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot)
+    grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan)
     if heads_per_chunk is not None and heads_per_chunk < 1:
         raise ValueError(f"`heads_per_chunk` must be >= 1, got {heads_per_chunk}")
-    plan = block_plan(grid, layout, device=q.device)
+    if plan is None:
+        plan = block_plan(grid, layout, device=q.device)
     heads = q.shape[2]
     if heads_per_chunk is None or heads_per_chunk >= heads:
         return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize, eps)

@@ -4,18 +4,16 @@ Table 1 times the attention operators alone on token grids up to Wan's 21x30x50 
 Table 2 times one whole Wan transformer block at the real 1.3B width with its default (SDPA)
 self-attention and with MHLA: the end-to-end ratio a user feels. Times are medians over repeats;
 memory is the peak extra tensor memory of one call (GPU: allocator peak; CPU: tracked tensors).
+The command line (cases, defaults, printing) is :mod:`mhla_diffusion.cli.bench`.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import re
 import statistics
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -24,14 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import mhla_attention
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
-from .cpu_memory import retain_freed_memory
 from .mixing import mixing_init
 
-__all__ = ["BenchCase", "PeakMemory", "attention_table", "format_table", "register", "time_call", "wan_block_table"]
-
-#: Default cases: (grid, layout or None for auto). The 195-block layout shows why M must stay near sqrt(N).
-DEFAULT_CASES = ("5x16x16", "9x20x26", "9x20x26:3x5x13", "21x30x50:3x5x10")
-
+__all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "BenchCase", "PeakMemory", "attention_table", "format_table",
+           "time_call", "wan_block_table"]
 
 @dataclass(frozen=True)
 class BenchCase:
@@ -42,24 +36,16 @@ class BenchCase:
     auto: bool
 
     @classmethod
-    def parse(cls, text: str) -> "BenchCase":
-        """``GRID`` (auto layout) or ``GRID:LAYOUT``, sizes written like ``21x30x50``."""
-        grid_text, _, layout_text = text.partition(":")
-        grid = _sizes(grid_text)
-        layout = _sizes(layout_text) if layout_text else auto_layout(grid)
-        validate_grid_layout(grid, layout)
-        return cls(grid, layout, not layout_text)
+    def of(cls, grid: Sequence[int], layout: Sequence[int] | None = None) -> "BenchCase":
+        """The case of ``grid`` with ``layout``, or with the auto layout when it is ``None``; checked."""
+        grid = tuple(int(g) for g in grid)
+        chosen = tuple(int(b) for b in layout) if layout is not None else auto_layout(grid)
+        validate_grid_layout(grid, chosen)
+        return cls(grid, chosen, layout is None)
 
     @property
     def tokens(self) -> int:
         return math.prod(self.grid)
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in re.split(r"[x,]", text.strip()))
-    except ValueError:
-        raise ValueError(f"expected sizes like 21x30x50, got {text!r}") from None
 
 
 class PeakMemory(TorchDispatchMode):
@@ -284,80 +270,3 @@ BLOCK_COLUMNS = (
     ("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""), ("method", "self-attention", ""),
     ("median_s", "median s", ".2f"), ("peak_extra_mb", "peak extra MiB", ".0f"), ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
 )
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``mhla bench`` to the ``mhla`` parser."""
-    p = subparsers.add_parser(
-        "bench", help="time MHLA beside SDPA and linear attention (operator and a full Wan block)",
-        description="Print two tables measured in one run on the same inputs: the attention operators on token "
-        "grids up to 21x30x50, and one Wan2.1-1.3B transformer block with SDPA vs MHLA self-attention.",
-    )
-    p.add_argument("--case", action="append", help=f"GRID or GRID:LAYOUT (repeatable; default {' '.join(DEFAULT_CASES)})")
-    p.add_argument("--heads", type=int, default=12, help="attention heads (default 12, Wan2.1-1.3B)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is shown")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing the operators (default 1)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--sdpa-backend", action="append", help="Diffusers attention backend(s) for SDPA (default: native, "
-                   "plus flash and xformers on a GPU when installed)")
-    p.add_argument("--sdpa-max-tokens", type=int, help="skip SDPA above this many tokens")
-    p.add_argument("--block-grid", default="21x30x50", help="token grid of the Wan block table (default 21x30x50)")
-    p.add_argument("--block-layout", help="MHLA layout in the Wan block table (default: auto)")
-    p.add_argument("--block-dim", type=int, default=1536)
-    p.add_argument("--block-heads", type=int, default=12)
-    p.add_argument("--block-ffn", type=int, default=8960)
-    p.add_argument("--block-text-tokens", type=int, default=512)
-    p.add_argument("--no-block", dest="block", action="store_false", help="skip the Wan block table")
-    p.add_argument("--malloc", choices=("retain", "default"), default="retain",
-                   help="CPU: retain (default) keeps freed memory for reuse (see mhla_diffusion.cpu_memory), "
-                   "default leaves glibc as it is")
-    p.add_argument("--output", type=Path, help="also write both tables as JSON here")
-    p.set_defaults(func=_run_bench)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    import json
-    import platform
-    import sys
-
-    cases = [BenchCase.parse(c) for c in (args.case or DEFAULT_CASES)]
-    block_grid = _sizes(args.block_grid)
-    block_layout = _sizes(args.block_layout) if args.block_layout else None
-    if args.block:
-        if len(block_grid) != 3:
-            raise ValueError("--block-grid must be frames x height x width, e.g. 21x30x50")
-        validate_grid_layout(block_grid, block_layout or (1, 1, 1))
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
-    if args.output is not None and args.output.exists():
-        raise FileExistsError(f"{args.output} exists; choose another --output")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        retained = args.malloc == "retain" and retain_freed_memory()
-        where = (f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
-                 f"malloc {'keeps freed memory' if retained else 'default'}")
-    print(f"# mhla bench: {where}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}, median of {args.repeats}")
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    rows = attention_table(
-        cases, args.heads, args.head_dim, dtype, device, args.repeats, args.warmup, args.sdpa_backend,
-        args.sdpa_max_tokens, log,
-    )
-    print(f"\nAttention operator, B=1, H={args.heads}, D={args.head_dim}:\n")
-    print(format_table(rows, ATTENTION_COLUMNS))
-    block_rows = []
-    if args.block:
-        block_rows = wan_block_table(
-            block_grid, block_layout, args.block_dim, args.block_heads, args.block_ffn, args.block_text_tokens,
-            dtype, device, args.repeats, 0, log,
-        )
-        print(f"\nOne Wan transformer block (dim {args.block_dim}, {args.block_heads} heads, ffn {args.block_ffn}, "
-              f"cross-attention to {args.block_text_tokens} text tokens):\n")
-        print(format_table(block_rows, BLOCK_COLUMNS))
-    if args.output is not None:
-        args.output.write_text(json.dumps({"device": where, "attention": rows, "wan_block": block_rows}, indent=2) + "\n")
-    return 0

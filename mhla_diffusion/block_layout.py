@@ -57,6 +57,10 @@ class BlockPlan:
     block's real length repeat a token of that block and are marked ``False`` in ``valid``
     (``valid`` is ``None`` when every block has exactly ``P`` tokens). ``scatter[n]`` is the padded
     slot of token ``n``, so ``blocked.index_select(dim, scatter)`` restores token order.
+
+    ``grid`` and ``layout`` record what the plan was built for, so that a plan built once (the MHLA
+    processors get one per transformer forward) can be passed to
+    :func:`~mhla_diffusion.attention.mhla_attention` and checked there cheaply.
     """
 
     num_blocks: int
@@ -64,6 +68,13 @@ class BlockPlan:
     gather: torch.Tensor
     scatter: torch.Tensor
     valid: torch.Tensor | None
+    grid: tuple[int, ...] = ()
+    layout: tuple[int, ...] = ()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the index tensors live."""
+        return self.gather.device
 
 
 def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device | str | None = None) -> BlockPlan:
@@ -97,7 +108,9 @@ def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device 
         slot = slot[..., None] * pad + axis_offset
     scatter = (block * p + slot).reshape(-1)
     all_valid = all(size % blocks == 0 for size, blocks in zip(grid, layout))
-    return BlockPlan(m, p, token_index.reshape(m * p), scatter, None if all_valid else slot_valid.reshape(m, p))
+    return BlockPlan(
+        m, p, token_index.reshape(m * p), scatter, None if all_valid else slot_valid.reshape(m, p), grid, layout
+    )
 
 
 def estimated_cost_ratio(grid: Sequence[int], layout: Sequence[int]) -> float:

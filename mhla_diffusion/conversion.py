@@ -11,6 +11,7 @@ from torch import nn
 
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
 from .config import MHLAConfig
+from .geometry import ImageGeometry, VideoGeometry
 from .processors.base import MHLAProcessor
 from .processors.dit import DiTMHLAProcessor
 from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook
@@ -93,8 +94,11 @@ def self_attention_layers(transformer: nn.Module) -> list[tuple[str, nn.Module]]
 
 
 def _patch_size(transformer: nn.Module) -> tuple[int, ...]:
-    patch = transformer.config.patch_size
-    return tuple(int(p) for p in patch) if model_family(transformer) == "wan" else (int(patch), int(patch))
+    """Patch size per token-grid axis: (t, h, w) for Wan, (h, w) for DiT (from the transformer's config)."""
+    if model_family(transformer) == "wan":
+        return VideoGeometry.from_configs(transformer.config).patch_size
+    patch = ImageGeometry.from_configs(transformer.config).patch_size
+    return patch, patch
 
 
 def _resolve_layers(spec: str | Sequence[int], total: int) -> list[int]:
@@ -114,7 +118,7 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
     axis_names = "(frames, height, width)" if family == "wan" else "(rows, columns)"
     target = config.target_grid
     if target is None and family == "dit":
-        side = int(transformer.config.sample_size) // int(transformer.config.patch_size)
+        side = int(transformer.config.sample_size) // _patch_size(transformer)[0]
         target = (side, side)
     if target is not None and len(target) != axes:
         raise ValueError(f"`target_grid` {tuple(target)} must have {axes} axes {axis_names} for {family}")

@@ -23,7 +23,9 @@ def retain_freed_memory(mmap_threshold: int = 1 << 30) -> bool:
 
     Process-wide and permanent for the process: memory that tensors release stays reserved for
     later tensors instead of going back to the system. Returns ``False`` (and changes nothing) where
-    glibc is not the allocator, e.g. on macOS or Windows.
+    glibc is not the allocator, e.g. on macOS or Windows. Because it changes the whole process, only
+    entry points call it (``mhla text-to-video`` / ``class-to-image`` / ``bench`` / ``build-embedded``
+    and the web app's start, on CPU), never a library function.
     """
     if not sys.platform.startswith("linux"):
         return False

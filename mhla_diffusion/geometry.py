@@ -8,6 +8,9 @@ all ask this module. The factors come from the model's own configs:
   clip therefore has ``k * temporal + 1`` frames and sides that are multiples of ``spatial * patch``.
   Wan's RoPE table holds ``rope_max_seq_len`` positions per axis: that bounds the largest size.
 * image (DiT): the VAE compresses by ``2 ** (len(block_out_channels) - 1)``; patches are square.
+* generation: Diffusers' ``WanPipeline.check_inputs`` also refuses heights and widths that are not
+  multiples of :data:`WAN_PIPELINE_SIZE_MULTIPLE` (16), whatever the VAE and patch; sizes for
+  generation are therefore judged with ``generation=True`` (training sizes are not).
 
 Nothing here imports torch, so every check can run before a model is loaded.
 """
@@ -21,9 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+#: Diffusers' ``WanPipeline.check_inputs`` requires ``height % 16 == 0 and width % 16 == 0`` for every
+#: model (a constant there, not read from the VAE or the transformer).
+WAN_PIPELINE_SIZE_MULTIPLE = 16
+
 __all__ = [
     "ImageGeometry",
     "VideoGeometry",
+    "WAN_PIPELINE_SIZE_MULTIPLE",
     "check_layout_fits",
     "image_token_grid",
     "read_component_config",
@@ -56,12 +64,18 @@ class VideoGeometry:
         """From a transformer config and a VAE config (dicts or Diffusers ``FrozenDict``); missing keys keep Wan2.1's."""
         transformer, vae = transformer or {}, vae or {}
         default = cls()
-        return cls(
-            vae_scale_temporal=int(vae.get("scale_factor_temporal", default.vae_scale_temporal)),
-            vae_scale_spatial=int(vae.get("scale_factor_spatial", default.vae_scale_spatial)),
-            patch_size=tuple(int(p) for p in transformer.get("patch_size", default.patch_size)),
+        return cls(  # a missing or null entry keeps the default, as WanPipeline does
+            vae_scale_temporal=int(vae.get("scale_factor_temporal") or default.vae_scale_temporal),
+            vae_scale_spatial=int(vae.get("scale_factor_spatial") or default.vae_scale_spatial),
+            patch_size=tuple(int(p) for p in transformer.get("patch_size") or default.patch_size),
             max_tokens_per_axis=transformer.get("rope_max_seq_len", default.max_tokens_per_axis),
         )
+
+    @classmethod
+    def of_vae(cls, vae: Mapping[str, Any] | None) -> "VideoGeometry":
+        """The rules of a Wan VAE alone (what it can encode): its scale factors, patch 1x1x1, no position bound."""
+        scales = cls.from_configs(None, vae)
+        return cls(scales.vae_scale_temporal, scales.vae_scale_spatial, (1, 1, 1), None)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "VideoGeometry":
@@ -81,6 +95,12 @@ class VideoGeometry:
         """Height and width must be multiples of these (VAE scale x patch)."""
         return self.vae_scale_spatial * self.patch_size[1], self.vae_scale_spatial * self.patch_size[2]
 
+    @property
+    def generation_multiple(self) -> tuple[int, int]:
+        """Height and width multiples a Diffusers ``WanPipeline`` accepts: :attr:`size_multiple` and
+        :data:`WAN_PIPELINE_SIZE_MULTIPLE` together."""
+        return tuple(math.lcm(m, WAN_PIPELINE_SIZE_MULTIPLE) for m in self.size_multiple)  # type: ignore[return-value]
+
     def describe(self) -> str:
         """The model's factors, for error messages."""
         return (f"VAE x{self.vae_scale_temporal} in time and x{self.vae_scale_spatial} in space, "
@@ -91,36 +111,62 @@ class VideoGeometry:
         t = self.vae_scale_temporal
         return num_frames >= 1 and (num_frames - 1) % t == 0 and ((num_frames - 1) // t + 1) % self.patch_size[0] == 0
 
-    def frame_rule(self) -> str:
-        """The frame-count rule in words, e.g. ``4k+1 (1, 5, 9, ...)``."""
-        examples = [n for n in range(1, 20 * self.vae_scale_temporal * self.patch_size[0] + 2) if self.valid_frames(n)]
+    def frame_rule(self, examples: bool = True) -> str:
+        """The frame-count rule in words: ``4k+1 (1, 5, 9, 13, ...)``, or ``4k+1`` without ``examples``."""
         rule = f"{self.vae_scale_temporal}k+1"
         if self.patch_size[0] > 1:
             rule += f" with latent frames divisible by {self.patch_size[0]}"
-        return f"{rule} ({', '.join(map(str, examples[:4]))}, ...)"
+        return f"{rule} ({', '.join(map(str, self.example_frames()))}, ...)" if examples else rule
+
+    def example_frames(self, count: int = 4) -> list[int]:
+        """The smallest ``count`` valid frame counts (``[1, 5, 9, 13]`` for Wan2.1)."""
+        step = self.vae_scale_temporal * self.patch_size[0]
+        return [n for n in range(1, (count + 1) * step + 2) if self.valid_frames(n)][:count]
 
     def round_frames(self, num_frames: int) -> int:
-        """The frame count a Diffusers Wan pipeline generates for ``num_frames`` (rounded down to ``k * temporal + 1``)."""
+        """The frame count a Diffusers ``WanPipeline`` generates for ``num_frames`` (``ValueError`` below 1).
+
+        Its rule, kept exactly: a count with ``num_frames % temporal != 1`` becomes
+        ``num_frames // temporal * temporal + 1`` (Wan2.1: 7 -> 5, 8 -> 9; with ``temporal`` 1 every count gains one).
+        """
         t = self.vae_scale_temporal
         if num_frames < 1:
             raise ValueError(f"{num_frames} frames: need at least 1 ({self.frame_rule()})")
-        return (num_frames - 1) // t * t + 1
+        return num_frames if num_frames % t == 1 else num_frames // t * t + 1
 
-    def check_size(self, num_frames: int, height: int, width: int) -> None:
-        """Raise ``ValueError`` naming the model's factors when a clip size cannot be generated or encoded."""
+    def _too_large(self, name: str, size: int, limit: int) -> ValueError:
+        return ValueError(
+            f"{name} {size} is larger than the model supports: at most {limit} (its position encoding "
+            f"holds {self.max_tokens_per_axis} tokens per axis; {self.describe()})"
+        )
+
+    def check_frames(self, num_frames: int) -> None:
+        """Raise ``ValueError`` naming the model's factors when ``num_frames`` cannot be encoded or is too long."""
         if not self.valid_frames(num_frames):
             raise ValueError(f"{num_frames} frames is not supported: use {self.frame_rule()} ({self.describe()})")
-        for name, size, multiple in (("height", height, self.size_multiple[0]), ("width", width, self.size_multiple[1])):
-            if size < multiple or size % multiple:
-                raise ValueError(f"{name} {size} must be a positive multiple of {multiple} ({self.describe()})")
         largest = self.max_size()
-        if largest is not None:
-            for name, size, limit in zip(("frames", "height", "width"), (num_frames, height, width), largest):
-                if size > limit:
-                    raise ValueError(
-                        f"{name} {size} is larger than the model supports: at most {limit} (its position encoding "
-                        f"holds {self.max_tokens_per_axis} tokens per axis; {self.describe()})"
-                    )
+        if largest is not None and num_frames > largest[0]:
+            raise self._too_large("frames", num_frames, largest[0])
+
+    def check_resolution(self, height: int, width: int, *, generation: bool = False) -> None:
+        """Raise ``ValueError`` naming the model's factors when ``height`` x ``width`` is no whole number of
+        patches of latents or too large; ``generation``: also Diffusers' ``WanPipeline`` rule (multiples of 16)."""
+        multiples = self.generation_multiple if generation else self.size_multiple
+        largest = self.max_size()
+        for axis, (name, size, multiple) in enumerate(zip(("height", "width"), (height, width), multiples)):
+            if size < multiple or size % multiple:
+                why = self.describe()
+                if multiple != self.size_multiple[axis]:
+                    why += f"; Diffusers' WanPipeline needs multiples of {WAN_PIPELINE_SIZE_MULTIPLE}"
+                raise ValueError(f"{name} {size} must be a positive multiple of {multiple} ({why})")
+            if largest is not None and size > largest[axis + 1]:
+                raise self._too_large(name, size, largest[axis + 1])
+
+    def check_size(self, num_frames: int, height: int, width: int, *, generation: bool = False) -> None:
+        """Raise ``ValueError`` naming the model's factors when a clip size cannot be generated or encoded
+        (:meth:`check_frames` and :meth:`check_resolution`)."""
+        self.check_frames(num_frames)
+        self.check_resolution(height, width, generation=generation)
 
     def max_size(self) -> tuple[int, int, int] | None:
         """Largest (frames, height, width) the position encoding supports, or ``None`` if unbounded."""
@@ -137,8 +183,8 @@ class VideoGeometry:
     def token_grid(self, num_frames: int, height: int, width: int, *, strict: bool = True) -> tuple[int, int, int]:
         """Token grid (frames, height, width) the transformer sees for a clip.
 
-        ``strict`` (default) first checks the size (:meth:`check_size`); ``strict=False`` floors as
-        Diffusers' ``WanPipeline`` does (frames rounded down to ``k * temporal + 1``).
+        ``strict`` (default) first checks the size (:meth:`check_size`); ``strict=False`` takes any size as
+        Diffusers' ``WanPipeline`` does (frames as :meth:`round_frames`, latent sizes floored).
         """
         if strict:
             self.check_size(num_frames, height, width)

@@ -14,7 +14,7 @@ from typing import Any
 
 from diffusers import DiTTransformer2DModel, WanTransformer3DModel
 
-from .weights import from_pretrained_keeping_mhla
+from .weight_files import from_pretrained_keeping_mhla
 
 __all__ = ["MHLADiTTransformer2DModel", "MHLAWanTransformer3DModel", "mhla_transformer_class"]
 

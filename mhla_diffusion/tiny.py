@@ -101,7 +101,8 @@ def tiny_text_encoder(vocab_size: int, seed: int = 0) -> "UMT5EncoderModel":  # 
 def tiny_wan_pipeline(num_layers: int = 2, seed: int = 0) -> "WanPipeline":  # noqa: F821
     """A complete Diffusers ``WanPipeline`` at toy size: tokenizer, UMT5 encoder, Wan VAE, transformer, UniPC.
 
-    Video sizes must be multiples of 16 pixels (VAE x8, patch 2) and ``4k+1`` frames.
+    Its size rules are Wan2.1's (``VideoGeometry.from_pipeline(pipe)``, :mod:`mhla_diffusion.geometry`), with
+    a RoPE table of 32 positions per axis.
     """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
 

@@ -1,8 +1,28 @@
-"""Shared fixtures: tiny Wan / DiT transformers built from configs and inputs for them."""
+"""Fixtures every test folder can use, and the suite's network guard.
+
+How the tests share code (one rule):
+
+* **Fixtures** -- anything with setup and teardown, per-session caching, or autouse behaviour -- live
+  in ``conftest.py`` files: this one for what several folders use (tiny models, tiny pipelines on
+  disk, the network guard), ``tests/<folder>/conftest.py`` for what only that folder uses. Tests get
+  a fixture by naming it as an argument, never by importing it; autouse fixtures apply by themselves.
+* **Helpers** -- plain functions, classes and constants that tests call with arguments -- live in the
+  ``tests/helpers/`` package, one module per topic, imported as ``from helpers.models import
+  wan_inputs`` (``tests/`` is on ``sys.path`` through ``pythonpath`` in ``pyproject.toml``).
+* Test modules import neither ``conftest`` nor each other; ``conftest.py`` files may import helpers.
+  Test modules are imported with ``--import-mode=importlib``, so their basenames need not be unique.
+
+Network: :func:`no_outbound_network` (autouse, whole session) makes every connection from the test
+process to a non-loopback address, and every name lookup other than this machine's, fail with an
+``AssertionError``. Loopback stays open (the web tests' local server, torch.distributed's rendezvous);
+subprocesses are not patched, they get ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` from here.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -10,9 +30,100 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
+pytest.register_assert_rewrite("helpers")  # before any helper module is imported: their asserts explain failures too
+
 from mhla_diffusion.tiny import tiny_dit_transformer, tiny_wan_transformer
 
+from helpers.models import dit_inputs, wan_inputs
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# ----------------------------------------------------------------------------- network guard
+
+_LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", socket.gethostname().lower()}
+
+
+def _is_local_host(host) -> bool:
+    """Loopback / unspecified addresses and this machine's own names (no lookup is made)."""
+    if host is None:
+        return True
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    if not isinstance(host, str):
+        return False
+    host = host.strip("[]").split("%", 1)[0].lower()  # "[::1]", "fe80::1%eth0"
+    if host in _LOCAL_NAMES:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if getattr(address, "ipv4_mapped", None) is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified
+
+
+def _refuse(what: str, target) -> None:
+    raise AssertionError(f"tests must not use the network: {what} {target!r} (only loopback is allowed)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_outbound_network():
+    """Every test, and every fixture, runs with outbound network blocked in this process.
+
+    Patched: ``socket.socket.connect`` / ``connect_ex`` / ``sendto`` for IPv4 and IPv6 sockets to a
+    non-loopback address (``socket.create_connection``, ``urllib``, ``http.client``, ``requests``,
+    ``httpx`` and ``asyncio`` all connect through these), and ``socket.getaddrinfo`` /
+    ``gethostbyname`` / ``gethostbyname_ex`` for names other than this machine's (a DNS lookup is
+    network traffic too). Unix-domain and other socket families are left alone.
+    """
+    real_connect, real_connect_ex, real_sendto = socket.socket.connect, socket.socket.connect_ex, socket.socket.sendto
+    real_getaddrinfo, real_gethostbyname, real_gethostbyname_ex = (
+        socket.getaddrinfo, socket.gethostbyname, socket.gethostbyname_ex)
+    internet = (socket.AF_INET, socket.AF_INET6)
+
+    def connect(self, address):
+        if self.family in internet and not _is_local_host(address[0]):
+            _refuse("connect to", address)
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        if self.family in internet and not _is_local_host(address[0]):
+            _refuse("connect to", address)
+        return real_connect_ex(self, address)
+
+    def sendto(self, data, *args):
+        address = args[-1]  # sendto(data, address) or sendto(data, flags, address)
+        if self.family in internet and not _is_local_host(address[0]):
+            _refuse("send to", address)
+        return real_sendto(self, data, *args)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if not _is_local_host(host):
+            _refuse("look up", host)
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    def gethostbyname(host):
+        if not _is_local_host(host):
+            _refuse("look up", host)
+        return real_gethostbyname(host)
+
+    def gethostbyname_ex(host):
+        if not _is_local_host(host):
+            _refuse("look up", host)
+        return real_gethostbyname_ex(host)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", connect)
+        patch.setattr(socket.socket, "connect_ex", connect_ex)
+        patch.setattr(socket.socket, "sendto", sendto)
+        patch.setattr(socket, "getaddrinfo", getaddrinfo)
+        patch.setattr(socket, "gethostbyname", gethostbyname)
+        patch.setattr(socket, "gethostbyname_ex", gethostbyname_ex)
+        yield
+
+
+# ----------------------------------------------------------------------------- tiny models and inputs
 
 
 @pytest.fixture
@@ -27,26 +138,6 @@ def tiny_dit():
     return tiny_dit_transformer(num_layers=2)
 
 
-def wan_inputs(frames: int = 3, height: int = 8, width: int = 10, batch: int = 1, seed: int = 0) -> dict:
-    """Keyword inputs of the tiny Wan model for a token grid of ``frames x height x width``."""
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, 16, frames, 2 * height, 2 * width, generator=g),
-        timestep=torch.full((batch,), 500),
-        encoder_hidden_states=torch.randn(batch, 7, 32, generator=g),
-    )
-
-
-def dit_inputs(batch: int = 2, seed: int = 0) -> dict:
-    """Keyword inputs of the tiny DiT model (8x8 latent -> 4x4 token grid)."""
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(batch, 4, 8, 8, generator=g),
-        timestep=torch.arange(batch) * 100 + 10,
-        class_labels=torch.arange(batch) + 1,
-    )
-
-
 @pytest.fixture
 def wan_batch():
     return wan_inputs()
@@ -55,11 +146,6 @@ def wan_batch():
 @pytest.fixture
 def dit_batch():
     return dit_inputs()
-
-
-def run(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs).sample
 
 
 # ----------------------------------------------------------------------------- tiny pipelines on disk
@@ -89,14 +175,3 @@ def pipeline_dirs(tmp_path_factory):
     convert_to_mhla(dit.transformer, MHLAConfig(lepe=True))
     save_mhla(dit.transformer, root / "dit_mhla")
     return {name: root / name for name in ("wan", "wan_mhla", "dit", "dit_mhla")}
-
-
-#: Small, fast text-to-video call arguments for the tiny Wan pipeline.
-WAN_CALL = dict(
-    prompt="a red circle moving left", negative_prompt="blue", height=32, width=32, num_frames=9,
-    num_inference_steps=2, max_sequence_length=16, output_type="np",
-)
-
-
-def seeded(seed: int = 0) -> torch.Generator:
-    return torch.Generator("cpu").manual_seed(seed)

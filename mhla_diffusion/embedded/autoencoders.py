@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..geometry import VideoGeometry
 from .digits import DIGIT_SIZE
 from .image_judge import images_to_tensor
 from .video_judge import clips_to_tensor
@@ -197,13 +198,15 @@ def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr:
     clips = np.asarray(clips)
     if clips.dtype != np.uint8 or clips.ndim != 5 or clips.shape[-1] != 3:
         raise ValueError(f"clips must be uint8 (N, F, H, W, 3), got {clips.dtype} {clips.shape}")
-    temporal = vae.config.scale_factor_temporal or 4
-    if (clips.shape[1] - 1) % temporal:
-        raise ValueError(f"clips need {temporal}k + 1 frames, got {clips.shape[1]}")
+    geometry = VideoGeometry.of_vae(vae.config)
+    if not geometry.valid_frames(clips.shape[1]):
+        raise ValueError(f"clips need {geometry.frame_rule()} frames, got {clips.shape[1]}")
     frames, height, width = clips.shape[1:4]
     crop_frames, crop_size = min(crop_frames or frames, frames), min(crop_size or height, height, width)
-    if (crop_frames - 1) % temporal or crop_frames > frames or crop_size % 8 or crop_size > min(height, width):
-        raise ValueError(f"crop_frames must be {temporal}k + 1 <= {frames} and crop_size a multiple of 8 <= {min(height, width)}")
+    multiple = geometry.size_multiple[0]
+    if not geometry.valid_frames(crop_frames) or crop_frames > frames or crop_size % multiple or crop_size > min(height, width):
+        raise ValueError(f"crop_frames must be {geometry.frame_rule()} <= {frames} and crop_size a multiple of {multiple} "
+                         f"<= {min(height, width)} ({geometry.describe()})")
     crops = np.random.default_rng([seed, 1])
 
     def load(pick: np.ndarray) -> torch.Tensor:  # one random crop per batch

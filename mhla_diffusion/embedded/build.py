@@ -14,14 +14,14 @@ Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it fin
    (a layout of ones, one block);
 7. ``evaluate``: samples of every model scored by the judges -> ``reproduction.csv`` / ``.md``;
 8. ``export``: teachers, MHLA students and judges copied to ``--output`` (default: the package's
-   ``embedded_models``), plus ``build_report.json``.
+   ``mhla_diffusion/embedded/models``), plus ``build_report.json``.
 
 ``--smoke`` runs every stage with a handful of steps and samples (the CI check of this command).
+The command line is :mod:`mhla_diffusion.cli.build_embedded`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -34,11 +34,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..cpu_memory import retain_freed_memory
-from .locations import EMBEDDED_ROOT, embedded_defaults
+from .locations import embedded_defaults
 from .autoencoders import (reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
                            train_video_vae)
-from .digits import split_digits, write_digits_folder
+from .digits import DIGIT_SIZE, split_digits, write_digits_folder
 from .image_judge import class_accuracy, train_image_judge
 from .judge_io import load_judge, save_judge
 from .moving_shapes import ATTRIBUTES, generate_clips
@@ -47,7 +46,7 @@ from .reproduction import (ScoreRow, balanced_captions, median_seconds, sample_c
 from .shapes_dataset import write_shapes_dataset
 from .video_judge import prompt_accuracy, train_video_judge
 
-__all__ = ["BuildSettings", "STUDENTS", "build_demo_models", "register"]
+__all__ = ["BuildSettings", "STUDENTS", "build_demo_models", "settings_with"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +180,7 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     from diffusers import (AutoencoderKL, AutoencoderKLWan, DDIMScheduler, DiTPipeline, UniPCMultistepScheduler,
                            WanPipeline)
 
+    from ..geometry import ImageGeometry
     from ..tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
 
     vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video")
@@ -197,7 +197,7 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
                 scheduler=scheduler).save_pretrained(work / "base" / "shapes-t2v")
 
     image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image")
-    latent_side = 32 // 2 ** (len(image_vae.config.block_out_channels) - 1)
+    latent_side = DIGIT_SIZE // ImageGeometry.from_configs(vae=image_vae.config).vae_scale
     dit = tiny_dit_transformer(
         num_layers=s.image_layers, seed=s.seed, num_attention_heads=s.image_heads, attention_head_dim=32,
         in_channels=image_vae.config.latent_channels, out_channels=2 * image_vae.config.latent_channels,
@@ -423,7 +423,6 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
         raise ValueError(f"{work} holds a build with other settings ({settings_file}); use another --work-dir "
                          "or delete that folder")
     settings_file.write_text(json.dumps(wanted, indent=2))
-    retain_freed_memory()  # glibc would hand every large freed block back and page-fault it in again
     stages = _Stages(work)
     report: dict[str, Any] = {}
     report["data"] = stages.run("data", lambda: _data(work, s))
@@ -439,26 +438,7 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
     return report
 
 
-# ---------------------------------------------------------------------------- CLI
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "demo-models", help="train the embedded demonstration models and the reproduction table from scratch",
-        description="Train the small moving-shapes (Wan architecture) and digits (DiT architecture) models, their "
-        "MHLA / hybrid / linear conversions and judges, score them, and write the models to --output.",
-    )
-    p.add_argument("--work-dir", type=Path, default=Path("runs/demo-models"),
-                   help="intermediate files; a rerun resumes finished stages (default runs/demo-models)")
-    p.add_argument("--output", type=Path, default=EMBEDDED_ROOT,
-                   help=f"where the final models go (default: the package's {EMBEDDED_ROOT.name})")
-    p.add_argument("--overwrite", action="store_true", help="replace models already in --output")
-    p.add_argument("--smoke", action="store_true", help="a few steps per stage: checks the whole chain in minutes")
-    p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                   help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable; names: the fields "
-                   "of mhla_diffusion.embedded.build.BuildSettings)")
-    p.set_defaults(func=_run)
+# ---------------------------------------------------------------------------- settings
 
 
 def settings_with(settings: BuildSettings, overrides: list[str]) -> BuildSettings:
@@ -475,14 +455,3 @@ def settings_with(settings: BuildSettings, overrides: list[str]) -> BuildSetting
         except ValueError:
             raise ValueError(f"--set {item!r}: {name} must be of type {kind.__name__}") from None
     return dataclasses.replace(settings, **changes)
-
-
-def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    settings = settings_with(BuildSettings.smoke() if args.smoke else BuildSettings(), args.overrides)
-    if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
-        raise ValueError("--smoke models are untrained: give --output for them (or --no-export), not the package folder")
-    report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite)
-    print((args.work_dir / "reproduction.md").read_text())
-    print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
-    return 0

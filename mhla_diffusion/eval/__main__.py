@@ -1,7 +1,8 @@
 """``python -m mhla_diffusion.eval {eval,eval-ref,eval-sample} ...``: the evaluation commands as a module.
 
 The form for launchers that take a module: ``accelerate launch -m mhla_diffusion.eval eval-sample ...``,
-``torchrun --nproc_per_node 8 -m mhla_diffusion.eval eval-sample ...``.
+``torchrun --nproc_per_node 8 -m mhla_diffusion.eval eval-sample ...``. The commands themselves are
+:mod:`mhla_diffusion.cli.evaluate` (also ``mhla eval``, ``mhla eval-ref``, ``mhla eval-sample``).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import argparse
 import sys
 from typing import Sequence
 
-from .cli import register
+from ..cli.arguments import CommandParser
+from ..cli.evaluate import register
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhla_diffusion.eval",
                                      description="ADM-style evaluation: FID, sFID, IS, precision/recall; sampling.")
-    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -7,7 +7,8 @@ TF's pooling quirks. This module adds only what the ADM evaluator needs on top o
 * ``spatial``: ``mixed_6/conv`` = the output of ``Mixed_6d.branch1x1`` (after BatchNorm and ReLU),
   first 7 channels, channels-last ``(N, 17, 17, 7)``, read with a forward hook;
 * weights from a file the user supplies (argument or ``$MHLA_INCEPTION_WEIGHTS``), never a download:
-  checked (a plain state dict with the right keys and shapes) and its SHA-256 logged.
+  checked (a plain state dict with the right keys and shapes) and its SHA-256 logged (where the
+  file comes from: :mod:`.inception_weights`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from typing import Mapping
 import torch
 
 from .features import FeatureExtractor, check_uint8_images, spatial_features
+from .inception_weights import (
+    INCEPTION_WEIGHTS_ENV,
+    INCEPTION_WEIGHTS_NAMES,
+    INCEPTION_WEIGHTS_URL,
+    PUBLISHED_SHA256_PREFIX,
+    resolve_inception_weights,
+    sha256_of_file,
+)
+from .inception_weights import how_to_get_weights as _how_to_get_weights
 
 __all__ = [
     "INCEPTION_WEIGHTS_ENV",
@@ -35,51 +45,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-INCEPTION_WEIGHTS_ENV = "MHLA_INCEPTION_WEIGHTS"
-#: torch-fidelity's file (first) and pytorch-fid's file of the same converted TF weights.
-INCEPTION_WEIGHTS_NAMES = ("weights-inception-2015-12-05-6726825d.pth", "pt_inception-2015-12-05-6726825d.pth")
-#: Where torch-fidelity publishes the file. Named in error messages only; nothing here downloads.
-INCEPTION_WEIGHTS_URL = (
-    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
-)
-#: torch.hub names files by the first 8 hex digits of their SHA-256; not yet confirmed on the real
-#: file, so a different prefix is a warning, not an error.
-PUBLISHED_SHA256_PREFIX = "6726825d"
 SFID_CHANNELS = 7
 _POOL_DIM, _NUM_LOGITS, _SPATIAL_SIDE = 2048, 1008, 17
-
-
-def _how_to_get_weights() -> str:
-    return (
-        f"download {INCEPTION_WEIGHTS_NAMES[0]} (about 95 MB) from {INCEPTION_WEIGHTS_URL} on a machine with "
-        f"internet (pytorch-fid's {INCEPTION_WEIGHTS_NAMES[1]} also works), copy it anywhere on this machine and "
-        f"pass --inception-weights PATH or set {INCEPTION_WEIGHTS_ENV}=PATH"
-    )
-
-
-def resolve_inception_weights(path: str | os.PathLike | None = None) -> Path:
-    """The weights file: ``path`` if given, else ``$MHLA_INCEPTION_WEIGHTS``; an existing file or an error."""
-    source = "the given path"
-    if path is None or str(path) == "":
-        path = os.environ.get(INCEPTION_WEIGHTS_ENV) or None
-        source = f"${INCEPTION_WEIGHTS_ENV}"
-    if path is None:
-        raise FileNotFoundError(f"no Inception weights file was given. FID/sFID/IS/precision-recall need the FID "
-                                f"Inception-v3 weights: {_how_to_get_weights()}")
-    resolved = Path(path).expanduser()
-    if not resolved.is_file():
-        raise FileNotFoundError(f"Inception weights file {resolved} (from {source}) does not exist or is not a file: "
-                                f"{_how_to_get_weights()}")
-    return resolved
-
-
-def sha256_of_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def load_inception_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], str]:

@@ -11,6 +11,8 @@ Works with any pipeline called like Diffusers' ``DiTPipeline``:
 * ``sampling.json`` in the folder records the settings; a rerun with other settings is refused.
 * :func:`pack_samples` streams the PNGs into ``arr_0`` (uint8 NHWC) with the labels as ``arr_1``.
 
+The pipeline is loaded with :func:`mhla_diffusion.loading.load_pipeline` (``mhla eval-sample``).
+
 Pixel rounding follows DiT's ``sample_ddp.py``: ``uint8(clip(floor(255 x + 0.5)))`` for ``x`` in [0, 1].
 Schedulers that add noise in their steps (DDPM) draw it from the global torch RNG, seeded per batch
 from its first sample: such samples depend on the batching; DDIM-style schedulers do not.
@@ -35,7 +37,6 @@ __all__ = [
     "MANIFEST_NAME",
     "SamplingConfig",
     "class_labels",
-    "load_pipeline",
     "num_classes_of",
     "process_state",
     "pack_samples",
@@ -219,14 +220,6 @@ def pack_samples(folder: str | os.PathLike, output: str | os.PathLike | None = N
                 writer.write_images(np.asarray(image.convert("RGB"))[None])
         writer.add_array("arr_1", class_labels(config.num_samples, config.num_classes, config.class_mode, config.seed))
     return output
-
-
-def load_pipeline(path: str | os.PathLike, mhla_weights: str | os.PathLike | None = None,
-                  dtype: torch.dtype | None = None) -> Any:
-    """Our ``MHLADiTPipeline`` from a folder or hub id, with MHLA weights from ``mhla_weights`` if given."""
-    from ..pipelines import MHLADiTPipeline
-
-    return MHLADiTPipeline.from_pretrained(path, mhla_weights=mhla_weights, dtype=dtype)
 
 
 def num_classes_of(pipe: Any) -> int:

@@ -22,7 +22,6 @@ from ..conversion import convert_to_mhla
 from ..weights import load_mhla, load_transformer, read_mhla_config
 
 __all__ = [
-    "check_model_source",
     "load_component",
     "load_mhla_transformer",
     "load_softmax_transformer",
@@ -30,16 +29,6 @@ __all__ = [
     "pipeline_index",
     "save_plain_transformer",
 ]
-
-
-def check_model_source(source: str) -> None:
-    """A local path that does not exist is an error (hub ids are left to the hub)."""
-    looks_local = os.path.isabs(source) or source.startswith((".", "~")) or source.count("/") != 1
-    if (looks_local or os.path.exists(source)) and not os.path.isdir(source):
-        raise FileNotFoundError(
-            f"pretrained_model {source} is not a folder. Download it first (huggingface-cli download <hub id> "
-            f"--local-dir {source}) or give a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-        )
 
 
 def pipeline_index(source: str, revision: str | None = None) -> dict[str, Any]:

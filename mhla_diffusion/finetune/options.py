@@ -185,9 +185,9 @@ class WanTrainOptions(TrainOptions):
 
     height: int = 480
     width: int = 832
-    num_frames: int = 81  # 4k+1
+    num_frames: int = 81  # a count the model's VAE accepts (see mhla_diffusion.geometry)
     resolution_buckets: list[list[int]] | None = None  # [[h, w], ...]; default [[height, width]]
-    frame_buckets: list[int] | None = None  # frame counts (4k+1) videos may train at; default [num_frames]
+    frame_buckets: list[int] | None = None  # frame counts videos may train at (as num_frames); default [num_frames]
     frame_stride: int = 1  # take every n-th frame
     frame_sampling: str = "start"  # start (first frames, as the reference) | random (random clip start)
     max_sequence_length: int = 512
@@ -210,23 +210,16 @@ class WanTrainOptions(TrainOptions):
 
     def validate(self) -> None:
         super().validate()
-        # Sizes must also be multiples of VAE scale x patch size; the trainer checks that against the
-        # model's configs at setup (x16 for Wan2.1: VAE x8, patch 2).
-        for name in ("height", "width"):
+        # Frame counts and sizes must also suit the model (frames k * VAE temporal scale + 1, sizes
+        # multiples of VAE scale x patch size): the trainer checks them against the model's configs at
+        # setup, before any work (mhla_diffusion.geometry.VideoGeometry).
+        for name in ("height", "width", "num_frames"):
             _at_least(name, getattr(self, name), 1)
-        _four_k_plus_one("num_frames", self.num_frames)
         for h, w in self.bucket_sizes():
             if h < 1 or w < 1:
                 raise ValueError(f"resolution bucket {[h, w]} must be [height, width], positive")
         for frames in self.frame_counts():
-            _four_k_plus_one("frame_buckets entry", frames)
-        if self.validation_prompts:
-            height, width = self.validation_height or self.height, self.validation_width or self.width
-            if height % 16 or width % 16:
-                raise ValueError(f"validation samples of {height}x{width}: WanPipeline needs height and width divisible "
-                                 "by 16 (set validation_height / validation_width)")
-            if self.validation_num_frames is not None:
-                _four_k_plus_one("validation_num_frames", self.validation_num_frames)
+            _at_least("frame_buckets entry", frames, 1)
         _at_least("frame_stride", self.frame_stride, 1)
         _at_least("max_sequence_length", self.max_sequence_length, 1)
         _choice("frame_sampling", self.frame_sampling, ("start", "random"))
@@ -293,7 +286,7 @@ class DiTTrainOptions(TrainOptions):
 
     def validate(self) -> None:
         super().validate()
-        _at_least("resolution", self.resolution, 8)
+        _at_least("resolution", self.resolution, 1)  # a multiple of the model's VAE scale x patch: checked at setup
         if not 0 <= self.class_dropout <= 1:
             raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
         if not 0 <= self.ema_decay < 1:
@@ -455,8 +448,3 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ValueError(f"`{name}` must be >= {low}, got {value}")
-
-
-def _four_k_plus_one(name: str, frames: int) -> None:
-    if frames < 1 or (frames - 1) % 4:
-        raise ValueError(f"`{name}` {frames} must be 4k+1 (1, 5, ..., 81) for the Wan VAE")

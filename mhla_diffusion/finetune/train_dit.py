@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from ..conversion import get_mhla_conversion
+from ..geometry import ImageGeometry, check_layout_fits
+from ..loading import DIT_HUB_ID, check_model_source
 from ..weights import save_mhla
 from .components import (
-    check_model_source,
     load_component,
     load_mhla_transformer,
     load_softmax_transformer,
@@ -93,7 +94,7 @@ class DiTTask(Task):
 
     def setup(self, accelerator) -> TaskParts:
         o = self.options
-        check_model_source(o.pretrained_model)
+        check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model")
         index = pipeline_index(o.pretrained_model, o.revision)
         for name in ("vae", "transformer", "scheduler"):
             if not index.get(name) or index[name][0] is None:
@@ -110,7 +111,7 @@ class DiTTask(Task):
         if not self.id2label:
             self.id2label = folder_labels(samples)
         if o.validation_classes:
-            from ..pipelines.dit import label_index, resolve_class_ids
+            from ..pipelines.class_labels import label_index, resolve_class_ids
 
             resolve_class_ids(list(o.validation_classes), label_index(self.id2label), self.num_classes)
         if o.cache_latents:
@@ -169,18 +170,15 @@ class DiTTask(Task):
 
         o = self.options
         vae_config = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
-        vae_scale = 2 ** (len(vae_config["block_out_channels"]) - 1)
-        step = vae_scale * int(transformer.config.patch_size)
+        geometry = ImageGeometry.from_configs(transformer.config, vae_config)
+        step = geometry.size_multiple
         if o.resolution % step:
-            raise ValueError(f"`resolution` {o.resolution} must be a multiple of {step} (VAE x{vae_scale}, patch "
-                             f"{transformer.config.patch_size})")
-        side = o.resolution // step
+            raise ValueError(f"`resolution` {o.resolution} must be a multiple of {step} ({geometry.describe()})")
         conversion = get_mhla_conversion(transformer)
-        layout = conversion.layout if conversion is not None else ()
-        if any(b > side for b in layout):
-            raise ValueError(f"`resolution` {o.resolution} gives a {side}x{side} token grid, smaller than the MHLA "
-                             f"layout {layout}: train at a larger resolution or use a smaller mhla.layout")
-        native = int(transformer.config.sample_size) * vae_scale
+        if conversion is not None:
+            check_layout_fits(geometry.token_grid(o.resolution, o.resolution), conversion.layout,
+                              f"`resolution` {o.resolution}", "train at a larger resolution or use a smaller mhla.layout")
+        native = int(transformer.config.sample_size) * geometry.vae_scale
         if o.resolution != native:
             logger.warning("training at %d px, the model was built for %d px", o.resolution, native)
 

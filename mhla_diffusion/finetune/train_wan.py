@@ -20,11 +20,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..block_layout import validate_grid_layout
 from ..conversion import get_mhla_conversion
+from ..geometry import VideoGeometry, check_layout_fits
+from ..loading import WAN_HUB_ID, check_model_source
 from ..weights import save_mhla
 from .components import (
-    check_model_source,
     load_component,
     load_mhla_transformer,
     load_softmax_transformer,
@@ -68,7 +68,7 @@ class WanTask(Task):
 
     def setup(self, accelerator) -> TaskParts:
         o = self.options
-        check_model_source(o.pretrained_model)
+        check_model_source(o.pretrained_model, WAN_HUB_ID, what="pretrained_model")
         index = pipeline_index(o.pretrained_model, o.revision)
         for name in ("vae", "text_encoder", "tokenizer", "transformer"):
             if not index.get(name) or index[name][0] is None:
@@ -136,8 +136,6 @@ class WanTask(Task):
         }
 
     def _load_transformer(self, accelerator) -> nn.Module:
-        from diffusers import AutoencoderKLWan
-
         o = self.options
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         if o.attention == "softmax":
@@ -147,9 +145,7 @@ class WanTask(Task):
             return transformer.train()
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
         if config.layout == "auto" and config.target_grid is None:
-            vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
-            patch = self._patch_size()
-            config.target_grid = self._token_grid((o.num_frames, o.height, o.width), patch, vae_config)
+            config.target_grid = self._geometry().token_grid(o.num_frames, o.height, o.width, strict=False)
         transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
@@ -157,70 +153,56 @@ class WanTask(Task):
             logger.info("%s", get_mhla_conversion(transformer).summary())
         return transformer.train()
 
-    def _patch_size(self) -> tuple[int, int, int]:
-        from diffusers import WanTransformer3DModel
+    def _geometry(self) -> VideoGeometry:
+        """The model's size rules, from its transformer and VAE configs (nothing loaded; read once)."""
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-        config = WanTransformer3DModel.load_config(self.options.pretrained_model, subfolder="transformer",
-                                                   revision=self.options.revision)
-        return tuple(int(p) for p in config["patch_size"])
-
-    @staticmethod
-    def _token_grid(bucket: tuple[int, int, int], patch: tuple[int, int, int], vae_config: dict) -> tuple[int, int, int]:
-        frames, height, width = bucket
-        temporal, spatial = vae_config.get("scale_factor_temporal", 4), vae_config.get("scale_factor_spatial", 8)
-        latent_frames = (frames - 1) // temporal + 1
-        return latent_frames // patch[0], height // spatial // patch[1], width // spatial // patch[2]
+        if getattr(self, "_video_geometry", None) is None:
+            o = self.options
+            transformer = WanTransformer3DModel.load_config(o.pretrained_model, subfolder="transformer",
+                                                            revision=o.revision)
+            vae = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+            self._video_geometry = VideoGeometry.from_configs(transformer, vae)
+        return self._video_geometry
 
     def _check_sizes(self) -> None:
-        """Every training and validation size must be a whole number of patches of latents (VAE scale x
-        patch size: 16 px and 4k+1 frames for Wan2.1, 8 px with patch 1); checked from the configs only."""
-        from diffusers import AutoencoderKLWan
-
+        """Every training and validation size must be a whole number of patches of latents (see
+        :class:`~mhla_diffusion.geometry.VideoGeometry`); validation sizes also what ``WanPipeline`` accepts.
+        Checked from the configs only."""
         o = self.options
-        vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
-        temporal, spatial = vae_config.get("scale_factor_temporal", 4), vae_config.get("scale_factor_spatial", 8)
-        patch = self._patch_size()
+        geometry = self._geometry()
         sizes = {(h, w): "resolution bucket" for h, w in o.bucket_sizes()}
-        frames = set(o.frame_counts())
+        frames = {*o.frame_counts(), o.num_frames}
         if o.validation_prompts:
-            sizes.setdefault((o.validation_height or o.height, o.validation_width or o.width), "validation size")
             frames.add(o.validation_num_frames or o.num_frames)
-        step_h, step_w = spatial * patch[1], spatial * patch[2]
-        for (h, w), what in sorted(sizes.items()):
-            if h % step_h or w % step_w:
-                raise ValueError(f"{what} {h}x{w} (height x width) must be a multiple of {step_h}x{step_w}: VAE "
-                                 f"x{spatial}, transformer patch {list(patch)}")
+        checks = [((h, w), what, False) for (h, w), what in sorted(sizes.items())]
+        if o.validation_prompts:
+            checks.append(((o.validation_height or o.height, o.validation_width or o.width), "validation size", True))
+        for (h, w), what, generation in checks:
+            try:
+                geometry.check_resolution(h, w, generation=generation)
+            except ValueError as error:
+                raise ValueError(f"{what} {h}x{w} (height x width): {error}") from None
         for count in sorted(frames):
-            if (count - 1) % temporal or ((count - 1) // temporal + 1) % patch[0]:
-                raise ValueError(f"{count} frames do not make whole latent patches: VAE x{temporal} in time, temporal "
-                                 f"patch {patch[0]}")
+            geometry.check_frames(count)
 
     def _check_buckets(self, transformer: nn.Module, samples: list[VideoSample]) -> None:
         """Every bucket's token grid must hold the MHLA block layout (checked before any encoding)."""
-        from diffusers import AutoencoderKLWan
-
         conversion = get_mhla_conversion(transformer)
         if conversion is None:  # attention: softmax
             return
         o = self.options
-        layout = conversion.layout
-        vae_config = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
-        patch = tuple(int(p) for p in transformer.config.patch_size)
+        geometry = self._geometry()
         buckets = {s.bucket for s in samples}
         if o.validation_prompts:
             buckets.add((o.validation_num_frames or o.num_frames, o.validation_height or o.height,
                          o.validation_width or o.width))
         for bucket in sorted(buckets):
-            grid = self._token_grid(bucket, patch, vae_config)
-            try:
-                validate_grid_layout(grid, layout)
-            except ValueError:
-                kind = "images (1 frame)" if bucket[0] == 1 else f"{bucket[0]}-frame clips"
-                raise ValueError(
-                    f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind}) has token grid {grid}, smaller than the MHLA "
-                    f"block layout {layout} on some axis: drop those files or buckets, or use a layout that fits "
-                    "(mhla.layout with fewer blocks on that axis)"
-                ) from None
+            kind = "images (1 frame)" if bucket[0] == 1 else f"{bucket[0]}-frame clips"
+            check_layout_fits(geometry.token_grid(*bucket), conversion.layout,
+                              f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind})",
+                              "drop those files or buckets, or use a layout that fits (mhla.layout with fewer blocks "
+                              "on that axis)")
 
     def _load_encoders(self, vae: bool, text: bool) -> None:
         o = self.options

@@ -1,7 +1,15 @@
-"""Sampling pipelines over Diffusers' ``WanPipeline`` and ``DiTPipeline`` with MHLA (``mhla_diffusion.pipelines``)."""
+"""Sampling pipelines over Diffusers' ``WanPipeline`` and ``DiTPipeline`` with MHLA (``mhla_diffusion.pipelines``).
 
-from .dit import MHLADiTPipeline
-from .mhla_mixin import MHLAPipelineMixin
-from .wan import MHLAWanPipeline
+Names are re-exported lazily (PEP 562): importing :mod:`.outputs` (torch-free) does not load Diffusers.
+"""
 
-__all__ = ["MHLADiTPipeline", "MHLAPipelineMixin", "MHLAWanPipeline"]
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "MHLADiTPipeline": ".dit",
+    "MHLAPipelineMixin": ".mhla_mixin",
+    "MHLAWanPipeline": ".wan",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -7,41 +7,10 @@ from typing import Any, Callable, Sequence
 import torch
 from diffusers import DiTPipeline
 
+from .class_labels import label_index, resolve_class_ids
 from .mhla_mixin import MHLAPipelineMixin
 
 __all__ = ["MHLADiTPipeline", "label_index", "resolve_class_ids"]
-
-
-def label_index(id2label: dict[int | str, str] | None) -> dict[str, int]:
-    """Name -> id map of an ``id2label`` table whose values list synonyms split by "," (as DiTPipeline does)."""
-    labels: dict[str, int] = {}
-    for key, value in (id2label or {}).items():
-        for name in value.split(","):
-            labels[name.strip()] = int(key)
-    return labels
-
-
-def resolve_class_ids(classes: int | str | Sequence[int | str], labels: dict[str, int], num_classes: int) -> list[int]:
-    """Class ids for ids and/or label names; unknown names or out-of-range ids are a ``ValueError``."""
-    items = [classes] if isinstance(classes, (int, str)) else list(classes)
-    if not items:
-        raise ValueError("no classes given: pass at least one class id or name")
-    ids, unknown = [], []
-    for item in items:
-        if isinstance(item, str) and not item.strip().isdigit():
-            if item.strip() in labels:
-                ids.append(labels[item.strip()])
-            else:
-                unknown.append(item)
-        else:
-            ids.append(int(item))
-    if unknown:
-        known = ", ".join(list(labels)[:8]) or "none: the model has no id2label table, use class ids"
-        raise ValueError(f"unknown class names {unknown}; known names include {known}")
-    bad = [i for i in ids if not 0 <= i < num_classes]
-    if bad:
-        raise ValueError(f"class ids {bad} out of range: the model has classes 0..{num_classes - 1}")
-    return ids
 
 
 class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):

@@ -7,7 +7,7 @@ from typing import Any
 
 from diffusers import WanPipeline
 
-from ..block_layout import validate_grid_layout
+from ..geometry import VideoGeometry, check_layout_fits
 from .mhla_mixin import MHLAPipelineMixin
 
 __all__ = ["MHLAWanPipeline"]
@@ -25,28 +25,23 @@ class MHLAWanPipeline(MHLAPipelineMixin, WanPipeline):
     _stock_transformer_name = "WanTransformer3DModel"
     _mhla_transformer_name = "MHLAWanTransformer3DModel"
 
+    @property
+    def geometry(self) -> VideoGeometry:
+        """This pipeline's size rules, read from its transformer and VAE configs."""
+        return VideoGeometry.from_pipeline(self)
+
     def token_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """Token grid (frames, height, width) this pipeline's transformer sees for a video size."""
-        temporal, spatial = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial
-        pt, ph, pw = self.transformer.config.patch_size
-        if num_frames % temporal != 1:  # WanPipeline rounds the same way (with a warning)
-            num_frames = num_frames // temporal * temporal + 1
-        latent_frames = (max(num_frames, 1) - 1) // temporal + 1
-        return latent_frames // pt, height // spatial // ph, width // spatial // pw
+        """Token grid (frames, height, width) this pipeline's transformer sees for a video size
+        (frames rounded down to ``k * temporal + 1`` as ``WanPipeline`` does)."""
+        return self.geometry.token_grid(num_frames, height, width, strict=False)
 
     def check_mhla_size(self, num_frames: int, height: int, width: int) -> None:
         """Raise ``ValueError`` when the video's token grid cannot hold the MHLA block layout."""
         conversion = self.mhla
         if conversion is None:
             return
-        grid = self.token_grid(num_frames, height, width)
-        try:
-            validate_grid_layout(grid, conversion.layout)
-        except ValueError:
-            raise ValueError(
-                f"a {num_frames}x{height}x{width} video has token grid {grid}, smaller than the MHLA block layout "
-                f"{conversion.layout} on some axis: generate more frames or a larger size"
-            ) from None
+        check_layout_fits(self.token_grid(num_frames, height, width), conversion.layout,
+                          f"a {num_frames}x{height}x{width} video", "generate more frames or a larger size")
 
     def __call__(self, *args: Any, **kwargs: Any):
         bound = inspect.signature(WanPipeline.__call__).bind(self, *args, **kwargs)

@@ -106,6 +106,7 @@ class MHLAProcessor(nn.Module):
         ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v``; the gate reads it.
         """
         grid = self.grid_context.require(q.shape[1])
+        plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
         features = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the feature map and RoPE
         q = F.relu(q.to(features)) + self.eps
         k = F.relu(k.to(features)) + self.eps
@@ -113,7 +114,8 @@ class MHLAProcessor(nn.Module):
         if rotary_emb is not None:  # RoPE after the feature map, on the numerator path only
             q_rot, k_rot = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
         out = mhla_attention(
-            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalize, eps=self.eps
+            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalize, eps=self.eps,
+            plan=plan,
         )
         if self.out_norm is not None:
             weight = self.out_norm.weight.float()

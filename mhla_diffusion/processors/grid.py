@@ -3,22 +3,38 @@
 Diffusers never tells an attention processor the token grid. A forward pre-hook on the transformer
 reads the latent's shape on every call and writes the grid into a small shared object that the
 model's MHLA processors read, so a new resolution or frame count on the next call just works.
+
+The same object builds the :class:`~mhla_diffusion.block_layout.BlockPlan` (and so checks the grid
+against the block layout) once per forward for each layout and device, and every MHLA layer of
+that forward reuses it, instead of every attention call building its own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from ..block_layout import BlockPlan, block_plan
 
 __all__ = ["TokenGridContext", "TokenGridHook", "install_grid_hook", "remove_grid_hook"]
 
 
 class TokenGridContext:
-    """Current token grid of one transformer (a plain object, deliberately not an ``nn.Module``)."""
+    """Current token grid of one transformer (a plain object, deliberately not an ``nn.Module``).
+
+    Holds the grid of the running forward and the block plans built for it; :meth:`set_grid`
+    (called by the hook on every forward) drops the plans of the previous forward.
+    """
 
     def __init__(self) -> None:
         self.grid: tuple[int, ...] | None = None
+        self._plans: dict[tuple, BlockPlan] = {}
+
+    def set_grid(self, grid: Sequence[int] | None) -> None:
+        """Record the grid of a new forward and forget the block plans of the previous one."""
+        self.grid = None if grid is None else tuple(int(g) for g in grid)
+        self._plans.clear()
 
     def require(self, num_tokens: int) -> tuple[int, ...]:
         """The grid for an input of ``num_tokens`` tokens, or a clear error."""
@@ -37,6 +53,46 @@ class TokenGridContext:
                 "self-attention must see every latent token in row-major order"
             )
         return grid
+
+    def plan(self, layout: Sequence[int], device: torch.device | str) -> BlockPlan:
+        """The block plan of the current grid cut by ``layout`` on ``device``, built once per forward.
+
+        The first call of a forward for a layout and device builds the plan, and with it checks the
+        grid against the layout (a clear ``ValueError`` when the grid is too small); later calls of
+        the same forward return the same plan. Under ``torch.compile`` the plan is built in the graph
+        and not cached (the compiled graph holds no Python-side state).
+        """
+        grid = self.grid
+        if grid is None:
+            raise RuntimeError(
+                "MHLA processor does not know the token grid: call the transformer itself (its forward "
+                "pre-hook records the grid), not the attention layer on its own"
+            )
+        layout, device = tuple(layout), torch.device(device)
+        if torch.compiler.is_compiling():
+            return self._build(grid, layout, device)
+        # The grid is part of the key, so a grid set without set_grid never meets a stale plan; so is
+        # inference mode, whose index tensors cannot be saved for backward outside it.
+        key = (grid, layout, device, torch.is_inference_mode_enabled())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._build(grid, layout, device)
+        return plan
+
+    @staticmethod
+    def _build(grid: tuple[int, ...], layout: tuple[int, ...], device: torch.device) -> BlockPlan:
+        try:
+            return block_plan(grid, layout, device=device)
+        except ValueError as error:
+            raise ValueError(
+                f"the MHLA block layout {layout} does not fit this forward's token grid {grid} (latent size // "
+                f"patch size): every axis needs at least as many tokens as blocks; use a larger input or a "
+                f"smaller layout ({error})"
+            ) from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copies (EMA, pickling) keep the grid but not the plans of the forward in progress
+        return {**self.__dict__, "_plans": {}}
 
 
 class TokenGridHook:
@@ -57,7 +113,7 @@ class TokenGridHook:
             raise ValueError(
                 f"expected latents with {len(self.patch_size)} grid axes after (B, C), got shape {tuple(latents.shape)}"
             )
-        self.context.grid = tuple(int(s) // p for s, p in zip(spatial, self.patch_size))
+        self.context.set_grid(tuple(int(s) // p for s, p in zip(spatial, self.patch_size)))
 
 
 def install_grid_hook(transformer: torch.nn.Module, patch_size: tuple[int, ...], context: TokenGridContext) -> None:

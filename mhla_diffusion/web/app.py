@@ -1,4 +1,4 @@
-"""Starting and stopping the web demo: ``python app.py`` and ``mhla web``."""
+"""Starting and stopping the web demo: ``python app.py`` and ``mhla web`` (:mod:`mhla_diffusion.cli.web`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Sequence
 from .config import DemoConfig, add_arguments, config_from_args
 from .outputs import SessionOutputs
 
-__all__ = ["build_parser", "main", "prepare_environment", "register", "run", "serve"]
+__all__ = ["DESCRIPTION", "build_parser", "main", "prepare_environment", "run", "serve"]
 
 DESCRIPTION = ("Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention. "
                "Serves on 127.0.0.1; offline (no analytics, no share link).")
@@ -72,17 +72,15 @@ def serve(config: DemoConfig, block: bool = True):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry of ``mhla web`` (and ``python app.py``)."""
-    serve(config_from_args(args))
+    """Entry of ``mhla web`` and ``python app.py``: check the flags, then serve until stopped."""
+    from ..cpu_memory import retain_freed_memory
+    from ..loading import device_and_dtype
+
+    config = config_from_args(args)
+    if device_and_dtype(config.device, config.dtype)[0] == "cpu":
+        retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
+    serve(config)
     return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``mhla web`` to the ``mhla`` parser."""
-    parser = subparsers.add_parser("demo", help="start the Gradio web demo (MHLA vs softmax, side by side)",
-                                   description=DESCRIPTION)
-    add_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python app.py [flags]``: bad flags or missing model folders give one readable line and exit 2."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return run(args)
     except (ValueError, TypeError, OSError) as error:
-        print(f"demo: error: {error}", file=sys.stderr)
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..embedded import embedded_defaults, embedded_model
+from ..loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
 from .validation import Limits
 
 __all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
@@ -112,8 +113,7 @@ def _env_float(name: str, default: float) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's flags (shared by ``python app.py`` and ``mhla web``)."""
     d = embedded_defaults()
-    for prefix, task, env, example in (("t2v", "text-to-video", "T2V", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
-                                       ("c2i", "class-to-image", "C2I", "facebook/DiT-XL-2-256")):
+    for prefix, task, env, example in (("t2v", "text-to-video", "T2V", WAN_HUB_ID), ("c2i", "class-to-image", "C2I", DIT_HUB_ID)):
         group = parser.add_argument_group(f"{task} model (default: the embedded {task} models)")
         group.add_argument(f"--{prefix}-model", default=_env(f"{env}_MODEL"),
                            help=f"Diffusers pipeline folder or hub id, e.g. {example} (env {ENV_PREFIX}{env}_MODEL)")
@@ -158,8 +158,6 @@ def resolve_task_models(
     transformer: Path | None, softmax_model: str | None,
 ) -> TaskModels:
     """Which folders a task uses (see the module docstring); missing local folders are readable errors."""
-    from ..pipelines.cli import DIT_HUB_ID, WAN_HUB_ID, check_model_source
-
     flag = "--t2v" if task == "text-to-video" else "--c2i"
     if model is None:
         if mhla_weights is not None or transformer is not None:

@@ -1,8 +1,8 @@
 """Loading, caching and running the demo's pipelines (MHLA, and softmax for "compare").
 
-Pipelines load once (with the generation CLI's loader) and are kept. Each task has one lock: the
-MHLA pipeline and its softmax counterpart may share components (text encoder, VAE), so one task
-runs one generation at a time whatever the queue's concurrency.
+Pipelines load once (with :func:`mhla_diffusion.loading.load_pipeline`, as the CLI loads them) and
+are kept. Each task has one lock: the MHLA pipeline and its softmax counterpart may share components
+(text encoder, VAE), so one task runs one generation at a time whatever the queue's concurrency.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ModelStore:
     @property
     def device_and_dtype(self) -> tuple[str, Any]:
         if self._device_dtype is None:
-            from ..pipelines.cli import device_and_dtype
+            from ..loading import device_and_dtype
 
             self._device_dtype = device_and_dtype(self.config.device, self.config.dtype)
         return self._device_dtype
@@ -76,7 +76,7 @@ class ModelStore:
     def _load(self, task: str, attention: Attention) -> Any:
         import torch
 
-        from ..pipelines.cli import load_pipeline
+        from ..loading import load_pipeline
         from ..weights import load_transformer
 
         models = self._models(task)
@@ -87,7 +87,7 @@ class ModelStore:
             pipe = load_pipeline(cls, models.model, mhla_weights=models.mhla_weights, transformer=models.transformer,
                                  attention="mhla", dtype=dtype, component_dtypes=component_dtypes)
         elif models.softmax_source == "folder":
-            pipe = load_pipeline(cls, models.softmax_model, attention="sdpa", dtype=dtype, component_dtypes=component_dtypes)
+            pipe = load_pipeline(cls, models.softmax_model, attention="softmax", dtype=dtype, component_dtypes=component_dtypes)
         elif models.softmax_source == "base":
             mhla_pipe = self.pipeline(task, "mhla")
             components = dict(mhla_pipe.components)
@@ -116,8 +116,8 @@ class ModelStore:
 
     def class_labels(self) -> tuple[dict[str, int], int]:
         """``(name -> id, number of classes)`` of the class-to-image model, read without loading when local."""
-        from ..pipelines.cli import local_labels
-        from ..pipelines.dit import label_index
+        from ..loading import local_labels
+        from ..pipelines.class_labels import label_index
 
         local = local_labels(self.config.image.model)
         if local is not None:

@@ -14,6 +14,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 
 import gradio as gr
 
+from ..geometry import VideoGeometry
 from .config import DemoConfig
 from .models import Attention, Generated, ModelStore
 from .outputs import SessionOutputs
@@ -89,12 +90,14 @@ def _paths(paths: dict[str, Any]) -> tuple[str | None, str | None]:
 def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -> gr.Blocks:
     """The Blocks app (not launched)."""
     defaults, limits = config.defaults, config.limits
+    geometry = VideoGeometry.from_folder(config.video.model)  # the text-to-video model's size rules (from its configs)
 
     def generate_video(prompt: str, negative_prompt: str, seed: float, steps: float, guidance: float,
                        num_frames: float, height: float, width: float, compare: bool,
                        request: gr.Request, progress: gr.Progress = gr.Progress()):
         def work():
-            checked = video_request(prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits)
+            checked = video_request(prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits,
+                                    geometry)
             results, paths = _run_compared(
                 compare, checked.steps, progress, lambda attention, report: store.generate_video(checked, attention, report),
                 lambda result: outputs.save_video(_session(request), result.array, result.attention, defaults.fps))
@@ -138,9 +141,12 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                         negative = gr.Textbox(label="Negative prompt", value=defaults.negative_prompt, elem_id="t2v-negative")
                         with gr.Row():
                             seed = gr.Number(label="Seed", value=0, precision=0, elem_id="t2v-seed")
-                            frames = gr.Number(label="Frames (4k+1)", value=defaults.num_frames, precision=0, elem_id="t2v-frames")
-                            height = gr.Number(label="Height (x16)", value=defaults.height, precision=0, elem_id="t2v-height")
-                            width = gr.Number(label="Width (x16)", value=defaults.width, precision=0, elem_id="t2v-width")
+                            frames = gr.Number(label=f"Frames ({geometry.frame_rule(examples=False)})", value=defaults.num_frames,
+                                               precision=0, elem_id="t2v-frames")
+                            height = gr.Number(label=f"Height (x{geometry.generation_multiple[0]})", value=defaults.height,
+                                               precision=0, elem_id="t2v-height")
+                            width = gr.Number(label=f"Width (x{geometry.generation_multiple[1]})", value=defaults.width,
+                                              precision=0, elem_id="t2v-width")
                         steps = gr.Slider(1, limits.max_steps, value=defaults.video_steps, step=1, label="Steps", elem_id="t2v-steps")
                         guidance = gr.Slider(0, limits.max_guidance, value=defaults.video_guidance_scale, step=0.5,
                                              label="Guidance scale", elem_id="t2v-guidance")

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..pipelines.dit import resolve_class_ids
+from ..geometry import WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
+from ..pipelines.class_labels import resolve_class_ids
 
 __all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoRequest", "image_request", "video_request"]
 
@@ -28,7 +29,8 @@ class Limits:
 
     max_steps: int = 100
     max_frames: int = 81
-    min_size: int = 16
+    #: Smallest height/width; ``None``: the model's own (one multiple of VAE scale x patch that ``WanPipeline`` takes).
+    min_size: int | None = None
     max_size: int = 1024
     max_guidance: float = 20.0
     max_prompt_chars: int = 2000
@@ -101,9 +103,13 @@ def _common(seed: Any, steps: Any, guidance: Any, limits: Limits) -> tuple[int, 
 
 def video_request(
     prompt: Any, negative_prompt: Any, seed: Any, steps: Any, guidance: Any, num_frames: Any, height: Any, width: Any,
-    limits: Limits = Limits(),
+    limits: Limits = Limits(), geometry: VideoGeometry = VideoGeometry(),
 ) -> VideoRequest:
-    """Check the text-to-video inputs; raise :class:`DemoInputError` on the first problem."""
+    """Check the text-to-video inputs; raise :class:`DemoInputError` on the first problem.
+
+    Frame counts and sizes are judged by ``geometry``, the model's size rules (default: Wan2.1's;
+    ``VideoGeometry.from_folder(model)`` for another model), as a Diffusers ``WanPipeline`` takes them.
+    """
     text = (prompt or "").strip() if isinstance(prompt, str) or prompt is None else str(prompt).strip()
     if not text:
         raise DemoInputError("The prompt is empty: describe the video to generate")
@@ -112,18 +118,34 @@ def video_request(
     negative = "" if negative_prompt is None else str(negative_prompt).strip()
     seed_value, step_count, scale = _common(seed, steps, guidance, limits)
     frames = _integer(num_frames, "Frames")
-    if frames < 1 or frames % 4 != 1:
-        raise DemoInputError(f"Frames {frames} is not supported: use 4k+1 frames (1, 5, 9, 13, 17, ...)")
+    if not geometry.valid_frames(frames):
+        examples = ", ".join(map(str, geometry.example_frames(5)))
+        raise DemoInputError(f"Frames {frames} is not supported: use {geometry.frame_rule(examples=False)} frames "
+                             f"({examples}, ...; {geometry.describe()})")
     if frames > limits.max_frames:
         raise DemoInputError(f"Frames {frames} is too many: at most {limits.max_frames}")
     sizes = {}
-    for name, value in (("Height", height), ("Width", width)):
+    for axis, (name, value) in enumerate((("Height", height), ("Width", width))):
         size = _integer(value, name)
-        if size % 16:
-            raise DemoInputError(f"{name} {size} is not supported: use a multiple of 16 (VAE x8, patch 2)")
-        _in_range(size, limits.min_size, limits.max_size, name)
+        multiple = geometry.generation_multiple[axis]
+        if size % multiple:
+            raise DemoInputError(f"{name} {size} is not supported: use a multiple of {multiple} ({_size_rule(geometry, axis)})")
+        _in_range(size, limits.min_size or multiple, limits.max_size, name)
         sizes[name] = size
+    try:
+        geometry.check_size(frames, sizes["Height"], sizes["Width"], generation=True)  # the position encoding's bounds
+    except ValueError as error:
+        message = str(error)
+        raise DemoInputError(message[:1].upper() + message[1:]) from None
     return VideoRequest(text, negative, seed_value, step_count, scale, frames, sizes["Height"], sizes["Width"])
+
+
+def _size_rule(geometry: VideoGeometry, axis: int) -> str:
+    """Why heights (``axis`` 0) or widths (1) must be multiples of what they must: the model's factors."""
+    rule = f"VAE x{geometry.vae_scale_spatial} in space, patch {geometry.patch_size[axis + 1]}"
+    if geometry.generation_multiple[axis] != geometry.size_multiple[axis]:
+        rule += f": {geometry.size_multiple[axis]}; Diffusers' WanPipeline needs multiples of {WAN_PIPELINE_SIZE_MULTIPLE}"
+    return rule
 
 
 def image_request(

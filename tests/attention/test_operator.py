@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers.attention import make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init, num_blocks
@@ -22,17 +23,6 @@ CASES = [
     ((5, 4, 3), (3, 1, 2)),
     ((3, 4, 5), (3, 4, 5)),  # every token its own block
 ]
-
-
-def make_inputs(grid, heads=3, dim=4, value_dim=5, batch=2, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    n = math.prod(grid)
-    q = torch.rand(batch, n, heads, dim, generator=g, dtype=dtype)
-    k = torch.rand(batch, n, heads, dim, generator=g, dtype=dtype)
-    v = torch.randn(batch, n, heads, value_dim, generator=g, dtype=dtype)
-    q_rot = torch.randn(batch, n, heads, dim, generator=g, dtype=dtype)
-    k_rot = torch.randn(batch, n, heads, dim, generator=g, dtype=dtype)
-    return q, k, v, q_rot, k_rot
 
 
 @pytest.mark.parametrize("grid,layout", CASES)

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import torch
-from conftest import run, wan_inputs
+from helpers.models import run, wan_inputs
 
 from mhla_diffusion import get_mhla_conversion, load_mhla
 from mhla_diffusion.cli import main
@@ -41,7 +41,7 @@ def test_convert_bad_input_is_a_readable_error(capsys):
     assert main(["convert", "--tiny", "dit", "--layout", "2x2x2"]) == 2
     assert "`layout` (2, 2, 2) must have 2 axes" in capsys.readouterr().err
     assert main(["convert", "--tiny", "wan", "--target-size", "80x480x832"]) == 2
-    assert "num_frames" in capsys.readouterr().err
+    assert "--target-size 80x480x832: 80 frames is not supported: use 4k+1" in capsys.readouterr().err
 
 
 def test_console_script_is_installed():
@@ -49,3 +49,15 @@ def test_console_script_is_installed():
     assert exe is not None, "install the package (pip install -e .) to get the `mhla` command"
     result = subprocess.run([exe, "convert", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--target-size" in result.stdout
+
+
+def test_demo_models_is_a_deprecated_name_of_build_embedded(capsys):
+    from mhla_diffusion.embedded import EMBEDDED_ROOT
+
+    # a refused --smoke build into the package folder: the old name parses as the new one and runs it
+    assert main(["demo-models", "--smoke", "--output", str(EMBEDDED_ROOT)]) == 2
+    err = capsys.readouterr().err
+    assert "`mhla demo-models` is deprecated" in err and "`mhla build-embedded`" in err
+    assert "mhla demo-models: error: --smoke models are untrained" in err
+    assert main(["build-embedded", "--smoke", "--output", str(EMBEDDED_ROOT)]) == 2
+    assert "deprecated" not in capsys.readouterr().err

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import dit_inputs, run, wan_inputs
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+from helpers.models import dit_inputs, run, wan_inputs
 
 from mhla_diffusion import (
     DiTMHLAProcessor,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import dit_inputs, run, wan_inputs
+from helpers.models import dit_inputs, run, wan_inputs
 from safetensors.torch import load_file, save_file
 
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, convert_to_mhla, get_mhla_conversion, load_mhla, load_transformer, save_mhla

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from embedded_support import digits_split
 
 from mhla_diffusion.embedded import (generate_clips, latent_statistics, tiny_image_vae, tiny_video_vae, train_image_vae,
                                  train_video_vae)
@@ -69,8 +68,8 @@ def test_video_vae_decodes_inside_wan_pipeline():
     assert video.shape == (1, 17, 64, 64, 3)
 
 
-def test_image_vae_shapes_training_and_scaling_factor():
-    split = digits_split(0)
+def test_image_vae_shapes_training_and_scaling_factor(digit_split):
+    split = digit_split
     images = split.train_images[:64]
     vae = tiny_image_vae()
     pixels = images_to_tensor(images)

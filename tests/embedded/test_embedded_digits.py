@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from embedded_support import digits_split
 
 from mhla_diffusion.embedded import NUM_DIGIT_CLASSES, split_digits, write_digits_folder
 from mhla_diffusion.finetune.image_data import ClassImageDataset, index_class_folder
 
 
-def test_split_is_deterministic_stratified_and_disjoint():
-    a, b, other = digits_split(0), split_digits(0), digits_split(1)
+def test_split_is_deterministic_stratified_and_disjoint(digit_split):
+    a, b, other = digit_split, split_digits(0), split_digits(1)
     assert np.array_equal(a.test_indices, b.test_indices) and np.array_equal(a.train_images, b.train_images)
     assert not np.array_equal(a.test_indices, other.test_indices)
     total = len(a.train_indices) + len(a.test_indices)
@@ -25,8 +24,8 @@ def test_split_is_deterministic_stratified_and_disjoint():
         split_digits(0, held_out_fraction=1.0)
 
 
-def test_folder_reads_back_through_the_dit_data_loader(tmp_path):
-    split = digits_split(0)
+def test_folder_reads_back_through_the_dit_data_loader(tmp_path, digit_split):
+    split = digit_split
     pick = np.arange(0, 40, 2)
     folder = write_digits_folder(tmp_path / "digits", split.test_images[pick], split.test_labels[pick],
                                  indices=split.test_indices[pick])

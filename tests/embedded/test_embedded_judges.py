@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from embedded_support import digits_split
 
 from mhla_diffusion.embedded import (ATTRIBUTES, ImageJudge, VideoJudge, class_accuracy, clips_to_filmstrips,
                                  filmstrips_to_clips, generate_clips, judge_features, load_judge, load_judge_features,
@@ -33,8 +32,8 @@ def test_short_video_training_beats_chance_on_fresh_clips(short_video_judge, hel
     assert prompt_accuracy(judge, clips, by_name) == accuracy
 
 
-def test_short_image_training_beats_chance_on_held_out_digits():
-    split = digits_split(0)
+def test_short_image_training_beats_chance_on_held_out_digits(digit_split):
+    split = digit_split
     judge = train_image_judge(split.train_images, split.train_labels, steps=60, batch_size=64)
     accuracy = class_accuracy(judge, split.test_images, split.test_labels)
     assert accuracy >= 0.8, accuracy  # chance: 0.1
@@ -101,8 +100,8 @@ def test_video_judge_features_through_the_evaluator(short_video_judge, held_out_
     assert abs(report["metrics"]["fid"]) < 1e-6 and report["metrics"]["precision"] == report["metrics"]["recall"] == 1.0
 
 
-def test_image_judge_features_through_the_evaluator():
-    split = digits_split(0)
+def test_image_judge_features_through_the_evaluator(digit_split):
+    split = digit_split
     torch.manual_seed(3)
     extractor = judge_features(ImageJudge(width=8, embed_dim=16))
     images = split.test_images[:64]

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from embedded_support import centroids, fill_ratio, shape_mask
+from helpers.shapes import centroids, fill_ratio, shape_mask
 
 from mhla_diffusion.embedded import (ATTRIBUTES, BACKGROUND, COLOURS, DIRECTIONS, FRAME_SIZE, NUM_COMBINATIONS, NUM_FRAMES,
                                  caption_for, generate_clips, parse_caption, shape_clip, write_shapes_dataset)

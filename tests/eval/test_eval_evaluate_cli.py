@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from eval_support import StandInFeatures, no_network, random_images, smooth_images, standin, write_folder  # noqa: F401
+from helpers.features import StandInFeatures
+from helpers.media import random_images, smooth_images, write_folder
 
 from mhla_diffusion.eval import ArrayImages, Reference, evaluate, load_reference, make_reference
-from mhla_diffusion.eval import cli as eval_cli
+from mhla_diffusion.cli import evaluate as eval_cli
 from mhla_diffusion.eval.frechet import frechet_distance, gaussian_stats
 from mhla_diffusion.eval.inception import INCEPTION_WEIGHTS_ENV
 from mhla_diffusion.eval.inception_score import inception_score

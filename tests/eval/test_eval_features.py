@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from eval_support import PoolOnly, no_network, random_images, smooth_images, standin  # noqa: F401
+from helpers.features import PoolOnly
+from helpers.media import random_images, smooth_images
 from torch_fidelity.interpolate_compat_tensorflow import interpolate_bilinear_2d_like_tensorflow1x
 
 from mhla_diffusion.eval import ArrayImages, Reference, evaluate

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.linalg
-from eval_support import no_network  # noqa: F401
 
 from mhla_diffusion.eval.frechet import GaussianStats, RunningGaussian, frechet_distance, gaussian_stats, psd_sqrt
 

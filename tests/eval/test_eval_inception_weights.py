@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from eval_support import inception_template_state_dict, no_network  # noqa: F401
+from helpers.features import inception_template_state_dict
 
 from mhla_diffusion.eval.inception import (
     INCEPTION_WEIGHTS_ENV,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from eval_support import no_network, random_images, write_folder  # noqa: F401
+from helpers.media import random_images, write_folder
 from PIL import Image
 
 from mhla_diffusion.eval.frechet import GaussianStats

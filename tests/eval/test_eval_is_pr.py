@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from eval_support import no_network  # noqa: F401
 
 from mhla_diffusion.eval.inception_score import inception_score, inception_score_splits
 from mhla_diffusion.eval.precision_recall import manifold_radii, precision_recall

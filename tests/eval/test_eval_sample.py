@@ -14,11 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from eval_support import no_network  # noqa: F401
 from PIL import Image
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla, save_mhla
-from mhla_diffusion.eval import cli as eval_cli
+from mhla_diffusion.cli import evaluate as eval_cli
 from mhla_diffusion.eval.sample import (
     MANIFEST_NAME,
     SamplingConfig,

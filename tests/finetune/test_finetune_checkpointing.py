@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from finetune_support import _one_thread_and_fresh_accelerate  # noqa: F401 (autouse fixture)
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.finetune.checkpointing import (

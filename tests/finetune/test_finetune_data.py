@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from finetune_support import image_classes, write_image, write_video  # noqa: F401 (fixture)
+from helpers.media import write_image, write_video
 
 from mhla_diffusion.finetune.buckets import BucketBatchSampler, frame_bucket, nearest_resolution
 from mhla_diffusion.finetune.image_data import ClassImageDataset, index_class_folder

@@ -10,7 +10,7 @@ import sys
 
 import torch
 import yaml
-from finetune_support import _one_thread_and_fresh_accelerate, metrics, subprocess_env, video_set  # noqa: F401
+from helpers.finetune import metrics, subprocess_env
 
 from mhla_diffusion.pipelines import MHLAWanPipeline
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from finetune_support import DiTEvaluator, _one_thread_and_fresh_accelerate, dit_options, image_classes, metrics  # noqa: F401
+from helpers.finetune import DiTEvaluator, dit_options, metrics
 from safetensors.torch import load_file
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from finetune_support import _one_thread_and_fresh_accelerate  # noqa: F401 (autouse fixture)
 
 from mhla_diffusion.finetune.latents import draw_latents, encode_posterior, wan_latent_normalization
 from mhla_diffusion.finetune.objectives import DiffusionObjective, flow_match_inputs, normal_kl

@@ -8,14 +8,8 @@ import logging
 
 import pytest
 import torch
-from finetune_support import (  # noqa: F401
-    _one_thread_and_fresh_accelerate,
-    dit_options,
-    make_digit_classes,
-    metrics,
-    video_set,
-    wan_options,
-)
+from helpers.finetune import dit_options, metrics, wan_options
+from helpers.media import make_digit_classes
 from safetensors.torch import load_file
 
 from mhla_diffusion import get_mhla_conversion, load_transformer
@@ -104,9 +98,28 @@ def test_wan_softmax_lora_and_size_checks(tmp_path, pipeline_dirs, wan_patch1, v
     # sizes are checked against the VAE scale x patch: 40 px is fine with patch 1, not with patch 2
     task = train_wan.WanTask(wan_options(wan_patch1, video_set, tmp_path / "a", resolution_buckets=[[32, 40]]))
     task._check_sizes()
-    with pytest.raises(ValueError, match="32x40 .* must be a multiple of 16x16"):
+    with pytest.raises(ValueError, match=r"32x40 .*width 40 must be a positive multiple of 16 \(VAE x4 in time and x8 "
+                                         r"in space, patch 1x2x2\)"):
         train_wan.train(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "b", resolution_buckets=[[32, 40]]))
     assert not (tmp_path / "b").exists()
+
+
+def test_wan_frame_counts_and_validation_sizes_follow_the_model(tmp_path, pipeline_dirs, wan_patch1, video_set):
+    """The options take any positive sizes; the trainer judges them with the model's geometry, before any work.
+    Validation sizes are also what Diffusers' WanPipeline takes (multiples of 16, even with patch 1)."""
+    options = wan_options(wan_patch1, video_set, tmp_path / "a", num_frames=80, frame_buckets=[9])  # options take it
+    with pytest.raises(ValueError, match=r"80 frames is not supported: use 4k\+1 \(1, 5, 9, 13, ...\) \(VAE x4 in time"):
+        train_wan.WanTask(options)._check_sizes()
+    validation = dict(validation_prompts=["a cat"], validation_height=32)
+    train_wan.WanTask(wan_options(wan_patch1, video_set, tmp_path / "b", validation_width=48, **validation))._check_sizes()
+    for model in (wan_patch1, pipeline_dirs["wan"]):
+        task = train_wan.WanTask(wan_options(model, video_set, tmp_path / "c", validation_width=40, **validation))
+        with pytest.raises(ValueError, match=r"validation size 32x40 .*width 40 must be a positive multiple of 16"):
+            task._check_sizes()
+    # sizes past the position encoding (tiny Wan: 32 RoPE positions per axis -> at most 512 px)
+    task = train_wan.WanTask(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "d", resolution_buckets=[[32, 528]]))
+    with pytest.raises(ValueError, match="width 528 is larger than the model supports: at most 512"):
+        task._check_sizes()
 
 
 def test_dit_softmax_teacher_resumes_and_seeds_an_mhla_student(tmp_path, digits):

@@ -7,15 +7,8 @@ import copy
 
 import pytest
 import torch
-from finetune_support import (  # noqa: F401 (fixture)
-    WanEvaluator,
-    _one_thread_and_fresh_accelerate,
-    attention_reliant_wan,
-    base_wan_transformer,
-    metrics,
-    one_colour_clips,
-    wan_options,
-)
+from helpers.finetune import WanEvaluator, attention_reliant_wan, base_wan_transformer, metrics, wan_options
+from helpers.media import one_colour_clips
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer, softmax_attention
 from mhla_diffusion.finetune import train_wan

@@ -8,17 +8,8 @@ import shutil
 import imageio.v3 as iio
 import pytest
 import torch
-from finetune_support import (  # noqa: F401 (fixtures)
-    WanEvaluator,
-    _one_thread_and_fresh_accelerate,
-    base_wan_transformer,
-    make_video_set,
-    metrics,
-    video_set,
-    wan_options,
-    write_image,
-    write_video,
-)
+from helpers.finetune import WanEvaluator, base_wan_transformer, metrics, wan_options
+from helpers.media import make_video_set, write_image, write_video
 from safetensors.torch import load_file
 
 from mhla_diffusion import load_mhla
@@ -198,7 +189,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(tmp_path, pipeline_dirs, vid
     code = train_wan.main(["--pretrained_model", str(base), "--data_dir", str(empty), "--output_dir", str(tmp_path / "r2"),
                            "--mixed_precision", "no", "--height", "32", "--width", "32", "--num_frames", "9"])
     assert code == 2 and "error: no videos or images found" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="is not a folder"):
+    with pytest.raises(FileNotFoundError, match="pretrained_model .*no-model not found"):
         train_wan.train(wan_options(tmp_path / "no-model", video_set, tmp_path / "r3"))
 
 

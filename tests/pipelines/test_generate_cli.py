@@ -7,8 +7,8 @@ import json
 import imageio.v3 as iio
 import numpy as np
 import pytest
+from helpers.original_format import released_model, to_original
 from safetensors.torch import save_file
-from test_original_format import released_model, to_original
 
 from mhla_diffusion.cli import main
 
@@ -37,14 +37,15 @@ def test_formats_attention_modes_and_prompts_file(pipeline_dirs, tmp_path):
     prompts.write_text("a red circle\n\na blue square\n")
     out = tmp_path / "out"
     assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "gif") == 0
-    assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "frames", "--attention", "sdpa") == 0
+    assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "frames", "--attention", "softmax") == 0
     gif = np.stack(list(iio.imiter(out / "001-a-blue-square-seed0-mhla.gif")))
     assert gif.shape[:3] == (9, 32, 48)
-    pngs = sorted((out / "001-a-blue-square-seed0-sdpa").glob("frame_*.png"))
+    pngs = sorted((out / "001-a-blue-square-seed0-softmax").glob("frame_*.png"))
     assert len(pngs) == 9 and iio.imread(pngs[0]).shape == (32, 48, 3)
-    sdpa = np.stack([iio.imread(p) for p in pngs]).astype(int)
-    assert np.abs(sdpa - gif[..., :3].astype(int)).max() > 0  # softmax and MHLA give different videos
-    assert json.loads((out / "001-a-blue-square-seed0-sdpa.json").read_text())["mhla_layers"] == []
+    softmax = np.stack([iio.imread(p) for p in pngs]).astype(int)
+    assert np.abs(softmax - gif[..., :3].astype(int)).max() > 0  # softmax and MHLA give different videos
+    settings = json.loads((out / "001-a-blue-square-seed0-softmax.json").read_text())
+    assert settings["mhla_layers"] == [] and settings["attention"] == "softmax"
 
 
 def test_existing_outputs_are_kept(pipeline_dirs, tmp_path, capsys):
@@ -59,7 +60,7 @@ def test_existing_outputs_are_kept(pipeline_dirs, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--prompt", "x", "--height", "40"], "--height 40 must be a positive multiple of 16"),
+        (["--prompt", "x", "--height", "40"], "height 40 must be a positive multiple of 16"),
         (["--prompt", "x", "--num-frames", "1"], "smaller than the MHLA block layout"),
         (["--prompt", " "], "empty prompt"),
         ([], "give a prompt"),
@@ -106,8 +107,10 @@ def test_class_to_image(pipeline_dirs, tmp_path, capsys):
     assert settings["class_id"] == 4 and settings["attention"] == "mhla"
     assert main([*base, "--class", "blue whale"]) == 2
     assert "unknown class names ['blue whale']" in capsys.readouterr().err
-    assert main([*base, "--class", "goldfish", "--attention", "sdpa"]) == 0
-    assert not np.array_equal(iio.imread(tmp_path / "000-goldfish-seed0-sdpa.png"), image)
+    capsys.readouterr()
+    assert main([*base, "--class", "goldfish", "--attention", "sdpa"]) == 0  # the deprecated name of softmax
+    assert "--attention sdpa is deprecated" in capsys.readouterr().err
+    assert not np.array_equal(iio.imread(tmp_path / "000-goldfish-seed0-softmax.png"), image)
 
 
 def test_import_wan_then_generate(pipeline_dirs, tmp_path, capsys):

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from conftest import WAN_CALL, seeded
 from diffusers import (
     DiffusionPipeline,
     DiTPipeline,
@@ -14,6 +13,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     WanPipeline,
 )
+from helpers.models import WAN_CALL, seeded
 
 from mhla_diffusion import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
 from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline

@@ -48,6 +48,26 @@ def test_limits_are_configurable():
         video_request(**{**GOOD_VIDEO, "num_frames": 13}, limits=Limits(max_frames=9))
 
 
+def test_video_request_follows_the_models_geometry(pipeline_dirs):
+    from mhla_diffusion.geometry import VideoGeometry
+
+    # the embedded model's VAE is 4x: 8 px would make whole patches, but Diffusers' WanPipeline takes multiples of 16
+    embedded = VideoGeometry(vae_scale_spatial=4, max_tokens_per_axis=64)
+    assert video_request(**GOOD_VIDEO, geometry=embedded).height == 64
+    with pytest.raises(DemoInputError, match=r"Height 72 .*multiple of 16 \(VAE x4 in space, patch 2: 8; Diffusers' WanPipeline"):
+        video_request(**{**GOOD_VIDEO, "height": 72}, geometry=embedded)
+    with pytest.raises(DemoInputError, match=r"Width 528 is larger than the model supports: at most 512 .*64 tokens per axis"):
+        video_request(**{**GOOD_VIDEO, "width": 528}, geometry=embedded)
+    # a VAE that compresses time 2x: 2k+1 frames, named with the model's factors
+    assert video_request(**{**GOOD_VIDEO, "num_frames": 7}, geometry=VideoGeometry(vae_scale_temporal=2)).num_frames == 7
+    with pytest.raises(DemoInputError, match=r"Frames 6 .*use 2k\+1 frames \(1, 3, 5, 7, 9, ...; VAE x2 in time"):
+        video_request(**{**GOOD_VIDEO, "num_frames": 6}, geometry=VideoGeometry(vae_scale_temporal=2))
+    # read from a pipeline folder: the tiny Wan's RoPE holds 32 positions per axis (512 px)
+    tiny = VideoGeometry.from_folder(pipeline_dirs["wan"])
+    with pytest.raises(DemoInputError, match="Width 528 is larger than the model supports: at most 512"):
+        video_request(**{**GOOD_VIDEO, "width": 528}, geometry=tiny)
+
+
 LABELS = {"tench": 0, "Tinca tinca": 0, "goldfish": 1}
 
 
@@ -83,11 +103,24 @@ def test_model_sources_and_missing_folders(pipeline_dirs, tmp_path):
         resolve_task_models("class-to-image", None, weights, None, None)
 
 
-def test_mhla_demo_subcommand_exists():
+def test_mhla_web_subcommand_exists():
     from mhla_diffusion.cli import build_parser as mhla_parser
 
+    args = mhla_parser().parse_args(["web", "--port", "7000", "--no-preload"])
+    assert args.command == "web" and args.port == 7000 and args.preload is False
+
+
+def test_mhla_demo_is_a_deprecated_name_of_web(monkeypatch, capsys):
+    from mhla_diffusion.cli import build_parser as mhla_parser
+    from mhla_diffusion.cli import main
+    from mhla_diffusion.web import app
+
     args = mhla_parser().parse_args(["demo", "--port", "7000", "--no-preload"])
-    assert args.command == "demo" and args.port == 7000 and args.preload is False
+    assert args.port == 7000 and args.renamed_to == "web"
+    served = []
+    monkeypatch.setattr(app, "serve", lambda config: served.append(config))
+    assert main(["demo", "--port", "7001", "--no-preload", "--device", "cpu"]) == 0
+    assert served[0].port == 7001 and "`mhla demo` is deprecated" in capsys.readouterr().err
 
 
 def test_session_outputs_are_separate_and_cleaned(tmp_path):

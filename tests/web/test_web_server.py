@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
 gradio_client = pytest.importorskip("gradio_client")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Form defaults the server starts with (small, so a generation takes about a second on a CPU).
 FRAMES, SIZE, STEPS = 9, 32, 2
 

@@ -1,55 +1,32 @@
-"""The ``mhla`` command: one entry point, one subcommand per job.
-
-    mhla convert --tiny wan                       # convert a tiny Wan model, print what changed
-    mhla convert --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --layers hybrid \\
-        --target-size 81x480x832 --output mhla_init/
-    mhla text-to-video --model ... --mhla-weights mhla_init/ --prompt "a cat surfing"
-    mhla class-to-image --model facebook/DiT-XL-2-256 --mhla-weights ... --class 207
-    mhla import-wan released.safetensors --output wan_mhla_transformer/
-    mhla demo                                     # Gradio web demo on 127.0.0.1 (pip install .[demo])
-"""
+"""``mhla convert``: convert a Wan / DiT transformer's self-attention to MHLA and print what changed."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["main"]
+from .arguments import WAN_480P, add_command, parse_layers, parse_sizes
 
-#: Video size (frames, height, width) the auto layout targets when none is given: Wan2.1's 480p clip.
-DEFAULT_WAN_VIDEO = (81, 480, 832)
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    """Parse ``3x5x10`` (or ``3,5,10``) into a tuple of ints."""
-    try:
-        values = tuple(int(v) for v in text.replace(",", "x").split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected sizes like 3x5x10, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
-    return values
+__all__ = ["register"]
 
 
-def _layers(text: str) -> str | list[int]:
-    if text in ("all", "hybrid"):
-        return text
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}") from None
-
-
-def _add_convert(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "convert",
+def register(subparsers: argparse._SubParsersAction) -> None:
+    add_command(
+        subparsers, "convert", configure,
         help="convert a Wan / DiT transformer's self-attention to MHLA and print what changed",
         description="Convert the softmax self-attention of a Diffusers Wan2.1 or DiT transformer to MHLA, "
         "report the changed layers and the output change on a random input, and optionally save the result.",
     )
+
+
+def parse_layout(text: str) -> str | tuple[int, ...]:
+    """``auto`` or blocks per axis such as ``3x5x10`` (an ``argparse`` type)."""
+    return "auto" if text == "auto" else parse_sizes(text)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id")
     src.add_argument("--tiny", choices=("wan", "dit"), help="build a tiny model from a config instead (demo, no download)")
@@ -57,13 +34,13 @@ def _add_convert(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated"), default="paper",
                    help="paper: denominator (default); released-wan: no denominator, per-head output RMSNorm, "
                    "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate")
-    p.add_argument("--layers", type=_layers, help="all (default), hybrid (2/3 of the blocks) or indices 1,2,4")
-    p.add_argument("--layout", help="blocks per token-grid axis, e.g. 3x5x10, or 'auto' (default)")
+    p.add_argument("--layers", type=parse_layers, help="all (default), hybrid (2/3 of the blocks) or indices 1,2,4")
+    p.add_argument("--layout", type=parse_layout, help="blocks per token-grid axis, e.g. 3x5x10, or 'auto' (default)")
     grid = p.add_mutually_exclusive_group()
-    grid.add_argument("--target-grid", type=_sizes, help="token grid for the auto layout, e.g. 21x30x52")
-    grid.add_argument("--target-size", type=_sizes,
-                      help="pixel size for the auto layout: FRAMESxHEIGHTxWIDTH for Wan (default 81x480x832), "
-                      "HEIGHTxWIDTH for DiT (default: the model's sample size)")
+    grid.add_argument("--target-grid", type=parse_sizes, help="token grid for the auto layout, e.g. 21x30x52")
+    grid.add_argument("--target-size", type=parse_sizes,
+                      help="pixel size for the auto layout: FRAMESxHEIGHTxWIDTH for Wan (default "
+                      f"{'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's sample size)")
     p.add_argument("--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)")
     p.add_argument("--mixing-normalization", choices=("column", "row"), help="column (reference code, default) or row (paper)")
     p.add_argument("--normalization", choices=("denominator", "none"), help="override the preset's normalisation")
@@ -76,12 +53,12 @@ def _add_convert(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace files already in --output")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the before/after forward pass on a small random input")
-    p.set_defaults(func=_run_convert)
+    p.set_defaults(func=run)
 
 
 def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Sequence[int] = (1, 2, 2)):
-    from .config import MHLAConfig
-    from .geometry import image_token_grid, video_token_grid
+    from ..config import MHLAConfig
+    from ..geometry import image_token_grid, video_token_grid
 
     options: dict = {}
     if args.preset.startswith("released-wan"):
@@ -89,20 +66,22 @@ def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Se
     if args.layers is not None:
         options["layers"] = args.layers
     if args.layout is not None:
-        options["layout"] = "auto" if args.layout == "auto" else _sizes(args.layout)
+        options["layout"] = args.layout
     if args.target_grid is not None:
         options["target_grid"] = args.target_grid
-    if args.target_size is not None:
-        if family == "wan":
-            if len(args.target_size) != 3:
-                raise ValueError("--target-size for Wan is FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")
-            options["target_grid"] = video_token_grid(*args.target_size, patch_size=patch_size)
-        elif family == "dit":
-            if len(args.target_size) != 2:
-                raise ValueError("--target-size for DiT is HEIGHTxWIDTH, e.g. 256x256")
-            options["target_grid"] = image_token_grid(*args.target_size, patch_size=patch_size[0])
+    if args.target_size is not None and family is not None:
+        size = "x".join(map(str, args.target_size))
+        if family == "wan" and len(args.target_size) != 3:
+            raise ValueError(f"--target-size for Wan is FRAMESxHEIGHTxWIDTH, e.g. {'x'.join(map(str, WAN_480P))}")
+        if family == "dit" and len(args.target_size) != 2:
+            raise ValueError("--target-size for DiT is HEIGHTxWIDTH, e.g. 256x256")
+        try:
+            options["target_grid"] = (video_token_grid(*args.target_size, patch_size=patch_size) if family == "wan"
+                                      else image_token_grid(*args.target_size, patch_size=patch_size[0]))
+        except ValueError as error:
+            raise ValueError(f"--target-size {size}: {error}") from None
     if family == "wan" and options.get("layout", "auto") == "auto" and "target_grid" not in options:
-        options["target_grid"] = video_token_grid(*DEFAULT_WAN_VIDEO, patch_size=patch_size)
+        options["target_grid"] = video_token_grid(*WAN_480P, patch_size=patch_size)
     if options.get("target_grid") is not None and "layout" not in options:
         options["layout"] = "auto"
     for name in ("transform", "mixing_normalization", "normalization", "output_norm", "gate", "lepe"):
@@ -135,25 +114,24 @@ def _random_inputs(transformer, family: str, layout: Sequence[int]):
     return latents.to(device, dtype), {k: v.to(device) for k, v in kwargs.items()}
 
 
-def _run_convert(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .conversion import convert_to_mhla, model_family, resolve_mhla_config
-    from .weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
+    from ..conversion import convert_to_mhla, model_family, resolve_mhla_config
+    from ..weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
 
     started = time.perf_counter()
-    tiny_family = args.tiny
     # Validate what can be validated before loading a (possibly large) model.
-    _convert_config(args, tiny_family)
+    _convert_config(args, args.tiny)
     if args.output is not None and not args.overwrite and (args.output / MHLA_CONFIG_NAME).exists():
         raise FileExistsError(f"{args.output} already holds MHLA weights; choose another --output or pass --overwrite")
 
     if args.tiny == "wan":
-        from .tiny import tiny_wan_transformer
+        from ..tiny import tiny_wan_transformer
 
         transformer, source = tiny_wan_transformer(), "tiny Wan (built from a config)"
     elif args.tiny == "dit":
-        from .tiny import tiny_dit_transformer
+        from ..tiny import tiny_dit_transformer
 
         transformer, source = tiny_dit_transformer(), "tiny DiT (built from a config)"
     else:
@@ -193,35 +171,3 @@ def _run_convert(args: argparse.Namespace) -> int:
               + ", ".join(sorted(p.name for p in folder.iterdir())))
     print(f"wall time {time.perf_counter() - started:.2f} s")
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from .bench import register as register_bench
-    from .embedded.build import register as register_demo_models
-    from .eval.cli import register as register_eval
-    from .pipelines.cli import register as register_generation
-    from .web import register as register_demo
-
-    _add_convert(subparsers)
-    register_generation(subparsers)
-    register_eval(subparsers)
-    register_bench(subparsers)
-    register_demo_models(subparsers)
-    register_demo(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, TypeError, OSError) as error:  # bad input: a readable line, not a traceback
-        print(f"mhla {args.command}: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,10 @@
-"""Helpers for the demo tests (not a ``conftest.py``: that would shadow ``tests/conftest.py``)."""
+"""Measurements of the moving-shapes demo clips (:mod:`mhla_diffusion.embedded`)."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from mhla_diffusion.embedded import BACKGROUND, DigitSplit, split_digits
+from mhla_diffusion.embedded import BACKGROUND
 
 
 def shape_mask(frames: np.ndarray) -> np.ndarray:
@@ -28,9 +26,3 @@ def fill_ratio(frame: np.ndarray) -> float:
     """Shape pixels / bounding-box pixels of one frame: ~1 square, ~pi/4 circle, ~1/2 triangle."""
     ys, xs = np.nonzero(shape_mask(frame[None])[0])
     return len(xs) / ((xs.max() - xs.min() + 1) * (ys.max() - ys.min() + 1))
-
-
-@lru_cache(maxsize=None)
-def digits_split(seed: int = 0) -> DigitSplit:
-    """One split per seed per test session (loading scikit-learn's digits takes a few seconds)."""
-    return split_digits(seed)

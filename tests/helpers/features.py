@@ -1,20 +1,11 @@
-"""Helpers for the evaluation tests: a stand-in feature network, image makers, a network guard.
-
-Not a ``conftest.py``: pytest imports every ``conftest.py`` as the module ``conftest``, and one here
-would shadow ``tests/conftest.py`` for the top-level tests' ``from conftest import ...``.
-Test modules import what they need from here (fixtures included, which registers them).
-"""
+"""For the evaluation tests: a stand-in for the Inception feature network, and a randomly initialised
+state dict of the real one's shape."""
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
 from unittest import mock
 
-import numpy as np
-import pytest
 import torch
-from PIL import Image
 from torch import nn
 from torch_fidelity.interpolate_compat_tensorflow import interpolate_bilinear_2d_like_tensorflow1x
 
@@ -70,33 +61,6 @@ class PoolOnly(nn.Module):
         return self.net(images)["pool"]
 
 
-def random_images(n: int, size: int | tuple[int, int] = 16, seed: int = 0, low: int = 0, high: int = 256) -> np.ndarray:
-    """uint8 ``(n, H, W, 3)`` uniform noise in ``[low, high)``."""
-    h, w = (size, size) if isinstance(size, int) else size
-    return np.random.default_rng(seed).integers(low, high, size=(n, h, w, 3), dtype=np.uint8)
-
-
-def smooth_images(n: int, size: int = 16, seed: int = 0, brightness: float = 0.0) -> np.ndarray:
-    """uint8 ``(n, size, size, 3)`` random colour gradients (a distribution unlike :func:`random_images`)."""
-    rng = np.random.default_rng(seed)
-    ramp = np.linspace(0, 1, size)
-    base = rng.uniform(0, 255, size=(n, 1, 1, 3))
-    slope_y, slope_x = rng.uniform(-120, 120, size=(2, n, 1, 1, 3))
-    images = base + slope_y * ramp[None, :, None, None] + slope_x * ramp[None, None, :, None] + brightness
-    return np.clip(images, 0, 255).astype(np.uint8)
-
-
-def write_folder(folder: Path, images: np.ndarray, fmt: str = "png") -> list[Path]:
-    """Save ``images`` (uint8 NHWC) as ``folder/00000.<fmt>``, ...; returns the paths."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, image in enumerate(images):
-        path = folder / f"{i:05d}.{fmt}"
-        Image.fromarray(image).save(path)
-        paths.append(path)
-    return paths
-
-
 def inception_template_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     """A state dict with the keys and shapes of torch-fidelity's Inception, randomly initialised.
 
@@ -109,31 +73,3 @@ def inception_template_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
             mock.patch.object(module.FeatureExtractorInceptionV3, "load_state_dict", lambda self, *a, **k: None):
         net = module.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
     return {k: v.clone() for k, v in net.state_dict().items()}
-
-
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Fail any test that tries to open a network connection."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("evaluation tests must not use the network")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-
-
-@pytest.fixture
-def standin() -> StandInFeatures:
-    return StandInFeatures()
-
-
-__all__ = [
-    "PoolOnly",
-    "StandInFeatures",
-    "inception_template_state_dict",
-    "no_network",
-    "random_images",
-    "smooth_images",
-    "standin",
-    "write_folder",
-]

@@ -1,10 +1,5 @@
-"""Helpers and fixtures for the fine-tuning tests: tiny synthetic video / image data sets written to
-disk, tiny trainer options, and an evaluation loss with fixed random draws.
-
-Not a ``conftest.py``: pytest imports every ``conftest.py`` as the module ``conftest``, and one here
-would shadow ``tests/conftest.py`` for the top-level tests' ``from conftest import ...``. Test modules
-import what they need from here (importing a fixture registers it for that module).
-"""
+"""For the fine-tuning tests: tiny trainer options, reading a run's metrics, fixed-draw evaluation
+losses, and tiny pipelines whose attention matters."""
 
 from __future__ import annotations
 
@@ -12,104 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
-
-COLORS = {"red": (230, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230), "yellow": (230, 220, 40)}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_fresh_accelerate():
-    """Tiny models run fastest on one thread (two threads thrash on a busy 2-core machine); each test
-    gets fresh Accelerate singletons so runs with different settings can follow each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-def write_video(path: Path, frames: int, height: int, width: int, color=(230, 30, 30), direction: str = "right") -> Path:
-    """An mp4 of a coloured square moving across a dark background (H.264, 8 fps)."""
-    import imageio
-
-    images = []
-    for t in range(frames):
-        image = np.full((height, width, 3), 20, np.uint8)
-        size = max(4, min(height, width) // 3)
-        x = (2 + 2 * t) % (width - size) if direction == "right" else (width - size - 2 - 2 * t) % (width - size)
-        top = (height - size) // 2
-        image[top: top + size, x: x + size] = color
-        images.append(image)
-    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=8, codec="libx264", macro_block_size=1,
-                            ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"]) as writer:
-        for image in images:
-            writer.append_data(image)
-    return path
-
-
-def write_image(path: Path, height: int, width: int, color=(200, 200, 200)) -> Path:
-    from PIL import Image
-
-    image = np.full((height, width, 3), 20, np.uint8)
-    image[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = color
-    Image.fromarray(image).save(path)
-    return path
-
-
-def make_video_set(folder: Path, frames: int = 10, height: int = 32, width: int = 32, with_image: bool = True) -> Path:
-    """8 captioned clips (4 colours x 2 directions) and, optionally, one captioned image."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, (name, color) in enumerate(COLORS.items()):
-        for j, direction in enumerate(("left", "right")):
-            stem = f"clip{2 * i + j}"
-            write_video(folder / f"{stem}.mp4", frames, height, width, color, direction)
-            (folder / f"{stem}.txt").write_text(f"a {name} square moving {direction}")
-    if with_image:
-        write_image(folder / "still.png", height, width)
-        (folder / "still.txt").write_text("a white square")
-    return folder
-
-
-@pytest.fixture(scope="session")
-def video_set(tmp_path_factory) -> Path:
-    """Read-only synthetic text-to-video set (copy it before changing anything)."""
-    return make_video_set(tmp_path_factory.mktemp("videos"))
-
-
-@pytest.fixture(scope="session")
-def image_classes(tmp_path_factory) -> Path:
-    """Read-only class folders 0, 1, 2 of 20x24 noisy colour images."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("classes")
-    rng = np.random.default_rng(0)
-    for label in range(3):
-        (root / str(label)).mkdir()
-        for i in range(4):
-            image = np.zeros((20, 24, 3), np.uint8)
-            image[..., label] = 190
-            image += rng.integers(0, 50, image.shape, dtype=np.uint8)
-            Image.fromarray(image).save(root / str(label) / f"{i}.png")
-    return root
-
-
-def make_digit_classes(folder: Path, classes: int = 10, per_class: int = 2, size: int = 32) -> Path:
-    """Class folders ``0``..``classes-1`` of ``size`` px images, each class its own bar position."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for label in range(classes):
-        (folder / str(label)).mkdir(parents=True)
-        for i in range(per_class):
-            image = rng.integers(0, 40, (size, size, 3), dtype=np.uint8)
-            row = label * size // classes
-            image[row: row + max(1, size // classes)] = 220
-            Image.fromarray(image).save(folder / str(label) / f"{i}.png")
-    return folder
 
 
 def wan_options(pretrained: Path, data: Path, output: Path, **overrides):
@@ -139,6 +37,7 @@ def dit_options(pretrained: Path, data: Path, output: Path, **overrides):
 
 
 def metrics(output: Path) -> list[dict]:
+    """The metric records a run with ``report_to="jsonl"`` wrote under ``output/logs``."""
     from mhla_diffusion.finetune.tracking import read_metrics
 
     return read_metrics(Path(output) / "logs")
@@ -151,6 +50,12 @@ def base_wan_transformer(pipeline_dir: Path, layout=(1, 2, 2)):
     transformer = load_transformer(str(pipeline_dir))
     convert_to_mhla(transformer, MHLAConfig(layout=layout))
     return transformer
+
+
+def subprocess_env() -> dict:
+    """The environment for a training subprocess: one thread, offline, unbuffered output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return env
 
 
 class WanEvaluator:
@@ -188,11 +93,6 @@ class WanEvaluator:
                 out = transformer(hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text).sample
                 losses.append(flow_match_loss(out, inputs.target).item())
         return float(np.mean(losses))
-
-
-def subprocess_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    return env
 
 
 class DiTEvaluator:
@@ -263,15 +163,4 @@ def attention_reliant_wan(folder: Path, data: Path, size: int, pretrain_steps: i
         optimizer.zero_grad()
     pipe.transformer.eval()
     pipe.save_pretrained(folder)
-    return folder
-
-
-def one_colour_clips(folder: Path, count: int, size: int) -> Path:
-    """``count`` captioned clips, each one random colour with a moving square of it (caption "a video")."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for i in range(count):
-        color = tuple(int(v) for v in rng.integers(0, 256, 3))
-        write_video(folder / f"clip{i}.mp4", 10, size, size, color, "left" if i % 2 else "right")
-        (folder / f"clip{i}.txt").write_text("a video")
     return folder

@@ -1,4 +1,5 @@
-"""The fast path's promises: torch.compile without graph breaks, chunking, bounded memory, and `mhla bench`."""
+"""The fast path's promises -- torch.compile without graph breaks, head chunking, bounded peak memory --
+and the machinery of `mhla bench` (memory tracker, tables, command). No timing is asserted."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_operator import make_inputs
+from helpers.attention import make_inputs
 
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init
 from mhla_diffusion.bench import BenchCase, PeakMemory, attention_table
@@ -75,11 +76,11 @@ def test_peak_memory_tracker_counts_new_tensors_only():
 
 
 def test_attention_table_reports_ratios():
-    rows = attention_table([BenchCase.parse("2x4x6"), BenchCase.parse("3x4x4:1x2x2")], heads=2, head_dim=8, repeats=1)
+    rows = attention_table([BenchCase.of((2, 4, 6)), BenchCase.of((3, 4, 4), (1, 2, 2))], heads=2, head_dim=8, repeats=1)
     methods = [r["method"] for r in rows]
     assert methods == ["sdpa (native)", "linear", "mhla"] * 2
     mhla = rows[2]
-    assert mhla["layout"].endswith("(auto)") and mhla["blocks"] == math.prod(BenchCase.parse("2x4x6").layout)
+    assert mhla["layout"].endswith("(auto)") and mhla["blocks"] == math.prod(BenchCase.of((2, 4, 6)).layout)
     assert mhla["sdpa_over_mhla"] > 0 and mhla["mhla_over_linear"] > 0 and mhla["median_ms"] > 0
     assert "sdpa_over_mhla" not in rows[0]
 
@@ -98,7 +99,7 @@ def test_bench_command_prints_both_tables(tmp_path, capsys):
 
 @pytest.mark.parametrize("family", ["wan", "dit"])
 def test_converted_models_trace_without_graph_breaks(family, tiny_wan, tiny_dit):
-    from conftest import dit_inputs, wan_inputs
+    from helpers.models import dit_inputs, wan_inputs
 
     from mhla_diffusion import MHLAConfig, convert_to_mhla
 

@@ -4,9 +4,9 @@
     mhla eval --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz --inception-weights W.pth
     mhla eval-ref --images imagenet256/ --output my_ref.npz --inception-weights W.pth
 
-:func:`register` adds the subcommands to the ``mhla`` parser; each handler takes the parsed
-namespace and returns an exit code, raising ``ValueError`` / ``FileNotFoundError`` /
-``FileExistsError`` for bad input.
+The same commands run as ``python -m mhla_diffusion.eval ...`` (:mod:`mhla_diffusion.eval.__main__`),
+the form ``accelerate launch -m`` and ``torchrun -m`` take. Each handler takes the parsed namespace and
+returns an exit code, raising ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` for bad input.
 """
 
 from __future__ import annotations
@@ -17,29 +17,33 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["add_sample_arguments", "load_feature_extractor", "register"]
+from .arguments import DTYPES, add_command, non_negative_int, positive_int
 
-_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+__all__ = ["add_sample_arguments", "load_feature_extractor", "register", "run_eval", "run_eval_ref", "run_sample"]
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``eval``, ``eval-ref`` and ``eval-sample`` to a parser's subcommands."""
+    add_command(
+        subparsers, "eval", configure_eval,
+        help="FID, sFID, Inception Score, precision/recall of samples against a reference (ADM evaluator)",
+        description="Evaluate generated images against a reference batch with the ADM evaluator's definitions: "
+        "FID and sFID (Frechet distances of Inception pool_3 and mixed_6/conv features), Inception Score "
+        "(consecutive 5000-sample splits) and improved precision/recall (k = 3).",
+    )
+    add_command(
+        subparsers, "eval-ref", configure_eval_ref,
+        help="compute reference statistics once and save them as an ADM .npz",
+        description="Compute mu, sigma, mu_s, sigma_s over all images of a folder or .npz and save them, with a "
+        "random subset of the images as arr_0 (for precision/recall), in ADM's reference-batch format.",
+    )
+    add_command(
+        subparsers, "eval-sample", add_sample_arguments,
+        help="generate N class-to-image samples for evaluation (resumable, multi-process)",
+        description="Generate class-conditional samples with a DiT-style pipeline into a folder, one PNG per "
+        "sample with a per-sample seed, skipping samples already there, then pack them into an ADM .npz. Run with "
+        "`accelerate launch` to spread the samples over processes.",
+    )
 
 
 def _device(name: str | None) -> str:
@@ -50,51 +54,42 @@ def _device(name: str | None) -> str:
 
 def load_feature_extractor(weights: str | None, device: str):
     """The Inception network for the CLI (tests replace this with a stand-in)."""
-    from .inception import InceptionV3Features
+    from ..eval.inception import InceptionV3Features
 
     return InceptionV3Features(weights, device=device)
 
 
 def _add_network_arguments(p: argparse.ArgumentParser) -> None:
-    from .inception import INCEPTION_WEIGHTS_ENV, INCEPTION_WEIGHTS_NAMES
+    from ..eval.inception_weights import INCEPTION_WEIGHTS_ENV, INCEPTION_WEIGHTS_NAMES
 
     p.add_argument("--inception-weights", metavar="PATH",
                    help=f"FID Inception-v3 weights ({INCEPTION_WEIGHTS_NAMES[0]}); default ${INCEPTION_WEIGHTS_ENV}")
-    p.add_argument("--batch-size", type=_positive, default=64, help="images per Inception batch (ADM: 64)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per Inception batch (ADM: 64)")
     p.add_argument("--device", help="cuda / cpu / cuda:1 ... (default: cuda if available)")
     p.add_argument("--skip-corrupt", action="store_true",
                    help="skip unreadable image files (listed in the output) instead of stopping")
-    p.add_argument("--workers", type=_positive, default=4, help="threads that decode image files")
+    p.add_argument("--workers", type=positive_int, default=4, help="threads that decode image files")
     p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _add_eval(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "eval", help="FID, sFID, Inception Score, precision/recall of samples against a reference (ADM evaluator)",
-        description="Evaluate generated images against a reference batch with the ADM evaluator's definitions: "
-        "FID and sFID (Frechet distances of Inception pool_3 and mixed_6/conv features), Inception Score "
-        "(consecutive 5000-sample splits) and improved precision/recall (k = 3).")
+def configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", required=True, type=Path, help="folder of images or ADM .npz (arr_0 uint8 NHWC)")
     p.add_argument("--ref", required=True, type=Path,
                    help="reference: ADM .npz (mu/sigma/mu_s/sigma_s and/or arr_0) or a folder of images")
     p.add_argument("--output", type=Path, help="JSON file for the results (default: <samples>_eval.json)")
-    p.add_argument("--split-size", type=_positive, default=5000, help="Inception Score split size (ADM: 5000)")
-    p.add_argument("--k", type=_positive, default=3, help="nearest neighbour for precision/recall (ADM: 3)")
+    p.add_argument("--split-size", type=positive_int, default=5000, help="Inception Score split size (ADM: 5000)")
+    p.add_argument("--k", type=positive_int, default=3, help="nearest neighbour for precision/recall (ADM: 3)")
     p.add_argument("--no-pr", dest="precision_recall", action="store_false", help="skip precision/recall")
-    p.add_argument("--pr-block-size", type=_positive, default=10000, help="rows per distance block for P/R")
+    p.add_argument("--pr-block-size", type=positive_int, default=10000, help="rows per distance block for P/R")
     _add_network_arguments(p)
     p.set_defaults(func=run_eval)
 
 
-def _add_eval_ref(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "eval-ref", help="compute reference statistics once and save them as an ADM .npz",
-        description="Compute mu, sigma, mu_s, sigma_s over all images of a folder or .npz and save them, with a "
-        "random subset of the images as arr_0 (for precision/recall), in ADM's reference-batch format.")
+def configure_eval_ref(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", required=True, type=Path, help="folder of images or ADM .npz")
     p.add_argument("--output", required=True, type=Path, help="reference .npz to write")
-    p.add_argument("--pr-images", type=_non_negative, default=10000,
+    p.add_argument("--pr-images", type=non_negative_int, default=10000,
                    help="images stored as arr_0 for precision/recall (ADM: 10000; 0 = statistics only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arr_0 subset")
     _add_network_arguments(p)
@@ -107,34 +102,18 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mhla-weights", help="MHLA weights folder applied with load_mhla(DIR, pipe.transformer)")
     p.add_argument("--output-dir", required=True, type=Path, help="folder for the PNG samples (resumed if present)")
     p.add_argument("--npz", type=Path, help="packed ADM .npz (default: <output-dir>.npz)")
-    p.add_argument("--num-samples", type=_positive, default=50000, help="number of samples (ADM/DiT: 50000)")
-    p.add_argument("--num-classes", type=_positive, help="classes to draw from (default: the transformer's, 1000)")
+    p.add_argument("--num-samples", type=positive_int, default=50000, help="number of samples (ADM/DiT: 50000)")
+    p.add_argument("--num-classes", type=positive_int, help="classes to draw from (default: the transformer's, 1000)")
     p.add_argument("--classes", choices=("uniform", "balanced"), default="uniform",
                    help="uniform: i.i.d. random labels (DiT); balanced: N/K per class, shuffled")
     p.add_argument("--seed", type=int, default=0, help="global seed; sample i uses a seed derived from (seed, i)")
-    p.add_argument("--batch-size", type=_positive, default=16, help="samples per pipeline call and process")
-    p.add_argument("--num-inference-steps", type=_positive, default=250, help="denoising steps (DiT paper: 250)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="samples per pipeline call and process")
+    p.add_argument("--num-inference-steps", type=positive_int, default=250, help="denoising steps (DiT paper: 250)")
     p.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance (DiT FID-50K: 1.5)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="pipeline weights dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="pipeline weights dtype")
     p.add_argument("--overwrite", action="store_true", help="replace the .npz if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_sample)
-
-
-def _add_eval_sample(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "eval-sample", help="generate N class-to-image samples for evaluation (resumable, multi-process)",
-        description="Generate class-conditional samples with a DiT-style pipeline into a folder, one PNG per "
-        "sample with a per-sample seed, skipping samples already there, then pack them into an ADM .npz. Run with "
-        "`accelerate launch` to spread the samples over processes.")
-    add_sample_arguments(p)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``eval``, ``eval-ref`` and ``eval-sample`` to the ``mhla`` command's subparsers."""
-    _add_eval(subparsers)
-    _add_eval_ref(subparsers)
-    _add_eval_sample(subparsers)
 
 
 def _format(value: float | None) -> str:
@@ -149,9 +128,9 @@ def _print_network(extractor) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate, load_reference
-    from .images import open_images
-    from .inception import resolve_inception_weights
+    from ..eval.evaluate import evaluate, load_reference
+    from ..eval.images import open_images
+    from ..eval.inception_weights import resolve_inception_weights
 
     started = time.perf_counter()
     for name, path in (("--samples", args.samples), ("--ref", args.ref)):
@@ -189,9 +168,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_eval_ref(args: argparse.Namespace) -> int:
-    from .evaluate import make_reference
-    from .images import open_images
-    from .inception import resolve_inception_weights
+    from ..eval.evaluate import make_reference
+    from ..eval.images import open_images
+    from ..eval.inception_weights import resolve_inception_weights
 
     if not args.images.exists():
         raise FileNotFoundError(f"--images {args.images} does not exist")
@@ -220,7 +199,9 @@ def _as_recorded(location: str | None) -> str | None:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from .sample import SamplingConfig, load_pipeline, num_classes_of, pack_samples, process_state, sample_for_evaluation
+    from ..eval.sample import SamplingConfig, num_classes_of, pack_samples, process_state, sample_for_evaluation
+    from ..loading import load_pipeline
+    from ..pipelines.dit import MHLADiTPipeline
 
     npz = args.npz or args.output_dir.with_name(args.output_dir.name + ".npz")
     if npz.suffix != ".npz":
@@ -230,7 +211,8 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.output_dir.exists() and not args.output_dir.is_dir():
         raise ValueError(f"--output-dir {args.output_dir} exists and is not a folder")
     state = process_state()
-    pipe = load_pipeline(args.pipeline, args.mhla_weights, getattr(torch, args.dtype))
+    pipe = load_pipeline(MHLADiTPipeline, args.pipeline, mhla_weights=args.mhla_weights, attention=None,
+                         dtype=getattr(torch, args.dtype))
     config = SamplingConfig(
         num_samples=args.num_samples, num_classes=args.num_classes or num_classes_of(pipe), class_mode=args.classes,
         seed=args.seed, num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,

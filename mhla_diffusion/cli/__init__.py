@@ -1,0 +1,54 @@
+"""The ``mhla`` command: one entry point, one subcommand per job, one module per group of subcommands.
+
+    mhla convert --tiny wan                       # convert a tiny Wan model, print what changed
+    mhla convert --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --layers hybrid \\
+        --target-size 81x480x832 --output mhla_init/
+    mhla text-to-video --model ... --mhla-weights mhla_init/ --prompt "a cat surfing"
+    mhla class-to-image --model facebook/DiT-XL-2-256 --mhla-weights ... --class 207
+    mhla import-wan released.safetensors --output wan_mhla_transformer/
+    mhla eval / eval-ref / eval-sample            # ADM-style FID, sFID, IS, precision/recall
+    mhla bench                                    # MHLA beside softmax and linear attention
+    mhla build-embedded                           # train the embedded demonstration models
+    mhla web                                      # Gradio web demo on 127.0.0.1 (pip install .[demo])
+
+:mod:`.convert`, :mod:`.generate` (text-to-video, class-to-image), :mod:`.import_wan`,
+:mod:`.evaluate`, :mod:`.bench`, :mod:`.build_embedded` and :mod:`.web` each parse their command
+and print its results; :mod:`.arguments` holds what they parse alike. They import only the
+standard library at module level: a command's arguments are added when it is used, and torch,
+Diffusers and the library load inside the command's ``run`` function, after parsing, so ``mhla
+--help`` and argument errors are immediate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import bench, build_embedded, convert, evaluate, generate, import_wan, web
+from .arguments import CommandParser, warn_deprecated
+
+__all__ = ["build_parser", "main"]
+
+#: In the order ``mhla --help`` lists them.
+COMMAND_MODULES = (convert, generate, import_wan, evaluate, bench, build_embedded, web)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    renamed_to = getattr(args, "renamed_to", None)
+    if renamed_to is not None:
+        warn_deprecated(f"`mhla {args.command}`", f"`mhla {renamed_to}`")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OSError) as error:  # bad input: a readable line, not a traceback
+        print(f"mhla {args.command}: error: {error}", file=sys.stderr)
+        return 2

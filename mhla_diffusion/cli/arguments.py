@@ -1,0 +1,187 @@
+"""What several ``mhla`` commands parse alike: sizes, layers, attention, counts, the model options,
+deprecated names, and subcommand parsers that add their arguments only when they are used.
+
+Standard library only (plus the torch-free :mod:`mhla_diffusion.geometry`), so parsing never waits
+for torch or Diffusers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+__all__ = [
+    "ATTENTIONS",
+    "DTYPES",
+    "CommandParser",
+    "WAN_480P",
+    "add_command",
+    "add_model_arguments",
+    "non_negative_int",
+    "parse_attention",
+    "parse_layers",
+    "parse_sizes",
+    "positive_int",
+    "warn_deprecated",
+]
+
+#: The self-attention to generate with: the model's MHLA layers or the original softmax attention.
+ATTENTIONS = ("mhla", "softmax")
+#: Weights dtypes the commands accept.
+DTYPES = ("float32", "bfloat16", "float16")
+#: Wan2.1's 480p clip (frames, height, width): the default video size of the generation and convert commands.
+WAN_480P = (81, 480, 832)
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """Tell the user on stderr that ``old`` still works for this release but ``new`` is its name now."""
+    print(f"mhla: {old} is deprecated and will be removed in the next release; use {new}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------- value parsers
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``3x5x10`` (or ``3,5,10``) -> ``(3, 5, 10)``; positive ints only (an ``argparse`` type)."""
+    try:
+        values = tuple(int(v) for v in text.strip().replace(",", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes like 3x5x10, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return values
+
+
+def parse_layers(text: str) -> str | list[int]:
+    """``all``, ``hybrid`` or layer indices ``1,2,4`` (an ``argparse`` type)."""
+    if text in ("all", "hybrid"):
+        return text
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}") from None
+
+
+def parse_attention(text: str) -> str:
+    """``mhla`` or ``softmax``; ``sdpa``, the old name of ``softmax``, still works with a deprecation message."""
+    if text == "sdpa":
+        warn_deprecated("--attention sdpa", "--attention softmax")
+        return "softmax"
+    return text  # argparse checks it against ATTENTIONS
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An ``argparse`` type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------- shared options
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str) -> None:
+    """The model, attention, seed, output and device options of the generation commands."""
+    parser.add_argument("--model", help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
+                        "embedded demonstration model (mhla_diffusion/embedded/models)")
+    parser.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
+    parser.add_argument("--transformer", type=Path,
+                        help="a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an "
+                        "original-format Wan checkpoint file")
+    parser.add_argument("--attention", type=parse_attention, choices=ATTENTIONS, default="mhla",
+                        help="mhla (default) or softmax: the same weights with the original softmax attention "
+                        "(the old name sdpa still works)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where outputs go (default ./outputs)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    parser.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
+    parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+
+# ---------------------------------------------------------------------------------- subcommands
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that adds its arguments when it is first used (parsed, or asked for help).
+
+    ``mhla --help`` and ``mhla <command> ...`` then build only the command at hand: a command whose
+    options need a library module (e.g. defaults read from it) does not slow the others down.
+    """
+
+    _configure: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def configure_later(self, configure: Callable[[argparse.ArgumentParser], None]) -> None:
+        self._configure = configure
+
+    def _configured(self) -> None:
+        if self._configure is not None:
+            configure, self._configure = self._configure, None
+            configure(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._configured()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._configured()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._configured()
+        return super().format_help()
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    configure: Callable[[argparse.ArgumentParser], None],
+    *,
+    help: str,
+    description: str | None = None,
+    old_names: Iterable[str] = (),
+) -> argparse.ArgumentParser:
+    """Add command ``name`` whose arguments (and ``func`` default) ``configure`` adds.
+
+    Each of ``old_names`` runs the same command, unlisted; ``mhla`` prints a deprecation message for it
+    (the parsed namespace carries ``renamed_to=name``).
+    """
+
+    def configured_as(alias: str | None) -> Callable[[argparse.ArgumentParser], None]:
+        def apply(parser: argparse.ArgumentParser) -> None:
+            configure(parser)
+            if alias is not None:
+                parser.set_defaults(renamed_to=name)
+
+        return apply
+
+    parser = subparsers.add_parser(name, help=help, description=description or help)
+    _configure(parser, configured_as(None))
+    for old in old_names:  # no help=: left out of the command list
+        alias = subparsers.add_parser(old, description=description or help,
+                                      epilog=f"`mhla {old}` is the deprecated name of `mhla {name}` (removed in the next release).")
+        _configure(alias, configured_as(old))
+    return parser
+
+
+def _configure(parser: argparse.ArgumentParser, configure: Callable[[argparse.ArgumentParser], None]) -> None:
+    if isinstance(parser, CommandParser):
+        parser.configure_later(configure)
+    else:  # a plain argparse parser (e.g. a test's): configure now
+        configure(parser)

@@ -1,0 +1,57 @@
+"""``mhla build-embedded``: train the embedded demonstration models and the reproduction table from scratch.
+
+The old name ``mhla demo-models`` still works for one release. The build itself is
+:mod:`mhla_diffusion.embedded.build`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..embedded.locations import EMBEDDED_ROOT
+from .arguments import add_command
+
+__all__ = ["DEFAULT_WORK_DIR", "register"]
+
+DEFAULT_WORK_DIR = Path("runs/build-embedded")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    add_command(
+        subparsers, "build-embedded", configure, old_names=("demo-models",),
+        help="train the embedded demonstration models and the reproduction table from scratch",
+        description="Train the small moving-shapes (Wan architecture) and digits (DiT architecture) models, their "
+        "MHLA / hybrid / linear conversions and judges, score them, and write the models to --output.",
+    )
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
+                   help=f"intermediate files; a rerun resumes finished stages (default {DEFAULT_WORK_DIR})")
+    p.add_argument("--output", type=Path, default=EMBEDDED_ROOT,
+                   help="where the final models go (default: the package's mhla_diffusion/embedded/models)")
+    p.add_argument("--overwrite", action="store_true", help="replace models already in --output")
+    p.add_argument("--smoke", action="store_true", help="a few steps per stage: checks the whole chain in minutes")
+    p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                   help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable; names: the fields "
+                   "of mhla_diffusion.embedded.build.BuildSettings)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from ..cpu_memory import retain_freed_memory
+    from ..embedded.build import BuildSettings, build_demo_models, settings_with
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    settings = settings_with(BuildSettings.smoke() if args.smoke else BuildSettings(), args.overrides)
+    if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
+        raise ValueError("--smoke models are untrained: give --output for them (or --no-export), not the package folder")
+    retain_freed_memory()  # glibc would hand every large freed block back and page-fault it in again
+    report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite)
+    print((args.work_dir / "reproduction.md").read_text())
+    print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
+    return 0

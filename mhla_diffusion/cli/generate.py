@@ -1,0 +1,293 @@
+"""``mhla text-to-video`` and ``mhla class-to-image``.
+
+Every check that needs no model runs first (prompts, sizes and frame count against the model's own
+VAE and patch factors, block layout, class names when the model folder is local, output paths), so a
+bad command fails before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from ..embedded.locations import embedded_defaults
+from ..geometry import VideoGeometry
+from .arguments import WAN_480P, add_command, add_model_arguments
+
+__all__ = ["register"]
+
+#: Defaults for a --model other than the embedded ones (Wan2.1 at 480p; DiT-XL/2).
+WAN_DEFAULTS = dict(num_frames=WAN_480P[0], height=WAN_480P[1], width=WAN_480P[2], steps=50, guidance_scale=5.0,
+                    fps=16, max_sequence_length=512)
+DIT_DEFAULTS = dict(steps=50, guidance_scale=4.0)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    add_command(subparsers, "text-to-video", configure_text_to_video,
+                help="generate videos from prompts with Wan2.1 + MHLA",
+                description="Generate videos with a Diffusers Wan2.1 pipeline whose self-attention is MHLA.")
+    add_command(subparsers, "class-to-image", configure_class_to_image,
+                help="generate class-conditional images with DiT + MHLA",
+                description="Generate class-conditional images with a Diffusers DiT pipeline whose self-attention is MHLA.")
+
+
+def configure_text_to_video(video: argparse.ArgumentParser) -> None:
+    from ..loading import WAN_HUB_ID
+    from ..pipelines.outputs import VIDEO_FORMATS
+
+    d, wan = embedded_defaults(), VideoGeometry()
+    add_model_arguments(video, WAN_HUB_ID)
+    video.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    video.add_argument("--prompts-file", type=Path, help="a text file with one prompt per line")
+    video.add_argument("--negative-prompt", default="", help="negative prompt (default: empty, as the MHLA recipe)")
+    video.add_argument("--num-frames", type=int,
+                       help=f"frames as the model's VAE allows them (Wan2.1: {wan.frame_rule()}); others are rounded as "
+                       f"Diffusers' WanPipeline does (default {WAN_DEFAULTS['num_frames']}; embedded model: {d.num_frames})")
+    for axis, side in enumerate(("height", "width")):
+        video.add_argument(f"--{side}", type=int,
+                           help=f"pixels, a multiple of what the model's VAE, patch size and Diffusers' WanPipeline "
+                           f"allow (Wan2.1: {wan.generation_multiple[axis]}) (default {WAN_DEFAULTS[side]}; embedded "
+                           f"model: {getattr(d, side)})")
+    video.add_argument("--steps", type=int,
+                       help=f"denoising steps (default {WAN_DEFAULTS['steps']}; embedded model: {d.video_steps})")
+    video.add_argument("--guidance-scale", type=float,
+                       help=f"classifier-free guidance (default {WAN_DEFAULTS['guidance_scale']})")
+    video.add_argument("--flow-shift", type=float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
+    video.add_argument("--fps", type=int,
+                       help=f"frames per second of the written video (default {WAN_DEFAULTS['fps']}; embedded model: {d.fps})")
+    video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
+    video.add_argument("--max-sequence-length", type=int,
+                       help=f"text tokens (default {WAN_DEFAULTS['max_sequence_length']}; embedded model: "
+                       f"{d.max_sequence_length})")
+    video.set_defaults(func=run_text_to_video)
+
+
+def configure_class_to_image(image: argparse.ArgumentParser) -> None:
+    from ..loading import DIT_HUB_ID
+
+    d = embedded_defaults()
+    add_model_arguments(image, DIT_HUB_ID)
+    image.add_argument("--class", dest="classes", action="append", default=[],
+                       help="class id or name, or a comma-separated list (repeatable)")
+    image.add_argument("--steps", type=int,
+                       help=f"denoising steps (default {DIT_DEFAULTS['steps']}; embedded model: {d.image_steps})")
+    image.add_argument("--guidance-scale", type=float,
+                       help=f"classifier-free guidance (default {DIT_DEFAULTS['guidance_scale']})")
+    image.set_defaults(func=run_class_to_image)
+
+
+# ---------------------------------------------------------------- checks that need no model
+
+
+def _apply_defaults(args: argparse.Namespace, task: str) -> None:
+    """Fill unset options: the embedded model and its settings without --model, else the real models' defaults."""
+    from ..embedded.locations import embedded_model
+
+    embedded = args.model is None
+    if embedded:
+        if args.mhla_weights is not None or args.transformer is not None:
+            raise ValueError("--mhla-weights / --transformer need the --model they belong to")
+        args.model = str(embedded_model(task, "mhla"))
+    d = embedded_defaults()
+    if task == "text-to-video":
+        values = WAN_DEFAULTS
+        if embedded:
+            values = dict(num_frames=d.num_frames, height=d.height, width=d.width, steps=d.video_steps,
+                          guidance_scale=d.video_guidance_scale, fps=d.fps, max_sequence_length=d.max_sequence_length)
+    else:
+        values = dict(steps=d.image_steps, guidance_scale=d.image_guidance_scale) if embedded else DIT_DEFAULTS
+    for name, value in values.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _declared_mhla(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The MHLA config the run will use, when it can be read without loading a model."""
+    from ..weights import read_mhla_config
+
+    if args.mhla_weights is not None:
+        meta = read_mhla_config(args.mhla_weights)
+        if meta is None:
+            raise FileNotFoundError(
+                f"--mhla-weights {args.mhla_weights} has no mhla_config.json: give a folder written by save_mhla"
+            )
+        return meta
+    if args.transformer is not None and args.transformer.is_dir():
+        return read_mhla_config(args.transformer)
+    if os.path.isdir(args.model):
+        return read_mhla_config(args.model, subfolder="transformer")
+    return None
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        if not args.prompts_file.is_file():
+            raise FileNotFoundError(f"--prompts-file {args.prompts_file} does not exist")
+        lines = [line.strip() for line in args.prompts_file.read_text().splitlines()]
+        from_file = [line for line in lines if line]
+        if not from_file:
+            raise ValueError(f"--prompts-file {args.prompts_file} has no prompts (one per line)")
+        prompts += from_file
+    if not prompts:
+        raise ValueError("give a prompt with --prompt or a file of prompts with --prompts-file")
+    if any(not p.strip() for p in prompts):
+        raise ValueError("empty prompt: every --prompt needs some text")
+    return prompts
+
+
+def _video_frames(args: argparse.Namespace, geometry: VideoGeometry) -> int:
+    """Check the video size against the model's factors; return the frame count actually generated.
+
+    A frame count the VAE cannot produce is rounded as Diffusers' ``WanPipeline`` does, with a warning.
+    """
+    frames = args.num_frames
+    if not geometry.valid_frames(frames):
+        frames = geometry.round_frames(frames)  # a ValueError below 1
+        print(f"warning: --num-frames {args.num_frames} is not {geometry.frame_rule(examples=False)} "
+              f"({geometry.describe()}); generating {frames} frames", file=sys.stderr)
+    geometry.check_size(frames, args.height, args.width, generation=True)
+    for name in ("steps", "fps", "max_sequence_length"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.guidance_scale < 0:
+        raise ValueError("--guidance-scale must be >= 0")
+    return frames
+
+
+def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) -> dict[str, Any]:
+    from .. import __version__
+
+    conversion = pipe.mhla
+    return {
+        **extra,
+        "seed": args.seed,
+        "num_inference_steps": args.steps,
+        "guidance_scale": args.guidance_scale,
+        "model": args.model,
+        "mhla_weights": str(args.mhla_weights) if args.mhla_weights else None,
+        "transformer": str(args.transformer) if args.transformer else None,
+        "attention": args.attention,
+        "mhla_layers": conversion.layers if conversion and args.attention == "mhla" else [],
+        "block_layout": list(conversion.layout) if conversion and args.attention == "mhla" else None,
+        "scheduler": type(pipe.scheduler).__name__,
+        "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "mhla_diffusion_version": __version__,
+    }
+
+
+def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
+    """The device, dtype and pipeline of a run (the process keeps freed memory when it runs on the CPU)."""
+    from ..cpu_memory import retain_freed_memory
+    from ..loading import device_and_dtype, load_pipeline
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    if device == "cpu":
+        retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
+    pipe = load_pipeline(cls, args.model, mhla_weights=args.mhla_weights, transformer=args.transformer,
+                         attention=args.attention, dtype=dtype,
+                         component_dtypes=component_dtypes_of() if component_dtypes_of else None)
+    return device, dtype, pipe
+
+
+# ---------------------------------------------------------------- commands
+
+
+def run_text_to_video(args: argparse.Namespace) -> int:
+    from ..geometry import check_layout_fits
+    from ..loading import WAN_HUB_ID, check_model_source
+    from ..pipelines.outputs import plan_outputs, save_video, slugify, write_settings
+
+    _apply_defaults(args, "text-to-video")
+    prompts = _read_prompts(args)
+    check_model_source(args.model, WAN_HUB_ID)
+    geometry = VideoGeometry.from_folder(args.model)  # Wan2.1's factors for a hub id
+    num_frames = _video_frames(args, geometry)
+    meta = _declared_mhla(args) if args.attention == "mhla" else None
+    if meta is not None:
+        check_layout_fits(geometry.token_grid(num_frames, args.height, args.width), meta["mhla_config"]["layout"],
+                          f"a {num_frames}x{args.height}x{args.width} video")
+    stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
+    plans = plan_outputs(args.output_dir, stems, args.format, args.overwrite)
+
+    import torch
+
+    from ..pipelines.wan import MHLAWanPipeline
+
+    device, dtype, pipe = _load(MHLAWanPipeline, args, lambda: {"vae": torch.float32})
+    if args.flow_shift is not None:
+        key = "flow_shift" if "flow_shift" in pipe.scheduler.config else "shift"
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{key: args.flow_shift})
+    pipe.to(device)
+    if args.attention == "mhla":
+        pipe.check_mhla_size(num_frames, args.height, args.width)
+    attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
+    with attention:
+        for index, (prompt, plan) in enumerate(zip(prompts, plans)):
+            started = time.perf_counter()
+            frames = pipe(
+                prompt=prompt, negative_prompt=args.negative_prompt, num_frames=num_frames, height=args.height,
+                width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np",
+                max_sequence_length=args.max_sequence_length,
+            ).frames[0]
+            wall = time.perf_counter() - started
+            save_video(frames, plan, args.format, args.fps)
+            write_settings(plan, _settings(
+                args, pipe, device, dtype, task="text-to-video", prompt=prompt, negative_prompt=args.negative_prompt,
+                num_frames=num_frames, height=args.height, width=args.width, fps=args.fps,
+                flow_shift=pipe.scheduler.config.get("flow_shift", pipe.scheduler.config.get("shift")),
+                output=str(plan.media), wall_time_s=round(wall, 3),
+            ))
+            print(f"[{index + 1}/{len(prompts)}] {plan.media}  ({args.attention}, {wall:.2f} s)")
+    return 0
+
+
+def run_class_to_image(args: argparse.Namespace) -> int:
+    from ..loading import DIT_HUB_ID, check_model_source, local_labels
+    from ..pipelines.class_labels import resolve_class_ids
+    from ..pipelines.outputs import plan_outputs, save_image, slugify, write_settings
+
+    _apply_defaults(args, "class-to-image")
+    classes = [c.strip() for item in args.classes for c in item.split(",") if c.strip()]
+    if not classes:
+        raise ValueError("give at least one --class (an id such as 207 or a name such as 'golden retriever')")
+    if args.steps < 1 or args.guidance_scale < 0:
+        raise ValueError("--steps must be >= 1 and --guidance-scale >= 0")
+    check_model_source(args.model, DIT_HUB_ID)
+    local = local_labels(args.model)
+    if local is not None:
+        resolve_class_ids(classes, *local)
+    stems = [f"{i:03d}-{slugify(c)}-seed{args.seed}-{args.attention}" for i, c in enumerate(classes)]
+    plans = plan_outputs(args.output_dir, stems, "png", args.overwrite)
+
+    import torch
+
+    from ..pipelines.dit import MHLADiTPipeline
+
+    device, dtype, pipe = _load(MHLADiTPipeline, args)
+    ids = pipe.class_ids(classes)
+    pipe.to(device)
+    attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
+    started = time.perf_counter()
+    with attention:
+        images = pipe(
+            class_labels=ids, guidance_scale=args.guidance_scale, num_inference_steps=args.steps,
+            generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np",
+        ).images
+    wall = time.perf_counter() - started
+    for name, class_id, image, plan in zip(classes, ids, images, plans):
+        save_image(image, plan)
+        write_settings(plan, _settings(
+            args, pipe, device, dtype, task="class-to-image", class_name=name, class_id=class_id,
+            batch_size=len(ids), output=str(plan.media), wall_time_s=round(wall, 3),
+        ))
+        print(f"{plan.media}  (class {class_id})")
+    print(f"{len(ids)} image(s) in {wall:.2f} s ({args.attention})")
+    return 0

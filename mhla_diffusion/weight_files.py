@@ -1,0 +1,219 @@
+"""The files of a saved MHLA folder: find them (local folder or hub repo), read them, and load their
+tensors strictly into a transformer.
+
+The layer under both :mod:`mhla_diffusion.weights` (``save_mhla`` / ``load_mhla``) and
+:mod:`mhla_diffusion.models` (transformer classes whose ``from_pretrained`` restores MHLA), so that
+neither has to import the other. The folder format itself is described in :mod:`mhla_diffusion.weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import MHLAConfig
+from .conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
+from .processors.grid import TokenGridContext
+
+__all__ = [
+    "MHLA_CONFIG_NAME",
+    "MHLA_WEIGHTS_NAME",
+    "check_state_dict",
+    "find_file",
+    "from_pretrained_keeping_mhla",
+    "hub_kwargs_of",
+    "load_into",
+    "model_shape",
+    "read_meta",
+    "read_mhla_config",
+    "read_mhla_tensors",
+    "weight_files",
+]
+
+MHLA_CONFIG_NAME = "mhla_config.json"
+MHLA_WEIGHTS_NAME = "mhla_weights.safetensors"
+FORMAT = "mhla-diffusion"
+FORMAT_VERSION = 1
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
+
+
+def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The hub download options (``revision``, ``token``, ...) among ``from_pretrained`` keyword arguments."""
+    return {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+
+
+def model_shape(transformer: nn.Module) -> dict[str, Any]:
+    layers = self_attention_layers(transformer)
+    attn = layers[0][1]
+    return {
+        "family": model_family(transformer),
+        "transformer_class": {"wan": "WanTransformer3DModel", "dit": "DiTTransformer2DModel"}[model_family(transformer)],
+        "num_layers": len(layers),
+        "heads": int(attn.heads),
+        "head_dim": int(attn.to_q.out_features // attn.heads),
+    }
+
+
+def read_mhla_config(source: str | os.PathLike, subfolder: str | None = None, **hub_kwargs: Any) -> dict[str, Any] | None:
+    """The ``mhla_config.json`` of a folder or hub repo as a dict (``None`` when there is none).
+
+    Cheap: lets callers check the block layout against a requested size before loading any model.
+    """
+    return read_meta(source, subfolder, hub_kwargs, required=False)
+
+
+def find_file(source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path | None:
+    """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``."""
+    if os.path.isdir(source):
+        path = Path(source, subfolder or "", filename)
+        return path if path.is_file() else None
+    text = str(source)
+    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1:
+        raise FileNotFoundError(f"{source} is neither a local folder nor a hub repo id of the form 'owner/name'")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(text, filename, subfolder=subfolder, **hub_kwargs))
+    except (EntryNotFoundError, LocalEntryNotFoundError):  # absent, or not cached while offline
+        return None
+
+
+def read_meta(
+    source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any], required: bool = True
+) -> dict[str, Any] | None:
+    path = find_file(source, MHLA_CONFIG_NAME, subfolder, hub_kwargs)
+    if path is None:
+        if not required:
+            return None
+        where = f"{source}/{subfolder}" if subfolder else str(source)
+        raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in {where}: point to a folder written by save_mhla")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path} is not an mhla-diffusion config this version can read (format {meta.get('format')!r})")
+    return meta
+
+
+def weight_files(
+    source: str | os.PathLike, meta: dict[str, Any], subfolder: str | None, variant: str | None, hub_kwargs: dict[str, Any]
+) -> list[Path]:
+    """The safetensors file(s) that hold the MHLA parameters of a saved folder."""
+    if meta["contents"] == "mhla":
+        names = [MHLA_WEIGHTS_NAME]
+    else:
+        weights, index = DIFFUSERS_WEIGHTS, DIFFUSERS_INDEX
+        if variant:
+            weights = weights.replace(".safetensors", f".{variant}.safetensors")
+            index = index.replace(".safetensors.index", f".{variant}.safetensors.index")
+        index_path = find_file(source, index, subfolder, hub_kwargs)
+        if index_path is not None:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            names = sorted({f for key, f in weight_map.items() if ".processor." in key})
+        else:
+            names = [weights]
+    files = []
+    for name in names:
+        path = find_file(source, name, subfolder, hub_kwargs)
+        if path is None:
+            raise FileNotFoundError(f"{name} is missing from {source}: the MHLA folder is incomplete")
+        files.append(path)
+    return files
+
+
+def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if ".processor." in key:
+                    tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def check_model_matches(transformer: nn.Module, meta: dict[str, Any]) -> None:
+    have = model_shape(transformer)
+    wrong = {k: (meta[k], have[k]) for k in ("family", "num_layers", "heads", "head_dim") if meta.get(k) != have[k]}
+    if wrong:
+        details = ", ".join(f"{k}: saved {saved} vs model {model}" for k, (saved, model) in wrong.items())
+        raise ValueError(f"MHLA weights do not fit this transformer ({details}); load them into the model they came from")
+
+
+def load_into(transformer: nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Build processors from ``meta``, check ``tensors`` against them strictly, then install."""
+    if get_mhla_conversion(transformer) is not None:
+        raise ValueError("this transformer is already converted to MHLA; load into an unconverted model or revert_mhla() first")
+    check_model_matches(transformer, meta)
+    config = MHLAConfig.from_dict(meta["mhla_config"])
+    context = TokenGridContext()
+    resolved, processors = build_mhla_processors(transformer, config, context)
+    expected = {f"{name}.processor.{key}": value for name, proc in processors.items() for key, value in proc.state_dict().items()}
+    check_state_dict(expected, tensors, "MHLA weights do not match the model")
+    for name, proc in processors.items():
+        prefix = f"{name}.processor."
+        proc.load_state_dict({key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}, strict=True)
+    install_mhla_processors(transformer, resolved, processors, context)
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor], problem: str) -> None:
+    """Raise ``ValueError(problem: ...)`` listing missing, unexpected and wrongly shaped keys of ``given``."""
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    wrong_shape = sorted(
+        f"{key}: saved {tuple(given[key].shape)} vs model {tuple(expected[key].shape)}"
+        for key in set(expected) & set(given)
+        if given[key].shape != expected[key].shape
+    )
+    found = [(label, keys) for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                                 ("wrong shapes", wrong_shape)) if keys]
+    if found:
+        raise ValueError(f"{problem}: " + "; ".join(f"{label} {keys}" for label, keys in found))
+
+
+@contextmanager
+def quiet_about_processor_keys(cls: type) -> Iterator[None]:
+    """Let Diffusers' ``from_pretrained`` skip ``.processor.`` keys silently; we load them ourselves."""
+    had_own = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
+    old = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    inherited = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
+    cls._keys_to_ignore_on_load_unexpected = list(inherited) + [r"\.processor\."]
+    try:
+        yield
+    finally:
+        if had_own:
+            cls._keys_to_ignore_on_load_unexpected = old
+        else:
+            del cls._keys_to_ignore_on_load_unexpected
+
+
+def from_pretrained_keeping_mhla(
+    cls: type, base_from_pretrained: Any, source: str | os.PathLike, subfolder: str | None = None, **kwargs: Any
+) -> nn.Module:
+    """Diffusers' ``from_pretrained`` (``base_from_pretrained``) plus the MHLA layers a folder declares.
+
+    Without an ``mhla_config.json`` beside the weights this is the plain Diffusers load. With one,
+    the checkpoint's ``.processor.`` keys are loaded strictly into freshly built MHLA processors
+    instead of being dropped with a warning.
+    """
+    hub_kwargs = hub_kwargs_of(kwargs)
+    meta = read_meta(source, subfolder, hub_kwargs, required=False)
+    # Weights left memory-mapped by `from_pretrained` made CPU outputs differ from the saved model
+    # in the last bit (seen with diffusers 0.42); reading the file into memory keeps reloads exact.
+    kwargs.setdefault("disable_mmap", True)
+    if meta is None:
+        return base_from_pretrained(source, subfolder=subfolder, **kwargs)
+    if meta["contents"] != "transformer":
+        raise ValueError(f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer)")
+    with quiet_about_processor_keys(cls):
+        transformer = base_from_pretrained(source, subfolder=subfolder, **kwargs)
+    tensors = read_mhla_tensors(weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))
+    load_into(transformer, meta, tensors)
+    return transformer

@@ -1,0 +1,67 @@
+"""The ``mhla`` command parses before it imports: help and argument errors never load torch or Diffusers.
+
+Each case runs in a fresh interpreter and lists the modules it ended up with (not a timing test).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "diffusers", "transformers")
+
+#: (entry point, arguments, expected exit code). Every command's help builds that command's arguments.
+CASES = [
+    ("mhla_diffusion.cli", ["--help"], 0),
+    ("mhla_diffusion.cli", ["text-to-video", "--help"], 0),
+    ("mhla_diffusion.cli", ["text-to-video", "--attention", "nonsense"], 2),
+    ("mhla_diffusion.cli", ["convert", "--layout", "3xfive"], 2),
+    ("mhla_diffusion.cli", ["no-such-command"], 2),
+    *[("mhla_diffusion.cli", [command, "--help"], 0) for command in (
+        "convert", "class-to-image", "import-wan", "eval", "eval-ref", "eval-sample", "bench", "build-embedded",
+        "demo-models",
+    )],
+    ("mhla_diffusion.cli", ["web", "--help"], 0),
+    ("mhla_diffusion.eval.__main__", ["--help"], 0),
+    ("mhla_diffusion.eval.__main__", ["eval-sample", "--help"], 0),
+]
+
+SCRIPT = """
+import json, sys
+from {module} import main
+try:
+    code = main({argv!r})
+except SystemExit as exit:
+    code = exit.code
+print("\\nMODULES " + json.dumps({{"code": code, "modules": sorted(sys.modules)}}))
+"""
+
+
+def imported_by(module: str, argv: list[str]) -> tuple[int, list[str], str]:
+    """Exit code, modules loaded, and stderr of ``module.main(argv)`` in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-c", SCRIPT.format(module=module, argv=argv)],
+                            capture_output=True, text=True, timeout=120)
+    assert "MODULES " in result.stdout, result.stderr[-2000:]
+    report = json.loads(result.stdout.rsplit("MODULES ", 1)[1])
+    return report["code"], report["modules"], result.stderr
+
+
+def _case_id(case) -> str:
+    module, argv, _ = case.values if hasattr(case, "values") else case
+    return " ".join([module.split(".")[1], *argv])
+
+
+@pytest.mark.parametrize("module,argv,code", CASES, ids=[_case_id(c) for c in CASES])
+def test_help_and_argument_errors_import_no_heavy_library(module, argv, code):
+    exit_code, modules, stderr = imported_by(module, argv)
+    assert exit_code == code, stderr
+    heavy = sorted(name for name in modules if name.split(".")[0] in HEAVY)
+    assert not heavy, f"{module} {' '.join(argv)} imported {heavy[:5]}"
+
+
+def test_deprecated_names_are_announced_on_stderr():
+    code, _, stderr = imported_by("mhla_diffusion.cli", ["text-to-video", "--attention", "sdpa", "--help"])
+    assert code == 0 and "--attention sdpa is deprecated" in stderr and "--attention softmax" in stderr

@@ -1,0 +1,14 @@
+"""Plain helpers for the tests: functions, classes and constants that tests call with arguments.
+
+Imported as ``from helpers.<topic> import name`` (``tests/`` is on ``sys.path`` through pytest's
+``pythonpath`` option in ``pyproject.toml``). Fixtures are not here: they live in ``conftest.py`` files
+(see ``tests/conftest.py``). Modules by topic:
+
+* :mod:`helpers.models` -- inputs for the tiny Wan / DiT transformers, running them, tiny-pipeline call arguments
+* :mod:`helpers.attention` -- random inputs for the attention operators
+* :mod:`helpers.original_format` -- tiny released-format (original Wan) checkpoints
+* :mod:`helpers.media` -- writers of videos, images and image folders; synthetic image arrays
+* :mod:`helpers.finetune` -- tiny trainer options, metrics, fixed-draw evaluators, tiny pretrained pipelines
+* :mod:`helpers.features` -- a stand-in for the Inception feature network
+* :mod:`helpers.shapes` -- measurements of the moving-shapes demo clips
+"""
