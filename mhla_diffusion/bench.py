@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import mhla_attention
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
+from .geometry import VideoGeometry
 from .mixing import mixing_init
 
 __all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "BenchCase", "PeakMemory", "attention_table", "format_table",
@@ -219,8 +220,9 @@ def wan_block_table(
     hidden = torch.randn(1, tokens, dim, device=device, dtype=dtype)
     text = torch.randn(1, text_tokens, dim, device=device, dtype=dtype)
     temb = torch.randn(1, 6, dim, device=device, dtype=dtype)
-    rope = WanRotaryPosEmbed(dim // heads, (1, 2, 2), max_seq_len=1024).to(device)
-    rotary = rope(torch.zeros(1, 1, grid[0], 2 * grid[1], 2 * grid[2], device=device))
+    wan = VideoGeometry()  # Wan2.1's patch and RoPE table
+    rope = WanRotaryPosEmbed(dim // heads, wan.patch_size, max_seq_len=wan.max_tokens_per_axis).to(device)
+    rotary = rope(torch.zeros(1, 1, *(g * p for g, p in zip(grid, wan.patch_size)), device=device))
 
     default_processor = block.attn1.processor
     context = TokenGridContext()

@@ -56,9 +56,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Sequence[int] = (1, 2, 2)):
+def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Sequence[int] | None = None):
     from ..config import MHLAConfig
-    from ..geometry import image_token_grid, video_token_grid
+    from ..geometry import VideoGeometry, image_token_grid, video_token_grid
+
+    patch_size = VideoGeometry.patch_size if patch_size is None else patch_size  # Wan2.1's until a model is loaded
 
     options: dict = {}
     if args.preset.startswith("released-wan"):
