@@ -6,6 +6,7 @@ The public API below is imported on first use (PEP 562), so ``import mhla_diffus
 """
 
 from ._lazy import lazy_exports
+from ._renamed import install as _install_renamed_modules
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,5 @@ _EXPORTS = {
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+_install_renamed_modules()  # mhla_diffusion.demo / .webdemo: old paths, for one release
 __all__ = sorted(name for name in _EXPORTS if name != "ModelMixin")

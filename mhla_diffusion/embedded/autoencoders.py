@@ -4,7 +4,7 @@
   compression (8x spatial, 4x temporal: a 17x64x64 clip -> latents ``(z_dim, 5, 8, 8)``) for the
   moving-shapes clips; training stores the per-channel mean / std of the posterior means as
   ``latents_mean`` / ``latents_std``, which ``WanPipeline`` decodes with (``z * std + mean``) and the
-  Wan trainer encodes with (``(z - mean) / std``, ``finetune/latents.py``).
+  Wan trainer encodes with (``(z - mean) / std``, :mod:`mhla_diffusion.finetune.latents`).
 * :func:`tiny_image_vae` / :func:`train_image_vae`: a Diffusers ``AutoencoderKL`` with 2x
   downsampling for the 32x32 digits (latents ``(4, 16, 16)``); training stores
   ``scaling_factor = 1 / std`` of the posterior means, which ``DiTPipeline`` decodes with

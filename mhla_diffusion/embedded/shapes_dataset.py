@@ -1,4 +1,4 @@
-"""Write a moving-shapes dataset folder in the Wan trainer's format (``finetune/video_data.py``).
+"""Write a moving-shapes dataset folder in the Wan trainer's format (:mod:`mhla_diffusion.finetune.video_data`).
 
 Layout::
 
@@ -7,7 +7,7 @@ Layout::
                             # shape, colour, direction (the last three are ignored by the trainer)
       clips/clip_00000.gif  # NUM_FRAMES x FRAME_SIZE x FRAME_SIZE RGB
 
-GIF is the lossless video format the trainer reads (``finetune/media.py``): a clip holds two
+GIF is the lossless video format the trainer reads (:mod:`mhla_diffusion.finetune.media`): a clip holds two
 colours, so its palette is exact and the decoded frames equal the generated ones bit for bit.
 ``num_frames``/``height``/``width`` in the metadata let the trainer skip probing every file.
 """
