@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from mhla_diffusion.eval import ArrayImages, Reference, evaluate
+from ..eval import ArrayImages, Reference, evaluate
+from ..pipelines.outputs import float_to_uint8
 
 from .image_judge import ImageJudge, predict_classes
 from .judge_features import clips_to_filmstrips, judge_features
@@ -74,10 +75,6 @@ def _generators(seeds: Sequence[int]) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
 
 
-def _to_uint8(array: np.ndarray) -> np.ndarray:
-    return (np.asarray(array) * 255).round().clip(0, 255).astype(np.uint8)
-
-
 @torch.inference_mode()
 def sample_clips(pipe, captions: Sequence[str], *, seed: int, batch_size: int, num_frames: int, height: int,
                  width: int, steps: int, guidance_scale: float, max_sequence_length: int
@@ -93,7 +90,7 @@ def sample_clips(pipe, captions: Sequence[str], *, seed: int, batch_size: int, n
                       generator=_generators(range(seed + start, seed + start + len(batch))),
                       max_sequence_length=max_sequence_length, output_type="np").frames
         per_sample.append((time.perf_counter() - began) / len(batch))
-        clips.append(_to_uint8(frames))
+        clips.append(float_to_uint8(frames))
     return np.concatenate(clips), per_sample
 
 
@@ -109,7 +106,7 @@ def sample_digits(pipe, labels: Sequence[int], *, seed: int, batch_size: int, st
         out = pipe(class_labels=batch, num_inference_steps=steps, guidance_scale=guidance_scale,
                    generator=_generators(range(seed + start, seed + start + len(batch))), output_type="np").images
         per_sample.append((time.perf_counter() - began) / len(batch))
-        images.append(_to_uint8(out))
+        images.append(float_to_uint8(out))
     return np.concatenate(images), per_sample
 
 

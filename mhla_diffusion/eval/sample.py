@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..pipelines.outputs import float_to_uint8
 from .npz import AdmNpzWriter
 
 __all__ = [
@@ -109,10 +110,7 @@ def to_uint8(images: Any) -> np.ndarray:
         return np.stack([np.asarray(im.convert("RGB")) for im in images])
     if torch.is_tensor(images):  # output_type="pt": (n, 3, H, W)
         images = images.permute(0, 2, 3, 1).float().cpu().numpy()
-    images = np.asarray(images)
-    if images.dtype == np.uint8:
-        return images
-    return np.clip(np.floor(255 * images.astype(np.float64) + 0.5), 0, 255).astype(np.uint8)
+    return float_to_uint8(np.asarray(images))
 
 
 def _write_png(path: Path, image: np.ndarray) -> None:

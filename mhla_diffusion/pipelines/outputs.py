@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["OutputPlan", "VIDEO_FORMATS", "plan_outputs", "save_image", "save_video", "slugify", "write_settings"]
+__all__ = ["OutputPlan", "VIDEO_FORMATS", "float_to_uint8", "plan_outputs", "save_image", "save_video", "slugify", "write_settings"]
 
 #: Video outputs: H.264 mp4, animated gif, or a folder of PNG frames.
 VIDEO_FORMATS = ("mp4", "gif", "frames")
@@ -62,18 +62,23 @@ def plan_outputs(output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, 
     return plans
 
 
-def _to_uint8(array: np.ndarray) -> np.ndarray:
-    """``float`` in [0, 1] (what pipelines return for ``output_type="np"``) -> ``uint8``."""
+def float_to_uint8(array: np.ndarray) -> np.ndarray:
+    """``float`` in [0, 1] (what pipelines return for ``output_type="np"``) -> ``uint8``; ``uint8`` passes through.
+
+    The one float -> uint8 rule of the project: ``floor(255 x + 0.5)`` clipped to [0, 255], in float64,
+    which is DiT's ``sample_ddp.py`` rounding (``clamp(127.5 s + 128, 0, 255)`` then truncation).
+    """
+    array = np.asarray(array)
     if array.dtype == np.uint8:
         return array
-    return (np.clip(array, 0.0, 1.0) * 255).round().astype(np.uint8)
+    return np.clip(np.floor(255 * array.astype(np.float64) + 0.5), 0, 255).astype(np.uint8)
 
 
 def save_video(frames: np.ndarray, plan: OutputPlan, fmt: str, fps: int) -> Path:
     """Write ``frames`` ``(F, H, W, 3)`` as mp4 (H.264 via imageio-ffmpeg), gif, or a folder of PNGs."""
     import imageio.v3 as iio
 
-    frames = _to_uint8(np.asarray(frames))
+    frames = float_to_uint8(np.asarray(frames))
     plan.media.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "mp4":
         _write_mp4(frames, plan.media, fps)
@@ -101,7 +106,7 @@ def save_image(image: np.ndarray, plan: OutputPlan) -> Path:
     import imageio.v3 as iio
 
     plan.media.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(plan.media, _to_uint8(np.asarray(image)))
+    iio.imwrite(plan.media, float_to_uint8(np.asarray(image)))
     return plan.media
 
 
