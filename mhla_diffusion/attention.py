@@ -9,6 +9,16 @@ For query token ``t`` in block ``b(t)``:
 which equals ``Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s`` divided by ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps``,
 the O(N^2) form kept in :mod:`mhla_diffusion.attention_reference`. Cost is O(N D Dv + M^2 D Dv) per
 head and no N x N matrix is ever formed.
+
+The released DiT-MHLA (``MHLA4DiT``) divides instead by a mix of per-block *scalars*
+(``normalize="scalar_mixed_denominator"``): for the token ``t = (o, w)`` at within-block position
+``w`` of block ``o``,
+
+    den(o, w) = Σ_j W[o, j] (q_(j,w) · z_j) + eps
+
+where ``q_(j,w)`` is the query of the token at the same position ``w`` in block ``j``. It equals the
+paper's denominator only when ``W`` is diagonal, and it needs equal-size blocks (a layout that
+divides the grid), so that position ``w`` exists in every block. Extra cost O(N D + M^2 P).
 """
 
 from __future__ import annotations
@@ -19,8 +29,24 @@ from typing import Sequence
 import torch
 
 from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
+from .geometry import check_equal_blocks
 
-__all__ = ["mhla_attention", "validate_attention_inputs"]
+__all__ = ["mhla_attention", "normalization_mode", "validate_attention_inputs"]
+
+_MODES = {True: "denominator", False: "none", "denominator": "denominator", "none": "none",
+          "scalar_mixed_denominator": "scalar_mixed_denominator"}
+
+
+def normalization_mode(normalize: bool | str) -> str:
+    """``"denominator"``, ``"none"`` or ``"scalar_mixed_denominator"`` for the operator's ``normalize``
+    argument (``True`` / ``False`` mean the first two)."""
+    try:
+        return _MODES[normalize]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"`normalize` must be True (paper denominator), False (none) or 'scalar_mixed_denominator' "
+            f"(released DiT), or the names 'denominator' / 'none'; got {normalize!r}"
+        ) from None
 
 
 def validate_attention_inputs(
@@ -101,7 +127,7 @@ def mhla_attention(
     *,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
-    normalize: bool = True,
+    normalize: bool | str = True,
     eps: float = 1e-6,
     heads_per_chunk: int | None = None,
     plan: BlockPlan | None = None,
@@ -116,7 +142,13 @@ def mhla_attention(
             blocks lies in block ``floor(c * L / G)``; blocks are numbered row-major.
         mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``.
         q_rot, k_rot: rotated features for the numerator (RoPE after the feature map); default ``q``, ``k``.
-        normalize: divide by the mixed denominator ``q_t · z̃_b(t) + eps`` (un-rotated ``q``, ``k``).
+        normalize: ``True`` (or ``"denominator"``): divide by the paper's mixed denominator
+            ``q_t · z̃_b(t) + eps``; ``False`` (or ``"none"``): no denominator;
+            ``"scalar_mixed_denominator"``: divide the token ``(o, w)`` (position ``w`` of block ``o``)
+            by the released DiT's ``Σ_j W[o, j] (q_(j,w) · z_j) + eps``, computed as the ``(B, H, M, P)``
+            scalars ``q_(j,w) · z_j`` mixed over ``j`` by ``W``; it needs a layout that divides
+            ``grid`` (equal-size blocks) and raises ``ValueError`` naming grid, layout and a fix
+            otherwise. Denominators use the un-rotated ``q``, ``k``.
         eps: added to the denominator.
         heads_per_chunk: process this many heads at a time to bound the working memory (default: all).
         plan: the :class:`~mhla_diffusion.block_layout.BlockPlan` of ``grid`` and ``layout`` on the
@@ -128,6 +160,9 @@ def mhla_attention(
         ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan)
+    normalize = normalization_mode(normalize)
+    if normalize == "scalar_mixed_denominator":
+        check_equal_blocks(grid, layout)
     if heads_per_chunk is not None and heads_per_chunk < 1:
         raise ValueError(f"`heads_per_chunk` must be >= 1, got {heads_per_chunk}")
     if plan is None:
@@ -154,10 +189,10 @@ def _mhla_blocks(
     mixing: torch.Tensor,
     q_rot: torch.Tensor | None,
     k_rot: torch.Tensor | None,
-    normalize: bool,
+    normalize: str,
     eps: float,
 ) -> torch.Tensor:
-    """The operator on validated inputs (see :func:`mhla_attention`)."""
+    """The operator on validated inputs (see :func:`mhla_attention`); ``normalize`` is a mode name."""
     batch, n, heads, _ = q.shape
     dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
     m, p = plan.num_blocks, plan.block_len
@@ -182,7 +217,7 @@ def _mhla_blocks(
     k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
     v_blocks = to_blocks(v)
     kv_summary = k_hat.transpose(-1, -2) @ v_blocks  # S_j: (B, H, M, D, Dv)
-    if normalize:
+    if normalize != "none":
         key_sum = (k_hat if k_rot is None else to_blocks(k, zero_padding=True)).sum(dim=3)  # z_j: (B, H, M, D)
     del k_hat, v_blocks
     d, dv = kv_summary.shape[-2:]
@@ -192,10 +227,16 @@ def _mhla_blocks(
     out = q_hat @ mixed_summary  # (B, H, M, P, Dv)
     del mixed_summary
 
-    if normalize:
+    if normalize != "none":
         q_plain = q_hat if q_rot is None else to_blocks(q)
         del q_hat
-        denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mix @ key_sum).unsqueeze(-1)  # q · z̃_o
+        if normalize == "denominator":
+            denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mix @ key_sum)  # q_(o,w) · z̃_o
+        else:  # scalar_mixed_denominator (equal blocks: slot p of every block is the same position w)
+            scalars = torch.einsum("bhjpd,bhjd->bhjp", q_plain, key_sum)  # q_(j,w) · z_j: (B, H, M, P)
+            denominator = mix @ scalars  # Σ_j W[o, j] q_(j,w) · z_j
+            del scalars
+        denominator = denominator.unsqueeze(-1)
         del q_plain
         denominator = denominator.add_(eps) if inplace else denominator + eps
         out = out.div_(denominator) if inplace else out / denominator

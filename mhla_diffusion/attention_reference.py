@@ -10,8 +10,9 @@ from typing import Sequence
 
 import torch
 
-from .attention import validate_attention_inputs
+from .attention import normalization_mode, validate_attention_inputs
 from .block_layout import token_block_ids
+from .geometry import check_equal_blocks
 
 __all__ = ["mhla_attention_reference"]
 
@@ -26,15 +27,25 @@ def mhla_attention_reference(
     *,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
-    normalize: bool = True,
+    normalize: bool | str = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Same contract as :func:`mhla_attention`, computed token pair by token pair.
 
-    ``out_t = Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s``, divided by ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps``
-    when ``normalize``. Shapes: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)`` -> ``(B, N, H, Dv)``.
+    ``out_t = Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s``, divided by
+
+    * ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps`` when ``normalize`` is ``True`` / ``"denominator"``;
+    * ``Σ_s W[b(t), b(s)] (q_(b(s), w(t)) · k_s) + eps`` when ``normalize="scalar_mixed_denominator"``
+      (released DiT-MHLA), where ``q_(j, w)`` is the query of the token at within-block position ``w``
+      (row-major offsets inside the block) of block ``j``: each pair ``(t, s)`` uses the query of
+      ``t``'s counterpart in ``s``'s block. Needs equal-size blocks.
+
+    Shapes: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)`` -> ``(B, N, H, Dv)``.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot)
+    normalize = normalization_mode(normalize)
+    if normalize == "scalar_mixed_denominator":
+        check_equal_blocks(grid, layout)
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     q_hat = (q if q_rot is None else q_rot).to(dtype)
     k_hat = (k if k_rot is None else k_rot).to(dtype)
@@ -45,7 +56,29 @@ def mhla_attention_reference(
 
     scores = torch.einsum("bthd,bshd->bhts", q_hat, k_hat) * pair_weight
     out = torch.einsum("bhts,bshe->bthe", scores, v.to(dtype))
-    if normalize:
-        plain = torch.einsum("bthd,bshd->bhts", q.to(dtype), k.to(dtype)) * pair_weight
+    if normalize != "none":
+        plain = torch.einsum("bthd,bshd->bhts", q.to(dtype), k.to(dtype))  # q_t · k_s
+        if normalize == "scalar_mixed_denominator":
+            # row t of pair (t, s) becomes q_(b(s), w(t)) · k_s: the counterpart of t in s's block
+            counterpart = _counterparts(grid, layout, q.device)  # (N, N)
+            plain = plain.gather(2, counterpart.expand(plain.shape))
+        plain = plain * pair_weight
         out = out / (plain.sum(dim=-1) + eps).transpose(1, 2).unsqueeze(-1)
     return out.to(v.dtype)
+
+
+def _counterparts(grid: tuple[int, ...], layout: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``(N, N)`` table: entry ``[t, s]`` is the token at ``t``'s within-block position in ``s``'s block.
+
+    Written from the coordinates alone (equal blocks of ``grid[a] // layout[a]`` tokens per axis), not
+    from the fast operator's block plan.
+    """
+    coords = torch.cartesian_prod(*(torch.arange(g, device=device) for g in grid)).reshape(-1, len(grid))
+    extent = torch.tensor([g // b for g, b in zip(grid, layout)], device=device)
+    block_coord, offset = coords // extent, coords % extent  # (N, axes) each
+    # token of (block coordinates of s, offsets of t), back to a row-major token index
+    pair = block_coord[None, :, :] * extent + offset[:, None, :]  # (N_t, N_s, axes)
+    index = torch.zeros(pair.shape[:2], dtype=torch.long, device=device)
+    for axis, size in enumerate(grid):
+        index = index * size + pair[..., axis]
+    return index

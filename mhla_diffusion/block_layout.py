@@ -125,7 +125,7 @@ def estimated_cost_ratio(grid: Sequence[int], layout: Sequence[int]) -> float:
     return padded / n + m * m / (2 * n)
 
 
-def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int, ...]:
+def auto_layout(grid: Sequence[int], max_blocks: int | None = None, equal_blocks: bool = False) -> tuple[int, ...]:
     """Choose a block layout for ``grid`` with ``M <= max_blocks`` (default ``floor(sqrt(N))``).
 
     ``M <= sqrt(N)`` keeps the mixing (``2 M^2 D^2`` FLOPs per head) within half of the key-value
@@ -133,6 +133,10 @@ def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int
     near-cubic blocks (equal token extent on every axis, as the reference's 7x6x5 blocks on the
     21x30x50 video grid), and avoids layouts whose padded uneven blocks and mixing would cost more
     than about 1.35x global linear attention (:func:`estimated_cost_ratio`).
+
+    ``equal_blocks=True`` considers only layouts whose entries divide the grid's axes (equal-size
+    blocks, as the released DiT denominator ``scalar_mixed_denominator`` needs); the all-ones layout
+    always qualifies. On DiT-XL/2's 16x16 token grid both choices give 4x4 blocks.
     """
     grid = tuple(int(g) for g in grid)
     validate_grid_layout(grid, (1,) * len(grid))
@@ -143,7 +147,7 @@ def auto_layout(grid: Sequence[int], max_blocks: int | None = None) -> tuple[int
     best: tuple[float, tuple[int, ...]] | None = None
     for layout in itertools.product(*(range(1, g + 1) for g in grid)):
         m = math.prod(layout)
-        if m > limit:
+        if m > limit or (equal_blocks and any(g % b for g, b in zip(grid, layout))):
             continue
         logs = [math.log(g / b) for g, b in zip(grid, layout)]
         mean = sum(logs) / len(logs)

@@ -6,11 +6,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from .geometry import check_equal_blocks
 from .mixing import MIXING_TRANSFORMS
 
-__all__ = ["MHLAConfig"]
+__all__ = ["MHLAConfig", "NORMALIZATIONS"]
 
 LayerSpec = Literal["all", "hybrid"] | Sequence[int]
+
+#: The ``normalization`` choices: the paper's denominator, none (released Wan-MHLA), and the released
+#: DiT-MHLA (``MHLA4DiT``) denominator that mixes per-block scalars.
+NORMALIZATIONS = ("denominator", "none", "scalar_mixed_denominator")
 
 
 @dataclass
@@ -21,9 +26,11 @@ class MHLAConfig:
         layers: which transformer blocks get MHLA self-attention: ``"all"``, ``"hybrid"`` (the
             reference's 2/3 pattern: every block whose index ``i % 3 != 0``) or a list of indices.
         layout: blocks per token-grid axis (Wan: frames, height, width; DiT: rows, columns), or
-            ``"auto"``: chosen once at conversion from ``target_grid`` with ``M <= sqrt(N)``. The
+            ``"auto"``: chosen once at conversion from ``target_grid`` with ``M <= sqrt(N)`` (with
+            ``scalar_mixed_denominator`` only among layouts that divide ``target_grid``). The
             layout stays fixed afterwards (the mixing weights are ``M x M``); other grids reuse it
-            through the uneven-block rule.
+            through the uneven-block rule (not with ``scalar_mixed_denominator``, which refuses a
+            grid the layout does not divide).
         target_grid: token grid the ``auto`` layout is chosen for (Wan 81x480x832 video -> (21, 30, 52)).
             DiT defaults to its own ``sample_size / patch_size`` square.
         transform: mixing initialisation: ``linear``, ``cos``, ``exp``, ``gaussian`` or ``local``.
@@ -32,12 +39,23 @@ class MHLAConfig:
         exp_sigma, local_threshold: parameters of the ``exp`` and ``local`` transforms.
         per_head_mixing: one ``(M, M)`` matrix per attention head instead of one shared by all heads.
         learnable_mixing: train the mixing coefficients (the reference does).
-        normalization: ``denominator`` (the paper's ``q · z̃ + eps``) or ``none`` (released Wan-MHLA).
+        normalization: ``denominator`` (the paper's ``q_t · z̃_b(t) + eps``), ``none`` (released
+            Wan-MHLA) or ``scalar_mixed_denominator`` (released DiT-MHLA, ``MHLA4DiT``): the token at
+            within-block position ``w`` of block ``o`` is divided by ``Σ_j W[o, j] (q_(j,w) · z_j) + eps``,
+            which mixes the scalars ``q · z_j`` computed with the query at the same position ``w`` in
+            each block ``j``; it needs a layout that divides the token grid (equal-size blocks).
         output_norm: per-head RMSNorm of the attention output (one weight of size head_dim, eps 1e-6),
             as in released Wan-MHLA.
         gate: multiply the output by ``SiLU(Linear(x))`` of the layer input.
         lepe: add a depthwise 3x3 (DiT) / 3x3x3 (Wan) convolution of ``v`` over the token grid.
         eps: feature-map offset (``ReLU(x) + eps``) and denominator epsilon.
+        input_norm: a ``LayerNorm(C, eps=1e-5)`` with affine parameters on the attention's input, before
+            the q/k/v projections, inside the attention (processor submodule ``input_norm``), as
+            released DiT-MHLA. Its affine starts as the identity (weight 1, bias 0), but the
+            normalisation itself still changes the input, so a converted pretrained model's output
+            changes until fine-tuned.
+        output_dropout: dropout probability on the attention output after the output projection,
+            active only in training mode (released DiT-MHLA: 0.1).
     """
 
     layers: LayerSpec = "all"
@@ -49,11 +67,13 @@ class MHLAConfig:
     local_threshold: float = 1.5
     per_head_mixing: bool = False
     learnable_mixing: bool = True
-    normalization: Literal["denominator", "none"] = "denominator"
+    normalization: Literal["denominator", "none", "scalar_mixed_denominator"] = "denominator"
     output_norm: bool = False
     gate: bool = False
     lepe: bool = False
     eps: float = 1e-6
+    input_norm: bool = False
+    output_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str):
@@ -77,8 +97,16 @@ class MHLAConfig:
             raise ValueError(f"unknown `transform` {self.transform!r}: choose one of {', '.join(MIXING_TRANSFORMS)}")
         if self.mixing_normalization not in ("column", "row"):
             raise ValueError(f"`mixing_normalization` must be 'column' or 'row', got {self.mixing_normalization!r}")
-        if self.normalization not in ("denominator", "none"):
-            raise ValueError(f"`normalization` must be 'denominator' or 'none', got {self.normalization!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"`normalization` must be one of {', '.join(map(repr, NORMALIZATIONS))}, got {self.normalization!r}")
+        if not isinstance(self.input_norm, bool):
+            raise ValueError(f"`input_norm` must be True or False, got {self.input_norm!r}")
+        if isinstance(self.output_dropout, bool) or not isinstance(self.output_dropout, (int, float)) \
+                or not 0 <= self.output_dropout < 1:
+            raise ValueError(f"`output_dropout` must be a probability in [0, 1), got {self.output_dropout!r}")
+        self.output_dropout = float(self.output_dropout)
+        if self.normalization == "scalar_mixed_denominator" and self.target_grid is not None and self.layout != "auto":
+            check_equal_blocks(self.target_grid, self.layout, "`target_grid`")
         if not self.eps > 0:
             raise ValueError(f"`eps` must be > 0, got {self.eps}")
         if not self.exp_sigma > 0:
@@ -90,6 +118,30 @@ class MHLAConfig:
         3x5x10 blocks on the 21x30x50 grid of 81x480x800 video. The released training scripts
         drop the gate by mistake; pass ``gate=False`` to match checkpoints trained that way."""
         options: dict[str, Any] = dict(layout=(3, 5, 10), normalization="none", output_norm=True, gate=gate)
+        options.update(overrides)
+        return cls(**options)
+
+    @classmethod
+    def released_dit(cls, **overrides: Any) -> "MHLAConfig":
+        """The released DiT-MHLA setting (``MHLA4DiT``): input LayerNorm inside the attention, the
+        scalar-mixed denominator, LePE 3x3 on ``v`` (identity init), output dropout 0.1, every block,
+        linear column-normalised learnable mixing, ``ReLU + eps`` features.
+
+        The released models use 16-token (4x4) blocks; ``layout="auto"`` with this normalisation picks
+        among layouts that divide the model's token grid, which is 4x4 blocks on DiT-XL/2's 16x16
+        grid at 256 px. Pass ``layout=(4, 4)`` (or ``target_grid``) to fix it for other sizes.
+        """
+        options: dict[str, Any] = dict(
+            layers="all",
+            layout="auto",
+            transform="linear",
+            mixing_normalization="column",
+            learnable_mixing=True,
+            normalization="scalar_mixed_denominator",
+            input_norm=True,
+            lepe=True,
+            output_dropout=0.1,
+        )
         options.update(overrides)
         return cls(**options)
 

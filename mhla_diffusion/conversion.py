@@ -11,7 +11,7 @@ from torch import nn
 
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
 from .config import MHLAConfig
-from .geometry import ImageGeometry, VideoGeometry
+from .geometry import ImageGeometry, VideoGeometry, check_equal_blocks
 from .processors.base import MHLAProcessor
 from .processors.dit import DiTMHLAProcessor
 from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook
@@ -59,7 +59,10 @@ class MHLAConversion:
     def summary(self) -> str:
         """A few human-readable lines."""
         cfg = self.config
-        extras = [name for name, on in (("output RMSNorm", cfg.output_norm), ("gate", cfg.gate), ("LePE", cfg.lepe)) if on]
+        extras = [name for name, on in (
+            ("input LayerNorm", cfg.input_norm), ("output RMSNorm", cfg.output_norm), ("gate", cfg.gate), ("LePE", cfg.lepe),
+            (f"output dropout {cfg.output_dropout:g}", cfg.output_dropout > 0),
+        ) if on]
         return "\n".join(
             [
                 f"MHLA on {len(self.layer_names)} of {self.num_layers} self-attention layers ({self.family}): "
@@ -117,6 +120,7 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
     axes = 3 if family == "wan" else 2
     axis_names = "(frames, height, width)" if family == "wan" else "(rows, columns)"
     target = config.target_grid
+    equal_blocks = config.normalization == "scalar_mixed_denominator"  # needs a layout that divides the grid
     if target is None and family == "dit":
         side = int(transformer.config.sample_size) // _patch_size(transformer)[0]
         target = (side, side)
@@ -128,12 +132,15 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
                 "`layout='auto'` needs `target_grid` for Wan: the token grid of the video size you will generate, "
                 "e.g. MHLAConfig(target_grid=video_token_grid(81, 480, 832)) -> (21, 30, 52); or give an explicit layout"
             )
-        return auto_layout(target)
+        return auto_layout(target, equal_blocks=equal_blocks)
     layout = tuple(config.layout)
     if len(layout) != axes:
         raise ValueError(f"`layout` {layout} must have {axes} axes {axis_names} for {family}")
     if target is not None:
         validate_grid_layout(target, layout)
+        if equal_blocks:
+            what = "`target_grid`" if config.target_grid is not None else "the model's token grid (sample_size // patch_size)"
+            check_equal_blocks(target, layout, what)
     return layout
 
 
@@ -197,6 +204,7 @@ def install_mhla_processors(
     for name, processor in processors.items():
         attn = modules[name]
         originals[name] = attn.processor
+        processor.train(attn.training)  # the layer's train / eval mode (output dropout is active in training only)
         attn.set_processor(processor)
     layers = self_attention_layers(transformer)
     conversion = MHLAConversion(

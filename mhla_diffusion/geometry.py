@@ -32,6 +32,7 @@ __all__ = [
     "ImageGeometry",
     "VideoGeometry",
     "WAN_PIPELINE_SIZE_MULTIPLE",
+    "check_equal_blocks",
     "check_layout_fits",
     "image_token_grid",
     "read_component_config",
@@ -290,3 +291,30 @@ def check_layout_fits(grid: Sequence[int], layout: Sequence[int], what: str, fix
         raise ValueError(
             f"{what} has token grid {tuple(grid)}, smaller than the MHLA block layout {tuple(layout)} on some axis: {fix}"
         ) from None
+
+
+def _nearest_divisor(size: int, wanted: int) -> int:
+    """The divisor of ``size`` closest to ``wanted`` (the smaller one on a tie)."""
+    return min((d for d in range(1, size + 1) if size % d == 0), key=lambda d: (abs(d - wanted), d))
+
+
+def check_equal_blocks(grid: Sequence[int], layout: Sequence[int], what: str = "the token grid") -> None:
+    """Raise ``ValueError`` unless ``layout`` cuts ``grid`` into equal blocks (every axis divisible).
+
+    The released DiT-MHLA denominator (``normalization="scalar_mixed_denominator"``) pairs the token
+    at within-block position ``w`` of one block with the token at the same position ``w`` of every
+    other block, so every block must hold the same tokens in the same arrangement. ``what`` names the
+    grid in the message (e.g. "this forward's token grid (latent size // patch size)").
+    """
+    grid, layout = validate_grid_layout(grid, layout)
+    bad = [a for a, (g, b) in enumerate(zip(grid, layout)) if g % b]
+    if not bad:
+        return
+    even_layout = tuple(_nearest_divisor(g, b) for g, b in zip(grid, layout))
+    even_grid = tuple(-(-g // b) * b for g, b in zip(grid, layout))
+    raise ValueError(
+        f"normalization 'scalar_mixed_denominator' (the released DiT-MHLA denominator) needs equal-size blocks, "
+        f"but the block layout {layout} does not divide {what} {grid} (axis {bad}): use a layout whose entries "
+        f"divide the grid, e.g. {even_layout}, or a grid that is a multiple of the layout, e.g. {even_grid}, "
+        f"or normalization 'denominator', which accepts uneven blocks"
+    )

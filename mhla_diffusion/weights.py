@@ -178,4 +178,9 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
 
     cls = getattr(diffusers, _TRANSFORMER_CLASSES[class_name])
     kwargs.setdefault("disable_mmap", True)  # exact CPU numerics, see load_mhla
-    return cls.from_pretrained(source, subfolder=subfolder, **kwargs)
+    transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
+    if isinstance(transformer, diffusers.DiTTransformer2DModel):
+        from .models import apply_timestep_freq_shift
+
+        apply_timestep_freq_shift(transformer)  # e.g. 0 in a folder written by `mhla import-dit`
+    return transformer

@@ -26,14 +26,27 @@ def parse_layout(text: str) -> str | tuple[int, ...]:
     return "auto" if text == "auto" else parse_sizes(text)
 
 
+def _probability(text: str) -> float:
+    """A dropout probability in [0, 1) (an ``argparse`` type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability such as 0.1, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}")
+    return value
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id")
     src.add_argument("--tiny", choices=("wan", "dit"), help="build a tiny model from a config instead (demo, no download)")
     p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for pipelines)")
-    p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated"), default="paper",
+    p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated", "released-dit"), default="paper",
                    help="paper: denominator (default); released-wan: no denominator, per-head output RMSNorm, "
-                   "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate")
+                   "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate; released-dit (DiT "
+                   "only): the released MHLA4DiT: input LayerNorm, scalar-mixed denominator, LePE, output dropout "
+                   "0.1, blocks that divide the token grid (4x4 blocks on a 16x16 grid)")
     p.add_argument("--layers", type=parse_layers, help="all (default), hybrid (2/3 of the blocks) or indices 1,2,4")
     p.add_argument("--layout", type=parse_layout, help="blocks per token-grid axis, e.g. 3x5x10, or 'auto' (default)")
     grid = p.add_mutually_exclusive_group()
@@ -43,7 +56,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                       f"{'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's sample size)")
     p.add_argument("--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)")
     p.add_argument("--mixing-normalization", choices=("column", "row"), help="column (reference code, default) or row (paper)")
-    p.add_argument("--normalization", choices=("denominator", "none"), help="override the preset's normalisation")
+    p.add_argument("--normalization", choices=("denominator", "none", "scalar_mixed_denominator"),
+                   help="override the preset's normalisation (scalar_mixed_denominator: released DiT's, needs a "
+                   "layout that divides the token grid)")
+    p.add_argument("--input-norm", action="store_true", default=None,
+                   help="LayerNorm of the attention input before the q/k/v projections (released DiT)")
+    p.add_argument("--output-dropout", type=_probability, help="dropout on the attention output in training (released DiT: 0.1)")
     p.add_argument("--per-head-mixing", action="store_true", help="one mixing matrix per attention head")
     p.add_argument("--output-norm", action="store_true", default=None, help="per-head output RMSNorm")
     p.add_argument("--gate", action="store_true", default=None, help="SiLU output gate")
@@ -65,6 +83,11 @@ def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Se
     options: dict = {}
     if args.preset.startswith("released-wan"):
         options.update(MHLAConfig.released_wan(gate=args.preset == "released-wan").to_dict())
+    if args.preset == "released-dit":
+        if family == "wan":
+            raise ValueError("--preset released-dit is the released DiT-MHLA setting, for DiT models; "
+                             "use --preset released-wan (or paper) for Wan")
+        options.update(MHLAConfig.released_dit().to_dict())
     if args.layers is not None:
         options["layers"] = args.layers
     if args.layout is not None:
@@ -86,7 +109,8 @@ def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Se
         options["target_grid"] = video_token_grid(*WAN_480P, patch_size=patch_size)
     if options.get("target_grid") is not None and "layout" not in options:
         options["layout"] = "auto"
-    for name in ("transform", "mixing_normalization", "normalization", "output_norm", "gate", "lepe"):
+    for name in ("transform", "mixing_normalization", "normalization", "output_norm", "gate", "lepe", "input_norm",
+                 "output_dropout"):
         value = getattr(args, name)
         if value is not None:
             options[name] = value
@@ -95,8 +119,9 @@ def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Se
     return MHLAConfig(**options)
 
 
-def _random_inputs(transformer, family: str, layout: Sequence[int]):
-    """A small random input for the before/after check (fixed seed), with a token grid >= the layout."""
+def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks: bool = False):
+    """A small random input for the before/after check (fixed seed), with a token grid >= the layout
+    (a multiple of it with ``equal_blocks``, which the scalar-mixed denominator needs)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -106,12 +131,17 @@ def _random_inputs(transformer, family: str, layout: Sequence[int]):
     if family == "wan":
         pt, ph, pw = cfg.patch_size
         f, h, w = (max(n, b) for n, b in zip((3, 8, 10), layout))
+        if equal_blocks:
+            f, h, w = (-(-n // b) * b for n, b in zip((f, h, w), layout))
         latents = torch.randn(1, cfg.in_channels, f * pt, h * ph, w * pw, generator=g)
         text = torch.randn(1, 8, cfg.text_dim, generator=g)
         kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype))
     else:
-        side = cfg.sample_size
-        latents = torch.randn(1, cfg.in_channels, side, side, generator=g)
+        side, patch = cfg.sample_size, cfg.patch_size
+        h = w = side
+        if equal_blocks and any((side // patch) % b for b in layout):
+            h, w = ((-(-(side // patch) // b) * b) * patch for b in layout)
+        latents = torch.randn(1, cfg.in_channels, h, w, generator=g)
         kwargs = dict(timestep=torch.tensor([500]), class_labels=torch.tensor([1]))
     return latents.to(device, dtype), {k: v.to(device) for k, v in kwargs.items()}
 
@@ -147,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
           f"{sum(p.numel() for p in transformer.parameters()):,} parameters")
     resolved = resolve_mhla_config(transformer, config)  # the layout, and any config error, before any work
     if args.check:
-        latents, kwargs = _random_inputs(transformer, family, resolved.layout)
+        latents, kwargs = _random_inputs(
+            transformer, family, resolved.layout, resolved.normalization == "scalar_mixed_denominator"
+        )
         with torch.no_grad():
             before = transformer(latents, **kwargs).sample
     conversion = convert_to_mhla(transformer, config)

@@ -61,6 +61,8 @@ def mhla_config_from_options(mhla: dict[str, Any], preset: str | None) -> MHLACo
     """:class:`MHLAConfig` from the options' ``mhla`` mapping (and ``mhla_preset``)."""
     if preset == "released-wan":
         return MHLAConfig.released_wan(**mhla)
+    if preset == "released-dit":
+        return MHLAConfig.released_dit(**mhla)
     return MHLAConfig.from_dict(mhla)
 
 

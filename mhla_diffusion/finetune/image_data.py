@@ -2,7 +2,10 @@
 
 Class ids: ``class_map`` (folder name -> id) when given; otherwise numeric folder names are their
 own ids, and any other names are numbered in sorted order (ImageNet's synset folders -> 0..999).
-Images are ADM centre-cropped to a square and optionally flipped (a per-sample coin per epoch).
+Images are ADM centre-cropped to a square and optionally flipped: a per-sample coin per epoch, or
+(``flip_coin_per_batch``, DiT's released recipe) one coin per batch, thrown by the trainer with the
+step's generator (:func:`flip_coin`, :func:`batch_view`): the datasets then hand out un-flipped
+pixels, or both cached views.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ __all__ = [
     "CachedImageDataset",
     "ClassImageDataset",
     "ImageSample",
+    "batch_view",
     "class_ids_for",
     "collate_cached_images",
     "collate_images",
+    "count_classes",
+    "flip_coin",
     "index_class_folder",
     "latent_identity",
 ]
@@ -59,6 +65,17 @@ def class_ids_for(names: list[str], class_map: dict | None, num_classes: int) ->
     if bad:
         raise ValueError(f"class folders {bad[:5]} map to ids outside 0..{num_classes - 1} (the model's classes)")
     return ids
+
+
+def count_classes(folder: str | Path, class_map: dict | None = None) -> int:
+    """How many classes the class folders of ``folder`` need: the largest class id + 1."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data_dir {folder} does not exist or is not a folder")
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise ValueError(f"{folder} has no class sub-folders: put the images of each class in {folder}/<class name>/")
+    return max(class_ids_for(classes, class_map, num_classes=2**62).values()) + 1
 
 
 def index_class_folder(
@@ -144,11 +161,13 @@ def latent_identity(sample: ImageSample) -> list:
 
 class CachedImageDataset(Dataset):
     """Items from a latent cache: ``{"latents": (2C or C, h, w), "label": int, "index": int}``; the
-    flipped image's latents when this epoch's coin (the same as :class:`ClassImageDataset`'s) says so."""
+    flipped image's latents when this epoch's coin (the same as :class:`ClassImageDataset`'s) says so.
+    With ``both_views`` (a coin per batch, thrown later), no coin: ``latents`` and ``latents_flipped``."""
 
-    def __init__(self, cache, samples: list[ImageSample], random_flip: bool = True, seed: int = 0) -> None:
-        self.cache, self.samples = cache, samples
-        self._coins = ClassImageDataset(samples, resolution=1, random_flip=random_flip, seed=seed)
+    def __init__(self, cache, samples: list[ImageSample], random_flip: bool = True, seed: int = 0,
+                 both_views: bool = False) -> None:
+        self.cache, self.samples, self.both_views = cache, samples, both_views
+        self._coins = ClassImageDataset(samples, resolution=1, random_flip=random_flip and not both_views, seed=seed)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -157,13 +176,34 @@ class CachedImageDataset(Dataset):
         index, epoch = item
         sample = self.samples[index]
         entry = self.cache.read("latents", latent_identity(sample))
+        if self.both_views:
+            return {"latents": entry["latents"], "latents_flipped": entry["latents_flipped"], "label": sample.label,
+                    "index": index}
         key = "latents_flipped" if self._coins.flipped(epoch, index) else "latents"
         return {"latents": entry[key], "label": sample.label, "index": index}
 
 
 def collate_cached_images(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """``latents`` (and ``latents_flipped`` when the items hold both views) ``(B, ...)``, ``labels``, ``indices``."""
+    views = [key for key in ("latents", "latents_flipped") if key in items[0]]
     return {
-        "latents": torch.stack([item["latents"] for item in items]),
+        **{key: torch.stack([item[key] for item in items]) for key in views},
         "labels": torch.tensor([item["label"] for item in items]),
         "indices": torch.tensor([item["index"] for item in items]),
     }
+
+
+def flip_coin(generator: torch.Generator) -> bool:
+    """One fair coin from the step's generator: flip the whole batch or none of it."""
+    return bool(torch.rand((), generator=generator, device=generator.device) < 0.5)
+
+
+def batch_view(batch: dict[str, Any], flipped: bool) -> dict[str, Any]:
+    """``batch`` with every image flipped or none: the cached ``latents_flipped`` or ``latents``, or the
+    pixels mirrored left-right (``(B, 3, H, W)``)."""
+    out = {k: v for k, v in batch.items() if k != "latents_flipped"}
+    if "latents" in batch:
+        out["latents"] = batch["latents_flipped"] if flipped else batch["latents"]
+    elif flipped:
+        out["pixels"] = batch["pixels"].flip(-1)
+    return out

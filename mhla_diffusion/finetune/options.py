@@ -23,7 +23,7 @@ from typing import Any, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli"]
+__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli"]
 
 T = TypeVar("T", bound="TrainOptions")
 
@@ -31,6 +31,7 @@ _TRAINABLE = ("all", "mhla", "attention", "lora")
 _ATTENTION = ("mhla", "softmax")
 _PRECISIONS = ("no", "fp16", "bf16")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_DIT_VAE = "stabilityai/sd-vae-ft-ema"  # the released DiT recipe's VAE (a model_size run's default vae_model)
 
 
 @dataclass
@@ -38,11 +39,11 @@ class TrainOptions:
     """Options shared by both trainers (see the field comments; ``--help`` lists every option with its default)."""
 
     # --- model
-    pretrained_model: str = ""  # Diffusers pipeline folder or hub id (required)
+    pretrained_model: str = ""  # Diffusers pipeline folder or hub id (required; DiT: or `model_size` instead)
     revision: str | None = None  # hub revision of pretrained_model
     attention: str = "mhla"  # mhla (convert the model, then train) | softmax (train the model's own attention as it is)
     mhla: dict = field(default_factory=dict)  # MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}
-    mhla_preset: str | None = None  # "released-wan": MHLAConfig.released_wan(), with `mhla` as overrides
+    mhla_preset: str | None = None  # "released-wan" / "released-dit": MHLAConfig.released_wan() / .released_dit(), `mhla` overrides
     mhla_weights: str | None = None  # start from a save_mhla folder instead of a fresh conversion
     trainable: str = "all"  # all | mhla (new MHLA parameters) | attention (MHLA + its self-attention) | lora
     # --- run folder
@@ -55,7 +56,7 @@ class TrainOptions:
     cache_latents: bool = False  # pre-pass: encode latents (and text) once to disk, then train from the cache
     cache_dir: str | None = None  # default <output_dir>/cache; share it between runs with the same data settings
     cache_dtype: str = "float32"  # float32 | bfloat16 | float16 for cached tensors
-    latent_sampling: str = "sample"  # sample (posterior sample each step) | mode (posterior mean)
+    latent_sampling: str = "sample"  # sample (posterior sample each step) | mode (posterior mean) | DiT: presampled
     dataloader_num_workers: int = 0
     # --- optimisation
     learning_rate: float = 2e-5
@@ -95,7 +96,7 @@ class TrainOptions:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad option and how to fix it (no file or model access)."""
-        for name in ("pretrained_model", "output_dir", "data_dir"):
+        for name in self._required_options():
             if not getattr(self, name):
                 raise ValueError(f"`{name}` is required: set it in the YAML file or pass --{name} VALUE")
         _choice("attention", self.attention, _ATTENTION)
@@ -106,11 +107,11 @@ class TrainOptions:
             _choice("mixed_precision", self.mixed_precision, _PRECISIONS)
         _choice("frozen_dtype", self.frozen_dtype, _DTYPES)
         _choice("cache_dtype", self.cache_dtype, _DTYPES[1:])
-        _choice("latent_sampling", self.latent_sampling, ("sample", "mode"))
+        _choice("latent_sampling", self.latent_sampling, self._latent_sampling_choices())
         _choice("attention_transfer_params", self.attention_transfer_params, ("auto", "mhla", "attention"))
         _choice("report_to", self.report_to, ("auto", "tensorboard", "wandb", "jsonl", "none"))
         if self.mhla_preset is not None:
-            _choice("mhla_preset", self.mhla_preset, ("released-wan",))
+            _choice("mhla_preset", self.mhla_preset, ("released-wan", "released-dit"))
         if self.mhla_weights is not None and (self.mhla or self.mhla_preset):
             raise ValueError("`mhla_weights` brings its own MHLA config: drop `mhla` / `mhla_preset`")
         if self.resume is not None and self.overwrite_output_dir:
@@ -142,6 +143,12 @@ class TrainOptions:
 
     def _trainable_choices(self) -> Sequence[str]:
         return _TRAINABLE
+
+    def _required_options(self) -> Sequence[str]:
+        return ("pretrained_model", "output_dir", "data_dir")
+
+    def _latent_sampling_choices(self) -> Sequence[str]:
+        return ("sample", "mode")
 
     def _softmax_trainable(self) -> Sequence[str]:
         return ("all", "lora")
@@ -275,6 +282,7 @@ class DiTTrainOptions(TrainOptions):
     resolution: int = 256
     class_dropout: float = 0.1  # labels replaced by the null class (num_classes) for classifier-free guidance
     random_flip: bool = True
+    flip_coin_per_batch: bool = False  # with random_flip: one coin per batch (all flipped or none), as released DiT
     ema_decay: float = 0.9999  # 0 turns EMA off
     ema_warmup: bool = False  # False: constant decay from the first step, as the reference
     clamp_mixing: bool = True  # clamp mixing coefficients to [0, 1] after every step, as the reference
@@ -283,15 +291,67 @@ class DiTTrainOptions(TrainOptions):
     validation_classes: list = field(default_factory=list)
     validation_guidance_scale: float = 4.0
     validation_num_inference_steps: int = 50
+    # --- a DiT from random initialisation (instead of pretrained_model)
+    model_size: str | None = None  # DiT-S/2 .. DiT-XL/8 (the DiT table, mhla_diffusion/original_dit.py): train from scratch
+    model_overrides: dict = field(default_factory=dict)  # DiTTransformer2DModel config over the size's, e.g. {num_layers: 2}
+    num_classes: int | str = 1000  # classes of a model_size model: a count, or "data" (the data's class count)
+    vae_model: str = DEFAULT_DIT_VAE  # model_size: VAE folder, hub id or pipeline folder (its vae/)
+    share_embedder: bool = True  # model_size: one timestep + class embedder for all blocks, as DiT
+
+    def _required_options(self) -> Sequence[str]:
+        return ("output_dir", "data_dir") if self.model_size is not None else super()._required_options()
+
+    def _latent_sampling_choices(self) -> Sequence[str]:
+        return ("sample", "mode", "presampled")  # presampled: one posterior sample per image, drawn by the cache pre-pass
 
     def validate(self) -> None:
+        if self.model_size is None and not self.pretrained_model:
+            raise ValueError("`pretrained_model` is required (a DiT pipeline folder or hub id), or `model_size` "
+                             "(e.g. DiT-S/2) to train a DiT from random initialisation")
         super().validate()
         _at_least("resolution", self.resolution, 1)  # a multiple of the model's VAE scale x patch: checked at setup
+        self._check_model_size()
+        if self.flip_coin_per_batch and not self.random_flip:
+            raise ValueError("`flip_coin_per_batch` chooses how `random_flip` flips: set random_flip: true, or drop it")
+        if self.latent_sampling == "presampled" and not self.cache_latents:
+            raise ValueError("latent_sampling: presampled draws one posterior sample per image in the cache pre-pass: "
+                             "set cache_latents: true")
         if not 0 <= self.class_dropout <= 1:
             raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"`ema_decay` must be in [0, 1) (0 = no EMA), got {self.ema_decay}")
         _choice("learned_sigma_loss", self.learned_sigma_loss, ("vb", "none"))
+
+    def _check_model_size(self) -> None:
+        """``model_size`` (a DiT from scratch) against the options that need or exclude it."""
+        from ..dit_sizes import dit_model_size
+
+        if self.model_size is None:
+            set_options = [f"`{name}`" for name, unset in (
+                ("model_overrides", not self.model_overrides), ("num_classes", self.num_classes == 1000),
+                ("vae_model", self.vae_model == DEFAULT_DIT_VAE)) if not unset]
+            if set_options:
+                verb = "describes" if len(set_options) == 1 else "describe"
+                raise ValueError(f"{', '.join(set_options)} {verb} a DiT trained from scratch: set `model_size` "
+                                 "(pretrained_model brings its own model, classes and VAE), or drop them")
+            return
+        if self.pretrained_model:
+            raise ValueError(f"`pretrained_model` and `model_size` are both set: start from {self.pretrained_model} "
+                             f"or train a {self.model_size} from random initialisation, not both")
+        dit_model_size(self.model_size)
+        if self.mhla_weights is not None:
+            raise ValueError("`mhla_weights` loads into a pretrained model: drop it with `model_size`")
+        if self.trainable != "all":
+            raise ValueError(f"a model trained from scratch trains every parameter: trainable: all (not {self.trainable})")
+        if self.attention_transfer_steps:
+            raise ValueError("a model trained from scratch has no pretrained softmax attention to distil: "
+                             "set attention_transfer_steps: 0")
+        if not self.vae_model:
+            raise ValueError("`vae_model` is required with `model_size` (default stabilityai/sd-vae-ft-ema)")
+        if isinstance(self.num_classes, str) and self.num_classes != "data":
+            raise ValueError(f"`num_classes` must be a count or \"data\", got {self.num_classes!r}")
+        if isinstance(self.num_classes, int):
+            _at_least("num_classes", self.num_classes, 1)
 
     def _trainable_choices(self) -> Sequence[str]:
         return ("all", "mhla", "attention")  # Diffusers has no LoRA loader for DiTPipeline

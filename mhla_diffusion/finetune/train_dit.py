@@ -8,6 +8,11 @@ Recipe (defaults, MHLA reference): uniform timesteps on the model's DDPM betas, 
 the variational bound for the learned variance; AdamW 1e-4, constant, no clipping; EMA 0.9999 of
 every step; class dropout 0.1 to the null class done here (the model's own ``LabelEmbedding``
 dropout is switched off); mixing coefficients clamped to [0, 1] after every step.
+
+From scratch (``model_size: DiT-S/2`` ... instead of ``pretrained_model``): the transformer is built
+with DiT's initialisation (:mod:`.dit_scratch`), the VAE comes from ``vae_model`` (not loaded at all
+when the latents are already cached and nothing is decoded), the scheduler from DiT's schedule.
+With ``flip_coin_per_batch`` one coin per batch flips every image or none (released recipe).
 """
 
 from __future__ import annotations
@@ -33,20 +38,25 @@ from .components import (
     save_plain_transformer,
 )
 from .data import DataReport
+from .dit_scratch import dit_scheduler, load_vae, load_vae_config, new_dit_transformer, unshared_embedders, vae_location
+from ..dit_sizes import dit_transformer_config
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .image_data import (
     CachedImageDataset,
     ClassImageDataset,
     ImageSample,
+    batch_view,
     collate_cached_images,
     collate_images,
+    count_classes,
+    flip_coin,
     index_class_folder,
     latent_identity,
 )
 from .latent_cache import LatentCache, encoder_identity, run_prepass
-from .latents import dit_latent_normalization, draw_latents, encode_posterior
+from .latents import dit_latent_normalization, draw_latents, encode_posterior, presample
 from .objectives import DiffusionObjective
-from .options import DiTTrainOptions, load_options
+from .options import DEFAULT_DIT_VAE, DiTTrainOptions, load_options
 
 __all__ = ["DiTTask", "clamp_mixing", "disable_label_dropout", "folder_labels", "main", "train"]
 
@@ -93,17 +103,36 @@ class DiTTask(Task):
         self.cache: LatentCache | None = None
 
     def setup(self, accelerator) -> TaskParts:
+        from accelerate.utils import DistributedType
+
         o = self.options
-        check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model")
-        index = pipeline_index(o.pretrained_model, o.revision)
-        for name in ("vae", "transformer", "scheduler"):
-            if not index.get(name) or index[name][0] is None:
-                raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a DiT pipeline")
-        self.id2label = index.get("id2label")
         self.device = accelerator.device
         self.vae_dtype = resolve_dtype("auto", accelerator, wrapped=False)
+        if o.model_size is None:
+            check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model")
+            index = pipeline_index(o.pretrained_model, o.revision)
+            for name in ("vae", "transformer", "scheduler"):
+                if not index.get(name) or index[name][0] is None:
+                    raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a DiT pipeline")
+            self.id2label = index.get("id2label")
+        else:
+            check_model_source(o.vae_model, DEFAULT_DIT_VAE, what="vae_model")
+            if o.share_embedder and accelerator.distributed_type == DistributedType.FSDP:
+                raise ValueError("share_embedder ties one embedder to every block, which FSDP cannot shard: "
+                                 "use DDP, or share_embedder: false")
+            self.id2label = None
+        if o.cache_latents:
+            self.cache = LatentCache(o.resolved_cache_dir(), self._cache_settings())
+            self.cache.check_settings()
 
-        transformer = self._load_transformer(accelerator)
+        if o.model_size is None:
+            transformer = self._load_transformer(accelerator)
+            from diffusers import AutoencoderKL
+
+            vae_config = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+            self.vae_scale = ImageGeometry.from_configs(vae=vae_config).vae_scale
+        else:
+            transformer = self._new_transformer(accelerator)
         self.num_classes = int(transformer.config.num_embeds_ada_norm)
         self.in_channels = int(transformer.config.in_channels)
         self._check_resolution(transformer)
@@ -123,17 +152,19 @@ class DiTTask(Task):
         if disable_label_dropout(transformer) == 0:
             raise ValueError("the DiT transformer has no LabelEmbedding: class-conditional training needs num_embeds_ada_norm")
 
-        scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        scheduler = self._scheduler()
         from diffusers import DDPMScheduler
 
         out_channels = int(transformer.config.out_channels or self.in_channels)
         self.objective = DiffusionObjective(DDPMScheduler.from_config(scheduler.config),
                                             learned_sigma=out_channels == 2 * self.in_channels,
                                             vb=o.learned_sigma_loss == "vb")
+        per_image_flip = o.random_flip and not o.flip_coin_per_batch  # else one coin per batch in batch_loss
         if o.cache_latents:
-            dataset, collate = CachedImageDataset(self.cache, samples, o.random_flip, o.seed), collate_cached_images
+            dataset = CachedImageDataset(self.cache, samples, per_image_flip, o.seed, both_views=o.flip_coin_per_batch)
+            collate = collate_cached_images
         else:
-            dataset, collate = ClassImageDataset(samples, o.resolution, o.random_flip, o.seed), collate_images
+            dataset, collate = ClassImageDataset(samples, o.resolution, per_image_flip, o.seed), collate_images
         return TaskParts(
             transformer=transformer,
             dataset=dataset,
@@ -165,12 +196,50 @@ class DiTTask(Task):
             logger.info("%s", get_mhla_conversion(transformer).summary())
         return transformer.train()
 
-    def _check_resolution(self, transformer: nn.Module) -> None:
-        from diffusers import AutoencoderKL
-
+    def _new_transformer(self, accelerator) -> nn.Module:
+        """``model_size`` at random initialisation (DiT's), converted with the ``mhla`` options unless softmax."""
         o = self.options
-        vae_config = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
-        geometry = ImageGeometry.from_configs(transformer.config, vae_config)
+        num_classes = count_classes(o.data_dir, o.class_map) if o.num_classes == "data" else int(o.num_classes)
+        self.vae_scale, channels = self._latent_format()
+        config = dit_transformer_config(o.model_size, sample_size=max(1, o.resolution // self.vae_scale),
+                                        in_channels=channels, num_classes=num_classes, overrides=o.model_overrides)
+        geometry = ImageGeometry(self.vae_scale, int(config["patch_size"]))
+        if o.resolution % geometry.size_multiple:
+            raise ValueError(f"`resolution` {o.resolution} must be a multiple of {geometry.size_multiple} "
+                             f"({geometry.describe()})")
+        mhla = None if o.attention == "softmax" else mhla_config_from_options(o.mhla, o.mhla_preset)
+        transformer = new_dit_transformer(config, o.seed, mhla, share=o.share_embedder)
+        if accelerator.is_main_process:
+            params = sum(p.numel() for p in transformer.parameters()) / 1e6
+            logger.info("%s from random initialisation (%.2fM parameters, %d classes, %s attention)", o.model_size,
+                        params, num_classes, o.attention)
+            conversion = get_mhla_conversion(transformer)
+            if conversion is not None:
+                logger.info("%s", conversion.summary())
+        return transformer.train()
+
+    def _latent_format(self) -> tuple[int, int]:
+        """``(VAE scale, latent channels)`` of a ``model_size`` run: from a complete latent cache (no VAE
+        needed), else from ``vae_model``'s config."""
+        o = self.options
+        cached = self.cache.read_index() if self.cache is not None else None
+        if cached is not None and cached["samples"]:
+            first = ImageSample.from_dict(cached["samples"][0])
+            latents = self.cache.read("latents", latent_identity(first))["latents"]
+            channels = latents.shape[0] // (2 if o.latent_sampling == "sample" else 1)
+            return o.resolution // latents.shape[-1], channels
+        config = load_vae_config(o.vae_model)
+        return ImageGeometry.from_configs(vae=config).vae_scale, int(config.get("latent_channels", 4))
+
+    def _scheduler(self):
+        o = self.options
+        if o.model_size is not None:
+            return dit_scheduler()
+        return load_component(o.pretrained_model, "scheduler", o.revision)
+
+    def _check_resolution(self, transformer: nn.Module) -> None:
+        o = self.options
+        geometry = ImageGeometry(self.vae_scale, int(transformer.config.patch_size))
         step = geometry.size_multiple
         if o.resolution % step:
             raise ValueError(f"`resolution` {o.resolution} must be a multiple of {step} ({geometry.describe()})")
@@ -184,8 +253,13 @@ class DiTTask(Task):
 
     def _cache_settings(self) -> dict[str, Any]:
         o = self.options
+        if o.model_size is None:
+            encoder = encoder_identity(o.pretrained_model, o.revision, ("vae",))
+        else:
+            source, subfolder = vae_location(o.vae_model)
+            encoder = encoder_identity(source, None, (subfolder or ".",))
         return {
-            "task": "dit", **encoder_identity(o.pretrained_model, o.revision, ("vae",)),
+            "task": "dit", **encoder,
             "data_dir": str(Path(o.data_dir).resolve()), "resolution": o.resolution, "random_flip": o.random_flip,
             "class_map": o.class_map, "cache_dtype": o.cache_dtype, "latent_sampling": o.latent_sampling,
             "vae_dtype": str(self.vae_dtype),
@@ -196,8 +270,6 @@ class DiTTask(Task):
 
         o = self.options
         if o.cache_latents:
-            self.cache = LatentCache(o.resolved_cache_dir(), self._cache_settings())
-            self.cache.check_settings()
             cached = self.cache.read_index()
             if cached is not None:
                 logger.info("using the cached index of %d images in %s", len(cached["samples"]), self.cache.folder)
@@ -209,7 +281,10 @@ class DiTTask(Task):
     def _load_vae(self) -> None:
         if self.vae is None:
             o = self.options
-            self.vae = load_component(o.pretrained_model, "vae", o.revision, self.vae_dtype)
+            if o.model_size is None:
+                self.vae = load_component(o.pretrained_model, "vae", o.revision, self.vae_dtype)
+            else:
+                self.vae = load_vae(o.vae_model, self.vae_dtype)
             self.vae.requires_grad_(False).eval().to(self.device)
             self.latent_shift, self.latent_scale = dit_latent_normalization(self.vae)
 
@@ -230,7 +305,12 @@ class DiTTask(Task):
                 out = {}
                 for key, view in views.items():
                     params = encode_posterior(self.vae, view, self.latent_shift, self.latent_scale)[0]
-                    out[key] = (params if o.latent_sampling == "sample" else params[: params.shape[0] // 2]).to(dtype)
+                    channels = params.shape[0] // 2
+                    if o.latent_sampling == "presampled":  # one draw, kept (released DiT's pre-extracted latents)
+                        stored = presample(params, channels, [*latent_identity(samples[i]), key])
+                    else:
+                        stored = params if o.latent_sampling == "sample" else params[:channels]
+                    out[key] = stored.to(dtype)
                 return out
 
             failures = run_prepass(accelerator, self.cache, "latents", [latent_identity(s) for s in samples], encode,
@@ -252,8 +332,14 @@ class DiTTask(Task):
         return samples, report
 
     def batch_loss(self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        """Epsilon (+ VB) loss of one batch. Random draws: class dropout, latents, timesteps/noise."""
+        """Epsilon (+ VB) loss of one batch. Random draws: the batch's flip coin (``flip_coin_per_batch``),
+        class dropout, latents, timesteps/noise."""
         o = self.options
+        extra = {}
+        if o.flip_coin_per_batch:
+            flipped = flip_coin(generator)
+            batch = batch_view(batch, flipped)
+            extra["flipped"] = float(flipped)
         labels = batch["labels"]
         drop = torch.rand(labels.shape[0], generator=generator, device=generator.device) < o.class_dropout
         labels = torch.where(drop.to(labels.device), torch.full_like(labels, self.num_classes), labels)
@@ -264,16 +350,18 @@ class DiTTask(Task):
         latents = draw_latents(stored.to(self.device), self.in_channels, o.latent_sampling, generator)
         noisy, timesteps, noise = self.objective.sample_inputs(latents, generator)
         output = model(hidden_states=noisy, timestep=timesteps, class_labels=labels, return_dict=False)[0]
-        return self.objective.loss(output, latents, noisy, timesteps, noise)
+        loss, parts = self.objective.loss(output, latents, noisy, timesteps, noise)
+        return loss, {**parts, **extra}
 
     def save_final(self, model: nn.Module, name: str) -> Path:
         """``final``: MHLA weights only (``trainable: mhla``) or the whole converted transformer; the
         plain Diffusers transformer for ``attention: softmax``."""
         folder = Path(self.options.output_dir) / name
-        if self.options.attention == "softmax":
-            save_plain_transformer(model, folder)
-        else:
-            save_mhla(model, folder, include_base=self.options.trainable != "mhla", overwrite=True)
+        with unshared_embedders(model):  # a from-scratch model's shared embedder saved as Diffusers' per-block copies
+            if self.options.attention == "softmax":
+                save_plain_transformer(model, folder)
+            else:
+                save_mhla(model, folder, include_base=self.options.trainable != "mhla", overwrite=True)
         logger.info("saved %s", folder)
         return folder
 
@@ -282,7 +370,7 @@ class DiTTask(Task):
 
         o = self.options
         self._load_vae()
-        scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        scheduler = self._scheduler()
         pipe = MHLADiTPipeline(transformer=transformer, vae=self.vae, scheduler=scheduler, id2label=self.id2label)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -297,7 +385,8 @@ class DiTTask(Task):
 
     def save_pipeline(self, model: nn.Module) -> None:
         folder = Path(self.options.output_dir) / "pipeline"
-        self._pipeline(model).save_pretrained(folder)
+        with unshared_embedders(model):
+            self._pipeline(model).save_pretrained(folder)
         logger.info("saved pipeline %s", folder)
 
 

@@ -6,7 +6,9 @@ parameters live in the transformer's ``state_dict`` as ``<layer>.processor.<name
 * ``mixing``: ``(M, M)`` or ``(H, M, M)`` block-mixing coefficients,
 * ``out_norm.weight``: ``(head_dim,)`` per-head output RMSNorm (optional),
 * ``gate.weight``, ``gate.bias``: SiLU output gate ``Linear(C, C)`` (optional),
-* ``lepe.weight``, ``lepe.bias``: depthwise convolution of ``v`` over the token grid (optional).
+* ``lepe.weight``, ``lepe.bias``: depthwise convolution of ``v`` over the token grid (optional),
+* ``input_norm.weight``, ``input_norm.bias``: ``LayerNorm(C, eps=1e-5)`` of the attention's input
+  before the q/k/v projections (optional; released DiT-MHLA). Output dropout has no parameters.
 
 The math lives in :func:`mhla_attention`; processors only project, apply the feature map and RoPE,
 and add the optional extras around it.
@@ -21,6 +23,7 @@ from torch import nn
 from ..attention import mhla_attention
 from ..block_layout import num_blocks
 from ..config import MHLAConfig
+from ..geometry import check_equal_blocks
 from ..mixing import mixing_init
 from .grid import TokenGridContext
 
@@ -58,8 +61,9 @@ class MHLAProcessor(nn.Module):
         if len(layout) != self.num_axes:
             raise ValueError(f"`layout` {layout} must have {self.num_axes} axes for {type(self).__name__}")
         self.heads, self.head_dim, self.layout = heads, head_dim, tuple(layout)
-        self.normalize = config.normalization == "denominator"
+        self.normalization = config.normalization  # "denominator", "none" or "scalar_mixed_denominator"
         self.eps = config.eps
+        self.output_dropout = config.output_dropout
         self.grid_context = grid_context
         inner = heads * head_dim
 
@@ -75,6 +79,8 @@ class MHLAProcessor(nn.Module):
         self.mixing = nn.Parameter(mixing, requires_grad=config.learnable_mixing)
         self.out_norm = nn.RMSNorm(head_dim, eps=1e-6) if config.output_norm else None
         self.gate = nn.Linear(inner, inner) if config.gate else None
+        # affine starts as the identity (PyTorch's default init: weight 1, bias 0)
+        self.input_norm = nn.LayerNorm(inner, eps=1e-5, elementwise_affine=True) if config.input_norm else None
         self.lepe = None
         if config.lepe:
             conv = nn.Conv3d if self.num_axes == 3 else nn.Conv2d
@@ -89,9 +95,31 @@ class MHLAProcessor(nn.Module):
     def num_blocks(self) -> int:
         return num_blocks(self.layout)
 
+    @property
+    def normalize(self) -> bool:
+        """Whether the output is divided by a denominator (either kind)."""
+        return self.normalization != "none"
+
     def extra_repr(self) -> str:
-        mode = "denominator" if self.normalize else "no denominator"
-        return f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, {mode}"
+        mode = {"none": "no denominator"}.get(self.normalization, self.normalization)
+        dropout = f", output dropout {self.output_dropout}" if self.output_dropout else ""
+        return (f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, "
+                f"{mode}{dropout}")
+
+    def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The attention's input through ``input_norm`` (if any), before the q/k/v projections."""
+        if self.input_norm is None:
+            return hidden_states
+        norm = self.input_norm  # in at least float32, as the output RMSNorm
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        out = F.layer_norm(hidden_states.to(compute), norm.normalized_shape, norm.weight.to(compute), norm.bias.to(compute), norm.eps)
+        return out.to(hidden_states.dtype)
+
+    def drop_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Dropout of the projected output (``output_dropout``), in training mode only."""
+        if not self.output_dropout:
+            return out
+        return F.dropout(out, self.output_dropout, training=self.training)
 
     def attend(
         self,
@@ -103,9 +131,11 @@ class MHLAProcessor(nn.Module):
     ) -> torch.Tensor:
         """MHLA of projected ``q, k, v`` ``(B, N, H, D)`` plus the optional extras -> ``(B, N, H*D)``.
 
-        ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v``; the gate reads it.
+        ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v`` (after ``input_norm``); the gate reads it.
         """
         grid = self.grid_context.require(q.shape[1])
+        if self.normalization == "scalar_mixed_denominator":
+            check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
         features = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the feature map and RoPE
         q = F.relu(q.to(features)) + self.eps
@@ -114,7 +144,7 @@ class MHLAProcessor(nn.Module):
         if rotary_emb is not None:  # RoPE after the feature map, on the numerator path only
             q_rot, k_rot = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
         out = mhla_attention(
-            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalize, eps=self.eps,
+            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization, eps=self.eps,
             plan=plan,
         )
         if self.out_norm is not None:

@@ -15,6 +15,10 @@ class DiTMHLAProcessor(MHLAProcessor):
     Reuses the layer's ``to_q/to_k/to_v/to_out`` (and ``norm_q/norm_k`` if the model has them);
     features ``ReLU(x) + eps``; paper denominator by default; optional 3x3 LePE (identity init) and
     gate. Token grid (rows, columns) from the transformer's pre-hook.
+
+    With :meth:`MHLAConfig.released_dit` it computes the released ``MHLA4DiT`` attention:
+    ``to_out(MHLA(LN(x)) + LePE(v)) -> dropout``, where ``LN`` is ``input_norm``, the projections
+    read ``LN(x)``, and MHLA divides by the scalar-mixed denominator.
     """
 
     num_axes = 2
@@ -48,6 +52,7 @@ class DiTMHLAProcessor(MHLAProcessor):
         if hidden_states.ndim != 3:
             raise ValueError(f"DiTMHLAProcessor expects (B, N, C) hidden states, got {tuple(hidden_states.shape)}")
         residual = hidden_states
+        hidden_states = self.normalize_input(hidden_states)
         heads = (attn.heads, -1)
         query = attn.to_q(hidden_states).unflatten(2, heads)
         key = attn.to_k(hidden_states).unflatten(2, heads)
@@ -57,7 +62,7 @@ class DiTMHLAProcessor(MHLAProcessor):
         if attn.norm_k is not None:
             key = attn.norm_k(key)
         out = self.attend(hidden_states, query, key, value)
-        out = attn.to_out[1](attn.to_out[0](out.type_as(hidden_states)))
+        out = self.drop_output(attn.to_out[1](attn.to_out[0](out.type_as(hidden_states))))
         if attn.residual_connection:
             out = out + residual
         return out / attn.rescale_output_factor

@@ -32,6 +32,7 @@ class WanMHLAProcessor(MHLAProcessor):
             raise ValueError("WanMHLAProcessor is for self-attention (attn1); cross-attention keeps WanAttnProcessor")
         if attention_mask is not None:
             raise ValueError("WanMHLAProcessor does not support `attention_mask`: MHLA attends over every token")
+        hidden_states = self.normalize_input(hidden_states)  # identity unless `input_norm`
         if getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
@@ -42,4 +43,4 @@ class WanMHLAProcessor(MHLAProcessor):
             hidden_states, query.unflatten(2, heads), key.unflatten(2, heads), value.unflatten(2, heads), rotary_emb
         )
         out = attn.to_out[0](out.type_as(hidden_states))
-        return attn.to_out[1](out)
+        return self.drop_output(attn.to_out[1](out))

@@ -88,11 +88,23 @@ def test_cli_needs_values_and_a_real_config(tmp_path):
         load_options(WanTrainOptions, ["--config", str(tmp_path / "missing.yaml")])
 
 
-@pytest.mark.parametrize("name", ["wan2.1_t2v_1.3b_mhla.yaml", "wan2.1_t2v_1.3b_mhla_released.yaml", "dit_xl2_256_mhla.yaml"])
+@pytest.mark.parametrize("name", [
+    "wan2.1_t2v_1.3b_mhla.yaml", "wan2.1_t2v_1.3b_mhla_released.yaml", "dit_xl2_256_mhla.yaml",
+    *(f"dit_s2_256_from_scratch_{attention}.yaml" for attention in ("softmax", "mhla", "linear", "mhla_lepe_gate",
+                                                                    "released_dit")),
+])
 def test_example_configs_are_valid(name):
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "finetune" / "configs" / name  # the repository's example configs
     cls = DiTTrainOptions if name.startswith("dit") else WanTrainOptions
     options = load_options(cls, ["--config", str(path)])
-    assert options.pretrained_model in ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "facebook/DiT-XL-2-256")
+    if "from_scratch" in name:  # the released DiT recipe from random initialisation
+        assert (options.model_size, options.pretrained_model, options.vae_model) == ("DiT-S/2", "", "stabilityai/sd-vae-ft-ema")
+        assert (options.learning_rate, options.lr_scheduler, options.lr_warmup_steps, options.weight_decay,
+                options.max_grad_norm) == (1e-4, "constant", 0, 0.0, 0.0)
+        assert (options.ema_decay, options.class_dropout, options.train_batch_size * 8) == (0.9999, 0.1, 256)
+        assert options.flip_coin_per_batch and options.cache_latents and options.latent_sampling == "presampled"
+        assert options.clamp_mixing
+    else:
+        assert options.pretrained_model in ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "facebook/DiT-XL-2-256")

@@ -36,6 +36,24 @@ def dit_options(pretrained: Path, data: Path, output: Path, **overrides):
     return options_from_dict(DiTTrainOptions, values)
 
 
+#: A DiT-S/2-shaped model at toy width for from-scratch runs (2 blocks, 2 heads of 8 channels).
+TINY_DIT_OVERRIDES = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8}
+
+
+def dit_scratch_options(vae: Path, data: Path, output: Path, **overrides):
+    """Tiny from-scratch class-to-image options: ``DiT-S/2`` at toy width (:data:`TINY_DIT_OVERRIDES`) on
+    16 px images (the tiny VAE x2 -> 8x8 latents, 4x4 tokens), fp32."""
+    from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
+
+    values = dict(
+        model_size="DiT-S/2", model_overrides=dict(TINY_DIT_OVERRIDES), vae_model=str(vae), data_dir=str(data),
+        output_dir=str(output), resolution=16, mixed_precision="no", train_batch_size=4, max_train_steps=3,
+        learning_rate=1e-3, checkpointing_steps=0, report_to="jsonl", ema_decay=0.0,
+    )
+    values.update(overrides)
+    return options_from_dict(DiTTrainOptions, values)
+
+
 def metrics(output: Path) -> list[dict]:
     """The metric records a run with ``report_to="jsonl"`` wrote under ``output/logs``."""
     from mhla_diffusion.finetune.tracking import read_metrics
