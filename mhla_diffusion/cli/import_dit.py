@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from .arguments import add_command
+from .import_wan import check_output_free, save_imported
 
 __all__ = ["register"]
 
@@ -38,12 +39,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conversion import get_mhla_conversion
     from ..original_dit import load_original_dit
-    from ..weights import MHLA_CONFIG_NAME, save_mhla
 
-    if args.output.exists() and (not args.output.is_dir() or any(args.output.iterdir())) and not args.overwrite:
-        raise FileExistsError(f"{args.output} is not an empty folder; choose another --output or pass --overwrite")
+    check_output_free(args.output, args.overwrite)
     started = time.perf_counter()
     transformer = load_original_dit(
         args.checkpoint, model_size=args.model_size, num_heads=args.num_heads, image_size=args.image_size,
@@ -53,17 +51,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"DiT: depth {config.num_layers}, hidden {config.num_attention_heads * config.attention_head_dim}, "
           f"{config.num_attention_heads} heads, patch {config.patch_size}, latent {config.sample_size}x"
           f"{config.sample_size}, {config.out_channels} output channels, {config.num_embeds_ada_norm} classes")
-    conversion = get_mhla_conversion(transformer)
-    if conversion is None:
-        stale = args.output / MHLA_CONFIG_NAME  # from an earlier MHLA import: it would mislabel this folder
-        if stale.exists():
-            stale.unlink()
-            print(f"removed {stale} of the folder's previous contents")
-        transformer.save_pretrained(args.output)
-        print(f"original DiT checkpoint (no MHLA keys) -> {args.output}")
-    else:
-        save_mhla(transformer, args.output, include_base=True, overwrite=args.overwrite)
-        print(conversion.summary())
-        print(f"-> {args.output}")
+    save_imported(transformer, args.output, args.overwrite, "original DiT checkpoint (no MHLA keys)")
     print(f"wall time {time.perf_counter() - started:.2f} s")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .arguments import add_command, parse_sizes
 
-__all__ = ["register"]
+__all__ = ["check_output_free", "register", "save_imported"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,21 +30,36 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conversion import get_mhla_conversion
     from ..original_format import load_original_wan
-    from ..weights import save_mhla
 
-    if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
-        raise FileExistsError(f"{args.output} is not empty; choose another --output or pass --overwrite")
+    check_output_free(args.output, args.overwrite)
     started = time.perf_counter()
     transformer = load_original_wan(args.checkpoint, layout=args.layout, attention_head_dim=args.attention_head_dim)
-    conversion = get_mhla_conversion(transformer)
-    if conversion is None:
-        transformer.save_pretrained(args.output)
-        print(f"plain Wan checkpoint (no MHLA keys) -> {args.output}")
-    else:
-        save_mhla(transformer, args.output, include_base=True, overwrite=args.overwrite)
-        print(conversion.summary())
-        print(f"-> {args.output}")
+    save_imported(transformer, args.output, args.overwrite, "plain Wan checkpoint (no MHLA keys)")
     print(f"wall time {time.perf_counter() - started:.2f} s")
     return 0
+
+
+def check_output_free(output: Path, overwrite: bool) -> None:
+    """Refuse an ``--output`` that is a file or a non-empty folder, unless ``--overwrite``."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not overwrite:
+        raise FileExistsError(f"{output} is not an empty folder; choose another --output or pass --overwrite")
+
+
+def save_imported(transformer, output: Path, overwrite: bool, plain: str) -> None:
+    """Save an imported transformer: the whole MHLA model with its config, or a plain Diffusers folder."""
+    from ..conversion import get_mhla_conversion
+    from ..weights import MHLA_CONFIG_NAME, save_mhla
+
+    conversion = get_mhla_conversion(transformer)
+    if conversion is None:
+        stale = output / MHLA_CONFIG_NAME  # from an earlier MHLA import: it would mislabel this folder
+        if stale.exists():
+            stale.unlink()
+            print(f"removed {stale} of the folder's previous contents")
+        transformer.save_pretrained(output)
+        print(f"{plain} -> {output}")
+    else:
+        save_mhla(transformer, output, include_base=True, overwrite=overwrite)
+        print(conversion.summary())
+        print(f"-> {output}")

@@ -67,14 +67,20 @@ def class_ids_for(names: list[str], class_map: dict | None, num_classes: int) ->
     return ids
 
 
-def count_classes(folder: str | Path, class_map: dict | None = None) -> int:
-    """How many classes the class folders of ``folder`` need: the largest class id + 1."""
+def _class_folders(folder: str | Path) -> tuple[Path, list[str]]:
+    """``folder`` and the names of its class sub-folders (sorted), or a clear error."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"data_dir {folder} does not exist or is not a folder")
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise ValueError(f"{folder} has no class sub-folders: put the images of each class in {folder}/<class name>/")
+    return folder, classes
+
+
+def count_classes(folder: str | Path, class_map: dict | None = None) -> int:
+    """How many classes the class folders of ``folder`` need: the largest class id + 1."""
+    folder, classes = _class_folders(folder)
     return max(class_ids_for(classes, class_map, num_classes=2**62).values()) + 1
 
 
@@ -90,12 +96,7 @@ def index_class_folder(
 
     Returns samples, the report and ``{class folder: id}``.
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"data_dir {folder} does not exist or is not a folder")
-    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise ValueError(f"{folder} has no class sub-folders: put the images of each class in {folder}/<class name>/")
+    folder, classes = _class_folders(folder)
     ids = class_ids_for(classes, class_map, num_classes)
     files = [
         (path, ids[name])
