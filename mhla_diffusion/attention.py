@@ -10,6 +10,11 @@ which equals ``Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s`` divided by ``Σ_s W[b(t
 the O(N^2) form kept in :mod:`mhla_diffusion.attention_reference`. Cost is O(N D Dv + M^2 D Dv) per
 head and no N x N matrix is ever formed.
 
+A grid with fewer tokens than blocks on some axis leaves *empty* blocks (see
+:mod:`mhla_diffusion.block_layout`): their ``S_j`` and ``z_j`` are zero, so they add nothing to any
+mixed sum, and they hold no query (their padded slots are dropped, with denominator 1 so that no
+``0 / 0`` reaches the gradients).
+
 The released DiT-MHLA (``MHLA4DiT``) divides instead by a mix of per-block *scalars*
 (``normalize="scalar_mixed_denominator"``): for the token ``t = (o, w)`` at within-block position
 ``w`` of block ``o``,
@@ -156,6 +161,9 @@ def mhla_attention(
             transformer forward from their grid context); default: built here. A plan for another
             grid, layout or device raises ``ValueError``. The result does not depend on it.
 
+    ``layout`` may have more blocks than ``grid`` has tokens on an axis: the blocks that receive no
+    token are empty (zero key-value summary and key sum, no query), as in the reference.
+
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
     """
@@ -239,6 +247,9 @@ def _mhla_blocks(
         denominator = denominator.unsqueeze(-1)
         del q_plain
         denominator = denominator.add_(eps) if inplace else denominator + eps
+        if plan.valid is not None:  # padded slots (all of an empty block's) are dropped: divide them by 1
+            padding = ~plan.valid[:, :, None]
+            denominator = denominator.masked_fill_(padding, 1.0) if inplace else denominator.masked_fill(padding, 1.0)
         out = out.div_(denominator) if inplace else out / denominator
 
     # one gather back to token order, straight into a contiguous (B, N, H, Dv)

@@ -40,6 +40,9 @@ def mhla_attention_reference(
       (row-major offsets inside the block) of block ``j``: each pair ``(t, s)`` uses the query of
       ``t``'s counterpart in ``s``'s block. Needs equal-size blocks.
 
+    Blocks that receive no token (a layout with more blocks than the grid has tokens on an axis)
+    simply never appear in ``b(t)`` or ``b(s)``.
+
     Shapes: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)`` -> ``(B, N, H, Dv)``.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot)

@@ -4,6 +4,11 @@ Tokens lie on a row-major grid (Wan: frame, height, width; DiT: row, column). A 
 number of blocks per grid axis. A token with coordinate ``c`` on an axis of size ``G`` cut into
 ``L`` blocks belongs to block ``floor(c * L / G)`` on that axis, so any grid works, divisible or
 not; blocks are numbered row-major over the layout (first axis outermost).
+
+An axis may have fewer tokens than blocks (``G < L``, e.g. an image's single frame under a video
+layout): the same rule applies, and the blocks that receive no token are *empty*. An empty block
+has zero key-value summary and key sum (it adds nothing to any mixed sum) and holds no query; in
+the block plan it is a block whose padded slots are all invalid.
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ class BlockPlan:
     """Index tensors that regroup a row-major token sequence into padded blocks.
 
     ``gather[m * P + p]`` is the token that sits at padded slot ``p`` of block ``m``; slots past a
-    block's real length repeat a token of that block and are marked ``False`` in ``valid``
-    (``valid`` is ``None`` when every block has exactly ``P`` tokens). ``scatter[n]`` is the padded
+    block's real length repeat a token of that block (of a neighbouring block for an empty block,
+    all of whose slots are padding) and are marked ``False`` in ``valid`` (``valid`` is ``None``
+    when every block has exactly ``P`` tokens). ``scatter[n]`` is the padded
     slot of token ``n``, so ``blocked.index_select(dim, scatter)`` restores token order.
 
     ``grid`` and ``layout`` record what the plan was built for, so that a plan built once (the MHLA
@@ -90,7 +96,9 @@ def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device 
         offset = torch.arange(pad, device=device)
         start = torch.tensor(starts, device=device)[:, None]
         length = torch.tensor(lengths, device=device)[:, None]
-        coord = start + torch.minimum(offset, length - 1)  # (blocks, pad), clamped into the block
+        # (blocks, pad), clamped into the block; an empty block (length 0, only when size < blocks)
+        # points at the token before it, which always exists (block 0 is never empty)
+        coord = (start + torch.minimum(offset, length - 1)).clamp_(0, size - 1)
         valid = offset < length
         # Grow the index as (blocks_0, ..., blocks_a, pad_0, ..., pad_a): block axes before slot axes.
         k = token_index.ndim // 2

@@ -28,7 +28,12 @@ from typing import Any, Mapping, Sequence
 #: model (a constant there, not read from the VAE or the transformer).
 WAN_PIPELINE_SIZE_MULTIPLE = 16
 
+#: Largest seed the CLI and the web demo accept (seeds are 0 .. MAX_SEED: 32 bits, plenty to type; torch
+#: generators take them all). One rule for both, kept here with the other torch-free input rules.
+MAX_SEED = 2**32 - 1
+
 __all__ = [
+    "MAX_SEED",
     "ImageGeometry",
     "VideoGeometry",
     "WAN_PIPELINE_SIZE_MULTIPLE",
@@ -255,7 +260,10 @@ def validate_grid_layout(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check ``grid`` and ``layout`` against each other (and ``num_tokens``); return them as tuples.
 
-    Raises ``ValueError`` naming the offending argument.
+    A layout may have more blocks than the grid has tokens on an axis (an image's single frame under
+    a video layout): tokens still go to block ``floor(c * L / G)``, and the blocks that receive no
+    token are empty (they add nothing to any sum and hold no query). Raises ``ValueError`` naming
+    the offending argument.
     """
     try:
         grid = tuple(int(g) for g in grid)
@@ -271,11 +279,9 @@ def validate_grid_layout(
         raise ValueError(
             f"`layout` {layout} has {len(layout)} axes but `grid` {grid} has {len(grid)}: give one block count per grid axis"
         )
-    bad = [a for a, (g, b) in enumerate(zip(grid, layout)) if not 1 <= b <= g]
+    bad = [a for a, b in enumerate(layout) if b < 1]
     if bad:
-        raise ValueError(
-            f"`layout` {layout} does not fit `grid` {grid} on axis {bad}: each axis needs 1 <= blocks <= grid size"
-        )
+        raise ValueError(f"`layout` {layout} has fewer than 1 block on axis {bad}: each axis needs at least 1 block")
     if num_tokens is not None and math.prod(grid) != num_tokens:
         raise ValueError(
             f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: the grid's product must equal N"
@@ -283,14 +289,22 @@ def validate_grid_layout(
     return grid, layout
 
 
-def check_layout_fits(grid: Sequence[int], layout: Sequence[int], what: str, fix: str = "ask for more frames or a larger size") -> None:
-    """Raise ``ValueError`` when ``what`` (e.g. "a 9x32x32 video") has a token grid smaller than the block layout."""
+def check_layout_fits(
+    grid: Sequence[int], layout: Sequence[int], what: str, normalization: str = "denominator"
+) -> None:
+    """Raise ``ValueError`` when ``what`` (e.g. "a 9x32x32 video") has a token grid the MHLA block layout
+    cannot run on: a different number of axes, or, with ``normalization="scalar_mixed_denominator"``,
+    a grid the layout does not cut into equal blocks.
+
+    A grid smaller than the layout on some axis is fine (the extra blocks are empty).
+    """
     try:
-        validate_grid_layout(grid, layout)
-    except ValueError:
-        raise ValueError(
-            f"{what} has token grid {tuple(grid)}, smaller than the MHLA block layout {tuple(layout)} on some axis: {fix}"
-        ) from None
+        grid, layout = validate_grid_layout(grid, layout)
+    except ValueError as error:
+        raise ValueError(f"{what} has token grid {tuple(grid)}, which the MHLA block layout {tuple(layout)} "
+                         f"cannot cut: {error}") from None
+    if normalization == "scalar_mixed_denominator":
+        check_equal_blocks(grid, layout, f"the token grid of {what}")
 
 
 def _nearest_divisor(size: int, wanted: int) -> int:

@@ -88,7 +88,18 @@ def save_mhla(
         tensors = {key: state[key].detach().contiguous().cpu() for key in mhla_parameter_names(transformer)}
         save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "producer": FORMAT})
     write_mhla_config(transformer, folder, contents="transformer" if include_base else "mhla")
+    written = {folder / name for name in planned} | set(folder.glob("*.safetensors"))  # shards too
+    for path in written:  # safetensors writes 0600: give the files the mode the umask gives any new file
+        if path.is_file():
+            os.chmod(path, _new_file_mode())
     return folder
+
+
+def _new_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file under the process's umask (0644 under umask 022)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_mhla_config(transformer: nn.Module, folder: str | os.PathLike, contents: str = "transformer") -> Path:

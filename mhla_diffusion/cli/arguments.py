@@ -8,9 +8,12 @@ for torch or Diffusers.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Iterable
+
+from ..geometry import MAX_SEED
 
 __all__ = [
     "ATTENTIONS",
@@ -19,11 +22,13 @@ __all__ = [
     "WAN_480P",
     "add_command",
     "add_model_arguments",
+    "finite_float",
     "non_negative_int",
     "parse_attention",
     "parse_layers",
     "parse_sizes",
     "positive_int",
+    "seed",
     "warn_deprecated",
 ]
 
@@ -90,6 +95,28 @@ positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def finite_float(text: str) -> float:
+    """A finite number (an ``argparse`` type): ``nan`` and ``inf`` are refused, not passed on to a pipeline."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed from 0 to :data:`mhla_diffusion.geometry.MAX_SEED` (an ``argparse`` type; the web demo's rule too)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to {MAX_SEED}, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------------------------- shared options
 
 
@@ -104,7 +131,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str) -> None:
     parser.add_argument("--attention", type=parse_attention, choices=ATTENTIONS, default="mhla",
                         help="mhla (default) or softmax: the same weights with the original softmax attention "
                         "(the old name sdpa still works)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="random seed, 0 to 2**32-1 (default 0)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where outputs go (default ./outputs)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from .arguments import DTYPES, add_command, non_negative_int, positive_int
+from .arguments import DTYPES, add_command, finite_float, non_negative_int, positive_int
 
 __all__ = ["add_sample_arguments", "load_feature_extractor", "register", "run_eval", "run_eval_ref", "run_sample"]
 
@@ -82,6 +82,9 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=positive_int, default=3, help="nearest neighbour for precision/recall (ADM: 3)")
     p.add_argument("--no-pr", dest="precision_recall", action="store_false", help="skip precision/recall")
     p.add_argument("--pr-block-size", type=positive_int, default=10000, help="rows per distance block for P/R")
+    p.add_argument("--pr-dtype", choices=("float32", "float16"), default="float32",
+                   help="precision of the P/R distances: float32 (default) or float16 as ADM's evaluator "
+                   "(its P/R come out about 0.001-0.005 higher than float32)")
     _add_network_arguments(p)
     p.set_defaults(func=run_eval)
 
@@ -109,7 +112,7 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="global seed; sample i uses a seed derived from (seed, i)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per pipeline call and process")
     p.add_argument("--num-inference-steps", type=positive_int, default=250, help="denoising steps (DiT paper: 250)")
-    p.add_argument("--guidance-scale", type=float, default=1.5, help="classifier-free guidance (DiT FID-50K: 1.5)")
+    p.add_argument("--guidance-scale", type=finite_float, default=1.5, help="classifier-free guidance (DiT FID-50K: 1.5)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="pipeline weights dtype")
     p.add_argument("--overwrite", action="store_true", help="replace the .npz if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -146,7 +149,7 @@ def run_eval(args: argparse.Namespace) -> int:
     _print_network(extractor)
     result = evaluate(samples, reference, extractor, batch_size=args.batch_size, split_size=args.split_size, k=args.k,
                       with_precision_recall=args.precision_recall, pr_block_size=args.pr_block_size,
-                      progress=not args.quiet)
+                      pr_dtype=args.pr_dtype, progress=not args.quiet)
     m = result["metrics"]
     print(f"samples: {result['samples']['count']} from {args.samples}; reference: {args.ref} "
           f"({result['reference']['statistics']})")

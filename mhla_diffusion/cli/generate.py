@@ -17,7 +17,7 @@ from typing import Any
 
 from ..embedded.locations import embedded_defaults
 from ..geometry import VideoGeometry
-from .arguments import WAN_480P, add_command, add_model_arguments
+from .arguments import WAN_480P, add_command, add_model_arguments, finite_float
 
 __all__ = ["register"]
 
@@ -55,9 +55,9 @@ def configure_text_to_video(video: argparse.ArgumentParser) -> None:
                            f"model: {getattr(d, side)})")
     video.add_argument("--steps", type=int,
                        help=f"denoising steps (default {WAN_DEFAULTS['steps']}; embedded model: {d.video_steps})")
-    video.add_argument("--guidance-scale", type=float,
+    video.add_argument("--guidance-scale", type=finite_float,
                        help=f"classifier-free guidance (default {WAN_DEFAULTS['guidance_scale']})")
-    video.add_argument("--flow-shift", type=float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
+    video.add_argument("--flow-shift", type=finite_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
     video.add_argument("--fps", type=int,
                        help=f"frames per second of the written video (default {WAN_DEFAULTS['fps']}; embedded model: {d.fps})")
     video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
@@ -76,7 +76,7 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
                        help="class id or name, or a comma-separated list (repeatable)")
     image.add_argument("--steps", type=int,
                        help=f"denoising steps (default {DIT_DEFAULTS['steps']}; embedded model: {d.image_steps})")
-    image.add_argument("--guidance-scale", type=float,
+    image.add_argument("--guidance-scale", type=finite_float,
                        help=f"classifier-free guidance (default {DIT_DEFAULTS['guidance_scale']})")
     image.set_defaults(func=run_class_to_image)
 
@@ -202,7 +202,7 @@ def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
 def run_text_to_video(args: argparse.Namespace) -> int:
     from ..geometry import check_layout_fits
     from ..loading import WAN_HUB_ID, check_model_source
-    from ..pipelines.outputs import plan_outputs, save_video, slugify, write_settings
+    from ..pipelines.outputs import check_settings, plan_outputs, save_video, slugify, write_settings
 
     _apply_defaults(args, "text-to-video")
     prompts = _read_prompts(args)
@@ -210,9 +210,10 @@ def run_text_to_video(args: argparse.Namespace) -> int:
     geometry = VideoGeometry.from_folder(args.model)  # Wan2.1's factors for a hub id
     num_frames = _video_frames(args, geometry)
     meta = _declared_mhla(args) if args.attention == "mhla" else None
-    if meta is not None:
+    if meta is not None:  # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
         check_layout_fits(geometry.token_grid(num_frames, args.height, args.width), meta["mhla_config"]["layout"],
-                          f"a {num_frames}x{args.height}x{args.width} video")
+                          f"a {num_frames}x{args.height}x{args.width} video",
+                          meta["mhla_config"].get("normalization", "denominator"))
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
     plans = plan_outputs(args.output_dir, stems, args.format, args.overwrite)
 
@@ -227,6 +228,14 @@ def run_text_to_video(args: argparse.Namespace) -> int:
     pipe.to(device)
     if args.attention == "mhla":
         pipe.check_mhla_size(num_frames, args.height, args.width)
+    pipe.check_size(num_frames, args.height, args.width)  # the loaded model's own limits
+    for index, prompt in enumerate(prompts):
+        unknown = pipe.unknown_words(prompt)
+        if unknown:
+            print(f"warning: prompt {index + 1} has words the model's tokenizer does not know, generated without them: "
+                  f"{', '.join(map(repr, unknown))}", file=sys.stderr)
+    check_settings(_settings(args, pipe, device, dtype, flow_shift=pipe.scheduler.config.get(
+        "flow_shift", pipe.scheduler.config.get("shift"))))  # before generating: the sidecars must be valid JSON
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):

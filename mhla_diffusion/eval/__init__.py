@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys(['ArrayImages', 'FolderImages', 'ImageSource', 'NpzImages', 'open_images'], '.images'),
     **dict.fromkeys(['InceptionV3Features'], '.inception'),
     **dict.fromkeys(['INCEPTION_WEIGHTS_ENV', 'resolve_inception_weights'], '.inception_weights'),
-    **dict.fromkeys(['inception_score', 'inception_score_splits'], '.inception_score'),
+    **dict.fromkeys(['inception_score', 'inception_score_splits', 'inception_score_warnings'], '.inception_score'),
     **dict.fromkeys(['AdmNpzWriter', 'iter_npz_batches', 'read_npz_stats'], '.npz'),
     **dict.fromkeys(['manifold_radii', 'precision_recall'], '.precision_recall'),
     **dict.fromkeys(['SamplingConfig', 'class_labels', 'pack_samples', 'sample_for_evaluation'], '.sample'),

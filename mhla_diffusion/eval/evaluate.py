@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 from .features import FeatureExtractor, exact_float32, flatten_spatial
 from .frechet import GaussianStats, RunningGaussian, frechet_distance
 from .images import ImageSource, NpzImages, open_images
-from .inception_score import ADM_SPLIT_SIZE, inception_score
+from .inception_score import ADM_SPLIT_SIZE, inception_score, inception_score_warnings
 from .npz import AdmNpzWriter, npz_members, read_npz_stats
-from .precision_recall import ADM_K, precision_recall
+from .precision_recall import ADM_K, DISTANCE_DTYPES, precision_recall
 
 __all__ = ["Activations", "Reference", "compute_activations", "evaluate", "load_reference", "make_reference"]
 
@@ -123,19 +123,19 @@ def _check_dims(reference: Reference, extractor: FeatureExtractor) -> None:
                              f"network gives {expected[metric]}-d features; they were computed with another network")
 
 
-def _ordered_by_label(labels: np.ndarray | None) -> bool:
-    return labels is not None and len(np.unique(labels)) > 1 and bool(np.all(np.diff(labels) >= 0))
-
-
 def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtractor, *,
              batch_size: int = ADM_BATCH_SIZE, split_size: int = ADM_SPLIT_SIZE, k: int = ADM_K,
-             with_precision_recall: bool = True, pr_block_size: int = 10000, progress: bool = True) -> dict:
+             with_precision_recall: bool = True, pr_block_size: int = 10000, pr_dtype: str = "float32",
+             progress: bool = True) -> dict:
     """IS, FID, sFID and (if the reference has images) precision/recall of ``samples``.
 
     Returns a JSON-ready dict: ``metrics`` (``inception_score``, ``fid``, ``sfid``, ``precision``,
     ``recall``; None where not computed), ``samples``, ``reference``, ``settings``,
-    ``feature_extractor`` (incl. the weights' SHA-256) and ``warnings``.
+    ``feature_extractor`` (incl. the weights' SHA-256) and ``warnings``. ``pr_dtype``: precision/recall
+    distances in ``"float32"`` (default) or ``"float16"`` (as ADM's evaluator; see :mod:`.precision_recall`).
     """
+    if pr_dtype not in DISTANCE_DTYPES:
+        raise ValueError(f"pr_dtype must be one of {', '.join(DISTANCE_DTYPES)}, got {pr_dtype!r}")
     _check_dims(reference, extractor)
     if split_size < 1:
         raise ValueError(f"split_size must be >= 1, got {split_size}")
@@ -147,9 +147,7 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
     started = time.perf_counter()
     if with_precision_recall and reference.images is None:
         warnings.append("precision/recall skipped: the reference has no images (arr_0)")
-    if _ordered_by_label(samples.labels):
-        warnings.append(f"samples are sorted by class label: the Inception Score over consecutive {split_size}-sample "
-                        "splits is then far lower than for shuffled samples; shuffle them before packing")
+    warnings.extend(inception_score_warnings(len(samples), samples.labels, split_size))
 
     gen = compute_activations(samples, extractor, batch_size, keep_pool=pr, progress=progress, desc="samples")
     ref_stats = dict(reference.stats)
@@ -170,8 +168,8 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
     }
     if pr:
         with exact_float32():
-            metrics["precision"], metrics["recall"] = precision_recall(ref_pool, gen.pool, k=k,
-                                                                       block_size=pr_block_size, device=extractor.device)
+            metrics["precision"], metrics["recall"] = precision_recall(
+                ref_pool, gen.pool, k=k, block_size=pr_block_size, device=extractor.device, distance_dtype=pr_dtype)
     stored = sorted(reference.stats)
     for message in warnings:
         logger.warning(message)
@@ -187,7 +185,7 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
             "skipped": list(reference.images.skipped) if reference.images is not None else [],
         },
         "settings": {"batch_size": batch_size, "is_split_size": split_size, "pr_k": k,
-                     "precision_recall": pr, "pr_block_size": pr_block_size},
+                     "precision_recall": pr, "pr_block_size": pr_block_size, "pr_dtype": pr_dtype},
         "feature_extractor": extractor.info(),
         "warnings": warnings,
         "seconds": round(time.perf_counter() - started, 3),

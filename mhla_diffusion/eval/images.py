@@ -5,7 +5,10 @@ order, and knows its length and image size before any image is decoded.
 
 A folder is scanned first (header read and integrity check of every file, no decoding): unreadable
 files are an error that lists them, unless ``skip_corrupt=True``, which skips them and reports
-them in :attr:`ImageSource.skipped`.
+them in :attr:`ImageSource.skipped`. Pixel formats: 8-bit images as Pillow converts them to RGB,
+16-bit greyscale and 16-bit RGB(A) PNGs scaled by ``round(x / 257)``, float greyscale in [0, 1] by
+the project's float -> uint8 rule; any other format (32-bit integer, float outside [0, 1]) is an error naming the file,
+also with ``skip_corrupt=True``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from typing import Iterator, Sequence
 import numpy as np
 from PIL import Image
 
+from ..pipelines.outputs import float_to_uint8
 from .npz import check_images_info, iter_npz_batches, npz_array_info, npz_members
 
-__all__ = ["IMAGE_EXTENSIONS", "ArrayImages", "FolderImages", "ImageSource", "NpzImages", "open_images"]
+__all__ = [
+    "IMAGE_EXTENSIONS", "ArrayImages", "FolderImages", "ImageSource", "NpzImages", "UnsupportedImage", "open_images",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +102,87 @@ class NpzImages(ImageSource):
         return iter_npz_batches(self.path, batch_size)
 
 
-def _probe(path: Path) -> tuple[tuple[int, int] | None, str | None]:
-    """``((H, W), None)`` for a readable image file, ``(None, reason)`` otherwise (no full decode)."""
+#: 8-bit modes that ``Image.convert("RGB")`` maps faithfully (alpha is dropped).
+_EIGHT_BIT_MODES = frozenset({"1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "LA", "La", "PA", "CMYK", "YCbCr"})
+#: 16-bit single-channel modes: scaled to 8 bits by ``round(x / 257)``.
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+_FLOAT_MODES = frozenset({"F"})
+_SUPPORTED_MODES = _EIGHT_BIT_MODES | _SIXTEEN_BIT_MODES | _FLOAT_MODES
+_CONVERT_HINT = "convert it to an 8-bit RGB (or greyscale) PNG first"
+
+
+class UnsupportedImage(ValueError):
+    """An image whose pixel format evaluation cannot convert to uint8 RGB without guessing (never skipped)."""
+
+
+def _unsupported_mode(path: Path, mode: str) -> str:
+    return (f"{path}: pixel mode {mode!r} is not supported for evaluation (supported: 8-bit images, 16-bit "
+            f"greyscale or RGB(A) PNGs, float greyscale in [0, 1]); {_CONVERT_HINT}")
+
+
+def _probe(path: Path) -> tuple[tuple[int, int] | None, str | None, str | None]:
+    """``((H, W), None, mode)`` for a readable image file, ``(None, reason, None)`` otherwise (no full decode)."""
     try:
         with Image.open(path) as image:
             width, height = image.size
+            mode = image.mode
             image.verify()
-        return (height, width), None
+        return (height, width), None, mode
     except _READ_ERRORS as error:
-        return None, f"{type(error).__name__}: {error}"
+        return None, f"{type(error).__name__}: {error}", None
+
+
+#: Pillow's raw modes of 16-bit RGB(A) PNGs -> the raw mode that unpacks the low byte of each sample.
+_PNG_16_BIT_LOW_BYTES = {"RGB;16B": "RGB;16L", "RGBA;16B": "RGBA;16L"}
+
+
+def _png_16_bit_rgb(path: Path) -> np.ndarray | None:
+    """``round(x / 257)`` of a (non-interlaced) 16-bit RGB / RGBA PNG as uint8 ``(H, W, 3)``; None for others.
+
+    Pillow opens these as 8-bit RGB keeping each sample's high byte (``x >> 8``). Decoding once more with
+    the little-endian raw mode gives the low bytes (same unfiltering, the other byte of each sample).
+    """
+    planes = []
+    for low_bytes in (False, True):
+        with Image.open(path) as image:
+            tile = image.tile[0] if image.format == "PNG" and len(image.tile) == 1 else None
+            if tile is None or not isinstance(tile.args, str) or tile.args not in _PNG_16_BIT_LOW_BYTES:
+                return None
+            if low_bytes:
+                image.tile = [tile._replace(args=_PNG_16_BIT_LOW_BYTES[tile.args])]
+            planes.append(np.asarray(image.convert("RGB")).astype(np.float64))
+    high, low = planes
+    return np.rint((256 * high + low) / 257).astype(np.uint8)
 
 
 def _load_rgb(path: Path) -> np.ndarray:
+    """uint8 ``(H, W, 3)`` of an image file: 8-bit modes as Pillow converts them, 16-bit greyscale and
+    16-bit RGB(A) PNGs scaled by ``round(x / 257)``, float greyscale in [0, 1] with the project's one
+    float -> uint8 rule (:func:`mhla_diffusion.pipelines.outputs.float_to_uint8`). Anything else is
+    :class:`UnsupportedImage`."""
+    sixteen_bit_rgb = _png_16_bit_rgb(path)
+    if sixteen_bit_rgb is not None:
+        return sixteen_bit_rgb
     with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"))
+        mode = image.mode
+        if mode in _EIGHT_BIT_MODES:
+            return np.asarray(image.convert("RGB"))
+        if mode in _SIXTEEN_BIT_MODES:
+            grey = np.rint(np.asarray(image).astype(np.float64) / 257).astype(np.uint8)
+        elif mode in _FLOAT_MODES:
+            values = np.asarray(image)
+            finite = bool(np.isfinite(values).all())
+            low, high = (float(np.nanmin(values)), float(np.nanmax(values))) if values.size else (0.0, 0.0)
+            if not finite or low < 0 or high > 1:
+                raise UnsupportedImage(
+                    f"{path}: float image with values in [{low:g}, {high:g}]"
+                    + ("" if finite else " and non-finite values")
+                    + "; evaluation only converts float images with values in [0, 1]: rescale it to [0, 1] or "
+                    + _CONVERT_HINT)
+            grey = float_to_uint8(values)
+        else:
+            raise UnsupportedImage(_unsupported_mode(path, mode))
+    return np.repeat(grey[..., None], 3, axis=2)
 
 
 def _name_list(names: Sequence[str]) -> str:
@@ -140,6 +213,15 @@ class FolderImages(ImageSource):
             raise ValueError(f"{path} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
         with ThreadPoolExecutor(self.workers) as pool:
             probes = list(pool.map(_probe, files))
+        unsupported = [f"{self._rel(p)} ({mode})" for p, (_, _, mode) in zip(files, probes)
+                       if mode is not None and mode not in _SUPPORTED_MODES]
+        if unsupported:
+            raise UnsupportedImage(
+                f"{len(unsupported)} of {len(files)} images in {path} have a pixel mode evaluation cannot convert "
+                f"to 8-bit RGB without guessing: {_name_list(unsupported)}. Supported: 8-bit images, 16-bit "
+                f"greyscale or RGB(A) PNGs, float greyscale in [0, 1]; convert them to 8-bit RGB (or greyscale) "
+                "PNGs first")
+        probes = [(size, reason) for size, reason, _ in probes]
         bad = [f"{self._rel(p)} ({reason})" for p, (_, reason) in zip(files, probes) if reason is not None]
         if bad and not skip_corrupt:
             raise ValueError(f"{len(bad)} of {len(files)} images in {path} cannot be read: {_name_list(bad)}. "
@@ -166,6 +248,8 @@ class FolderImages(ImageSource):
     def _read(self, path: Path) -> np.ndarray | None:
         try:
             image = _load_rgb(path)
+        except UnsupportedImage:
+            raise
         except _READ_ERRORS as error:
             if not self.skip_corrupt:
                 raise ValueError(f"cannot decode {path} ({type(error).__name__}: {error}); replace or remove it, "

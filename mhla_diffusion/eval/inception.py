@@ -17,6 +17,7 @@ import hashlib
 import io
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -49,6 +50,16 @@ SFID_CHANNELS = 7
 _POOL_DIM, _NUM_LOGITS, _SPATIAL_SIDE = 2048, 1008, 17
 
 
+def _unreadable_reason(data: bytes) -> str:
+    """Why ``torch.load(weights_only=True)`` refused ``data``, in words (not torch's message)."""
+    if data.startswith(b"PK\x03\x04"):
+        return (f"it is a zip archive ({len(data)} bytes) that torch.load cannot read as a state dict of tensors "
+                "(damaged or incomplete, or holding other Python objects)")
+    if data[:1] == b"\x80":
+        return f"it is a pickle ({len(data)} bytes) that does not hold only tensors, or is damaged"
+    return f"its {len(data)} bytes are neither a PyTorch zip archive nor a pickle"
+
+
 def load_inception_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], str]:
     """Read a weights file once: its state dict (CPU tensors) and the SHA-256 of exactly those bytes.
 
@@ -58,10 +69,14 @@ def load_inception_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.
     data = Path(path).read_bytes()
     sha256 = hashlib.sha256(data).hexdigest()
     try:
-        state_dict = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises several types (UnpicklingError, RuntimeError, EOFError, ...)
-        raise ValueError(f"{path} is not a PyTorch weights file ({type(error).__name__}: {str(error)[:200]}); "
-                         f"expected the FID Inception-v3 state dict: {_how_to_get_weights()}") from None
+        with warnings.catch_warnings():  # torch warns about odd pickle protocols of files it then refuses
+            warnings.simplefilter("ignore", UserWarning)
+            state_dict = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # torch raises several types (UnpicklingError, RuntimeError, EOFError, UnicodeDecodeError, ...)
+        # torch's own text suggests weights_only=False (running the file's code): not repeated here.
+        raise ValueError(f"{path} is not a PyTorch weights file: {_unreadable_reason(data)}. Expected the FID "
+                         f"Inception-v3 weights, a state dict of tensors saved with torch.save (.pth): "
+                         f"{_how_to_get_weights()}") from None
     if not isinstance(state_dict, Mapping) or not state_dict or not all(
         isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()
     ):
@@ -77,7 +92,8 @@ class InceptionV3Features(FeatureExtractor):
         weights: the weights file (``weights-inception-2015-12-05-6726825d.pth``); ``None`` reads
             ``$MHLA_INCEPTION_WEIGHTS``. Missing -> ``FileNotFoundError`` saying where to get it.
         device: where to run.
-        internal_dtype: ``"float32"`` (ADM, default) or ``"float64"`` (torch-fidelity's option).
+        internal_dtype: only ``"float32"`` (ADM's precision). torch-fidelity 0.4 accepts ``"float64"``
+            but runs float32 anyway (its ``text_to_dtype`` maps float64 to float32), so it is refused here.
     """
 
     name = "inception-v3-fid (torch-fidelity port of the TF 2015-12-05 graph)"
@@ -90,8 +106,9 @@ class InceptionV3Features(FeatureExtractor):
         super().__init__()
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
-        if internal_dtype not in ("float32", "float64"):
-            raise ValueError(f"internal_dtype must be 'float32' or 'float64', got {internal_dtype!r}")
+        if internal_dtype != "float32":
+            raise ValueError(f"internal_dtype must be 'float32', got {internal_dtype!r}: the Inception network runs in "
+                             "float32 only (torch-fidelity maps 'float64' to float32 internally; ADM uses float32)")
         path = resolve_inception_weights(weights)
         state_dict, sha256 = load_inception_state_dict(path)
         logger.info("Inception weights %s sha256=%s", path, sha256)
@@ -106,7 +123,7 @@ class InceptionV3Features(FeatureExtractor):
         try:
             net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
                                               feature_extractor_weights_path=buffer,
-                                              feature_extractor_internal_dtype=internal_dtype)
+                                              feature_extractor_internal_dtype="float32")
         except RuntimeError as error:  # load_state_dict: missing / unexpected keys, wrong shapes
             details = " ".join(str(error).split())
             details = details if len(details) <= 500 else details[:500] + " ..."

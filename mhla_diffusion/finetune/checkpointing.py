@@ -6,13 +6,18 @@
 * Checkpoints are Accelerate states (model or trainable weights, optimizers, LR schedulers, RNG
   states of every process, EMA, data position) written to ``checkpoints/.tmp-step-N`` and renamed to
   ``checkpoints/step-N`` once complete; only the newest ``checkpoints_total_limit`` are kept.
+* Resuming compares the new options with the run's recorded ones first (:func:`check_resume_options`):
+  only :data:`RESUME_MAY_CHANGE` may differ; ``run_config.yaml`` is rewritten once the checkpoint loaded.
+* One process holds a run folder at a time: :class:`RunLock` (``.run.lock``, the holder's host and PID).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +27,36 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 __all__ = [
+    "RESUME_MAY_CHANGE",
     "RUN_CONFIG",
+    "RunLock",
     "TrainingState",
+    "check_resume_options",
     "check_run_dir",
     "list_checkpoints",
     "prepare_run_dir",
     "resolve_resume",
     "save_checkpoint",
     "save_trainable_only",
+    "truncate_metrics",
+    "write_run_config",
 ]
 
 logger = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.yaml"
 TRAINABLE_WEIGHTS = "trainable_weights.safetensors"
+LOCK_FILE = ".run.lock"
+#: Options that may differ when a run resumes: how long it runs, what it logs, checkpoints and samples,
+#: and how it reads data. Everything else (model, attention, mhla*, trainable, lora_*, sizes and
+#: buckets, data and cache settings, seed, batch and accumulation, optimizer and LR schedule: the
+#: checkpoint restores the optimizer's and scheduler's state, so a new learning_rate would not apply)
+#: must equal the recorded run's.
+RESUME_MAY_CHANGE = frozenset({
+    "resume", "overwrite_output_dir", "output_dir", "max_train_steps", "report_to", "tracker_project_name",
+    "checkpointing_steps", "checkpoints_total_limit", "save_pipeline", "dataloader_num_workers", "cache_dir",
+    "gradient_checkpointing", "allow_tf32",
+})
 RUN_OUTPUTS = ("checkpoints", "final", "final-no-ema", "pipeline", "logs", "validation", RUN_CONFIG)
 _PREFIX = "step-"
 
@@ -67,6 +88,7 @@ def check_run_dir(output_dir: str | Path, resume: str | None, overwrite: bool, i
     folder = Path(output_dir)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"output_dir {folder} exists and is not a folder")
+    ignore = (*ignore, LOCK_FILE)
     content = [p.name for p in folder.iterdir() if p.name not in ignore] if folder.is_dir() else []
     is_run = (folder / RUN_CONFIG).is_file()
     if resume is not None:
@@ -95,8 +117,42 @@ def check_run_dir(output_dir: str | Path, resume: str | None, overwrite: bool, i
     )
 
 
+def _may_change(name: str) -> bool:
+    return name in RESUME_MAY_CHANGE or name.startswith("validation_")
+
+
+def check_resume_options(output_dir: str | Path, options: dict[str, Any]) -> list[str]:
+    """Read-only: compare ``options`` with the run's recorded ``run_config.yaml`` before resuming.
+
+    Raises ``ValueError`` listing every changed option that would change the saved state's shapes or
+    meaning (``name: old -> new``); returns the allowed changes (for the log).
+    """
+    config = Path(output_dir) / RUN_CONFIG
+    if not config.is_file():
+        return []
+    before = yaml.safe_load(config.read_text()) or {}
+    changed = sorted(k for k in set(before) | set(options) if before.get(k) != options.get(k))
+    describe = lambda k: f"{k}: {before.get(k)!r} -> {options.get(k)!r}"  # noqa: E731
+    refused = [describe(k) for k in changed if not _may_change(k)]
+    if refused:
+        raise ValueError(
+            f"cannot resume {output_dir} with changed options ({'; '.join(refused)}): the checkpoint was saved with "
+            f"the recorded ones ({config}). Resume with the same values, or start a new run (another output_dir, or "
+            "--overwrite_output_dir true). Options that may change on resume: max_train_steps, checkpointing_*, "
+            "logging (report_to, tracker_project_name), validation_*, save_pipeline, dataloader_num_workers, "
+            "cache_dir, gradient_checkpointing, allow_tf32"
+        )
+    return [describe(k) for k in changed if k != "resume"]
+
+
+def write_run_config(output_dir: str | Path, options: dict[str, Any]) -> None:
+    """Record the run's options (main process)."""
+    (Path(output_dir) / RUN_CONFIG).write_text(yaml.safe_dump(options, sort_keys=False))
+
+
 def prepare_run_dir(output_dir: str | Path, mode: str, options: dict[str, Any]) -> None:
-    """Main process only: clear an overwritten run, create the folder, record the options."""
+    """Main process only: clear an overwritten run, create the folder, record the options (a resumed run's
+    record is rewritten only once its checkpoint loaded: :func:`write_run_config`)."""
     folder = Path(output_dir)
     if mode == "overwrite":
         for name in RUN_OUTPUTS:
@@ -106,13 +162,104 @@ def prepare_run_dir(output_dir: str | Path, mode: str, options: dict[str, Any]) 
             elif path.exists():
                 path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
-    config = folder / RUN_CONFIG
-    if mode == "resume" and config.is_file():
-        before = yaml.safe_load(config.read_text()) or {}
-        changed = sorted(k for k in set(before) | set(options) if k != "resume" and before.get(k) != options.get(k))
-        if changed:
-            logger.warning("resuming with changed options: %s", ", ".join(f"{k}: {before.get(k)!r} -> {options.get(k)!r}" for k in changed))
-    config.write_text(yaml.safe_dump(options, sort_keys=False))
+    if mode == "resume" and (folder / RUN_CONFIG).is_file():
+        return
+    write_run_config(folder, options)
+
+
+def truncate_metrics(logging_dir: str | Path, step: int) -> None:
+    """Drop ``metrics.jsonl`` rows after ``step`` (main process, on resume): each step is logged once."""
+    path = Path(logging_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line).get("step")
+        except json.JSONDecodeError:  # a line cut by a crash
+            dropped += 1
+            continue
+        if row_step is not None and row_step > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        temporary = path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        os.replace(temporary, path)
+        logger.info("metrics.jsonl: dropped %d rows after step %d (they are logged again)", dropped, step)
+
+
+# ---------------------------------------------------------------------- lock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+class RunLock:
+    """``<output_dir>/.run.lock`` holding ``{"host", "pid"}`` of the (main) process that trains the run.
+
+    Refused while that process lives; a lock of a dead process on this host is stale and taken over.
+    A lock from another host cannot be checked: it is refused, naming the file to delete.
+    """
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / LOCK_FILE
+        self.held = False
+        self._created_folder = False
+
+    def acquire(self) -> None:
+        self._created_folder = not self.path.parent.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._check_holder(me)
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(me) + "\n")
+            self.held = True
+            return
+        raise RuntimeError(f"could not take the run lock {self.path}")
+
+    def _check_holder(self, me: dict[str, Any]) -> None:
+        """Raise while the holder lives; remove a stale lock."""
+        try:
+            holder = json.loads(self.path.read_text() or "{}")
+        except (OSError, json.JSONDecodeError):
+            holder = {}
+        host, pid = holder.get("host"), holder.get("pid")
+        if host == me["host"] and isinstance(pid, int) and not _alive(pid):
+            logger.warning("taking over the stale run lock %s of process %d on %s (no longer running)", self.path, pid, host)
+            self.path.unlink(missing_ok=True)
+            return
+        if host is None or pid is None:  # being written right now, or unreadable
+            raise RuntimeError(f"{self.path.parent} is locked by another run ({self.path} is unreadable): "
+                               f"if no run trains this folder, delete {self.path}")
+        where = "this host" if host == me["host"] else f"host {host}"
+        raise RuntimeError(
+            f"{self.path.parent} is in use by another training run (process {pid} on {where}, lock {self.path}): "
+            f"wait for it to end or stop it (kill -TERM its launcher; a launcher killed with -9 leaves its workers "
+            f"running: stop them, e.g. kill -TERM {pid} and the other ranks), or choose another output_dir" + (f"; if that process is gone, delete {self.path}" if host != me["host"] else "")
+        )
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+            if self._created_folder and not any(self.path.parent.iterdir()):  # a run that failed at setup
+                self.path.parent.rmdir()
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -30,12 +30,16 @@ from ..conversion import convert_to_mhla, get_mhla_conversion
 from .attention_transfer import AttentionTransfer
 from .buckets import BucketBatchSampler
 from .checkpointing import (
+    RunLock,
     TrainingState,
+    check_resume_options,
     check_run_dir,
     prepare_run_dir,
     resolve_resume,
     save_checkpoint,
     save_trainable_only,
+    truncate_metrics,
+    write_run_config,
 )
 from .options import TrainOptions
 from .trainable import set_trainable
@@ -190,15 +194,30 @@ def run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | No
 
 
 def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | None) -> Path:
-    from accelerate.utils import DistributedType, set_seed
-    from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import EMAModel, cast_training_params
-
     options = task.options
     output_dir = Path(options.output_dir)
     cache_name = "cache" if options.cache_dir is None else ""
     mode = check_run_dir(output_dir, options.resume, options.overwrite_output_dir, ignore=(cache_name,) if cache_name else ())
+    resume_changes: list[str] = []
+    if mode == "resume" and resolve_resume(output_dir, options.resume) is not None:
+        resume_changes = check_resume_options(output_dir, options.to_dict())  # before anything is loaded or written
     accelerator = make_accelerator(options, output_dir / "logs", find_unused_parameters=options.attention_transfer_steps > 0)
+    lock = RunLock(output_dir)
+    if accelerator.is_main_process:  # the other processes share the main process's run
+        lock.acquire()
+    try:
+        return _train(task, options, accelerator, mode, resume_changes, on_step_end)
+    finally:
+        lock.release()
+
+
+def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_changes: list[str],
+           on_step_end: Callable[[int, dict[str, Any]], None] | None) -> Path:
+    from accelerate.utils import DistributedType, set_seed
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel, cast_training_params
+
+    output_dir = Path(options.output_dir)
     set_seed(options.seed)
     if options.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -267,6 +286,19 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
         accelerator.load_state(str(resume_from))
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, state.global_step, state.epoch,
                     state.batch_in_epoch)
+        if accelerator.is_main_process:
+            if resume_changes:
+                logger.info("resuming with changed options: %s", "; ".join(resume_changes))
+            write_run_config(output_dir, options.to_dict())  # the record changes only once the checkpoint loaded
+            truncate_metrics(output_dir / "logs", state.global_step)
+    elif mode == "resume" and accelerator.is_main_process:  # resume=latest before the first checkpoint: a new start
+        write_run_config(output_dir, options.to_dict())
+        truncate_metrics(output_dir / "logs", -1)
+    accelerator.wait_for_everyone()
+    global_batch = options.train_batch_size * accelerator.num_processes * options.gradient_accumulation_steps
+    logger.info("processes: %d (%s); global batch %d = %d per process x %d processes x %d accumulation steps",
+                accelerator.num_processes, accelerator.distributed_type, global_batch, options.train_batch_size,
+                accelerator.num_processes, options.gradient_accumulation_steps)
 
     accelerator.init_trackers(options.tracker_project_name, config=_flat_config(options.to_dict()))
     if state.global_step == 0:

@@ -96,6 +96,7 @@ class TrainOptions:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad option and how to fix it (no file or model access)."""
+        _check_finite(self)
         for name in self._required_options():
             if not getattr(self, name):
                 raise ValueError(f"`{name}` is required: set it in the YAML file or pass --{name} VALUE")
@@ -200,6 +201,7 @@ class WanTrainOptions(TrainOptions):
     max_sequence_length: int = 512
     caption_dropout: float = 0.1  # probability of training on the empty prompt
     caption_column: str | None = None  # metadata column with the caption; default: text, caption or prompt
+    file_column: str | None = None  # metadata column with the file path; default: file_name, video, image or path
     logit_mean: float = 0.0
     logit_std: float = 1.0
     flow_shift: float = 3.0
@@ -498,6 +500,25 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             raise ValueError(f"`{name}` must be a mapping (YAML: {{key: value}}), got {value!r}")
         return dict(value)
     return value
+
+
+def _check_finite(options: TrainOptions) -> None:
+    """Every number (also inside lists and the ``mhla`` / ``model_overrides`` dicts) must be finite."""
+    import math
+
+    def bad(value: Any) -> bool:
+        if isinstance(value, float):
+            return not math.isfinite(value)
+        if isinstance(value, (list, tuple)):
+            return any(bad(v) for v in value)
+        if isinstance(value, dict):
+            return any(bad(v) for v in value.values())
+        return False
+
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if bad(value):
+            raise ValueError(f"`{f.name}` must be a finite number, got {value!r} (nan and inf are not accepted)")
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:

@@ -246,7 +246,7 @@ class DiTTask(Task):
         conversion = get_mhla_conversion(transformer)
         if conversion is not None:
             check_layout_fits(geometry.token_grid(o.resolution, o.resolution), conversion.layout,
-                              f"`resolution` {o.resolution}", "train at a larger resolution or use a smaller mhla.layout")
+                              f"`resolution` {o.resolution}", conversion.config.normalization)
         native = int(transformer.config.sample_size) * geometry.vae_scale
         if o.resolution != native:
             logger.warning("training at %d px, the model was built for %d px", o.resolution, native)

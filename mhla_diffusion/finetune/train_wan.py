@@ -121,7 +121,7 @@ class WanTask(Task):
                 return [VideoSample.from_dict(s) for s in cached["samples"]], DataReport.from_dict(cached["report"])
         return index_video_folder(
             o.data_dir, o.bucket_sizes(), o.frame_counts(), o.frame_stride, o.caption_column,
-            accelerator.process_index, accelerator.num_processes, gather_object,
+            accelerator.process_index, accelerator.num_processes, gather_object, file_column=o.file_column,
         )
 
     def _cache_settings(self) -> dict[str, Any]:
@@ -130,6 +130,7 @@ class WanTask(Task):
             "task": "wan", **encoder_identity(o.pretrained_model, o.revision, ("vae", "text_encoder", "tokenizer")),
             "data_dir": str(Path(o.data_dir).resolve()), "resolution_buckets": o.bucket_sizes(),
             "frame_buckets": o.frame_counts(), "frame_stride": o.frame_stride, "caption_column": o.caption_column,
+            "file_column": o.file_column,
             "max_sequence_length": o.max_sequence_length, "cache_dtype": o.cache_dtype,
             "latent_sampling": o.latent_sampling, "vae_dtype": str(self.encoder_dtype["vae_dtype"]),
             "text_encoder_dtype": str(self.encoder_dtype["text_encoder_dtype"]),
@@ -187,7 +188,11 @@ class WanTask(Task):
             geometry.check_frames(count)
 
     def _check_buckets(self, transformer: nn.Module, samples: list[VideoSample]) -> None:
-        """Every bucket's token grid must hold the MHLA block layout (checked before any encoding)."""
+        """The MHLA block layout must run on every bucket's token grid (checked before any encoding).
+
+        A bucket smaller than the layout on some axis (images: 1 frame) is fine, its extra blocks are
+        empty; only normalization ``scalar_mixed_denominator`` needs a layout that divides each grid.
+        """
         conversion = get_mhla_conversion(transformer)
         if conversion is None:  # attention: softmax
             return
@@ -200,9 +205,7 @@ class WanTask(Task):
         for bucket in sorted(buckets):
             kind = "images (1 frame)" if bucket[0] == 1 else f"{bucket[0]}-frame clips"
             check_layout_fits(geometry.token_grid(*bucket), conversion.layout,
-                              f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind})",
-                              "drop those files or buckets, or use a layout that fits (mhla.layout with fewer blocks "
-                              "on that axis)")
+                              f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind})", conversion.config.normalization)
 
     def _load_encoders(self, vae: bool, text: bool) -> None:
         o = self.options
@@ -329,6 +332,9 @@ class WanTask(Task):
                 folder, transformer_lora_layers=get_peft_model_state_dict(model),
                 transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
             )
+            from ..pipelines.lora import LORA_WEIGHT_NAME, mark_mhla_lora
+
+            mark_mhla_lora(folder / LORA_WEIGHT_NAME, get_mhla_conversion(model))  # MHLAWanPipeline checks it on load
         logger.info("saved %s", folder)
         return folder
 

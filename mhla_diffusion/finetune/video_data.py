@@ -1,9 +1,12 @@
 """Text-to-video data: a folder of videos (and images) with captions.
 
-Captions come from ``metadata.jsonl`` or ``metadata.csv`` at the top of the folder (column
-``file_name`` with the path relative to the folder, and ``text``/``caption``/``prompt`` or the
-column named by ``caption_column``; optional ``num_frames``/``height``/``width`` skip probing), or
-from a sidecar ``<name>.txt`` beside each file. Images are one-frame videos. Each file goes to the
+Captions come from ``metadata.jsonl`` or ``metadata.csv`` at the top of the folder (a path column
+relative to the folder: ``file_name``/``video``/``image``/``path`` or the one named by
+``file_column``, as DiffSynth-Studio's ``video,prompt`` files; a caption column
+``text``/``caption``/``prompt`` or the one named by ``caption_column``; optional
+``num_frames``/``height``/``width`` skip probing), from finetrainers' ``prompts.txt`` +
+``videos.txt`` (line i of one captions line i of the other), or from a sidecar ``<name>.txt``
+beside each file. Images are one-frame videos. Each file goes to the
 resolution bucket of nearest aspect ratio and the largest frame bucket it can fill.
 """
 
@@ -37,6 +40,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CAPTION_COLUMNS = ("text", "caption", "prompt")
+FILE_COLUMNS = ("file_name", "video", "image", "path")
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,26 @@ def _metadata_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | None:
     if csv_path.is_file():
         with csv_path.open(newline="") as handle:
             return csv_path, list(csv.DictReader(handle))
+    prompts, videos = folder / "prompts.txt", folder / "videos.txt"
+    if prompts.is_file() != videos.is_file():
+        have, lack = (prompts, videos) if prompts.is_file() else (videos, prompts)
+        raise ValueError(f"{have} needs {lack.name} beside it (finetrainers layout: line i of prompts.txt captions "
+                         "the file on line i of videos.txt)")
+    if prompts.is_file():
+        captions = [line.strip() for line in prompts.read_text().splitlines()]
+        paths = [line.strip() for line in videos.read_text().splitlines()]
+        while captions and not captions[-1]:
+            captions.pop()
+        while paths and not paths[-1]:
+            paths.pop()
+        if len(captions) != len(paths):
+            raise ValueError(f"{prompts} has {len(captions)} lines but {videos} has {len(paths)}: one prompt per video")
+        return videos, [{"file_name": p, "text": c} for p, c in zip(paths, captions) if p]
     return None
 
 
-def read_captions(folder: Path, files: list[Path], caption_column: str | None = None) -> tuple[dict[Path, str], dict[Path, dict]]:
+def read_captions(folder: Path, files: list[Path], caption_column: str | None = None,
+                  file_column: str | None = None) -> tuple[dict[Path, str], dict[Path, dict]]:
     """Captions of ``files`` (and size hints from metadata). Raises when any file has none.
 
     Returns ``{file: caption}`` and ``{file: {num_frames, height, width}}`` for metadata rows that give all three.
@@ -90,15 +110,18 @@ def read_captions(folder: Path, files: list[Path], caption_column: str | None = 
         source, rows = found
         missing_files = []
         for number, row in enumerate(rows, 1):
-            if "file_name" not in row:
-                raise ValueError(f"{source} row {number} has no `file_name` column (path of the file relative to {folder})")
+            file_key = file_column or next((c for c in FILE_COLUMNS if c in row), None)
+            if file_key is None or file_key not in row:
+                wanted = file_column or " / ".join(FILE_COLUMNS)
+                raise ValueError(f"{source} row {number} has no file column `{wanted}` (path of the file relative to "
+                                 f"{folder}; set file_column)")
             column = caption_column or next((c for c in CAPTION_COLUMNS if c in row), None)
             if column is None or column not in row:
                 wanted = caption_column or " / ".join(CAPTION_COLUMNS)
                 raise ValueError(f"{source} row {number} has no caption column `{wanted}` (set caption_column)")
-            path = (folder / str(row["file_name"])).resolve()
+            path = (folder / str(row[file_key])).resolve()
             if not path.is_file():
-                missing_files.append(str(row["file_name"]))
+                missing_files.append(str(row[file_key]))
                 continue
             captions[path] = str(row[column] or "").strip()
             if all(row.get(k) not in (None, "") for k in ("num_frames", "height", "width")):
@@ -149,6 +172,7 @@ def index_video_folder(
     rank: int = 0,
     world: int = 1,
     gather: Callable[[list], list] | None = None,
+    file_column: str | None = None,
 ) -> tuple[list[VideoSample], DataReport]:
     """Index a caption folder into bucketed samples; corrupt and too-short files are skipped and reported.
 
@@ -157,7 +181,7 @@ def index_video_folder(
     """
     folder = Path(folder)
     files = list_media(folder)
-    captions, hints = read_captions(folder, files, caption_column)
+    captions, hints = read_captions(folder, files, caption_column, file_column)
     to_probe = [p for p in files if p not in hints]
     probed = dict(zip(to_probe, probe_sharded(to_probe, rank, world, gather)))
     report = DataReport(found=len(files))

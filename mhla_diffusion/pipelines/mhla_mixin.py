@@ -4,7 +4,11 @@
 * ``save_pretrained`` writes ``transformer/mhla_config.json`` and names the MHLA-preserving
   transformer class in ``model_index.json``, so the folder reloads with MHLA intact both with our
   pipelines and with Diffusers' stock ``WanPipeline`` / ``DiTPipeline`` / ``DiffusionPipeline``
-  (as long as this package is installed; without it Diffusers fails loudly on the unknown class).
+  once the process has run ``import mhla_diffusion``. Diffusers (0.42) resolves a component's library
+  only from ``sys.modules`` (it never imports a module a folder names, and reads no entry points), so
+  without the import it stops with its own error, which ends "import mhla_diffusion before calling
+  `from_pretrained`". ``model_index.json`` carries the same instruction under :data:`LOAD_HINT_KEY`
+  (Diffusers ignores keys starting with ``_``).
 * ``softmax_attention()`` runs the same loaded model with its original softmax self-attention.
 """
 
@@ -19,7 +23,13 @@ from typing import Any, Iterator
 from ..conversion import MHLAConversion, get_mhla_conversion, softmax_attention
 from ..weights import load_mhla, write_mhla_config
 
-__all__ = ["MHLAPipelineMixin"]
+__all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin"]
+
+#: ``model_index.json`` key (ignored by Diffusers) that says how to load an MHLA folder with stock loaders.
+LOAD_HINT_KEY = "_mhla_diffusion_load"
+LOAD_HINT = ("the transformer is an mhla_diffusion class: run `import mhla_diffusion` before Diffusers' "
+             "DiffusionPipeline / WanPipeline / DiTPipeline.from_pretrained, or load with "
+             "mhla_diffusion.MHLAWanPipeline / MHLADiTPipeline.from_pretrained")
 
 
 class MHLAPipelineMixin:
@@ -58,6 +68,10 @@ class MHLAPipelineMixin:
         index["transformer"] = (
             ["mhla_diffusion", self._mhla_transformer_name] if converted else ["diffusers", self._stock_transformer_name]
         )
+        if converted:
+            index[LOAD_HINT_KEY] = LOAD_HINT
+        else:
+            index.pop(LOAD_HINT_KEY, None)
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     @property

@@ -7,25 +7,33 @@ before any model is loaded.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import tempfile
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["OutputPlan", "VIDEO_FORMATS", "float_to_uint8", "plan_outputs", "save_image", "save_video", "slugify", "write_settings"]
+__all__ = ["OutputPlan", "VIDEO_FORMATS", "check_settings", "float_to_uint8", "plan_outputs", "save_image", "save_video", "slugify", "write_settings"]
 
 #: Video outputs: H.264 mp4, animated gif, or a folder of PNG frames.
 VIDEO_FORMATS = ("mp4", "gif", "frames")
 _SUFFIXES = {"mp4": ".mp4", "gif": ".gif", "frames": "", "png": ".png"}
 
 
-def slugify(text: str, max_length: int = 40) -> str:
-    """A file-name-safe short form of a prompt or label."""
-    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    return slug[:max_length].rstrip("-") or "item"
+def slugify(text: str, max_length: int = 40, fallback: str = "prompt") -> str:
+    """A file-name-safe short form of a prompt or label.
+
+    Letters, marks and digits of any script are kept (lower-cased); everything else (spaces, punctuation,
+    emoji, symbols) becomes one ``-``. ``fallback`` when nothing is left.
+    """
+    kept = "".join(c if unicodedata.category(c)[0] in "LMN" else "-" for c in unicodedata.normalize("NFC", text.lower()))
+    slug = re.sub(r"-+", "-", kept).strip("-")
+    return slug[:max_length].rstrip("-") or fallback
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,32 @@ def plan_outputs(output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, 
         raise ValueError(f"cannot create --output-dir {folder}: {probe} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write to {folder}: {probe} is not writable; choose another --output-dir")
+    _try_writing(folder)
     return plans
+
+
+def _try_writing(folder: Path) -> None:
+    """Create ``folder`` and a file in it, then remove what was made: ``os.access`` alone passes folders
+    such as ``/proc`` (or read-only mounts, for root) where nothing can be created."""
+    created = []
+    missing = folder
+    while not missing.exists():
+        created.append(missing)
+        missing = missing.parent
+    try:
+        for path in reversed(created):
+            path.mkdir()
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise PermissionError(f"cannot write to --output-dir {folder} ({reason}); choose another --output-dir") from None
+    finally:
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
 
 
 def float_to_uint8(array: np.ndarray) -> np.ndarray:
@@ -110,8 +143,28 @@ def save_image(image: np.ndarray, plan: OutputPlan) -> Path:
     return plan.media
 
 
+def check_settings(settings: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming every non-finite number in ``settings`` (JSON has no NaN or infinity)."""
+    bad = [key for key, value in _numbers(settings) if isinstance(value, float) and not math.isfinite(value)]
+    if bad:
+        raise ValueError(f"settings {', '.join(bad)} must be finite numbers (JSON cannot hold NaN or infinity)")
+
+
+def _numbers(value: Any, key: str = ""):
+    if isinstance(value, dict):
+        for name, item in value.items():
+            yield from _numbers(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{key}[{index}]")
+    else:
+        yield key, value
+
+
 def write_settings(plan: OutputPlan, settings: dict[str, Any]) -> Path:
-    """Write the run's settings next to its output."""
+    """Write the run's settings next to its output, as strict JSON (non-finite numbers are a ``ValueError``)."""
+    check_settings(settings)
+    text = json.dumps(settings, indent=2, default=str, allow_nan=False)
     plan.settings.parent.mkdir(parents=True, exist_ok=True)
-    plan.settings.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    plan.settings.write_text(text + "\n")
     return plan.settings

@@ -58,8 +58,9 @@ class TokenGridContext:
         """The block plan of the current grid cut by ``layout`` on ``device``, built once per forward.
 
         The first call of a forward for a layout and device builds the plan, and with it checks the
-        grid against the layout (a clear ``ValueError`` when the grid is too small); later calls of
-        the same forward return the same plan. Under ``torch.compile`` the plan is built in the graph
+        grid against the layout (a clear ``ValueError`` when their axes differ; a grid with fewer
+        tokens than blocks on an axis is fine, its extra blocks are empty); later calls of the same
+        forward return the same plan. Under ``torch.compile`` the plan is built in the graph
         and not cached (the compiled graph holds no Python-side state).
         """
         grid = self.grid
@@ -86,8 +87,7 @@ class TokenGridContext:
         except ValueError as error:
             raise ValueError(
                 f"the MHLA block layout {layout} does not fit this forward's token grid {grid} (latent size // "
-                f"patch size): every axis needs at least as many tokens as blocks; use a larger input or a "
-                f"smaller layout ({error})"
+                f"patch size): {error}"
             ) from None
 
     def __getstate__(self) -> dict[str, Any]:

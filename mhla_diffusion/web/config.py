@@ -14,12 +14,14 @@ the "compare" option needs a softmax model; where it comes from (see :func:`reso
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from ..embedded import embedded_defaults, embedded_model
+from ..geometry import VideoGeometry
 from ..loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
 from .validation import Limits
 
@@ -184,6 +186,19 @@ def resolve_task_models(
     return TaskModels(task, model, mhla_weights, transformer, softmax_model, source)
 
 
+def _check_default_size(model: str, defaults: UIDefaults) -> None:
+    """The form's default video size against the text-to-video model's own limits (read from its configs,
+    before any weights load): a size it cannot take is a readable error naming the limit."""
+    geometry = VideoGeometry.from_folder(model)
+    try:
+        geometry.check_size(defaults.num_frames, defaults.height, defaults.width, generation=True)
+    except ValueError as error:
+        largest = geometry.max_size()
+        limit = f"; its largest size is {largest[0]} frames, {largest[1]}x{largest[2]}" if largest else ""
+        raise ValueError(f"the form's default video size --num-frames {defaults.num_frames} --height {defaults.height} "
+                         f"--width {defaults.width} does not suit the text-to-video model{limit}: {error}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """A :class:`DemoConfig` from parsed flags; model folders are checked here, before anything loads."""
     if args.concurrency < 1 or args.max_queue < 1:
@@ -197,9 +212,14 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     )
     if args.fps < 1:
         raise ValueError("--fps must be >= 1")
+    for flag, value in (("--video-guidance-scale", args.video_guidance_scale), ("--image-guidance-scale", args.image_guidance_scale)):
+        if not math.isfinite(value) or not 0 <= value <= limits.max_guidance:
+            raise ValueError(f"{flag} {value} must be a finite number from 0 to {limits.max_guidance:g}")
+    video = resolve_task_models("text-to-video", args.t2v_model, args.t2v_mhla_weights, args.t2v_transformer,
+                                args.t2v_softmax_model)
+    _check_default_size(video.model, defaults)
     return DemoConfig(
-        video=resolve_task_models("text-to-video", args.t2v_model, args.t2v_mhla_weights, args.t2v_transformer,
-                                  args.t2v_softmax_model),
+        video=video,
         image=resolve_task_models("class-to-image", args.c2i_model, args.c2i_mhla_weights, args.c2i_transformer,
                                   args.c2i_softmax_model),
         defaults=defaults, limits=limits, device=args.device, dtype=args.dtype, host=args.host, port=args.port,

@@ -149,7 +149,7 @@ class ModelStore:
 
     def generate_video(self, request: VideoRequest, attention: Attention = "mhla",
                        progress: StepProgress | None = None) -> Generated:
-        """Generate one video; a size the MHLA block layout cannot hold is a :class:`DemoInputError`."""
+        """Generate one video; a size the MHLA block layout cannot run on is a :class:`DemoInputError`."""
         import torch
 
         task = "text-to-video"

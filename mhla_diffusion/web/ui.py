@@ -7,6 +7,7 @@ analytics off and points Gradio's cache into the demo's temporary folder before 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, Callable
 
@@ -45,6 +46,30 @@ def _guarded(work: Callable[[], Any]) -> Any:
         logger.exception("generation failed")
         message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         raise gr.Error(f"Generation failed ({type(error).__name__}): {message}", title="Generation failed") from None
+
+
+def _raw_unless_number(payload: Any) -> bool:
+    """Whether Gradio's own number handling would fail on ``payload`` (text such as "abc", NaN, infinity)."""
+    return isinstance(payload, bool) or not isinstance(payload, (int, float)) or not math.isfinite(payload)
+
+
+def _checked(component: Any) -> Any:
+    """``component`` (a Number or Slider) with its odd values (text from an API client such as "abc", NaN,
+    infinity) passed on as they are to :mod:`.validation`, so the caller gets the page's readable message,
+    not Gradio's conversion error and a traceback in the log. (An instance attribute: a subclass would
+    make Gradio write a ``.pyi`` stub beside this module and need its own widget in the page.)"""
+    preprocess = component.preprocess
+
+    def lenient(payload: Any) -> Any:
+        return payload if payload is not None and _raw_unless_number(payload) else preprocess(payload)
+
+    component.preprocess = lenient
+    return component
+
+
+def _unknown_words_note(words: list[str]) -> str:
+    return (f"The model's tokenizer does not know {', '.join(map(repr, words))}: "
+            "the video is generated without {}.".format("it" if len(words) == 1 else "them"))
 
 
 def _summary(results: list[Generated], what: str) -> str:
@@ -98,12 +123,16 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
         def work():
             checked = video_request(prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits,
                                     geometry)
+            unknown = store.pipeline("text-to-video").unknown_words(checked.prompt)
+            if unknown:
+                gr.Warning(_unknown_words_note(unknown))
             results, paths = _run_compared(
                 compare, checked.steps, progress, lambda attention, report: store.generate_video(checked, attention, report),
                 lambda result: outputs.save_video(_session(request), result.array, result.attention, defaults.fps))
             what = (f"{checked.num_frames} frames, {checked.height}x{checked.width}, {checked.steps} steps, "
                     f"guidance {checked.guidance_scale:g}, seed {checked.seed}")
-            return _paths(paths) + (_summary(results, what),)
+            summary = _summary(results, what) + (f"\n\n**Note:** {_unknown_words_note(unknown)}" if unknown else "")
+            return _paths(paths) + (summary,)
 
         return _guarded(work)
 
@@ -140,16 +169,16 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                         prompt = gr.Textbox(label="Prompt", value=defaults.prompt, lines=2, elem_id="t2v-prompt")
                         negative = gr.Textbox(label="Negative prompt", value=defaults.negative_prompt, elem_id="t2v-negative")
                         with gr.Row():
-                            seed = gr.Number(label="Seed", value=0, precision=0, elem_id="t2v-seed")
-                            frames = gr.Number(label=f"Frames ({geometry.frame_rule(examples=False)})", value=defaults.num_frames,
-                                               precision=0, elem_id="t2v-frames")
-                            height = gr.Number(label=f"Height (x{geometry.generation_multiple[0]})", value=defaults.height,
-                                               precision=0, elem_id="t2v-height")
-                            width = gr.Number(label=f"Width (x{geometry.generation_multiple[1]})", value=defaults.width,
-                                              precision=0, elem_id="t2v-width")
-                        steps = gr.Slider(1, limits.max_steps, value=defaults.video_steps, step=1, label="Steps", elem_id="t2v-steps")
-                        guidance = gr.Slider(0, limits.max_guidance, value=defaults.video_guidance_scale, step=0.5,
-                                             label="Guidance scale", elem_id="t2v-guidance")
+                            seed = _checked(gr.Number(label="Seed", value=0, precision=0, elem_id="t2v-seed"))
+                            frames = _checked(gr.Number(label=f"Frames ({geometry.frame_rule(examples=False)})", value=defaults.num_frames,
+                                               precision=0, elem_id="t2v-frames"))
+                            height = _checked(gr.Number(label=f"Height (x{geometry.generation_multiple[0]})", value=defaults.height,
+                                               precision=0, elem_id="t2v-height"))
+                            width = _checked(gr.Number(label=f"Width (x{geometry.generation_multiple[1]})", value=defaults.width,
+                                              precision=0, elem_id="t2v-width"))
+                        steps = _checked(gr.Slider(1, limits.max_steps, value=defaults.video_steps, step=1, label="Steps", elem_id="t2v-steps"))
+                        guidance = _checked(gr.Slider(0, limits.max_guidance, value=defaults.video_guidance_scale, step=0.5,
+                                             label="Guidance scale", elem_id="t2v-guidance"))
                         compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seed)", elem_id="t2v-compare")
                         run_video = gr.Button("Generate video", variant="primary", elem_id="t2v-generate")
                     with gr.Column(scale=3):
@@ -162,11 +191,11 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                     with gr.Column(scale=2):
                         label = gr.Dropdown(classes, value=classes[0] if classes else None, allow_custom_value=True,
                                             label="Class (name or id)", elem_id="c2i-class")
-                        image_seed = gr.Number(label="Seed", value=0, precision=0, elem_id="c2i-seed")
-                        image_steps = gr.Slider(1, limits.max_steps, value=defaults.image_steps, step=1, label="Steps",
-                                                elem_id="c2i-steps")
-                        image_guidance = gr.Slider(0, limits.max_guidance, value=defaults.image_guidance_scale, step=0.5,
-                                                   label="Guidance scale", elem_id="c2i-guidance")
+                        image_seed = _checked(gr.Number(label="Seed", value=0, precision=0, elem_id="c2i-seed"))
+                        image_steps = _checked(gr.Slider(1, limits.max_steps, value=defaults.image_steps, step=1, label="Steps",
+                                                elem_id="c2i-steps"))
+                        image_guidance = _checked(gr.Slider(0, limits.max_guidance, value=defaults.image_guidance_scale, step=0.5,
+                                                   label="Guidance scale", elem_id="c2i-guidance"))
                         image_compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seed)",
                                                     elem_id="c2i-compare")
                         run_image = gr.Button("Generate image", variant="primary", elem_id="c2i-generate")

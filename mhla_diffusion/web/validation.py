@@ -10,13 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..geometry import WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
+from ..geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 from ..pipelines.class_labels import resolve_class_ids
 
 __all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoRequest", "image_request", "video_request"]
-
-#: Largest seed accepted (torch generators take 64-bit seeds; 32 bits are plenty to type).
-MAX_SEED = 2**32 - 1
 
 
 class DemoInputError(ValueError):
@@ -87,8 +84,11 @@ def _number(value: Any, name: str) -> float:
 
 
 def _in_range(value: float, low: float, high: float, name: str) -> None:
+    def text(number: float) -> str:  # whole numbers in full (seeds: 4294967295, not 4.29497e+09)
+        return str(number) if isinstance(number, int) else f"{number:g}"
+
     if not low <= value <= high:
-        raise DemoInputError(f"{name} {value:g} is out of range: use {low:g} to {high:g}")
+        raise DemoInputError(f"{name} {text(value)} is out of range: use {text(low)} to {text(high)}")
 
 
 def _common(seed: Any, steps: Any, guidance: Any, limits: Limits) -> tuple[int, int, float]:

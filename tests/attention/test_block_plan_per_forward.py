@@ -141,11 +141,22 @@ def test_inference_mode_plan_is_not_reused_for_autograd():
     assert plan is not inference and not plan.gather.is_inference()
 
 
-def test_too_small_grid_is_a_clear_error_before_attention(tiny_wan, monkeypatch):
+def test_grid_smaller_than_layout_gets_one_plan_with_empty_blocks(tiny_wan):
+    convert_to_mhla(tiny_wan, MHLAConfig(layout=(3, 2, 2)))
+    out = run(tiny_wan, wan_inputs(frames=1))  # token grid (1, 8, 10): frame blocks 1 and 2 are empty
+    assert torch.isfinite(out).all()
+    context = tiny_wan.blocks[0].attn1.processor.grid_context
+    (plan,) = context._plans.values()
+    assert plan.grid == (1, 8, 10) and not plan.valid[4:].any() and plan.valid[:4].any()
+
+
+def test_layout_with_other_axes_is_a_clear_error_before_attention(tiny_wan, monkeypatch):
     convert_to_mhla(tiny_wan, MHLAConfig(layout=(3, 2, 2)))
     calls = []
     monkeypatch.setattr(attention_module, "_mhla_blocks", lambda *args: calls.append(args))
-    with pytest.raises(ValueError, match=r"layout \(3, 2, 2\) does not fit this forward's token grid \(1, 8, 10\)"):
+    for processor in {id(b.attn1.processor): b.attn1.processor for b in tiny_wan.blocks}.values():
+        processor.layout = (2, 2)
+    with pytest.raises(ValueError, match=r"layout \(2, 2\) does not fit this forward's token grid \(1, 8, 10\)"):
         run(tiny_wan, wan_inputs(frames=1))
     assert not calls
 

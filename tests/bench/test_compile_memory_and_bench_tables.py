@@ -93,7 +93,7 @@ def test_bench_command_prints_both_tables(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| 2x4x6 | 48 |" in text and "SDPA / MHLA" in text and "default (sdpa)" in text
     assert out.is_file()
-    assert main(["bench", "--case", "2x4:3x1"]) == 2
+    assert main(["bench", "--case", "2x4:3"]) == 2  # one block count for a 2-axis grid
     assert "`layout`" in capsys.readouterr().err
 
 

@@ -139,11 +139,19 @@ def test_embedded_model_geometry():
 def test_grid_against_layout():
     assert validate_grid_layout([3, 4, 4], [1, 2, 2], num_tokens=48) == ((3, 4, 4), (1, 2, 2))
     check_layout_fits((3, 4, 4), (3, 4, 4), "a video")
-    with pytest.raises(ValueError, match=r"a 1x32x32 video has token grid \(1, 2, 2\), smaller than the MHLA block "
-                                         r"layout \(2, 2, 2\) on some axis: generate more frames"):
-        check_layout_fits((1, 2, 2), (2, 2, 2), "a 1x32x32 video", "generate more frames")
-    with pytest.raises(ValueError, match="smaller than the MHLA block layout"):
+    # a grid smaller than the layout is fine: the extra blocks are empty
+    assert validate_grid_layout([1, 2, 2], [2, 2, 2]) == ((1, 2, 2), (2, 2, 2))
+    check_layout_fits((1, 2, 2), (2, 2, 2), "a 1x32x32 video")
+    with pytest.raises(ValueError, match=r"`layout` \(0, 2\) has fewer than 1 block on axis \[0\]"):
+        validate_grid_layout((4, 4), (0, 2))
+    with pytest.raises(ValueError, match=r"an image has token grid \(4, 4\), which the MHLA block layout \(2, 2, 2\) "
+                                         r"cannot cut: `layout` \(2, 2, 2\) has 3 axes"):
         check_layout_fits((4, 4), (2, 2, 2), "an image")
+    # the released DiT denominator still needs equal blocks, so no empty ones
+    check_layout_fits((4, 4), (2, 2), "an image", "scalar_mixed_denominator")
+    with pytest.raises(ValueError, match=r"needs equal-size blocks, but the block layout \(2, 2, 2\) does not divide "
+                                         r"the token grid of a 1x32x32 video \(1, 2, 2\)"):
+        check_layout_fits((1, 2, 2), (2, 2, 2), "a 1x32x32 video", "scalar_mixed_denominator")
 
 
 def test_max_size_is_the_position_encodings_limit():

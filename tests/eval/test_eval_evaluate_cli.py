@@ -104,8 +104,8 @@ def test_class_sorted_samples_are_flagged(standin, tmp_path):
         writer.write_images(smooth_images(12))
         writer.add_array("arr_1", np.repeat([0, 1, 2], 4))
     result = evaluate(load_reference(path).images, Reference("ref", ArrayImages(random_images(12))), standin,
-                      progress=False)
-    assert any("sorted by class label" in w for w in result["warnings"])
+                      split_size=4, progress=False)
+    assert any("grouped by class label" in w for w in result["warnings"])
 
 
 # ----------------------------------------------------------------------------------------------- CLI

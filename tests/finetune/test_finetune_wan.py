@@ -3,6 +3,7 @@ the pipelines, LoRA, resume equality, the latent cache, run folders and bad inpu
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import imageio.v3 as iio
@@ -193,6 +194,23 @@ def test_bad_inputs_fail_before_any_model_is_loaded(tmp_path, pipeline_dirs, vid
         train_wan.train(wan_options(tmp_path / "no-model", video_set, tmp_path / "r3"))
 
 
-def test_layout_larger_than_a_bucket_is_refused(tmp_path, pipeline_dirs, video_set):
-    with pytest.raises(ValueError, match=r"bucket 1x32x32 \(images \(1 frame\)\) has token grid \(1, 2, 2\)"):
-        train_wan.train(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", mhla={"layout": [2, 2, 2]}))
+def test_images_train_under_an_auto_layout_with_more_frame_blocks(tmp_path, pipeline_dirs, monkeypatch):
+    """The auto layout is chosen for the 9-frame training size; an image (1 latent frame) leaves the
+    layout's other frame blocks empty instead of stopping the run."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_video(data / "clip.mp4", 10, 32, 32)
+    write_image(data / "still.png", 32, 32)
+    write_image(data / "other.png", 32, 32, color=(200, 40, 40))
+    for stem in ("clip", "still", "other"):
+        (data / f"{stem}.txt").write_text(f"a {stem} thing")
+    shapes = []
+    real = train_wan.flow_match_inputs
+    monkeypatch.setattr(train_wan, "flow_match_inputs", lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k))
+    final = train_wan.train(wan_options(pipeline_dirs["wan"], data, tmp_path / "run", mhla={"layout": "auto"},
+                                        train_batch_size=1, max_train_steps=3, trainable="mhla"))
+    layout = json.loads((final / "mhla_config.json").read_text())["mhla_config"]["layout"]
+    assert layout[0] > 1  # more frame blocks than an image's single latent frame
+    assert sorted(shapes) == [(1, 16, 1, 4, 4), (1, 16, 1, 4, 4), (1, 16, 3, 4, 4)]
+    losses = [r["loss"] for r in metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 3 and all(loss == loss and loss < float("inf") for loss in losses)

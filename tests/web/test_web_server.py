@@ -1,8 +1,9 @@
 """The web demo as users meet it: ``python app.py`` started here, called through ``gradio_client`` and,
 once, driven in headless Chromium (Debian's ``chromium``; no browser download).
 
-One server per module, on tiny pipelines built by the ``pipeline_dirs`` fixture; it is shut down with
-SIGTERM at the end and must exit 0 having deleted its temporary outputs.
+One server for the session (``demo_server`` in ``tests/web/conftest.py``), on tiny pipelines built by the
+``pipeline_dirs`` fixture; it is shut down with SIGTERM at the end and must exit 0 having deleted its
+temporary outputs.
 """
 
 from __future__ import annotations
@@ -11,96 +12,15 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers.web import FRAMES, REPO, SIZE, STEPS
 
 pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
 gradio_client = pytest.importorskip("gradio_client")
-
-REPO = Path(__file__).resolve().parents[2]
-#: Form defaults the server starts with (small, so a generation takes about a second on a CPU).
-FRAMES, SIZE, STEPS = 9, 32, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DemoServer:
-    """A ``python app.py`` subprocess and what the tests need from it."""
-
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
-        self.proc, self.url, self.log = proc, url, log
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def output_root(self) -> Path:
-        match = re.search(r"outputs: (\S+)", self.log_text())
-        assert match, self.log_text()
-        return Path(match.group(1))
-
-
-@pytest.fixture(scope="module")
-def demo_server(pipeline_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("webdemo")
-    (root / "tmp").mkdir()
-    port = _free_port()
-    log = root / "server.log"
-    env = {**os.environ, "TMPDIR": str(root / "tmp"), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("GRADIO_TEMP_DIR", None)
-    command = [sys.executable, "app.py", "--port", str(port)]
-    if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
-        command += [
-            "--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"]),
-            "--c2i-model", str(pipeline_dirs["dit"]), "--c2i-mhla-weights", str(pipeline_dirs["dit_mhla"]),
-            "--num-frames", str(FRAMES), "--height", str(SIZE), "--width", str(SIZE),
-            "--video-steps", str(STEPS), "--image-steps", str(STEPS), "--max-steps", "50",
-        ]
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    server = DemoServer(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:  # a dead server must not be mistaken for a stale one on the port
-                pytest.fail(f"app.py exited with {proc.returncode}:\n{server.log_text()}")
-            try:
-                with urllib.request.urlopen(server.url + "/config", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"app.py did not serve within 120 s:\n{server.log_text()}")
-            time.sleep(0.25)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert proc.returncode == 0, server.log_text()
-    assert not server.output_root().exists(), "temporary outputs left behind"
-
-
-@pytest.fixture(scope="module")
-def client(demo_server, tmp_path_factory):
-    downloads = tmp_path_factory.mktemp("downloads")
-    return gradio_client.Client(demo_server.url, verbose=False, download_files=str(downloads))
 
 
 def _path(value) -> Path:
@@ -159,7 +79,6 @@ BAD_VIDEO = [
     (("a cat", "", 0, 0, 5.0, FRAMES, SIZE, SIZE, False), "less than minimum value 1"),
     (("a cat", "", 0, 999, 5.0, FRAMES, SIZE, SIZE, False), "greater than maximum value 50"),
     (("a cat", "", 0, STEPS, 5.0, 10, SIZE, SIZE, False), "4k+1"),
-    (("a cat", "", 0, STEPS, 5.0, 1, 16, 16, False), "block layout"),  # token grid smaller than MHLA's 2x2x2
 ]
 BAD_IMAGE = [(("zebra", 0, STEPS, 4.0, False), "Unknown class 'zebra'"), (("5000", 0, STEPS, 4.0, False), "Unknown class")]
 
@@ -175,6 +94,9 @@ def test_bad_input_is_a_readable_error_and_the_server_keeps_serving(client):
         message = str(caught.value)
         assert expected in message and "Traceback" not in message, message
     mhla, _, _ = client.predict("a cat", "", 0, 1, 5.0, FRAMES, SIZE, SIZE, False, api_name="/generate_video")
+    assert _path(mhla).is_file()
+    # one frame at 16 px: token grid (1, 1, 1) under the 2x2x2 layout, once refused, now empty blocks
+    mhla, _, _ = client.predict("a cat", "", 0, 1, 5.0, 1, 16, 16, False, api_name="/generate_video")
     assert _path(mhla).is_file()
 
 

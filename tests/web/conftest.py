@@ -1,0 +1,72 @@
+"""Fixtures of the web tests: one ``python app.py`` on the tiny pipelines for the whole session (every web
+test module shares it), and a ``gradio_client`` for it.
+
+It is shut down with SIGTERM at the end and must exit 0 having deleted its temporary outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from helpers.web import FRAMES, REPO, SIZE, STEPS, DemoServer, free_port
+
+
+@pytest.fixture(scope="session")
+def demo_server(pipeline_dirs, tmp_path_factory):
+    pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
+    root = tmp_path_factory.mktemp("webdemo")
+    (root / "tmp").mkdir()
+    port = free_port()
+    log = root / "server.log"
+    env = {**os.environ, "TMPDIR": str(root / "tmp"), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("GRADIO_TEMP_DIR", None)
+    command = [sys.executable, "app.py", "--port", str(port)]
+    if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
+        command += [
+            "--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"]),
+            "--c2i-model", str(pipeline_dirs["dit"]), "--c2i-mhla-weights", str(pipeline_dirs["dit_mhla"]),
+            "--num-frames", str(FRAMES), "--height", str(SIZE), "--width", str(SIZE),
+            "--video-steps", str(STEPS), "--image-steps", str(STEPS), "--max-steps", "50",
+        ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = DemoServer(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:  # a dead server must not be mistaken for a stale one on the port
+                pytest.fail(f"app.py exited with {proc.returncode}:\n{server.log_text()}")
+            try:
+                with urllib.request.urlopen(server.url + "/config", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"app.py did not serve within 120 s:\n{server.log_text()}")
+            time.sleep(0.25)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode == 0, server.log_text()
+    assert not server.output_root().exists(), "temporary outputs left behind"
+
+
+@pytest.fixture(scope="session")
+def client(demo_server, tmp_path_factory):
+    gradio_client = pytest.importorskip("gradio_client")
+    downloads = tmp_path_factory.mktemp("downloads")
+    return gradio_client.Client(demo_server.url, verbose=False, download_files=str(downloads))
