@@ -5,8 +5,9 @@ relative to the folder: ``file_name``/``video``/``image``/``path`` or the one na
 ``file_column``, as DiffSynth-Studio's ``video,prompt`` files; a caption column
 ``text``/``caption``/``prompt`` or the one named by ``caption_column``; optional
 ``num_frames``/``height``/``width`` skip probing), from finetrainers' ``prompts.txt`` +
-``videos.txt`` (line i of one captions line i of the other), or from a sidecar ``<name>.txt``
-beside each file. Images are one-frame videos. Each file goes to the
+``videos.txt`` (line i of one captions line i of the other), from a Hugging Face ``datasets``
+folder saved with ``save_to_disk`` in the data folder (same columns; paths relative to the folder;
+needs ``datasets`` installed), or from a sidecar ``<name>.txt`` beside each file. Images are one-frame videos. Each file goes to the
 resolution bucket of nearest aspect ratio and the largest frame bucket it can fill.
 """
 
@@ -79,6 +80,9 @@ def _metadata_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | None:
     if csv_path.is_file():
         with csv_path.open(newline="") as handle:
             return csv_path, list(csv.DictReader(handle))
+    saved = _saved_dataset_rows(folder)
+    if saved is not None:
+        return saved
     prompts, videos = folder / "prompts.txt", folder / "videos.txt"
     if prompts.is_file() != videos.is_file():
         have, lack = (prompts, videos) if prompts.is_file() else (videos, prompts)
@@ -95,6 +99,46 @@ def _metadata_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | None:
             raise ValueError(f"{prompts} has {len(captions)} lines but {videos} has {len(paths)}: one prompt per video")
         return videos, [{"file_name": p, "text": c} for p, c in zip(paths, captions) if p]
     return None
+
+
+def _saved_dataset_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | None:
+    """Rows of a Hugging Face ``datasets`` folder written by ``save_to_disk`` (a ``DatasetDict``: its ``train``).
+
+    Media columns (``Image`` / ``Video`` features) are read undecoded and give their file's path.
+    Returns ``None`` when ``folder`` holds no saved dataset.
+    """
+    if (folder / "dataset_dict.json").is_file():
+        marker = folder / "dataset_dict.json"
+    elif (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file():
+        marker = folder / "state.json"
+    else:
+        return None
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{folder} is a Hugging Face datasets folder (save_to_disk): `pip install datasets` to "
+                         "train on it, or give a metadata.jsonl / metadata.csv") from None
+    data = datasets.load_from_disk(str(folder))
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise ValueError(f"{folder} holds the splits {sorted(data)} but no `train` split: save the training split "
+                             "as `train` (or alone)")
+        data = data["train"]
+    for name, feature in data.features.items():
+        if type(feature).__name__ in ("Image", "Video"):  # keep {"path", "bytes"} instead of decoding
+            data = data.cast_column(name, type(feature)(decode=False))
+    rows = []
+    for row in data:
+        for key, value in row.items():
+            if isinstance(value, dict) and "path" in value:
+                if not value.get("path") or (value.get("bytes") and not (folder / value["path"]).is_file()):
+                    raise ValueError(
+                        f"{marker}: column `{key}` holds the media's bytes, not paths of files under {folder}; the "
+                        "trainer reads files: write the media out as files under the data folder and store their "
+                        "relative paths (or use a metadata.jsonl)")
+                row[key] = value["path"]
+        rows.append(row)
+    return marker, rows
 
 
 def read_captions(folder: Path, files: list[Path], caption_column: str | None = None,

@@ -161,6 +161,30 @@ def test_diffsynth_csv_and_finetrainers_txt_layouts(tmp_path, video_set):
     assert {s.key: s.caption for s in samples} == {f"media/{n}": captions[n.rsplit(".", 1)[0]] for n in names}
 
 
+def test_hugging_face_datasets_saved_to_disk(tmp_path, video_set):
+    import datasets  # in the test extras; optional for users
+    folder = tmp_path / "hf"
+    captions = _uncaptioned_copy(video_set, folder)
+    names = sorted(p.name for p in folder.iterdir())
+    table = {"video": names, "prompt": [captions[n.rsplit(".", 1)[0]] for n in names]}
+    datasets.Dataset.from_dict(table).save_to_disk(str(folder))
+    samples, _ = index_video_folder(folder, [(32, 32)], [9])
+    assert {s.key: s.caption for s in samples} == dict(zip(names, table["prompt"]))
+
+    split = tmp_path / "hf-dict"
+    _uncaptioned_copy(video_set, split)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(table)}).save_to_disk(str(split / "."))
+    assert len(index_video_folder(split, [(32, 32)], [9])[0]) == len(names)
+
+    embedded = tmp_path / "hf-bytes"
+    _uncaptioned_copy(video_set, embedded)
+    images = datasets.Dataset.from_dict({"image": [{"path": None, "bytes": b"not a file"}], "text": ["x"]},
+                                        features=datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")}))
+    images.save_to_disk(str(embedded))
+    with pytest.raises(ValueError, match="holds the media's bytes, not paths"):
+        index_video_folder(embedded, [(32, 32)], [9])
+
+
 def test_mhla_lora_files_are_marked_and_refused_without_mhla(tmp_path, pipeline_dirs, video_set):
     from mhla_diffusion.pipelines import MHLAWanPipeline
     from mhla_diffusion.pipelines.lora import read_lora_mark
