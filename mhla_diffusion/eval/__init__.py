@@ -4,6 +4,9 @@ Definitions follow OpenAI's ADM evaluator (the numbers in the ADM, DiT and MHLA 
 Inception network is torch-fidelity's TF-compatible port, loaded from a weights file the user
 supplies (``--inception-weights`` / ``$MHLA_INCEPTION_WEIGHTS``); nothing is downloaded.
 
+``ADMFrechetInceptionDistance``, ``SpatialFID``, ``ADMInceptionScore`` and ``ADMPrecisionRecall`` are
+the same metrics as torchmetrics ``Metric`` classes (DDP-synchronised states), for use inside training.
+
 Names are re-exported lazily (PEP 562): ``python -m mhla_diffusion.eval --help`` and the ``mhla``
 command do not import torch until an evaluation runs.
 """
@@ -11,9 +14,16 @@ command do not import torch until an evaluation runs.
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(['Activations', 'Reference', 'compute_activations', 'evaluate', 'load_reference', 'make_reference'], '.evaluate'),
+    **dict.fromkeys(['Activations', 'compute_activations', 'evaluate', 'make_reference'], '.evaluate'),
+    **dict.fromkeys(['ADMFrechetInceptionDistance', 'ADMInceptionScore', 'ADMPrecisionRecall', 'SpatialFID',
+                     'extract_features'], '.metrics'),
+    **dict.fromkeys(['Reference', 'load_reference'], '.reference'),
     **dict.fromkeys(['FeatureExtractor', 'exact_float32', 'flatten_spatial', 'spatial_features'], '.features'),
     **dict.fromkeys(['GaussianStats', 'RunningGaussian', 'frechet_distance', 'gaussian_stats'], '.frechet'),
+    **dict.fromkeys(['FVD_FRAMES', 'I3DFeatures', 'fvd_stats', 'load_fvd_reference', 'save_fvd_reference'], '.fvd'),
+    **dict.fromkeys(['VideoCLIPScore'], '.clip_score'),
+    **dict.fromkeys(['evaluate_videos'], '.video'),
+    **dict.fromkeys(['I3D_WEIGHTS_ENV', 'resolve_clip_model', 'resolve_i3d_weights'], '.video_weights'),
     **dict.fromkeys(['ArrayImages', 'FolderImages', 'ImageSource', 'NpzImages', 'open_images'], '.images'),
     **dict.fromkeys(['InceptionV3Features'], '.inception'),
     **dict.fromkeys(['INCEPTION_WEIGHTS_ENV', 'resolve_inception_weights'], '.inception_weights'),

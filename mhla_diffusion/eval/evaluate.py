@@ -12,30 +12,35 @@ Reference statistics can be computed once with :func:`make_reference` and saved 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
-import torch
-from tqdm.auto import tqdm
+from torchmetrics import Metric
 
-from .features import FeatureExtractor, exact_float32, flatten_spatial
-from .frechet import GaussianStats, RunningGaussian, frechet_distance
-from .images import ImageSource, NpzImages, open_images
-from .inception_score import ADM_SPLIT_SIZE, inception_score, inception_score_warnings
-from .npz import AdmNpzWriter, npz_members, read_npz_stats
-from .precision_recall import ADM_K, DISTANCE_DTYPES, precision_recall
+from .features import FeatureExtractor
+from .frechet import GaussianStats
+from .images import ImageSource
+from .inception_score import ADM_SPLIT_SIZE, inception_score_warnings
+from .metrics import (
+    ADM_BATCH_SIZE,
+    ADMFrechetInceptionDistance,
+    ADMInceptionScore,
+    ADMPrecisionRecall,
+    SpatialFID,
+    source_features,
+)
+from .npz import AdmNpzWriter
+from .precision_recall import ADM_K, DISTANCE_DTYPES
+from .reference import Reference, check_reference_dims, load_reference
 
 __all__ = ["Activations", "Reference", "compute_activations", "evaluate", "load_reference", "make_reference"]
 
 logger = logging.getLogger(__name__)
 
-#: ADM's inference batch size for Inception.
-ADM_BATCH_SIZE = 64
 ADM_PR_IMAGES = 10000
 
 
@@ -50,77 +55,43 @@ class Activations:
     logits: np.ndarray | None = None  # (N, K) float32
 
 
-@dataclass
-class Reference:
-    """A reference batch: its images (for P/R, or statistics when none are stored) and stored statistics."""
-
-    name: str
-    images: ImageSource | None
-    stats: dict[str, GaussianStats] = field(default_factory=dict)  # "fid" and/or "sfid"
+def _accumulate(source: ImageSource, extractor: FeatureExtractor, metrics: Sequence[Metric], real: bool,
+                batch_size: int, progress: bool, desc: str | None,
+                on_batch: Callable[[np.ndarray], None] | None = None) -> int:
+    """Feed every batch's features (one forward) to ``metrics``; the number of images read."""
+    count = 0
+    for batch, features in source_features(source, extractor, batch_size, progress=progress, desc=desc):
+        for metric in metrics:
+            metric.update(features, real=real)
+        count += len(batch)
+        if on_batch is not None:
+            on_batch(batch)
+    if count < 2:
+        raise ValueError(f"{source.name}: {count} image(s) read; statistics need at least 2")
+    return count
 
 
 def compute_activations(source: ImageSource, extractor: FeatureExtractor, batch_size: int = ADM_BATCH_SIZE, *,
                         keep_pool: bool = True, keep_logits: bool = True, progress: bool = True,
                         desc: str | None = None, on_batch: Callable[[np.ndarray], None] | None = None) -> Activations:
-    """Run ``extractor`` over ``source`` in batches of ``batch_size`` (a progress bar over batches).
+    """Run ``extractor`` over ``source`` in batches of ``batch_size`` (a progress bar over batches),
+    accumulating through the metrics of :mod:`.metrics`.
 
     ``on_batch`` sees every uint8 batch ``(n, H, W, 3)`` after its features were taken.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    pool_stats, spatial_stats = RunningGaussian(), RunningGaussian()
-    pools, logits = [], []
-    batches = source.iter_batches(batch_size)
-    total = math.ceil(len(source) / batch_size)
-    with torch.inference_mode(), exact_float32():
-        for batch in tqdm(batches, total=total, desc=desc or source.name, unit="batch", disable=not progress):
-            features = extractor(torch.tensor(batch).permute(0, 3, 1, 2).contiguous())
-            pool = features["pool"].double().cpu().numpy()
-            spatial = flatten_spatial(features["spatial"]).double().cpu().numpy()
-            if pool.shape[1] != extractor.pool_dim or spatial.shape[1] != extractor.spatial_dim:
-                raise ValueError(f"{type(extractor).__name__} returned {pool.shape[1]}-d pool / {spatial.shape[1]}-d "
-                                 f"spatial features, declared {extractor.pool_dim} / {extractor.spatial_dim}")
-            pool_stats.update(pool)
-            spatial_stats.update(spatial)
-            if keep_pool:
-                pools.append(features["pool"].float().cpu().numpy())
-            if keep_logits:
-                logits.append(features["logits_unbiased"].float().cpu().numpy())
-            if on_batch is not None:
-                on_batch(batch)
-    if pool_stats.count < 2:
-        raise ValueError(f"{source.name}: {pool_stats.count} image(s) read; statistics need at least 2")
+    fid = ADMFrechetInceptionDistance(extractor, sync_on_compute=False)
+    sfid = SpatialFID(extractor, sync_on_compute=False)
+    inception = ADMInceptionScore(extractor, sync_on_compute=False)
+    pr = ADMPrecisionRecall(extractor, sync_on_compute=False)
+    metrics = [fid, sfid] + ([inception] if keep_logits else []) + ([pr] if keep_pool else [])
+    count = _accumulate(source, extractor, metrics, False, batch_size, progress, desc, on_batch)
     return Activations(
-        count=pool_stats.count,
-        pool_stats=pool_stats.stats(),
-        spatial_stats=spatial_stats.stats(),
-        pool=np.concatenate(pools) if keep_pool else None,
-        logits=np.concatenate(logits) if keep_logits else None,
+        count=count,
+        pool_stats=fid.stats(),
+        spatial_stats=sfid.stats(),
+        pool=np.concatenate([x.cpu().numpy() for x in pr.fake_pool]) if keep_pool else None,
+        logits=np.concatenate([x.cpu().numpy() for x in inception.logits]) if keep_logits else None,
     )
-
-
-def load_reference(path: str | os.PathLike, skip_corrupt: bool = False, workers: int = 4) -> Reference:
-    """A reference from an ADM ``.npz`` (stored statistics and/or ``arr_0``) or a folder of images."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"reference {path} does not exist")
-    if path.is_dir():
-        return Reference(str(path), open_images(path, skip_corrupt=skip_corrupt, workers=workers))
-    if path.suffix != ".npz":
-        raise ValueError(f"reference {path}: expected an ADM .npz or a folder of images")
-    stats = read_npz_stats(path)
-    images = NpzImages(path) if "arr_0" in npz_members(path) else None
-    if images is None and len(stats) < 2:
-        raise ValueError(f"reference {path} has neither images (arr_0) nor both mu/sigma and mu_s/sigma_s")
-    return Reference(str(path), images, stats)
-
-
-def _check_dims(reference: Reference, extractor: FeatureExtractor) -> None:
-    expected = {"fid": extractor.pool_dim, "sfid": extractor.spatial_dim}
-    for metric, stats in reference.stats.items():
-        if stats.dim != expected[metric]:
-            raise ValueError(f"reference {reference.name}: stored {metric} statistics are {stats.dim}-d but the feature "
-                             f"network gives {expected[metric]}-d features; they were computed with another network")
 
 
 def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtractor, *,
@@ -136,7 +107,7 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
     """
     if pr_dtype not in DISTANCE_DTYPES:
         raise ValueError(f"pr_dtype must be one of {', '.join(DISTANCE_DTYPES)}, got {pr_dtype!r}")
-    _check_dims(reference, extractor)
+    check_reference_dims(reference, extractor)
     if split_size < 1:
         raise ValueError(f"split_size must be >= 1, got {split_size}")
     pr = with_precision_recall and reference.images is not None
@@ -149,33 +120,33 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
         warnings.append("precision/recall skipped: the reference has no images (arr_0)")
     warnings.extend(inception_score_warnings(len(samples), samples.labels, split_size))
 
-    gen = compute_activations(samples, extractor, batch_size, keep_pool=pr, progress=progress, desc="samples")
-    ref_stats = dict(reference.stats)
-    ref_pool, ref_count = None, None
-    if reference.images is not None and (pr or len(ref_stats) < 2):
-        ref = compute_activations(reference.images, extractor, batch_size, keep_pool=pr, keep_logits=False,
-                                  progress=progress, desc="reference")
-        ref_stats.setdefault("fid", ref.pool_stats)
-        ref_stats.setdefault("sfid", ref.spatial_stats)
-        ref_pool, ref_count = ref.pool, ref.count
+    quiet = {"sync_on_compute": False}  # one process's images, even inside a distributed run
+    fid = ADMFrechetInceptionDistance(extractor, reference.stats.get("fid"), **quiet)
+    sfid = SpatialFID(extractor, reference.stats.get("sfid"), **quiet)
+    inception = ADMInceptionScore(extractor, split_size, **quiet)
+    pr_metric = ADMPrecisionRecall(extractor, k=k, block_size=pr_block_size, distance_dtype=pr_dtype, **quiet)
+    extra = [pr_metric] if pr else []
+    gen_count = _accumulate(samples, extractor, [fid, sfid, inception, *extra], False, batch_size, progress, "samples")
+    ref_count = None
+    if reference.images is not None and (pr or len(reference.stats) < 2):
+        ref_metrics = [m for m in (fid, sfid) if m.reference is None] + extra
+        ref_count = _accumulate(reference.images, extractor, ref_metrics, True, batch_size, progress, "reference")
 
     metrics: dict[str, float | None] = {
-        "inception_score": inception_score(gen.logits, split_size),
-        "fid": frechet_distance(gen.pool_stats, ref_stats["fid"]),
-        "sfid": frechet_distance(gen.spatial_stats, ref_stats["sfid"]),
+        "inception_score": float(inception.compute()),
+        "fid": float(fid.compute()),
+        "sfid": float(sfid.compute()),
         "precision": None,
         "recall": None,
     }
     if pr:
-        with exact_float32():
-            metrics["precision"], metrics["recall"] = precision_recall(
-                ref_pool, gen.pool, k=k, block_size=pr_block_size, device=extractor.device, distance_dtype=pr_dtype)
+        metrics.update({name: float(value) for name, value in pr_metric.compute().items()})
     stored = sorted(reference.stats)
     for message in warnings:
         logger.warning(message)
     return {
         "metrics": metrics,
-        "samples": {"source": samples.name, "count": gen.count, "image_size": list(samples.image_size),
+        "samples": {"source": samples.name, "count": gen_count, "image_size": list(samples.image_size),
                     "skipped": list(samples.skipped)},
         "reference": {
             "source": reference.name,

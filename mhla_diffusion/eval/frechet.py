@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["GaussianStats", "RunningGaussian", "frechet_distance", "gaussian_stats", "psd_sqrt"]
+__all__ = ["GaussianStats", "RunningGaussian", "frechet_distance", "gaussian_from_sums", "gaussian_stats", "psd_sqrt"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,20 @@ def gaussian_stats(features: np.ndarray) -> GaussianStats:
     if features.ndim != 2 or features.shape[0] < 2:
         raise ValueError(f"need at least 2 feature vectors (N, D) for a covariance, got shape {features.shape}")
     return GaussianStats(features.mean(axis=0), np.cov(features, rowvar=False), count=features.shape[0])
+
+
+def gaussian_from_sums(count: int, total: np.ndarray, outer: np.ndarray, shift: np.ndarray | None = None) -> GaussianStats:
+    """Mean and unbiased covariance from ``count`` vectors' float64 ``total = sum(x - shift)`` ``(D,)`` and
+    ``outer = sum((x - shift)(x - shift)^T)`` ``(D, D)`` (``shift`` 0 when None). The one formula of the
+    accumulated statistics (:class:`RunningGaussian`, the torchmetrics metrics of :mod:`.metrics`)."""
+    count = int(count)
+    if count < 2:
+        raise ValueError(f"need at least 2 feature vectors for a covariance, got {count}")
+    total = np.asarray(total, dtype=np.float64)
+    outer = np.asarray(outer, dtype=np.float64)
+    mean = total / count
+    sigma = (outer - count * np.outer(mean, mean)) / (count - 1)
+    return GaussianStats(mean if shift is None else shift + mean, (sigma + sigma.T) / 2, count=count)
 
 
 class RunningGaussian:
@@ -83,9 +97,7 @@ class RunningGaussian:
         """The statistics so far (needs at least 2 vectors)."""
         if self.count < 2:
             raise ValueError(f"need at least 2 feature vectors for a covariance, got {self.count}")
-        mean = self._sum / self.count
-        sigma = (self._outer - self.count * np.outer(mean, mean)) / (self.count - 1)
-        return GaussianStats(self._shift + mean, (sigma + sigma.T) / 2, count=self.count)
+        return gaussian_from_sums(self.count, self._sum, self._outer, self._shift)
 
 
 def psd_sqrt(matrix: np.ndarray) -> np.ndarray:

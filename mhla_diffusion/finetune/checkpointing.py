@@ -55,7 +55,7 @@ LOCK_FILE = ".run.lock"
 RESUME_MAY_CHANGE = frozenset({
     "resume", "overwrite_output_dir", "output_dir", "max_train_steps", "report_to", "tracker_project_name",
     "checkpointing_steps", "checkpoints_total_limit", "save_pipeline", "dataloader_num_workers", "cache_dir",
-    "gradient_checkpointing", "allow_tf32",
+    "gradient_checkpointing", "allow_tf32", "inception_weights",
 })
 RUN_OUTPUTS = ("checkpoints", "final", "final-no-ema", "pipeline", "logs", "validation", RUN_CONFIG)
 _PREFIX = "step-"

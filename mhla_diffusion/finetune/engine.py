@@ -44,6 +44,7 @@ from .checkpointing import (
 from .options import TrainOptions
 from .trainable import set_trainable
 from .tracking import make_trackers
+from .validation_fid import ValidationFID, prepare_validation_fid
 
 __all__ = [
     "TaskParts",
@@ -78,6 +79,8 @@ class TaskParts:
     ema_warmup: bool = False
     data_metrics: dict[str, int] | None = None
     finish: Callable[[nn.Module], None] | None = None  # after the final save (e.g. write a pipeline folder)
+    # (unwrapped model, sample indices) -> uint8 (n, H, W, 3) images for validation FID; every process
+    fid_samples: Callable[[nn.Module, list[int]], Any] | None = None
 
 
 class Task:
@@ -201,18 +204,19 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
     resume_changes: list[str] = []
     if mode == "resume" and resolve_resume(output_dir, options.resume) is not None:
         resume_changes = check_resume_options(output_dir, options.to_dict())  # before anything is loaded or written
+    fid = prepare_validation_fid(options)  # reference and Inception weights checked before any work
     accelerator = make_accelerator(options, output_dir / "logs", find_unused_parameters=options.attention_transfer_steps > 0)
     lock = RunLock(output_dir)
     if accelerator.is_main_process:  # the other processes share the main process's run
         lock.acquire()
     try:
-        return _train(task, options, accelerator, mode, resume_changes, on_step_end)
+        return _train(task, options, accelerator, mode, resume_changes, on_step_end, fid)
     finally:
         lock.release()
 
 
 def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_changes: list[str],
-           on_step_end: Callable[[int, dict[str, Any]], None] | None) -> Path:
+           on_step_end: Callable[[int, dict[str, Any]], None] | None, fid: ValidationFID | None = None) -> Path:
     from accelerate.utils import DistributedType, set_seed
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel, cast_training_params
@@ -230,6 +234,8 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         prepare_run_dir(output_dir, mode, options.to_dict())
     accelerator.wait_for_everyone()
     model = parts.transformer
+    if fid is not None and parts.fid_samples is None:
+        raise ValueError(f"{type(task).__name__} cannot sample for validation FID: drop validation_fid_reference")
     if parts.ema_decay and sharded_state:
         raise ValueError("EMA is not supported with FSDP/DeepSpeed (the EMA would hold one shard): use DDP or ema_decay: 0")
 
@@ -311,7 +317,7 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     progress = tqdm(total=total, initial=state.global_step, disable=not accelerator.is_local_main_process,
                     unit="step", desc="training", dynamic_ncols=True)
     stage = None
-    last_validated = -1
+    last_validated = last_fid = -1
     started, started_step = time.perf_counter(), state.global_step
 
     while state.global_step < total:
@@ -365,6 +371,9 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         if parts.validate is not None and options.validation_steps and state.global_step % options.validation_steps == 0:
             _validate(accelerator, parts, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
             last_validated = state.global_step
+        if fid is not None and fid.due(state.global_step):
+            _validation_fid(accelerator, parts, fid, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
+            last_fid = state.global_step
         if on_step_end is not None:
             on_step_end(state.global_step, logs)
     progress.close()
@@ -375,6 +384,8 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     final = _save_final(accelerator, parts, prepared, unwrapped, ema, e2e_names, params, is_fsdp)
     if parts.validate is not None and last_validated != state.global_step:
         _validate(accelerator, parts, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
+    if fid is not None and last_fid != state.global_step:
+        _validation_fid(accelerator, parts, fid, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
@@ -414,6 +425,26 @@ def _validate(accelerator, parts: TaskParts, unwrapped: nn.Module, ema, names, p
         with _with_ema(ema, params, names), torch.no_grad(), accelerator.autocast():
             parts.validate(unwrapped, step)
         unwrapped.train(was_training)
+    accelerator.wait_for_everyone()
+
+
+def _validation_fid(accelerator, parts: TaskParts, fid: ValidationFID, unwrapped: nn.Module, ema, names, params,
+                    step: int, is_fsdp: bool) -> None:
+    """FID / sFID of the model (EMA weights when there are) on every process; logged at ``step``."""
+    if is_fsdp:
+        logger.warning("validation FID is skipped under FSDP (the local model holds shards); evaluate a checkpoint "
+                       "with `mhla eval-sample` and `mhla eval`")
+        return
+    was_training = unwrapped.training
+    unwrapped.eval()
+    started = time.perf_counter()
+    with _with_ema(ema, params, names):
+        values = fid.run(accelerator, parts.fid_samples, unwrapped)
+    unwrapped.train(was_training)
+    if accelerator.is_main_process:
+        logger.info("step %d: FID %.4g, sFID %.4g (%d samples, %.1f s)", step, values["validation/fid"],
+                    values["validation/sfid"], fid.num_samples, time.perf_counter() - started)
+    accelerator.log(values, step=step)
     accelerator.wait_for_everyone()
 
 

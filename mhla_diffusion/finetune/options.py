@@ -91,6 +91,12 @@ class TrainOptions:
     validation_num_inference_steps: int = 20
     validation_guidance_scale: float = 3.0
     validation_seed: int = 0
+    # --- validation FID (off unless validation_fid_reference is set; see mhla_diffusion/finetune/validation_fid.py)
+    validation_fid_reference: str | None = None  # ADM .npz with mu, sigma, mu_s, sigma_s (`mhla eval-ref`)
+    validation_fid_steps: int = 1000  # FID/sFID every N optimizer steps, and at the end
+    validation_fid_samples: int = 1000  # samples over all processes (Wan: clips, every frame an image)
+    validation_fid_batch_size: int = 8  # samples per pipeline call per process (DiT; Wan samples clip by clip)
+    inception_weights: str | None = None  # FID Inception-v3 weights file; default $MHLA_INCEPTION_WEIGHTS
 
     # ------------------------------------------------------------------ checks
 
@@ -122,6 +128,10 @@ class TrainOptions:
         for name in ("lr_warmup_steps", "attention_transfer_steps", "dataloader_num_workers", "validation_steps",
                      "checkpointing_steps"):
             _at_least(name, getattr(self, name), 0)
+        for name in ("validation_fid_steps", "validation_fid_samples", "validation_fid_batch_size"):
+            _at_least(name, getattr(self, name), 1)
+        if self.inception_weights is not None and not self.validation_fid_reference:
+            raise ValueError("`inception_weights` is used by validation FID: set `validation_fid_reference` too, or drop it")
         if self.checkpoints_total_limit is not None:
             _at_least("checkpoints_total_limit", self.checkpoints_total_limit, 1)
         for name in ("learning_rate", "attention_transfer_lr", "adam_epsilon"):
@@ -246,6 +256,12 @@ class WanTrainOptions(TrainOptions):
             raise ValueError("cached latents fix each clip once: use frame_sampling: start with cache_latents")
         if any(not str(p).strip() for p in self.validation_prompts):
             raise ValueError("`validation_prompts` has an empty prompt")
+        if self.validation_fid_reference:
+            if not self.validation_prompts:
+                raise ValueError("validation FID samples clips for the `validation_prompts` (cycled): set "
+                                 "validation_prompts, or drop validation_fid_reference")
+            if self.validation_fid_samples * (self.validation_num_frames or self.num_frames) < 2:
+                raise ValueError("validation FID needs at least 2 images (frames): raise validation_fid_samples")
 
     def bucket_sizes(self) -> list[tuple[int, int]]:
         """Resolution buckets ``(height, width)``; the first is the main size."""
@@ -323,6 +339,8 @@ class DiTTrainOptions(TrainOptions):
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"`ema_decay` must be in [0, 1) (0 = no EMA), got {self.ema_decay}")
         _choice("learned_sigma_loss", self.learned_sigma_loss, ("vb", "none"))
+        if self.validation_fid_reference and self.validation_fid_samples < 2:
+            raise ValueError(f"`validation_fid_samples` must be >= 2 (FID takes a covariance), got {self.validation_fid_samples}")
 
     def _check_model_size(self) -> None:
         """``model_size`` (a DiT from scratch) against the options that need or exclude it."""

@@ -178,6 +178,7 @@ class DiTTask(Task):
             ema_warmup=o.ema_warmup,
             data_metrics=report.metrics(),
             finish=self.save_pipeline if o.save_pipeline else None,
+            fid_samples=self.fid_samples,
         )
 
     def _load_transformer(self, accelerator) -> nn.Module:
@@ -325,7 +326,7 @@ class DiTTask(Task):
         if accelerator.is_main_process:
             self.cache.write_index({"samples": [s.to_dict() for s in samples], "report": report.to_dict()})
         accelerator.wait_for_everyone()
-        if o.validation_classes or o.save_pipeline:
+        if o.validation_classes or o.save_pipeline or o.validation_fid_reference:
             self._load_vae()
         else:
             self.vae = None
@@ -382,6 +383,25 @@ class DiTTask(Task):
         write_dit_samples(self._pipeline(model), o.validation_classes, o.output_dir, step,
                           num_inference_steps=o.validation_num_inference_steps,
                           guidance_scale=o.validation_guidance_scale, seed=o.validation_seed)
+
+    def fid_samples(self, model: nn.Module, indices: list[int]):
+        """Validation-FID images ``indices`` (uint8 ``(n, H, W, 3)``): classes i.i.d. uniform over the model's
+        classes, sample ``i`` seeded by ``(validation_seed, i)`` (as ``mhla eval-sample``)."""
+        import numpy as np
+
+        from ..eval.sample import class_labels, sample_seed, to_uint8
+
+        o = self.options
+        labels = class_labels(o.validation_fid_samples, self.num_classes, "uniform", o.validation_seed)
+        pipe = self._pipeline(model)
+        images = []
+        for start in range(0, len(indices), o.validation_fid_batch_size):
+            batch = indices[start:start + o.validation_fid_batch_size]
+            generators = [torch.Generator("cpu").manual_seed(sample_seed(o.validation_seed, i)) for i in batch]
+            output = pipe(labels[batch].tolist(), guidance_scale=o.validation_guidance_scale, generator=generators,
+                          num_inference_steps=o.validation_num_inference_steps, output_type="np")
+            images.append(to_uint8(output.images))
+        return np.concatenate(images)
 
     def save_pipeline(self, model: nn.Module) -> None:
         folder = Path(self.options.output_dir) / "pipeline"

@@ -105,6 +105,7 @@ class WanTask(Task):
             validate=self.validate if o.validation_prompts else None,
             data_metrics=report.metrics(),
             finish=self.save_pipeline if o.save_pipeline else None,
+            fid_samples=self.fid_samples,
         )
 
     def _index_data(self, accelerator) -> tuple[list[VideoSample], DataReport]:
@@ -268,7 +269,7 @@ class WanTask(Task):
         accelerator.wait_for_everyone()
         # Training reads the cache: the text encoder is never needed again; the VAE only to decode samples.
         self.text_encoder = self.tokenizer = None
-        if o.validation_prompts:
+        if o.validation_prompts or o.validation_fid_reference:
             self._load_encoders(vae=True, text=False)
         else:
             self.vae = None
@@ -363,6 +364,29 @@ class WanTask(Task):
             width=o.validation_width or o.width, num_inference_steps=o.validation_num_inference_steps,
             guidance_scale=o.validation_guidance_scale, seed=o.validation_seed, fps=o.validation_fps,
         )
+
+    def fid_samples(self, model: nn.Module, indices: list[int]):
+        """Per-frame validation-FID images: clip ``i`` for ``validation_prompts[i % len]`` seeded by
+        ``(validation_seed, i)``, every frame of every clip one uint8 ``(H, W, 3)`` image."""
+        import numpy as np
+
+        from ..eval.sample import sample_seed, to_uint8
+
+        o = self.options
+        pipe = self._pipeline(model, with_text=False)
+        negative = pad_prompt_embeds([self._embed(o.validation_negative_prompt)], o.max_sequence_length)
+        frames = []
+        for i in indices:
+            prompt = o.validation_prompts[i % len(o.validation_prompts)]
+            embeds = pad_prompt_embeds([self._embed(prompt)], o.max_sequence_length)
+            clip = pipe(
+                prompt_embeds=embeds, negative_prompt_embeds=negative, num_frames=o.validation_num_frames or o.num_frames,
+                height=o.validation_height or o.height, width=o.validation_width or o.width,
+                num_inference_steps=o.validation_num_inference_steps, guidance_scale=o.validation_guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(sample_seed(o.validation_seed, i)), output_type="np",
+            ).frames[0]
+            frames.append(to_uint8(np.asarray(clip)))
+        return np.concatenate(frames)
 
     def save_pipeline(self, model: nn.Module) -> None:
         """``<output_dir>/pipeline``: a full MHLAWanPipeline folder (LoRA fused into the base weights); a

@@ -21,7 +21,7 @@ CASES = [
     ("mhla_diffusion.cli", ["convert", "--layout", "3xfive"], 2),
     ("mhla_diffusion.cli", ["no-such-command"], 2),
     *[("mhla_diffusion.cli", [command, "--help"], 0) for command in (
-        "convert", "class-to-image", "import-wan", "import-dit", "eval", "eval-ref", "eval-sample", "bench",
+        "convert", "class-to-image", "import-wan", "import-dit", "eval", "eval-ref", "eval-sample", "eval-video", "bench",
         "build-embedded", "demo-models",
     )],
     ("mhla_diffusion.cli", ["web", "--help"], 0),

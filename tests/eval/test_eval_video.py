@@ -1,0 +1,172 @@
+"""``mhla eval-video``: FVD with a TorchScript I3D file, CLIP score with a local CLIP folder, judge metrics.
+
+The networks are stand-ins with the real interfaces and random weights: a scripted module called as
+StyleGAN-V calls ``i3d_torchscript.pt``, and a tiny ``CLIPModel`` + ``CLIPProcessor`` saved to a folder
+with a tokenizer built from a vocabulary written here. Videos are moving-shapes clips written as mp4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mhla_diffusion.cli import main
+from mhla_diffusion.embedded.moving_shapes import generate_clips
+from mhla_diffusion.eval.fvd import FVD_FRAMES, FVD_SIZE, I3DFeatures, preprocess_clips
+from mhla_diffusion.eval.video_files import read_video
+from mhla_diffusion.pipelines.outputs import _write_mp4
+
+
+class TinyI3D(nn.Module):
+    """The I3D call signature: ``(x (N, 3, T, H, W), rescale, resize, return_features) -> (N, D)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.project = nn.Linear(3 * 4 * 8 * 8, 6)
+
+    def forward(self, x: torch.Tensor, rescale: bool = False, resize: bool = False,
+                return_features: bool = False) -> torch.Tensor:
+        if rescale or resize or not return_features:
+            raise RuntimeError("eval-video must call rescale=False, resize=False, return_features=True")
+        if x.shape[1] != 3 or x.shape[2] != 16 or x.shape[3] != 224 or x.shape[4] != 224:
+            raise RuntimeError("expected (N, 3, 16, 224, 224)")
+        if bool(x.min() < -1.0) or bool(x.max() > 1.0):
+            raise RuntimeError("expected values in [-1, 1]")
+        pooled = torch.nn.functional.avg_pool3d(x, (4, 28, 28))
+        return self.project(pooled.flatten(1))
+
+
+@pytest.fixture(scope="module")
+def i3d_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("i3d") / "i3d_torchscript.pt"
+    torch.jit.save(torch.jit.script(TinyI3D().eval()), str(path))
+    return path
+
+
+def _clip_folder(folder: Path) -> Path:
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["<|startoftext|>", "<|endoftext|>"] + letters + [c + "</w>" for c in letters]
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=tokenizer)
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(tokens), hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=16,
+    )
+    out = folder / "clip"
+    CLIPModel(config).save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory) -> Path:
+    return _clip_folder(tmp_path_factory.mktemp("clip"))
+
+
+def _write_videos(folder: Path, count: int, seed: int, sidecars: bool = True) -> list[str]:
+    clips, _, captions = generate_clips(count, seed=seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, (clip, caption) in enumerate(zip(clips, captions)):
+        _write_mp4(clip, folder / f"{index:03d}.mp4", fps=8)
+        if sidecars:
+            (folder / f"{index:03d}.json").write_text(json.dumps({"prompt": caption, "seed": index}))
+    return list(captions)
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("videos") / "samples"
+    _write_videos(folder, 4, seed=3)
+    return folder
+
+
+def test_preprocessing_gives_i3d_input_in_range():
+    clips = np.random.default_rng(0).integers(0, 256, (2, 17, 48, 64, 3), dtype=np.uint8)
+    x = preprocess_clips(clips)
+    assert x.shape == (2, 3, FVD_FRAMES, FVD_SIZE, FVD_SIZE) and x.dtype == torch.float32
+    assert float(x.min()) >= -1.0 and float(x.max()) <= 1.0
+    with pytest.raises(ValueError, match="16 frames"):
+        preprocess_clips(clips[:, :8])
+
+
+def test_mp4_round_trip(videos):
+    frames = read_video(videos / "000.mp4")
+    assert frames.shape == (17, 64, 64, 3) and frames.dtype == np.uint8
+
+
+def test_fvd_clip_and_judge_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys):
+    output, ref_npz = tmp_path / "result.json", tmp_path / "ref.npz"
+    code = main(["eval-video", "--samples", str(videos), "--ref", str(videos), "--i3d-weights", str(i3d_file),
+                 "--clip-model", str(clip_folder), "--save-ref", str(ref_npz), "--output", str(output),
+                 "--device", "cpu", "--judge", "embedded"])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(output.read_text())
+    assert abs(result["metrics"]["fvd"]) < 1e-6  # a set against itself
+    assert result["metrics"]["clip_score"] >= 0
+    assert result["networks"]["i3d"]["feature_dim"] == 6 and len(result["networks"]["i3d"]["weights_sha256"]) == 64
+    assert [row["file"] for row in result["per_video"]] == [f"{i:03d}.mp4" for i in range(4)]
+    assert all("prompt" in row and "clip_score" in row for row in result["per_video"])
+    assert set(result["judge"]["accuracy"]) == {"shape", "colour", "direction", "all"}
+    assert np.isfinite(result["judge"]["fid"])
+    # The saved reference gives the same FVD without reading the reference videos again.
+    code = main(["eval-video", "--samples", str(videos), "--ref", str(ref_npz), "--i3d-weights", str(i3d_file),
+                 "--metrics", "fvd", "--output", str(tmp_path / "again.json"), "--device", "cpu"])
+    assert code == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["reference"]["statistics"] == "npz" and abs(again["metrics"]["fvd"]) < 1e-6
+    assert again["metrics"]["clip_score"] is None
+
+
+def test_fvd_of_different_sets_is_positive(videos, i3d_file, tmp_path):
+    other = tmp_path / "other"
+    _write_videos(other, 4, seed=11, sidecars=False)
+    from mhla_diffusion.eval.video import fvd_of_folders
+
+    result = fvd_of_folders(videos, other, I3DFeatures(i3d_file))
+    assert result["fvd"] > 1e-6 and result["reference"]["count"] == 4
+
+
+def test_prompts_file_replaces_sidecars(tmp_path, clip_folder):
+    folder = tmp_path / "plain"
+    captions = _write_videos(folder, 2, seed=5, sidecars=False)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(captions) + "\n")
+    output = tmp_path / "out.json"
+    assert main(["eval-video", "--samples", str(folder), "--metrics", "clip", "--clip-model", str(clip_folder),
+                 "--output", str(output), "--device", "cpu"]) == 2  # no sidecars, no --prompts
+    assert main(["eval-video", "--samples", str(folder), "--metrics", "clip", "--clip-model", str(clip_folder),
+                 "--prompts", str(prompts), "--output", str(output), "--device", "cpu"]) == 0
+    assert [row["prompt"] for row in json.loads(output.read_text())["per_video"]] == captions
+
+
+def test_missing_networks_name_the_file_and_option(videos, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MHLA_I3D_WEIGHTS", raising=False)
+    monkeypatch.delenv("MHLA_CLIP_MODEL", raising=False)
+    out = str(tmp_path / "x.json")
+    assert main(["eval-video", "--samples", str(videos), "--ref", str(videos), "--metrics", "fvd", "--output", out]) == 2
+    err = capsys.readouterr().err
+    assert "i3d_torchscript.pt" in err and "--i3d-weights" in err and "MHLA_I3D_WEIGHTS" in err
+    assert main(["eval-video", "--samples", str(videos), "--metrics", "clip", "--clip-model", str(tmp_path / "none"),
+                 "--output", out]) == 2
+    err = capsys.readouterr().err
+    assert "--clip-model" in err and "does not exist" in err
+    assert main(["eval-video", "--samples", str(videos), "--metrics", "fvd", "--output", out]) == 2
+    assert "--ref" in capsys.readouterr().err
+    assert not Path(out).exists()
