@@ -169,12 +169,12 @@ def mhla_attention(
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan)
     normalize = normalization_mode(normalize)
-    if normalize == "scalar_mixed_denominator":
-        check_equal_blocks(grid, layout)
     if heads_per_chunk is not None and heads_per_chunk < 1:
         raise ValueError(f"`heads_per_chunk` must be >= 1, got {heads_per_chunk}")
     if plan is None:
         plan = block_plan(grid, layout, device=q.device)
+    if normalize == "scalar_mixed_denominator" and plan.valid is not None:  # the plan knows if blocks are uneven
+        check_equal_blocks(grid, layout)
     heads = q.shape[2]
     if heads_per_chunk is None or heads_per_chunk >= heads:
         return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize, eps)

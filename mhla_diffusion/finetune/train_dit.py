@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..conversion import get_mhla_conversion
+from ..dit_sizes import dit_transformer_config
 from ..geometry import ImageGeometry, check_layout_fits
 from ..loading import DIT_HUB_ID, check_model_source
 from ..weights import save_mhla
@@ -39,7 +40,6 @@ from .components import (
 )
 from .data import DataReport
 from .dit_scratch import dit_scheduler, load_vae, load_vae_config, new_dit_transformer, unshared_embedders, vae_location
-from ..dit_sizes import dit_transformer_config
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .image_data import (
     CachedImageDataset,

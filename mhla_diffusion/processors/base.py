@@ -134,9 +134,9 @@ class MHLAProcessor(nn.Module):
         ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v`` (after ``input_norm``); the gate reads it.
         """
         grid = self.grid_context.require(q.shape[1])
-        if self.normalization == "scalar_mixed_denominator":
-            check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
+        if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
+            check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         features = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the feature map and RoPE
         q = F.relu(q.to(features)) + self.eps
         k = F.relu(k.to(features)) + self.eps
