@@ -225,10 +225,7 @@ def run_text_to_video(args: argparse.Namespace) -> int:
     if args.flow_shift is not None:
         key = "flow_shift" if "flow_shift" in pipe.scheduler.config else "shift"
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{key: args.flow_shift})
-    pipe.to(device)
-    if args.attention == "mhla":
-        pipe.check_mhla_size(num_frames, args.height, args.width)
-    pipe.check_size(num_frames, args.height, args.width)  # the loaded model's own limits
+    pipe.to(device)  # the loaded model's own size limits: MHLAWanPipeline.__call__ checks them before any work
     for index, prompt in enumerate(prompts):
         unknown = pipe.unknown_words(prompt)
         if unknown:
