@@ -205,9 +205,6 @@ def from_pretrained_keeping_mhla(
     """
     hub_kwargs = hub_kwargs_of(kwargs)
     meta = read_meta(source, subfolder, hub_kwargs, required=False)
-    # Weights left memory-mapped by `from_pretrained` made CPU outputs differ from the saved model
-    # in the last bit (seen with diffusers 0.42); reading the file into memory keeps reloads exact.
-    kwargs.setdefault("disable_mmap", True)
     if meta is None:
         return base_from_pretrained(source, subfolder=subfolder, **kwargs)
     if meta["contents"] != "transformer":

@@ -8,6 +8,12 @@ shape of the model it belongs to):
 * Whole transformer (``include_base=True``): Diffusers' ``save_pretrained`` files (``config.json``,
   ``diffusion_pytorch_model*.safetensors``, processor parameters included) next to the config.
 
+Loading is lean: Diffusers' ``from_pretrained`` memory-maps the safetensors files and the model's
+weights stay in the mapped pages (private, copy-on-write: training never writes into the files), so
+a load takes no second copy of the weights; pass ``dtype=`` to load in that dtype (a file that holds
+it is not converted), and ``disable_mmap=True`` to read the files into memory instead (e.g. for files
+on a network drive that may change while the model is in use). ``mhla bench --load`` measures it.
+
 Loading is strict: missing, unexpected or wrongly shaped keys are an error that lists them, raised
 before the model is changed (Diffusers itself would only warn and drop unknown processor keys).
 Reading the files is :mod:`mhla_diffusion.weight_files` (shared with :mod:`mhla_diffusion.models`).
@@ -188,7 +194,6 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
     import diffusers
 
     cls = getattr(diffusers, _TRANSFORMER_CLASSES[class_name])
-    kwargs.setdefault("disable_mmap", True)  # exact CPU numerics, see load_mhla
     transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
     if isinstance(transformer, diffusers.DiTTransformer2DModel):
         from .models import apply_timestep_freq_shift
