@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import torch
 from torch import nn
 
 from .block_layout import auto_layout, num_blocks, validate_grid_layout
@@ -171,8 +172,10 @@ def build_mhla_processors(
     for i in indices:
         name, attn = layers[i]
         head_dim = attn.to_q.out_features // attn.heads
-        processor = _PROCESSOR_CLASSES[family](attn.heads, head_dim, layout, resolved, context)
         weight = attn.to_q.weight
+        # a model on the meta device (built without memory) gets meta parameters: none is allocated or initialised
+        with torch.device("meta") if weight.is_meta else nullcontext():
+            processor = _PROCESSOR_CLASSES[family](attn.heads, head_dim, layout, resolved, context)
         processors[name] = processor.to(device=weight.device, dtype=weight.dtype)
     return resolved, processors
 
