@@ -1,4 +1,4 @@
-"""mhla-diffusion: Multi-Head Linear Attention (MHLA) for Diffusers' Wan2.1 and DiT transformers.
+"""mhla-diffusion: Multi-Head Linear Attention (MHLA) for Diffusers' Wan (2.1, 2.2) and DiT transformers.
 
 The public API below is imported on first use (PEP 562), so ``import mhla_diffusion`` and the
 ``mhla`` command start without loading torch or Diffusers. Layers and import directions:
@@ -22,6 +22,7 @@ _EXPORTS = {
     **dict.fromkeys(["image_token_grid", "video_token_grid"], ".geometry"),
     **dict.fromkeys(["block_distances", "mixing_init"], ".mixing"),
     **dict.fromkeys(["MHLADiTTransformer2DModel", "MHLAWanTransformer3DModel"], ".models"),
+    **dict.fromkeys(["MHLADiTPipeline", "MHLAWanImageToVideoPipeline", "MHLAWanPipeline"], ".pipelines"),
     **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".processors"),
     **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".weights"),
     # Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a

@@ -6,6 +6,8 @@ all ask this module. The factors come from the model's own configs:
 * video (Wan): the VAE compresses time by ``scale_factor_temporal`` and space by
   ``scale_factor_spatial``; the transformer cuts latents into ``patch_size`` (t, h, w) patches. A
   clip therefore has ``k * temporal + 1`` frames and sides that are multiples of ``spatial * patch``.
+  Wan2.1 and Wan2.2-A14B: VAE x4 / x8, patch 1x2x2 (a token is 16x16 px); Wan2.2-TI2V-5B's VAE
+  (``z_dim`` 48, ``scale_factor_spatial`` 16: a 2x2 pixel patch before an x8 network): a token is 32x32 px.
   Wan's RoPE table holds ``rope_max_seq_len`` positions per axis: that bounds the largest size.
 * image (DiT): the VAE compresses by ``2 ** (len(block_out_channels) - 1)``; patches are square.
 * generation: Diffusers' ``WanPipeline.check_inputs`` also refuses heights and widths that are not
@@ -90,9 +92,11 @@ class VideoGeometry:
 
     @classmethod
     def from_pipeline(cls, pipe: Any) -> "VideoGeometry":
-        """From a loaded pipeline (its ``transformer`` and ``vae``)."""
+        """From a loaded pipeline (its ``transformer``, or ``transformer_2`` when a Wan2.2-A14B pipeline has only
+        that one, and its ``vae``)."""
         vae = getattr(pipe, "vae", None)
-        return cls.from_configs(pipe.transformer.config, vae.config if vae is not None else None)
+        transformer = pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.transformer_2
+        return cls.from_configs(transformer.config, vae.config if vae is not None else None)
 
     # ------------------------------------------------------------------ rules
 

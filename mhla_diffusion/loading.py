@@ -23,6 +23,7 @@ __all__ = [
     "ATTENTIONS",
     "DIT_HUB_ID",
     "WAN_HUB_ID",
+    "WAN_I2V_HUB_ID",
     "check_model_source",
     "device_and_dtype",
     "load_pipeline",
@@ -32,6 +33,7 @@ __all__ = [
 
 #: The hub ids named in messages about missing model folders.
 WAN_HUB_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+WAN_I2V_HUB_ID = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 DIT_HUB_ID = "facebook/DiT-XL-2-256"
 #: The self-attention a pipeline runs with: its MHLA layers, or the original softmax attention.
 ATTENTIONS = ("mhla", "softmax")
@@ -101,19 +103,23 @@ def load_pipeline(
     model: str | os.PathLike,
     *,
     mhla_weights: str | os.PathLike | None = None,
+    mhla_weights_2: str | os.PathLike | None = None,
     transformer: str | os.PathLike | None = None,
     attention: str | None = "mhla",
     dtype: Any = None,
     component_dtypes: dict[str, Any] | None = None,
 ) -> Any:
-    """Load ``cls`` (``MHLAWanPipeline`` / ``MHLADiTPipeline``) from ``model`` (a folder or hub id).
+    """Load ``cls`` (``MHLAWanPipeline`` / ``MHLAWanImageToVideoPipeline`` / ``MHLADiTPipeline``) from ``model``
+    (a folder or hub id).
 
     Args:
         mhla_weights: a folder written by ``save_mhla`` / ``mhla convert --output``, applied to the
-            pipeline's transformer.
-        transformer: replaces the pipeline's transformer (see :func:`load_transformer_file`).
-        attention: ``"mhla"``: the model must have MHLA layers (else ``ValueError``); ``"softmax"`` or
-            ``None``: the model as it is (the caller runs softmax with ``pipe.softmax_attention()``).
+            pipeline's transformer (or, with ``transformer/`` and ``transformer_2/`` in it, to both
+            transformers of a Wan2.2-A14B pipeline).
+        mhla_weights_2: a ``save_mhla`` folder for ``transformer_2`` (Wan2.2-A14B).
+        transformer: replaces the pipeline's ``transformer`` (see :func:`load_transformer_file`).
+        attention: ``"mhla"``: every transformer of the pipeline must have MHLA layers (else ``ValueError``);
+            ``"softmax"`` or ``None``: the model as it is (the caller runs softmax with ``pipe.softmax_attention()``).
         dtype: weights dtype; ``component_dtypes`` overrides it per component (e.g. ``{"vae": torch.float32}``).
     """
     if attention not in (*ATTENTIONS, None):
@@ -121,10 +127,13 @@ def load_pipeline(
     kwargs: dict[str, Any] = {"dtype": {"default": dtype, **component_dtypes} if component_dtypes else dtype}
     if transformer is not None:
         kwargs["transformer"] = load_transformer_file(transformer, dtype)
-    pipe = cls.from_pretrained(model, mhla_weights=mhla_weights, **kwargs)
-    if attention == "mhla" and pipe.mhla is None:
+    pipe = cls.from_pretrained(model, mhla_weights=mhla_weights, mhla_weights_2=mhla_weights_2, **kwargs)
+    softmax = [name for name, conversion in pipe.mhla_conversions.items() if conversion is None]
+    if attention == "mhla" and softmax:
+        what = "the model has" if len(softmax) == len(pipe.mhla_conversions) else f"{' and '.join(softmax)} has"
         raise ValueError(
-            "--attention mhla, but the model has no MHLA layers: pass --mhla-weights, a --transformer with MHLA, "
-            "or a folder saved by our pipeline (use --attention softmax for the plain softmax model)"
+            f"--attention mhla, but {what} no MHLA layers: pass --mhla-weights (--mhla-weights-2 for transformer_2), "
+            "a --transformer with MHLA, or a folder saved by our pipeline (use --attention softmax for the plain "
+            "softmax model)"
         )
     return pipe

@@ -175,3 +175,34 @@ def pipeline_dirs(tmp_path_factory):
     convert_to_mhla(dit.transformer, MHLAConfig(lepe=True))
     save_mhla(dit.transformer, root / "dit_mhla")
     return {name: root / name for name in ("wan", "wan_mhla", "dit", "dit_mhla")}
+
+
+@pytest.fixture(scope="session")
+def wan_family_dirs(tmp_path_factory):
+    """Tiny pipelines of the Wan family (``helpers.wan_family.VARIANTS``) saved to disk, with MHLA weights for each.
+
+    Keys: the variant (a stock Diffusers pipeline folder: ``WanImageToVideoPipeline`` for the I2V variants,
+    ``WanPipeline`` for TI2V-5B and T2V-A14B) and ``"<variant>-mhla"``: MHLA weights written by
+    ``pipe.save_mhla`` after ``pipe.convert_to_mhla(MHLAConfig(layout=(2, 2, 2)))`` -- a ``save_mhla`` folder, or
+    for the A14B variants a folder with ``transformer/`` and ``transformer_2/``. Block 0's mixing is scaled
+    (x1.5 in ``transformer``, x0.5 in ``transformer_2``), so weights that were not loaded, or loaded into the
+    wrong transformer, change the output.
+    """
+    from helpers.wan_family import LAYOUT, VARIANTS, is_image_to_video, pipeline_class
+
+    from mhla_diffusion import MHLAConfig
+    from mhla_diffusion.tiny import tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("wan_family")
+    dirs = {}
+    for variant in VARIANTS:
+        stock = tiny_wan_pipeline(variant=variant)
+        stock.save_pretrained(root / variant)
+        pipe = pipeline_class(is_image_to_video(variant)).from_pipe(stock)  # the same modules and config
+        pipe.convert_to_mhla(MHLAConfig(layout=LAYOUT))
+        with torch.no_grad():
+            for scale, transformer in zip((1.5, 0.5), pipe.transformer_components.values()):
+                transformer.blocks[0].attn1.processor.mixing.mul_(scale)
+        pipe.save_mhla(root / f"{variant}-mhla")
+        dirs[variant], dirs[f"{variant}-mhla"] = root / variant, root / f"{variant}-mhla"
+    return dirs

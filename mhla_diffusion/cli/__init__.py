@@ -4,6 +4,7 @@
     mhla convert --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --layers hybrid \\
         --target-size 81x480x832 --output mhla_init/
     mhla text-to-video --model ... --mhla-weights mhla_init/ --prompt "a cat surfing"
+    mhla image-to-video --model Wan-AI/Wan2.1-I2V-14B-480P-Diffusers --mhla-weights ... --image cat.png --prompt "..."
     mhla class-to-image --model facebook/DiT-XL-2-256 --mhla-weights ... --class 207
     mhla import-wan released.safetensors --output wan_mhla_transformer/
     mhla import-dit DiT-XL-2-256x256.pt --output dit_transformer/   # or a released DiT-MHLA checkpoint
@@ -13,7 +14,7 @@
     mhla build-embedded                           # train the embedded demonstration models
     mhla web                                      # Gradio web demo on 127.0.0.1 (pip install .[demo])
 
-:mod:`.convert`, :mod:`.generate` (text-to-video, class-to-image), :mod:`.import_wan`,
+:mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.import_wan`,
 :mod:`.import_dit`, :mod:`.evaluate`, :mod:`.evaluate_video`, :mod:`.bench`, :mod:`.build_embedded` and :mod:`.web` each
 parse their command and print its results; :mod:`.arguments` holds what they parse alike. They
 import only the standard library at module level: a command's arguments are added when it is used,
@@ -37,7 +38,7 @@ COMMAND_MODULES = (convert, generate, import_wan, import_dit, evaluate, evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, DiT).")
+    parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, Wan2.2, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for module in COMMAND_MODULES:
         module.register(subparsers)

@@ -120,10 +120,16 @@ def seed(text: str) -> int:
 # ---------------------------------------------------------------------------------- shared options
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str) -> None:
-    """The model, attention, seed, output and device options of the generation commands."""
-    parser.add_argument("--model", help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
-                        "embedded demonstration model (mhla_diffusion/embedded/models)")
+def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: bool = True) -> None:
+    """The model, attention, seed, output and device options of the generation commands.
+
+    ``embedded``: without ``--model`` the command runs the embedded demonstration model; else ``--model`` is required.
+    """
+    if embedded:
+        parser.add_argument("--model", help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
+                            "embedded demonstration model (mhla_diffusion/embedded/models)")
+    else:
+        parser.add_argument("--model", required=True, help=f"Diffusers pipeline folder or hub id (e.g. {hub_id})")
     parser.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
     parser.add_argument("--transformer", type=Path,
                         help="a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an "

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from ..geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
 from .arguments import WAN_480P, add_command, parse_layers, parse_sizes
 
 __all__ = ["register"]
@@ -16,8 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
         subparsers, "convert", configure,
         help="convert a Wan / DiT transformer's self-attention to MHLA and print what changed",
-        description="Convert the softmax self-attention of a Diffusers Wan2.1 or DiT transformer to MHLA, "
-        "report the changed layers and the output change on a random input, and optionally save the result.",
+        description="Convert the softmax self-attention of a Diffusers Wan (2.1, 2.2) or DiT transformer to MHLA, "
+        "report the changed layers and the output change on a random input, and optionally save the result. "
+        "A pipeline folder with two transformers (Wan2.2-A14B: transformer, transformer_2) converts both with "
+        "the same options and saves them to --output/transformer and --output/transformer_2.",
     )
 
 
@@ -39,9 +42,11 @@ def _probability(text: str) -> float:
 
 def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id")
+    src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id (both transformers of a "
+                     "Wan2.2-A14B pipeline are converted)")
     src.add_argument("--tiny", choices=("wan", "dit"), help="build a tiny model from a config instead (demo, no download)")
-    p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for pipelines)")
+    p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for "
+                   "pipelines, and 'transformer_2' too where there is one)")
     p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated", "released-dit"), default="paper",
                    help="paper: denominator (default); released-wan: no denominator, per-head output RMSNorm, "
                    "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate; released-dit (DiT "
@@ -52,8 +57,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     grid = p.add_mutually_exclusive_group()
     grid.add_argument("--target-grid", type=parse_sizes, help="token grid for the auto layout, e.g. 21x30x52")
     grid.add_argument("--target-size", type=parse_sizes,
-                      help="pixel size for the auto layout: FRAMESxHEIGHTxWIDTH for Wan (default "
-                      f"{'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's sample size)")
+                      help="pixel size for the auto layout, turned into tokens with the model's own VAE and patch "
+                      "factors (a pipeline folder's vae/; Wan2.1's for a transformer folder): FRAMESxHEIGHTxWIDTH "
+                      f"for Wan (default {'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's "
+                      "sample size)")
     p.add_argument("--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)")
     p.add_argument("--mixing-normalization", choices=("column", "row"), help="column (reference code, default) or row (paper)")
     p.add_argument("--normalization", choices=("denominator", "none", "scalar_mixed_denominator"),
@@ -74,11 +81,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Sequence[int] | None = None):
+def _convert_config(args: argparse.Namespace, family: str | None, geometry: VideoGeometry | ImageGeometry | None = None):
+    """The :class:`MHLAConfig` of the options; ``geometry``: the loaded model's size rules (Wan2.1's or DiT-XL/2's
+    until a model is loaded), which turn ``--target-size`` (and Wan's 480p default) into a token grid."""
     from ..config import MHLAConfig
-    from ..geometry import VideoGeometry, image_token_grid, video_token_grid
 
-    patch_size = VideoGeometry.patch_size if patch_size is None else patch_size  # Wan2.1's until a model is loaded
+    if geometry is None:
+        geometry = VideoGeometry() if family == "wan" else ImageGeometry()
+    if family == "wan":  # any size: the position bound is for generation, not for choosing a layout
+        def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
+            scale = (geometry.vae_scale_temporal, geometry.vae_scale_spatial, geometry.vae_scale_spatial)
+            return video_token_grid(*size, patch_size=geometry.patch_size, vae_scale=scale)
+    else:
+        def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
+            return image_token_grid(*size, patch_size=geometry.patch_size, vae_scale=geometry.vae_scale)
 
     options: dict = {}
     if args.preset.startswith("released-wan"):
@@ -101,12 +117,11 @@ def _convert_config(args: argparse.Namespace, family: str | None, patch_size: Se
         if family == "dit" and len(args.target_size) != 2:
             raise ValueError("--target-size for DiT is HEIGHTxWIDTH, e.g. 256x256")
         try:
-            options["target_grid"] = (video_token_grid(*args.target_size, patch_size=patch_size) if family == "wan"
-                                      else image_token_grid(*args.target_size, patch_size=patch_size[0]))
+            options["target_grid"] = size_to_grid(args.target_size)
         except ValueError as error:
             raise ValueError(f"--target-size {size}: {error}") from None
     if family == "wan" and options.get("layout", "auto") == "auto" and "target_grid" not in options:
-        options["target_grid"] = video_token_grid(*WAN_480P, patch_size=patch_size)
+        options["target_grid"] = size_to_grid(WAN_480P)
     if options.get("target_grid") is not None and "layout" not in options:
         options["layout"] = "auto"
     for name in ("transform", "mixing_normalization", "normalization", "output_norm", "gate", "lepe", "input_norm",
@@ -134,8 +149,17 @@ def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks
         if equal_blocks:
             f, h, w = (-(-n // b) * b for n, b in zip((f, h, w), layout))
         latents = torch.randn(1, cfg.in_channels, f * pt, h * ph, w * pw, generator=g)
-        text = torch.randn(1, 8, cfg.text_dim, generator=g)
-        kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype))
+        if cfg.image_dim is None:
+            text = torch.randn(1, 8, cfg.text_dim, generator=g)
+            kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype))
+        else:  # Wan2.1-I2V: image tokens too, and the 512 text tokens Diffusers' cross-attention expects after them
+            from ..pipelines.wan_i2v import IMAGE_TEXT_TOKENS
+
+            text = torch.randn(1, IMAGE_TEXT_TOKENS, cfg.text_dim, generator=g)
+            pairs = cfg.pos_embed_seq_len  # FLF2V: first and last frame, one learned position per token
+            image = torch.randn(*((2, pairs // 2) if pairs else (1, 4)), cfg.image_dim, generator=g)
+            kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype),
+                          encoder_hidden_states_image=image.to(device, dtype))
     else:
         side, patch = cfg.sample_size, cfg.patch_size
         h = w = side
@@ -146,35 +170,34 @@ def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks
     return latents.to(device, dtype), {k: v.to(device) for k, v in kwargs.items()}
 
 
-def run(args: argparse.Namespace) -> int:
+def _pipeline_file(model: str, filename: str, subfolder: str | None) -> dict | None:
+    """A JSON file of a pipeline folder or hub repo (e.g. ``model_index.json``), or ``None`` when it has none."""
+    import json
+
+    from ..weight_files import find_file
+
+    path = find_file(model, filename, subfolder, {})
+    return json.loads(path.read_text()) if path is not None else None
+
+
+def _transformer_subfolders(args: argparse.Namespace) -> list[str | None]:
+    """The transformers of ``--model`` to convert: ``--subfolder``; both of a two-transformer pipeline
+    (``transformer``, ``transformer_2``); else the one :func:`load_transformer` finds."""
+    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
+
+    index = _pipeline_file(args.model, "model_index.json", None) if args.subfolder is None else None
+    declared = [name for name in TRANSFORMER_COMPONENTS
+                if index is not None and isinstance(index.get(name), list) and index[name][0] is not None]
+    return declared if len(declared) > 1 else [args.subfolder]
+
+
+def _convert_one(transformer, config, args: argparse.Namespace):
+    """Convert ``transformer`` with ``config``; print its layers and, unless ``--no-check``, the output change."""
     import torch
 
     from ..conversion import convert_to_mhla, model_family, resolve_mhla_config
-    from ..weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
 
-    started = time.perf_counter()
-    # Validate what can be validated before loading a (possibly large) model.
-    _convert_config(args, args.tiny)
-    if args.output is not None and not args.overwrite and (args.output / MHLA_CONFIG_NAME).exists():
-        raise FileExistsError(f"{args.output} already holds MHLA weights; choose another --output or pass --overwrite")
-
-    if args.tiny == "wan":
-        from ..tiny import tiny_wan_transformer
-
-        transformer, source = tiny_wan_transformer(), "tiny Wan (built from a config)"
-    elif args.tiny == "dit":
-        from ..tiny import tiny_dit_transformer
-
-        transformer, source = tiny_dit_transformer(), "tiny DiT (built from a config)"
-    else:
-        transformer, source = load_transformer(args.model, subfolder=args.subfolder), args.model
-    transformer.eval()
     family = model_family(transformer)
-    patch = transformer.config.patch_size
-    config = _convert_config(args, family, tuple(patch) if family == "wan" else (patch, patch))
-
-    print(f"model: {source} -> {type(transformer).__name__}, "
-          f"{sum(p.numel() for p in transformer.parameters()):,} parameters")
     resolved = resolve_mhla_config(transformer, config)  # the layout, and any config error, before any work
     if args.check:
         latents, kwargs = _random_inputs(
@@ -199,9 +222,58 @@ def run(args: argparse.Namespace) -> int:
         print(f"output change on a random {'x'.join(map(str, latents.shape))} latent: "
               f"max |diff| {change.abs().max().item():.4g}, relative L2 {relative.item():.4g} "
               "(MHLA before fine-tuning vs the softmax original)")
-    if args.output is not None:
-        folder = save_mhla(transformer, args.output, include_base=args.include_base, overwrite=args.overwrite)
-        print(f"saved {'converted transformer' if args.include_base else 'MHLA weights'} to {folder}: "
-              + ", ".join(sorted(p.name for p in folder.iterdir())))
+    return conversion
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..conversion import model_family, resolve_mhla_config
+    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
+    from ..weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
+
+    started = time.perf_counter()
+    # Validate what can be validated before loading a (possibly large) model.
+    _convert_config(args, args.tiny)
+    if args.output is not None and not args.overwrite:
+        taken = [str(path) for path in (args.output / MHLA_CONFIG_NAME,
+                                        *(args.output / name / MHLA_CONFIG_NAME for name in TRANSFORMER_COMPONENTS))
+                 if path.exists()]
+        if taken:
+            raise FileExistsError(f"{args.output} already holds MHLA weights ({', '.join(taken)}); choose another "
+                                  "--output or pass --overwrite")
+
+    vae_config = None
+    if args.tiny is not None:
+        from ..tiny import tiny_dit_transformer, tiny_wan_transformer
+
+        build = tiny_wan_transformer if args.tiny == "wan" else tiny_dit_transformer
+        loaders, source = {"transformer": build}, f"tiny {'Wan' if args.tiny == 'wan' else 'DiT'} (built from a config)"
+    else:
+        # one transformer in memory at a time: Wan2.2-A14B's two are 14B parameters each
+        loaders = {subfolder or "transformer": lambda subfolder=subfolder: load_transformer(args.model, subfolder=subfolder)
+                   for subfolder in _transformer_subfolders(args)}
+        source = args.model
+        vae_config = _pipeline_file(args.model, "config.json", "vae")
+    two = len(loaders) > 1
+    config = None
+    for name, load in loaders.items():
+        transformer = load().eval()
+        family = model_family(transformer)
+        if config is None:  # from the first transformer: a pipeline's transformers share their architecture
+            geometry = (VideoGeometry if family == "wan" else ImageGeometry).from_configs(transformer.config, vae_config)
+            uses_size = args.target_size is not None or (args.layout in (None, "auto") and args.target_grid is None)
+            if family == "wan" and vae_config is None and uses_size and args.tiny is None:
+                print("note: no vae/config.json beside the transformer: sizes become tokens with Wan2.1's VAE factors "
+                      "(x4 in time, x8 in space); for Wan2.2-TI2V-5B (x16) give the pipeline folder or --target-grid")
+            config = _convert_config(args, family, geometry)
+        resolve_mhla_config(transformer, config)  # any config error before work on this transformer
+        print(f"model: {f'{name} of ' if two else ''}{source} -> {type(transformer).__name__}, "
+              f"{sum(p.numel() for p in transformer.parameters()):,} parameters")
+        _convert_one(transformer, config, args)
+        if args.output is not None:  # a two-transformer pipeline: one folder per transformer, as the pipeline's
+            folder = save_mhla(transformer, args.output / name if two else args.output, include_base=args.include_base,
+                               overwrite=args.overwrite)
+            print(f"saved {'converted transformer' if args.include_base else 'MHLA weights'} to {folder}: "
+                  + ", ".join(sorted(p.name for p in folder.iterdir())))
+        del transformer
     print(f"wall time {time.perf_counter() - started:.2f} s")
     return 0

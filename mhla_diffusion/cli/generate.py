@@ -1,8 +1,9 @@
-"""``mhla text-to-video`` and ``mhla class-to-image``.
+"""``mhla text-to-video``, ``mhla image-to-video`` and ``mhla class-to-image``.
 
-Every check that needs no model runs first (prompts, sizes and frame count against the model's own
+Every check that needs no model runs first (prompts, the image, sizes and frame count against the model's own
 VAE and patch factors, block layout, class names when the model folder is local, output paths), so a
-bad command fails before any model loads.
+bad command fails before any model loads. Text- and image-to-video are one code path: image-to-video
+adds ``--image`` (and needs ``--model``: the embedded demonstration model is text-to-video only).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from ..embedded.locations import embedded_defaults
 from ..geometry import VideoGeometry
 from .arguments import WAN_480P, add_command, add_model_arguments, finite_float
+from .context_parallel import add_context_parallel_arguments, check_context_parallel, start_context_parallel
 
 __all__ = ["register"]
 
@@ -25,12 +27,20 @@ __all__ = ["register"]
 WAN_DEFAULTS = dict(num_frames=WAN_480P[0], height=WAN_480P[1], width=WAN_480P[2], steps=50, guidance_scale=5.0,
                     fps=16, max_sequence_length=512)
 DIT_DEFAULTS = dict(steps=50, guidance_scale=4.0)
+#: The video commands.
+VIDEO_TASKS = ("text-to-video", "image-to-video")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(subparsers, "text-to-video", configure_text_to_video,
-                help="generate videos from prompts with Wan2.1 + MHLA",
-                description="Generate videos with a Diffusers Wan2.1 pipeline whose self-attention is MHLA.")
+                help="generate videos from prompts with Wan (2.1, 2.2) + MHLA",
+                description="Generate videos with a Diffusers Wan text-to-video pipeline (Wan2.1, Wan2.2-TI2V-5B, "
+                "Wan2.2-T2V-A14B) whose self-attention is MHLA.")
+    add_command(subparsers, "image-to-video", configure_image_to_video,
+                help="generate videos from an image and prompts with Wan image-to-video + MHLA",
+                description="Generate videos that start from --image with a Diffusers Wan image-to-video pipeline "
+                "(Wan2.1-I2V, Wan2.2-I2V-A14B, Wan2.2-TI2V-5B) whose self-attention is MHLA. Options, outputs and "
+                "the JSON settings beside each video are those of `mhla text-to-video`.")
     add_command(subparsers, "class-to-image", configure_class_to_image,
                 help="generate class-conditional images with DiT + MHLA",
                 description="Generate class-conditional images with a Diffusers DiT pipeline whose self-attention is MHLA.")
@@ -38,33 +48,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def configure_text_to_video(video: argparse.ArgumentParser) -> None:
     from ..loading import WAN_HUB_ID
+
+    _add_video_arguments(video, WAN_HUB_ID, embedded=True)
+    video.set_defaults(func=run_text_to_video)
+
+
+def configure_image_to_video(video: argparse.ArgumentParser) -> None:
+    from ..loading import WAN_I2V_HUB_ID
+
+    video.add_argument("--image", type=Path, required=True,
+                       help="the first frame (PNG, JPEG, ...; resized to --height x --width), used for every prompt")
+    _add_video_arguments(video, WAN_I2V_HUB_ID, embedded=False)
+    video.set_defaults(func=run_image_to_video)
+
+
+def _add_video_arguments(video: argparse.ArgumentParser, hub_id: str, embedded: bool) -> None:
+    """The options of the video commands; ``embedded``: the command runs the embedded model without --model."""
     from ..pipelines.outputs import VIDEO_FORMATS
 
     d, wan = embedded_defaults(), VideoGeometry()
-    add_model_arguments(video, WAN_HUB_ID)
+
+    def default(name: str, embedded_value: Any) -> str:
+        return f"default {WAN_DEFAULTS[name]}" + (f"; embedded model: {embedded_value}" if embedded else "")
+
+    add_model_arguments(video, hub_id, embedded=embedded)
+    video.add_argument("--mhla-weights-2", type=Path,
+                       help="MHLA weights (a save_mhla folder) for transformer_2 of a two-transformer model (Wan2.2-A14B); "
+                       "or give --mhla-weights a folder with transformer/ and transformer_2/ (what `mhla convert` writes)")
     video.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     video.add_argument("--prompts-file", type=Path, help="a text file with one prompt per line")
     video.add_argument("--negative-prompt", default="", help="negative prompt (default: empty, as the MHLA recipe)")
     video.add_argument("--num-frames", type=int,
                        help=f"frames as the model's VAE allows them (Wan2.1: {wan.frame_rule()}); others are rounded as "
-                       f"Diffusers' WanPipeline does (default {WAN_DEFAULTS['num_frames']}; embedded model: {d.num_frames})")
+                       f"Diffusers' WanPipeline does ({default('num_frames', d.num_frames)})")
     for axis, side in enumerate(("height", "width")):
         video.add_argument(f"--{side}", type=int,
                            help=f"pixels, a multiple of what the model's VAE, patch size and Diffusers' WanPipeline "
-                           f"allow (Wan2.1: {wan.generation_multiple[axis]}) (default {WAN_DEFAULTS[side]}; embedded "
-                           f"model: {getattr(d, side)})")
-    video.add_argument("--steps", type=int,
-                       help=f"denoising steps (default {WAN_DEFAULTS['steps']}; embedded model: {d.video_steps})")
+                           f"allow (Wan2.1: {wan.generation_multiple[axis]}; Wan2.2-TI2V-5B: 32) "
+                           f"({default(side, getattr(d, side))})")
+    video.add_argument("--steps", type=int, help=f"denoising steps ({default('steps', d.video_steps)})")
     video.add_argument("--guidance-scale", type=finite_float,
                        help=f"classifier-free guidance (default {WAN_DEFAULTS['guidance_scale']})")
     video.add_argument("--flow-shift", type=finite_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
-    video.add_argument("--fps", type=int,
-                       help=f"frames per second of the written video (default {WAN_DEFAULTS['fps']}; embedded model: {d.fps})")
+    video.add_argument("--fps", type=int, help=f"frames per second of the written video ({default('fps', d.fps)})")
     video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
     video.add_argument("--max-sequence-length", type=int,
-                       help=f"text tokens (default {WAN_DEFAULTS['max_sequence_length']}; embedded model: "
-                       f"{d.max_sequence_length})")
-    video.set_defaults(func=run_text_to_video)
+                       help=f"text tokens ({default('max_sequence_length', d.max_sequence_length)})")
+    add_context_parallel_arguments(video)
 
 
 def configure_class_to_image(image: argparse.ArgumentParser) -> None:
@@ -88,13 +118,13 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
     """Fill unset options: the embedded model and its settings without --model, else the real models' defaults."""
     from ..embedded.locations import embedded_model
 
-    embedded = args.model is None
+    embedded = args.model is None  # never for image-to-video, whose --model is required
     if embedded:
-        if args.mhla_weights is not None or args.transformer is not None:
-            raise ValueError("--mhla-weights / --transformer need the --model they belong to")
+        if args.mhla_weights is not None or args.transformer is not None or getattr(args, "mhla_weights_2", None):
+            raise ValueError("--mhla-weights / --mhla-weights-2 / --transformer need the --model they belong to")
         args.model = str(embedded_model(task, "mhla"))
     d = embedded_defaults()
-    if task == "text-to-video":
+    if task in VIDEO_TASKS:
         values = WAN_DEFAULTS
         if embedded:
             values = dict(num_frames=d.num_frames, height=d.height, width=d.width, steps=d.video_steps,
@@ -106,22 +136,33 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
             setattr(args, name, value)
 
 
-def _declared_mhla(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The MHLA config the run will use, when it can be read without loading a model."""
+def _declared_mhla(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The MHLA configs (``mhla_config.json``) of the run's transformers that can be read without loading a
+    model; --mhla-weights / --mhla-weights-2 are checked against the model's transformers on the way."""
+    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS, mhla_weight_sources
     from ..weights import read_mhla_config
 
-    if args.mhla_weights is not None:
-        meta = read_mhla_config(args.mhla_weights)
-        if meta is None:
-            raise FileNotFoundError(
-                f"--mhla-weights {args.mhla_weights} has no mhla_config.json: give a folder written by save_mhla"
-            )
-        return meta
+    sources = mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}  # {} for a hub id not at hand
+    metas = [read_mhla_config(source, subfolder=subfolder) for source, subfolder in sources.values()]
     if args.transformer is not None and args.transformer.is_dir():
-        return read_mhla_config(args.transformer)
-    if os.path.isdir(args.model):
-        return read_mhla_config(args.model, subfolder="transformer")
-    return None
+        metas.append(read_mhla_config(args.transformer))
+    if os.path.isdir(args.model):  # a pipeline folder saved with MHLA
+        replaced = set(sources) | ({"transformer"} if args.transformer is not None else set())
+        metas += [read_mhla_config(args.model, subfolder=name) for name in TRANSFORMER_COMPONENTS if name not in replaced]
+    return [meta for meta in metas if meta is not None]
+
+
+def _read_image(path: Path) -> Any:
+    """The ``--image`` as an RGB ``PIL.Image``, read before any model loads."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--image {path} does not exist")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"--image {path} is not an image this installation can read ({error})") from None
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -163,7 +204,12 @@ def _video_frames(args: argparse.Namespace, geometry: VideoGeometry) -> int:
 def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) -> dict[str, Any]:
     from .. import __version__
 
-    conversion = pipe.mhla
+    mhla: dict[str, Any] = {}
+    for name, conversion in pipe.mhla_conversions.items():  # "transformer" -> mhla_layers, "transformer_2" -> ..._2
+        used = conversion if args.attention == "mhla" else None
+        suffix = name[len("transformer"):]
+        mhla[f"mhla_layers{suffix}"] = used.layers if used else []
+        mhla[f"block_layout{suffix}"] = list(used.layout) if used else None
     return {
         **extra,
         "seed": args.seed,
@@ -173,8 +219,7 @@ def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) 
         "mhla_weights": str(args.mhla_weights) if args.mhla_weights else None,
         "transformer": str(args.transformer) if args.transformer else None,
         "attention": args.attention,
-        "mhla_layers": conversion.layers if conversion and args.attention == "mhla" else [],
-        "block_layout": list(conversion.layout) if conversion and args.attention == "mhla" else None,
+        **mhla,
         "scheduler": type(pipe.scheduler).__name__,
         "device": device,
         "dtype": str(dtype).replace("torch.", ""),
@@ -190,7 +235,8 @@ def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
     device, dtype = device_and_dtype(args.device, args.dtype)
     if device == "cpu":
         retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
-    pipe = load_pipeline(cls, args.model, mhla_weights=args.mhla_weights, transformer=args.transformer,
+    pipe = load_pipeline(cls, args.model, mhla_weights=args.mhla_weights,
+                         mhla_weights_2=getattr(args, "mhla_weights_2", None), transformer=args.transformer,
                          attention=args.attention, dtype=dtype,
                          component_dtypes=component_dtypes_of() if component_dtypes_of else None)
     return device, dtype, pipe
@@ -200,58 +246,92 @@ def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
 
 
 def run_text_to_video(args: argparse.Namespace) -> int:
+    return _run_video(args, "text-to-video")
+
+
+def run_image_to_video(args: argparse.Namespace) -> int:
+    return _run_video(args, "image-to-video")
+
+
+def _run_video(args: argparse.Namespace, task: str) -> int:
+    """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
     from ..geometry import check_layout_fits
-    from ..loading import WAN_HUB_ID, check_model_source
+    from ..loading import WAN_HUB_ID, WAN_I2V_HUB_ID, check_model_source
     from ..pipelines.outputs import check_settings, plan_outputs, save_video, slugify, write_settings
 
-    _apply_defaults(args, "text-to-video")
+    _apply_defaults(args, task)
     prompts = _read_prompts(args)
-    check_model_source(args.model, WAN_HUB_ID)
+    check_model_source(args.model, WAN_I2V_HUB_ID if task == "image-to-video" else WAN_HUB_ID)
+    image = _read_image(args.image) if task == "image-to-video" else None
     geometry = VideoGeometry.from_folder(args.model)  # Wan2.1's factors for a hub id
     num_frames = _video_frames(args, geometry)
-    meta = _declared_mhla(args) if args.attention == "mhla" else None
-    if meta is not None:  # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
+    check_context_parallel(args, geometry.token_grid(num_frames, args.height, args.width))  # degree vs launch, split
+    if task == "image-to-video":
+        from ..geometry import read_component_config
+        from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
+        from ..pipelines.wan_i2v import check_text_tokens
+
+        configs = [read_component_config(args.model, name) for name in TRANSFORMER_COMPONENTS]  # a local folder's
+        check_text_tokens([c for c in configs if c is not None], args.max_sequence_length, "--max-sequence-length is")
+    for meta in _declared_mhla(args) if args.attention == "mhla" else []:
+        # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
         check_layout_fits(geometry.token_grid(num_frames, args.height, args.width), meta["mhla_config"]["layout"],
                           f"a {num_frames}x{args.height}x{args.width} video",
                           meta["mhla_config"].get("normalization", "denominator"))
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
-    plans = plan_outputs(args.output_dir, stems, args.format, args.overwrite)
+    parallel = start_context_parallel(args)  # None without --context-parallel; with it rank 0 alone plans and writes
+    if parallel is None:
+        plans = plan_outputs(args.output_dir, stems, args.format, args.overwrite)
+    else:
+        plans = parallel.on_main(plan_outputs, args.output_dir, stems, args.format, args.overwrite)
 
     import torch
 
-    from ..pipelines.wan import MHLAWanPipeline
+    if task == "image-to-video":
+        from ..pipelines.wan_i2v import MHLAWanImageToVideoPipeline as pipeline_class
+    else:
+        from ..pipelines.wan import MHLAWanPipeline as pipeline_class
 
-    device, dtype, pipe = _load(MHLAWanPipeline, args, lambda: {"vae": torch.float32})
+    device, dtype, pipe = _load(pipeline_class, args, lambda: {"vae": torch.float32})
     if args.flow_shift is not None:
         key = "flow_shift" if "flow_shift" in pipe.scheduler.config else "shift"
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{key: args.flow_shift})
-    pipe.to(device)  # the loaded model's own size limits: MHLAWanPipeline.__call__ checks them before any work
+    pipe.to(device)  # the loaded model's own size limits: the pipeline's __call__ checks them before any work
+    if parallel is not None:
+        parallel.enable(pipe, args)  # the transformers split each video's tokens across the processes
     for index, prompt in enumerate(prompts):
         unknown = pipe.unknown_words(prompt)
         if unknown:
             print(f"warning: prompt {index + 1} has words the model's tokenizer does not know, generated without them: "
                   f"{', '.join(map(repr, unknown))}", file=sys.stderr)
-    check_settings(_settings(args, pipe, device, dtype, flow_shift=pipe.scheduler.config.get(
-        "flow_shift", pipe.scheduler.config.get("shift"))))  # before generating: the sidecars must be valid JSON
+    flow_shift = pipe.scheduler.config.get("flow_shift", pipe.scheduler.config.get("shift"))
+    conditioning = {"image": image} if image is not None else {}
+    recorded = {"image": str(args.image)} if image is not None else {}
+    recorded["mhla_weights_2"] = str(args.mhla_weights_2) if args.mhla_weights_2 else None
+    recorded["context_parallel"] = args.context_parallel
+    check_settings(_settings(args, pipe, device, dtype, flow_shift=flow_shift))  # before generating: valid JSON sidecars
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
             started = time.perf_counter()
             frames = pipe(
-                prompt=prompt, negative_prompt=args.negative_prompt, num_frames=num_frames, height=args.height,
-                width=args.width, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np",
-                max_sequence_length=args.max_sequence_length,
+                **conditioning, prompt=prompt, negative_prompt=args.negative_prompt, num_frames=num_frames,
+                height=args.height, width=args.width, num_inference_steps=args.steps,
+                guidance_scale=args.guidance_scale, generator=torch.Generator("cpu").manual_seed(args.seed),
+                output_type="np", max_sequence_length=args.max_sequence_length,
             ).frames[0]
             wall = time.perf_counter() - started
+            if parallel is not None and not parallel.is_main:
+                continue  # every process holds the same video; rank 0 writes it
             save_video(frames, plan, args.format, args.fps)
             write_settings(plan, _settings(
-                args, pipe, device, dtype, task="text-to-video", prompt=prompt, negative_prompt=args.negative_prompt,
-                num_frames=num_frames, height=args.height, width=args.width, fps=args.fps,
-                flow_shift=pipe.scheduler.config.get("flow_shift", pipe.scheduler.config.get("shift")),
-                output=str(plan.media), wall_time_s=round(wall, 3),
+                args, pipe, device, dtype, task=task, **recorded, prompt=prompt, negative_prompt=args.negative_prompt,
+                num_frames=num_frames, height=args.height, width=args.width, fps=args.fps, flow_shift=flow_shift,
+                boundary_ratio=pipe.config.get("boundary_ratio"), output=str(plan.media), wall_time_s=round(wall, 3),
             ))
             print(f"[{index + 1}/{len(prompts)}] {plan.media}  ({args.attention}, {wall:.2f} s)")
+    if parallel is not None:
+        parallel.close()
     return 0
 
 

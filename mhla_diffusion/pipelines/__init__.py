@@ -1,4 +1,5 @@
-"""Sampling pipelines over Diffusers' ``WanPipeline`` and ``DiTPipeline`` with MHLA (``mhla_diffusion.pipelines``).
+"""Sampling pipelines over Diffusers' ``WanPipeline``, ``WanImageToVideoPipeline`` and ``DiTPipeline`` with MHLA
+(``mhla_diffusion.pipelines``).
 
 Names are re-exported lazily (PEP 562): importing :mod:`.outputs` (torch-free) does not load Diffusers.
 """
@@ -8,7 +9,9 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "MHLADiTPipeline": ".dit",
     "MHLAPipelineMixin": ".mhla_mixin",
+    "MHLAWanImageToVideoPipeline": ".wan_i2v",
     "MHLAWanPipeline": ".wan",
+    "MHLAWanVideoMixin": ".wan_video",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

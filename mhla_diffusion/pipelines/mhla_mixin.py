@@ -1,39 +1,56 @@
 """What our pipelines add to Diffusers' ``WanPipeline`` / ``DiTPipeline``: MHLA in, MHLA out.
 
 * ``from_pretrained(..., mhla_weights=DIR)`` loads a base pipeline and its MHLA weights in one call.
-* ``save_pretrained`` writes ``transformer/mhla_config.json`` and names the MHLA-preserving
-  transformer class in ``model_index.json``, so the folder reloads with MHLA intact both with our
-  pipelines and with Diffusers' stock ``WanPipeline`` / ``DiTPipeline`` / ``DiffusionPipeline``
+  A pipeline with two transformers (Wan2.2-A14B: ``transformer`` for the high-noise steps,
+  ``transformer_2`` for the rest) takes a folder with ``transformer/`` and ``transformer_2/`` MHLA
+  folders (what ``mhla convert`` and :meth:`save_mhla` write for it), or ``mhla_weights`` and
+  ``mhla_weights_2``, one ``save_mhla`` folder each.
+* ``convert_to_mhla(config, config_2=None)`` converts every transformer of the pipeline.
+* ``save_pretrained`` writes ``<transformer>/mhla_config.json`` and names the MHLA-preserving
+  transformer class in ``model_index.json`` for each converted transformer, so the folder reloads
+  with MHLA intact both with our pipelines and with Diffusers' stock ``WanPipeline`` /
+  ``WanImageToVideoPipeline`` / ``DiTPipeline`` / ``DiffusionPipeline``
   once the process has run ``import mhla_diffusion``. Diffusers (0.42) resolves a component's library
   only from ``sys.modules`` (it never imports a module a folder names, and reads no entry points), so
   without the import it stops with its own error, which ends "import mhla_diffusion before calling
   `from_pretrained`". ``model_index.json`` carries the same instruction under :data:`LOAD_HINT_KEY`
   (Diffusers ignores keys starting with ``_``).
-* ``softmax_attention()`` runs the same loaded model with its original softmax self-attention.
+* ``softmax_attention()`` runs the same loaded model (every transformer) with its original softmax
+  self-attention; ``mhla`` / ``mhla_conversions`` say what MHLA changed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-from ..conversion import MHLAConversion, get_mhla_conversion, softmax_attention
-from ..weights import load_mhla, write_mhla_config
+from torch import nn
 
-__all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin"]
+from ..config import MHLAConfig
+from ..conversion import MHLAConversion, get_mhla_conversion, resolve_mhla_config, softmax_attention
+from ..conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
+from ..weight_files import find_file, hub_kwargs_of
+from ..weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla, write_mhla_config
+
+__all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
+
+#: The pipeline components that can hold a transformer. Wan2.2-A14B has both: ``transformer`` runs the
+#: steps with timestep >= ``boundary_ratio`` x 1000, ``transformer_2`` the others.
+TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
 
 #: ``model_index.json`` key (ignored by Diffusers) that says how to load an MHLA folder with stock loaders.
 LOAD_HINT_KEY = "_mhla_diffusion_load"
 LOAD_HINT = ("the transformer is an mhla_diffusion class: run `import mhla_diffusion` before Diffusers' "
-             "DiffusionPipeline / WanPipeline / DiTPipeline.from_pretrained, or load with "
-             "mhla_diffusion.MHLAWanPipeline / MHLADiTPipeline.from_pretrained")
+             "DiffusionPipeline / WanPipeline / WanImageToVideoPipeline / DiTPipeline.from_pretrained, or load with "
+             "mhla_diffusion.MHLAWanPipeline / MHLAWanImageToVideoPipeline / MHLADiTPipeline.from_pretrained")
 
 
 class MHLAPipelineMixin:
-    """Mixed into a Diffusers pipeline class whose ``transformer`` may carry MHLA processors."""
+    """Mixed into a Diffusers pipeline class whose transformers (``transformer``, and ``transformer_2`` in
+    two-transformer pipelines) may carry MHLA processors."""
 
     #: Diffusers pipeline this one extends, recorded in ``model_index.json`` for stock loaders.
     _stock_pipeline_name: str = ""
@@ -43,44 +60,209 @@ class MHLAPipelineMixin:
 
     @classmethod
     def from_pretrained(
-        cls, pretrained_model_name_or_path: str | os.PathLike, *, mhla_weights: str | os.PathLike | None = None, **kwargs: Any
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *,
+        mhla_weights: str | os.PathLike | None = None,
+        mhla_weights_2: str | os.PathLike | None = None,
+        **kwargs: Any,
     ):
-        """Diffusers' ``from_pretrained`` (local folder or hub id), plus MHLA weights from ``mhla_weights``.
+        """Diffusers' ``from_pretrained`` (local folder or hub id), plus MHLA weights.
 
-        A folder saved by our ``save_pretrained`` already holds MHLA and needs no ``mhla_weights``.
+        Args:
+            mhla_weights: a folder (or hub repo) written by ``save_mhla`` / ``mhla convert --output``: its MHLA
+                layers go into ``transformer``. For a two-transformer pipeline (Wan2.2-A14B) it may instead hold
+                ``transformer/`` and ``transformer_2/`` MHLA folders (what ``mhla convert`` and
+                :meth:`save_mhla` write for such a pipeline), each loaded into the transformer of its name.
+            mhla_weights_2: a ``save_mhla`` folder for ``transformer_2`` (e.g. each expert fine-tuned on its own).
+
+        In a two-transformer pipeline MHLA weights must reach both transformers. Which weights go where is
+        checked before the pipeline loads (from its ``model_index.json``) and is a ``ValueError`` /
+        ``FileNotFoundError`` naming the fix. A folder saved by our ``save_pretrained`` already holds MHLA and
+        needs no ``mhla_weights``.
         """
-        kwargs.setdefault("disable_mmap", True)  # exact CPU reloads (see mhla_diffusion.weights)
+        sources = mhla_weight_sources(pretrained_model_name_or_path, mhla_weights, mhla_weights_2, **kwargs)
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        if mhla_weights is not None:
-            load_mhla(mhla_weights, pipe.transformer)
+        if sources is None:  # the pipeline's model_index.json could not be read before loading
+            sources = mhla_weight_sources(pretrained_model_name_or_path, mhla_weights, mhla_weights_2,
+                                          transformers=list(pipe.transformer_components))
+        for name, (source, subfolder) in sources.items():
+            load_mhla(source, getattr(pipe, name), subfolder=subfolder)
         return pipe
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Diffusers' ``save_pretrained`` that keeps MHLA loadable (see the module docstring)."""
+        """Diffusers' ``save_pretrained`` that keeps MHLA loadable (see the module docstring): every converted
+        transformer gets its ``mhla_config.json`` and its MHLA-preserving class in ``model_index.json``."""
         super().save_pretrained(save_directory, **kwargs)
         folder = Path(save_directory)
-        converted = get_mhla_conversion(self.transformer) is not None
-        if converted:
-            write_mhla_config(self.transformer, folder / "transformer", contents="transformer")
         index_path = folder / "model_index.json"
         index = json.loads(index_path.read_text())
         index["_class_name"] = self._stock_pipeline_name
-        index["transformer"] = (
-            ["mhla_diffusion", self._mhla_transformer_name] if converted else ["diffusers", self._stock_transformer_name]
-        )
-        if converted:
+        conversions = self.mhla_conversions
+        for name, conversion in conversions.items():
+            if conversion is not None:
+                write_mhla_config(getattr(self, name), folder / name, contents="transformer")
+            index[name] = (["mhla_diffusion", self._mhla_transformer_name] if conversion is not None
+                           else ["diffusers", self._stock_transformer_name])
+        if any(conversion is not None for conversion in conversions.values()):
             index[LOAD_HINT_KEY] = LOAD_HINT
         else:
             index.pop(LOAD_HINT_KEY, None)
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
+    def save_mhla(self, save_directory: str | os.PathLike, *, include_base: bool = False, overwrite: bool = False) -> Path:
+        """Save only what MHLA adds (or, with ``include_base``, the whole converted transformers), in the form
+        ``from_pretrained(base, mhla_weights=save_directory)`` reads: the folder itself for a one-transformer
+        pipeline, ``transformer/`` and ``transformer_2/`` in it for a two-transformer one (each a
+        :func:`~mhla_diffusion.save_mhla` folder). Every transformer must have MHLA layers. Returns the folder."""
+        transformers = self.transformer_components
+        softmax = [name for name, conversion in self.mhla_conversions.items() if conversion is None]
+        if softmax:
+            raise ValueError(f"{' and '.join(softmax)} has no MHLA layers: convert it first (pipe.convert_to_mhla(config))")
+        folder = Path(save_directory)
+        if len(transformers) == 1:
+            return save_mhla(next(iter(transformers.values())), folder, include_base=include_base, overwrite=overwrite)
+        taken = [str(folder / name) for name in transformers if (folder / name / MHLA_CONFIG_NAME).exists()]
+        if taken and not overwrite:  # checked for both before either is written
+            raise FileExistsError(f"{', '.join(taken)} already hold MHLA weights; choose another folder or pass "
+                                  "overwrite=True (CLI: --overwrite)")
+        for name, transformer in transformers.items():
+            save_mhla(transformer, folder / name, include_base=include_base, overwrite=overwrite)
+        return folder
+
+    @property
+    def transformer_components(self) -> dict[str, nn.Module]:
+        """``{component name: transformer}`` of the transformers this pipeline holds, in
+        :data:`TRANSFORMER_COMPONENTS` order (``transformer``; and ``transformer_2`` for Wan2.2-A14B)."""
+        return {name: getattr(self, name) for name in TRANSFORMER_COMPONENTS if getattr(self, name, None) is not None}
+
+    @property
+    def mhla_conversions(self) -> dict[str, MHLAConversion | None]:
+        """What MHLA changed in each transformer (``{name: conversion or None for softmax}``)."""
+        return {name: get_mhla_conversion(transformer) for name, transformer in self.transformer_components.items()}
+
     @property
     def mhla(self) -> MHLAConversion | None:
-        """What MHLA changed in the transformer (``None`` for a softmax model)."""
-        return get_mhla_conversion(self.transformer)
+        """What MHLA changed in the pipeline's transformers: ``None`` when none has MHLA layers, else their
+        shared :class:`MHLAConversion` (a two-transformer pipeline converted with one config has one).
+
+        Raises ``ValueError`` when the transformers differ (one MHLA and one softmax, or two configs): read
+        :attr:`mhla_conversions` then.
+        """
+        conversions = self.mhla_conversions
+        values = list(conversions.values())
+        if all(value is None for value in values):
+            return None
+        if all(value is not None and value == values[0] for value in values):
+            return values[0]
+        described = "; ".join(f"{name}: {_describe(conversion)}" for name, conversion in conversions.items())
+        raise ValueError(f"this pipeline's transformers differ in MHLA ({described}): read pipe.mhla_conversions "
+                         "for each one")
+
+    def convert_to_mhla(self, config: MHLAConfig | None = None, *, config_2: MHLAConfig | None = None
+                        ) -> dict[str, MHLAConversion]:
+        """Convert the self-attention of every transformer of the pipeline to MHLA, in place.
+
+        ``config`` (default :class:`MHLAConfig`) applies to every transformer; ``config_2``, when given, to
+        ``transformer_2`` instead. Both are checked against their transformers before any is changed.
+        Returns ``{name: conversion}`` (as :attr:`mhla_conversions`).
+        """
+        transformers = self.transformer_components
+        if config_2 is not None and "transformer_2" not in transformers:
+            raise ValueError("`config_2` is for pipelines with a transformer_2 (Wan2.2-A14B); this pipeline has none")
+        converted = [name for name, conversion in self.mhla_conversions.items() if conversion is not None]
+        if converted:
+            raise ValueError(f"{' and '.join(converted)} already has MHLA layers: revert_mhla() it first")
+        configs = {name: (config_2 if name == "transformer_2" and config_2 is not None else config) or MHLAConfig()
+                   for name in transformers}
+        for name, transformer in transformers.items():
+            resolve_mhla_config(transformer, configs[name])  # every config error before any change
+        return {name: convert_transformer(transformer, configs[name]) for name, transformer in transformers.items()}
 
     @contextmanager
     def softmax_attention(self) -> Iterator[Any]:
-        """Inside the block, generate with the original softmax self-attention of the same weights."""
-        with softmax_attention(self.transformer):
+        """Inside the block, generate with the original softmax self-attention of the same weights (in every
+        transformer of the pipeline)."""
+        with ExitStack() as stack:
+            for transformer in self.transformer_components.values():
+                stack.enter_context(softmax_attention(transformer))
             yield self
+
+
+def _describe(conversion: MHLAConversion | None) -> str:
+    if conversion is None:
+        return "softmax"
+    return f"MHLA on layers {conversion.layers}, layout {'x'.join(map(str, conversion.layout))}"
+
+
+def _declared_transformers(source: str | os.PathLike, kwargs: dict[str, Any]) -> list[str] | None:
+    """The transformer components a pipeline folder (or hub repo) will load with: those its ``model_index.json``
+    declares, or that ``kwargs`` (``from_pretrained``'s) pass in. ``None`` when the index cannot be read."""
+    try:
+        path = find_file(source, "model_index.json", None, hub_kwargs_of(kwargs))
+        index = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if index is None:
+        return None
+    present = []
+    for name in TRANSFORMER_COMPONENTS:
+        entry = index.get(name)
+        declared = isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] is not None
+        if (kwargs[name] is not None) if name in kwargs else declared:
+            present.append(name)
+    return present
+
+
+def mhla_weight_sources(
+    pretrained_model_name_or_path: str | os.PathLike,
+    mhla_weights: str | os.PathLike | None = None,
+    mhla_weights_2: str | os.PathLike | None = None,
+    *,
+    transformers: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> dict[str, tuple[Any, str | None]] | None:
+    """Where ``from_pretrained``'s ``mhla_weights`` / ``mhla_weights_2`` go: ``{transformer name: (MHLA folder,
+    subfolder or None)}``, read from the small ``mhla_config.json`` files only (no model loads).
+
+    ``transformers`` are the pipeline's transformer components; by default those the pipeline's
+    ``model_index.json`` declares (``kwargs``: ``from_pretrained``'s, e.g. ``transformer_2=None``, ``revision``).
+    Returns ``{}`` without MHLA weights, ``None`` when the pipeline's index cannot be read. Raises
+    ``FileNotFoundError`` / ``ValueError`` naming the fix when a folder holds no MHLA weights, when weights name a
+    transformer the pipeline lacks, or when a two-transformer pipeline would get MHLA in only one of them.
+    """
+    if mhla_weights is None and mhla_weights_2 is None:
+        return {}
+    if transformers is None:
+        transformers = _declared_transformers(pretrained_model_name_or_path, kwargs)
+        if transformers is None:
+            return None
+    sources: dict[str, tuple[Any, str | None]] = {}
+    if mhla_weights is not None:
+        if read_mhla_config(mhla_weights) is not None:
+            sources["transformer"] = (mhla_weights, None)
+        else:
+            sources = {name: (mhla_weights, name) for name in TRANSFORMER_COMPONENTS
+                       if read_mhla_config(mhla_weights, subfolder=name) is not None}
+            if not sources:
+                raise FileNotFoundError(
+                    f"no {MHLA_CONFIG_NAME} in mhla_weights {mhla_weights} (nor in its transformer/ or transformer_2/): "
+                    "give a folder written by save_mhla or `mhla convert --output`")
+    if mhla_weights_2 is not None:
+        if "transformer_2" in sources:
+            raise ValueError(f"mhla_weights {mhla_weights} already holds transformer_2/: leave out mhla_weights_2")
+        if read_mhla_config(mhla_weights_2) is None:
+            raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in mhla_weights_2 {mhla_weights_2}: give a folder written "
+                                    "by save_mhla or `mhla convert --output`")
+        sources["transformer_2"] = (mhla_weights_2, None)
+    absent = [name for name in sources if name not in transformers]
+    if absent:
+        raise ValueError(f"MHLA weights for {' and '.join(absent)}, but the pipeline has no {' and '.join(absent)} "
+                         f"(its transformers: {', '.join(transformers) or 'none'})")
+    left = [name for name in transformers if name not in sources]
+    if left:
+        raise ValueError(
+            f"this pipeline has two transformers ({', '.join(transformers)}), but MHLA weights were given only for "
+            f"{', '.join(sources)}: pass mhla_weights_2=<folder> for transformer_2 (CLI: --mhla-weights-2), or "
+            "mhla_weights=<folder with transformer/ and transformer_2/> (what `mhla convert` writes for such a pipeline)")
+    return sources

@@ -46,6 +46,7 @@ def test_packages_import_from_a_checkout_with_pythonpath_dot():
     ("eval/make_reference.py", "--images"),
     ("eval/sample.py", "--num-samples"),
     ("pipelines/text_to_video.py", "--prompt"),
+    ("pipelines/image_to_video.py", "--image"),
     ("pipelines/class_to_image.py", "--class"),
 ])
 def test_entry_scripts_run_from_a_checkout(script, expected):

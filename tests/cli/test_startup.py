@@ -18,10 +18,11 @@ CASES = [
     ("mhla_diffusion.cli", ["--help"], 0),
     ("mhla_diffusion.cli", ["text-to-video", "--help"], 0),
     ("mhla_diffusion.cli", ["text-to-video", "--attention", "nonsense"], 2),
+    ("mhla_diffusion.cli", ["image-to-video", "--prompt", "x"], 2),  # --image and --model are required
     ("mhla_diffusion.cli", ["convert", "--layout", "3xfive"], 2),
     ("mhla_diffusion.cli", ["no-such-command"], 2),
     *[("mhla_diffusion.cli", [command, "--help"], 0) for command in (
-        "convert", "class-to-image", "import-wan", "import-dit", "eval", "eval-ref", "eval-sample", "eval-video", "bench",
+        "convert", "class-to-image", "image-to-video", "import-wan", "import-dit", "eval", "eval-ref", "eval-sample", "eval-video", "bench",
         "build-embedded", "demo-models",
     )],
     ("mhla_diffusion.cli", ["web", "--help"], 0),

@@ -11,4 +11,5 @@ Imported as ``from helpers.<topic> import name`` (``tests/`` is on ``sys.path`` 
 * :mod:`helpers.finetune` -- tiny trainer options, metrics, fixed-draw evaluators, tiny pretrained pipelines
 * :mod:`helpers.features` -- a stand-in for the Inception feature network
 * :mod:`helpers.shapes` -- measurements of the moving-shapes demo clips
+* :mod:`helpers.wan_family` -- the Wan variants beyond Wan2.1 text-to-video: names, classes, call arguments
 """

@@ -36,7 +36,7 @@ def test_wan_mhla_vs_sdpa_differ_and_are_deterministic(pipeline_dirs):
     assert mhla_a.shape == (1, 9, 32, 32, 3)
     assert np.array_equal(mhla_a, mhla_b) and np.array_equal(sdpa_a, sdpa_b)
     assert np.abs(mhla_a - sdpa_a).max() > 1e-3
-    stock = WanPipeline.from_pretrained(pipeline_dirs["wan"], disable_mmap=True)
+    stock = WanPipeline.from_pretrained(pipeline_dirs["wan"])
     stock.set_progress_bar_config(disable=True)
     assert np.array_equal(stock(**WAN_CALL, generator=seeded()).frames, sdpa_a)
 
@@ -49,7 +49,7 @@ def test_wan_save_reload_is_bit_exact_with_every_loader(pipeline_dirs, tmp_path)
     assert index["_class_name"] == "WanPipeline"
     assert index["transformer"] == ["mhla_diffusion", "MHLAWanTransformer3DModel"]
     for cls in (MHLAWanPipeline, WanPipeline, DiffusionPipeline):  # stock loaders keep MHLA too
-        reloaded = cls.from_pretrained(tmp_path / "saved", disable_mmap=True)
+        reloaded = cls.from_pretrained(tmp_path / "saved")
         reloaded.set_progress_bar_config(disable=True)
         assert isinstance(reloaded.transformer, MHLAWanTransformer3DModel), cls
         assert reloaded.transformer.blocks[0].attn1.processor.gate is not None
@@ -107,7 +107,7 @@ def test_dit_pipeline_names_callback_and_reload(pipeline_dirs, tmp_path):
 
     pipe.save_pretrained(tmp_path / "saved")
     for cls in (MHLADiTPipeline, DiTPipeline):
-        reloaded = cls.from_pretrained(tmp_path / "saved", disable_mmap=True)
+        reloaded = cls.from_pretrained(tmp_path / "saved")
         reloaded.set_progress_bar_config(disable=True)
         assert isinstance(reloaded.transformer, MHLADiTTransformer2DModel)
         assert reloaded.labels["goldfish"] == 1  # id2label survives the save
