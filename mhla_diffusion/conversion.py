@@ -157,11 +157,13 @@ def resolve_mhla_config(transformer: nn.Module, config: MHLAConfig) -> MHLAConfi
 
 
 def build_mhla_processors(
-    transformer: nn.Module, config: MHLAConfig, grid_context: TokenGridContext | None = None
+    transformer: nn.Module, config: MHLAConfig, grid_context: TokenGridContext | None = None, *, empty: bool = False
 ) -> tuple[MHLAConfig, dict[str, MHLAProcessor]]:
     """Resolve ``config`` for ``transformer`` and create (but do not install) one processor per chosen layer.
 
-    Returns the resolved config and ``{layer name: processor}`` on the layers' device and dtype.
+    Returns the resolved config and ``{layer name: processor}`` on the layers' device and dtype. With
+    ``empty``, the processors' parameters are left on the meta device in the layers' dtype (nothing
+    allocated or initialised), for a loader that fills them with ``load_state_dict(..., assign=True)``.
     """
     family = model_family(transformer)
     layers = self_attention_layers(transformer)
@@ -174,9 +176,10 @@ def build_mhla_processors(
         head_dim = attn.to_q.out_features // attn.heads
         weight = attn.to_q.weight
         # a model on the meta device (built without memory) gets meta parameters: none is allocated or initialised
-        with torch.device("meta") if weight.is_meta else nullcontext():
+        meta = empty or weight.is_meta
+        with torch.device("meta") if meta else nullcontext():
             processor = _PROCESSOR_CLASSES[family](attn.heads, head_dim, layout, resolved, context)
-        processors[name] = processor.to(device=weight.device, dtype=weight.dtype)
+        processors[name] = processor.to(device="meta" if meta else weight.device, dtype=weight.dtype)
     return resolved, processors
 
 

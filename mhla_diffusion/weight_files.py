@@ -154,12 +154,16 @@ def load_into(transformer: nn.Module, meta: dict[str, Any], tensors: dict[str, t
     check_model_matches(transformer, meta)
     config = MHLAConfig.from_dict(meta["mhla_config"])
     context = TokenGridContext()
-    resolved, processors = build_mhla_processors(transformer, config, context)
+    # empty processors filled by assignment: the loaded tensors become the parameters (still memory-mapped
+    # when the file holds the model's dtype), instead of initialising new ones and copying into them
+    resolved, processors = build_mhla_processors(transformer, config, context, empty=True)
     expected = {f"{name}.processor.{key}": value for name, proc in processors.items() for key, value in proc.state_dict().items()}
     check_state_dict(expected, tensors, "MHLA weights do not match the model")
+    layers = dict(self_attention_layers(transformer))
     for name, proc in processors.items():
-        prefix = f"{name}.processor."
-        proc.load_state_dict({key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}, strict=True)
+        prefix, device = f"{name}.processor.", layers[name].to_q.weight.device
+        own = {key: tensors[prefix + key].to(device=device, dtype=value.dtype) for key, value in proc.state_dict().items()}
+        proc.load_state_dict(own, strict=True, assign=True)
     install_mhla_processors(transformer, resolved, processors, context)
 
 

@@ -28,9 +28,8 @@ def converted_wan():
 
 
 def unmapped(model, dtype=None):
-    """Base (non-MHLA) weights of ``dtype`` that the load copied instead of leaving them in the file."""
-    items = [(k, v) for k, v in model.state_dict().items()
-             if ".processor." not in k and (dtype is None or v.dtype == dtype)]
+    """Weights (base and MHLA) of ``dtype`` that the load copied instead of leaving them in the file."""
+    items = [(k, v) for k, v in model.state_dict().items() if dtype is None or v.dtype == dtype]
     return [k for (k, _), inside in zip(items, in_weight_file_mapping(v for _, v in items)) if not inside]
 
 
@@ -96,7 +95,7 @@ def test_load_benchmark_peak_memory_in_fresh_processes(tmp_path):
     bf16 = measure_load(LoadCase("base+mhla", "bfloat16"), folders)
     old = measure_load(LoadCase("whole", "float32", mmap=False), folders)
     # bf16: Wan's float32 modules (time embedder, norms) are copies; at one block they are ~10 % of the bytes
-    assert lean["mapped"] > 0.95 and bf16["mapped"] > 0.8 and old["mapped"] == 0
+    assert lean["mapped"] > 0.95 and bf16["mapped"] > 0.8 and old["mapped"] < 0.1  # only the MHLA weights
     assert lean["load_ratio"] <= 1.25 and bf16["load_ratio"] <= 1.25, (lean, bf16)
     # a forward touches every weight: the weights' pages become resident (plus activations, which at
     # one block are not small next to the weights; `mhla bench --load` shows the full-size ratio)
