@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
+from .cpu_memory import retain_freed_memory_on_first_use
 from .geometry import check_equal_blocks
 
 __all__ = ["mhla_attention", "normalization_mode", "validate_attention_inputs"]
@@ -64,11 +65,14 @@ def validate_attention_inputs(
     q_rot: torch.Tensor | None,
     k_rot: torch.Tensor | None,
     plan: BlockPlan | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check the operator's arguments; raise ``ValueError`` naming the first bad one.
 
     With a ``plan`` (built by :func:`~mhla_diffusion.block_layout.block_plan`, which validated its
     grid and layout), grid and layout are only compared with the plan's, not validated again.
+    ``num_tokens`` is the grid's token count, default ``N`` of ``q``; the context-parallel operator
+    passes the whole sequence's count, since its ``q`` holds only one rank's tokens.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
@@ -80,10 +84,11 @@ def validate_attention_inputs(
     for name, t in (("q_rot", q_rot), ("k_rot", k_rot)):
         if t is not None and t.shape != q.shape:
             raise ValueError(f"`{name}` shape {tuple(t.shape)} must equal `q` shape {tuple(q.shape)}")
+    num_tokens = q.shape[1] if num_tokens is None else num_tokens
     if plan is None:
-        grid, layout = validate_grid_layout(grid, layout, num_tokens=q.shape[1])
+        grid, layout = validate_grid_layout(grid, layout, num_tokens=num_tokens)
     else:
-        grid, layout = _check_plan(plan, grid, layout, q.shape[1], q.device)
+        grid, layout = _check_plan(plan, grid, layout, num_tokens, q.device)
     m, heads = num_blocks(layout), q.shape[2]
     if not isinstance(mixing, torch.Tensor) or mixing.shape not in ((m, m), (heads, m, m)):
         raise ValueError(
@@ -164,11 +169,17 @@ def mhla_attention(
     ``layout`` may have more blocks than ``grid`` has tokens on an axis: the blocks that receive no
     token are empty (zero key-value summary and key sum, no query), as in the reference.
 
+    On a CPU, the first call in a process makes glibc keep freed memory for reuse (logged; see
+    :mod:`mhla_diffusion.cpu_memory`, ``MHLA_KEEP_MALLOC=1`` opts out): otherwise every large
+    temporary of a call at video length is page-faulted in again, which costs more than the arithmetic.
+
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan)
     normalize = normalization_mode(normalize)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        retain_freed_memory_on_first_use()  # once per process, logged; MHLA_KEEP_MALLOC=1 opts out (cpu_memory)
     if heads_per_chunk is not None and heads_per_chunk < 1:
         raise ValueError(f"`heads_per_chunk` must be >= 1, got {heads_per_chunk}")
     if plan is None:

@@ -5,8 +5,9 @@ the final save. A task (``train_wan`` / ``train_dit``) supplies data, model and 
 
 Reproducibility: the data order depends only on ``(seed, epoch)``; the random numbers of a step
 (timesteps, noise, caption / class dropout) come from a generator seeded by
-``(seed, process, step, micro-batch)``; Accelerate's checkpoints restore model, optimizers, LR
-schedules, EMA, RNG states and :class:`TrainingState` (step and data position). So a run resumed
+``(seed, data-parallel group, step, micro-batch)`` (the processes of a context-parallel group draw
+alike); Accelerate's checkpoints restore model, optimizers, LR schedules, EMA, RNG states and
+:class:`TrainingState` (step and data position). So a run resumed
 from a checkpoint ends with the same weights as one that was never interrupted.
 """
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from ..context_parallel import context_parallel_paused, enable_training_context_parallel
 from ..conversion import convert_to_mhla, get_mhla_conversion
 from .attention_transfer import AttentionTransfer
 from .buckets import BucketBatchSampler
@@ -234,6 +236,8 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         prepare_run_dir(output_dir, mode, options.to_dict())
     accelerator.wait_for_everyone()
     model = parts.transformer
+    # data parallelism across groups of `context_parallel_degree` processes that split each batch's tokens
+    layout = enable_training_context_parallel(model, getattr(options, "context_parallel_degree", 1))
     if fid is not None and parts.fid_samples is None:
         raise ValueError(f"{type(task).__name__} cannot sample for validation FID: drop validation_fid_reference")
     if parts.ema_decay and sharded_state:
@@ -301,17 +305,24 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         write_run_config(output_dir, options.to_dict())
         truncate_metrics(output_dir / "logs", -1)
     accelerator.wait_for_everyone()
-    global_batch = options.train_batch_size * accelerator.num_processes * options.gradient_accumulation_steps
-    logger.info("processes: %d (%s); global batch %d = %d per process x %d processes x %d accumulation steps",
-                accelerator.num_processes, accelerator.distributed_type, global_batch, options.train_batch_size,
-                accelerator.num_processes, options.gradient_accumulation_steps)
+    global_batch = options.train_batch_size * layout.data_parallel_size * options.gradient_accumulation_steps
+    if layout.context_parallel_degree == 1:
+        logger.info("processes: %d (%s); global batch %d = %d per process x %d processes x %d accumulation steps",
+                    accelerator.num_processes, accelerator.distributed_type, global_batch, options.train_batch_size,
+                    accelerator.num_processes, options.gradient_accumulation_steps)
+    else:
+        logger.info("processes: %d (%s) = %d data-parallel groups x %d context-parallel processes (each clip's tokens "
+                    "split across a group); global batch %d = %d per group x %d groups x %d accumulation steps",
+                    accelerator.num_processes, accelerator.distributed_type, layout.data_parallel_size,
+                    layout.context_parallel_degree, global_batch, options.train_batch_size, layout.data_parallel_size,
+                    options.gradient_accumulation_steps)
 
     accelerator.init_trackers(options.tracker_project_name, config=_flat_config(options.to_dict()))
     if state.global_step == 0:
         accelerator.log({**(parts.data_metrics or {}), "num_processes": accelerator.num_processes}, step=0)
 
-    sampler = BucketBatchSampler(parts.buckets, options.train_batch_size, accelerator.num_processes,
-                                 accelerator.process_index, options.seed)
+    sampler = BucketBatchSampler(parts.buckets, options.train_batch_size, layout.data_parallel_size,
+                                 layout.data_parallel_rank, options.seed)  # a context-parallel group shares its batches
     batches = _batches(sampler, parts.dataset, parts.collate_fn, options.dataloader_num_workers, state, accelerator.device)
     transfer_steps, total = options.attention_transfer_steps, options.attention_transfer_steps + options.max_train_steps
     progress = tqdm(total=total, initial=state.global_step, disable=not accelerator.is_local_main_process,
@@ -332,13 +343,13 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         losses, extras = [], {}
         for micro in range(options.gradient_accumulation_steps):
             batch = next(batches)
-            generator = step_generator(options.seed, accelerator.process_index, state.global_step, micro, accelerator.device)
+            generator = step_generator(options.seed, layout.data_parallel_rank, state.global_step, micro, accelerator.device)
             with accelerator.accumulate(prepared):
                 with transfer if stage == "transfer" else nullcontext():
                     loss, metrics = parts.batch_loss(prepared, batch, generator)
                     if stage == "transfer":  # the output is the softmax model's here: only the layer losses count
                         metrics, loss = transfer.layer_metrics(), transfer.loss()
-                accelerator.backward(loss)
+                accelerator.backward(loss * layout.loss_scale if layout.context_parallel_degree > 1 else loss)
                 if accelerator.sync_gradients and options.max_grad_norm > 0:
                     extras["grad_norm"] = accelerator.clip_grad_norm_(prepared.parameters(), options.max_grad_norm)
                 stage_optimizer.step()
@@ -422,7 +433,8 @@ def _validate(accelerator, parts: TaskParts, unwrapped: nn.Module, ema, names, p
     if accelerator.is_main_process:
         was_training = unwrapped.training
         unwrapped.eval()
-        with _with_ema(ema, params, names), torch.no_grad(), accelerator.autocast():
+        # the main process samples alone: the whole sequence, without the other processes of its group
+        with _with_ema(ema, params, names), torch.no_grad(), accelerator.autocast(), context_parallel_paused(unwrapped):
             parts.validate(unwrapped, step)
         unwrapped.train(was_training)
     accelerator.wait_for_everyone()
@@ -462,7 +474,8 @@ def _save_final(accelerator, parts: TaskParts, prepared, unwrapped, ema, names, 
         with _with_ema(ema, params, names):
             output = parts.save_final(unwrapped, "final")
             if parts.finish is not None:
-                parts.finish(unwrapped)
+                with context_parallel_paused(unwrapped):  # a copy of the model (fused LoRA) holds no process group
+                    parts.finish(unwrapped)
     accelerator.wait_for_everyone()
     return output if output is not None else Path(accelerator.project_dir) / "final"
 

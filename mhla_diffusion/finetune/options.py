@@ -226,9 +226,21 @@ class WanTrainOptions(TrainOptions):
     validation_width: int | None = None
     validation_num_frames: int | None = None
     validation_fps: int = 16
+    # split each clip's tokens across this many processes (sequence parallelism; data parallelism across the
+    # groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it
+    context_parallel_degree: int = 1
 
     def validate(self) -> None:
         super().validate()
+        _at_least("context_parallel_degree", self.context_parallel_degree, 1)
+        if self.context_parallel_degree > 1:
+            if self.attention_transfer_steps:
+                raise ValueError("attention transfer's per-layer losses are not split across a context-parallel group: "
+                                 "set attention_transfer_steps: 0 with context_parallel_degree > 1 (run a transfer stage "
+                                 "on its own with context_parallel_degree: 1)")
+            if self.validation_fid_reference:
+                raise ValueError("validation FID samples different clips on every process, which a context-parallel "
+                                 "group can not split: drop validation_fid_reference, or set context_parallel_degree: 1")
         # Frame counts and sizes must also suit the model (frames k * VAE temporal scale + 1, sizes
         # multiples of VAE scale x patch size): the trainer checks them against the model's configs at
         # setup, before any work (mhla_diffusion.geometry.VideoGeometry).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -81,6 +82,7 @@ class WanTask(Task):
         samples, report = self._index_data(accelerator)
         transformer = self._load_transformer(accelerator)
         self._check_buckets(transformer, samples)
+        self._check_context_parallel(samples)
         if o.cache_latents:
             samples, report = self._fill_cache(accelerator, samples, report)
         else:
@@ -207,6 +209,24 @@ class WanTask(Task):
             kind = "images (1 frame)" if bucket[0] == 1 else f"{bucket[0]}-frame clips"
             check_layout_fits(geometry.token_grid(*bucket), conversion.layout,
                               f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind})", conversion.config.normalization)
+
+    def _check_context_parallel(self, samples: list[VideoSample]) -> None:
+        """With ``context_parallel_degree`` P, every training bucket's token count must be a multiple of P
+        (Diffusers' even split; validation samples run unsplit on the main process)."""
+        degree = self.options.context_parallel_degree
+        if degree == 1:
+            return
+        geometry = self._geometry()
+        for bucket in sorted({s.bucket for s in samples}):
+            grid = geometry.token_grid(*bucket)
+            tokens = math.prod(grid)
+            if tokens % degree:
+                raise ValueError(
+                    f"context_parallel_degree {degree}: bucket {bucket[0]}x{bucket[1]}x{bucket[2]} has {tokens} tokens "
+                    f"(grid {'x'.join(map(str, grid))}), not a multiple of {degree}, so its tokens can not be split evenly "
+                    "across the processes: choose frame_buckets / resolution_buckets whose token counts are multiples "
+                    f"of {degree}, or another context_parallel_degree"
+                )
 
     def _load_encoders(self, vae: bool, text: bool) -> None:
         o = self.options

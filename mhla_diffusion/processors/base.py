@@ -23,6 +23,7 @@ from torch import nn
 from ..attention import mhla_attention
 from ..block_layout import num_blocks
 from ..config import MHLAConfig
+from ..context_parallel_attention import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ..geometry import check_equal_blocks
 from ..mixing import mixing_init
 from .grid import TokenGridContext
@@ -48,6 +49,10 @@ class MHLAProcessor(nn.Module):
     num_axes: int = 0
     #: Initialise LePE as the identity (centre tap 1) instead of PyTorch's default init.
     lepe_identity_init: bool = False
+    #: Diffusers' ``enable_parallelism`` sets its ``ParallelConfig`` here (on every processor that has the
+    #: attribute); with context parallelism each call then holds one process's tokens
+    #: (:mod:`mhla_diffusion.context_parallel_attention`).
+    _parallel_config = None
 
     def __init__(
         self,
@@ -132,8 +137,10 @@ class MHLAProcessor(nn.Module):
         """MHLA of projected ``q, k, v`` ``(B, N, H, D)`` plus the optional extras -> ``(B, N, H*D)``.
 
         ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v`` (after ``input_norm``); the gate reads it.
+        Under context parallelism (``_parallel_config`` set) ``N`` is this process's share of the sequence.
         """
-        grid = self.grid_context.require(q.shape[1])
+        shard = self._context_shard(q.shape[1])  # None: this process holds every token
+        grid = self.grid_context.require(q.shape[1] if shard is None else shard.total)
         plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
         if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
@@ -143,10 +150,16 @@ class MHLAProcessor(nn.Module):
         q_rot = k_rot = None
         if rotary_emb is not None:  # RoPE after the feature map, on the numerator path only
             q_rot, k_rot = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
-        out = mhla_attention(
-            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization, eps=self.eps,
-            plan=plan,
-        )
+        if shard is None:
+            out = mhla_attention(
+                q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization,
+                eps=self.eps, plan=plan,
+            )
+        else:  # partial block summaries, one all-reduce over the context-parallel group, local queries
+            out = mhla_attention_context_parallel(
+                q, k, v, grid, self.layout, self.mixing, shard, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization,
+                eps=self.eps, plan=plan, local_plan=self.grid_context.local_plan(self.layout, q.device, shard.start, shard.stop),
+            )
         if self.out_norm is not None:
             weight = self.out_norm.weight.float()
             out = F.rms_norm(out.float(), (self.head_dim,), weight, self.out_norm.eps).to(v.dtype)
@@ -154,11 +167,31 @@ class MHLAProcessor(nn.Module):
         if self.gate is not None:
             out = out * F.silu(self.gate(layer_input))
         if self.lepe is not None:
-            out = out + self._lepe(v.flatten(2), grid)
+            out = out + self._lepe(v.flatten(2), grid, shard)
         return out
 
-    def _lepe(self, v: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
-        """Depthwise conv of ``v`` ``(B, N, C)`` laid out on the token grid, back to ``(B, N, C)``."""
+    def _context_shard(self, num_tokens: int) -> TokenShard | None:
+        """This process's share of the sequence under context parallelism (``None`` without), checked
+        against the ``num_tokens`` this call got."""
+        if self._parallel_config is None:
+            return None
+        total = self.grid_context.require_total()
+        shard = TokenShard.from_parallel_config(self._parallel_config, total)
+        if shard is not None and shard.num_local != num_tokens:
+            raise RuntimeError(
+                f"context-parallel MHLA on rank {shard.rank} of {shard.world_size}: expected tokens {shard.start}..{shard.stop - 1} "
+                f"({shard.num_local}) of the {total}-token grid {self.grid_context.grid} but got {num_tokens}; the "
+                "sequence must be split by Diffusers' context-parallel hooks (enable_context_parallel), in rank order"
+            )
+        return shard
+
+    def _lepe(self, v: torch.Tensor, grid: tuple[int, ...], shard: TokenShard | None = None) -> torch.Tensor:
+        """Depthwise conv of ``v`` ``(B, N, C)`` laid out on the token grid, back to ``(B, N, C)``; with a
+        ``shard``, of this process's ``N_local`` tokens, neighbours across its range's edges fetched from
+        the processes that hold them."""
+        if shard is not None:
+            conv = lambda image: self.lepe(image.to(self.lepe.weight.dtype))  # noqa: E731
+            return grid_conv_context_parallel(conv, v, grid, shard).to(v.dtype)
         batch, n, channels = v.shape
         image = v.transpose(1, 2).reshape(batch, channels, *grid)
         return self.lepe(image.to(self.lepe.weight.dtype)).reshape(batch, channels, n).transpose(1, 2).to(v.dtype)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ..block_layout import BlockPlan, block_plan
+from ..context_parallel_attention import LocalBlockPlan, local_block_plan
 
 __all__ = ["TokenGridContext", "TokenGridHook", "install_grid_hook", "remove_grid_hook"]
 
@@ -29,7 +30,7 @@ class TokenGridContext:
 
     def __init__(self) -> None:
         self.grid: tuple[int, ...] | None = None
-        self._plans: dict[tuple, BlockPlan] = {}
+        self._plans: dict[tuple, BlockPlan | LocalBlockPlan] = {}
 
     def set_grid(self, grid: Sequence[int] | None) -> None:
         """Record the grid of a new forward and forget the block plans of the previous one."""
@@ -53,6 +54,15 @@ class TokenGridContext:
                 "self-attention must see every latent token in row-major order"
             )
         return grid
+
+    def require_total(self) -> int:
+        """Tokens of the current grid (the whole sequence, before any context-parallel split), or a clear error."""
+        if self.grid is None:
+            self.require(0)  # raises: no grid recorded
+        size = 1
+        for g in self.grid:
+            size *= g
+        return size
 
     def plan(self, layout: Sequence[int], device: torch.device | str) -> BlockPlan:
         """The block plan of the current grid cut by ``layout`` on ``device``, built once per forward.
@@ -79,6 +89,18 @@ class TokenGridContext:
         if plan is None:
             plan = self._plans[key] = self._build(grid, layout, device)
         return plan
+
+    def local_plan(self, layout: Sequence[int], device: torch.device | str, start: int, stop: int) -> LocalBlockPlan:
+        """The :class:`~mhla_diffusion.context_parallel_attention.LocalBlockPlan` of tokens ``start .. stop - 1``
+        (this process's share of the sequence under context parallelism), built once per forward like :meth:`plan`."""
+        plan = self.plan(layout, device)
+        if torch.compiler.is_compiling():
+            return local_block_plan(plan, start, stop)
+        key = ("local", plan.grid, plan.layout, torch.device(device), torch.is_inference_mode_enabled(), start, stop)
+        local = self._plans.get(key)
+        if local is None:
+            local = self._plans[key] = local_block_plan(plan, start, stop)
+        return local
 
     @staticmethod
     def _build(grid: tuple[int, ...], layout: tuple[int, ...], device: torch.device) -> BlockPlan:

@@ -12,4 +12,5 @@ Imported as ``from helpers.<topic> import name`` (``tests/`` is on ``sys.path`` 
 * :mod:`helpers.features` -- a stand-in for the Inception feature network
 * :mod:`helpers.shapes` -- measurements of the moving-shapes demo clips
 * :mod:`helpers.wan_family` -- the Wan variants beyond Wan2.1 text-to-video: names, classes, call arguments
+* :mod:`helpers.context_parallel` -- what each gloo process of the context-parallel tests runs and compares
 """
