@@ -2,19 +2,34 @@
 
 Table 1 times the attention operators alone on token grids up to Wan's 21x30x50 video grid.
 Table 2 times one whole Wan transformer block at the real 1.3B width with its default (SDPA)
-self-attention and with MHLA: the end-to-end ratio a user feels. Times are medians over repeats;
-memory is the peak extra tensor memory of one call (GPU: allocator peak; CPU: tracked tensors).
+self-attention and with MHLA: the end-to-end ratio a user feels. Table 3 (optional, meant for
+GPUs) times a whole Wan2.1-1.3B-shaped transformer forward with a few blocks, stock with every
+usable SDPA backend (native, FlashAttention, ...) and converted to MHLA. Times are medians over
+repeats; memory is the peak extra tensor memory of one call (GPU: allocator peak; CPU: tracked tensors).
+
+A run is described by a :class:`BenchSpec` and returns a JSON-ready dict (:func:`measure`). On a
+CPU the command measures in a fresh Python process (:func:`measure_in_fresh_process`), so that the
+allocator is what a user's own script gets (see :mod:`mhla_diffusion.cpu_memory`), not whatever the
+calling process did before. :func:`report_markdown` turns a result (or its saved JSON) into the
+tables, and :func:`replace_marked_section` writes them into the README between markers.
 The command line (cases, defaults, printing) is :mod:`mhla_diffusion.cli.bench`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
+import re
 import statistics
+import subprocess
+import sys
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,8 +40,16 @@ from .block_layout import auto_layout, num_blocks, validate_grid_layout
 from .geometry import VideoGeometry
 from .mixing import mixing_init
 
-__all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "BenchCase", "PeakMemory", "attention_table", "format_table",
-           "time_call", "wan_block_table"]
+__all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_COLUMNS", "BenchCase", "BenchSpec",
+           "PeakMemory", "attention_table", "format_table", "measure", "measure_in_fresh_process",
+           "replace_marked_section", "report_markdown", "time_call", "time_calls", "wan_block_table",
+           "wan_transformer_table"]
+
+#: CPU allocator of a measuring process: ``auto`` as a user's own script gets it (glibc's defaults
+#: until the library's first CPU MHLA call keeps freed memory, see :mod:`mhla_diffusion.cpu_memory`),
+#: ``default`` glibc's defaults throughout (``MHLA_KEEP_MALLOC=1``), ``retain`` kept from the start
+#: (:func:`~mhla_diffusion.cpu_memory.retain_freed_memory` first, as the CLI entry points do).
+MALLOC_MODES = ("auto", "default", "retain")
 
 @dataclass(frozen=True)
 class BenchCase:
@@ -99,27 +122,45 @@ class PeakMemory(TorchDispatchMode):
 
 def time_call(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> tuple[float, int]:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs, and the peak extra memory of one run."""
+    return time_calls({"fn": fn}, repeats, warmup, device)["fn"]
+
+
+def time_calls(
+    fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device: torch.device,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, tuple[float, int]]:
+    """Median wall time in seconds and peak extra memory of one run, for each of ``fns``.
+
+    The methods are interleaved -- every round runs each once -- so that a slow spell of a shared
+    machine falls on all of them rather than on one; ``warmup`` untimed runs of each come first.
+    """
     sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    peaks: dict[str, int] = {}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        sync()
-        with PeakMemory(device) as memory:
-            fn()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
+        for name, fn in fns.items():
+            log(f"{name} ...")
+            for _ in range(warmup):
+                fn()
             sync()
-            times.append(time.perf_counter() - started)
-    return statistics.median(times), memory.peak
+            with PeakMemory(device) as memory:
+                fn()
+            peaks[name] = memory.peak
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                started = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - started)
+    return {name: (statistics.median(times[name]), peaks[name]) for name in fns}
 
 
 def _sdpa_backends(device: torch.device, requested: Sequence[str] | None) -> list[str]:
     """Diffusers attention backends to time: ``native`` everywhere, plus flash/xformers on a GPU when they run."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-    names = list(requested) if requested else ["native"] + (["flash", "xformers"] if device.type == "cuda" else [])
+    gpu = ["_native_flash", "flash", "_flash_3", "xformers"]  # PyTorch's own FlashAttention kernel, flash-attn 2 / 3
+    names = list(requested) if requested else ["native"] + (gpu if device.type == "cuda" else [])
     usable = []
     probe = torch.rand(1, 8, 1, 64, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     for name in names:
@@ -170,10 +211,8 @@ def attention_table(
         methods.append(("linear", lambda: mhla_attention(q, k, v, case.grid, ones, one)))
         mixing = mixing_init(case.layout).to(device, dtype)
         methods.append(("mhla", lambda: mhla_attention(q, k, v, case.grid, case.layout, mixing)))
-        timings = {}
-        for name, fn in methods:
-            log(f"  {'x'.join(map(str, case.grid))} {name} ...")
-            timings[name] = time_call(fn, repeats, warmup, device)
+        grid = "x".join(map(str, case.grid))
+        timings = time_calls(dict(methods), repeats, warmup, device, lambda text: log(f"  {grid} {text}"))
         linear, mhla = timings["linear"][0], timings["mhla"][0]
         sdpa = min((t for n, (t, _) in timings.items() if n.startswith("sdpa")), default=None)
         for name, (seconds, peak) in timings.items():
@@ -228,11 +267,16 @@ def wan_block_table(
     context = TokenGridContext()
     context.grid = tuple(grid)
     mhla_processor = WanMHLAProcessor(heads, dim // heads, layout, MHLAConfig(layout=layout), context).to(device, dtype)
-    timings = {}
-    for name, processor in (("default (sdpa)", default_processor), ("mhla", mhla_processor)):
-        block.attn1.set_processor(processor)
-        log(f"  Wan block {name} ...")
-        timings[name] = time_call(lambda: block(hidden, text, temb, rotary), repeats, warmup, device)
+
+    def with_processor(processor: torch.nn.Module) -> Callable[[], object]:
+        def forward() -> object:
+            block.attn1.set_processor(processor)  # interleaved runs switch the self-attention every call
+            return block(hidden, text, temb, rotary)
+
+        return forward
+
+    methods = {"default (sdpa)": with_processor(default_processor), "mhla": with_processor(mhla_processor)}
+    timings = time_calls(methods, repeats, warmup, device, lambda text: log(f"  Wan block {text}"))
     rows = [
         {
             "grid": "x".join(map(str, grid)),
@@ -272,3 +316,260 @@ BLOCK_COLUMNS = (
     ("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""), ("method", "self-attention", ""),
     ("median_s", "median s", ".2f"), ("peak_extra_mb", "peak extra MiB", ".0f"), ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
 )
+def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast ``model``'s floating-point parameters and buffers to ``dtype`` except those of the modules
+    Diffusers keeps in float32 when loading (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
+    norms, modulation), as ``from_pretrained(torch_dtype=dtype)`` does."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and not keep.intersection(name.split(".")):
+                tensor.data = tensor.data.to(dtype)
+    return model
+
+
+TRANSFORMER_COLUMNS = (
+    ("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""), ("layers", "blocks", "d"),
+    ("method", "self-attention", ""), ("median_s", "median s", ".3f"), ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
+)
+
+
+def wan_transformer_table(
+    grid: tuple[int, int, int],
+    layout: tuple[int, int, int] | None = None,
+    layers: int = 4,
+    dim: int = 1536,
+    heads: int = 12,
+    ffn_dim: int = 8960,
+    text_tokens: int = 512,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    warmup: int = 1,
+    sdpa_backends: Sequence[str] | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> list[dict]:
+    """Time a whole Wan2.1-1.3B-shaped transformer forward with ``layers`` blocks: stock, once per usable
+    SDPA backend, and converted to MHLA (every block; cross-attention on the last usable backend). The
+    stock runs are the converted model under :func:`~mhla_diffusion.conversion.softmax_attention`
+    (the same weights), interleaved with the MHLA runs (:func:`time_calls`).
+
+    The model is Wan2.1-T2V-1.3B's config (``dim``, ``heads``, ``ffn_dim`` and ``layers`` replaced) with
+    random weights; inputs are latents ``(1, 16, F, 2 H, 2 W)`` for the token grid ``(F, H, W)`` and
+    ``text_tokens`` text embeddings ``(1, T, 4096)``. The last row (MHLA) carries
+    ``sdpa_over_mhla``: the fastest stock row's time over MHLA's.
+    """
+    from diffusers import WanTransformer3DModel
+
+    from .config import MHLAConfig
+    from .conversion import convert_to_mhla, softmax_attention
+    from .wan_configs import wan_transformer_config
+
+    device = torch.device(device)
+    layout = tuple(layout or auto_layout(grid))
+    backends = _sdpa_backends(device, sdpa_backends)
+    config = wan_transformer_config("Wan2.1-T2V-1.3B")
+    config.update(num_layers=layers, num_attention_heads=heads, attention_head_dim=dim // heads, ffn_dim=ffn_dim)
+    torch.manual_seed(0)
+    model = _cast_like_from_pretrained(WanTransformer3DModel(**config).to(device).eval(), dtype)
+    patch = config["patch_size"]
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, config["in_channels"], *(n * p for n, p in zip(grid, patch)), generator=g)
+    text = torch.randn(1, text_tokens, config["text_dim"], generator=g)
+    inputs = dict(hidden_states=latents.to(device, dtype), timestep=torch.tensor([500], device=device),
+                  encoder_hidden_states=text.to(device, dtype), return_dict=False)
+    convert_to_mhla(model, MHLAConfig(layers="all", layout=layout))  # processors on the model's device and dtype
+
+    def forward(backend: str, stock: bool) -> Callable[[], object]:
+        def run() -> object:
+            with softmax_attention(model) if stock else nullcontext():
+                model.set_attention_backend(backend)  # the SDPA layers' backend (MHLA processors have none)
+                return model(**inputs)
+
+        return run
+
+    methods = {f"sdpa ({name})": forward(name, stock=True) for name in backends}
+    methods["mhla"] = forward(backends[-1], stock=False)
+    label = f"  Wan transformer ({layers} blocks)"
+    timings = time_calls(methods, repeats, warmup, device, lambda text: log(f"{label} {text}"))
+    rows = [
+        {
+            "grid": "x".join(map(str, grid)),
+            "tokens": math.prod(grid),
+            "layout": "x".join(map(str, layout)),
+            "layers": layers,
+            "method": name if name != "mhla" else f"mhla (cross-attention {backends[-1]})",
+            "median_s": seconds,
+            "peak_extra_mb": peak / 2**20,
+        }
+        for name, (seconds, peak) in timings.items()
+    ]
+    fastest_stock = min(t for name, (t, _) in timings.items() if name != "mhla")
+    rows[-1]["sdpa_over_mhla"] = fastest_stock / timings["mhla"][0]
+    return rows
+
+
+@dataclass
+class BenchSpec:
+    """Everything one ``mhla bench`` measurement needs; plain values, so a fresh process can get it as JSON.
+
+    ``cases`` holds ``(grid, layout or None for auto)`` pairs of the operator table. The Wan block table
+    runs when ``block_grid`` is set, the Wan transformer table when ``transformer_layers > 0`` (on the
+    same grid, layout and width). ``malloc`` is one of :data:`MALLOC_MODES` (CPU only).
+    """
+
+    cases: list[tuple[tuple[int, ...], tuple[int, ...] | None]]
+    heads: int = 12
+    head_dim: int = 128
+    dtype: str = "float32"
+    device: str = "cpu"
+    repeats: int = 3
+    warmup: int = 1
+    sdpa_backends: list[str] | None = None
+    sdpa_max_tokens: int | None = None
+    block_grid: tuple[int, int, int] | None = (21, 30, 50)
+    block_layout: tuple[int, int, int] | None = None
+    block_dim: int = 1536
+    block_heads: int = 12
+    block_ffn: int = 8960
+    block_text_tokens: int = 512
+    transformer_layers: int = 0
+    malloc: str = "auto"
+    threads: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BenchSpec":
+        """The spec of :meth:`to_json`'s output (lists back to tuples)."""
+        data = dict(data)
+        tuple_or_none = lambda x: None if x is None else tuple(x)  # noqa: E731
+        data["cases"] = [(tuple(grid), tuple_or_none(layout)) for grid, layout in data["cases"]]
+        data["block_grid"] = tuple_or_none(data.get("block_grid"))
+        data["block_layout"] = tuple_or_none(data.get("block_layout"))
+        return cls(**data)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (tuples become lists)."""
+        return asdict(self)
+
+
+def _where(spec: BenchSpec, device: torch.device, fresh_process: bool) -> str:
+    """The machine line of a result: GPU name, or CPU, threads and how the allocator was set."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from .cpu_memory import malloc_retained
+
+    malloc = {
+        "auto": "the library's own malloc setting",
+        "default": "glibc malloc defaults (MHLA_KEEP_MALLOC=1)",
+        "retain": "retain_freed_memory() first",
+    }[spec.malloc]
+    process = "fresh process" if fresh_process else "in-process"
+    kept = "keeps freed memory" if malloc_retained() else "returns freed memory"
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, {process}, {malloc} (at the end: {kept})"
+
+
+def measure(
+    spec: BenchSpec, log: Callable[[str], None] = lambda _: None, fresh_process: bool = False
+) -> dict[str, Any]:
+    """Run the tables of ``spec`` in this process; a JSON-ready dict with the spec, the machine and the rows.
+
+    ``fresh_process`` only labels the result (:func:`measure_in_fresh_process` sets it); in a process
+    that already ran other work, ``spec.malloc`` names the wish, not necessarily the allocator's state,
+    which the result's ``device`` line reports as it was at the end.
+    """
+    device = torch.device(spec.device)
+    dtype = getattr(torch, spec.dtype)
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if device.type == "cpu" and spec.malloc == "retain":
+        from .cpu_memory import retain_freed_memory
+
+        retain_freed_memory()
+    cases = [BenchCase.of(grid, layout) for grid, layout in spec.cases]
+    rows = attention_table(
+        cases, spec.heads, spec.head_dim, dtype, device, spec.repeats, spec.warmup, spec.sdpa_backends,
+        spec.sdpa_max_tokens, log,
+    )
+    block_rows, transformer_rows = [], []
+    if spec.block_grid is not None:
+        block_rows = wan_block_table(
+            spec.block_grid, spec.block_layout, spec.block_dim, spec.block_heads, spec.block_ffn,
+            spec.block_text_tokens, dtype, device, spec.repeats, 0, log,
+        )
+        if spec.transformer_layers > 0:
+            transformer_rows = wan_transformer_table(
+                spec.block_grid, spec.block_layout, spec.transformer_layers, spec.block_dim, spec.block_heads,
+                spec.block_ffn, spec.block_text_tokens, dtype, device, spec.repeats, 1, spec.sdpa_backends, log,
+            )
+    return {
+        "spec": spec.to_json(),
+        "device": _where(spec, device, fresh_process),
+        "device_type": device.type,
+        "dtype": spec.dtype,
+        "torch": torch.__version__,
+        "attention": rows,
+        "wan_block": block_rows,
+        "wan_transformer": transformer_rows,
+    }
+
+
+def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
+    """:func:`measure` in a new Python process (progress on this stderr), with the allocator of ``spec.malloc``.
+
+    ``default`` sets ``MHLA_KEEP_MALLOC=1`` there; ``auto`` and ``retain`` clear it, so that a value in
+    this process's environment does not change what the mode measures.
+    """
+    from .cpu_memory import KEEP_MALLOC_ENV
+
+    if spec.malloc not in MALLOC_MODES:
+        raise ValueError(f"`malloc` must be one of {MALLOC_MODES}, got {spec.malloc!r}")
+    env = dict(os.environ)
+    env.pop(KEEP_MALLOC_ENV, None)
+    if spec.malloc == "default":
+        env[KEEP_MALLOC_ENV] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "mhla_diffusion.bench", json.dumps(spec.to_json())],
+        stdout=subprocess.PIPE, text=True, env=env, check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the benchmark process failed (exit code {done.returncode}); its error is above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    """The tables of a :func:`measure` result (or its saved JSON) as Markdown, with a header line."""
+    missing = {"spec", "device", "device_type", "dtype", "torch", "attention"} - set(result)
+    if missing:
+        raise ValueError(f"not a result of `mhla bench --output` (missing {sorted(missing)}); measure again")
+    spec = result["spec"]
+    lines = [f"`mhla bench` on {result['device']}, {result['dtype']}, torch {result['torch']}, "
+             f"median of {spec['repeats']}.", "",
+             f"Attention operator, B=1, H={spec['heads']}, D={spec['head_dim']}:", "",
+             format_table(result["attention"], ATTENTION_COLUMNS)]
+    if result.get("wan_block"):
+        lines += ["", f"One Wan transformer block (dim {spec['block_dim']}, {spec['block_heads']} heads, ffn "
+                  f"{spec['block_ffn']}, cross-attention to {spec['block_text_tokens']} text tokens):", "",
+                  format_table(result["wan_block"], BLOCK_COLUMNS)]
+    if result.get("wan_transformer"):
+        layers = spec["transformer_layers"]
+        lines += ["", f"Whole Wan2.1-1.3B-shaped transformer forward, {layers} block{'s' * (layers != 1)} (dim "
+                  f"{spec['block_dim']}, {spec['block_text_tokens']} text tokens), stock per SDPA backend and "
+                  "converted to MHLA:", "", format_table(result["wan_transformer"], TRANSFORMER_COLUMNS)]
+    return "\n".join(lines)
+
+
+def replace_marked_section(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between ``<!-- mhla-bench:NAME -->`` and ``<!-- /mhla-bench:NAME -->`` replaced
+    by ``body`` (the markers stay); ``ValueError`` when the pair is missing or appears more than once."""
+    start, end = f"<!-- mhla-bench:{name} -->", f"<!-- /mhla-bench:{name} -->"
+    pattern = re.compile(re.escape(start) + r"\n.*?" + re.escape(end), re.DOTALL)
+    if len(pattern.findall(text)) != 1:
+        raise ValueError(f"expected exactly one section between {start} and {end} (each on its own line)")
+    return pattern.sub(lambda _: f"{start}\n{body.strip()}\n{end}", text)
+
+
+if __name__ == "__main__":  # the fresh measuring process: python -m mhla_diffusion.bench '<spec json>'
+    _spec = BenchSpec.from_json(json.loads(sys.argv[1]))
+    _result = measure(_spec, lambda text: print(text, file=sys.stderr, flush=True), fresh_process=True)
+    print(json.dumps(_result))

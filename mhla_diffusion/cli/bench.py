@@ -22,9 +22,11 @@ def parse_case(text: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
         subparsers, "bench", configure,
-        help="time MHLA beside SDPA and linear attention (operator and a full Wan block)",
-        description="Print two tables measured in one run on the same inputs: the attention operators on token "
-        "grids up to 21x30x50, and one Wan2.1-1.3B transformer block with SDPA vs MHLA self-attention.",
+        help="time MHLA beside SDPA and linear attention (operator, a full Wan block, a Wan transformer)",
+        description="Print tables measured in one run on the same inputs: the attention operators on token "
+        "grids up to 21x30x50, one Wan2.1-1.3B transformer block with SDPA vs MHLA self-attention, and (by "
+        "default on a GPU) a whole Wan2.1-1.3B-shaped transformer forward with a few blocks, stock per SDPA "
+        "backend vs MHLA. On a CPU the measurement runs in a fresh Python process (see --malloc).",
     )
 
 
@@ -38,7 +40,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 on GPU")
     p.add_argument("--sdpa-backend", action="append", help="Diffusers attention backend(s) for SDPA (default: native, "
-                   "plus flash and xformers on a GPU when installed)")
+                   "plus on a GPU those of _native_flash, flash, _flash_3 and xformers that run there)")
     p.add_argument("--sdpa-max-tokens", type=int, help="skip SDPA above this many tokens")
     p.add_argument("--block-grid", type=parse_sizes, default="21x30x50",
                    help="token grid of the Wan block table (default 21x30x50)")
@@ -47,23 +49,63 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-heads", type=int, default=12)
     p.add_argument("--block-ffn", type=int, default=8960)
     p.add_argument("--block-text-tokens", type=int, default=512)
-    p.add_argument("--no-block", dest="block", action="store_false", help="skip the Wan block table")
-    p.add_argument("--malloc", choices=("retain", "default"), default="retain",
-                   help="CPU: retain (default) keeps freed memory for reuse (see mhla_diffusion.cpu_memory), "
-                   "default leaves glibc as it is")
-    p.add_argument("--output", type=Path, help="also write both tables as JSON here")
+    p.add_argument("--no-block", dest="block", action="store_false", help="skip the Wan block and transformer tables")
+    p.add_argument("--transformer-layers", type=int, help="blocks of the whole Wan2.1-1.3B-shaped transformer forward "
+                   "(stock per SDPA backend vs MHLA) on the block grid; default 4 on a GPU, 0 (skipped) on a CPU")
+    p.add_argument("--malloc", choices=("auto", "default", "retain"), default="auto",
+                   help="CPU, always measured in a fresh Python process: auto (default) as a user's own script "
+                   "gets it (the library keeps freed memory from its first CPU MHLA call on, see "
+                   "mhla_diffusion.cpu_memory), "
+                   "default keeps glibc's defaults throughout (MHLA_KEEP_MALLOC=1), retain calls "
+                   "retain_freed_memory() first")
+    p.add_argument("--threads", type=int, help="CPU threads of the measuring process (default: torch's)")
+    p.add_argument("--output", type=Path, help="also write the tables and settings as JSON here")
+    p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print the tables of a JSON written "
+                   "by --output (with --write-readme: put them into the README)")
+    p.add_argument("--write-readme", type=Path, metavar="README", help="also write the tables into README between "
+                   "<!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)")
+    load = p.add_argument_group("loading (--load): peak memory and time of loading a full-size Wan transformer")
+    load.add_argument("--load", action="store_true", help="measure loading instead of attention: the published "
+                      "Wan config with random weights made here, each load in a fresh process (Linux)")
+    load.add_argument("--load-model", default="Wan2.1-T2V-1.3B", help="published transformer config (default "
+                      "Wan2.1-T2V-1.3B; see mhla_diffusion.wan_configs)")
+    load.add_argument("--load-layers", type=int, help="transformer blocks (default: the published number)")
+    load.add_argument("--load-work-dir", type=Path, help="keep the written weights here and reuse them on the next "
+                      "run (default: a temporary folder, removed afterwards)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.load:
+        return run_load(args)
     import json
-    import platform
+    import sys
+
+    if args.report is not None:  # tables of an earlier run, nothing measured
+        result = json.loads(args.report.read_text())
+    else:
+        result = _measure(args)
+        if args.output is not None:
+            args.output.write_text(json.dumps(result, indent=2) + "\n")
+
+    from ..bench import replace_marked_section, report_markdown
+
+    tables = report_markdown(result)
+    print(tables)
+    if args.write_readme is not None:
+        section = result["device_type"]
+        args.write_readme.write_text(replace_marked_section(args.write_readme.read_text(), section, tables))
+        print(f"wrote the tables into {args.write_readme} (section mhla-bench:{section})", file=sys.stderr)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """Check the arguments, then measure: on a CPU in a fresh process (the allocator that --malloc names)."""
     import sys
 
     import torch
 
-    from ..bench import ATTENTION_COLUMNS, BLOCK_COLUMNS, BenchCase, attention_table, format_table, wan_block_table
-    from ..cpu_memory import retain_freed_memory
+    from ..bench import BenchCase, BenchSpec, measure, measure_in_fresh_process
     from ..geometry import validate_grid_layout
 
     cases = [BenchCase.of(grid, layout) for grid, layout in (args.case or [parse_case(c) for c in DEFAULT_CASES])]
@@ -73,33 +115,49 @@ def run(args: argparse.Namespace) -> int:
         validate_grid_layout(args.block_grid, args.block_layout or (1, 1, 1))
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    if (args.transformer_layers or 0) < 0 or (args.threads is not None and args.threads < 1):
+        raise ValueError("--transformer-layers must be >= 0 and --threads >= 1")
     if args.output is not None and args.output.exists():
         raise FileExistsError(f"{args.output} exists; choose another --output")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        retained = args.malloc == "retain" and retain_freed_memory()
-        where = (f"{platform.machine()} CPU, {torch.get_num_threads()} threads, "
-                 f"malloc {'keeps freed memory' if retained else 'default'}")
-    print(f"# mhla bench: {where}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}, median of {args.repeats}")
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    rows = attention_table(
-        cases, args.heads, args.head_dim, dtype, device, args.repeats, args.warmup, args.sdpa_backend,
-        args.sdpa_max_tokens, log,
+    layers = args.transformer_layers if args.transformer_layers is not None else (4 if device.type == "cuda" else 0)
+    spec = BenchSpec(
+        cases=[(case.grid, None if case.auto else case.layout) for case in cases],
+        heads=args.heads, head_dim=args.head_dim,
+        dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"), device=str(device),
+        repeats=args.repeats, warmup=args.warmup, sdpa_backends=args.sdpa_backend, sdpa_max_tokens=args.sdpa_max_tokens,
+        block_grid=args.block_grid if args.block else None, block_layout=args.block_layout, block_dim=args.block_dim,
+        block_heads=args.block_heads, block_ffn=args.block_ffn, block_text_tokens=args.block_text_tokens,
+        transformer_layers=layers, malloc=args.malloc, threads=args.threads,
     )
-    print(f"\nAttention operator, B=1, H={args.heads}, D={args.head_dim}:\n")
-    print(format_table(rows, ATTENTION_COLUMNS))
-    block_rows = []
-    if args.block:
-        block_rows = wan_block_table(
-            args.block_grid, args.block_layout, args.block_dim, args.block_heads, args.block_ffn,
-            args.block_text_tokens, dtype, device, args.repeats, 0, log,
-        )
-        print(f"\nOne Wan transformer block (dim {args.block_dim}, {args.block_heads} heads, ffn {args.block_ffn}, "
-              f"cross-attention to {args.block_text_tokens} text tokens):\n")
-        print(format_table(block_rows, BLOCK_COLUMNS))
+    if device.type == "cpu":
+        return measure_in_fresh_process(spec)
+    return measure(spec, lambda text: print(text, file=sys.stderr, flush=True))
+
+
+def run_load(args: argparse.Namespace) -> int:
+    """``mhla bench --load``: the table of :mod:`mhla_diffusion.load_benchmark`."""
+    import json
+    import sys
+
+    from ..wan_configs import wan_transformer_config
+
+    config = wan_transformer_config(args.load_model)  # unknown names fail here, before any work
+    if args.load_layers is not None:
+        if args.load_layers < 1:
+            raise ValueError("--load-layers must be >= 1")
+        config["num_layers"] = args.load_layers
+    if args.output is not None and args.output.exists():
+        raise FileExistsError(f"{args.output} exists; choose another --output")
+
+    from ..bench import format_table
+    from ..load_benchmark import LOAD_COLUMNS, load_table, parameter_count
+
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    rows = load_table(config, work_dir=args.load_work_dir, log=log)
+    print(f"# mhla bench --load: {args.load_model} config, {config['num_layers']} blocks, "
+          f"{parameter_count(config) / 1e9:.2f} B parameters (random weights), each load in a fresh process\n")
+    print(format_table(rows, LOAD_COLUMNS))
     if args.output is not None:
-        args.output.write_text(json.dumps({"device": where, "attention": rows, "wan_block": block_rows}, indent=2) + "\n")
+        args.output.write_text(json.dumps({"model": args.load_model, "config": config, "load": rows}, indent=2) + "\n")
     return 0

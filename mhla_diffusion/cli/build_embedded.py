@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_with(BuildSettings.smoke() if args.smoke else BuildSettings(), args.overrides)
     if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
         raise ValueError("--smoke models are untrained: give --output for them (or --no-export), not the package folder")
-    retain_freed_memory()  # glibc would hand every large freed block back and page-fault it in again
+    # glibc would hand every large freed block back and page-fault it in again; the library would keep freed
+    # memory only from its first MHLA call on (cpu_memory). MHLA_KEEP_MALLOC=1 opts out
+    retain_freed_memory()
     report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite)
     print((args.work_dir / "reproduction.md").read_text())
     print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")

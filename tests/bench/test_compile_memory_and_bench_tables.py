@@ -115,9 +115,10 @@ def test_converted_models_trace_without_graph_breaks(family, tiny_wan, tiny_dit)
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
-def test_retain_freed_memory_is_accepted_on_linux():
+def test_retain_freed_memory_is_accepted_on_linux(monkeypatch):
     import sys
 
     from mhla_diffusion import retain_freed_memory
 
+    monkeypatch.delenv("MHLA_KEEP_MALLOC", raising=False)  # that opt-out is tested in test_cpu_allocator.py
     assert retain_freed_memory() is sys.platform.startswith("linux")

@@ -1,0 +1,131 @@
+"""What a GPU run relies on, checked on the CPU: a converted Wan transformer in bf16 (the operator still
+accumulating in float32), the whole converted transformer under ``torch.compile(fullgraph=True)``, and
+the `mhla bench` JSON and README tables that a GPU run writes (here with --device cpu at toy sizes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.models import run, wan_inputs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mhla_diffusion import MHLAConfig, convert_to_mhla
+from mhla_diffusion.bench import replace_marked_section
+from mhla_diffusion.cli import main
+from mhla_diffusion.tiny import tiny_wan_transformer
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGS = {
+    "paper": MHLAConfig(layout=(2, 2, 2), gate=True, output_norm=True, lepe=True),
+    "released": MHLAConfig.released_wan(layout=(2, 2, 2), lepe=True),
+}
+
+
+def converted_wan(config: MHLAConfig, num_layers: int = 2) -> torch.nn.Module:
+    """A tiny converted Wan transformer whose MHLA parameters are away from their init (so they matter)."""
+    model = tiny_wan_transformer(num_layers=num_layers)
+    convert_to_mhla(model, config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".processor." in name:
+                parameter.add_(0.2 * torch.rand(parameter.shape, generator=g))
+    return model
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every matrix product run inside the ``with`` block."""
+
+    PRODUCTS = {"bmm", "mm", "matmul", "addmm", "baddbmm", "einsum"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in self.PRODUCTS:
+            self.dtypes.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("setting", sorted(CONFIGS))
+def test_converted_wan_runs_in_bf16_with_float32_accumulation(setting, monkeypatch):
+    model = converted_wan(CONFIGS[setting])
+    inputs = wan_inputs(3, 5, 7)
+    reference = run(model, inputs)
+    model.to(torch.bfloat16)
+    half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+
+    import mhla_diffusion.processors.base as base
+
+    seen = []
+    operator = base.mhla_attention
+
+    def spying_operator(q, k, v, *args, **kwargs):
+        with _MatmulDtypes() as products:
+            out = operator(q, k, v, *args, **kwargs)
+        seen.append((q.dtype, v.dtype, out.dtype, set(products.dtypes)))
+        return out
+
+    monkeypatch.setattr(base, "mhla_attention", spying_operator)
+    out = run(model, half)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    # features in float32, values and output in bf16, every product inside the operator in float32
+    expected = (torch.float32, torch.bfloat16, torch.bfloat16, {torch.float32})
+    assert seen and all(entry == expected for entry in seen), seen
+    scale = reference.abs().max()
+    torch.testing.assert_close(out.float(), reference, rtol=0, atol=0.03 * scale)
+
+
+@pytest.mark.parametrize("setting", sorted(CONFIGS))
+def test_whole_converted_wan_compiles_fullgraph_and_matches_eager(setting):
+    """Dynamo traces the transformer with its grid hook, processors and operator as one graph
+    (fullgraph=True raises on any graph break), also after a new grid recompiles it. AOTAutograd's
+    eager backend keeps the test short; Inductor's C++ build would take minutes on two cores."""
+    model = converted_wan(CONFIGS[setting])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for grid in ((3, 5, 7), (2, 4, 6)):
+        inputs = wan_inputs(*grid)
+        torch.testing.assert_close(run(compiled, inputs), run(model, inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_writes_json_and_the_readme_tables(tmp_path, capsys):
+    result_file = tmp_path / "bench.json"
+    tiny = ["--case", "2x4x6", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--block-grid", "2x4x4",
+            "--block-dim", "32", "--block-heads", "2", "--block-ffn", "64", "--block-text-tokens", "4"]
+    assert main(["bench", *tiny, "--device", "cpu", "--transformer-layers", "1", "--output", str(result_file)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(result_file.read_text())
+    assert result["device_type"] == "cpu" and "fresh process" in result["device"] and result["spec"]["malloc"] == "auto"
+    assert [r["method"] for r in result["attention"]] == ["sdpa (native)", "linear", "mhla"]
+    assert [r["method"] for r in result["wan_block"]] == ["default (sdpa)", "mhla"]
+    transformer = result["wan_transformer"]
+    assert [r["method"] for r in transformer] == ["sdpa (native)", "mhla (cross-attention native)"]
+    assert transformer[-1]["layers"] == 1 and transformer[-1]["sdpa_over_mhla"] > 0 and transformer[0]["median_s"] > 0
+
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- mhla-bench:cpu -->\nno numbers yet\n<!-- /mhla-bench:cpu -->\nafter\n")
+    assert main(["bench", "--report", str(result_file), "--write-readme", str(readme)]) == 0
+    report = capsys.readouterr().out.strip()
+    assert report == printed.strip()  # the same tables, from the JSON alone
+    text = readme.read_text()
+    assert text.startswith("before\n<!-- mhla-bench:cpu -->\n`mhla bench` on ") and text.endswith(
+        "<!-- /mhla-bench:cpu -->\nafter\n")
+    assert "no numbers yet" not in text and "| 2x4x4 | 32 | 1x2x2 | 1 | mhla (cross-attention native) |" in text
+
+    readme.write_text("no markers\n")
+    assert main(["bench", "--report", str(result_file), "--write-readme", str(readme)]) == 2
+    assert "mhla-bench:cpu" in capsys.readouterr().err and readme.read_text() == "no markers\n"
+
+
+def test_readme_has_the_gpu_section_the_bench_writes():
+    text = README.read_text()
+    replaced = replace_marked_section(text, "cuda", "NEW TABLES")
+    assert "NEW TABLES" in replaced and "mhla bench --device cuda" in text
+    with pytest.raises(ValueError, match="mhla-bench:nowhere"):
+        replace_marked_section(text, "nowhere", "x")
