@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..embedded.locations import embedded_defaults
 from ..geometry import VideoGeometry
@@ -23,10 +23,8 @@ from .context_parallel import add_context_parallel_arguments, check_context_para
 
 __all__ = ["register"]
 
-#: Defaults for a --model other than the embedded ones (Wan2.1 at 480p; DiT-XL/2).
-WAN_DEFAULTS = dict(num_frames=WAN_480P[0], height=WAN_480P[1], width=WAN_480P[2], steps=50, guidance_scale=5.0,
-                    fps=16, max_sequence_length=512)
-DIT_DEFAULTS = dict(steps=50, guidance_scale=4.0)
+#: Where unset settings come from, for the help texts (the rules: mhla_diffusion/model_defaults.py).
+FROM_MODEL = "default: the model's own"
 #: The video commands.
 VIDEO_TASKS = ("text-to-video", "image-to-video")
 
@@ -68,8 +66,11 @@ def _add_video_arguments(video: argparse.ArgumentParser, hub_id: str, embedded: 
 
     d, wan = embedded_defaults(), VideoGeometry()
 
-    def default(name: str, embedded_value: Any) -> str:
-        return f"default {WAN_DEFAULTS[name]}" + (f"; embedded model: {embedded_value}" if embedded else "")
+    example = hub_id.rsplit("/", 1)[-1].removesuffix("-Diffusers")  # Wan2.1-T2V-1.3B, Wan2.1-I2V-14B-480P (both 480p)
+
+    def default(embedded_value: Any, wan21: Any) -> str:
+        """Where an unset value comes from: the model folder (model_defaults), with examples."""
+        return f"{FROM_MODEL}: " + (f"embedded model {embedded_value}, " if embedded else "") + f"{example} {wan21}"
 
     add_model_arguments(video, hub_id, embedded=embedded)
     video.add_argument("--mhla-weights-2", type=Path,
@@ -80,20 +81,20 @@ def _add_video_arguments(video: argparse.ArgumentParser, hub_id: str, embedded: 
     video.add_argument("--negative-prompt", default="", help="negative prompt (default: empty, as the MHLA recipe)")
     video.add_argument("--num-frames", type=int,
                        help=f"frames as the model's VAE allows them (Wan2.1: {wan.frame_rule()}); others are rounded as "
-                       f"Diffusers' WanPipeline does ({default('num_frames', d.num_frames)})")
+                       f"Diffusers' WanPipeline does ({default(d.num_frames, WAN_480P[0])})")
     for axis, side in enumerate(("height", "width")):
         video.add_argument(f"--{side}", type=int,
                            help=f"pixels, a multiple of what the model's VAE, patch size and Diffusers' WanPipeline "
                            f"allow (Wan2.1: {wan.generation_multiple[axis]}; Wan2.2-TI2V-5B: 32) "
-                           f"({default(side, getattr(d, side))})")
-    video.add_argument("--steps", type=int, help=f"denoising steps ({default('steps', d.video_steps)})")
+                           f"({default(getattr(d, side), WAN_480P[axis + 1])})")
+    video.add_argument("--steps", type=int, help=f"denoising steps ({default(d.video_steps, 50)})")
     video.add_argument("--guidance-scale", type=finite_float,
-                       help=f"classifier-free guidance (default {WAN_DEFAULTS['guidance_scale']})")
+                       help=f"classifier-free guidance ({default(d.video_guidance_scale, 5.0)})")
     video.add_argument("--flow-shift", type=finite_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
-    video.add_argument("--fps", type=int, help=f"frames per second of the written video ({default('fps', d.fps)})")
+    video.add_argument("--fps", type=int, help=f"frames per second of the written video ({default(d.fps, 16)})")
     video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
     video.add_argument("--max-sequence-length", type=int,
-                       help=f"text tokens ({default('max_sequence_length', d.max_sequence_length)})")
+                       help=f"text tokens ({default(d.max_sequence_length, 512)})")
     add_context_parallel_arguments(video)
 
 
@@ -105,9 +106,9 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
     image.add_argument("--class", dest="classes", action="append", default=[],
                        help="class id or name, or a comma-separated list (repeatable)")
     image.add_argument("--steps", type=int,
-                       help=f"denoising steps (default {DIT_DEFAULTS['steps']}; embedded model: {d.image_steps})")
+                       help=f"denoising steps ({FROM_MODEL}: embedded model {d.image_steps}, DiT 50)")
     image.add_argument("--guidance-scale", type=finite_float,
-                       help=f"classifier-free guidance (default {DIT_DEFAULTS['guidance_scale']})")
+                       help=f"classifier-free guidance ({FROM_MODEL}: embedded model {d.image_guidance_scale}, DiT 4.0)")
     image.set_defaults(func=run_class_to_image)
 
 
@@ -115,22 +116,35 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
 
 
 def _apply_defaults(args: argparse.Namespace, task: str) -> None:
-    """Fill unset options: the embedded model and its settings without --model, else the real models' defaults."""
-    from ..embedded.locations import embedded_model
+    """The model, then every unset option from it (:mod:`mhla_diffusion.model_defaults`).
 
-    embedded = args.model is None  # never for image-to-video, whose --model is required
-    if embedded:
+    Without --model: the embedded model, and with --attention softmax its softmax teacher (the embedded MHLA
+    model's weights are trained for MHLA), said on stderr. A local --model must exist; a video model that
+    records no size needs --num-frames, --height and --width.
+    """
+    from ..embedded.locations import embedded_model
+    from ..loading import DIT_HUB_ID, WAN_HUB_ID, WAN_I2V_HUB_ID, check_model_source
+    from ..model_defaults import RECORD_KEY, image_defaults, video_defaults
+
+    if args.model is None:  # never for image-to-video, whose --model is required
         if args.mhla_weights is not None or args.transformer is not None or getattr(args, "mhla_weights_2", None):
             raise ValueError("--mhla-weights / --mhla-weights-2 / --transformer need the --model they belong to")
-        args.model = str(embedded_model(task, "mhla"))
-    d = embedded_defaults()
+        args.model = str(embedded_model(task, args.attention))
+        if args.attention == "softmax":
+            print(f"--attention softmax: generating with the embedded softmax teacher {args.model} (the embedded "
+                  "MHLA model's weights are trained for MHLA; --model picks another folder)", file=sys.stderr)
+    check_model_source(args.model, {"text-to-video": WAN_HUB_ID, "image-to-video": WAN_I2V_HUB_ID}.get(task, DIT_HUB_ID))
     if task in VIDEO_TASKS:
-        values = WAN_DEFAULTS
-        if embedded:
-            values = dict(num_frames=d.num_frames, height=d.height, width=d.width, steps=d.video_steps,
-                          guidance_scale=d.video_guidance_scale, fps=d.fps, max_sequence_length=d.max_sequence_length)
+        d = video_defaults(args.model)
+        values = dict(num_frames=d.num_frames, height=d.height, width=d.width, steps=d.steps,
+                      guidance_scale=d.guidance_scale, fps=d.fps, max_sequence_length=d.max_sequence_length)
+        missing = [f"--{name.replace('_', '-')}" for name in d.missing_size if getattr(args, name) is None]
+        if missing:
+            raise ValueError(f"{args.model} has no default video size (no {RECORD_KEY} in its model_index.json, "
+                             f"not an embedded or published Wan model): give {', '.join(missing)}")
     else:
-        values = dict(steps=d.image_steps, guidance_scale=d.image_guidance_scale) if embedded else DIT_DEFAULTS
+        d = image_defaults(args.model)
+        values = dict(steps=d.steps, guidance_scale=d.guidance_scale)
     for name, value in values.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -242,6 +256,33 @@ def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
     return device, dtype, pipe
 
 
+# ---------------------------------------------------------------- the embedded judges
+
+
+def _judge_reader(model: str) -> Any:
+    """The judge that reads an embedded model's samples (a ``JudgeReader``), or ``None`` for other models."""
+    from ..embedded.locations import embedded_folder
+
+    folder = embedded_folder(model)
+    if folder is None:
+        return None
+    from ..embedded.judge_reading import JudgeReader
+
+    return JudgeReader(folder.judge())
+
+
+def _judge(reader: Any, sample: Any, read: Callable[[], Any]) -> tuple[dict[str, Any], str]:
+    """``({"judge": ...}, "  judge: ...")`` for one sample's JSON and printed line (``({}, "")`` without a
+    judge); ``read()`` gives the reading. A sample of another size than the judge's is recorded as unread."""
+    if reader is None:
+        return {}, ""
+    why = reader.unreadable(sample.shape)
+    if why is not None:
+        return {"judge": {"reading": None, "why": why}}, f"  (no judge reading: {why})"
+    reading = read()
+    return {"judge": reading.to_json()}, f"  {reading.describe()}"
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -256,12 +297,10 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
     from ..geometry import check_layout_fits
-    from ..loading import WAN_HUB_ID, WAN_I2V_HUB_ID, check_model_source
     from ..pipelines.outputs import check_settings, plan_outputs, save_video, slugify, write_settings
 
-    _apply_defaults(args, task)
+    _apply_defaults(args, task)  # the model folder exists from here on
     prompts = _read_prompts(args)
-    check_model_source(args.model, WAN_I2V_HUB_ID if task == "image-to-video" else WAN_HUB_ID)
     image = _read_image(args.image) if task == "image-to-video" else None
     geometry = VideoGeometry.from_folder(args.model)  # Wan2.1's factors for a hub id
     num_frames = _video_frames(args, geometry)
@@ -310,6 +349,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     recorded["mhla_weights_2"] = str(args.mhla_weights_2) if args.mhla_weights_2 else None
     recorded["context_parallel"] = args.context_parallel
     check_settings(_settings(args, pipe, device, dtype, flow_shift=flow_shift))  # before generating: valid JSON sidecars
+    reader = _judge_reader(args.model) if parallel is None or parallel.is_main else None
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
@@ -324,29 +364,30 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
             if parallel is not None and not parallel.is_main:
                 continue  # every process holds the same video; rank 0 writes it
             save_video(frames, plan, args.format, args.fps)
+            judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
             write_settings(plan, _settings(
                 args, pipe, device, dtype, task=task, **recorded, prompt=prompt, negative_prompt=args.negative_prompt,
                 num_frames=num_frames, height=args.height, width=args.width, fps=args.fps, flow_shift=flow_shift,
                 boundary_ratio=pipe.config.get("boundary_ratio"), output=str(plan.media), wall_time_s=round(wall, 3),
+                **judged,
             ))
-            print(f"[{index + 1}/{len(prompts)}] {plan.media}  ({args.attention}, {wall:.2f} s)")
+            print(f"[{index + 1}/{len(prompts)}] {plan.media}  ({args.attention}, {wall:.2f} s){line}")
     if parallel is not None:
         parallel.close()
     return 0
 
 
 def run_class_to_image(args: argparse.Namespace) -> int:
-    from ..loading import DIT_HUB_ID, check_model_source, local_labels
+    from ..loading import local_labels
     from ..pipelines.class_labels import resolve_class_ids
     from ..pipelines.outputs import plan_outputs, save_image, slugify, write_settings
 
-    _apply_defaults(args, "class-to-image")
+    _apply_defaults(args, "class-to-image")  # the model folder exists from here on
     classes = [c.strip() for item in args.classes for c in item.split(",") if c.strip()]
     if not classes:
         raise ValueError("give at least one --class (an id such as 207 or a name such as 'golden retriever')")
     if args.steps < 1 or args.guidance_scale < 0:
         raise ValueError("--steps must be >= 1 and --guidance-scale >= 0")
-    check_model_source(args.model, DIT_HUB_ID)
     local = local_labels(args.model)
     if local is not None:
         resolve_class_ids(classes, *local)
@@ -368,12 +409,14 @@ def run_class_to_image(args: argparse.Namespace) -> int:
             generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np",
         ).images
     wall = time.perf_counter() - started
+    reader = _judge_reader(args.model)
     for name, class_id, image, plan in zip(classes, ids, images, plans):
         save_image(image, plan)
+        judged, line = _judge(reader, image, lambda: reader.read_images(image[None], [class_id])[0])
         write_settings(plan, _settings(
             args, pipe, device, dtype, task="class-to-image", class_name=name, class_id=class_id,
-            batch_size=len(ids), output=str(plan.media), wall_time_s=round(wall, 3),
+            batch_size=len(ids), output=str(plan.media), wall_time_s=round(wall, 3), **judged,
         ))
-        print(f"{plan.media}  (class {class_id})")
+        print(f"{plan.media}  (class {class_id}){line}")
     print(f"{len(ids)} image(s) in {wall:.2f} s ({args.attention})")
     return 0

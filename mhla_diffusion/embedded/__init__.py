@@ -7,6 +7,7 @@
 * :mod:`.digits`: scikit-learn's handwritten digits as a class-to-image folder;
 * :mod:`.video_judge` / :mod:`.image_judge`: classifiers trained on that ground truth;
 * :mod:`.judge_features` / :mod:`.judge_io`: the judges as ``mhla_diffusion.eval`` feature networks, save/load;
+* :mod:`.judge_reading`: what a judge reads in one generated sample, with its confidence;
 * :mod:`.autoencoders`: tiny Wan (video) and SD-style (image) VAEs trained here on that data;
 * :mod:`.build` / :mod:`.reproduction`: the build's stages and the reproduction table.
 
@@ -24,7 +25,8 @@ _EXPORTS = {
     **dict.fromkeys(['ATTRIBUTES', 'BACKGROUND', 'COLOURS', 'DIRECTIONS', 'FRAME_SIZE', 'NUM_COMBINATIONS', 'NUM_FRAMES', 'SHAPES', 'ShapeClip', 'caption_for', 'generate_clips', 'parse_caption', 'render_clip', 'shape_clip'], '.moving_shapes'),
     **dict.fromkeys(['write_shapes_dataset'], '.shapes_dataset'),
     **dict.fromkeys(['VideoJudge', 'predict_attributes', 'prompt_accuracy', 'train_video_judge'], '.video_judge'),
-    **dict.fromkeys(['EMBEDDED_ROOT', 'EmbeddedDefaults', 'embedded_defaults', 'embedded_judge', 'embedded_model'], '.locations'),
+    **dict.fromkeys(['EMBEDDED_ROOT', 'EmbeddedDefaults', 'EmbeddedFolder', 'embedded_defaults', 'embedded_folder', 'embedded_judge', 'embedded_model'], '.locations'),
+    **dict.fromkeys(['ImageReading', 'JudgeReader', 'VideoReading', 'requested_attributes'], '.judge_reading'),
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

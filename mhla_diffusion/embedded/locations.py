@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "embedded_defaults", "embedded_judge", "embedded_model"]
+__all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "EmbeddedFolder", "embedded_defaults", "embedded_folder", "embedded_judge", "embedded_model"]
 
 EMBEDDED_ROOT = Path(__file__).resolve().parent / "models"
 
@@ -72,3 +72,33 @@ def embedded_judge(kind: Literal["video", "image"], root: str | Path | None = No
     if not folder.is_dir():
         raise FileNotFoundError(f"embedded judge {folder} is missing: rebuild with `mhla build-embedded`")
     return folder
+
+
+@dataclass(frozen=True)
+class EmbeddedFolder:
+    """An embedded model folder: its task, its attention (the folder name's suffix, e.g. ``mhla``) and the
+    folder that holds it beside the judges (``mhla_diffusion/embedded/models``, or a ``build-embedded --output``)."""
+
+    task: Task
+    attention: str
+    root: Path
+
+    def judge(self) -> Path:
+        """The folder of the judge that scores this model's samples."""
+        return embedded_judge("video" if self.task == "text-to-video" else "image", self.root)
+
+
+def embedded_folder(model: str | Path) -> EmbeddedFolder | None:
+    """What ``model`` is when it is an embedded model folder as ``mhla build-embedded`` exports them
+    (``<root>/shapes-t2v-<attention>`` or ``<root>/digits-c2i-<attention>`` with a pipeline in it and
+    ``<root>/judges/`` beside it), else ``None`` (a hub id, any other folder)."""
+    path = Path(model)
+    if not (path / "model_index.json").is_file():
+        return None
+    path = path.resolve()
+    if not (path.parent / "judges").is_dir():
+        return None
+    for task, prefix in _FOLDERS.items():
+        if path.name.startswith(prefix + "-"):
+            return EmbeddedFolder(task, path.name[len(prefix) + 1:], path.parent)  # type: ignore[arg-type]
+    return None

@@ -44,7 +44,7 @@ def serve(config: DemoConfig, block: bool = True):
     finished = False
     try:
         from .models import ModelStore
-        from .ui import build_demo
+        from .ui import PAGE_CSS, build_demo
 
         store = ModelStore(config)
         if config.preload:
@@ -53,7 +53,7 @@ def serve(config: DemoConfig, block: bool = True):
         demo = build_demo(config, store, outputs)
         demo.launch(
             server_name=config.host, server_port=config.port, share=False, inbrowser=False, ssr_mode=False,
-            allowed_paths=[str(outputs.root)], prevent_thread_lock=True, quiet=False,
+            allowed_paths=[str(outputs.root)], prevent_thread_lock=True, quiet=False, css=PAGE_CSS,
         )
         if not block:
             finished = True
@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     if device_and_dtype(config.device, config.dtype)[0] == "cpu":
-        retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
+        # from the start rather than at the library's first MHLA call (cpu_memory): loading, the text encoder
+        # and the VAE reuse freed memory too; MHLA_KEEP_MALLOC=1 opts out
+        retain_freed_memory()
     serve(config)
     return 0
 

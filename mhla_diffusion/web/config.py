@@ -9,6 +9,9 @@ the "compare" option needs a softmax model; where it comes from (see :func:`reso
   (text encoder, VAE and tokenizer shared with the MHLA pipeline);
 * a ``--*-model`` that already holds MHLA (a folder saved by our pipelines): the same weights run
   with the original softmax attention (``softmax_attention()``).
+
+The form's defaults (frames, size, steps, guidance, frame rate, text length) are the models' own
+(:mod:`mhla_diffusion.model_defaults`) unless a flag gives them.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ..embedded import embedded_defaults, embedded_model
 from ..geometry import VideoGeometry
 from ..loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
+from ..model_defaults import RECORD_KEY, image_defaults, video_defaults
 from .validation import Limits
 
 __all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
@@ -68,6 +72,7 @@ class UIDefaults:
     image_guidance_scale: float
     negative_prompt: str = ""
     prompt: str = "a red circle moving right"
+    samples: int = 4
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ def _env_int(name: str, default: int | None) -> int | None:
         raise ValueError(f"environment variable {ENV_PREFIX}{name}={value!r} must be a whole number") from None
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float | None) -> float | None:
     value = _env(name)
     if value is None:
         return default
@@ -138,18 +143,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="load the models on the first request instead of at start")
     form = parser.add_argument_group("form defaults and limits")
+    own = "default: the model's own (mhla_diffusion/model_defaults.py); embedded model"
     form.add_argument("--max-sequence-length", type=int, default=_env_int("MAX_SEQUENCE_LENGTH", None),
-                      help=f"text tokens of the prompt (default {d.max_sequence_length} for the embedded model, else 512)")
-    form.add_argument("--num-frames", type=int, default=_env_int("NUM_FRAMES", d.num_frames), help=f"default {d.num_frames}")
-    form.add_argument("--height", type=int, default=_env_int("HEIGHT", d.height), help=f"default {d.height}")
-    form.add_argument("--width", type=int, default=_env_int("WIDTH", d.width), help=f"default {d.width}")
-    form.add_argument("--fps", type=int, default=_env_int("FPS", d.fps), help=f"frames per second of the videos (default {d.fps})")
-    form.add_argument("--video-steps", type=int, default=_env_int("VIDEO_STEPS", d.video_steps), help=f"default {d.video_steps}")
-    form.add_argument("--video-guidance-scale", type=float, default=_env_float("VIDEO_GUIDANCE_SCALE", d.video_guidance_scale),
-                      help=f"default {d.video_guidance_scale}")
-    form.add_argument("--image-steps", type=int, default=_env_int("IMAGE_STEPS", d.image_steps), help=f"default {d.image_steps}")
-    form.add_argument("--image-guidance-scale", type=float, default=_env_float("IMAGE_GUIDANCE_SCALE", d.image_guidance_scale),
-                      help=f"default {d.image_guidance_scale}")
+                      help=f"text tokens of the prompt ({own} {d.max_sequence_length})")
+    form.add_argument("--num-frames", type=int, default=_env_int("NUM_FRAMES", None), help=f"{own} {d.num_frames}")
+    form.add_argument("--height", type=int, default=_env_int("HEIGHT", None), help=f"{own} {d.height}")
+    form.add_argument("--width", type=int, default=_env_int("WIDTH", None), help=f"{own} {d.width}")
+    form.add_argument("--fps", type=int, default=_env_int("FPS", None), help=f"frames per second of the videos ({own} {d.fps})")
+    form.add_argument("--video-steps", type=int, default=_env_int("VIDEO_STEPS", None), help=f"{own} {d.video_steps}")
+    form.add_argument("--video-guidance-scale", type=float, default=_env_float("VIDEO_GUIDANCE_SCALE", None),
+                      help=f"{own} {d.video_guidance_scale}")
+    form.add_argument("--image-steps", type=int, default=_env_int("IMAGE_STEPS", None), help=f"{own} {d.image_steps}")
+    form.add_argument("--image-guidance-scale", type=float, default=_env_float("IMAGE_GUIDANCE_SCALE", None),
+                      help=f"{own} {d.image_guidance_scale}")
+    form.add_argument("--samples", type=int, default=_env_int("SAMPLES", UIDefaults.samples),
+                      help=f"samples per click, seeds seed, seed+1, ... (default {UIDefaults.samples}; at most {Limits.max_samples})")
     form.add_argument("--max-steps", type=int, default=_env_int("MAX_STEPS", Limits.max_steps), help="default 100")
     form.add_argument("--max-frames", type=int, default=_env_int("MAX_FRAMES", Limits.max_frames), help="default 81")
     form.add_argument("--max-size", type=int, default=_env_int("MAX_SIZE", Limits.max_size), help="largest height/width (default 1024)")
@@ -203,26 +211,40 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """A :class:`DemoConfig` from parsed flags; model folders are checked here, before anything loads."""
     if args.concurrency < 1 or args.max_queue < 1:
         raise ValueError("--concurrency and --max-queue must be >= 1")
-    d = embedded_defaults()
     limits = Limits(max_steps=args.max_steps, max_frames=args.max_frames, max_size=args.max_size)
-    defaults = UIDefaults(
-        num_frames=args.num_frames, height=args.height, width=args.width, fps=args.fps,
-        video_steps=args.video_steps, video_guidance_scale=args.video_guidance_scale,
-        image_steps=args.image_steps, image_guidance_scale=args.image_guidance_scale,
-    )
-    if args.fps < 1:
-        raise ValueError("--fps must be >= 1")
-    for flag, value in (("--video-guidance-scale", args.video_guidance_scale), ("--image-guidance-scale", args.image_guidance_scale)):
-        if not math.isfinite(value) or not 0 <= value <= limits.max_guidance:
-            raise ValueError(f"{flag} {value} must be a finite number from 0 to {limits.max_guidance:g}")
+    if not 1 <= args.samples <= limits.max_samples:
+        raise ValueError(f"--samples {args.samples} must be from 1 to {limits.max_samples}")
     video = resolve_task_models("text-to-video", args.t2v_model, args.t2v_mhla_weights, args.t2v_transformer,
                                 args.t2v_softmax_model)
+    image = resolve_task_models("class-to-image", args.c2i_model, args.c2i_mhla_weights, args.c2i_transformer,
+                                args.c2i_softmax_model)
+    own_video, own_image = video_defaults(video.model), image_defaults(image.model)
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    missing = [f"--{name.replace('_', '-')}" for name in own_video.missing_size if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"the text-to-video model {video.model} has no default video size (no {RECORD_KEY} in its "
+                         f"model_index.json, not an embedded or published Wan model): give {', '.join(missing)}")
+    defaults = UIDefaults(
+        num_frames=given(args.num_frames, own_video.num_frames), height=given(args.height, own_video.height),
+        width=given(args.width, own_video.width), fps=given(args.fps, own_video.fps),
+        video_steps=given(args.video_steps, own_video.steps),
+        video_guidance_scale=given(args.video_guidance_scale, own_video.guidance_scale),
+        image_steps=given(args.image_steps, own_image.steps),
+        image_guidance_scale=given(args.image_guidance_scale, own_image.guidance_scale), samples=args.samples,
+    )
+    max_sequence_length = given(args.max_sequence_length, own_video.max_sequence_length)
+    if defaults.fps < 1 or max_sequence_length < 1:
+        raise ValueError("--fps and --max-sequence-length must be >= 1")
+    for flag, value in (("--video-guidance-scale", defaults.video_guidance_scale),
+                        ("--image-guidance-scale", defaults.image_guidance_scale)):
+        if not math.isfinite(value) or not 0 <= value <= limits.max_guidance:
+            raise ValueError(f"{flag} {value} must be a finite number from 0 to {limits.max_guidance:g}")
     _check_default_size(video.model, defaults)
     return DemoConfig(
-        video=video,
-        image=resolve_task_models("class-to-image", args.c2i_model, args.c2i_mhla_weights, args.c2i_transformer,
-                                  args.c2i_softmax_model),
-        defaults=defaults, limits=limits, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
-        concurrency=args.concurrency, max_queue=args.max_queue, preload=args.preload,
-        max_sequence_length=args.max_sequence_length or (d.max_sequence_length if args.t2v_model is None else 512),
+        video=video, image=image, defaults=defaults, limits=limits, device=args.device, dtype=args.dtype, host=args.host,
+        port=args.port, concurrency=args.concurrency, max_queue=args.max_queue, preload=args.preload,
+        max_sequence_length=max_sequence_length,
     )

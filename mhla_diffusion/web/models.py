@@ -3,14 +3,23 @@
 Pipelines load once (with :func:`mhla_diffusion.loading.load_pipeline`, as the CLI loads them) and
 are kept. Each task has one lock: the MHLA pipeline and its softmax counterpart may share components
 (text encoder, VAE), so one task runs one generation at a time whatever the queue's concurrency.
+
+A click generates several samples in one batch, sample ``i`` from its own seed (``seed + i``), so each
+is what that seed alone gives. The denoising loop is timed alone: each step ends with a timestamp
+(``callback_on_step_end``), the first step is the warm-up, and :attr:`Generated.step_seconds` is the
+median of the others. For an embedded model the judge reads every sample
+(:mod:`mhla_diffusion.embedded.judge_reading`).
 """
 
 from __future__ import annotations
 
+import copy
+import statistics
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -18,20 +27,43 @@ import numpy as np
 from .config import DemoConfig, TaskModels
 from .validation import DemoInputError, ImageRequest, VideoRequest
 
-__all__ = ["Generated", "ModelStore"]
+__all__ = ["Generated", "GenerationStopped", "ModelStore"]
 
 Attention = Literal["mhla", "softmax"]
 #: ``progress(step, total)`` after each denoising step (``step`` counts from 1).
 StepProgress = Callable[[int, int], None]
 
 
+class GenerationStopped(Exception):
+    """The user pressed stop: the generation ended after denoising step ``step`` of ``total``."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"stopped after denoising step {step} of {total}")
+        self.step, self.total = step, total
+
+
 @dataclass(frozen=True)
 class Generated:
-    """One output: a video ``(F, H, W, 3)`` or an image ``(H, W, 3)``, floats in [0, 1], and its wall time."""
+    """One click's samples with one attention: videos ``(F, H, W, 3)`` or images ``(H, W, 3)``, floats in [0, 1].
 
-    array: np.ndarray
+    ``seconds``: end to end (text encoder, denoising loop, VAE decode); ``step_ends``: when each denoising
+    step ended (``time.perf_counter``); ``readings``: the judge's reading of each sample (``None`` entries
+    without a judge), ``judge_note`` why there is none when the model has a judge.
+    """
+
+    arrays: list[np.ndarray]
+    seeds: list[int]
     seconds: float
     attention: Attention
+    step_ends: list[float] = field(default_factory=list)
+    readings: list[Any] = field(default_factory=list)
+    judge_note: str | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Median seconds of one denoising step after the first (the warm-up); ``None`` with fewer than 2 steps."""
+        durations = np.diff(self.step_ends)
+        return float(statistics.median(durations.tolist())) if len(durations) else None
 
 
 class ModelStore:
@@ -42,6 +74,9 @@ class ModelStore:
         self._pipes: dict[tuple[str, str], Any] = {}
         self._locks = {"text-to-video": threading.RLock(), "class-to-image": threading.RLock()}
         self._device_dtype: tuple[str, Any] | None = None
+        self._readers: dict[str, Any] = {}
+        self._tokenizer: Any = None  # a copy of the text-to-video tokenizer for prompt checks during a generation
+        self._tokenizer_lock = threading.Lock()
 
     # ------------------------------------------------------------ loading
 
@@ -134,22 +169,58 @@ class ModelStore:
             first.setdefault(class_id, name)
         return [first[i] for i in sorted(first)]
 
+    # ------------------------------------------------------------ prompt words and the judges
+
+    def unknown_words(self, prompt: str) -> list[str]:
+        """The words of ``prompt`` the text-to-video model's tokenizer does not know (see the pipelines'
+        ``unknown_words``). Uses its own copy of the tokenizer, so it answers while a generation runs."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                pipe = self.pipeline("text-to-video", "mhla")
+                # the pipeline's own rule, on a copy of its tokenizer (a fast tokenizer is not to be shared by threads)
+                self._tokenizer = (type(pipe).unknown_words, SimpleNamespace(tokenizer=copy.deepcopy(pipe.tokenizer)))
+            rule, holder = self._tokenizer
+            return rule(holder, prompt)
+
+    def judge(self, task: str) -> Any:
+        """The judge that reads ``task``'s samples (a ``JudgeReader``) when its model is an embedded model, else ``None``."""
+        from ..embedded.locations import embedded_folder
+
+        with self._locks[task]:
+            if task not in self._readers:
+                folder = embedded_folder(self._models(task).model)
+                reader = None
+                if folder is not None:
+                    from ..embedded.judge_reading import JudgeReader
+
+                    reader = JudgeReader(folder.judge())
+                self._readers[task] = reader
+            return self._readers[task]
+
     # ------------------------------------------------------------ generation
 
     @staticmethod
-    def _step_callback(progress: StepProgress | None, total: int):
-        if progress is None:
-            return None
+    def _step_callback(progress: StepProgress | None, total: int, step_ends: list[float],
+                       stop: threading.Event | None):
+        """``callback_on_step_end``: timestamps each step's end, reports progress, and stops when ``stop`` is set."""
 
         def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-            progress(step + 1, total)
+            step_ends.append(time.perf_counter())
+            if progress is not None:
+                progress(step + 1, total)
+            if stop is not None and stop.is_set():
+                raise GenerationStopped(step + 1, total)
             return callback_kwargs
 
         return on_step_end
 
     def generate_video(self, request: VideoRequest, attention: Attention = "mhla",
-                       progress: StepProgress | None = None) -> Generated:
-        """Generate one video; a size the MHLA block layout cannot run on is a :class:`DemoInputError`."""
+                       progress: StepProgress | None = None, stop: threading.Event | None = None) -> Generated:
+        """Generate ``request.samples`` videos (seeds ``request.seeds``) in one batch, and the judge's readings.
+
+        A size the MHLA block layout cannot run on is a :class:`DemoInputError`; ``stop`` set during the loop
+        ends it with :class:`GenerationStopped`.
+        """
         import torch
 
         task = "text-to-video"
@@ -160,30 +231,52 @@ class ModelStore:
                     pipe.check_mhla_size(request.num_frames, request.height, request.width)
                 except ValueError as error:
                     raise DemoInputError(str(error)) from None
+            step_ends: list[float] = []
             started = time.perf_counter()
             with self.attention_context(pipe, attention), torch.inference_mode():
                 frames = pipe(
                     prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
                     height=request.height, width=request.width, num_inference_steps=request.steps,
-                    guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed),
+                    guidance_scale=request.guidance_scale, num_videos_per_prompt=request.samples,
+                    generator=[torch.Generator("cpu").manual_seed(seed) for seed in request.seeds],
                     max_sequence_length=self.config.max_sequence_length, output_type="np",
-                    callback_on_step_end=self._step_callback(progress, request.steps),
-                ).frames[0]
-            return Generated(np.asarray(frames), time.perf_counter() - started, attention)
+                    callback_on_step_end=self._step_callback(progress, request.steps, step_ends, stop),
+                ).frames
+            seconds = time.perf_counter() - started
+            videos = [np.asarray(video) for video in frames]
+            readings, note = self._read(task, videos, lambda reader: reader.read_videos(
+                np.stack(videos), [request.prompt] * len(videos)))
+            return Generated(videos, request.seeds, seconds, attention, step_ends, readings, note)
 
     def generate_image(self, request: ImageRequest, attention: Attention = "mhla",
-                       progress: StepProgress | None = None) -> Generated:
-        """Generate one class-conditional image."""
+                       progress: StepProgress | None = None, stop: threading.Event | None = None) -> Generated:
+        """Generate ``request.samples`` class-conditional images (seeds ``request.seeds``) in one batch."""
         import torch
 
         task = "class-to-image"
         with self._locks[task]:
             pipe = self.pipeline(task, attention)
+            step_ends: list[float] = []
             started = time.perf_counter()
             with self.attention_context(pipe, attention), torch.inference_mode():
                 images = pipe(
-                    class_labels=[request.class_id], guidance_scale=request.guidance_scale,
-                    num_inference_steps=request.steps, generator=torch.Generator("cpu").manual_seed(request.seed),
-                    output_type="np", callback_on_step_end=self._step_callback(progress, request.steps),
+                    class_labels=[request.class_id] * request.samples, guidance_scale=request.guidance_scale,
+                    num_inference_steps=request.steps,
+                    generator=[torch.Generator("cpu").manual_seed(seed) for seed in request.seeds],
+                    output_type="np", callback_on_step_end=self._step_callback(progress, request.steps, step_ends, stop),
                 ).images
-            return Generated(np.asarray(images[0]), time.perf_counter() - started, attention)
+            seconds = time.perf_counter() - started
+            arrays = [np.asarray(image) for image in images]
+            readings, note = self._read(task, arrays, lambda reader: reader.read_images(
+                np.stack(arrays), [request.class_id] * len(arrays)))
+            return Generated(arrays, request.seeds, seconds, attention, step_ends, readings, note)
+
+    def _read(self, task: str, samples: list[np.ndarray], read: Callable[[Any], list[Any]]) -> tuple[list[Any], str | None]:
+        """The judge's readings of ``samples`` (``read(reader)``), or ``None`` each with why (``None``: no judge)."""
+        reader = self.judge(task)
+        if reader is None:
+            return [None] * len(samples), None
+        why = reader.unreadable(samples[0].shape)
+        if why is not None:
+            return [None] * len(samples), why
+        return read(reader), None

@@ -1,5 +1,12 @@
 """The Gradio page: a text-to-video tab and a class-to-image tab, MHLA beside softmax.
 
+Each click generates a small gallery of samples (seeds ``seed``, ``seed + 1``, ...) per attention,
+shown at 256 px with nearest-neighbour scaling (:data:`PAGE_CSS`; the files the gallery downloads are
+the native-size PNG / mp4), each captioned with its seed and, for an embedded model, the judge's reading.
+The form's size limits are the model's own (:func:`~mhla_diffusion.web.validation.video_bounds`); a stop
+button ends a running generation after its current denoising step; unknown prompt words are named
+under the prompt as it is typed.
+
 Import this module only after :func:`mhla_diffusion.web.app.prepare_environment` (it turns
 analytics off and points Gradio's cache into the demo's temporary folder before Gradio loads).
 """
@@ -9,25 +16,49 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
+import threading
 from typing import Any, Callable
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no telemetry threads
 
 import gradio as gr
 
-from ..geometry import VideoGeometry
+from ..embedded.locations import embedded_folder
+from ..geometry import MAX_SEED, VideoGeometry
 from .config import DemoConfig
-from .models import Attention, Generated, ModelStore
+from .models import Attention, Generated, GenerationStopped, ModelStore
 from .outputs import SessionOutputs
-from .validation import DemoInputError, image_request, video_request
+from .report import TITLES, caption, example_prompts, summary, unknown_words_note, vocabulary_markdown
+from .validation import DemoInputError, image_request, video_bounds, video_request
 
-__all__ = ["build_demo"]
+__all__ = ["PAGE_CSS", "build_demo"]
 
 logger = logging.getLogger(__name__)
 
 #: Events share this concurrency group, so the queue's limit covers both tabs together.
 CONCURRENCY_ID = "generate"
-_TITLES = {"mhla": "MHLA (linear attention)", "softmax": "Softmax attention (original)"}
+#: Samples at a readable size: 256 px cells, nearest-neighbour scaling (the files stay at native size),
+#: captions under the sample instead of over it. (Gradio's gallery class names; the browser test measures the result.)
+DISPLAY_PX = 256
+PAGE_CSS = f"""
+.mhla-samples .grid-wrap {{ height: auto !important; max-height: none !important; overflow: visible !important; }}
+.mhla-samples .grid-container {{ grid-template-columns: repeat(auto-fill, {DISPLAY_PX + 8}px) !important; }}
+.mhla-samples .thumbnail-item {{ width: {DISPLAY_PX}px; height: auto !important; aspect-ratio: auto !important;
+    box-sizing: content-box; display: flex; flex-direction: column; }}
+.mhla-samples .thumbnail-item img, .mhla-samples .thumbnail-item video {{ width: {DISPLAY_PX}px !important;
+    height: {DISPLAY_PX}px !important; object-fit: contain; }}
+.mhla-samples img, .mhla-samples video {{ image-rendering: pixelated; }}
+.mhla-samples .caption-label {{ position: static !important; max-width: {DISPLAY_PX}px !important;
+    white-space: normal !important; transform: none !important; }}
+#t2v-unknown p {{ color: var(--error-text-color); font-weight: 600; }}
+"""
+#: After a video generation: the gallery's videos play, muted and looped.
+PLAY_VIDEOS = """() => { setTimeout(() => {
+    for (const video of document.querySelectorAll('#t2v-mhla video, #t2v-softmax video')) {
+        video.muted = true; video.loop = true; video.play().catch(() => {});
+    }
+}, 500); }"""
 
 
 def _session(request: gr.Request | None) -> str | None:
@@ -42,6 +73,9 @@ def _guarded(work: Callable[[], Any]) -> Any:
         raise
     except DemoInputError as error:
         raise gr.Error(str(error), title="Invalid input", print_exception=False) from None
+    except GenerationStopped as stopped:
+        print(f"generation {stopped}", flush=True)
+        raise gr.Error(f"Stopped: {stopped}", title="Stopped", print_exception=False) from None
     except Exception as error:  # the page gets one line, the console the traceback
         logger.exception("generation failed")
         message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
@@ -67,33 +101,19 @@ def _checked(component: Any) -> Any:
     return component
 
 
-def _unknown_words_note(words: list[str]) -> str:
-    return (f"The model's tokenizer does not know {', '.join(map(repr, words))}: "
-            "the video is generated without {}.".format("it" if len(words) == 1 else "them"))
-
-
-def _summary(results: list[Generated], what: str) -> str:
-    lines = [f"**{what}**", "", "| attention | wall time |", "|---|---|"]
-    lines += [f"| {_TITLES[r.attention]} | {r.seconds:.2f} s |" for r in results]
-    if len(results) == 2 and results[0].seconds > 0:
-        ratio = results[1].seconds / results[0].seconds
-        lines += ["", f"Softmax took {ratio:.2f}x the MHLA time (same seed; wall times include the text encoder and VAE)."]
-    return "\n".join(lines)
-
-
 def _runs(compare: bool) -> list[Attention]:
     return ["mhla", "softmax"] if compare else ["mhla"]
 
 
 def _run_compared(compare: bool, steps: int, progress: gr.Progress,
                   generate: Callable[[Attention, Callable[[int, int], None]], Generated],
-                  save: Callable[[Generated], Any]) -> tuple[list[Generated], dict[str, Any]]:
+                  save: Callable[[Generated], list[Any]]) -> tuple[list[Generated], dict[str, list[Any]]]:
     """MHLA (and, with ``compare``, softmax) one after the other on one progress bar; the results
-    and ``{attention: saved output}``."""
+    and ``{attention: the saved samples}``."""
     runs = _runs(compare)
     results, paths = [], {}
     for index, attention in enumerate(runs):
-        progress((index * steps, len(runs) * steps), desc=f"{_TITLES[attention]}: starting")
+        progress((index * steps, len(runs) * steps), desc=f"{TITLES[attention]}: starting")
         result = generate(attention, _progress_for(progress, index, len(runs), steps, attention))
         results.append(result)
         paths[attention] = save(result)
@@ -102,64 +122,127 @@ def _run_compared(compare: bool, steps: int, progress: gr.Progress,
 
 def _progress_for(progress: gr.Progress, index: int, count: int, steps: int, attention: Attention):
     def report(step: int, total: int) -> None:
-        progress((index * steps + step, count * steps), desc=f"{_TITLES[attention]}: step {step}/{total}", unit="steps")
+        progress((index * steps + step, count * steps), desc=f"{TITLES[attention]}: step {step}/{total}", unit="steps")
 
     return report
 
 
-def _paths(paths: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(MHLA output, softmax output or ``None``) as plain paths: API clients get files, not UI updates."""
-    return tuple(str(paths[a]) if a in paths else None for a in ("mhla", "softmax"))  # type: ignore[return-value]
+def _galleries(results: list[Generated], paths: dict[str, list[Any]]) -> tuple[list[tuple[str, str]], ...]:
+    """(MHLA gallery, softmax gallery): ``(file, caption)`` per sample; an empty softmax gallery without compare."""
+    by_attention = {r.attention: r for r in results}
+    galleries = []
+    for attention in ("mhla", "softmax"):
+        result = by_attention.get(attention)
+        galleries.append([] if result is None else [
+            (str(path), caption(seed, reading)) for path, seed, reading in zip(paths[attention], result.seeds, result.readings)])
+    return tuple(galleries)
+
+
+class _StopFlags:
+    """One stop flag per browser session (or API client): the stop button sets it, the next generation clears it."""
+
+    def __init__(self) -> None:
+        self._flags: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def flag(self, session: str | None) -> threading.Event:
+        with self._lock:
+            return self._flags.setdefault(session or "anonymous", threading.Event())
+
+    def start(self, session: str | None) -> threading.Event:
+        """The session's flag, cleared: a generation starts."""
+        event = self.flag(session)
+        event.clear()
+        return event
+
+    def forget(self, session: str | None) -> None:
+        with self._lock:
+            self._flags.pop(session or "anonymous", None)
+
+
+def _random_seed(samples: Any = 1) -> int:
+    """A random seed that leaves room for ``samples`` consecutive seeds."""
+    try:
+        count = max(1, int(samples))
+    except (TypeError, ValueError):
+        count = 1
+    return random.SystemRandom().randint(0, MAX_SEED - count + 1)
 
 
 def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -> gr.Blocks:
-    """The Blocks app (not launched)."""
+    """The Blocks app (not launched; launch it with ``css=PAGE_CSS``)."""
     defaults, limits = config.defaults, config.limits
     geometry = VideoGeometry.from_folder(config.video.model)  # the text-to-video model's size rules (from its configs)
+    bounds = video_bounds(geometry, limits)
+    embedded_video = embedded_folder(config.video.model) is not None
+    stops = _StopFlags()
 
     def generate_video(prompt: str, negative_prompt: str, seed: float, steps: float, guidance: float,
-                       num_frames: float, height: float, width: float, compare: bool,
+                       num_frames: float, height: float, width: float, compare: bool, samples: float,
                        request: gr.Request, progress: gr.Progress = gr.Progress()):
         def work():
             checked = video_request(prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits,
-                                    geometry)
-            unknown = store.pipeline("text-to-video").unknown_words(checked.prompt)
+                                    geometry, samples)
+            stop = stops.start(_session(request))
+            unknown = store.unknown_words(checked.prompt)
             if unknown:
-                gr.Warning(_unknown_words_note(unknown))
+                gr.Warning(unknown_words_note(unknown))
             results, paths = _run_compared(
-                compare, checked.steps, progress, lambda attention, report: store.generate_video(checked, attention, report),
-                lambda result: outputs.save_video(_session(request), result.array, result.attention, defaults.fps))
+                compare, checked.steps, progress,
+                lambda attention, report: store.generate_video(checked, attention, report, stop),
+                lambda result: [outputs.save_video(_session(request), video, result.attention, defaults.fps)
+                                for video in result.arrays])
+            seeds = f"seed {checked.seed}" if checked.samples == 1 else f"seeds {checked.seed}-{checked.seeds[-1]}"
             what = (f"{checked.num_frames} frames, {checked.height}x{checked.width}, {checked.steps} steps, "
-                    f"guidance {checked.guidance_scale:g}, seed {checked.seed}")
-            summary = _summary(results, what) + (f"\n\n**Note:** {_unknown_words_note(unknown)}" if unknown else "")
-            return _paths(paths) + (summary,)
+                    f"guidance {checked.guidance_scale:g}, {seeds}")
+            text = summary(results, what) + (f"\n\n**Note:** {unknown_words_note(unknown)}" if unknown else "")
+            return (*_galleries(results, paths), text)
 
         return _guarded(work)
 
-    def generate_image(class_label: str, seed: float, steps: float, guidance: float, compare: bool,
+    def generate_image(class_label: str, seed: float, steps: float, guidance: float, compare: bool, samples: float,
                        request: gr.Request, progress: gr.Progress = gr.Progress()):
         def work():
             labels, num_classes = store.class_labels()
-            checked = image_request(class_label, seed, steps, guidance, labels, num_classes, limits)
+            checked = image_request(class_label, seed, steps, guidance, labels, num_classes, limits, samples)
+            stop = stops.start(_session(request))
             results, paths = _run_compared(
-                compare, checked.steps, progress, lambda attention, report: store.generate_image(checked, attention, report),
-                lambda result: outputs.save_image(_session(request), result.array, result.attention))
+                compare, checked.steps, progress,
+                lambda attention, report: store.generate_image(checked, attention, report, stop),
+                lambda result: [outputs.save_image(_session(request), image, result.attention) for image in result.arrays])
+            seeds = f"seed {checked.seed}" if checked.samples == 1 else f"seeds {checked.seed}-{checked.seeds[-1]}"
             what = (f"class {checked.class_label!r} (id {checked.class_id}), {checked.steps} steps, "
-                    f"guidance {checked.guidance_scale:g}, seed {checked.seed}")
-            return _paths(paths) + (_summary(results, what),)
+                    f"guidance {checked.guidance_scale:g}, {seeds}")
+            return (*_galleries(results, paths), summary(results, what, "denoising loop and VAE decode"))
 
         return _guarded(work)
 
+    def stop(request: gr.Request) -> None:
+        """Stop this session's running generation after its current denoising step (queued ones are cancelled)."""
+        stops.flag(_session(request)).set()
+
+    def random_seed(samples: float) -> int:
+        return _random_seed(samples)
+
+    def check_prompt(prompt: str) -> str:
+        """The visible warning under the prompt: the words the model does not know (empty when it knows all)."""
+        text = (prompt or "").strip() if isinstance(prompt, str) else ""
+        unknown = store.unknown_words(text) if text else []
+        return f"⚠ {unknown_words_note(unknown)}" if unknown else ""
+
     def end_session(request: gr.Request) -> None:
         outputs.remove(_session(request))
+        stops.forget(_session(request))
 
     classes = store.class_choices()
     events = dict(concurrency_limit=config.concurrency, concurrency_id=CONCURRENCY_ID)
+    instant = dict(concurrency_limit=None, show_progress="hidden")  # never waits behind a generation
     with gr.Blocks(title="MHLA diffusion demo", analytics_enabled=False, delete_cache=(600, 3600)) as demo:
         gr.Markdown(
             "# Multi-Head Linear Attention for diffusion\n"
             "MHLA replaces softmax self-attention with linear attention over token blocks (cost O(N) in the "
-            "number of tokens). Tick *compare* to run the same seed with the original softmax attention.\n\n"
+            "number of tokens). Tick *compare* to run the same seeds with the original softmax attention. Samples are "
+            f"shown at {DISPLAY_PX} px (nearest neighbour); the gallery's download button gives the files at their own size.\n\n"
             f"Text-to-video: `{config.video.describe()}`  \nClass-to-image: `{config.image.describe()}`"
         )
         with gr.Tabs():
@@ -167,47 +250,82 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                 with gr.Row():
                     with gr.Column(scale=2):
                         prompt = gr.Textbox(label="Prompt", value=defaults.prompt, lines=2, elem_id="t2v-prompt")
+                        prompt_warning = gr.Markdown(elem_id="t2v-unknown")
+                        if embedded_video:
+                            gr.Markdown(vocabulary_markdown(), elem_id="t2v-vocabulary")
+                            gr.Examples([[text] for text in example_prompts()], inputs=[prompt],
+                                        label="Example prompts (click one)", examples_per_page=12, elem_id="t2v-examples")
                         negative = gr.Textbox(label="Negative prompt", value=defaults.negative_prompt, elem_id="t2v-negative")
                         with gr.Row():
-                            seed = _checked(gr.Number(label="Seed", value=0, precision=0, elem_id="t2v-seed"))
-                            frames = _checked(gr.Number(label=f"Frames ({geometry.frame_rule(examples=False)})", value=defaults.num_frames,
-                                               precision=0, elem_id="t2v-frames"))
-                            height = _checked(gr.Number(label=f"Height (x{geometry.generation_multiple[0]})", value=defaults.height,
-                                               precision=0, elem_id="t2v-height"))
-                            width = _checked(gr.Number(label=f"Width (x{geometry.generation_multiple[1]})", value=defaults.width,
-                                              precision=0, elem_id="t2v-width"))
+                            seed = _checked(gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED,
+                                                      elem_id="t2v-seed"))
+                            dice = gr.Button("Random seed", elem_id="t2v-random-seed", scale=0)
+                            samples = _checked(gr.Slider(1, limits.max_samples, value=defaults.samples, step=1,
+                                                         label="Samples (seeds seed, seed+1, ...)", elem_id="t2v-samples"))
+                        with gr.Row():
+                            frames = _checked(gr.Number(
+                                label=f"Frames ({geometry.frame_rule(examples=False)}, up to {bounds.max_frames})",
+                                value=defaults.num_frames, precision=0, minimum=1, maximum=bounds.max_frames,
+                                elem_id="t2v-frames"))
+                            height = _checked(gr.Number(
+                                label=f"Height (x{geometry.generation_multiple[0]}, up to {bounds.max_height})",
+                                value=defaults.height, precision=0, minimum=bounds.min_height, maximum=bounds.max_height,
+                                step=geometry.generation_multiple[0], elem_id="t2v-height"))
+                            width = _checked(gr.Number(
+                                label=f"Width (x{geometry.generation_multiple[1]}, up to {bounds.max_width})",
+                                value=defaults.width, precision=0, minimum=bounds.min_width, maximum=bounds.max_width,
+                                step=geometry.generation_multiple[1], elem_id="t2v-width"))
                         steps = _checked(gr.Slider(1, limits.max_steps, value=defaults.video_steps, step=1, label="Steps", elem_id="t2v-steps"))
                         guidance = _checked(gr.Slider(0, limits.max_guidance, value=defaults.video_guidance_scale, step=0.5,
                                              label="Guidance scale", elem_id="t2v-guidance"))
-                        compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seed)", elem_id="t2v-compare")
-                        run_video = gr.Button("Generate video", variant="primary", elem_id="t2v-generate")
-                    with gr.Column(scale=3):
+                        compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seeds)", elem_id="t2v-compare")
                         with gr.Row():
-                            video_mhla = gr.Video(label=_TITLES["mhla"], autoplay=True, loop=True, elem_id="t2v-mhla")
-                            video_softmax = gr.Video(label=_TITLES["softmax"], autoplay=True, loop=True, elem_id="t2v-softmax")
+                            run_video = gr.Button("Generate videos", variant="primary", elem_id="t2v-generate")
+                            stop_video = gr.Button("Stop", variant="stop", elem_id="t2v-stop")
+                    with gr.Column(scale=3):
+                        video_mhla = gr.Gallery(label=TITLES["mhla"], elem_id="t2v-mhla", elem_classes=["mhla-samples"],
+                                                height="auto", object_fit="contain")
+                        video_softmax = gr.Gallery(label=TITLES["softmax"], elem_id="t2v-softmax",
+                                                   elem_classes=["mhla-samples"], height="auto", object_fit="contain")
                         video_info = gr.Markdown(elem_id="t2v-summary")
             with gr.Tab("Class to image", id="c2i"):
                 with gr.Row():
                     with gr.Column(scale=2):
                         label = gr.Dropdown(classes, value=classes[0] if classes else None, allow_custom_value=True,
                                             label="Class (name or id)", elem_id="c2i-class")
-                        image_seed = _checked(gr.Number(label="Seed", value=0, precision=0, elem_id="c2i-seed"))
+                        with gr.Row():
+                            image_seed = _checked(gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED,
+                                                            elem_id="c2i-seed"))
+                            image_dice = gr.Button("Random seed", elem_id="c2i-random-seed", scale=0)
+                            image_samples = _checked(gr.Slider(1, limits.max_samples, value=defaults.samples, step=1,
+                                                               label="Samples (seeds seed, seed+1, ...)", elem_id="c2i-samples"))
                         image_steps = _checked(gr.Slider(1, limits.max_steps, value=defaults.image_steps, step=1, label="Steps",
                                                 elem_id="c2i-steps"))
                         image_guidance = _checked(gr.Slider(0, limits.max_guidance, value=defaults.image_guidance_scale, step=0.5,
                                                    label="Guidance scale", elem_id="c2i-guidance"))
-                        image_compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seed)",
+                        image_compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seeds)",
                                                     elem_id="c2i-compare")
-                        run_image = gr.Button("Generate image", variant="primary", elem_id="c2i-generate")
-                    with gr.Column(scale=3):
                         with gr.Row():
-                            image_mhla = gr.Image(label=_TITLES["mhla"], type="filepath", elem_id="c2i-mhla")
-                            image_softmax = gr.Image(label=_TITLES["softmax"], type="filepath", elem_id="c2i-softmax")
+                            run_image = gr.Button("Generate images", variant="primary", elem_id="c2i-generate")
+                            stop_image = gr.Button("Stop", variant="stop", elem_id="c2i-stop")
+                    with gr.Column(scale=3):
+                        image_mhla = gr.Gallery(label=TITLES["mhla"], elem_id="c2i-mhla", elem_classes=["mhla-samples"],
+                                                height="auto", object_fit="contain")
+                        image_softmax = gr.Gallery(label=TITLES["softmax"], elem_id="c2i-softmax",
+                                                   elem_classes=["mhla-samples"], height="auto", object_fit="contain")
                         image_info = gr.Markdown(elem_id="c2i-summary")
-        run_video.click(generate_video, [prompt, negative, seed, steps, guidance, frames, height, width, compare],
-                        [video_mhla, video_softmax, video_info], api_name="generate_video", **events)
-        run_image.click(generate_image, [label, image_seed, image_steps, image_guidance, image_compare],
-                        [image_mhla, image_softmax, image_info], api_name="generate_image", **events)
+        video_event = run_video.click(
+            generate_video, [prompt, negative, seed, steps, guidance, frames, height, width, compare, samples],
+            [video_mhla, video_softmax, video_info], api_name="generate_video", **events)
+        video_event.then(None, js=PLAY_VIDEOS)
+        image_event = run_image.click(generate_image, [label, image_seed, image_steps, image_guidance, image_compare, image_samples],
+                                      [image_mhla, image_softmax, image_info], api_name="generate_image", **events)
+        stop_video.click(stop, None, None, cancels=[video_event], api_name="stop", **instant)
+        stop_image.click(stop, None, None, cancels=[image_event], api_name="stop_image", **instant)
+        dice.click(random_seed, [samples], [seed], api_name="random_seed", **instant)
+        image_dice.click(random_seed, [image_samples], [image_seed], api_name="random_image_seed", **instant)
+        prompt.change(check_prompt, [prompt], [prompt_warning], api_name="check_prompt", **instant)
+        demo.load(check_prompt, [prompt], [prompt_warning], **instant)
         demo.unload(end_session)
     demo.queue(default_concurrency_limit=config.concurrency, max_size=config.max_queue)
     return demo

@@ -13,7 +13,8 @@ from typing import Any
 from ..geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 from ..pipelines.class_labels import resolve_class_ids
 
-__all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoRequest", "image_request", "video_request"]
+__all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoBounds", "VideoRequest", "image_request", "video_bounds",
+           "video_request"]
 
 
 class DemoInputError(ValueError):
@@ -31,6 +32,33 @@ class Limits:
     max_size: int = 1024
     max_guidance: float = 20.0
     max_prompt_chars: int = 2000
+    #: Samples per click (seeds ``seed``, ``seed + 1``, ...), per attention.
+    max_samples: int = 8
+
+
+@dataclass(frozen=True)
+class VideoBounds:
+    """The video sizes the form offers for one model: the demo's :class:`Limits` within the model's own
+    (its position table's largest clip, :meth:`~mhla_diffusion.geometry.VideoGeometry.max_size`)."""
+
+    max_frames: int
+    min_height: int
+    min_width: int
+    max_height: int
+    max_width: int
+
+
+def video_bounds(geometry: VideoGeometry, limits: Limits = Limits()) -> VideoBounds:
+    """The largest frame count and sizes (whole multiples) the form may offer for the model of ``geometry``."""
+    largest = geometry.max_size() or (limits.max_frames, limits.max_size, limits.max_size)
+    bounds = []
+    for axis in (0, 1):
+        multiple = geometry.generation_multiple[axis]
+        bounds.append((limits.min_size or multiple, min(limits.max_size, largest[axis + 1]) // multiple * multiple))
+    frames = min(limits.max_frames, largest[0])
+    while frames > 1 and not geometry.valid_frames(frames):
+        frames -= 1
+    return VideoBounds(frames, bounds[0][0], bounds[1][0], bounds[0][1], bounds[1][1])
 
 
 @dataclass(frozen=True)
@@ -45,6 +73,12 @@ class VideoRequest:
     num_frames: int
     height: int
     width: int
+    samples: int = 1
+
+    @property
+    def seeds(self) -> list[int]:
+        """One seed per sample: ``seed``, ``seed + 1``, ..."""
+        return list(range(self.seed, self.seed + self.samples))
 
 
 @dataclass(frozen=True)
@@ -56,6 +90,12 @@ class ImageRequest:
     seed: int
     steps: int
     guidance_scale: float
+    samples: int = 1
+
+    @property
+    def seeds(self) -> list[int]:
+        """One seed per sample: ``seed``, ``seed + 1``, ..."""
+        return list(range(self.seed, self.seed + self.samples))
 
 
 def _integer(value: Any, name: str) -> int:
@@ -91,19 +131,24 @@ def _in_range(value: float, low: float, high: float, name: str) -> None:
         raise DemoInputError(f"{name} {text(value)} is out of range: use {text(low)} to {text(high)}")
 
 
-def _common(seed: Any, steps: Any, guidance: Any, limits: Limits) -> tuple[int, int, float]:
+def _common(seed: Any, steps: Any, guidance: Any, samples: Any, limits: Limits) -> tuple[int, int, float, int]:
     seed_value = _integer(seed, "Seed")
     _in_range(seed_value, 0, MAX_SEED, "Seed")
     step_count = _integer(steps, "Steps")
     _in_range(step_count, 1, limits.max_steps, "Steps")
     scale = _number(guidance, "Guidance scale")
     _in_range(scale, 0.0, limits.max_guidance, "Guidance scale")
-    return seed_value, step_count, scale
+    count = _integer(samples, "Samples")
+    _in_range(count, 1, limits.max_samples, "Samples")
+    if seed_value + count - 1 > MAX_SEED:
+        raise DemoInputError(f"Seed {seed_value} with {count} samples needs seeds up to {seed_value + count - 1}: "
+                             f"the last seed may be at most {MAX_SEED}")
+    return seed_value, step_count, scale, count
 
 
 def video_request(
     prompt: Any, negative_prompt: Any, seed: Any, steps: Any, guidance: Any, num_frames: Any, height: Any, width: Any,
-    limits: Limits = Limits(), geometry: VideoGeometry = VideoGeometry(),
+    limits: Limits = Limits(), geometry: VideoGeometry = VideoGeometry(), samples: Any = 1,
 ) -> VideoRequest:
     """Check the text-to-video inputs; raise :class:`DemoInputError` on the first problem.
 
@@ -116,7 +161,7 @@ def video_request(
     if len(text) > limits.max_prompt_chars:
         raise DemoInputError(f"The prompt is too long ({len(text)} characters; at most {limits.max_prompt_chars})")
     negative = "" if negative_prompt is None else str(negative_prompt).strip()
-    seed_value, step_count, scale = _common(seed, steps, guidance, limits)
+    seed_value, step_count, scale, count = _common(seed, steps, guidance, samples, limits)
     frames = _integer(num_frames, "Frames")
     if not geometry.valid_frames(frames):
         examples = ", ".join(map(str, geometry.example_frames(5)))
@@ -137,7 +182,7 @@ def video_request(
     except ValueError as error:
         message = str(error)
         raise DemoInputError(message[:1].upper() + message[1:]) from None
-    return VideoRequest(text, negative, seed_value, step_count, scale, frames, sizes["Height"], sizes["Width"])
+    return VideoRequest(text, negative, seed_value, step_count, scale, frames, sizes["Height"], sizes["Width"], count)
 
 
 def _size_rule(geometry: VideoGeometry, axis: int) -> str:
@@ -150,7 +195,7 @@ def _size_rule(geometry: VideoGeometry, axis: int) -> str:
 
 def image_request(
     class_label: Any, seed: Any, steps: Any, guidance: Any, labels: dict[str, int], num_classes: int,
-    limits: Limits = Limits(),
+    limits: Limits = Limits(), samples: Any = 1,
 ) -> ImageRequest:
     """Check the class-to-image inputs; ``class_label`` is a name from ``labels`` or an id below ``num_classes``."""
     label = "" if class_label is None else str(class_label).strip()
@@ -164,5 +209,5 @@ def image_request(
             f"Unknown class {label!r}: choose a listed class name or an id from 0 to {num_classes - 1}"
             + (f" (names such as {examples})" if examples else "")
         ) from None
-    seed_value, step_count, scale = _common(seed, steps, guidance, limits)
-    return ImageRequest(label, class_id, seed_value, step_count, scale)
+    seed_value, step_count, scale, count = _common(seed, steps, guidance, samples, limits)
+    return ImageRequest(label, class_id, seed_value, step_count, scale, count)

@@ -1,11 +1,13 @@
 """Fixtures of the web tests: one ``python app.py`` on the tiny pipelines for the whole session (every web
-test module shares it), and a ``gradio_client`` for it.
+test module shares it), one on the embedded models (judges, vocabulary, the model's size limits), and a
+``gradio_client`` for each.
 
-It is shut down with SIGTERM at the end and must exit 0 having deleted its temporary outputs.
+Each is shut down with SIGTERM at the end and must exit 0 having deleted its temporary outputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,26 +19,19 @@ import pytest
 from helpers.web import FRAMES, REPO, SIZE, STEPS, DemoServer, free_port
 
 
-@pytest.fixture(scope="session")
-def demo_server(pipeline_dirs, tmp_path_factory):
-    pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
-    root = tmp_path_factory.mktemp("webdemo")
+@contextlib.contextmanager
+def _running_demo(root, argv: list[str]):
+    """``python app.py --port P *argv`` serving in ``root``'s temp folder until the block ends; then SIGTERM, and it
+    must exit 0 having deleted its temporary outputs."""
     (root / "tmp").mkdir()
     port = free_port()
     log = root / "server.log"
     env = {**os.environ, "TMPDIR": str(root / "tmp"), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1"}
     env.pop("GRADIO_TEMP_DIR", None)
-    command = [sys.executable, "app.py", "--port", str(port)]
-    if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
-        command += [
-            "--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"]),
-            "--c2i-model", str(pipeline_dirs["dit"]), "--c2i-mhla-weights", str(pipeline_dirs["dit_mhla"]),
-            "--num-frames", str(FRAMES), "--height", str(SIZE), "--width", str(SIZE),
-            "--video-steps", str(STEPS), "--image-steps", str(STEPS), "--max-steps", "50",
-        ]
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *argv], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     server = DemoServer(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 120
     try:
@@ -66,7 +61,39 @@ def demo_server(pipeline_dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo_server(pipeline_dirs, tmp_path_factory):
+    pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
+    argv = []
+    if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
+        argv = [
+            "--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"]),
+            "--c2i-model", str(pipeline_dirs["dit"]), "--c2i-mhla-weights", str(pipeline_dirs["dit_mhla"]),
+            "--num-frames", str(FRAMES), "--height", str(SIZE), "--width", str(SIZE),
+            "--video-steps", str(STEPS), "--image-steps", str(STEPS), "--max-steps", "50", "--samples", "1",
+        ]
+    with _running_demo(tmp_path_factory.mktemp("webdemo"), argv) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tmp_path_factory):
+    """``python app.py`` on its defaults, the embedded models (their judges, vocabulary and size limits), with
+    STEPS-step forms so a click takes about a second."""
+    pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
+    argv = ["--video-steps", str(STEPS), "--image-steps", str(STEPS), "--samples", "2"]
+    with _running_demo(tmp_path_factory.mktemp("webdemo-embedded"), argv) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def client(demo_server, tmp_path_factory):
     gradio_client = pytest.importorskip("gradio_client")
     downloads = tmp_path_factory.mktemp("downloads")
     return gradio_client.Client(demo_server.url, verbose=False, download_files=str(downloads))
+
+
+@pytest.fixture(scope="session")
+def embedded_client(embedded_server, tmp_path_factory):
+    gradio_client = pytest.importorskip("gradio_client")
+    downloads = tmp_path_factory.mktemp("downloads-embedded")
+    return gradio_client.Client(embedded_server.url, verbose=False, download_files=str(downloads))

@@ -84,12 +84,64 @@ def test_image_request_by_name_or_id():
 def test_flags_and_environment(pipeline_dirs, monkeypatch):
     monkeypatch.setenv("MHLA_DEMO_C2I_MODEL", str(pipeline_dirs["dit"]))
     monkeypatch.setenv("MHLA_DEMO_CONCURRENCY", "2")
+    monkeypatch.setenv("MHLA_DEMO_HEIGHT", "32")
     args = build_parser().parse_args(["--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights",
-                                      str(pipeline_dirs["wan_mhla"]), "--num-frames", "9", "--max-steps", "30"])
+                                      str(pipeline_dirs["wan_mhla"]), "--num-frames", "9", "--width", "48",
+                                      "--max-steps", "30"])
     config = config_from_args(args)
     assert config.video.softmax_source == "base" and config.video.mhla_weights == pipeline_dirs["wan_mhla"]
     assert config.image.model == str(pipeline_dirs["dit"]) and config.image.softmax_source == "same"
     assert (config.concurrency, config.host, config.defaults.num_frames, config.limits.max_steps) == (2, "127.0.0.1", 9, 30)
+    assert (config.defaults.height, config.defaults.width) == (32, 48)
+
+
+def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
+    import json
+    import shutil
+
+    from mhla_diffusion.embedded import embedded_defaults
+    from mhla_diffusion.model_defaults import RECORD_KEY
+
+    d = embedded_defaults()
+    config = config_from_args(build_parser().parse_args([]))  # the embedded models
+    assert (config.defaults.num_frames, config.defaults.height, config.defaults.width) == (d.num_frames, d.height, d.width)
+    assert (config.defaults.video_steps, config.defaults.image_steps, config.defaults.fps) == (
+        d.video_steps, d.image_steps, d.fps)
+    assert config.max_sequence_length == d.max_sequence_length
+    # a model that records no size: the demo asks for one (it used to start at the embedded model's 64x64)
+    tiny = ["--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"])]
+    with pytest.raises(ValueError, match=r"has no default video size .* give --num-frames, --height, --width"):
+        config_from_args(build_parser().parse_args(tiny))
+    recorded = tmp_path / "wan"
+    shutil.copytree(pipeline_dirs["wan"], recorded)
+    index = json.loads((recorded / "model_index.json").read_text())
+    index[RECORD_KEY] = {"num_frames": 5, "height": 32, "width": 48, "num_inference_steps": 3, "max_sequence_length": 16}
+    (recorded / "model_index.json").write_text(json.dumps(index))
+    config = config_from_args(build_parser().parse_args(["--t2v-model", str(recorded), *tiny[2:]]))
+    assert (config.defaults.num_frames, config.defaults.height, config.defaults.width) == (5, 32, 48)
+    assert (config.defaults.video_steps, config.max_sequence_length, config.defaults.fps) == (3, 16, 16)
+    assert config.defaults.image_steps == d.image_steps  # the class-to-image model is still the embedded one
+
+
+def test_samples_and_the_models_size_bounds():
+    from mhla_diffusion.embedded import embedded_model
+    from mhla_diffusion.geometry import MAX_SEED, VideoGeometry
+    from mhla_diffusion.web.validation import VideoBounds, video_bounds
+
+    assert video_request(**GOOD_VIDEO, samples=3).seeds == [3, 4, 5]
+    for samples, message in ((0, "Samples 0 is out of range: use 1 to 8"), (9, "Samples 9 is out of range"),
+                             (2.5, "Samples must be a whole number")):
+        with pytest.raises(DemoInputError, match=message):
+            video_request(**GOOD_VIDEO, samples=samples)
+    with pytest.raises(DemoInputError, match=f"Seed {MAX_SEED} with 2 samples needs seeds up to {MAX_SEED + 1}"):
+        video_request(**{**GOOD_VIDEO, "seed": MAX_SEED}, samples=2)
+    # the embedded model's position table ends at 512 px: the form offers no more (Wan2.1's: the demo's 1024)
+    embedded = VideoGeometry.from_folder(embedded_model("text-to-video"))
+    assert video_bounds(embedded) == VideoBounds(81, 16, 16, 512, 512)
+    assert video_bounds(VideoGeometry()).max_height == 1024
+    assert video_bounds(VideoGeometry(max_tokens_per_axis=8), Limits(max_size=100)) == VideoBounds(29, 16, 16, 96, 96)
+    with pytest.raises(ValueError, match="--samples 9 must be from 1 to 8"):
+        config_from_args(build_parser().parse_args(["--samples", "9"]))
 
 
 def test_model_sources_and_missing_folders(pipeline_dirs, tmp_path):
@@ -160,7 +212,7 @@ def test_softmax_sources_agree(pipeline_dirs, tmp_path):
         assert store.class_choices() == ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead"]
         images[source] = store.generate_image(request, "softmax", progress=lambda step, total: steps.append((step, total)))
         mhla = store.generate_image(request, "mhla")
-        assert not np.allclose(mhla.array, images[source].array)
+        assert not np.allclose(mhla.arrays[0], images[source].arrays[0])
     assert steps[:2] == [(1, 2), (2, 2)]
-    np.testing.assert_allclose(images["same"].array, images["base"].array, atol=1e-5)
-    np.testing.assert_allclose(images["same"].array, images["folder"].array, atol=1e-5)
+    np.testing.assert_allclose(images["same"].arrays[0], images["base"].arrays[0], atol=1e-5)
+    np.testing.assert_allclose(images["same"].arrays[0], images["folder"].arrays[0], atol=1e-5)

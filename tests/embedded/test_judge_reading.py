@@ -1,0 +1,43 @@
+"""The judges' readings of single samples: the value and confidence per attribute, compared with the prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mhla_diffusion.embedded import JudgeReader, embedded_judge, generate_clips, requested_attributes, split_digits
+
+
+def test_real_clips_are_read_as_their_captions_with_confidence():
+    reader = JudgeReader(embedded_judge("video"))
+    clips, _, captions = generate_clips(8, seed=123)  # clips the judge never saw
+    readings = reader.read_videos(clips, captions)
+    assert [f"a {r.values['colour']} {r.values['shape']} moving {r.values['direction']}" for r in readings] == captions
+    assert all(r.matches for r in readings)
+    for reading in readings:
+        assert 0 < reading.confidence <= min(reading.confidences.values()) <= 1
+        assert reading.to_json()["reading"] == reading.text and reading.to_json()["matches_prompt"] is True
+    # the same clip under another prompt: read the same, compared with what that prompt asks
+    other = reader.read_videos(clips[:1], ["a cat"])[0]
+    assert other.values == readings[0].values and other.matches is None and other.requested == {}
+    # floats in [0, 1] (a pipeline's output) are read as the writers round them
+    assert reader.read_videos(clips[:1] / 255.0, captions[:1])[0].values == readings[0].values
+
+
+def test_requested_attributes_are_the_values_the_prompt_names_once():
+    assert requested_attributes("A Red circle, moving LEFT!") == {"shape": "circle", "colour": "red", "direction": "left"}
+    assert requested_attributes("a red or blue circle") == {"shape": "circle"}  # two colours: none asked
+
+
+def test_samples_of_another_size_are_refused_and_digits_are_read():
+    video = JudgeReader(embedded_judge("video"))
+    assert video.unreadable((5, 64, 64, 3)) == "the judge reads 17-frame 64x64 clips, not 5x64x64"
+    with pytest.raises(ValueError, match="17-frame 64x64 clips, not 5x64x64"):
+        video.read_videos(np.zeros((1, 5, 64, 64, 3), np.uint8), ["a red circle moving left"])
+    image = JudgeReader(embedded_judge("image"))
+    split = split_digits(seed=0)
+    images, labels = split.test_images[:20], split.test_labels[:20]
+    readings = image.read_images(images, labels.tolist())
+    assert np.mean([r.matches for r in readings]) >= 0.9
+    assert {r.label for r in readings} <= {str(i) for i in range(10)}
+    assert image.unreadable((64, 64, 3)) == "the judge reads 32x32 images, not 64x64"
