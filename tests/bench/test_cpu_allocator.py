@@ -34,7 +34,9 @@ report = {"retained_before": cpu_memory.malloc_retained(), "faults_before": faul
 q = torch.rand(1, 12, 2, 4)
 for _ in range(3):  # only the first call may change anything or log
     mhla_attention(q, q, q, (3, 4), (1, 2), mixing_init((1, 2)))
-report.update(retained_after=cpu_memory.malloc_retained(), faults_after=faults_of_refill(),
+# the least of three refills: now and then glibc serves one refill from a fresh mapping anyway (seen in
+# about one run in five on the 2-core CI machine); a setting that did not work would fault every time
+report.update(retained_after=cpu_memory.malloc_retained(), faults_after=min(faults_of_refill() for _ in range(3)),
               messages=[r.getMessage() for r in records], levels=[r.levelname for r in records],
               explicit_call=cpu_memory.retain_freed_memory())
 print("REPORT " + json.dumps(report))
