@@ -320,11 +320,12 @@ def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> to
     """Cast ``model``'s floating-point parameters and buffers to ``dtype`` except those of the modules
     Diffusers keeps in float32 when loading (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
     norms, modulation), as ``from_pretrained(torch_dtype=dtype)`` does."""
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    from .weight_files import dtype_on_load
+
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.is_floating_point() and not keep.intersection(name.split(".")):
-                tensor.data = tensor.data.to(dtype)
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype_on_load(model, name, dtype))
     return model
 
 

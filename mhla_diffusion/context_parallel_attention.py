@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .attention import normalization_mode, validate_attention_inputs
+from .attention import _compute_dtype, normalization_mode, validate_attention_inputs
 from .block_layout import BlockPlan, block_plan
 from .geometry import check_equal_blocks
 from .sequence_split import split_sizes
@@ -392,7 +392,7 @@ def mhla_attention_context_parallel(
 
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
-    dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
     m, ml, pl = plan.num_blocks, local_plan.num_blocks, local_plan.block_len
     mask = None if local_plan.valid is None else local_plan.valid[:, :, None].to(dtype)
 

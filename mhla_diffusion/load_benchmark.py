@@ -173,16 +173,26 @@ def _load(case: LoadCase, folders: dict[str, str]) -> Any:
     return load_mhla(folders[f"mhla-{case.stored}"], load_transformer(folders[f"base-{case.stored}"], **kwargs))
 
 
-def in_weight_file_mapping(tensors: Iterable[Any]) -> list[bool]:
-    """For each tensor, whether its memory lies in a memory-mapped ``.safetensors`` file of this
-    process (i.e. the load left it in the file's pages instead of copying it). Linux only."""
+def in_weight_file_mapping(tensors: Iterable[Any], files: Iterable[str | os.PathLike] | None = None) -> list[bool]:
+    """For each tensor, whether all its memory lies in one memory-mapped region of ``files`` (default:
+    any ``.safetensors`` file) in this process, i.e. the load left it in the file's pages instead of
+    copying it. Linux only (``/proc/self/maps``)."""
+    targets = None if files is None else {os.path.realpath(f) for f in files}
     regions = []
     for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        mapped = fields[5].strip()
+        if mapped in targets if targets is not None else mapped.endswith(".safetensors"):
             start, end = (int(x, 16) for x in fields[0].split("-"))
             regions.append((start, end))
-    return [any(start <= t.data_ptr() < end for start, end in regions) for t in tensors]
+    flags = []
+    for t in tensors:
+        first = t.data_ptr()
+        last = first + t.numel() * t.element_size()
+        flags.append(any(start <= first and last <= end for start, end in regions))
+    return flags
 
 
 def mapped_fraction(model: Any) -> float:

@@ -42,6 +42,7 @@ import torch
 
 from .config import MHLAConfig
 from .conversion import convert_to_mhla
+from .weight_files import dtype_on_load
 from .weights import check_state_dict
 
 __all__ = [
@@ -391,16 +392,14 @@ def empty_original_wan(
     return transformer
 
 
-def _cast(renamed: Mapping[str, torch.Tensor], dtype: torch.dtype | None, keep_in_fp32: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Floating tensors in ``dtype`` (those of ``keep_in_fp32`` modules in float32, as Diffusers'
-    ``from_pretrained`` keeps them), each converted on its own straight from the file; ``None``: unchanged."""
+def _cast(renamed: Mapping[str, torch.Tensor], dtype: torch.dtype | None, transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Floating tensors in the dtype ``from_pretrained(dtype=dtype)`` gives them in ``transformer``
+    (:func:`~mhla_diffusion.weight_files.dtype_on_load`), each converted on its own straight from the
+    file; ``None``: unchanged."""
     if dtype is None:
         return dict(renamed)
-    out = {}
-    for key, value in renamed.items():
-        target = torch.float32 if any(part in keep_in_fp32 for part in key.split(".")) else dtype
-        out[key] = value.to(target) if value.is_floating_point() else value
-    return out
+    return {key: value.to(dtype_on_load(transformer, key, dtype)) if value.is_floating_point() else value
+            for key, value in renamed.items()}
 
 
 def load_original_wan(
@@ -434,8 +433,7 @@ def load_original_wan(
     transformer = empty_original_wan(
         renamed, config=config, layout=layout, attention_head_dim=attention_head_dim, **config_overrides
     )
-    keep_in_fp32 = list(getattr(transformer, "_keep_in_fp32_modules", None) or [])
-    transformer.load_state_dict(_cast(renamed, dtype, keep_in_fp32), strict=True, assign=True)
+    transformer.load_state_dict(_cast(renamed, dtype, transformer), strict=True, assign=True)
     left = [name for name, t in (*transformer.named_parameters(), *transformer.named_buffers()) if t.is_meta]
     if left:  # cannot happen after the strict check; guards against a module with unsaved parameters
         raise RuntimeError(f"the import left tensors without data (meta device): {left}")

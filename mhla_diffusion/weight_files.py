@@ -26,6 +26,7 @@ __all__ = [
     "MHLA_CONFIG_NAME",
     "MHLA_WEIGHTS_NAME",
     "check_state_dict",
+    "dtype_on_load",
     "find_file",
     "from_pretrained_keeping_mhla",
     "hub_kwargs_of",
@@ -137,6 +138,14 @@ def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
                 if ".processor." in key:
                     tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def dtype_on_load(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype Diffusers' ``from_pretrained(dtype=dtype)`` gives ``model``'s floating tensor ``name``: float32
+    inside the modules the class keeps in float32 (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
+    norms, modulation tables), ``dtype`` everywhere else."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return torch.float32 if any(part in keep for part in name.split(".")) else dtype
 
 
 def check_model_matches(transformer: nn.Module, meta: dict[str, Any]) -> None:

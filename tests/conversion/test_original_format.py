@@ -8,10 +8,11 @@ import os
 import pytest
 import torch
 from helpers.models import run, wan_inputs
-from helpers.original_format import i2v_inputs, mapped_ranges, outside, released_model, to_original
+from helpers.original_format import i2v_inputs, outside, released_model, to_original
 from safetensors.torch import save_file
 
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, get_mhla_conversion
+from mhla_diffusion.load_benchmark import in_weight_file_mapping
 from mhla_diffusion.original_format import (
     empty_original_wan,
     empty_wan_transformer,
@@ -210,11 +211,10 @@ def test_import_in_the_file_dtype_uses_the_mapped_file_itself(tmp_path, form):
     (save_file if form == "safetensors" else torch.save)(to_original(model), path)
     for dtype in (None, torch.float32):
         imported = load_original_wan(path, layout=(2, 2, 3), attention_head_dim=12, rope_max_seq_len=32, dtype=dtype)
-        ranges = mapped_ranges(path)
-        assert ranges, f"{path} is not memory-mapped"
         tensors = dict(imported.named_parameters())
+        assert any(in_weight_file_mapping(tensors.values(), [path])), f"{path} is not memory-mapped"
         assert len(tensors) == len(model.state_dict())
-        assert outside(tensors, ranges) == []  # every parameter, MHLA mixing included, is the file's data
+        assert outside(tensors, path) == []  # every parameter, MHLA mixing included, is the file's data
         assert torch.equal(run(imported, wan_inputs()), run(model, wan_inputs()))
         del imported
 
@@ -231,15 +231,15 @@ def test_import_in_another_dtype_converts_each_tensor_once(tmp_path):
     assert fp32 and "blocks.0.norm2.weight" in fp32 and "scale_shift_table" in fp32
     assert {n for n, p in params.items() if p.dtype == torch.float32} == fp32  # as Diffusers' from_pretrained keeps them
     assert all(p.dtype == torch.bfloat16 for n, p in params.items() if n not in fp32)
-    assert outside({n: params[n] for n in fp32}, mapped_ranges(path)) == []  # unchanged dtype: still the file's data
+    assert outside({n: params[n] for n in fp32}, path) == []  # unchanged dtype: still the file's data
     assert outside({"blocks.1.attn1.processor.gate.weight": params["blocks.1.attn1.processor.gate.weight"]},
-                   mapped_ranges(path))  # converted: a new tensor
+                   path)  # converted: a new tensor
     # a bfloat16 file imported as stored stays bfloat16 and mapped
     bf16_path = tmp_path / "bf16.safetensors"
     save_file({k: v.to(torch.bfloat16) for k, v in to_original(model).items()}, bf16_path)
     stored = load_original_wan(bf16_path, layout=(2, 2, 3), attention_head_dim=12, rope_max_seq_len=32)
     assert {p.dtype for p in stored.parameters()} == {torch.bfloat16}
-    assert outside(dict(stored.named_parameters()), mapped_ranges(bf16_path)) == []
+    assert outside(dict(stored.named_parameters()), bf16_path) == []
 
 
 PEAK_SCRIPT = """

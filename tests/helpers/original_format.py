@@ -86,26 +86,9 @@ def i2v_inputs(model, frames: int = 3, height: int = 4, width: int = 6, image_to
     )
 
 
-def mapped_ranges(path) -> list[tuple[int, int]]:
-    """Address ranges at which this process has ``path`` memory-mapped (Linux ``/proc/self/maps``)."""
-    import os
+def outside(tensors: dict[str, torch.Tensor], path) -> list[str]:
+    """Names of the tensors whose data does not lie in this process's memory mapping of ``path``."""
+    from mhla_diffusion.load_benchmark import in_weight_file_mapping
 
-    target = os.path.realpath(path)
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == target:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                ranges.append((start, end))
-    return ranges
-
-
-def outside(tensors: dict[str, torch.Tensor], ranges: list[tuple[int, int]]) -> list[str]:
-    """Names of the tensors whose data does not lie inside one of ``ranges``."""
-    def inside(t: torch.Tensor) -> bool:
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        return any(lo <= start and end <= hi for lo, hi in ranges)
-
-    return sorted(name for name, t in tensors.items() if not inside(t))
+    names = sorted(tensors)
+    return [name for name, inside in zip(names, in_weight_file_mapping((tensors[n] for n in names), [path])) if not inside]
