@@ -12,12 +12,11 @@
 
 Both are trained on reconstruction (L1 + MSE in ``[-1, 1]`` pixels, the video's shape pixels up-weighted)
 of a posterior sample plus a small KL term, AdamW with warm-up and cosine decay, deterministic given ``seed``.
-The video VAE trains on random 9x48x48 crops by default (more clips per CPU second).
+The video VAE trains on 9x40x40 crops centred on the shape by default (more clips per CPU second).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
@@ -26,10 +25,13 @@ import torch
 from ..geometry import VideoGeometry
 from .digits import DIGIT_SIZE
 from .image_judge import images_to_tensor
+from .moving_shapes import BACKGROUND
+from .training_loop import LoopProgress, epoch_batch, run_loop, step_generator
 from .video_judge import clips_to_tensor
 
 __all__ = [
     "latent_statistics",
+    "psnr",
     "reconstruct_clips",
     "reconstruct_images",
     "tiny_image_vae",
@@ -125,29 +127,23 @@ def _reconstruction_loss(recon: torch.Tensor, target: torch.Tensor, foreground_w
     return (error * weight).mean() / weight.mean()
 
 
-def _fit(vae, num_items: int, load: Callable[[np.ndarray], torch.Tensor], decode: Callable, steps: int,
-         batch_size: int, lr: float, seed: int, kl_weight: float, foreground_weight: float, log_every: int,
-         name: str) -> list[float]:
-    """The loop both VAEs share; returns the (weighted) reconstruction loss of every step."""
+def _fit(vae, num_items: int, load: Callable[[np.ndarray, int], torch.Tensor], decode: Callable, steps: int,
+         batch_size: int, lr: float, seed: int, kl_weight: float, foreground_weight: float,
+         progress: LoopProgress | None, name: str) -> list[float]:
+    """The loop both VAEs share (``load(indices, step)`` gives a batch); returns the (weighted)
+    reconstruction loss of every step. Batches, crops and posterior samples are drawn from per-step
+    seeds, so a run resumed from a checkpoint equals an uninterrupted one."""
     if steps < 1 or batch_size < 1 or lr <= 0 or num_items < 1:
         raise ValueError(f"need steps, batch_size, data >= 1 and lr > 0, got {steps}, {batch_size}, {num_items}, {lr}")
-    generator = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=1e-4)
     warmup = max(1, min(50, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * s / steps)))
-    losses: list[float] = []
-    order = np.empty(0, dtype=np.int64)
-    started, running = time.perf_counter(), 0.0
-    vae.train()
-    for step in range(steps):
-        if len(order) < batch_size:  # epochs of seeded permutations
-            order = np.concatenate([order, rng.permutation(num_items)])
-        pick, order = np.sort(order[:batch_size]), order[batch_size:]
-        x = load(pick)
+
+    def step_fn(step: int) -> float:
+        x = load(epoch_batch(step, batch_size, num_items, seed), step)
         posterior = vae.encode(x).latent_dist
-        recon = decode(posterior.sample(generator=generator))
+        recon = decode(posterior.sample(generator=step_generator(seed, step, 1)))
         rec = _reconstruction_loss(recon, x, foreground_weight)
         loss = rec + kl_weight * _kl(posterior)
         optimizer.zero_grad(set_to_none=True)
@@ -155,12 +151,10 @@ def _fit(vae, num_items: int, load: Callable[[np.ndarray], torch.Tensor], decode
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        losses.append(rec.item())
-        running += losses[-1]
-        if log_every and (step + 1) % log_every == 0:
-            print(f"{name} step {step + 1}/{steps} reconstruction loss {running / log_every:.4f} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
-            running = 0.0
+        return rec.item()
+
+    vae.train()
+    losses = run_loop(name, steps, step_fn, {"model": vae, "optimizer": optimizer, "schedule": schedule}, progress)
     vae.eval()
     return losses
 
@@ -185,15 +179,18 @@ def latent_statistics(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray],
 
 
 def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
-                    log_every: int = 0, kl_weight: float = 1e-4, foreground_weight: float = 10.0,
-                    crop_frames: int = 9, crop_size: int = 48) -> list[float]:
+                    kl_weight: float = 1e-4, foreground_weight: float = 10.0, crop_frames: int = 9, crop_size: int = 40,
+                    centre_crops: bool = True, progress: LoopProgress | None = None) -> list[float]:
     """Train an ``AutoencoderKLWan`` on uint8 ``clips`` ``(N, F, H, W, 3)``; returns the per-step reconstruction losses.
 
     Loss: L1 + MSE between the clip and the decoding of a posterior sample, both in ``[-1, 1]``, plus
-    ``kl_weight`` times the mean KL to N(0, 1). Each step trains on one random ``crop_frames`` x ``crop_size``
-    x ``crop_size`` crop of its batch (each at most the clips' size; 0 = no crop): ~3x less compute per clip
-    than 17x64x64, which on a CPU budget beat full clips clearly. Afterwards the per-channel mean and std of the posterior
-    means over ``clips`` become ``vae.config.latents_mean`` / ``latents_std`` (``WanPipeline``'s normalisation).
+    ``kl_weight`` times the mean KL to N(0, 1). Each step trains on ``crop_frames`` x ``crop_size`` x
+    ``crop_size`` crops of its clips (each at most the clips' size; 0 = no crop), at a random time; with
+    ``centre_crops`` each crop is centred (give or take 4 pixels) on where the shape is in those frames,
+    so that every crop teaches the VAE a shape rather than plain background. Convolutions do not care
+    where in the frame they run, and crops cost a fraction of whole clips on a CPU budget. Afterwards
+    the per-channel mean and std of the posterior means over ``clips`` become ``vae.config.latents_mean`` /
+    ``latents_std`` (``WanPipeline``'s normalisation). ``progress``: bar and resumable checkpoint.
     """
     clips = np.asarray(clips)
     if clips.dtype != np.uint8 or clips.ndim != 5 or clips.shape[-1] != 3:
@@ -207,16 +204,30 @@ def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr:
     if not geometry.valid_frames(crop_frames) or crop_frames > frames or crop_size % multiple or crop_size > min(height, width):
         raise ValueError(f"crop_frames must be {geometry.frame_rule()} <= {frames} and crop_size a multiple of {multiple} "
                          f"<= {min(height, width)} ({geometry.describe()})")
-    crops = np.random.default_rng([seed, 1])
 
-    def load(pick: np.ndarray) -> torch.Tensor:  # one random crop per batch
-        t = int(crops.integers(0, frames - crop_frames + 1))
-        y, x = (int(v) for v in crops.integers(0, [height - crop_size + 1, width - crop_size + 1]))
-        return clips_to_tensor(np.ascontiguousarray(clips[pick, t: t + crop_frames, y: y + crop_size, x: x + crop_size]))
+    def corner(window: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+        """Top-left corner of the crop of one clip's frames ``(f, H, W, 3)``."""
+        if not centre_crops:
+            return int(rng.integers(0, height - crop_size + 1)), int(rng.integers(0, width - crop_size + 1))
+        ys, xs = np.nonzero((np.abs(window.astype(np.int16) - np.array(BACKGROUND)).max(-1) > 25).any(0))
+        cy, cx = (ys.mean(), xs.mean()) if len(ys) else (height / 2, width / 2)
+        jy, jx = rng.integers(-4, 5, size=2)
+        return (int(np.clip(round(cy - crop_size / 2) + jy, 0, height - crop_size)),
+                int(np.clip(round(cx - crop_size / 2) + jx, 0, width - crop_size)))
+
+    def load(pick: np.ndarray, step: int) -> torch.Tensor:
+        rng = np.random.default_rng([seed, step, 2])
+        t = int(rng.integers(0, frames - crop_frames + 1))
+        crops = []
+        for i in pick:
+            window = clips[i, t: t + crop_frames]
+            y, x = corner(window, rng)
+            crops.append(window[:, y: y + crop_size, x: x + crop_size])
+        return clips_to_tensor(np.ascontiguousarray(np.stack(crops)))
 
     torch.manual_seed(seed)
     losses = _fit(vae, len(clips), load, lambda z: _decode_video_unclamped(vae, z),
-                  steps, batch_size, lr, seed, kl_weight, foreground_weight, log_every, "video VAE")
+                  steps, batch_size, lr, seed, kl_weight, foreground_weight, progress, "video VAE")
     mean, std, _, _ = latent_statistics(vae, clips, clips_to_tensor, batch_size=16)
     vae.register_to_config(latents_mean=[round(float(m), 6) for m in mean],
                            latents_std=[round(max(float(s), 1e-6), 6) for s in std])
@@ -224,10 +235,11 @@ def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr:
 
 
 def train_image_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
-                    log_every: int = 0, kl_weight: float = 1e-4, foreground_weight: float = 0.0) -> list[float]:
+                    kl_weight: float = 1e-4, foreground_weight: float = 0.0,
+                    progress: LoopProgress | None = None) -> list[float]:
     """Train an ``AutoencoderKL`` on uint8 ``images`` ``(N, H, W, 3)``; returns the per-step reconstruction losses.
 
-    Same loss as :func:`train_video_vae`. Afterwards ``vae.config.scaling_factor`` is ``1 / std`` of the
+    Same loss as :func:`train_video_vae`; ``progress``: bar and resumable checkpoint. Afterwards ``vae.config.scaling_factor`` is ``1 / std`` of the
     posterior means over ``images`` (all channels together) and ``shift_factor`` stays unset: ``DiTPipeline``
     decodes ``z / scaling_factor`` and applies no shift.
     """
@@ -236,8 +248,8 @@ def train_image_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, l
         raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {images.shape}")
     torch.manual_seed(seed)
     data = images_to_tensor(images)
-    losses = _fit(vae, len(images), lambda pick: data[torch.from_numpy(pick)], lambda z: vae.decode(z).sample,
-                  steps, batch_size, lr, seed, kl_weight, foreground_weight, log_every, "image VAE")
+    losses = _fit(vae, len(images), lambda pick, step: data[torch.from_numpy(pick)], lambda z: vae.decode(z).sample,
+                  steps, batch_size, lr, seed, kl_weight, foreground_weight, progress, "image VAE")
     _, _, _, std = latent_statistics(vae, images, images_to_tensor, batch_size=256)
     vae.register_to_config(scaling_factor=round(1.0 / max(std, 1e-6), 6))
     return losses
@@ -252,6 +264,15 @@ def _reconstruct(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torc
         x = vae.decode(z).sample.clamp(-1, 1)
         out.append(((x + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).numpy())
     return np.concatenate(out) if out else np.zeros_like(pixels)
+
+
+def psnr(reference: np.ndarray, reconstruction: np.ndarray) -> float:
+    """Peak signal-to-noise ratio (dB) of uint8 ``reconstruction`` against uint8 ``reference`` (same shape),
+    over all pixels together."""
+    if reference.shape != reconstruction.shape:
+        raise ValueError(f"shapes differ: {reference.shape} vs {reconstruction.shape}")
+    mse = float(np.mean((reference.astype(np.float64) - reconstruction.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0 ** 2 / mse))
 
 
 def reconstruct_clips(vae, clips: np.ndarray, batch_size: int = 16) -> np.ndarray:

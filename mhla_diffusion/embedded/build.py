@@ -33,9 +33,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from .locations import embedded_defaults
-from .autoencoders import (reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
+from .autoencoders import (psnr, reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
                            train_video_vae)
 from .digits import DIGIT_SIZE, split_digits, write_digits_folder
 from .image_judge import class_accuracy, train_image_judge
@@ -44,6 +45,7 @@ from .moving_shapes import ATTRIBUTES, generate_clips
 from .reproduction import (ScoreRow, balanced_captions, median_seconds, sample_clips, sample_digits, score_clips,
                            score_digits, table_markdown, write_table_csv)
 from .shapes_dataset import write_shapes_dataset
+from .training_loop import LoopProgress
 from .video_judge import prompt_accuracy, train_video_judge
 
 __all__ = ["BuildSettings", "STUDENTS", "build_demo_models", "settings_with"]
@@ -81,6 +83,8 @@ class BuildSettings:
     video_vae_steps: int = 600
     video_vae_batch_size: int = 8
     image_vae_steps: int = 250
+    video_vae_crop_frames: int = 9
+    video_vae_crop_size: int = 40
     video_layers: int = 6
     video_heads: int = 4  # of dim 32
     image_layers: int = 6
@@ -100,6 +104,7 @@ class BuildSettings:
     eval_batch_size: int = 16
     video_sample_steps: int = embedded_defaults().video_steps
     image_sample_steps: int = embedded_defaults().image_steps
+    checkpoint_every: int = 100  # steps between checkpoints of every training inside a stage
     seed: int = 0
 
     @classmethod
@@ -108,31 +113,56 @@ class BuildSettings:
                    video_vae_steps=2, video_vae_batch_size=2, image_vae_steps=2, video_layers=3, image_layers=3, video_teacher_steps=2,
                    video_student_steps=1, video_transfer_steps=1, video_batch_size=2, image_teacher_steps=2,
                    image_student_steps=1, image_transfer_steps=1, image_batch_size=4, eval_clips=4, eval_images=6,
-                   eval_batch_size=4, video_sample_steps=2, image_sample_steps=2)
+                   eval_batch_size=4, video_sample_steps=2, image_sample_steps=2, video_vae_crop_size=32, checkpoint_every=1)
 
 
 # ---------------------------------------------------------------------------- stages
 
 
 class _Stages:
-    """Runs named stages once; a finished stage leaves ``<work>/stages/<name>.json`` with its results."""
+    """Runs named stages once; a finished stage leaves ``<work>/stages/<name>.json`` with its results.
 
-    def __init__(self, work: Path) -> None:
-        self.work = work
+    A stage killed part-way leaves its checkpoints under ``<work>/checkpoints`` (judges, VAEs),
+    ``<work>/runs/*/checkpoints`` (trainers) and ``<work>/evaluate`` (scored models); rerunning it
+    continues from them. A stage's seconds add up the time of every attempt.
+    """
+
+    def __init__(self, work: Path, total: int) -> None:
+        self.work, self.total, self.count = work, total, 0
         (work / "stages").mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        self.count += 1
         marker = self.work / "stages" / f"{name}.json"
         if marker.is_file():
-            logger.info("stage %s: already done (%s)", name, marker)
+            logger.info("stage %d/%d %s: already done (%s)", self.count, self.total, name, marker)
             return json.loads(marker.read_text())
-        logger.info("stage %s ...", name)
+        attempts = self.work / "stages" / f"{name}.attempts.json"
+        earlier = json.loads(attempts.read_text()) if attempts.is_file() else []
+        logger.info("stage %d/%d %s%s ...", self.count, self.total, name,
+                    f" (resuming; attempt {len(earlier) + 1})" if earlier else "")
         began = time.perf_counter()
-        result = fn()
-        result["seconds"] = round(time.perf_counter() - began, 1)
+        try:
+            result = fn()
+        finally:
+            attempts.write_text(json.dumps([*earlier, round(time.perf_counter() - began, 1)]))
+        spent = json.loads(attempts.read_text())
+        result["seconds"] = round(sum(spent), 1)
+        result["attempt_seconds"] = spent
         marker.write_text(json.dumps(result, indent=2))
-        logger.info("stage %s: done in %.0f s", name, result["seconds"])
+        logger.info("stage %d/%d %s: done in %.0f s", self.count, self.total, name, result["seconds"])
         return result
+
+
+#: ``on_step(part, step)`` of the running build (tests interrupt a build with it), set by :func:`build_demo_models`.
+_ON_STEP: Callable[[str, int], None] | None = None
+
+
+def _progress(work: Path, s: BuildSettings, part: str) -> LoopProgress:
+    """Bar and checkpoint file of one judge / VAE training inside a stage."""
+    hook = _ON_STEP
+    return LoopProgress(checkpoint=work / "checkpoints" / f"{part}.pt", every=s.checkpoint_every, show=True,
+                        on_step=None if hook is None else (lambda step: hook(part, step)))
 
 
 def _data(work: Path, s: BuildSettings) -> dict[str, Any]:
@@ -146,11 +176,12 @@ def _data(work: Path, s: BuildSettings) -> dict[str, Any]:
 
 
 def _judges(work: Path, s: BuildSettings) -> dict[str, Any]:
-    video = train_video_judge(steps=s.video_judge_steps, seed=s.seed)
+    video = train_video_judge(steps=s.video_judge_steps, seed=s.seed, progress=_progress(work, s, "video-judge"))
     held_clips, held_labels, _ = generate_clips(s.reference_clips, seed=REFERENCE_SEED)
     video_acc = prompt_accuracy(video, held_clips, held_labels)
     split = split_digits(seed=s.seed)
-    image = train_image_judge(split.train_images, split.train_labels, steps=s.image_judge_steps, seed=s.seed)
+    image = train_image_judge(split.train_images, split.train_labels, steps=s.image_judge_steps, seed=s.seed,
+                              progress=_progress(work, s, "image-judge"))
     image_acc = class_accuracy(image, split.test_images, split.test_labels)
     save_judge(video, work / "judges" / "video", metadata={"held_out_accuracy": video_acc}, overwrite=True)
     save_judge(image, work / "judges" / "image", metadata={"held_out_accuracy": image_acc}, overwrite=True)
@@ -162,12 +193,13 @@ def _autoencoders(work: Path, s: BuildSettings) -> dict[str, Any]:
     clips, _, _ = generate_clips(s.vae_clips, seed=DATA_SEED + 1)
     video_vae = tiny_video_vae(seed=s.seed, **VIDEO_VAE)
     video_losses = train_video_vae(video_vae, clips, steps=s.video_vae_steps, batch_size=s.video_vae_batch_size,
-                                   seed=s.seed)
+                                   seed=s.seed, crop_frames=s.video_vae_crop_frames, crop_size=s.video_vae_crop_size,
+                                   progress=_progress(work, s, "video-vae"))
     video_vae.save_pretrained(work / "autoencoders" / "video")
     split = split_digits(seed=s.seed)
     image_vae = tiny_image_vae(seed=s.seed)
     image_losses = train_image_vae(image_vae, split.train_images[: s.train_digits], steps=s.image_vae_steps,
-                                   seed=s.seed)
+                                   seed=s.seed, progress=_progress(work, s, "image-vae"))
     image_vae.save_pretrained(work / "autoencoders" / "image")
     return {"video_final_loss": float(np.mean(video_losses[-20:])), "image_final_loss": float(np.mean(image_losses[-20:]))}
 
@@ -217,9 +249,14 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
 def _run_values(work: Path, s: BuildSettings, run: str, data: str, pretrained: Path, steps: int, lr: float,
                 mhla: dict[str, Any] | None, transfer: int) -> dict[str, Any]:
     """Trainer options both tasks share: the run folder, the budget, and softmax (``mhla`` None) or MHLA."""
+    from ..finetune.checkpointing import list_checkpoints
+
+    folder = work / "runs" / run
+    resume = bool(list_checkpoints(folder))  # a run this stage started before it was killed
     values = dict(
-        output_dir=str(work / "runs" / run), overwrite_output_dir=True, seed=s.seed, mixed_precision="no",
-        gradient_checkpointing=False, report_to="none", checkpointing_steps=0, save_pipeline=True,
+        output_dir=str(folder), overwrite_output_dir=not resume, resume="latest" if resume else None, seed=s.seed,
+        mixed_precision="no", gradient_checkpointing=False, report_to="none", checkpointing_steps=s.checkpoint_every,
+        checkpoints_total_limit=1, save_pipeline=True,
         max_grad_norm=1.0, lr_scheduler="constant_with_warmup", lr_warmup_steps=min(100, steps // 10),
         dataloader_num_workers=0, max_train_steps=steps, pretrained_model=str(pretrained),
         data_dir=str(work / "data" / data), cache_latents=True, cache_dir=str(work / "cache" / data),
@@ -253,6 +290,23 @@ def _image_options(work: Path, s: BuildSettings, name: str, pretrained: Path, st
     return options_from_dict(DiTTrainOptions, values)
 
 
+def _train_run(work: Path, train: Callable, options) -> float | None:
+    """One trainer run inside a stage: skipped when an earlier attempt finished it, resumed from its last
+    checkpoint when one was killed part-way (:func:`_run_values`). Returns the seconds of the attempt that
+    finished it (``None``: not known, the run was resumed)."""
+    folder = Path(options.output_dir)
+    done = folder / "build-done.json"
+    if done.is_file():
+        logger.info("run %s: already done", folder.name)
+        return json.loads(done.read_text())["seconds"]
+    hook = _ON_STEP
+    began = time.perf_counter()
+    train(options, on_step_end=None if hook is None else (lambda step, logs: hook(folder.name, step)))
+    seconds = None if options.resume else round(time.perf_counter() - began, 1)
+    done.write_text(json.dumps({"seconds": seconds}))
+    return seconds
+
+
 def _student_mhla(name: str, layout: tuple[int, ...]) -> dict[str, Any]:
     layers, one_block, _ = STUDENTS[name]
     return {"layers": layers, "layout": [1] * len(layout) if one_block else list(layout)}
@@ -262,27 +316,26 @@ def _teachers(work: Path, s: BuildSettings) -> dict[str, Any]:
     from ..finetune.train_dit import train as train_dit
     from ..finetune.train_wan import train as train_wan
 
-    train_wan(_video_options(work, s, "softmax", work / "base" / "shapes-t2v", s.video_teacher_steps, s.teacher_lr,
-                             None, 0))
-    train_dit(_image_options(work, s, "softmax", work / "base" / "digits-c2i", s.image_teacher_steps, s.teacher_lr,
-                             None, 0))
-    return {"video_steps": s.video_teacher_steps, "image_steps": s.image_teacher_steps}
+    seconds = {}
+    seconds["t2v-softmax"] = _train_run(work, train_wan, _video_options(work, s, "softmax", work / "base" / "shapes-t2v", s.video_teacher_steps,
+                                               s.teacher_lr, None, 0))
+    seconds["c2i-softmax"] = _train_run(work, train_dit, _image_options(work, s, "softmax", work / "base" / "digits-c2i", s.image_teacher_steps,
+                                               s.teacher_lr, None, 0))
+    return {"seconds_per_run": seconds, "video_steps": s.video_teacher_steps, "image_steps": s.image_teacher_steps}
 
 
 def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
     from ..finetune.train_dit import train as train_dit
     from ..finetune.train_wan import train as train_wan
 
-    seconds: dict[str, float] = {}
+    seconds: dict[str, float | None] = {}
     for name, (_, _, transfer) in STUDENTS.items():
-        began = time.perf_counter()
-        train_wan(_video_options(work, s, name, work / "runs" / "t2v-softmax" / "pipeline", s.video_student_steps,
-                                 s.student_lr, _student_mhla(name, VIDEO_LAYOUT), s.video_transfer_steps if transfer else 0))
-        seconds[f"t2v-{name}"] = round(time.perf_counter() - began, 1)
-        began = time.perf_counter()
-        train_dit(_image_options(work, s, name, work / "runs" / "c2i-softmax" / "pipeline", s.image_student_steps,
-                                 s.student_lr, _student_mhla(name, IMAGE_LAYOUT), s.image_transfer_steps if transfer else 0))
-        seconds[f"c2i-{name}"] = round(time.perf_counter() - began, 1)
+        seconds[f"t2v-{name}"] = _train_run(work, train_wan, _video_options(
+            work, s, name, work / "runs" / "t2v-softmax" / "pipeline", s.video_student_steps, s.student_lr,
+            _student_mhla(name, VIDEO_LAYOUT), s.video_transfer_steps if transfer else 0))
+        seconds[f"c2i-{name}"] = _train_run(work, train_dit, _image_options(
+            work, s, name, work / "runs" / "c2i-softmax" / "pipeline", s.image_student_steps, s.student_lr,
+            _student_mhla(name, IMAGE_LAYOUT), s.image_transfer_steps if transfer else 0))
     return {"seconds_per_run": seconds, "video_steps": s.video_student_steps, "image_steps": s.image_student_steps,
             "video_transfer_steps": s.video_transfer_steps, "image_transfer_steps": s.image_transfer_steps}
 
@@ -311,12 +364,19 @@ def _model_rows(work: Path, task: str, prefix: str, pipeline_cls: type, sample: 
     """One row per trained model (teacher and students): ``sample(pipe) -> (samples, seconds per sample
     of each batch)``, ``score(samples) -> (accuracy, metrics)``."""
     rows = []
-    for name in ["softmax", *STUDENTS]:
-        pipe = pipeline_cls.from_pretrained(work / "runs" / f"{prefix}-{name}" / "pipeline")
-        pipe.set_progress_bar_config(disable=True)
-        samples, times = sample(pipe)
-        rows.append(_row(task, _model_name(name), score(samples), count, _attention_name(name), _layout_of(pipe),
-                         median_seconds(times)))
+    for name in tqdm(["softmax", *STUDENTS], desc=f"evaluate {task}", unit="model", dynamic_ncols=True):
+        scored = work / "evaluate" / f"{prefix}-{name}.json"  # a killed evaluation keeps the models it scored
+        if not scored.is_file():
+            pipe = pipeline_cls.from_pretrained(work / "runs" / f"{prefix}-{name}" / "pipeline")
+            pipe.set_progress_bar_config(disable=True)
+            samples, times = sample(pipe)
+            accuracy, metrics = score(samples)
+            scored.parent.mkdir(parents=True, exist_ok=True)
+            scored.write_text(json.dumps({"accuracy": accuracy, "metrics": metrics, "layout": _layout_of(pipe),
+                                          "seconds": median_seconds(times)}))
+        saved = json.loads(scored.read_text())
+        rows.append(_row(task, _model_name(name), (saved["accuracy"], saved["metrics"]), count, _attention_name(name),
+                         saved["layout"], saved["seconds"]))
     return rows
 
 
@@ -346,20 +406,21 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
     with torch.no_grad():
         video_vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video").eval()
         image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image").eval()
+        video_through_vae = reconstruct_clips(video_vae, real_clips)
+        digits_through_vae = reconstruct_images(image_vae, real_digits)
         rows = [
             _row("text-to-video", "real clips (held out)", score_video(real_clips, real_labels), s.eval_clips,
                  notes="the data itself"),
-            _row("text-to-video", "real clips through the VAE",
-                 score_video(reconstruct_clips(video_vae, real_clips), real_labels), s.eval_clips, notes=_VAE_CEILING),
+            _row("text-to-video", "real clips through the VAE", score_video(video_through_vae, real_labels), s.eval_clips,
+                 notes=f"{_VAE_CEILING}; PSNR {psnr(real_clips, video_through_vae):.1f} dB"),
             *_model_rows(work, "text-to-video", "t2v", MHLAWanPipeline, lambda pipe: sample_clips(
                 pipe, captions, seed=EVAL_SEED, batch_size=s.eval_batch_size, num_frames=d.num_frames, height=d.height,
                 width=d.width, steps=s.video_sample_steps, guidance_scale=d.video_guidance_scale,
                 max_sequence_length=d.max_sequence_length), score_video, s.eval_clips),
             _row("class-to-image", "real digits (training set)", score_image(real_digits, real_digit_labels),
                  s.eval_images, notes="the data itself"),
-            _row("class-to-image", "real digits through the VAE",
-                 score_image(reconstruct_images(image_vae, real_digits), real_digit_labels), s.eval_images,
-                 notes=_VAE_CEILING),
+            _row("class-to-image", "real digits through the VAE", score_image(digits_through_vae, real_digit_labels),
+                 s.eval_images, notes=f"{_VAE_CEILING}; PSNR {psnr(real_digits, digits_through_vae):.1f} dB"),
             *_model_rows(work, "class-to-image", "c2i", MHLADiTPipeline, lambda pipe: sample_digits(
                 pipe, digit_labels, seed=EVAL_SEED, batch_size=4 * s.eval_batch_size, steps=s.image_sample_steps,
                 guidance_scale=d.image_guidance_scale), score_image, s.eval_images),
@@ -405,12 +466,24 @@ def _folder_mb(folder: Path) -> float:
 
 
 def build_demo_models(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None = None,
-                      overwrite: bool = False) -> dict[str, Any]:
-    """Run every stage (resuming a previous run in ``work_dir``); returns the stage results.
+                      overwrite: bool = False, on_step: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Run every stage (resuming a previous run in ``work_dir``, inside the stage it was killed in);
+    returns the stage results.
 
     ``output`` (``None``: do not export) receives the four pipelines and two judges; an existing
     non-empty ``output`` is replaced only with ``overwrite`` (checked before any work starts).
+    ``on_step(part, step)`` is called after every training step of every part (``video-vae``, ``t2v-softmax``, ...).
     """
+    global _ON_STEP
+    _ON_STEP = on_step
+    try:
+        return _build(work_dir, output, settings, overwrite)
+    finally:
+        _ON_STEP = None
+
+
+def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None,
+           overwrite: bool) -> dict[str, Any]:
     s = settings or BuildSettings()
     work = Path(work_dir)
     out = Path(output) if output is not None else None
@@ -423,7 +496,7 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
         raise ValueError(f"{work} holds a build with other settings ({settings_file}); use another --work-dir "
                          "or delete that folder")
     settings_file.write_text(json.dumps(wanted, indent=2))
-    stages = _Stages(work)
+    stages = _Stages(work, total=7)
     report: dict[str, Any] = {}
     report["data"] = stages.run("data", lambda: _data(work, s))
     report["judges"] = stages.run("judges", lambda: _judges(work, s))

@@ -13,6 +13,7 @@ from torch import nn
 
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
 from .judge_training import fit_judge
+from .training_loop import LoopProgress, step_generator
 
 __all__ = ["ImageJudge", "class_accuracy", "images_to_tensor", "predict_classes", "train_image_judge"]
 
@@ -99,11 +100,11 @@ def _shift(batch: torch.Tensor, generator: torch.Generator, max_shift: int) -> t
 
 def train_image_judge(images: np.ndarray, labels: np.ndarray, steps: int = 300, batch_size: int = 64, lr: float = 3e-3,
                       seed: int = 0, max_shift: int = 2, width: int = 32, embed_dim: int = 64,
-                      num_classes: int = NUM_DIGIT_CLASSES, log_every: int = 0) -> ImageJudge:
+                      num_classes: int = NUM_DIGIT_CLASSES, progress: LoopProgress | None = None) -> ImageJudge:
     """Train an :class:`ImageJudge` on uint8 ``images`` ``(N, S, S, 3)`` and ``labels`` ``(N,)``.
 
     Seeded minibatches with random shifts of up to ``max_shift`` pixels, AdamW with cosine decay.
-    ``log_every > 0`` prints the running loss every that many steps.
+    ``progress``: bar and resumable checkpoint (:class:`~.training_loop.LoopProgress`).
     """
     images, labels = np.asarray(images), np.asarray(labels)
     if steps < 1 or batch_size < 1 or lr <= 0:
@@ -114,13 +115,13 @@ def train_image_judge(images: np.ndarray, labels: np.ndarray, steps: int = 300, 
         raise ValueError(f"labels must lie in 0..{num_classes - 1}, got {labels.min()}..{labels.max()}")
     data, targets = images_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
     torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
     judge = ImageJudge(width=width, embed_dim=embed_dim, num_classes=num_classes,
                        image_size=images.shape[1])
 
     def batch_loss(step: int) -> torch.Tensor:
+        generator = step_generator(seed, step)
         pick = torch.randint(0, len(data), (batch_size,), generator=generator)
         batch = _shift(data[pick], generator, max_shift) if max_shift else data[pick]
         return F.cross_entropy(judge(batch), targets[pick])
 
-    return fit_judge(judge, steps, lr, batch_loss, "image judge", log_every)
+    return fit_judge(judge, steps, lr, batch_loss, "image judge", progress)

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .judge_training import fit_judge
+from .training_loop import LoopProgress, step_generator
 from .moving_shapes import ATTRIBUTES, FRAME_SIZE, NUM_FRAMES, generate_clips
 
-__all__ = ["VideoJudge", "clips_to_tensor", "predict_attributes", "prompt_accuracy", "train_video_judge"]
+__all__ = ["VideoJudge", "clips_to_tensor", "predict_attributes", "prompt_accuracy", "soften_clips", "train_video_judge"]
 
 
 def _block(cin: int, cout: int, stride: tuple[int, int, int]) -> nn.Sequential:
@@ -132,12 +133,37 @@ def prompt_accuracy(judge: VideoJudge, clips: np.ndarray, attributes: np.ndarray
     return result
 
 
+def soften_clips(clips: torch.Tensor, blur: torch.Tensor, noise: torch.Tensor,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Clips ``(N, 3, F, H, W)`` with a per-clip Gaussian blur of std ``blur[i]`` pixels (0: none) and
+    Gaussian noise of std ``noise[i]`` (in the ``[-1, 1]`` scale) added, clamped to ``[-1, 1]``."""
+    n, c, f, h, w = clips.shape
+    taps = torch.arange(-3, 4, dtype=clips.dtype)
+    out = []
+    for clip, sigma in zip(clips, blur.tolist()):
+        if sigma > 0:
+            kernel = torch.exp(-taps.pow(2) / (2 * sigma * sigma))
+            kernel = (kernel / kernel.sum()).to(clips)
+            x = clip.reshape(c * f, 1, h, w)
+            x = F.conv2d(F.pad(x, (3, 3, 0, 0), mode="replicate"), kernel.view(1, 1, 1, 7))
+            x = F.conv2d(F.pad(x, (0, 0, 3, 3), mode="replicate"), kernel.view(1, 1, 7, 1))
+            clip = x.reshape(c, f, h, w)
+        out.append(clip)
+    noisy = torch.stack(out) + noise.view(n, 1, 1, 1, 1).to(clips) * torch.randn(clips.shape, generator=generator)
+    return noisy.clamp(-1.0, 1.0)
+
+
 def train_video_judge(steps: int = 600, batch_size: int = 32, lr: float = 3e-3, seed: int = 0, data_seed: int = 1000,
-                      width: int = 16, embed_dim: int = 64, log_every: int = 0) -> VideoJudge:
+                      width: int = 16, embed_dim: int = 64, max_blur: float = 1.5, max_noise: float = 0.1,
+                      progress: LoopProgress | None = None) -> VideoJudge:
     """Train a :class:`VideoJudge` on freshly generated clips (every step a new batch of the
     ``(steps * batch_size, data_seed)`` dataset; no clip is seen twice), AdamW with cosine decay.
 
-    ``log_every > 0`` prints the running loss every that many steps.
+    Half of each batch is softened (:func:`soften_clips`: blur std uniform in ``[0, max_blur]`` pixels,
+    noise std uniform in ``[0, max_noise]``), so that the judge reads a shape the way a viewer does even
+    when its edges are soft, as they are in any decoder's output (without it a 1-pixel blur, which leaves
+    every shape plainly recognisable, cut the shape accuracy from 98 % to 71 %).
+    ``progress``: bar and resumable checkpoint (:class:`~.training_loop.LoopProgress`).
     """
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"steps and batch_size must be >= 1 and lr > 0, got {steps}, {batch_size}, {lr}")
@@ -147,8 +173,13 @@ def train_video_judge(steps: int = 600, batch_size: int = 32, lr: float = 3e-3, 
 
     def batch_loss(step: int) -> torch.Tensor:
         clips, labels, _ = generate_clips(total, data_seed, start=step * batch_size, count=batch_size)
-        logits = judge(clips_to_tensor(clips))
+        x = clips_to_tensor(clips)
+        generator = step_generator(seed, step)
+        soft = torch.rand(batch_size, generator=generator) < 0.5
+        blur = torch.rand(batch_size, generator=generator) * max_blur * soft
+        noise = torch.rand(batch_size, generator=generator) * max_noise * soft
+        logits = judge(soften_clips(x, blur, noise, generator))
         targets = torch.from_numpy(labels)
         return sum(F.cross_entropy(logits[name], targets[:, i]) for i, name in enumerate(ATTRIBUTES))
 
-    return fit_judge(judge, steps, lr, batch_loss, "video judge", log_every)
+    return fit_judge(judge, steps, lr, batch_loss, "video judge", progress)

@@ -12,17 +12,50 @@ from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_mo
 from mhla_diffusion.embedded import embedded_judge, embedded_model
 
 
+class _Killed(Exception):
+    pass
+
+
 @pytest.fixture(scope="module")
 def smoke_build(tmp_path_factory):
+    """The smoke build, killed twice on the way (inside the VAE stage, then inside the teachers' stage)
+    and started again each time; ``steps`` records every training step each attempt ran."""
     root = tmp_path_factory.mktemp("demo-build")
-    report = build_demo_models(root / "work", root / "out", BuildSettings.smoke())
-    return root, report
+    steps: list[list[tuple[str, int]]] = []
+
+    def killer(part: str, at: int):
+        def on_step(name: str, step: int) -> None:
+            steps[-1].append((name, step))
+            if (name, step) == (part, at):
+                raise _Killed
+        return on_step
+
+    for part, at in [("video-vae", 1), ("t2v-softmax", 1)]:
+        steps.append([])
+        with pytest.raises(_Killed):
+            build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer(part, at))
+    steps.append([])
+    report = build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer("", 0))
+    return root, report, steps
+
+
+def test_killed_build_resumes_inside_the_running_stage(smoke_build):
+    root, report, steps = smoke_build
+    first, second, third = steps
+    assert first[-1] == ("video-vae", 1) and ("video-judge", 1) in first
+    # the second attempt skipped the finished judges and went on with the VAE at its second step
+    assert [n for n, _ in second].count("video-judge") == 0 and second[0] == ("video-vae", 2)
+    assert second[-1] == ("t2v-softmax", 1)
+    assert third[0] == ("t2v-softmax", 2)  # the teacher continued from its step-1 checkpoint
+    assert ("c2i-softmax", 1) in third and not any(n == "video-vae" for n, _ in third)
+    assert len(report["autoencoders"]["attempt_seconds"]) == 2 and len(report["teachers"]["attempt_seconds"]) == 2
+    assert report["autoencoders"]["seconds"] == pytest.approx(sum(report["autoencoders"]["attempt_seconds"]), abs=0.2)
 
 
 def test_smoke_build_writes_models_judges_and_table(smoke_build):
     from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
 
-    root, report = smoke_build
+    root, report, _ = smoke_build
     out = root / "out"
     rows = list(csv.DictReader((out / "reproduction.csv").open()))
     models = 3 + len(STUDENTS)  # the data, the data through the VAE, the teacher, the students
@@ -43,7 +76,7 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
 
 
 def test_rerun_resumes_and_output_is_protected(smoke_build):
-    root, _ = smoke_build
+    root, _, _ = smoke_build
     with pytest.raises(FileExistsError, match="--overwrite"):
         build_demo_models(root / "work", root / "out", BuildSettings.smoke())
     report = build_demo_models(root / "work", None, BuildSettings.smoke())  # every stage found finished

@@ -1,0 +1,92 @@
+"""The plain training loop the judges and the VAEs share: a progress bar, and a checkpoint every few
+steps from which a killed run continues where it stopped (the build's in-stage resume).
+
+The loop owns no randomness: ``step_fn(step)`` must draw everything it needs from generators seeded by
+``step`` (see :func:`step_generator`, :func:`epoch_batch`), so that model, optimizer and scheduler
+states are all a checkpoint needs, and a resumed run equals an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["LoopProgress", "epoch_batch", "run_loop", "step_generator"]
+
+
+@dataclass
+class LoopProgress:
+    """How a loop reports and protects its progress.
+
+    ``checkpoint``: file the loop state is written to every ``every`` steps (``None``: no checkpoints);
+    an existing file is resumed from. ``show``: a tqdm bar. ``on_step``: called with each finished step
+    after its checkpoint (tests use it to interrupt a run).
+    """
+
+    checkpoint: Path | None = None
+    every: int = 50
+    show: bool = False
+    on_step: Callable[[int], None] | None = None
+
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A CPU torch generator that depends only on ``(seed, step, stream)``."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step, stream]).generate_state(1)[0]))
+
+
+def epoch_batch(step: int, batch_size: int, num_items: int, seed: int) -> np.ndarray:
+    """Item indices of batch ``step``: consecutive slices of seeded per-epoch permutations of ``num_items``
+    (a batch may straddle two epochs), sorted. A pure function of its arguments."""
+    start = step * batch_size
+    picks = []
+    while len(picks) < batch_size:
+        epoch, offset = divmod(start + len(picks), num_items)
+        order = np.random.default_rng([seed, epoch]).permutation(num_items)
+        picks.extend(order[offset: offset + batch_size - len(picks)].tolist())
+    return np.sort(np.asarray(picks, dtype=np.int64))
+
+
+def _save(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)  # a kill while writing leaves the previous checkpoint intact
+
+
+def run_loop(name: str, steps: int, step_fn: Callable[[int], float], stateful: dict[str, Any],
+             progress: LoopProgress | None = None) -> list[float]:
+    """Run ``step_fn(step)`` (one optimizer step, returns its loss) for ``step`` in ``0 .. steps - 1``.
+
+    ``stateful`` maps names to the objects with ``state_dict`` / ``load_state_dict`` (model, optimizer,
+    scheduler) that make up the loop's state. Returns the loss of every step (restored ones included).
+    """
+    progress = progress or LoopProgress()
+    losses: list[float] = []
+    start = 0
+    if progress.checkpoint is not None and progress.checkpoint.is_file():
+        state = torch.load(progress.checkpoint, map_location="cpu", weights_only=False)
+        if state["steps"] != steps or sorted(state["objects"]) != sorted(stateful):
+            raise ValueError(f"{progress.checkpoint} belongs to another {name} run ({state['steps']} steps, parts "
+                             f"{sorted(state['objects'])}); delete it to start this one afresh")
+        for key, obj in stateful.items():
+            obj.load_state_dict(state["objects"][key])
+        start, losses = state["step"], list(state["losses"])
+    bar = tqdm(total=steps, initial=start, desc=name, unit="step", disable=not progress.show, dynamic_ncols=True)
+    for step in range(start, steps):
+        losses.append(float(step_fn(step)))
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", refresh=False)
+        done = step + 1
+        if progress.checkpoint is not None and (done % progress.every == 0 or done == steps):
+            _save(progress.checkpoint, {"step": done, "steps": steps, "losses": losses,
+                                        "objects": {key: obj.state_dict() for key, obj in stateful.items()}})
+        if progress.on_step is not None:
+            progress.on_step(done)
+    bar.close()
+    return losses
