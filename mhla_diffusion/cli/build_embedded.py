@@ -28,12 +28,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
-                   help=f"intermediate files; a rerun resumes finished stages (default {DEFAULT_WORK_DIR})")
+                   help="intermediate files and checkpoints; a rerun resumes a killed build inside the stage it "
+                   f"was in (default {DEFAULT_WORK_DIR})")
     p.add_argument("--output", type=Path, default=EMBEDDED_ROOT,
                    help="where the final models go (default: the package's mhla_diffusion/embedded/models)")
     p.add_argument("--overwrite", action="store_true", help="replace models already in --output")
     p.add_argument("--smoke", action="store_true", help="a few steps per stage: checks the whole chain in minutes")
     p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
+    p.add_argument("--figure", type=Path, default=None,
+                   help="also copy the MHLA / softmax side-by-side figure there (the README's: "
+                   "docs/embedded-side-by-side.png)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable; names: the fields "
                    "of mhla_diffusion.embedded.build.BuildSettings)")
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     # glibc would hand every large freed block back and page-fault it in again; the library would keep freed
     # memory only from its first MHLA call on (cpu_memory). MHLA_KEEP_MALLOC=1 opts out
     retain_freed_memory()
-    report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite)
+    report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite,
+                               figure=None if args.no_export else args.figure)
     print((args.work_dir / "reproduction.md").read_text())
     print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
     return 0

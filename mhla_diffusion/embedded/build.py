@@ -13,8 +13,12 @@ Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it fin
    MHLA (all layers) with and without attention transfer, MHLA hybrid 2/3, global linear attention
    (a layout of ones, one block);
 7. ``evaluate``: samples of every model scored by the judges -> ``reproduction.csv`` / ``.md``;
+   and the side-by-side figure of MHLA and softmax samples (:mod:`.side_by_side`) with the judge's verdicts;
 8. ``export``: teachers, MHLA students and judges copied to ``--output`` (default: the package's
-   ``mhla_diffusion/embedded/models``), plus ``build_report.json``.
+   ``mhla_diffusion/embedded/models``), plus ``build_report.json`` (and the figure to ``--figure``).
+
+A stage killed part-way resumes from its last checkpoint inside the stage on the next run (judges,
+VAEs and trainers save every ``checkpoint_every`` steps; the evaluation keeps each scored model).
 
 ``--smoke`` runs every stage with a handful of steps and samples (the CI check of this command).
 The command line is :mod:`mhla_diffusion.cli.build_embedded`.
@@ -45,6 +49,7 @@ from .moving_shapes import ATTRIBUTES, generate_clips
 from .reproduction import (ScoreRow, balanced_captions, median_seconds, sample_clips, sample_digits, score_clips,
                            score_digits, table_markdown, write_table_csv)
 from .shapes_dataset import write_shapes_dataset
+from .side_by_side import draw_side_by_side, side_by_side_samples
 from .training_loop import LoopProgress
 from .video_judge import prompt_accuracy, train_video_judge
 
@@ -427,7 +432,10 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
         ]
     write_table_csv(rows, work / "reproduction.csv")
     (work / "reproduction.md").write_text(table_markdown(rows))
-    return {"rows": [row.as_dict() for row in rows]}
+    clips, verdicts = side_by_side_samples({"MHLA": work / "runs" / "t2v-mhla" / "pipeline",
+                                            "softmax": work / "runs" / "t2v-softmax" / "pipeline"}, work / "judges" / "video")
+    draw_side_by_side(clips, verdicts).save(work / "side-by-side.png")
+    return {"rows": [row.as_dict() for row in rows], "verdicts": verdicts}
 
 
 def _model_name(name: str) -> str:
@@ -439,7 +447,7 @@ def _attention_name(name: str) -> str:
     return "softmax" if name == "softmax" else ("linear" if name == "linear" else "MHLA")
 
 
-def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any]) -> dict[str, Any]:
+def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any], figure: Path | None) -> dict[str, Any]:
     output.mkdir(parents=True, exist_ok=True)
     pairs = {"shapes-t2v-softmax": "t2v-softmax", "shapes-t2v-mhla": "t2v-mhla",
              "digits-c2i-softmax": "c2i-softmax", "digits-c2i-mhla": "c2i-mhla"}
@@ -447,9 +455,12 @@ def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any]) 
         _replace_tree(work / "runs" / run / "pipeline", output / target)
     for kind in ("video", "image"):
         _replace_tree(work / "judges" / kind, output / "judges" / kind)
-    for name in ("reproduction.csv", "reproduction.md"):
+    for name in ("reproduction.csv", "reproduction.md", "side-by-side.png"):
         shutil.copy2(work / name, output / name)
     sizes = {p.name: _folder_mb(p) for p in sorted(output.iterdir()) if p.is_dir()}
+    if figure is not None:
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(work / "side-by-side.png", figure)
     (output / "build_report.json").write_text(json.dumps(
         {"settings": dataclasses.asdict(s), "stages": report, "sizes_mb": sizes}, indent=2))
     return {"output": str(output), "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2)}
@@ -466,24 +477,26 @@ def _folder_mb(folder: Path) -> float:
 
 
 def build_demo_models(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None = None,
-                      overwrite: bool = False, on_step: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+                      overwrite: bool = False, on_step: Callable[[str, int], None] | None = None,
+                      figure: str | Path | None = None) -> dict[str, Any]:
     """Run every stage (resuming a previous run in ``work_dir``, inside the stage it was killed in);
     returns the stage results.
 
     ``output`` (``None``: do not export) receives the four pipelines and two judges; an existing
     non-empty ``output`` is replaced only with ``overwrite`` (checked before any work starts).
     ``on_step(part, step)`` is called after every training step of every part (``video-vae``, ``t2v-softmax``, ...).
+    ``figure``: where the export also copies the MHLA / softmax side-by-side figure (e.g. ``docs/...png``).
     """
     global _ON_STEP
     _ON_STEP = on_step
     try:
-        return _build(work_dir, output, settings, overwrite)
+        return _build(work_dir, output, settings, overwrite, None if figure is None else Path(figure))
     finally:
         _ON_STEP = None
 
 
 def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None,
-           overwrite: bool) -> dict[str, Any]:
+           overwrite: bool, figure: Path | None) -> dict[str, Any]:
     s = settings or BuildSettings()
     work = Path(work_dir)
     out = Path(output) if output is not None else None
@@ -506,7 +519,7 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
     report["students"] = stages.run("students", lambda: _students(work, s))
     report["evaluate"] = stages.run("evaluate", lambda: _evaluate(work, s))
     if out is not None:
-        report["export"] = _export(work, out, s, report)
+        report["export"] = _export(work, out, s, report, figure)
     report["total_seconds"] = round(sum(v.get("seconds", 0) for v in report.values() if isinstance(v, dict)), 1)
     return report
 

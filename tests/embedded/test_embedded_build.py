@@ -10,6 +10,7 @@ import pytest
 
 from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
 from mhla_diffusion.embedded import embedded_judge, embedded_model
+from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
 
 
 class _Killed(Exception):
@@ -35,7 +36,8 @@ def smoke_build(tmp_path_factory):
         with pytest.raises(_Killed):
             build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer(part, at))
     steps.append([])
-    report = build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer("", 0))
+    report = build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer("", 0),
+                               figure=root / "docs" / "side-by-side.png")
     return root, report, steps
 
 
@@ -73,6 +75,13 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     saved = json.loads((out / "build_report.json").read_text())
     assert saved["settings"]["video_teacher_steps"] == BuildSettings.smoke().video_teacher_steps
     assert report["total_seconds"] > 0
+    from PIL import Image
+
+    figure = Image.open(root / "docs" / "side-by-side.png")
+    assert figure.width > 2 * 5 * 64 * 2 and (out / "side-by-side.png").is_file()
+    verdicts = saved["stages"]["evaluate"]["verdicts"]
+    assert [v["prompt"] for v in verdicts] == list(FIGURE_PROMPTS)
+    assert all(v["MHLA"]["reading"] and v["softmax"]["reading"] for v in verdicts)
 
 
 def test_rerun_resumes_and_output_is_protected(smoke_build):
