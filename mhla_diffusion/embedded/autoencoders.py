@@ -12,7 +12,7 @@
 
 Both are trained on reconstruction (L1 + MSE in ``[-1, 1]`` pixels, the video's shape pixels up-weighted)
 of a posterior sample plus a small KL term, AdamW with warm-up and cosine decay, deterministic given ``seed``.
-The video VAE trains on 9x40x40 crops centred on the shape by default (more clips per CPU second).
+The video VAE trains on random 9x32x32 crops by default (more clips per CPU second).
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ def latent_statistics(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray],
 
 
 def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
-                    kl_weight: float = 1e-4, foreground_weight: float = 10.0, crop_frames: int = 9, crop_size: int = 40,
-                    centre_crops: bool = True, progress: LoopProgress | None = None) -> list[float]:
+                    kl_weight: float = 1e-4, foreground_weight: float = 10.0, crop_frames: int = 9, crop_size: int = 32,
+                    centre_crops: bool = False, progress: LoopProgress | None = None) -> list[float]:
     """Train an ``AutoencoderKLWan`` on uint8 ``clips`` ``(N, F, H, W, 3)``; returns the per-step reconstruction losses.
 
     Loss: L1 + MSE between the clip and the decoding of a posterior sample, both in ``[-1, 1]``, plus
