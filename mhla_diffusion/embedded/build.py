@@ -505,10 +505,10 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
     work.mkdir(parents=True, exist_ok=True)
     settings_file = work / "settings.json"
     wanted = dataclasses.asdict(s)
-    if settings_file.is_file() and json.loads(settings_file.read_text()) != wanted:
-        raise ValueError(f"{work} holds a build with other settings ({settings_file}); use another --work-dir "
-                         "or delete that folder")
+    if settings_file.is_file():
+        _check_settings_change(work, json.loads(settings_file.read_text()), wanted)
     settings_file.write_text(json.dumps(wanted, indent=2))
+
     stages = _Stages(work, total=7)
     report: dict[str, Any] = {}
     report["data"] = stages.run("data", lambda: _data(work, s))
@@ -525,6 +525,36 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
 
 
 # ---------------------------------------------------------------------------- settings
+
+#: The first stage that uses each setting; the others' default: ``data``.
+_FIRST_STAGE = {
+    **dict.fromkeys(["reference_clips", "video_judge_steps", "image_judge_steps"], "judges"),
+    **dict.fromkeys(["vae_clips", "video_vae_steps", "video_vae_batch_size", "video_vae_crop_frames",
+                     "video_vae_crop_size", "image_vae_steps"], "autoencoders"),
+    **dict.fromkeys(["video_layers", "video_heads", "image_layers", "image_heads"], "base"),
+    **dict.fromkeys(["video_teacher_steps", "image_teacher_steps", "video_batch_size", "image_batch_size",
+                     "teacher_lr"], "teachers"),
+    **dict.fromkeys(["video_student_steps", "video_transfer_steps", "image_student_steps", "image_transfer_steps",
+                     "student_lr"], "students"),
+    **dict.fromkeys(["eval_clips", "eval_images", "eval_batch_size", "video_sample_steps", "image_sample_steps"],
+                    "evaluate"),
+}
+
+
+def _check_settings_change(work: Path, before: dict[str, Any], after: dict[str, Any]) -> None:
+    """A rerun may change the settings of stages that have not finished yet (a longer teacher budget, say,
+    while the VAE is still training); changing what a finished stage was built with is refused.
+    ``checkpoint_every`` may always change."""
+    changed = sorted(k for k in after if before.get(k) != after[k] and k != "checkpoint_every")
+    if not changed:
+        return
+    done = [k for k in changed if (work / "stages" / f"{_FIRST_STAGE.get(k, 'data')}.json").is_file()]
+    if done:
+        raise ValueError(f"{work} holds a build with other settings ({work / 'settings.json'}): "
+                         f"{', '.join(f'{k} {before.get(k)} -> {after[k]}' for k in done)} would change stages that have "
+                         "already finished; use another --work-dir or delete that folder")
+    logger.info("settings changed for stages not finished yet: %s",
+                ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in changed))
 
 
 def settings_with(settings: BuildSettings, overrides: list[str]) -> BuildSettings:

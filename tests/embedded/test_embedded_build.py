@@ -92,8 +92,20 @@ def test_rerun_resumes_and_output_is_protected(smoke_build):
     assert "export" not in report and report["evaluate"]["rows"]
     other = BuildSettings.smoke()
     other.video_teacher_steps += 1
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="video_teacher_steps 2 -> 3 would change stages that have already finished"):
         build_demo_models(root / "work", None, other)
+
+
+def test_settings_of_unfinished_stages_may_change(tmp_path):
+    from mhla_diffusion.embedded.build import _check_settings_change
+
+    work = tmp_path / "work"
+    (work / "stages").mkdir(parents=True)
+    (work / "stages" / "judges.json").write_text("{}")
+    before = vars(BuildSettings.smoke()).copy()
+    _check_settings_change(work, before, {**before, "video_teacher_steps": 9, "checkpoint_every": 7})  # allowed
+    with pytest.raises(ValueError, match="video_judge_steps"):
+        _check_settings_change(work, before, {**before, "video_judge_steps": 9})
 
 
 def test_settings_overrides_are_checked():
