@@ -130,12 +130,21 @@ class _Stages:
 
     A stage killed part-way leaves its checkpoints under ``<work>/checkpoints`` (judges, VAEs),
     ``<work>/runs/*/checkpoints`` (trainers) and ``<work>/evaluate`` (scored models); rerunning it
-    continues from them. A stage's seconds add up the time of every attempt.
+    continues from them. A stage's seconds add up the time of every attempt; an attempt killed without
+    warning (no chance to write its time) counts up to the last file it wrote, the work after that being
+    lost and done again by the next attempt.
     """
 
     def __init__(self, work: Path, total: int) -> None:
         self.work, self.total, self.count = work, total, 0
         (work / "stages").mkdir(parents=True, exist_ok=True)
+
+    def _last_write_since(self, started: float) -> float:
+        latest = started
+        for folder in ("checkpoints", "runs", "evaluate", "judges", "autoencoders", "base", "data"):
+            for path in (self.work / folder).rglob("*") if (self.work / folder).is_dir() else ():
+                latest = max(latest, path.stat().st_mtime)
+        return latest
 
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         self.count += 1
@@ -143,16 +152,23 @@ class _Stages:
         if marker.is_file():
             logger.info("stage %d/%d %s: already done (%s)", self.count, self.total, name, marker)
             return json.loads(marker.read_text())
-        attempts = self.work / "stages" / f"{name}.attempts.json"
-        earlier = json.loads(attempts.read_text()) if attempts.is_file() else []
+        attempts_file = self.work / "stages" / f"{name}.attempts.json"
+        attempts = json.loads(attempts_file.read_text()) if attempts_file.is_file() else []
+        for attempt in attempts:
+            if attempt["seconds"] is None:  # killed without warning
+                attempt["seconds"] = round(self._last_write_since(attempt["started"]) - attempt["started"], 1)
         logger.info("stage %d/%d %s%s ...", self.count, self.total, name,
-                    f" (resuming; attempt {len(earlier) + 1})" if earlier else "")
+                    f" (resuming; attempt {len(attempts) + 1})" if attempts else "")
+        attempt = {"started": time.time(), "seconds": None}
+        attempts.append(attempt)
+        attempts_file.write_text(json.dumps(attempts))
         began = time.perf_counter()
         try:
             result = fn()
         finally:
-            attempts.write_text(json.dumps([*earlier, round(time.perf_counter() - began, 1)]))
-        spent = json.loads(attempts.read_text())
+            attempt["seconds"] = round(time.perf_counter() - began, 1)
+            attempts_file.write_text(json.dumps(attempts))
+        spent = [a["seconds"] for a in attempts]
         result["seconds"] = round(sum(spent), 1)
         result["attempt_seconds"] = spent
         marker.write_text(json.dumps(result, indent=2))

@@ -96,6 +96,25 @@ def test_rerun_resumes_and_output_is_protected(smoke_build):
         build_demo_models(root / "work", None, other)
 
 
+def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path):
+    import time
+
+    from mhla_diffusion.embedded.build import _Stages
+
+    work = tmp_path / "work"
+    (work / "checkpoints").mkdir(parents=True)
+    (work / "stages").mkdir()
+    started = time.time() - 100
+    (work / "stages" / "judges.attempts.json").write_text(json.dumps([{"started": started, "seconds": None}]))
+    checkpoint = work / "checkpoints" / "video-judge.pt"
+    checkpoint.write_text("x")
+    import os
+
+    os.utime(checkpoint, (started + 60, started + 60))  # its last checkpoint, a minute into the attempt
+    result = _Stages(work, total=1).run("judges", lambda: {})
+    assert result["attempt_seconds"][0] == pytest.approx(60, abs=0.5) and len(result["attempt_seconds"]) == 2
+
+
 def test_settings_of_unfinished_stages_may_change(tmp_path):
     from mhla_diffusion.embedded.build import _check_settings_change
 
