@@ -9,9 +9,9 @@ Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it fin
 4. ``base``: pipeline folders with a randomly initialised transformer, the trained VAE, a random
    frozen UMT5 text encoder (as Wan keeps its encoder frozen) and a tokenizer built here;
 5. ``teachers``: softmax teachers trained by ``finetune/train_wan`` / ``train_dit`` (``attention: softmax``);
-6. ``students``: conversions of the teacher fine-tuned with the same trainers and the same budget:
-   MHLA (all layers) after attention transfer, and global linear attention (a layout of ones, one block)
-   after the same transfer;
+6. ``students``: the conversion of each teacher to MHLA (all layers), fine-tuned with the same trainer
+   after attention transfer (``STUDENTS`` holds other conversions a build may add; the comparison of
+   attentions trained from scratch is the reproduction experiment's job);
 7. ``evaluate``: samples of every model scored by the judges -> ``reproduction.csv`` / ``.md``;
    and the side-by-side figure of MHLA and softmax samples (:mod:`.side_by_side`) with the judge's verdicts;
 8. ``export``: teachers, MHLA students and judges copied to ``--output`` (default: the package's
@@ -61,7 +61,6 @@ logger = logging.getLogger(__name__)
 #: attention-transfer stage on).
 STUDENTS: dict[str, tuple[str, bool, bool]] = {
     "mhla": ("all", False, True),
-    "linear": ("all", True, True),
 }
 #: MHLA block layouts: video token grid 9x8x8 -> 16 blocks of 9x2x2 tokens (every block spans the
 #: clip, so motion stays inside a block); digits 16x16 -> 16 blocks of 4x4 (DiT-XL/2's layout).
