@@ -12,11 +12,12 @@
     mhla eval-video                               # FVD, CLIP score, embedded-judge metrics of videos
     mhla bench                                    # MHLA beside softmax and linear attention
     mhla build-embedded                           # train the embedded demonstration models
+    mhla reproduce                                # softmax vs linear vs MHLA DiTs trained from scratch
     mhla web                                      # Gradio web demo on 127.0.0.1 (pip install .[demo])
 
 :mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.import_wan`,
-:mod:`.import_dit`, :mod:`.evaluate`, :mod:`.evaluate_video`, :mod:`.bench`, :mod:`.build_embedded` and :mod:`.web` each
-parse their command and print its results; :mod:`.arguments` holds what they parse alike. They
+:mod:`.import_dit`, :mod:`.evaluate`, :mod:`.evaluate_video`, :mod:`.bench`, :mod:`.build_embedded`,
+:mod:`.reproduce` and :mod:`.web` each parse their command and print its results; :mod:`.arguments` holds what they parse alike. They
 import only the standard library at module level: a command's arguments are added when it is used,
 and torch, Diffusers and the library load inside the command's ``run`` function, after parsing, so
 ``mhla --help`` and argument errors are immediate.
@@ -28,13 +29,14 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import bench, build_embedded, convert, evaluate, evaluate_video, generate, import_dit, import_wan, web
+from . import bench, build_embedded, convert, evaluate, evaluate_video, generate, import_dit, import_wan, reproduce, web
 from .arguments import CommandParser, warn_deprecated
 
 __all__ = ["build_parser", "main"]
 
 #: In the order ``mhla --help`` lists them.
-COMMAND_MODULES = (convert, generate, import_wan, import_dit, evaluate, evaluate_video, bench, build_embedded, web)
+COMMAND_MODULES = (convert, generate, import_wan, import_dit, evaluate, evaluate_video, bench, build_embedded, reproduce,
+                   web)
 
 
 def build_parser() -> argparse.ArgumentParser:

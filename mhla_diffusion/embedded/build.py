@@ -572,17 +572,27 @@ def _check_settings_change(work: Path, before: dict[str, Any], after: dict[str, 
                 ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in changed))
 
 
-def settings_with(settings: BuildSettings, overrides: list[str]) -> BuildSettings:
-    """``settings`` with ``NAME=VALUE`` overrides, each checked against the field's type."""
-    fields = {f.name: f for f in dataclasses.fields(BuildSettings)}
+def settings_with(settings: Any, overrides: list[str]) -> Any:
+    """``settings`` (a settings dataclass: :class:`BuildSettings`, the reproduction's ``ExperimentSettings``)
+    with ``NAME=VALUE`` overrides, each checked against the field's type. A list field takes
+    comma-separated values (``seeds=0,1,2``); an optional count takes ``none``."""
+    fields = {f.name: f for f in dataclasses.fields(settings)}
     changes: dict[str, Any] = {}
     for item in overrides:
         name, eq, value = item.partition("=")
         if not eq or name not in fields:
             raise ValueError(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
-        kind = int if name == "train_digits" else type(getattr(fields[name], "default"))
+        current = getattr(settings, name)
+        optional = "None" in str(fields[name].type)
+        if isinstance(current, list):
+            kind = type(current[0]) if current else str
+            parse: Callable[[str], Any] = lambda text: [kind(v) for v in text.split(",") if v.strip()]  # noqa: E731
+        else:
+            kind = int if current is None else type(current)
+            parse = kind
         try:
-            changes[name] = None if name == "train_digits" and value.lower() == "none" else kind(value)
+            changes[name] = None if optional and value.lower() == "none" else parse(value)
         except ValueError:
-            raise ValueError(f"--set {item!r}: {name} must be of type {kind.__name__}") from None
+            raise ValueError(f"--set {item!r}: {name} must be {'comma-separated ' if isinstance(current, list) else ''}"
+                             f"{kind.__name__}") from None
     return dataclasses.replace(settings, **changes)

@@ -1,0 +1,414 @@
+"""``mhla reproduce``: the same DiT trained from random initialisation with each attention, at several
+token counts and seeds, scored by the embedded judges: does global linear attention fall behind softmax,
+at which token count, and does MHLA close the gap?
+
+Setting: class-to-image on the scikit-learn digits, in pixel space (no VAE between the model and the
+judge), a ``DiTTransformer2DModel`` with DiT's initialisation (:func:`~mhla_diffusion.finetune.dit_scratch.new_dit_transformer`).
+The token count is set by the image size and patch: 16x16 tokens = 32 px with patch 2, 32x32 = 32 px with
+patch 1, 64x64 = 64 px with patch 1 (the judge scores samples at 32 px). Every variant of one
+(token count, seed) sees the same batches, noise and timesteps, and the same sampling seeds.
+
+Attention variants (:data:`VARIANTS`): softmax; global linear attention (MHLA with one block: the same
+feature map, so only the blocks differ); MHLA with the paper's formula; MHLA with LePE and the output gate
+(the paper's full variant); the released DiT-MHLA setting (:meth:`MHLAConfig.released_dit`). Every
+MHLA variant uses the same square layout with ``M <= sqrt(N)`` (:func:`mhla_layout`).
+
+Each run records the training steps per second, judge accuracy, judge FID / precision / recall against
+the held-out digits, seconds per sample, and per layer the effective rank of each head's attention output
+(``exp`` of the entropy of its normalised singular values; at most the head dimension) over a fixed batch
+of noised training images: the quantity the paper's expressivity argument is about. Runs are resumable
+inside (checkpoints every ``checkpoint_every`` steps) and skipped once finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import MHLAConfig
+from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_digits
+from .judge_io import load_judge
+from .locations import embedded_judge
+from .reproduction import score_digits
+from .training_loop import LoopProgress, epoch_batch, run_loop
+
+__all__ = ["ExperimentSettings", "VARIANTS", "effective_rank", "geometry_for", "mhla_layout", "run_experiment",
+           "summarise"]
+
+logger = logging.getLogger(__name__)
+
+def mhla_layout(side: int) -> tuple[int, int]:
+    """The MHLA layout of every MHLA variant on a ``side`` x ``side`` token grid: ``k`` x ``k`` blocks with
+    the largest power of two ``k`` that divides ``side`` and keeps ``M = k * k <= sqrt(N)`` (the paper's
+    rule): 4x4 blocks at 256 and 1,024 tokens, 8x8 at 4,096."""
+    k = 1
+    while side % (2 * k) == 0 and (2 * k) ** 2 <= side:
+        k *= 2
+    return (k, k)
+
+
+#: Variant name -> MHLA options (``None``: softmax) for a ``side`` x ``side`` token grid.
+VARIANTS: dict[str, Callable[[int], MHLAConfig | None]] = {
+    "softmax": lambda side: None,
+    "linear": lambda side: MHLAConfig(layout=(1, 1)),
+    "mhla": lambda side: MHLAConfig(layout=mhla_layout(side)),
+    "mhla-lepe-gate": lambda side: MHLAConfig(layout=mhla_layout(side), lepe=True, gate=True),
+    "mhla-released-dit": lambda side: MHLAConfig.released_dit(layout=mhla_layout(side)),
+}
+EVAL_SEED, RANK_SEED = 10_000, 20_000
+RANK_TIMESTEP = 500
+
+
+@dataclass
+class ExperimentSettings:
+    """Every setting of one experiment (defaults: the committed table; :meth:`smoke`: CI)."""
+
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    token_counts: list[int] = field(default_factory=lambda: [256, 1024])
+    steps: list[int] = field(default_factory=lambda: [1200, 1200])  # per token count
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    batch_size: int = 16
+    layers: int = 4
+    heads: int = 2
+    head_dim: int = 32
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    eval_samples: int = 200
+    sample_steps: int = 25
+    guidance_scale: float = 4.0
+    eval_batch_size: int = 50
+    rank_batch: int = 8
+    checkpoint_every: int = 100
+    split_seed: int = 0
+
+    @classmethod
+    def smoke(cls) -> "ExperimentSettings":
+        return cls(token_counts=[16, 64], steps=[2, 2], layers=1, heads=1, head_dim=8, eval_samples=10, sample_steps=2,
+                   eval_batch_size=10, rank_batch=2, warmup_steps=1, checkpoint_every=1)
+
+    def check(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+        if len(self.steps) != len(self.token_counts):
+            raise ValueError(f"steps ({self.steps}) needs one entry per token count ({self.token_counts})")
+        for tokens in self.token_counts:
+            geometry_for(tokens)
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
+
+
+def geometry_for(tokens: int) -> tuple[int, int]:
+    """Token count -> (image size, patch): a square grid of ``tokens`` on 32 px digits, or on larger
+    digits when the grid is finer than 32x32."""
+    side = math.isqrt(tokens)
+    if side * side != tokens or side < 2:
+        raise ValueError(f"token count {tokens} is not a square of at least 2x2 (256, 1024, 4096, ...)")
+    size = max(DIGIT_SIZE, side)
+    if size % side:
+        raise ValueError(f"a {side}x{side} token grid does not divide {size} px digits; choose a power of two")
+    return size, size // side
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def _new_model(s: ExperimentSettings, variant: str, tokens: int, seed: int):
+    from ..finetune.dit_scratch import new_dit_transformer
+
+    size, patch = geometry_for(tokens)
+    side = size // patch
+    config = dict(num_layers=s.layers, num_attention_heads=s.heads, attention_head_dim=s.head_dim, in_channels=3,
+                  out_channels=3, sample_size=size, patch_size=patch, num_embeds_ada_norm=NUM_DIGIT_CLASSES,
+                  norm_type="ada_norm_zero")
+    return new_dit_transformer(config, seed=seed, mhla=VARIANTS[variant](side))
+
+
+def _to_tensor(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def _to_uint8(x: torch.Tensor) -> np.ndarray:
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Tensor, steps: int, seed: int,
+           progress: LoopProgress) -> tuple[list[float], float, int]:
+    """DDPM epsilon-prediction (DiT's linear schedule, 1000 steps), AdamW with warm-up; class labels are
+    dropped 10 % of the time by the model itself (classifier-free guidance). Every draw (batch, noise,
+    timesteps, label drops, dropout) depends on ``(seed, step)`` only. Returns the losses, the seconds
+    of this attempt and the steps it ran."""
+    from ..finetune.dit_scratch import dit_scheduler
+
+    scheduler = dit_scheduler()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, s.warmup_steps)))
+
+    ran = [0]
+
+    def step_fn(step: int) -> float:
+        ran[0] += 1
+        torch.manual_seed(int(np.random.SeedSequence([seed, step, 7]).generate_state(1)[0]))  # label drops, dropout
+        pick = torch.from_numpy(epoch_batch(step, s.batch_size, len(images), seed))
+        x0, y = images[pick], labels[pick]
+        noise = torch.randn_like(x0)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (len(x0),))
+        prediction = model(scheduler.add_noise(x0, noise, t), timestep=t, class_labels=y).sample
+        loss = F.mse_loss(prediction, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        return loss.item()
+
+    model.train()
+    began = time.perf_counter()
+    losses = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, step_fn,
+                      {"model": model, "optimizer": optimizer, "schedule": schedule}, progress)
+    model.eval()
+    return losses, time.perf_counter() - began, ran[0]
+
+
+@torch.no_grad()
+def _sample(model, s: ExperimentSettings, labels: np.ndarray, size: int) -> tuple[np.ndarray, list[float]]:
+    """DDIM (``sample_steps``) with classifier-free guidance; sample ``i`` from seed ``EVAL_SEED + i``.
+    Returns uint8 ``(n, size, size, 3)`` and the seconds per sample of each batch."""
+    from ..finetune.dit_scratch import dit_scheduler
+
+    scheduler = dit_scheduler()
+    scheduler.set_timesteps(s.sample_steps)
+    out, per_sample = [], []
+    for start in range(0, len(labels), s.eval_batch_size):
+        y = torch.as_tensor(labels[start: start + s.eval_batch_size], dtype=torch.int64)
+        began = time.perf_counter()
+        x = torch.stack([torch.randn(3, size, size, generator=torch.Generator().manual_seed(EVAL_SEED + start + i))
+                         for i in range(len(y))])
+        both = torch.cat([y, torch.full_like(y, NUM_DIGIT_CLASSES)])  # the null class drops the label
+        for t in scheduler.timesteps:
+            eps = model(torch.cat([x, x]), timestep=t.expand(2 * len(y)), class_labels=both).sample
+            cond, uncond = eps.chunk(2)
+            x = scheduler.step(uncond + s.guidance_scale * (cond - uncond), t, x).prev_sample
+        per_sample.append((time.perf_counter() - began) / len(y))
+        out.append(_to_uint8(x))
+    return np.concatenate(out), per_sample
+
+
+def effective_rank(matrix: torch.Tensor) -> float:
+    """``exp`` of the entropy of the normalised singular values of a 2-D ``matrix`` (Roy & Vetterli):
+    1 for rank one, ``min(shape)`` for equal singular values."""
+    values = torch.linalg.svdvals(matrix.double())
+    total = values.sum()
+    if total <= 0:
+        return 0.0
+    p = values / total
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+@torch.no_grad()
+def attention_ranks(model, images: torch.Tensor, labels: torch.Tensor, heads: int) -> list[float]:
+    """Per layer: the mean over samples and heads of the effective rank of each head's attention output
+    ``(N, head_dim)`` (the input of the output projection) on ``images`` noised at timestep
+    :data:`RANK_TIMESTEP` with fixed noise."""
+    from ..finetune.dit_scratch import dit_scheduler
+
+    noise = torch.randn(images.shape, generator=torch.Generator().manual_seed(RANK_SEED))
+    t = torch.full((len(images),), RANK_TIMESTEP)
+    captured: list[torch.Tensor] = []
+    hooks = [block.attn1.to_out[0].register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+             for block in model.transformer_blocks]
+    try:
+        model(dit_scheduler().add_noise(images, noise, t), timestep=t, class_labels=labels)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ranks = []
+    for out in captured:  # (B, N, heads * head_dim)
+        per_head = out.reshape(out.shape[0], out.shape[1], heads, -1).permute(0, 2, 1, 3)
+        ranks.append(float(np.mean([effective_rank(m) for m in per_head.flatten(0, 1)])))
+    return ranks
+
+
+def _run(out: Path, s: ExperimentSettings, variant: str, tokens: int, steps: int, seed: int, data: dict[str, Any],
+         judge, on_step: Callable[[str, int], None] | None) -> dict[str, Any]:
+    name = f"{variant}-{tokens}tok-seed{seed}"
+    folder = out / "runs" / name
+    result_file = folder / "result.json"
+    if result_file.is_file():
+        return json.loads(result_file.read_text())
+    size, patch = geometry_for(tokens)
+    images, labels = data[size]
+    model = _new_model(s, variant, tokens, seed)
+    progress = LoopProgress(folder / "checkpoint.pt", every=s.checkpoint_every, show=True,
+                            on_step=None if on_step is None else (lambda step: on_step(name, step)))
+    losses, train_seconds, ran = _train(model, s, images, labels, steps, seed, progress)
+    eval_labels = np.arange(s.eval_samples) % NUM_DIGIT_CLASSES
+    samples, times = _sample(model, s, eval_labels, size)
+    if size != DIGIT_SIZE:  # the judge reads 32 px: average-pool the larger samples
+        samples = _to_uint8(F.avg_pool2d(_to_tensor(samples), size // DIGIT_SIZE))
+    accuracy, metrics = score_digits(samples, eval_labels, data["reference"], judge)
+    rank_pick = torch.arange(s.rank_batch) * (len(images) // max(1, s.rank_batch))
+    ranks = attention_ranks(model, images[rank_pick], labels[rank_pick], s.heads)
+    result = {
+        "variant": variant, "tokens": tokens, "seed": seed, "image_size": size, "patch": patch, "steps": steps,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "final_loss": float(np.mean(losses[-50:])), "train_seconds_last_attempt": round(train_seconds, 1),
+        "steps_per_second_last_attempt": round(ran / max(train_seconds, 1e-9), 3),
+        "accuracy": accuracy["digit"], "fid": metrics["fid"], "precision": metrics.get("precision"),
+        "recall": metrics.get("recall"), "seconds_per_sample": statistics.median(times),
+        "attention_rank_per_layer": ranks, "attention_rank": float(np.mean(ranks)),
+        "mhla": None if variant == "softmax" else _mhla_of(model),
+    }
+    result_file.write_text(json.dumps(result, indent=2))
+    (folder / "checkpoint.pt").unlink(missing_ok=True)
+    return result
+
+
+def _mhla_of(model) -> dict[str, Any]:
+    from ..conversion import get_mhla_conversion
+
+    conversion = get_mhla_conversion(model)
+    return {"layout": list(conversion.layout), **{k: v for k, v in conversion.config.to_dict().items()
+                                                  if k in ("normalization", "lepe", "gate", "input_norm")}}
+
+
+# ---------------------------------------------------------------------------- the experiment
+
+
+def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
+                   on_step: Callable[[str, int], None] | None = None, figure: str | Path | None = None) -> dict[str, Any]:
+    """Train and score every (token count, seed, variant); resumes a killed experiment in ``out``.
+
+    Writes ``out/report.json`` (every setting, run and time), ``out/table.md`` and ``out/fid-vs-tokens.png``
+    (copied to ``figure`` when given). ``on_step(run, step)`` is called after every training step.
+    """
+    s = settings or ExperimentSettings()
+    s.check()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings_file = out / "settings.json"
+    wanted = {k: v for k, v in dataclasses.asdict(s).items() if k != "checkpoint_every"}
+    if settings_file.is_file() and json.loads(settings_file.read_text()) != wanted:
+        raise ValueError(f"{out} holds an experiment with other settings ({settings_file}); use another --output "
+                         "or delete that folder")
+    settings_file.write_text(json.dumps(wanted, indent=2))
+    judge = load_judge(embedded_judge("image"))
+    split = split_digits(seed=s.split_seed)
+    data: dict[Any, Any] = {"reference": split.test_images}
+    for tokens in s.token_counts:
+        size, _ = geometry_for(tokens)
+        if size not in data:
+            images = split.train_images if size == DIGIT_SIZE else load_digits_images(size)[0][split.train_indices]
+            data[size] = (_to_tensor(images), torch.from_numpy(split.train_labels))
+    began = time.perf_counter()
+    runs = []
+    total = len(s.token_counts) * len(s.seeds) * len(s.variants)
+    for tokens, steps in zip(s.token_counts, s.steps):
+        for seed in s.seeds:
+            for variant in s.variants:
+                logger.info("run %d/%d: %s, %d tokens, seed %d", len(runs) + 1, total, variant, tokens, seed)
+                runs.append(_run(out, s, variant, tokens, steps, seed, data, judge, on_step))
+    report = {"settings": dataclasses.asdict(s), "runs": runs, "summary": summarise(runs),
+              "seconds_this_attempt": round(time.perf_counter() - began, 1),
+              "train_seconds_total": round(sum(r["train_seconds_last_attempt"] for r in runs), 1)}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "table.md").write_text(table_markdown(report["summary"], s))
+    plot_fid(report["summary"], out / "fid-vs-tokens.png")
+    if figure is not None:
+        Path(figure).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / "fid-vs-tokens.png", figure)
+    return report
+
+
+_MEASURES = ("fid", "accuracy", "precision", "recall", "attention_rank", "steps_per_second_last_attempt",
+             "seconds_per_sample")
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (token count, variant): mean, min and max over seeds of every measure, and for each variant
+    other than softmax whether its FID range over seeds lies apart from softmax's."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["tokens"], run["variant"]), []).append(run)
+    rows = []
+    for (tokens, variant), members in groups.items():
+        row: dict[str, Any] = {"tokens": tokens, "variant": variant, "seeds": [m["seed"] for m in members]}
+        for measure in _MEASURES:
+            values = [m[measure] for m in members if m[measure] is not None]
+            row[measure] = ({"mean": float(np.mean(values)), "min": float(min(values)), "max": float(max(values))}
+                            if values else None)
+        rows.append(row)
+    for row in rows:
+        reference = next((r for r in rows if r["tokens"] == row["tokens"] and r["variant"] == "softmax"), None)
+        if reference is None or row["variant"] == "softmax":
+            row["fid_vs_softmax"] = None
+            continue
+        a, b = row["fid"], reference["fid"]
+        row["fid_vs_softmax"] = {"difference_of_means": a["mean"] - b["mean"],
+                                 "apart": bool(a["min"] > b["max"] or a["max"] < b["min"]),
+                                 "worse": bool(a["min"] > b["max"]), "better": bool(a["max"] < b["min"])}
+    return rows
+
+
+def _cell(stat: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:
+    if stat is None:
+        return ""
+    return f"{stat['mean'] * scale:.{digits}f} [{stat['min'] * scale:.{digits}f}-{stat['max'] * scale:.{digits}f}]"
+
+
+def table_markdown(summary: list[dict[str, Any]], s: ExperimentSettings) -> str:
+    """The summary as a Markdown table: mean [min-max] over seeds."""
+    header = ["tokens", "attention", "FID (judge)", "FID vs softmax", "acc digit %", "precision %", "recall %",
+              "attention rank (of " + str(s.head_dim) + ")", "train steps / s", "ms / sample"]
+    lines = [f"{len(s.seeds)} seeds per row (mean [min-max]); {s.eval_samples} samples per run, "
+             f"{s.sample_steps} DDIM steps, guidance {s.guidance_scale}", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in summary:
+        versus = row["fid_vs_softmax"]
+        verdict = "" if versus is None else (f"{versus['difference_of_means']:+.1f}"
+                                             + (" (worse beyond seed spread)" if versus["worse"] else
+                                                " (better beyond seed spread)" if versus["better"] else
+                                                " (within seed spread)"))
+        cells = [str(row["tokens"]), row["variant"], _cell(row["fid"]), verdict, _cell(row["accuracy"], 100),
+                 _cell(row["precision"], 100), _cell(row["recall"], 100), _cell(row["attention_rank"]),
+                 _cell(row["steps_per_second_last_attempt"], digits=2), _cell(row["seconds_per_sample"], 1000, 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_fid(summary: list[dict[str, Any]], path: Path) -> None:
+    """Judge FID against token count, one line per variant, the seeds' min-max as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for variant in dict.fromkeys(r["variant"] for r in summary):
+        rows = sorted((r for r in summary if r["variant"] == variant), key=lambda r: r["tokens"])
+        x = [r["tokens"] for r in rows]
+        mean = np.array([r["fid"]["mean"] for r in rows])
+        low = mean - np.array([r["fid"]["min"] for r in rows])
+        high = np.array([r["fid"]["max"] for r in rows]) - mean
+        ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per sample")
+    ax.set_ylabel("FID on the judge's features (lower is better)")
+    ax.set_title("Digits, DiT trained from scratch: seeds' mean, bars min-max")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
