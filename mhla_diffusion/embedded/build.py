@@ -593,6 +593,6 @@ def settings_with(settings: Any, overrides: list[str]) -> Any:
         try:
             changes[name] = None if optional and value.lower() == "none" else parse(value)
         except ValueError:
-            raise ValueError(f"--set {item!r}: {name} must be {'comma-separated ' if isinstance(current, list) else ''}"
-                             f"{kind.__name__}") from None
+            raise ValueError(f"--set {item!r}: {name} must be {'comma-separated values ' if isinstance(current, list) else ''}"
+                             f"of type {kind.__name__}") from None
     return dataclasses.replace(settings, **changes)
