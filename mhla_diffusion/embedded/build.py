@@ -82,10 +82,10 @@ class BuildSettings:
     train_clips: int = 960
     train_digits: int | None = None  # None: the whole training split (1438 digits)
     reference_clips: int = 480
-    video_judge_steps: int = 600
+    video_judge_steps: int = 1500
     image_judge_steps: int = 300
     vae_clips: int = 480
-    video_vae_steps: int = 1500
+    video_vae_steps: int = 2000
     video_vae_batch_size: int = 8
     image_vae_steps: int = 250
     video_vae_crop_frames: int = 9
