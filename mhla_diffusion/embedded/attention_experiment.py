@@ -176,8 +176,9 @@ def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Ten
 
     model.train()
     began = time.perf_counter()
-    losses = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, step_fn,
-                      {"model": model, "optimizer": optimizer, "schedule": schedule}, progress)
+    with torch.random.fork_rng(devices=[]):  # the per-step seeding stays inside the run
+        losses = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, step_fn,
+                          {"model": model, "optimizer": optimizer, "schedule": schedule}, progress)
     model.eval()
     return losses, time.perf_counter() - began, ran[0]
 
