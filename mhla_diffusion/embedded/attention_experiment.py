@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MHLAConfig
+from .image_judge import images_to_tensor, tensor_to_uint8
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_digits
 from .judge_io import load_judge
 from .locations import embedded_judge
@@ -136,14 +137,6 @@ def _new_model(s: ExperimentSettings, variant: str, tokens: int, seed: int):
     return new_dit_transformer(config, seed=seed, mhla=VARIANTS[variant](side))
 
 
-def _to_tensor(images: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-
-
-def _to_uint8(x: torch.Tensor) -> np.ndarray:
-    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-
-
 def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Tensor, steps: int, seed: int,
            progress: LoopProgress) -> tuple[list[float], float, int]:
     """DDPM epsilon-prediction (DiT's linear schedule, 1000 steps), AdamW with warm-up; class labels are
@@ -203,7 +196,7 @@ def _sample(model, s: ExperimentSettings, labels: np.ndarray, size: int) -> tupl
             cond, uncond = eps.chunk(2)
             x = scheduler.step(uncond + s.guidance_scale * (cond - uncond), t, x).prev_sample
         per_sample.append((time.perf_counter() - began) / len(y))
-        out.append(_to_uint8(x))
+        out.append(tensor_to_uint8(x))
     return np.concatenate(out), per_sample
 
 
@@ -259,7 +252,7 @@ def _run(out: Path, s: ExperimentSettings, variant: str, tokens: int, steps: int
     eval_labels = np.arange(s.eval_samples) % NUM_DIGIT_CLASSES
     samples, times = _sample(model, s, eval_labels, size)
     if size != DIGIT_SIZE:  # the judge reads 32 px: average-pool the larger samples
-        samples = _to_uint8(F.avg_pool2d(_to_tensor(samples), size // DIGIT_SIZE))
+        samples = tensor_to_uint8(F.avg_pool2d(images_to_tensor(samples), size // DIGIT_SIZE))
     accuracy, metrics = score_digits(samples, eval_labels, data["reference"], judge)
     rank_pick = torch.arange(s.rank_batch) * (len(images) // max(1, s.rank_batch))
     ranks = attention_ranks(model, images[rank_pick], labels[rank_pick], s.heads)
@@ -313,7 +306,7 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
         size, _ = geometry_for(tokens)
         if size not in data:
             images = split.train_images if size == DIGIT_SIZE else load_digits_images(size)[0][split.train_indices]
-            data[size] = (_to_tensor(images), torch.from_numpy(split.train_labels))
+            data[size] = (images_to_tensor(images), torch.from_numpy(split.train_labels))
     began = time.perf_counter()
     runs = []
     total = len(s.token_counts) * len(s.seeds) * len(s.variants)

@@ -24,7 +24,7 @@ import torch
 
 from ..geometry import VideoGeometry
 from .digits import DIGIT_SIZE
-from .image_judge import images_to_tensor
+from .image_judge import images_to_tensor, tensor_to_uint8
 from .moving_shapes import BACKGROUND
 from .training_loop import LoopProgress, epoch_batch, run_loop, step_generator
 from .video_judge import clips_to_tensor
@@ -261,8 +261,7 @@ def _reconstruct(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torc
     out = []
     for start in range(0, len(pixels), batch_size):
         z = vae.encode(to_tensor(pixels[start: start + batch_size])).latent_dist.mean
-        x = vae.decode(z).sample.clamp(-1, 1)
-        out.append(((x + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).numpy())
+        out.append(tensor_to_uint8(vae.decode(z).sample))
     return np.concatenate(out) if out else np.zeros_like(pixels)
 
 

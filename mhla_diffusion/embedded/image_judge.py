@@ -15,7 +15,7 @@ from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
 from .judge_training import fit_judge
 from .training_loop import LoopProgress, step_generator
 
-__all__ = ["ImageJudge", "class_accuracy", "images_to_tensor", "predict_classes", "train_image_judge"]
+__all__ = ["ImageJudge", "class_accuracy", "images_to_tensor", "predict_classes", "tensor_to_uint8", "train_image_judge"]
 
 
 def _block(cin: int, cout: int) -> nn.Sequential:
@@ -67,6 +67,12 @@ def images_to_tensor(images: np.ndarray | torch.Tensor) -> torch.Tensor:
     if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] != 3:
         raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {tuple(images.shape)}")
     return images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def tensor_to_uint8(pixels: torch.Tensor) -> np.ndarray:
+    """Inverse of :func:`images_to_tensor` (and of ``clips_to_tensor``): float ``(N, 3, ...)`` in ``[-1, 1]``
+    (clamped) -> uint8 channels-last ``(N, ..., 3)``."""
+    return ((pixels.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).numpy()
 
 
 @torch.inference_mode()
