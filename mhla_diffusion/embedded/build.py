@@ -140,7 +140,7 @@ class _Stages:
 
     def _last_write_since(self, started: float) -> float:
         latest = started
-        for folder in ("checkpoints", "runs", "evaluate", "judges", "autoencoders", "base", "data"):
+        for folder in ("checkpoints", "runs", "cache", "evaluate", "judges", "autoencoders", "base", "data"):
             for path in (self.work / folder).rglob("*") if (self.work / folder).is_dir() else ():
                 latest = max(latest, path.stat().st_mtime)
         return latest

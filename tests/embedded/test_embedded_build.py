@@ -96,21 +96,23 @@ def test_rerun_resumes_and_output_is_protected(smoke_build):
         build_demo_models(root / "work", None, other)
 
 
-def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path):
+# the last file an attempt wrote: a judge checkpoint, or a latent cached before a trainer's first step
+@pytest.mark.parametrize("last_file", ["checkpoints/video-judge.pt", "cache/shapes/latents/0/latents.pt"])
+def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path, last_file):
+    import os
     import time
 
     from mhla_diffusion.embedded.build import _Stages
 
     work = tmp_path / "work"
-    (work / "checkpoints").mkdir(parents=True)
-    (work / "stages").mkdir()
+    (work / "stages").mkdir(parents=True)
     started = time.time() - 100
     (work / "stages" / "judges.attempts.json").write_text(json.dumps([{"started": started, "seconds": None}]))
-    checkpoint = work / "checkpoints" / "video-judge.pt"
-    checkpoint.write_text("x")
-    import os
-
-    os.utime(checkpoint, (started + 60, started + 60))  # its last checkpoint, a minute into the attempt
+    written = work / last_file
+    written.parent.mkdir(parents=True)
+    written.write_text("x")
+    for path in [written, *written.relative_to(work).parents][:-1]:  # the file and the folders it made
+        os.utime(work / path, (started + 60, started + 60))  # a minute into the attempt
     result = _Stages(work, total=1).run("judges", lambda: {})
     assert result["attempt_seconds"][0] == pytest.approx(60, abs=0.5) and len(result["attempt_seconds"]) == 2
 
