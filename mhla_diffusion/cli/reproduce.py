@@ -51,5 +51,5 @@ def run(args: argparse.Namespace) -> int:
     report = run_experiment(args.output, settings, figure=args.figure)
     print((args.output / "table.md").read_text())
     print(f"report: {args.output / 'report.json'}; plot: {args.output / 'fid-vs-tokens.png'}; "
-          f"training {report['train_seconds_total']:.0f} s in all")
+          f"{report['seconds']:.0f} s in all (every run, every attempt)")
     return 0

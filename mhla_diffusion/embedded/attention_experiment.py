@@ -17,7 +17,8 @@ Each run records the training steps per second, judge accuracy, judge FID / prec
 the held-out digits, seconds per sample, and per layer the effective rank of each head's attention output
 (``exp`` of the entropy of its normalised singular values; at most the head dimension) over a fixed batch
 of noised training images: the quantity the paper's expressivity argument is about. Runs are resumable
-inside (checkpoints every ``checkpoint_every`` steps) and skipped once finished.
+inside (checkpoints every ``checkpoint_every`` steps) and skipped once finished; each run's ``seconds`` add up
+all its attempts (:class:`~mhla_diffusion.embedded.stages.Stages`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_dig
 from .judge_io import load_judge
 from .locations import embedded_judge
 from .reproduction import score_digits
+from .stages import Stages
 from .training_loop import LoopProgress, epoch_batch, run_loop
 
 __all__ = ["ExperimentSettings", "VARIANTS", "effective_rank", "geometry_for", "mhla_layout", "run_experiment",
@@ -236,13 +238,10 @@ def attention_ranks(model, images: torch.Tensor, labels: torch.Tensor, heads: in
     return ranks
 
 
-def _run(out: Path, s: ExperimentSettings, variant: str, tokens: int, steps: int, seed: int, data: dict[str, Any],
+def _run(folder: Path, s: ExperimentSettings, variant: str, tokens: int, steps: int, seed: int, data: dict[str, Any],
          judge, on_step: Callable[[str, int], None] | None) -> dict[str, Any]:
-    name = f"{variant}-{tokens}tok-seed{seed}"
-    folder = out / "runs" / name
-    result_file = folder / "result.json"
-    if result_file.is_file():
-        return json.loads(result_file.read_text())
+    """Train (resuming from ``folder/checkpoint.pt``), sample, score and measure one run."""
+    name = folder.name
     size, patch = geometry_for(tokens)
     images, labels = data[size]
     model = _new_model(s, variant, tokens, seed)
@@ -266,8 +265,6 @@ def _run(out: Path, s: ExperimentSettings, variant: str, tokens: int, steps: int
         "attention_rank_per_layer": ranks, "attention_rank": float(np.mean(ranks)),
         "mhla": None if variant == "softmax" else _mhla_of(model),
     }
-    result_file.write_text(json.dumps(result, indent=2))
-    (folder / "checkpoint.pt").unlink(missing_ok=True)
     return result
 
 
@@ -307,17 +304,17 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
         if size not in data:
             images = split.train_images if size == DIGIT_SIZE else load_digits_images(size)[0][split.train_indices]
             data[size] = (images_to_tensor(images), torch.from_numpy(split.train_labels))
-    began = time.perf_counter()
     runs = []
-    total = len(s.token_counts) * len(s.seeds) * len(s.variants)
+    stages = Stages(out, total=len(s.token_counts) * len(s.seeds) * len(s.variants), watched=("runs",), noun="run")
     for tokens, steps in zip(s.token_counts, s.steps):
         for seed in s.seeds:
             for variant in s.variants:
-                logger.info("run %d/%d: %s, %d tokens, seed %d", len(runs) + 1, total, variant, tokens, seed)
-                runs.append(_run(out, s, variant, tokens, steps, seed, data, judge, on_step))
+                folder = out / "runs" / f"{variant}-{tokens}tok-seed{seed}"
+                runs.append(stages.run(folder.name, lambda: _run(folder, s, variant, tokens, steps, seed, data, judge,
+                                                                 on_step)))
+                shutil.rmtree(folder, ignore_errors=True)  # its checkpoint; the result is in stages/
     report = {"settings": dataclasses.asdict(s), "runs": runs, "summary": summarise(runs),
-              "seconds_this_attempt": round(time.perf_counter() - began, 1),
-              "train_seconds_total": round(sum(r["train_seconds_last_attempt"] for r in runs), 1)}
+              "seconds": round(sum(r["seconds"] for r in runs), 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "table.md").write_text(table_markdown(report["summary"], s))
     plot_fid(report["summary"], out / "fid-vs-tokens.png")

@@ -49,6 +49,7 @@ from .moving_shapes import ATTRIBUTES, generate_clips
 from .reproduction import (ScoreRow, balanced_captions, median_seconds, sample_clips, sample_digits, score_clips,
                            score_digits, table_markdown, write_table_csv)
 from .shapes_dataset import write_shapes_dataset
+from .stages import Stages
 from .side_by_side import draw_side_by_side, side_by_side_samples
 from .training_loop import LoopProgress
 from .video_judge import prompt_accuracy, train_video_judge
@@ -124,56 +125,8 @@ class BuildSettings:
 # ---------------------------------------------------------------------------- stages
 
 
-class _Stages:
-    """Runs named stages once; a finished stage leaves ``<work>/stages/<name>.json`` with its results.
-
-    A stage killed part-way leaves its checkpoints under ``<work>/checkpoints`` (judges, VAEs),
-    ``<work>/runs/*/checkpoints`` (trainers) and ``<work>/evaluate`` (scored models); rerunning it
-    continues from them. A stage's seconds add up the time of every attempt; an attempt killed without
-    warning (no chance to write its time) counts up to the last file it wrote, the work after that being
-    lost and done again by the next attempt.
-    """
-
-    def __init__(self, work: Path, total: int) -> None:
-        self.work, self.total, self.count = work, total, 0
-        (work / "stages").mkdir(parents=True, exist_ok=True)
-
-    def _last_write_since(self, started: float) -> float:
-        latest = started
-        for folder in ("checkpoints", "runs", "cache", "evaluate", "judges", "autoencoders", "base", "data"):
-            for path in (self.work / folder).rglob("*") if (self.work / folder).is_dir() else ():
-                latest = max(latest, path.stat().st_mtime)
-        return latest
-
-    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        self.count += 1
-        marker = self.work / "stages" / f"{name}.json"
-        if marker.is_file():
-            logger.info("stage %d/%d %s: already done (%s)", self.count, self.total, name, marker)
-            return json.loads(marker.read_text())
-        attempts_file = self.work / "stages" / f"{name}.attempts.json"
-        attempts = json.loads(attempts_file.read_text()) if attempts_file.is_file() else []
-        for attempt in attempts:
-            if attempt["seconds"] is None:  # killed without warning
-                attempt["seconds"] = round(self._last_write_since(attempt["started"]) - attempt["started"], 1)
-        logger.info("stage %d/%d %s%s ...", self.count, self.total, name,
-                    f" (resuming; attempt {len(attempts) + 1})" if attempts else "")
-        attempt = {"started": time.time(), "seconds": None}
-        attempts.append(attempt)
-        attempts_file.write_text(json.dumps(attempts))
-        began = time.perf_counter()
-        try:
-            result = fn()
-        finally:
-            attempt["seconds"] = round(time.perf_counter() - began, 1)
-            attempts_file.write_text(json.dumps(attempts))
-        spent = [a["seconds"] for a in attempts]
-        result["seconds"] = round(sum(spent), 1)
-        result["attempt_seconds"] = spent
-        marker.write_text(json.dumps(result, indent=2))
-        logger.info("stage %d/%d %s: done in %.0f s", self.count, self.total, name, result["seconds"])
-        return result
-
+#: Where a stage writes while it runs (the time of an attempt killed without warning ends at its last write there).
+_WATCHED = ("checkpoints", "runs", "cache", "evaluate", "judges", "autoencoders", "base", "data")
 
 #: ``on_step(part, step)`` of the running build (tests interrupt a build with it), set by :func:`build_demo_models`.
 _ON_STEP: Callable[[str, int], None] | None = None
@@ -524,7 +477,7 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
         _check_settings_change(work, json.loads(settings_file.read_text()), wanted)
     settings_file.write_text(json.dumps(wanted, indent=2))
 
-    stages = _Stages(work, total=7)
+    stages = Stages(work, total=7, watched=_WATCHED)
     report: dict[str, Any] = {}
     report["data"] = stages.run("data", lambda: _data(work, s))
     report["judges"] = stages.run("judges", lambda: _judges(work, s))

@@ -80,6 +80,7 @@ def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys):
         assert run["fid"] >= 0 and 0 <= run["accuracy"] <= 1 and run["steps_per_second_last_attempt"] > 0
         assert len(run["attention_rank_per_layer"]) == s.layers and 0 < run["attention_rank"] <= s.head_dim
     assert report["settings"]["seeds"] == s.seeds
+    assert report["seconds"] == pytest.approx(sum(run["seconds"] for run in report["runs"]), abs=0.1)
     table = (out / "table.md").read_text()
     assert table.count("| 64 |") == len(VARIANTS) and "within seed spread" in table
     assert (tmp_path / "docs" / "fid.png").stat().st_size > 1000
@@ -105,3 +106,6 @@ def test_killed_run_resumes_inside_the_run_bit_identically(tmp_path):
     assert seen == [("mhla-16tok-seed0", 4)]  # checkpoint every step in smoke: only step 4 was left
     for key in ("final_loss", "fid", "accuracy", "attention_rank_per_layer"):
         assert resumed[key] == plain[key], key
+    # the run's time adds up both attempts; its checkpoint folder is gone once it finished
+    assert len(resumed["attempt_seconds"]) == 2 and resumed["seconds"] == pytest.approx(sum(resumed["attempt_seconds"]))
+    assert not (tmp_path / "killed" / "runs" / "mhla-16tok-seed0").exists()

@@ -102,7 +102,8 @@ def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path, last
     import os
     import time
 
-    from mhla_diffusion.embedded.build import _Stages
+    from mhla_diffusion.embedded.build import _WATCHED
+    from mhla_diffusion.embedded.stages import Stages
 
     work = tmp_path / "work"
     (work / "stages").mkdir(parents=True)
@@ -113,7 +114,7 @@ def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path, last
     written.write_text("x")
     for path in [written, *written.relative_to(work).parents][:-1]:  # the file and the folders it made
         os.utime(work / path, (started + 60, started + 60))  # a minute into the attempt
-    result = _Stages(work, total=1).run("judges", lambda: {})
+    result = Stages(work, total=1, watched=_WATCHED).run("judges", lambda: {})
     assert result["attempt_seconds"][0] == pytest.approx(60, abs=0.5) and len(result["attempt_seconds"]) == 2
 
 
