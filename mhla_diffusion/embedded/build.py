@@ -27,6 +27,7 @@ The command line is :mod:`mhla_diffusion.cli.build_embedded`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import shutil
@@ -430,8 +431,16 @@ def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any], 
         figure.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(work / "side-by-side.png", figure)
     (output / "build_report.json").write_text(json.dumps(
-        {"settings": dataclasses.asdict(s), "stages": report, "sizes_mb": sizes}, indent=2))
+        {"settings": dataclasses.asdict(s), "stages": report, "sizes_mb": sizes, "weights_sha256": weight_hashes(output)},
+        indent=2))
     return {"output": str(output), "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2)}
+
+
+def weight_hashes(folder: Path) -> dict[str, str]:
+    """SHA-256 of every ``.safetensors`` file under ``folder``, by path relative to it (``/``-separated):
+    what ties committed models to the build report that made them."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*.safetensors"))}
 
 
 def _replace_tree(source: Path, target: Path) -> None:
