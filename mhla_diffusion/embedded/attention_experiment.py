@@ -153,7 +153,7 @@ def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Ten
 
     ran = [0]
 
-    def step_fn(step: int) -> float:
+    def loss_fn(step: int) -> torch.Tensor:
         ran[0] += 1
         torch.manual_seed(int(np.random.SeedSequence([seed, step, 7]).generate_state(1)[0]))  # label drops, dropout
         pick = torch.from_numpy(epoch_batch(step, s.batch_size, len(images), seed))
@@ -161,19 +161,13 @@ def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Ten
         noise = torch.randn_like(x0)
         t = torch.randint(0, scheduler.config.num_train_timesteps, (len(x0),))
         prediction = model(scheduler.add_noise(x0, noise, t), timestep=t, class_labels=y).sample
-        loss = F.mse_loss(prediction, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        return loss.item()
+        return F.mse_loss(prediction, noise)
 
     model.train()
     began = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # the per-step seeding stays inside the run
-        losses = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, step_fn,
-                          {"model": model, "optimizer": optimizer, "schedule": schedule}, progress)
+        losses = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, loss_fn, model,
+                          optimizer, schedule, progress, clip_norm=1.0)
     model.eval()
     return losses, time.perf_counter() - began, ran[0]
 

@@ -140,21 +140,15 @@ def _fit(vae, num_items: int, load: Callable[[np.ndarray, int], torch.Tensor], d
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * s / steps)))
 
-    def step_fn(step: int) -> float:
+    def loss_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = load(epoch_batch(step, batch_size, num_items, seed), step)
         posterior = vae.encode(x).latent_dist
         recon = decode(posterior.sample(generator=step_generator(seed, step, 1)))
         rec = _reconstruction_loss(recon, x, foreground_weight)
-        loss = rec + kl_weight * _kl(posterior)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        return rec.item()
+        return rec + kl_weight * _kl(posterior), rec
 
     vae.train()
-    losses = run_loop(name, steps, step_fn, {"model": vae, "optimizer": optimizer, "schedule": schedule}, progress)
+    losses = run_loop(name, steps, loss_fn, vae, optimizer, schedule, progress, clip_norm=1.0)
     vae.eval()
     return losses
 

@@ -20,14 +20,6 @@ def fit_judge(judge: nn.Module, steps: int, lr: float, batch_loss: Callable[[int
     optimizer = torch.optim.AdamW(judge.parameters(), lr=lr, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * s / steps)))
 
-    def step_fn(step: int) -> float:
-        loss = batch_loss(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        return loss.item()
-
     judge.train()
-    run_loop(name, steps, step_fn, {"model": judge, "optimizer": optimizer, "schedule": schedule}, progress)
+    run_loop(name, steps, batch_loss, judge, optimizer, schedule, progress)
     return judge.eval()

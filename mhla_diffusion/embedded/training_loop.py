@@ -1,7 +1,8 @@
-"""The plain training loop the judges and the VAEs share: a progress bar, and a checkpoint every few
-steps from which a killed run continues where it stopped (the build's in-stage resume).
+"""The plain training loop of the judges, the VAEs and ``mhla reproduce``: the optimizer step, a progress
+bar, and a checkpoint every few steps from which a killed run continues where it stopped (the build's
+in-stage resume).
 
-The loop owns no randomness: ``step_fn(step)`` must draw everything it needs from generators seeded by
+The loop owns no randomness: ``loss_fn(step)`` must draw everything it needs from generators seeded by
 ``step`` (see :func:`step_generator`, :func:`epoch_batch`), so that model, optimizer and scheduler
 states are all a checkpoint needs, and a resumed run equals an uninterrupted one bit for bit.
 """
@@ -59,14 +60,18 @@ def _save(path: Path, state: dict[str, Any]) -> None:
     os.replace(partial, path)  # a kill while writing leaves the previous checkpoint intact
 
 
-def run_loop(name: str, steps: int, step_fn: Callable[[int], float], stateful: dict[str, Any],
-             progress: LoopProgress | None = None) -> list[float]:
-    """Run ``step_fn(step)`` (one optimizer step, returns its loss) for ``step`` in ``0 .. steps - 1``.
+def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+             model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
+             progress: LoopProgress | None = None, clip_norm: float | None = None) -> list[float]:
+    """Minimise ``loss_fn(step)`` for ``step`` in ``0 .. steps - 1``: one optimizer step each (gradients
+    clipped to ``clip_norm`` when given), then one ``schedule`` step.
 
-    ``stateful`` maps names to the objects with ``state_dict`` / ``load_state_dict`` (model, optimizer,
-    scheduler) that make up the loop's state. Returns the loss of every step (restored ones included).
+    ``loss_fn`` returns the loss to minimise, or ``(loss, reported)`` to record another quantity (the VAE's
+    reconstruction term, say). Model, optimizer and schedule make up the loop's state (its checkpoint).
+    Returns the recorded value of every step (restored ones included).
     """
     progress = progress or LoopProgress()
+    stateful = {"model": model, "optimizer": optimizer, "schedule": schedule}
     losses: list[float] = []
     start = 0
     if progress.checkpoint is not None and progress.checkpoint.is_file():
@@ -79,7 +84,15 @@ def run_loop(name: str, steps: int, step_fn: Callable[[int], float], stateful: d
         start, losses = state["step"], list(state["losses"])
     bar = tqdm(total=steps, initial=start, desc=name, unit="step", disable=not progress.show, dynamic_ncols=True)
     for step in range(start, steps):
-        losses.append(float(step_fn(step)))
+        loss = loss_fn(step)
+        loss, reported = loss if isinstance(loss, tuple) else (loss, loss)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(reported.item()))
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", refresh=False)
         done = step + 1

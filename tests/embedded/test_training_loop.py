@@ -38,16 +38,11 @@ def _linear_run(tmp_path, progress):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
 
-    def step_fn(step: int) -> float:
+    def loss_fn(step: int) -> torch.Tensor:
         x = torch.randn(8, 3, generator=step_generator(1, step))
-        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        return loss.item()
+        return (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
 
-    losses = run_loop("linear", 7, step_fn, {"model": model, "optimizer": optimizer, "schedule": schedule}, progress)
+    losses = run_loop("linear", 7, loss_fn, model, optimizer, schedule, progress)
     return model, losses
 
 
@@ -69,8 +64,10 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     checkpoint = tmp_path / "loop.pt"
     _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
     model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     with pytest.raises(ValueError, match="another linear run"):
-        run_loop("linear", 9, lambda step: 0.0, {"model": model}, LoopProgress(checkpoint))
+        run_loop("linear", 9, lambda step: model.weight.sum(), model, optimizer, schedule, LoopProgress(checkpoint))
 
 
 def test_video_vae_and_judge_resume_bit_identically(tmp_path):
