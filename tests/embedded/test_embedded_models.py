@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
@@ -50,6 +51,12 @@ def test_committed_build_met_its_targets():
     assert digits_mhla["fid"] <= 1.15 * digits_teacher["fid"]
     stage_seconds = sum(v["seconds"] for v in report["stages"].values() if "seconds" in v)
     assert stage_seconds <= 120 * 60
+
+
+def test_readme_table_is_the_committed_builds():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = [line for line in (EMBEDDED_ROOT / "reproduction.md").read_text().splitlines() if line.startswith("| ")]
+    assert rows and [row for row in rows if row not in readme] == []
 
 
 @pytest.mark.parametrize("attention", ["mhla", "softmax"])
