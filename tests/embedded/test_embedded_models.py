@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -22,35 +21,6 @@ def test_committed_files_stay_small():
     files = [p for p in EMBEDDED_ROOT.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= 40 * 2**20
     assert not [p for p in files if p.suffix in (".pt", ".bin", ".pkl")]  # safetensors and JSON only
-
-
-def _report() -> dict:
-    return json.loads((EMBEDDED_ROOT / "build_report.json").read_text())
-
-
-def test_committed_models_are_what_the_committed_build_made():
-    from mhla_diffusion.embedded.build import BuildSettings, weight_hashes
-
-    report = _report()
-    assert report["weights_sha256"] == weight_hashes(EMBEDDED_ROOT)  # every weight file, byte for byte
-    assert report["settings"] == dataclasses.asdict(BuildSettings())  # made with the code's default settings
-
-
-def test_committed_build_met_its_targets():
-    """The targets of the embedded models (README): what the build's own evaluation measured."""
-    report = _report()
-    rows = {(r["task"], r["model"]): r for r in report["stages"]["evaluate"]["rows"]}
-    through_vae = rows["text-to-video", "real clips through the VAE"]
-    assert min(through_vae[f"acc_{a}"] for a in ("shape", "colour", "direction")) >= 0.95
-    teacher, mhla = rows["text-to-video", "softmax teacher"], rows["text-to-video", "MHLA (all layers)"]
-    assert teacher["samples"] >= 96 and min(teacher[f"acc_{a}"] for a in ("shape", "colour", "direction")) >= 0.90
-    assert teacher["acc_all"] >= 0.80 and mhla["acc_all"] >= teacher["acc_all"] - 0.05
-    assert mhla["fid"] <= 1.15 * teacher["fid"]
-    digits_teacher, digits_mhla = rows["class-to-image", "softmax teacher"], rows["class-to-image", "MHLA (all layers)"]
-    assert digits_teacher["acc_digit"] >= 0.98 and digits_mhla["acc_digit"] >= digits_teacher["acc_digit"] - 0.05
-    assert digits_mhla["fid"] <= 1.15 * digits_teacher["fid"]
-    stage_seconds = sum(v["seconds"] for v in report["stages"].values() if "seconds" in v)
-    assert stage_seconds <= 120 * 60
 
 
 def test_readme_table_is_the_committed_builds():
