@@ -98,10 +98,11 @@ def load_vae(vae_model: str, dtype: torch.dtype | None = None) -> nn.Module:
 
 
 def new_dit_transformer(
-    config: dict[str, Any], seed: int, mhla: MHLAConfig | None = None, share: bool = True
+    config: dict[str, Any], seed: int, mhla: MHLAConfig | None = None, share: bool = True, dit_init: bool = True
 ) -> nn.Module:
-    """A ``DiTTransformer2DModel`` of ``config`` with DiT's initialisation, converted to MHLA with
-    ``mhla`` (``None``: softmax attention); deterministic given ``seed``, global RNG untouched."""
+    """A ``DiTTransformer2DModel`` of ``config`` with DiT's initialisation (``dit_init=False``: torch's
+    default initialisation of its layers), converted to MHLA with ``mhla`` (``None``: softmax
+    attention); deterministic given ``seed``, global RNG untouched."""
     from diffusers import DiTTransformer2DModel
 
     known = set(inspect.signature(DiTTransformer2DModel.__init__).parameters) - {"self"}
@@ -118,7 +119,8 @@ def new_dit_transformer(
             share_embedder(transformer)
         if mhla is not None:
             convert_to_mhla(transformer, mhla)
-    initialize_dit_weights(transformer, torch.Generator().manual_seed(seed))
+    if dit_init:
+        initialize_dit_weights(transformer, torch.Generator().manual_seed(seed))
     return transformer
 
 
