@@ -2,11 +2,12 @@
 token counts and seeds, scored by the embedded judges: does global linear attention fall behind softmax,
 at which token count, and does MHLA close the gap?
 
-Setting: class-to-image on the scikit-learn digits, in pixel space (no VAE between the model and the
-judge), a ``DiTTransformer2DModel`` with torch's default initialisation (:func:`_new_model` says why not DiT's).
-The token count is set by the image size and patch: 16x16 tokens = 32 px with patch 2, 32x32 = 32 px with
-patch 1, 64x64 = 64 px with patch 1 (the judge scores samples at 32 px). Every variant of one
-(token count, seed) sees the same batches, noise and timesteps, and the same sampling seeds.
+Setting: class-to-image on the scikit-learn digits in the latent space of the embedded digits VAE
+(``AutoencoderKL``, 2x compression, 4 channels), a ``DiTTransformer2DModel`` with patch 1 and torch's default
+initialisation (:func:`_new_model` says why not DiT's). The token count is set by the image size: 256 tokens
+= 32 px digits (16x16 latents), 1,024 = 64 px (32x32), 4,096 = 128 px (64x64); the judge scores samples
+resized to 32 px. (Pixel space was tried first: at 1,200 steps its samples were not digits.) Every variant of
+one (token count, seed) sees the same batches, noise and timesteps, and the same sampling seeds.
 
 Attention variants (:data:`VARIANTS`): softmax; global linear attention (MHLA with one block: the same
 feature map, so only the blocks differ); MHLA with the paper's formula; MHLA with LePE and the output gate
@@ -16,7 +17,7 @@ MHLA variant uses the same square layout with ``M <= sqrt(N)`` (:func:`mhla_layo
 Each run records the training steps per second, judge accuracy, judge FID / precision / recall against
 the held-out digits, seconds per sample, and per layer the effective rank of each head's attention output
 (``exp`` of the entropy of its normalised singular values; at most the head dimension) over a fixed batch
-of noised training images: the quantity the paper's expressivity argument is about. Runs are resumable
+of noised training latents: the quantity the paper's expressivity argument is about. Runs are resumable
 inside (checkpoints every ``checkpoint_every`` steps) and skipped once finished; each run's ``seconds`` add up
 all its attempts (:class:`~mhla_diffusion.embedded.stages.Stages`).
 """
@@ -42,7 +43,7 @@ from ..config import MHLAConfig
 from .image_judge import images_to_tensor, tensor_to_uint8
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_digits
 from .judge_io import load_judge
-from .locations import embedded_judge
+from .locations import embedded_judge, embedded_model
 from .reproduction import score_digits
 from .stages import Stages
 from .training_loop import LoopProgress, epoch_batch, run_loop
@@ -71,6 +72,7 @@ VARIANTS: dict[str, Callable[[int], MHLAConfig | None]] = {
     "mhla-released-dit": lambda side: MHLAConfig.released_dit(layout=mhla_layout(side)),
 }
 EVAL_SEED, RANK_SEED = 10_000, 20_000
+VAE_FACTOR, LATENT_CHANNELS = 2, 4  # the embedded digits VAE: 2x spatial compression, 4 channels
 RANK_TIMESTEP = 500
 
 
@@ -114,15 +116,12 @@ class ExperimentSettings:
 
 
 def geometry_for(tokens: int) -> tuple[int, int]:
-    """Token count -> (image size, patch): a square grid of ``tokens`` on 32 px digits, or on larger
-    digits when the grid is finer than 32x32."""
+    """Token count -> (image size, latent side): a ``side`` x ``side`` latent grid with patch 1 is ``tokens``
+    tokens, from ``2 * side`` px digits (the VAE compresses 2x)."""
     side = math.isqrt(tokens)
-    if side * side != tokens or side < 2:
-        raise ValueError(f"token count {tokens} is not a square of at least 2x2 (256, 1024, 4096, ...)")
-    size = max(DIGIT_SIZE, side)
-    if size % side:
-        raise ValueError(f"a {side}x{side} token grid does not divide {size} px digits; choose a power of two")
-    return size, size // side
+    if side * side != tokens or side < 4:
+        raise ValueError(f"token count {tokens} is not a square of at least 4x4 (256, 1024, 4096, ...)")
+    return VAE_FACTOR * side, side
 
 
 # ---------------------------------------------------------------------------- one run
@@ -131,10 +130,10 @@ def geometry_for(tokens: int) -> tuple[int, int]:
 def _new_model(s: ExperimentSettings, variant: str, tokens: int, seed: int):
     from ..finetune.dit_scratch import new_dit_transformer
 
-    size, patch = geometry_for(tokens)
-    side = size // patch
-    config = dict(num_layers=s.layers, num_attention_heads=s.heads, attention_head_dim=s.head_dim, in_channels=3,
-                  out_channels=3, sample_size=size, patch_size=patch, num_embeds_ada_norm=NUM_DIGIT_CLASSES,
+    _, side = geometry_for(tokens)
+    config = dict(num_layers=s.layers, num_attention_heads=s.heads, attention_head_dim=s.head_dim,
+                  in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, sample_size=side, patch_size=1,
+                  num_embeds_ada_norm=NUM_DIGIT_CLASSES,
                   norm_type="ada_norm_zero")
     # torch's default initialisation, not DiT's: at this budget DiT's zero-initialised adaLN gates and
     # 0.02-std embeddings leave the model unconditioned (latent digits, 1,200 steps: 10.5 % of samples
@@ -176,9 +175,10 @@ def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Ten
 
 
 @torch.no_grad()
-def _sample(model, s: ExperimentSettings, labels: np.ndarray, size: int) -> tuple[np.ndarray, list[float]]:
-    """DDIM (``sample_steps``) with classifier-free guidance; sample ``i`` from seed ``EVAL_SEED + i``.
-    Returns uint8 ``(n, size, size, 3)`` and the seconds per sample of each batch."""
+def _sample(model, vae, s: ExperimentSettings, labels: np.ndarray, side: int) -> tuple[np.ndarray, list[float]]:
+    """DDIM (``sample_steps``) with classifier-free guidance on ``side`` x ``side`` latents, decoded by ``vae``;
+    sample ``i`` from seed ``EVAL_SEED + i``. Returns uint8 images ``(n, 2 side, 2 side, 3)`` and the seconds
+    per sample of each batch (decoding included)."""
     from ..finetune.dit_scratch import dit_scheduler
 
     scheduler = dit_scheduler()
@@ -187,15 +187,16 @@ def _sample(model, s: ExperimentSettings, labels: np.ndarray, size: int) -> tupl
     for start in range(0, len(labels), s.eval_batch_size):
         y = torch.as_tensor(labels[start: start + s.eval_batch_size], dtype=torch.int64)
         began = time.perf_counter()
-        x = torch.stack([torch.randn(3, size, size, generator=torch.Generator().manual_seed(EVAL_SEED + start + i))
+        x = torch.stack([torch.randn(LATENT_CHANNELS, side, side, generator=torch.Generator().manual_seed(EVAL_SEED + start + i))
                          for i in range(len(y))])
         both = torch.cat([y, torch.full_like(y, NUM_DIGIT_CLASSES)])  # the null class drops the label
         for t in scheduler.timesteps:
             eps = model(torch.cat([x, x]), timestep=t.expand(2 * len(y)), class_labels=both).sample
             cond, uncond = eps.chunk(2)
             x = scheduler.step(uncond + s.guidance_scale * (cond - uncond), t, x).prev_sample
+        images = vae.decode(x / vae.config.scaling_factor).sample
         per_sample.append((time.perf_counter() - began) / len(y))
-        out.append(tensor_to_uint8(x))
+        out.append(tensor_to_uint8(images))
     return np.concatenate(out), per_sample
 
 
@@ -239,21 +240,20 @@ def _run(folder: Path, s: ExperimentSettings, variant: str, tokens: int, steps: 
          judge, on_step: Callable[[str, int], None] | None) -> dict[str, Any]:
     """Train (resuming from ``folder/checkpoint.pt``), sample, score and measure one run."""
     name = folder.name
-    size, patch = geometry_for(tokens)
-    images, labels = data[size]
+    size, side = geometry_for(tokens)
+    latents, labels = data[size]
     model = _new_model(s, variant, tokens, seed)
     progress = LoopProgress(folder / "checkpoint.pt", every=s.checkpoint_every, show=True,
                             on_step=None if on_step is None else (lambda step: on_step(name, step)))
-    losses, train_seconds, ran = _train(model, s, images, labels, steps, seed, progress)
+    losses, train_seconds, ran = _train(model, s, latents, labels, steps, seed, progress)
     eval_labels = np.arange(s.eval_samples) % NUM_DIGIT_CLASSES
-    samples, times = _sample(model, s, eval_labels, size)
-    if size != DIGIT_SIZE:  # the judge reads 32 px: average-pool the larger samples
-        samples = tensor_to_uint8(F.avg_pool2d(images_to_tensor(samples), size // DIGIT_SIZE))
-    accuracy, metrics = score_digits(samples, eval_labels, data["reference"], judge)
-    rank_pick = torch.arange(s.rank_batch) * (len(images) // max(1, s.rank_batch))
-    ranks = attention_ranks(model, images[rank_pick], labels[rank_pick], s.heads)
+    samples, times = _sample(model, data["vae"], s, eval_labels, side)
+    accuracy, metrics = score_digits(_to_judge_size(samples), eval_labels, data["reference"], judge)
+    rank_pick = torch.arange(s.rank_batch) * (len(latents) // max(1, s.rank_batch))
+    ranks = attention_ranks(model, latents[rank_pick], labels[rank_pick], s.heads)
     result = {
-        "variant": variant, "tokens": tokens, "seed": seed, "image_size": size, "patch": patch, "steps": steps,
+        "variant": variant, "tokens": tokens, "seed": seed, "image_size": size, "latent": [LATENT_CHANNELS, side, side],
+        "steps": steps,
         "parameters": int(sum(p.numel() for p in model.parameters())),
         "final_loss": float(np.mean(losses[-50:])), "train_seconds_last_attempt": round(train_seconds, 1),
         "steps_per_second_last_attempt": round(ran / max(train_seconds, 1e-9), 3),
@@ -263,6 +263,24 @@ def _run(folder: Path, s: ExperimentSettings, variant: str, tokens: int, steps: 
         "mhla": None if variant == "softmax" else _mhla_of(model),
     }
     return result
+
+
+def _to_judge_size(images: np.ndarray) -> np.ndarray:
+    """uint8 images -> 32 px (the judge's size): average-pooled when larger, bilinear when smaller."""
+    size = images.shape[1]
+    if size == DIGIT_SIZE:
+        return images
+    x = images_to_tensor(images)
+    x = F.avg_pool2d(x, size // DIGIT_SIZE) if size > DIGIT_SIZE else F.interpolate(x, size=DIGIT_SIZE, mode="bilinear")
+    return tensor_to_uint8(x)
+
+
+@torch.no_grad()
+def encode_digits(vae, images: np.ndarray, batch_size: int = 256) -> torch.Tensor:
+    """uint8 digits ``(n, H, W, 3)`` -> scaled VAE latents ``(n, 4, H / 2, W / 2)`` (the posterior means)."""
+    parts = [vae.encode(images_to_tensor(images[i:i + batch_size])).latent_dist.mean
+             for i in range(0, len(images), batch_size)]
+    return torch.cat(parts) * vae.config.scaling_factor
 
 
 def _mhla_of(model) -> dict[str, Any]:
@@ -293,14 +311,17 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
         raise ValueError(f"{out} holds an experiment with other settings ({settings_file}); use another --output "
                          "or delete that folder")
     settings_file.write_text(json.dumps(wanted, indent=2))
+    from diffusers import AutoencoderKL
+
     judge = load_judge(embedded_judge("image"))
+    vae = AutoencoderKL.from_pretrained(embedded_model("class-to-image", "softmax"), subfolder="vae").eval()
     split = split_digits(seed=s.split_seed)
-    data: dict[Any, Any] = {"reference": split.test_images}
+    data: dict[Any, Any] = {"reference": split.test_images, "vae": vae}
     for tokens in s.token_counts:
         size, _ = geometry_for(tokens)
         if size not in data:
             images = split.train_images if size == DIGIT_SIZE else load_digits_images(size)[0][split.train_indices]
-            data[size] = (images_to_tensor(images), torch.from_numpy(split.train_labels))
+            data[size] = (encode_digits(vae, images), torch.from_numpy(split.train_labels))
     runs = []
     stages = Stages(out, total=len(s.token_counts) * len(s.seeds) * len(s.variants), watched=("runs",), noun="run")
     for tokens, steps in zip(s.token_counts, s.steps):

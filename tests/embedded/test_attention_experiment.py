@@ -26,8 +26,8 @@ def test_effective_rank_counts_equal_directions():
     assert effective_rank(torch.zeros(3, 3)) == 0.0
 
 
-def test_token_counts_map_to_image_size_and_patch():
-    assert [geometry_for(t) for t in (256, 1024, 4096)] == [(32, 2), (32, 1), (64, 1)]
+def test_token_counts_map_to_image_size_and_latent_grid():
+    assert [geometry_for(t) for t in (256, 1024, 4096)] == [(32, 16), (64, 32), (128, 64)]
     assert [mhla_layout(side) for side in (4, 8, 16, 32, 64)] == [(2, 2), (2, 2), (4, 4), (4, 4), (8, 8)]
     with pytest.raises(ValueError, match="not a square"):
         geometry_for(1000)
