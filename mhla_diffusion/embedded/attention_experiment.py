@@ -46,7 +46,7 @@ from .judge_io import load_judge
 from .locations import embedded_judge, embedded_model
 from .reproduction import score_digits
 from .stages import Stages
-from .training_loop import LoopProgress, epoch_batch, run_loop
+from .training_loop import LoopLog, LoopProgress, epoch_batch, run_loop
 
 __all__ = ["ExperimentSettings", "VARIANTS", "effective_rank", "geometry_for", "mhla_layout", "run_experiment",
            "summarise"]
@@ -142,21 +142,18 @@ def _new_model(s: ExperimentSettings, variant: str, tokens: int, seed: int):
 
 
 def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Tensor, steps: int, seed: int,
-           progress: LoopProgress) -> tuple[list[float], float, int]:
+           progress: LoopProgress) -> LoopLog:
     """DDPM epsilon-prediction (DiT's linear schedule, 1000 steps), AdamW with warm-up; class labels are
     dropped 10 % of the time by the model itself (classifier-free guidance). Every draw (batch, noise,
-    timesteps, label drops, dropout) depends on ``(seed, step)`` only. Returns the losses, the seconds
-    of this attempt and the steps it ran."""
+    timesteps, label drops, dropout) depends on ``(seed, step)`` only. Returns the losses and the training
+    seconds of the steps that count, over every attempt."""
     from ..finetune.dit_scratch import dit_scheduler
 
     scheduler = dit_scheduler()
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / max(1, s.warmup_steps)))
 
-    ran = [0]
-
     def loss_fn(step: int) -> torch.Tensor:
-        ran[0] += 1
         torch.manual_seed(int(np.random.SeedSequence([seed, step, 7]).generate_state(1)[0]))  # label drops, dropout
         pick = torch.from_numpy(epoch_batch(step, s.batch_size, len(images), seed))
         x0, y = images[pick], labels[pick]
@@ -166,12 +163,11 @@ def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Ten
         return F.mse_loss(prediction, noise)
 
     model.train()
-    began = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # the per-step seeding stays inside the run
-        losses = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, loss_fn, model,
+        log = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, loss_fn, model,
                           optimizer, schedule, progress, clip_norm=1.0)
     model.eval()
-    return losses, time.perf_counter() - began, ran[0]
+    return log
 
 
 @torch.no_grad()
@@ -245,7 +241,7 @@ def _run(folder: Path, s: ExperimentSettings, variant: str, tokens: int, steps: 
     model = _new_model(s, variant, tokens, seed)
     progress = LoopProgress(folder / "checkpoint.pt", every=s.checkpoint_every, show=True,
                             on_step=None if on_step is None else (lambda step: on_step(name, step)))
-    losses, train_seconds, ran = _train(model, s, latents, labels, steps, seed, progress)
+    log = _train(model, s, latents, labels, steps, seed, progress)
     eval_labels = np.arange(s.eval_samples) % NUM_DIGIT_CLASSES
     samples, times = _sample(model, data["vae"], s, eval_labels, side)
     accuracy, metrics = score_digits(_to_judge_size(samples), eval_labels, data["reference"], judge)
@@ -255,8 +251,8 @@ def _run(folder: Path, s: ExperimentSettings, variant: str, tokens: int, steps: 
         "variant": variant, "tokens": tokens, "seed": seed, "image_size": size, "latent": [LATENT_CHANNELS, side, side],
         "steps": steps,
         "parameters": int(sum(p.numel() for p in model.parameters())),
-        "final_loss": float(np.mean(losses[-50:])), "train_seconds_last_attempt": round(train_seconds, 1),
-        "steps_per_second_last_attempt": round(ran / max(train_seconds, 1e-9), 3),
+        "final_loss": float(np.mean(log.losses[-50:])), "train_seconds": round(log.seconds, 1),
+        "steps_per_second": round(steps / max(log.seconds, 1e-9), 3),
         "accuracy": accuracy["digit"], "fid": metrics["fid"], "precision": metrics.get("precision"),
         "recall": metrics.get("recall"), "seconds_per_sample": statistics.median(times),
         "attention_rank_per_layer": ranks, "attention_rank": float(np.mean(ranks)),
@@ -342,7 +338,7 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
     return report
 
 
-_MEASURES = ("fid", "accuracy", "precision", "recall", "attention_rank", "steps_per_second_last_attempt",
+_MEASURES = ("fid", "accuracy", "precision", "recall", "attention_rank", "steps_per_second",
              "seconds_per_sample")
 
 
@@ -393,7 +389,7 @@ def table_markdown(summary: list[dict[str, Any]], s: ExperimentSettings) -> str:
                                                 " (within seed spread)"))
         cells = [str(row["tokens"]), row["variant"], _cell(row["fid"]), verdict, _cell(row["accuracy"], 100),
                  _cell(row["precision"], 100), _cell(row["recall"], 100), _cell(row["attention_rank"]),
-                 _cell(row["steps_per_second_last_attempt"], digits=2), _cell(row["seconds_per_sample"], 1000, 0)]
+                 _cell(row["steps_per_second"], digits=2), _cell(row["seconds_per_sample"], 1000, 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -148,7 +148,7 @@ def _fit(vae, num_items: int, load: Callable[[np.ndarray, int], torch.Tensor], d
         return rec + kl_weight * _kl(posterior), rec
 
     vae.train()
-    losses = run_loop(name, steps, loss_fn, vae, optimizer, schedule, progress, clip_norm=1.0)
+    losses = run_loop(name, steps, loss_fn, vae, optimizer, schedule, progress, clip_norm=1.0).losses
     vae.eval()
     return losses
 

@@ -10,6 +10,7 @@ states are all a checkpoint needs, and a resumed run equals an uninterrupted one
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["LoopProgress", "epoch_batch", "run_loop", "step_generator"]
+__all__ = ["LoopLog", "LoopProgress", "epoch_batch", "run_loop", "step_generator"]
 
 
 @dataclass
@@ -34,6 +35,15 @@ class LoopProgress:
     every: int = 50
     show: bool = False
     on_step: Callable[[int], None] | None = None
+
+
+@dataclass
+class LoopLog:
+    """What a loop measured: the recorded value of every step, and the seconds spent on the steps that
+    count (over every attempt; the steps a killed attempt ran after its last checkpoint are not included)."""
+
+    losses: list[float]
+    seconds: float
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -62,18 +72,18 @@ def _save(path: Path, state: dict[str, Any]) -> None:
 
 def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
              model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-             progress: LoopProgress | None = None, clip_norm: float | None = None) -> list[float]:
+             progress: LoopProgress | None = None, clip_norm: float | None = None) -> LoopLog:
     """Minimise ``loss_fn(step)`` for ``step`` in ``0 .. steps - 1``: one optimizer step each (gradients
     clipped to ``clip_norm`` when given), then one ``schedule`` step.
 
     ``loss_fn`` returns the loss to minimise, or ``(loss, reported)`` to record another quantity (the VAE's
     reconstruction term, say). Model, optimizer and schedule make up the loop's state (its checkpoint).
-    Returns the recorded value of every step (restored ones included).
+    Returns the recorded value of every step (restored ones included) and the training seconds (:class:`LoopLog`).
     """
     progress = progress or LoopProgress()
     stateful = {"model": model, "optimizer": optimizer, "schedule": schedule}
     losses: list[float] = []
-    start = 0
+    start, seconds = 0, 0.0
     if progress.checkpoint is not None and progress.checkpoint.is_file():
         state = torch.load(progress.checkpoint, map_location="cpu", weights_only=False)
         if state["steps"] != steps or sorted(state["objects"]) != sorted(stateful):
@@ -81,9 +91,10 @@ def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tupl
                              f"{sorted(state['objects'])}); delete it to start this one afresh")
         for key, obj in stateful.items():
             obj.load_state_dict(state["objects"][key])
-        start, losses = state["step"], list(state["losses"])
+        start, losses, seconds = state["step"], list(state["losses"]), state["seconds"]
     bar = tqdm(total=steps, initial=start, desc=name, unit="step", disable=not progress.show, dynamic_ncols=True)
     for step in range(start, steps):
+        began = time.perf_counter()
         loss = loss_fn(step)
         loss, reported = loss if isinstance(loss, tuple) else (loss, loss)
         optimizer.zero_grad(set_to_none=True)
@@ -93,13 +104,14 @@ def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tupl
         optimizer.step()
         schedule.step()
         losses.append(float(reported.item()))
+        seconds += time.perf_counter() - began
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", refresh=False)
         done = step + 1
         if progress.checkpoint is not None and (done % progress.every == 0 or done == steps):
-            _save(progress.checkpoint, {"step": done, "steps": steps, "losses": losses,
+            _save(progress.checkpoint, {"step": done, "steps": steps, "losses": losses, "seconds": seconds,
                                         "objects": {key: obj.state_dict() for key, obj in stateful.items()}})
         if progress.on_step is not None:
             progress.on_step(done)
     bar.close()
-    return losses
+    return LoopLog(losses, seconds)

@@ -42,8 +42,9 @@ def _linear_run(tmp_path, progress):
         x = torch.randn(8, 3, generator=step_generator(1, step))
         return (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
 
-    losses = run_loop("linear", 7, loss_fn, model, optimizer, schedule, progress)
-    return model, losses
+    log = run_loop("linear", 7, loss_fn, model, optimizer, schedule, progress)
+    assert log.seconds > 0
+    return model, log.losses
 
 
 def test_killed_loop_resumes_from_its_checkpoint_bit_identically(tmp_path):
@@ -51,7 +52,8 @@ def test_killed_loop_resumes_from_its_checkpoint_bit_identically(tmp_path):
     checkpoint = tmp_path / "loop.pt"
     with pytest.raises(_Stop):
         _linear_run(tmp_path, LoopProgress(checkpoint, every=2, on_step=_stop_at(5)))
-    assert torch.load(checkpoint, weights_only=False)["step"] == 4  # the last checkpoint before the kill
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["step"] == 4 and saved["seconds"] > 0  # the last checkpoint before the kill, and its steps' time
     seen = []
     resumed, losses = _linear_run(tmp_path, LoopProgress(checkpoint, every=2, on_step=seen.append))
     assert seen == [5, 6, 7]  # continued inside the run, not from its start
