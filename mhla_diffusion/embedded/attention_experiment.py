@@ -165,7 +165,7 @@ def _train(model, s: ExperimentSettings, images: torch.Tensor, labels: torch.Ten
     model.train()
     with torch.random.fork_rng(devices=[]):  # the per-step seeding stays inside the run
         log = run_loop(progress.checkpoint.parent.name if progress.checkpoint else "run", steps, loss_fn, model,
-                          optimizer, schedule, progress, clip_norm=1.0)
+                       optimizer, schedule, progress, clip_norm=1.0)
     model.eval()
     return log
 

@@ -35,9 +35,6 @@ class Stages:
                 latest = max(latest, path.stat().st_mtime)
         return latest
 
-    def done(self, name: str) -> bool:
-        return (self.work / "stages" / f"{name}.json").is_file()
-
     def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``fn()`` once: its result with ``seconds`` and ``attempt_seconds`` added, or the stored result
         of a finished step."""

@@ -86,6 +86,9 @@ def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tupl
     start, seconds = 0, 0.0
     if progress.checkpoint is not None and progress.checkpoint.is_file():
         state = torch.load(progress.checkpoint, map_location="cpu", weights_only=False)
+        if "seconds" not in state:
+            raise ValueError(f"{progress.checkpoint} was written by an older version of this loop (no training time); "
+                             f"delete it to start this {name} run afresh")
         if state["steps"] != steps or sorted(state["objects"]) != sorted(stateful):
             raise ValueError(f"{progress.checkpoint} belongs to another {name} run ({state['steps']} steps, parts "
                              f"{sorted(state['objects'])}); delete it to start this one afresh")

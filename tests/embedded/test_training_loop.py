@@ -72,6 +72,16 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
         run_loop("linear", 9, lambda step: model.weight.sum(), model, optimizer, schedule, LoopProgress(checkpoint))
 
 
+def test_checkpoint_without_training_time_is_refused(tmp_path):
+    checkpoint = tmp_path / "loop.pt"
+    _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
+    state = torch.load(checkpoint, weights_only=False)
+    del state["seconds"]  # as the loop wrote it before it kept its training time
+    torch.save(state, checkpoint)
+    with pytest.raises(ValueError, match="older version"):
+        _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
+
+
 def test_video_vae_and_judge_resume_bit_identically(tmp_path):
     clips, _, _ = generate_clips(3, seed=3)
     clips = np.ascontiguousarray(clips[:, :5, ::2, ::2])
