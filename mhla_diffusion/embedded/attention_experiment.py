@@ -43,7 +43,7 @@ from ..config import MHLAConfig
 from .image_judge import images_to_tensor, tensor_to_uint8
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_digits
 from .judge_io import load_judge
-from .locations import embedded_judge, embedded_model
+from .locations import embedded_judge, embedded_model, weight_hashes
 from .reproduction import score_digits
 from .stages import Stages
 from .training_loop import LoopLog, LoopProgress, epoch_batch, run_loop
@@ -301,16 +301,19 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
     s.check()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    vae_folder, judge_folder = embedded_model("class-to-image", "softmax") / "vae", embedded_judge("image")
+    # the runs depend on the VAE and the judge too: a rebuild of the embedded models must not reuse old runs
+    inputs = {"vae": weight_hashes(vae_folder), "judge": weight_hashes(judge_folder)}
     settings_file = out / "settings.json"
-    wanted = {k: v for k, v in dataclasses.asdict(s).items() if k != "checkpoint_every"}
+    wanted = {k: v for k, v in dataclasses.asdict(s).items() if k != "checkpoint_every"} | {"inputs_sha256": inputs}
     if settings_file.is_file() and json.loads(settings_file.read_text()) != wanted:
-        raise ValueError(f"{out} holds an experiment with other settings ({settings_file}); use another --output "
-                         "or delete that folder")
+        raise ValueError(f"{out} holds an experiment with other settings or another VAE or judge ({settings_file}); "
+                         "use another --output or delete that folder")
     settings_file.write_text(json.dumps(wanted, indent=2))
     from diffusers import AutoencoderKL
 
-    judge = load_judge(embedded_judge("image"))
-    vae = AutoencoderKL.from_pretrained(embedded_model("class-to-image", "softmax"), subfolder="vae").eval()
+    judge = load_judge(judge_folder)
+    vae = AutoencoderKL.from_pretrained(vae_folder).eval()
     split = split_digits(seed=s.split_seed)
     data: dict[Any, Any] = {"reference": split.test_images, "vae": vae}
     for tokens in s.token_counts:
@@ -327,7 +330,7 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
                 runs.append(stages.run(folder.name, lambda: _run(folder, s, variant, tokens, steps, seed, data, judge,
                                                                  on_step)))
                 shutil.rmtree(folder, ignore_errors=True)  # its checkpoint; the result is in stages/
-    report = {"settings": dataclasses.asdict(s), "runs": runs, "summary": summarise(runs),
+    report = {"settings": dataclasses.asdict(s), "inputs_sha256": inputs, "runs": runs, "summary": summarise(runs),
               "seconds": round(sum(r["seconds"] for r in runs), 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "table.md").write_text(table_markdown(report["summary"], s))

@@ -27,7 +27,6 @@ The command line is :mod:`mhla_diffusion.cli.build_embedded`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .locations import embedded_defaults
+from .locations import embedded_defaults, weight_hashes
 from .autoencoders import (psnr, reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
                            train_video_vae)
 from .digits import DIGIT_SIZE, split_digits, write_digits_folder
@@ -434,13 +433,6 @@ def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any], 
         {"settings": dataclasses.asdict(s), "stages": report, "sizes_mb": sizes, "weights_sha256": weight_hashes(output)},
         indent=2))
     return {"output": str(output), "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2)}
-
-
-def weight_hashes(folder: Path) -> dict[str, str]:
-    """SHA-256 of every ``.safetensors`` file under ``folder``, by path relative to it (``/``-separated):
-    what ties committed models to the build report that made them."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*.safetensors"))}
 
 
 def _replace_tree(source: Path, target: Path) -> None:

@@ -14,11 +14,13 @@ They are toy models that show the system working end to end, not substitutes for
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "EmbeddedFolder", "embedded_defaults", "embedded_folder", "embedded_judge", "embedded_model"]
+__all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "EmbeddedFolder", "embedded_defaults", "embedded_folder", "embedded_judge", "embedded_model",
+           "weight_hashes"]
 
 EMBEDDED_ROOT = Path(__file__).resolve().parent / "models"
 
@@ -102,3 +104,11 @@ def embedded_folder(model: str | Path) -> EmbeddedFolder | None:
         if path.name.startswith(prefix + "-"):
             return EmbeddedFolder(task, path.name[len(prefix) + 1:], path.parent)  # type: ignore[arg-type]
     return None
+
+
+def weight_hashes(folder: Path) -> dict[str, str]:
+    """SHA-256 of every ``.safetensors`` file under ``folder``, by path relative to it (``/``-separated):
+    what ties committed models to the build report that made them, and an experiment's results
+    to the VAE and judge it used."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*.safetensors"))}

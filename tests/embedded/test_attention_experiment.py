@@ -4,6 +4,7 @@ resumes a killed run inside the run, and its measures and verdicts are computed 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from mhla_diffusion.cli import main
 from mhla_diffusion.conversion import get_mhla_conversion
 from mhla_diffusion.embedded.attention_experiment import (VARIANTS, ExperimentSettings, _new_model, effective_rank,
                                                           geometry_for, mhla_layout, run_experiment, summarise)
+from mhla_diffusion.embedded import attention_experiment
 from mhla_diffusion.embedded.build import settings_with
+from mhla_diffusion.embedded.locations import embedded_model, weight_hashes
 
 
 class _Killed(Exception):
@@ -70,7 +73,7 @@ def test_list_settings_take_comma_separated_values():
         settings_with(ExperimentSettings(), ["steps=10"]).check()
 
 
-def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys):
+def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys, monkeypatch):
     out = tmp_path / "reproduce"
     assert main(["reproduce", "--smoke", "--output", str(out), "--figure", str(tmp_path / "docs" / "fid.png")]) == 0
     report = json.loads((out / "report.json").read_text())
@@ -87,6 +90,15 @@ def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys):
     assert "table" not in capsys.readouterr().err
     with pytest.raises(ValueError, match="other settings"):
         run_experiment(out, settings_with(s, ["eval_samples=20"]))
+    # the folder is tied to the VAE and judge it used: a rebuilt VAE does not reuse these runs
+    vae = embedded_model("class-to-image", "softmax") / "vae"
+    assert report["inputs_sha256"]["vae"] == weight_hashes(vae) and report["inputs_sha256"]["judge"]
+    rebuilt = tmp_path / "rebuilt" / "digits-c2i-softmax"
+    shutil.copytree(vae, rebuilt / "vae")
+    (rebuilt / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"other weights")
+    monkeypatch.setattr(attention_experiment, "embedded_model", lambda task, attention: rebuilt)
+    with pytest.raises(ValueError, match="another VAE or judge"):
+        run_experiment(out, s)
 
 
 def test_killed_run_resumes_inside_the_run_bit_identically(tmp_path):

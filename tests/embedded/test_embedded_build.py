@@ -74,7 +74,7 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     assert embedded_judge("video", root=out).is_dir() and embedded_judge("image", root=out).is_dir()
     saved = json.loads((out / "build_report.json").read_text())
     assert saved["settings"]["video_teacher_steps"] == BuildSettings.smoke().video_teacher_steps
-    from mhla_diffusion.embedded.build import weight_hashes
+    from mhla_diffusion.embedded.locations import weight_hashes
 
     assert saved["weights_sha256"] == weight_hashes(out) and "shapes-t2v-mhla/transformer/" in " ".join(saved["weights_sha256"])
     assert report["total_seconds"] > 0
