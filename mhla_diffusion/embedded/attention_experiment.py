@@ -330,8 +330,8 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
                 runs.append(stages.run(folder.name, lambda: _run(folder, s, variant, tokens, steps, seed, data, judge,
                                                                  on_step)))
                 shutil.rmtree(folder, ignore_errors=True)  # its checkpoint; the result is in stages/
-    report = {"settings": dataclasses.asdict(s), "inputs_sha256": inputs, "runs": runs, "summary": summarise(runs),
-              "seconds": round(sum(r["seconds"] for r in runs), 1)}
+    report = {"settings": dataclasses.asdict(s), "inputs_sha256": inputs, "torch_threads": torch.get_num_threads(),
+              "runs": runs, "summary": summarise(runs), "seconds": round(sum(r["seconds"] for r in runs), 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "table.md").write_text(table_markdown(report["summary"], s))
     plot_fid(report["summary"], out / "fid-vs-tokens.png")

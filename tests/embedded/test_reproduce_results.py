@@ -1,0 +1,39 @@
+"""The committed `mhla reproduce` results (``docs/reproduce/``): made by the committed command with its
+default settings, from the committed digits VAE and judge, and the README shows exactly that table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from mhla_diffusion.embedded.attention_experiment import ExperimentSettings, summarise, table_markdown
+from mhla_diffusion.embedded.locations import embedded_judge, embedded_model, weight_hashes
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "reproduce"
+
+
+def _report() -> dict:
+    return json.loads((RESULTS / "report.json").read_text())
+
+
+def test_report_comes_from_the_default_settings_and_the_committed_vae_and_judge():
+    report = _report()
+    assert report["settings"] == dataclasses.asdict(ExperimentSettings())
+    assert report["inputs_sha256"] == {"vae": weight_hashes(embedded_model("class-to-image", "softmax") / "vae"),
+                                       "judge": weight_hashes(embedded_judge("image"))}
+    s = ExperimentSettings()
+    assert len(report["runs"]) == len(s.variants) * len(s.token_counts) * len(s.seeds)
+    assert max(s.token_counts) >= 1024 and len(s.seeds) >= 2  # the issue's minimum
+    assert report["seconds"] == round(sum(run["seconds"] for run in report["runs"]), 1)
+
+
+def test_table_and_readme_are_the_reports():
+    report = _report()
+    assert summarise(report["runs"]) == report["summary"]
+    table = table_markdown(report["summary"], ExperimentSettings())
+    assert (RESULTS / "table.md").read_text() == table
+    readme = (ROOT / "README.md").read_text()
+    assert [line for line in table.splitlines() if line.startswith("| ") and line not in readme] == []
+    assert (ROOT / "docs" / "reproduce-fid-vs-tokens.png").stat().st_size > 10_000
