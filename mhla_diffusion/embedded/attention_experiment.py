@@ -176,8 +176,10 @@ def _sample(model, vae, s: ExperimentSettings, labels: np.ndarray, side: int) ->
     sample ``i`` from seed ``EVAL_SEED + i``. Returns uint8 images ``(n, 2 side, 2 side, 3)`` and the seconds
     per sample of each batch (decoding included)."""
     from ..finetune.dit_scratch import dit_scheduler
+    from ..finetune.latents import dit_latent_normalization
 
     scheduler = dit_scheduler()
+    shift, scale = dit_latent_normalization(vae)
     scheduler.set_timesteps(s.sample_steps)
     out, per_sample = [], []
     for start in range(0, len(labels), s.eval_batch_size):
@@ -190,7 +192,7 @@ def _sample(model, vae, s: ExperimentSettings, labels: np.ndarray, side: int) ->
             eps = model(torch.cat([x, x]), timestep=t.expand(2 * len(y)), class_labels=both).sample
             cond, uncond = eps.chunk(2)
             x = scheduler.step(uncond + s.guidance_scale * (cond - uncond), t, x).prev_sample
-        images = vae.decode(x / vae.config.scaling_factor).sample
+        images = vae.decode(x / scale + shift).sample
         per_sample.append((time.perf_counter() - began) / len(y))
         out.append(tensor_to_uint8(images))
     return np.concatenate(out), per_sample
@@ -271,12 +273,15 @@ def _to_judge_size(images: np.ndarray) -> np.ndarray:
     return tensor_to_uint8(x)
 
 
-@torch.no_grad()
 def encode_digits(vae, images: np.ndarray, batch_size: int = 256) -> torch.Tensor:
-    """uint8 digits ``(n, H, W, 3)`` -> scaled VAE latents ``(n, 4, H / 2, W / 2)`` (the posterior means)."""
-    parts = [vae.encode(images_to_tensor(images[i:i + batch_size])).latent_dist.mean
+    """uint8 digits ``(n, H, W, 3)`` -> VAE latents ``(n, 4, H / 2, W / 2)``: the posterior means, normalised as
+    the DiT trainer does (:func:`~mhla_diffusion.finetune.latents.dit_latent_normalization`)."""
+    from ..finetune.latents import dit_latent_normalization, encode_posterior
+
+    shift, scale = dit_latent_normalization(vae)
+    parts = [encode_posterior(vae, images_to_tensor(images[i:i + batch_size]), shift, scale)[:, :LATENT_CHANNELS]
              for i in range(0, len(images), batch_size)]
-    return torch.cat(parts) * vae.config.scaling_factor
+    return torch.cat(parts)
 
 
 def _mhla_of(model) -> dict[str, Any]:
