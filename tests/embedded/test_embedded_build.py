@@ -7,6 +7,7 @@ import csv
 import json
 
 import pytest
+import yaml
 
 from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
 from mhla_diffusion.embedded import embedded_judge, embedded_model
@@ -68,7 +69,13 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     assert layouts["MHLA (all layers)"] in ("1x4x4", "4x4")
     wan = MHLAWanPipeline.from_pretrained(embedded_model("text-to-video", "mhla", root=out))
     assert wan.mhla is not None and wan.mhla.layout == (1, 4, 4)
-    assert MHLAWanPipeline.from_pretrained(embedded_model("text-to-video", "softmax", root=out)).mhla is None
+    teacher = MHLAWanPipeline.from_pretrained(embedded_model("text-to-video", "softmax", root=out))
+    assert teacher.mhla is None
+    # the video models sample with the noise-level shift they were trained with
+    shift = BuildSettings.smoke().video_flow_shift
+    assert teacher.scheduler.config.flow_shift == wan.scheduler.config.flow_shift == shift
+    trained = yaml.safe_load((root / "work" / "runs" / "t2v-softmax" / "run_config.yaml").read_text())
+    assert trained["flow_shift"] == shift
     dit = MHLADiTPipeline.from_pretrained(embedded_model("class-to-image", "mhla", root=out))
     assert dit.mhla is not None and dit.labels["7"] == 7
     assert embedded_judge("video", root=out).is_dir() and embedded_judge("image", root=out).is_dir()
