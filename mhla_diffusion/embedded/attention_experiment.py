@@ -33,13 +33,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..config import MHLAConfig
+from ..geometry import ImageGeometry
 from .image_judge import images_to_tensor, tensor_to_uint8
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_digits
 from .judge_io import load_judge
@@ -48,8 +49,8 @@ from .reproduction import score_digits
 from .stages import Stages
 from .training_loop import LoopLog, LoopProgress, epoch_batch, run_loop
 
-__all__ = ["ExperimentSettings", "VARIANTS", "effective_rank", "geometry_for", "mhla_layout", "run_experiment",
-           "summarise"]
+__all__ = ["ExperimentSettings", "VARIANTS", "check_digits_vae", "effective_rank", "geometry_for", "mhla_layout",
+           "run_experiment", "summarise"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +274,16 @@ def _to_judge_size(images: np.ndarray) -> np.ndarray:
     return tensor_to_uint8(x)
 
 
+def check_digits_vae(config: Mapping[str, Any]) -> None:
+    """Raise if a VAE config is not the one :data:`VAE_FACTOR` / :data:`LATENT_CHANNELS` describe (the experiment's
+    image sizes and latent shapes follow from them)."""
+    found = (ImageGeometry.from_configs(vae=config).vae_scale, int(config["latent_channels"]))
+    if found != (VAE_FACTOR, LATENT_CHANNELS):
+        raise ValueError(f"the digits VAE compresses {found[0]}x into {found[1]} channels, but the experiment is set "
+                         f"up for {VAE_FACTOR}x and {LATENT_CHANNELS} channels (VAE_FACTOR, LATENT_CHANNELS in "
+                         f"{__name__}); change those two constants to match the VAE")
+
+
 def encode_digits(vae, images: np.ndarray, batch_size: int = 256) -> torch.Tensor:
     """uint8 digits ``(n, H, W, 3)`` -> VAE latents ``(n, 4, H / 2, W / 2)``: the posterior means, normalised as
     the DiT trainer does (:func:`~mhla_diffusion.finetune.latents.dit_latent_normalization`)."""
@@ -319,6 +330,7 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
 
     judge = load_judge(judge_folder)
     vae = AutoencoderKL.from_pretrained(vae_folder).eval()
+    check_digits_vae(vae.config)
     split = split_digits(seed=s.split_seed)
     data: dict[Any, Any] = {"reference": split.test_images, "vae": vae}
     for tokens in s.token_counts:

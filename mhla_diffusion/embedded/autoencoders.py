@@ -1,10 +1,10 @@
 """Tiny VAEs for the demo models, trained here from scratch on the demo data (no downloads).
 
 * :func:`tiny_video_vae` / :func:`train_video_vae`: a Diffusers ``AutoencoderKLWan`` with Wan2.1's
-  compression (8x spatial, 4x temporal: a 17x64x64 clip -> latents ``(z_dim, 5, 8, 8)``) for the
-  moving-shapes clips; training stores the per-channel mean / std of the posterior means as
-  ``latents_mean`` / ``latents_std``, which ``WanPipeline`` decodes with (``z * std + mean``) and the
-  Wan trainer encodes with (``(z - mean) / std``, :mod:`mhla_diffusion.finetune.latents`).
+  compression by default (8x spatial, 4x temporal: a 17x64x64 clip -> latents ``(z_dim, 5, 8, 8)``; the
+  build compresses less, ``build.VIDEO_VAE``) for the moving-shapes clips; training stores the per-channel
+  mean / std of the posterior means as ``latents_mean`` / ``latents_std``, which ``WanPipeline`` decodes
+  with (``z * std + mean``) and the Wan trainer encodes with (``(z - mean) / std``, :mod:`mhla_diffusion.finetune.latents`).
 * :func:`tiny_image_vae` / :func:`train_image_vae`: a Diffusers ``AutoencoderKL`` with 2x
   downsampling for the 32x32 digits (latents ``(4, 16, 16)``); training stores
   ``scaling_factor = 1 / std`` of the posterior means, which ``DiTPipeline`` decodes with

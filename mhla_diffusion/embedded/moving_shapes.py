@@ -31,8 +31,8 @@ __all__ = [
     "shape_clip",
 ]
 
-NUM_FRAMES = 17
-FRAME_SIZE = 64
+NUM_FRAMES = 9
+FRAME_SIZE = 48
 BACKGROUND = (16, 16, 16)
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "yellow": (240, 220, 40)}
@@ -42,8 +42,11 @@ DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 ATTRIBUTES: dict[str, tuple[str, ...]] = {"shape": SHAPES, "colour": tuple(COLOURS), "direction": tuple(DIRECTIONS)}
 NUM_COMBINATIONS = len(SHAPES) * len(COLOURS) * len(DIRECTIONS)
 
-RADIUS_RANGE = (6.0, 11.0)  # half-extent of the shape, pixels
-SPEED_RANGE = (1.0, 2.0)  # pixels per frame; >= 1 so consecutive frames always differ
+# Each caption names nearly one clip: a large shape (a quarter of the frame across, so the video model's
+# 4x4-pixel tokens can draw its outline), one speed, and a path centred in the frame up to a small jitter.
+RADIUS_RANGE = (11.0, 13.0)  # half-extent of the shape, pixels
+SPEED = 2.0  # pixels per frame; >= 1 so consecutive frames always differ
+START_JITTER = 1.5  # pixels either way around the centred path, along and across the motion
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,8 @@ def _combination(seed: int, k: int) -> tuple[str, str, str]:
 def shape_clip(k: int, num_clips: int, seed: int = 0) -> ShapeClip:
     """Clip ``k`` of a dataset of ``num_clips`` clips for ``seed``.
 
-    Radius, speed and start are drawn so the whole shape stays inside the frame in every frame.
+    The radius and the path's offset from the centred path are drawn; the whole shape stays inside the
+    frame in every frame.
     """
     if num_clips < 1:
         raise ValueError(f"num_clips must be >= 1, got {num_clips}")
@@ -135,15 +139,12 @@ def shape_clip(k: int, num_clips: int, seed: int = 0) -> ShapeClip:
     shape, colour, direction = _combination(seed, k)
     rng = np.random.default_rng([seed, k, 1])
     radius = float(rng.uniform(*RADIUS_RANGE))
-    speed = float(rng.uniform(*SPEED_RANGE))
-    travel = speed * (NUM_FRAMES - 1)
-    low, high = radius, FRAME_SIZE - 1 - radius  # centre range that keeps the shape inside
-    along = float(rng.uniform(low, high - travel))  # start on the axis of motion, leaving room to travel
-    across = float(rng.uniform(low, high))
+    speed = SPEED
+    middle = (FRAME_SIZE - 1) / 2
+    along, across = middle + rng.uniform(-START_JITTER, START_JITTER, size=2)
     dx, dy = DIRECTIONS[direction]
-    if dx < 0 or dy < 0:
-        along = low + high - along  # moving towards 0: mirror the start
-    start = (along, across) if dx != 0 else (across, along)
+    along -= (dx + dy) * speed * (NUM_FRAMES - 1) / 2  # start half the travel before the path's middle
+    start = (float(along), float(across)) if dx != 0 else (float(across), float(along))
     frames, centres = render_clip(shape, colour, direction, start, radius, speed)
     attributes = {"shape": shape, "colour": colour, "direction": direction}
     labels = {name: ATTRIBUTES[name].index(value) for name, value in attributes.items()}

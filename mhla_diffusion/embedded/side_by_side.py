@@ -15,24 +15,30 @@ from PIL import Image, ImageDraw, ImageFont
 
 from .judge_reading import JudgeReader
 from .locations import embedded_defaults
+from .moving_shapes import NUM_FRAMES
 from .reproduction import sample_clips
 
 __all__ = ["FIGURE_PROMPTS", "FRAMES_SHOWN", "draw_side_by_side", "side_by_side_samples"]
 
 #: The prompts of the figure and of the README's verdicts (one per shape, colour and direction at least once).
 FIGURE_PROMPTS = ("a red circle moving left", "a blue square moving up", "a green triangle moving down")
-FRAMES_SHOWN = (0, 4, 8, 12, 16)
+#: Five evenly spaced frames of a clip, the first and the last among them.
+FRAMES_SHOWN = tuple(round(i * (NUM_FRAMES - 1) / 4) for i in range(5))
 _SCALE, _GAP, _TEXT = 2, 12, 18
 
 
 def side_by_side_samples(models: dict[str, str | Path], judge: str | Path, prompts: Sequence[str] = FIGURE_PROMPTS,
-                         seed: int = 0) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+                         seed: int = 0, steps: int | None = None,
+                         guidance_scale: float | None = None) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     """Generate one clip per prompt with each model (``{"MHLA": folder, "softmax": folder}``) at the
-    embedded defaults and ``seed``; returns ``{model: uint8 clips (P, F, H, W, 3)}`` and one verdict per
-    prompt: ``{"prompt", "seed", <model>: judge reading as JSON}``."""
+    embedded defaults' size and ``seed``, with ``steps`` and ``guidance_scale`` (``None``: the embedded
+    defaults, what the command line uses); returns ``{model: uint8 clips (P, F, H, W, 3)}`` and one
+    verdict per prompt: ``{"prompt", "seed", <model>: judge reading as JSON}``."""
     from ..pipelines import MHLAWanPipeline
 
     d = embedded_defaults()
+    steps = d.video_steps if steps is None else steps
+    guidance_scale = d.video_guidance_scale if guidance_scale is None else guidance_scale
     reader = JudgeReader(judge)
     clips: dict[str, np.ndarray] = {}
     verdicts: list[dict[str, Any]] = [{"prompt": p, "seed": seed} for p in prompts]
@@ -42,7 +48,7 @@ def side_by_side_samples(models: dict[str, str | Path], judge: str | Path, promp
         # one call per prompt with generator seed ``seed``: what the command line does for each
         clips[name] = np.concatenate([sample_clips(
             pipe, [prompt], seed=seed, batch_size=1, num_frames=d.num_frames, height=d.height, width=d.width,
-            steps=d.video_steps, guidance_scale=d.video_guidance_scale, max_sequence_length=d.max_sequence_length)[0]
+            steps=steps, guidance_scale=guidance_scale, max_sequence_length=d.max_sequence_length)[0]
             for prompt in prompts])
         for verdict, reading in zip(verdicts, reader.read_videos(clips[name], list(prompts))):
             verdict[name] = reading.to_json()

@@ -61,6 +61,7 @@ def test_an_embedded_folder_given_as_model_runs_at_its_trained_size(tmp_path, ca
     d = embedded_defaults()
     assert (settings["num_frames"], settings["height"], settings["width"]) == (d.num_frames, d.height, d.width)
     assert (settings["num_inference_steps"], settings["fps"]) == (d.video_steps, d.fps)
+    assert settings["guidance_scale"] == d.video_guidance_scale
     assert np.stack(list(iio.imiter(settings["output"]))).shape == (
         d.num_frames, d.height, d.width, 3)
 
@@ -69,8 +70,8 @@ def test_a_clip_of_another_size_is_recorded_as_unread_by_the_judge(tmp_path, cap
     assert main(["text-to-video", "--prompt", "a red circle moving left", "--num-frames", "5", "--steps", "1",
                  "--output-dir", str(tmp_path)]) == 0
     judge = _settings(tmp_path)["judge"]
-    assert judge == {"reading": None, "why": "the judge reads 17-frame 64x64 clips, not 5x64x64"}
-    assert "no judge reading: the judge reads 17-frame 64x64 clips" in capsys.readouterr().out
+    assert judge == {"reading": None, "why": "the judge reads 9-frame 48x48 clips, not 5x48x48"}
+    assert "no judge reading: the judge reads 9-frame 48x48 clips" in capsys.readouterr().out
 
 
 def test_a_model_that_records_no_size_needs_one_and_a_recorded_size_is_used(pipeline_dirs, tmp_path, capsys):

@@ -94,19 +94,19 @@ def test_edge_sizes():
 
 
 def test_errors_name_the_models_factors():
-    embedded = VideoGeometry.from_configs({"patch_size": [1, 2, 2], "rope_max_seq_len": 64},
-                                          {"scale_factor_temporal": 4, "scale_factor_spatial": 4})
-    assert embedded.size_multiple == (8, 8) and embedded.max_size() == (253, 512, 512)
-    embedded.check_size(17, 72, 64)  # 8 px multiples make whole patches ...
+    x4 = VideoGeometry.from_configs({"patch_size": [1, 2, 2], "rope_max_seq_len": 64},
+                                    {"scale_factor_temporal": 4, "scale_factor_spatial": 4})
+    assert x4.size_multiple == (8, 8) and x4.max_size() == (253, 512, 512)
+    x4.check_size(17, 72, 64)  # 8 px multiples make whole patches ...
     with pytest.raises(ValueError, match=r"height 72 must be a positive multiple of 16 \(VAE x4 in time and x4 in space, "
                                          r"patch 1x2x2; Diffusers' WanPipeline needs multiples of 16\)"):
-        embedded.check_size(17, 72, 64, generation=True)  # ... but WanPipeline wants 16
-    assert embedded.generation_multiple == (WAN_PIPELINE_SIZE_MULTIPLE,) * 2
+        x4.check_size(17, 72, 64, generation=True)  # ... but WanPipeline wants 16
+    assert x4.generation_multiple == (WAN_PIPELINE_SIZE_MULTIPLE,) * 2
     with pytest.raises(ValueError, match=r"width 60 must be a positive multiple of 8 \(VAE x4 in time and x4 in space"):
-        embedded.check_size(17, 64, 60)
+        x4.check_size(17, 64, 60)
     with pytest.raises(ValueError, match=r"width 520 is larger than the model supports: at most 512 \(its position "
                                          r"encoding holds 64 tokens per axis"):
-        embedded.check_size(17, 64, 520)
+        x4.check_size(17, 64, 520)
     odd = VideoGeometry(vae_scale_temporal=2, vae_scale_spatial=4, patch_size=(2, 1, 1), max_tokens_per_axis=None)
     with pytest.raises(ValueError, match=r"5 frames is not supported: use 2k\+1 with latent frames divisible by 2 "
                                          r"\(3, 7, 11, 15, ...\) \(VAE x2 in time and x4 in space, patch 2x1x1\)"):
@@ -132,8 +132,8 @@ def test_embedded_model_geometry():
     except FileNotFoundError:
         pytest.skip("embedded models not built")
     geometry = VideoGeometry.from_folder(folder)
-    assert geometry == VideoGeometry(4, 4, (1, 2, 2), 64)
-    assert geometry.token_grid(17, 64, 64) == (5, 8, 8)  # the build's 5x8x8 grid for its 1x4x4 layout
+    assert geometry == VideoGeometry(2, 2, (1, 2, 2), 64)
+    assert geometry.token_grid(9, 48, 48) == (5, 12, 12)  # the build's 5x12x12 grid for its 1x4x4 layout
 
 
 def test_grid_against_layout():

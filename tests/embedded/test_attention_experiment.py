@@ -11,7 +11,8 @@ import torch
 
 from mhla_diffusion.cli import main
 from mhla_diffusion.conversion import get_mhla_conversion
-from mhla_diffusion.embedded.attention_experiment import (VARIANTS, ExperimentSettings, _new_model, effective_rank,
+from mhla_diffusion.embedded.attention_experiment import (VARIANTS, ExperimentSettings, _new_model, check_digits_vae,
+                                                          effective_rank,
                                                           geometry_for, mhla_layout, run_experiment, summarise)
 from mhla_diffusion.embedded import attention_experiment
 from mhla_diffusion.embedded.build import settings_with
@@ -34,6 +35,16 @@ def test_token_counts_map_to_image_size_and_latent_grid():
     assert [mhla_layout(side) for side in (4, 8, 16, 32, 64)] == [(2, 2), (2, 2), (4, 4), (4, 4), (8, 8)]
     with pytest.raises(ValueError, match="not a square"):
         geometry_for(1000)
+
+
+def test_a_vae_other_than_the_experiments_is_refused_by_name():
+    from diffusers import AutoencoderKL
+
+    check_digits_vae(AutoencoderKL.load_config(embedded_model("class-to-image", "softmax") / "vae"))
+    other = AutoencoderKL(block_out_channels=(8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 3,
+                          up_block_types=("UpDecoderBlock2D",) * 3, latent_channels=8, norm_num_groups=4)
+    with pytest.raises(ValueError, match=r"compresses 4x into 8 channels.*2x and 4 channels.*VAE_FACTOR"):
+        check_digits_vae(other.config)
 
 
 def test_variants_differ_only_in_attention():

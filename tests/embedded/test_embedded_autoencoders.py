@@ -8,6 +8,7 @@ import torch
 from mhla_diffusion.embedded import (generate_clips, latent_statistics, tiny_image_vae, tiny_video_vae, train_image_vae,
                                  train_video_vae)
 from mhla_diffusion.embedded.image_judge import images_to_tensor
+from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE, NUM_FRAMES
 from mhla_diffusion.embedded.video_judge import clips_to_tensor
 
 
@@ -31,8 +32,8 @@ def test_video_vae_has_wan_compression():
     clips, _, _ = generate_clips(1, seed=0)
     with torch.no_grad():
         z = vae.encode(clips_to_tensor(clips)).latent_dist.mean
-        assert z.shape == (1, 16, 5, 8, 8)
-        assert vae.decode(z).sample.shape == (1, 3, 17, 64, 64)
+        assert z.shape == (1, 16, (NUM_FRAMES - 1) // 4 + 1, FRAME_SIZE // 8, FRAME_SIZE // 8)
+        assert vae.decode(z).sample.shape == (1, 3, NUM_FRAMES, FRAME_SIZE, FRAME_SIZE)
     assert tiny_video_vae(z_dim=8).config.latents_mean == [0.0] * 8
 
 

@@ -11,6 +11,7 @@ import yaml
 
 from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
 from mhla_diffusion.embedded import embedded_judge, embedded_model
+from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE
 from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
 
 
@@ -88,7 +89,7 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     from PIL import Image
 
     figure = Image.open(root / "docs" / "side-by-side.png")
-    assert figure.width > 2 * 5 * 64 * 2 and (out / "side-by-side.png").is_file()
+    assert figure.width > 2 * 5 * FRAME_SIZE * 2 and (out / "side-by-side.png").is_file()
     verdicts = saved["stages"]["evaluate"]["verdicts"]
     assert [v["prompt"] for v in verdicts] == list(FIGURE_PROMPTS)
     assert all(v["MHLA"]["reading"] and v["softmax"]["reading"] for v in verdicts)
@@ -149,3 +150,7 @@ def test_settings_overrides_are_checked():
         settings_with(BuildSettings(), ["video_teacher_step=1"])
     with pytest.raises(ValueError, match="must be of type int"):
         settings_with(BuildSettings(), ["video_teacher_steps=many"])
+    assert settings_with(BuildSettings(), ["video_student_lepe=False"]).video_student_lepe is False
+    assert settings_with(BuildSettings(), ["video_student_gate=true"]).video_student_gate is True
+    with pytest.raises(ValueError, match="must be of type bool"):
+        settings_with(BuildSettings(), ["video_student_lepe=no"])

@@ -9,6 +9,7 @@ import torch
 from mhla_diffusion.embedded import (ATTRIBUTES, ImageJudge, VideoJudge, class_accuracy, clips_to_filmstrips,
                                  filmstrips_to_clips, generate_clips, judge_features, load_judge, load_judge_features,
                                  prompt_accuracy, save_judge, shape_clip, train_image_judge, train_video_judge)
+from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE, NUM_FRAMES
 from mhla_diffusion.eval import ArrayImages, Reference, compute_activations, evaluate, frechet_distance
 
 
@@ -79,10 +80,11 @@ def test_video_judge_features_through_the_evaluator(short_video_judge, held_out_
     clips, labels, _ = held_out_clips
     extractor = judge_features(short_video_judge)
     strips = clips_to_filmstrips(clips)
-    assert strips.shape == (96, 17 * 64, 64, 3) and np.array_equal(filmstrips_to_clips(strips, 17), clips)
+    assert strips.shape == (96, NUM_FRAMES * FRAME_SIZE, FRAME_SIZE, 3)
+    assert np.array_equal(filmstrips_to_clips(strips, NUM_FRAMES), clips)
     out = extractor(torch.from_numpy(strips[:5]).permute(0, 3, 1, 2))
     assert out["pool"].shape == (5, extractor.pool_dim) == (5, 32)
-    assert out["spatial"].shape == (5, *extractor.spatial_shape) == (5, 4, 4, 8)
+    assert out["spatial"].shape == (5, *extractor.spatial_shape) == (5, FRAME_SIZE // 16, FRAME_SIZE // 16, 8)
     assert out["logits_unbiased"].shape == (5, extractor.num_logits) == (5, 11)
     with pytest.raises(ValueError, match="filmstrips"):
         extractor(torch.zeros(2, 3, 64, 64, dtype=torch.uint8))

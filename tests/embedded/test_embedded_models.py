@@ -39,7 +39,7 @@ def test_video_model_generates_a_clip(attention):
     frames = pipe("a red circle moving left", num_frames=d.num_frames, height=d.height, width=d.width,
                   num_inference_steps=2, max_sequence_length=d.max_sequence_length, output_type="np",
                   generator=torch.Generator().manual_seed(0)).frames
-    assert frames.shape == (1, 17, 64, 64, 3) and np.isfinite(frames).all()
+    assert frames.shape == (1, d.num_frames, d.height, d.width, 3) and np.isfinite(frames).all()
 
 
 def test_image_model_generates_digits():
@@ -67,8 +67,46 @@ def test_cli_defaults_to_the_embedded_model(tmp_path):
     assert main(["text-to-video", "--prompt", "a blue square moving up", "--steps", "2",
                  "--output-dir", str(tmp_path)]) == 0
     video = tmp_path / "000-a-blue-square-moving-up-seed0-mhla.mp4"
-    assert np.stack(list(iio.imiter(video))).shape == (17, 64, 64, 3)
+    d = embedded_defaults()
+    assert np.stack(list(iio.imiter(video))).shape == (d.num_frames, d.height, d.width, 3)
     settings = json.loads(video.with_suffix(".json").read_text())
     assert settings["model"] == str(embedded_model("text-to-video", "mhla"))
     assert main(["class-to-image", "--class", "4", "--steps", "2", "--output-dir", str(tmp_path)]) == 0
     assert len(list(tmp_path.glob("*.png"))) == 1
+
+
+def _build_report() -> dict:
+    return json.loads((EMBEDDED_ROOT / "build_report.json").read_text())
+
+
+def test_committed_models_are_what_the_committed_build_made():
+    import dataclasses
+
+    from mhla_diffusion.embedded.build import BuildSettings
+    from mhla_diffusion.embedded.locations import weight_hashes
+
+    report = _build_report()
+    assert report["weights_sha256"] == weight_hashes(EMBEDDED_ROOT)  # every weight file, byte for byte
+    assert report["settings"] == dataclasses.asdict(BuildSettings())  # made with the code's default settings
+
+
+def test_committed_build_met_its_targets():
+    """The embedded models' targets (README), as the build's own evaluation measured them."""
+    report = _build_report()
+    rows = {(r["task"], r["model"]): r for r in report["stages"]["evaluate"]["rows"]}
+    through_vae = rows["text-to-video", "real clips through the VAE"]
+    assert min(through_vae[f"acc_{a}"] for a in ("shape", "colour", "direction")) >= 0.95
+    teacher, mhla = rows["text-to-video", "softmax teacher"], rows["text-to-video", "MHLA (all layers)"]
+    assert teacher["samples"] >= 96 and min(teacher[f"acc_{a}"] for a in ("shape", "colour", "direction")) >= 0.90
+    assert teacher["acc_all"] >= 0.80 and mhla["acc_all"] >= teacher["acc_all"] - 0.05
+    digits_teacher, digits_mhla = rows["class-to-image", "softmax teacher"], rows["class-to-image", "MHLA (all layers)"]
+    assert digits_teacher["acc_digit"] >= 0.98 and digits_mhla["acc_digit"] >= digits_teacher["acc_digit"] - 0.05
+    assert digits_mhla["fid"] <= 1.15 * digits_teacher["fid"]
+    assert sum(stage["seconds"] for stage in report["stages"].values() if "seconds" in stage) <= 120 * 60
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13's target not met by the committed build: video MHLA judge FID "
+                   "93.1 against the teacher's 75.4 (1.23x); strict, so a build that meets it must drop this mark")
+def test_committed_video_mhla_fid_is_within_15_percent_of_its_teacher():
+    rows = {(r["task"], r["model"]): r for r in _build_report()["stages"]["evaluate"]["rows"]}
+    assert rows["text-to-video", "MHLA (all layers)"]["fid"] <= 1.15 * rows["text-to-video", "softmax teacher"]["fid"]

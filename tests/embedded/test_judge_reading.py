@@ -31,9 +31,9 @@ def test_requested_attributes_are_the_values_the_prompt_names_once():
 
 def test_samples_of_another_size_are_refused_and_digits_are_read():
     video = JudgeReader(embedded_judge("video"))
-    assert video.unreadable((5, 64, 64, 3)) == "the judge reads 17-frame 64x64 clips, not 5x64x64"
-    with pytest.raises(ValueError, match="17-frame 64x64 clips, not 5x64x64"):
-        video.read_videos(np.zeros((1, 5, 64, 64, 3), np.uint8), ["a red circle moving left"])
+    assert video.unreadable((5, 48, 48, 3)) == "the judge reads 9-frame 48x48 clips, not 5x48x48"
+    with pytest.raises(ValueError, match="9-frame 48x48 clips, not 5x48x48"):
+        video.read_videos(np.zeros((1, 5, 48, 48, 3), np.uint8), ["a red circle moving left"])
     image = JudgeReader(embedded_judge("image"))
     split = split_digits(seed=0)
     images, labels = split.test_images[:20], split.test_labels[:20]

@@ -2,7 +2,8 @@
 
 The networks are stand-ins with the real interfaces and random weights: a scripted module called as
 StyleGAN-V calls ``i3d_torchscript.pt``, and a tiny ``CLIPModel`` + ``CLIPProcessor`` saved to a folder
-with a tokenizer built from a vocabulary written here. Videos are moving-shapes clips written as mp4.
+with a tokenizer built from a vocabulary written here. Videos are moving-shapes clips written as mp4: the
+dataset's own clips for the judge, and the same shapes drawn for 17 frames for FVD (which reads 16).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.embedded.moving_shapes import generate_clips
+from mhla_diffusion.embedded.moving_shapes import DIRECTIONS, FRAME_SIZE, NUM_FRAMES, render_clip, shape_clip
 from mhla_diffusion.eval.fvd import FVD_FRAMES, FVD_SIZE, I3DFeatures, preprocess_clips
 from mhla_diffusion.eval.video_files import read_video
 from mhla_diffusion.pipelines.outputs import _write_mp4
@@ -80,20 +81,44 @@ def clip_folder(tmp_path_factory) -> Path:
     return _clip_folder(tmp_path_factory.mktemp("clip"))
 
 
-def _write_videos(folder: Path, count: int, seed: int, sidecars: bool = True) -> list[str]:
-    clips, _, captions = generate_clips(count, seed=seed)
+def _clip(k: int, count: int, seed: int, num_frames: int) -> tuple[np.ndarray, str]:
+    """Clip ``k`` of the moving-shapes dataset, or its shape and motion drawn for ``num_frames`` frames."""
+    clip = shape_clip(k, count, seed)
+    if num_frames == NUM_FRAMES:
+        return clip.frames, clip.caption
+    dx, dy = DIRECTIONS[clip.attributes["direction"]]
+    middle = (FRAME_SIZE - 1) / 2
+    start = (middle - dx * (num_frames - 1) / 2, middle - dy * (num_frames - 1) / 2)  # 1 px a frame through the middle
+    a = clip.attributes
+    frames, _ = render_clip(a["shape"], a["colour"], a["direction"], start=start, radius=8.0, speed=1.0,
+                            num_frames=num_frames)
+    return frames, clip.caption
+
+
+def _write_videos(folder: Path, count: int, seed: int, sidecars: bool = True, num_frames: int = FVD_FRAMES + 1
+                  ) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
-    for index, (clip, caption) in enumerate(zip(clips, captions)):
+    captions = []
+    for index in range(count):
+        clip, caption = _clip(index, count, seed, num_frames)
+        captions.append(caption)
         _write_mp4(clip, folder / f"{index:03d}.mp4", fps=8)
         if sidecars:
             (folder / f"{index:03d}.json").write_text(json.dumps({"prompt": caption, "seed": index}))
-    return list(captions)
+    return captions
 
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("videos") / "samples"
     _write_videos(folder, 4, seed=3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def judge_videos(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("judge-videos") / "samples"
+    _write_videos(folder, 4, seed=3, num_frames=NUM_FRAMES)
     return folder
 
 
@@ -108,14 +133,14 @@ def test_preprocessing_gives_i3d_input_in_range():
 
 def test_mp4_round_trip(videos):
     frames = read_video(videos / "000.mp4")
-    assert frames.shape == (17, 64, 64, 3) and frames.dtype == np.uint8
+    assert frames.shape == (FVD_FRAMES + 1, FRAME_SIZE, FRAME_SIZE, 3) and frames.dtype == np.uint8
 
 
-def test_fvd_clip_and_judge_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys):
+def test_fvd_and_clip_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys):
     output, ref_npz = tmp_path / "result.json", tmp_path / "ref.npz"
     code = main(["eval-video", "--samples", str(videos), "--ref", str(videos), "--i3d-weights", str(i3d_file),
                  "--clip-model", str(clip_folder), "--save-ref", str(ref_npz), "--output", str(output),
-                 "--device", "cpu", "--judge", "embedded"])
+                 "--device", "cpu"])
     assert code == 0, capsys.readouterr().err
     result = json.loads(output.read_text())
     assert abs(result["metrics"]["fvd"]) < 1e-6  # a set against itself
@@ -123,8 +148,6 @@ def test_fvd_clip_and_judge_end_to_end(videos, i3d_file, clip_folder, tmp_path, 
     assert result["networks"]["i3d"]["feature_dim"] == 6 and len(result["networks"]["i3d"]["weights_sha256"]) == 64
     assert [row["file"] for row in result["per_video"]] == [f"{i:03d}.mp4" for i in range(4)]
     assert all("prompt" in row and "clip_score" in row for row in result["per_video"])
-    assert set(result["judge"]["accuracy"]) == {"shape", "colour", "direction", "all"}
-    assert np.isfinite(result["judge"]["fid"])
     # The saved reference gives the same FVD without reading the reference videos again.
     code = main(["eval-video", "--samples", str(videos), "--ref", str(ref_npz), "--i3d-weights", str(i3d_file),
                  "--metrics", "fvd", "--output", str(tmp_path / "again.json"), "--device", "cpu"])
@@ -132,6 +155,18 @@ def test_fvd_clip_and_judge_end_to_end(videos, i3d_file, clip_folder, tmp_path, 
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["reference"]["statistics"] == "npz" and abs(again["metrics"]["fvd"]) < 1e-6
     assert again["metrics"]["clip_score"] is None
+
+
+def test_judge_metrics_of_the_embedded_models_clips(judge_videos, videos, tmp_path, capsys):
+    output = tmp_path / "judge.json"
+    assert main(["eval-video", "--samples", str(judge_videos), "--ref", str(judge_videos), "--judge", "embedded",
+                 "--metrics", "judge", "--output", str(output)]) == 0, capsys.readouterr().err
+    judge = json.loads(output.read_text())["judge"]
+    assert set(judge["accuracy"]) == {"shape", "colour", "direction", "all"} and np.isfinite(judge["fid"])
+    assert judge["accuracy"]["all"] >= 0.75  # real clips: the judge reads nearly all of them
+    assert main(["eval-video", "--samples", str(videos), "--judge", "embedded", "--metrics", "judge",
+                 "--output", str(output)]) == 2  # FVD-length clips are not the judge's
+    assert f"the embedded video judge takes clips of {NUM_FRAMES} frames" in capsys.readouterr().err
 
 
 def test_fvd_of_different_sets_is_positive(videos, i3d_file, tmp_path):

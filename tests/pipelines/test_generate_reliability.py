@@ -61,9 +61,9 @@ def test_settings_are_always_valid_json(tmp_path):
 
 
 def test_cli_names_the_embedded_models_largest_size(tmp_path, capsys):
-    # the embedded text-to-video model: rope_max_seq_len 64 -> 512 px at most; refused before loading
+    # the embedded text-to-video model: rope_max_seq_len 64 tokens of 4 px -> 256 px at most; refused before loading
     assert main(["text-to-video", "--prompt", "a cat", "--height", "1024", "--output-dir", str(tmp_path)]) == 2
-    assert "height 1024 is larger than the model supports: at most 512" in capsys.readouterr().err
+    assert "height 1024 is larger than the model supports: at most 256" in capsys.readouterr().err
 
 
 def test_pipeline_call_names_the_largest_size(pipeline_dirs):

@@ -51,13 +51,13 @@ def test_limits_are_configurable():
 def test_video_request_follows_the_models_geometry(pipeline_dirs):
     from mhla_diffusion.geometry import VideoGeometry
 
-    # the embedded model's VAE is 4x: 8 px would make whole patches, but Diffusers' WanPipeline takes multiples of 16
-    embedded = VideoGeometry(vae_scale_spatial=4, max_tokens_per_axis=64)
-    assert video_request(**GOOD_VIDEO, geometry=embedded).height == 64
+    # a VAE that is 4x in space: 8 px would make whole patches, but Diffusers' WanPipeline takes multiples of 16
+    x4 = VideoGeometry(vae_scale_spatial=4, max_tokens_per_axis=64)
+    assert video_request(**GOOD_VIDEO, geometry=x4).height == 64
     with pytest.raises(DemoInputError, match=r"Height 72 .*multiple of 16 \(VAE x4 in space, patch 2: 8; Diffusers' WanPipeline"):
-        video_request(**{**GOOD_VIDEO, "height": 72}, geometry=embedded)
+        video_request(**{**GOOD_VIDEO, "height": 72}, geometry=x4)
     with pytest.raises(DemoInputError, match=r"Width 528 is larger than the model supports: at most 512 .*64 tokens per axis"):
-        video_request(**{**GOOD_VIDEO, "width": 528}, geometry=embedded)
+        video_request(**{**GOOD_VIDEO, "width": 528}, geometry=x4)
     # a VAE that compresses time 2x: 2k+1 frames, named with the model's factors
     assert video_request(**{**GOOD_VIDEO, "num_frames": 7}, geometry=VideoGeometry(vae_scale_temporal=2)).num_frames == 7
     with pytest.raises(DemoInputError, match=r"Frames 6 .*use 2k\+1 frames \(1, 3, 5, 7, 9, ...; VAE x2 in time"):
@@ -135,9 +135,9 @@ def test_samples_and_the_models_size_bounds():
             video_request(**GOOD_VIDEO, samples=samples)
     with pytest.raises(DemoInputError, match=f"Seed {MAX_SEED} with 2 samples needs seeds up to {MAX_SEED + 1}"):
         video_request(**{**GOOD_VIDEO, "seed": MAX_SEED}, samples=2)
-    # the embedded model's position table ends at 512 px: the form offers no more (Wan2.1's: the demo's 1024)
+    # the embedded model's position table ends at 256 px: the form offers no more (Wan2.1's: the demo's 1024)
     embedded = VideoGeometry.from_folder(embedded_model("text-to-video"))
-    assert video_bounds(embedded) == VideoBounds(81, 16, 16, 512, 512)
+    assert video_bounds(embedded) == VideoBounds(81, 16, 16, 256, 256)
     assert video_bounds(VideoGeometry()).max_height == 1024
     assert video_bounds(VideoGeometry(max_tokens_per_axis=8), Limits(max_size=100)) == VideoBounds(29, 16, 16, 96, 96)
     with pytest.raises(ValueError, match="--samples 9 must be from 1 to 8"):

@@ -20,11 +20,11 @@ def _config(*argv: str):
 
 
 def test_a_default_size_the_model_cannot_take_is_refused_before_loading():
-    # the embedded text-to-video model's position table holds 64 tokens per axis: 512 px at most
-    with pytest.raises(ValueError, match=r"largest size is 253 frames, 512x512: height 1024 is larger than the "
-                                         r"model supports: at most 512"):
+    # the embedded text-to-video model's position table holds 64 tokens per axis of 4 px: 256 px at most
+    with pytest.raises(ValueError, match=r"largest size is 127 frames, 256x256: height 1024 is larger than the "
+                                         r"model supports: at most 256"):
         _config("--height", "1024")
-    assert _config("--height", "512").defaults.height == 512
+    assert _config("--height", "256").defaults.height == 256
 
 
 @pytest.mark.parametrize("flag", ["--video-guidance-scale", "--image-guidance-scale"])

@@ -53,8 +53,8 @@ def test_captions_and_the_judge_table_compare_each_reading_with_the_prompt():
     text = summary([_result("mhla", [0, 1], 2, [right, wrong]), _result("softmax", [0, 1], 2, [wrong, wrong])], "what")
     assert "| 5 | red circle, moving left (confidence 0.90: shape 0.90, colour 1.00, direction 1.00) ✓ | red square" in text
     assert "Read as asked: MHLA (linear attention) 1 of 2; Softmax attention (original) 0 of 2." in text
-    unread = summary([_result("mhla", [0, 1], 2, note="the judge reads 17-frame 64x64 clips, not 5x64x64")], "what")
-    assert "No judge reading: the judge reads 17-frame 64x64 clips, not 5x64x64." in unread
+    unread = summary([_result("mhla", [0, 1], 2, note="the judge reads 9-frame 48x48 clips, not 5x48x48")], "what")
+    assert "No judge reading: the judge reads 9-frame 48x48 clips, not 5x48x48." in unread
 
 
 def test_the_vocabulary_and_example_prompts_come_from_the_training_data():

@@ -17,6 +17,7 @@ from helpers.web import BROWSER_ARGS, FRAMES, SIZE, STEPS, chromium, gallery
 pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
 gradio_client = pytest.importorskip("gradio_client")
 
+from mhla_diffusion.embedded.locations import embedded_defaults  # noqa: E402
 from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES  # noqa: E402
 from mhla_diffusion.geometry import MAX_SEED  # noqa: E402
 from mhla_diffusion.web.report import example_prompts  # noqa: E402
@@ -87,7 +88,9 @@ def test_stop_ends_a_running_generation_and_the_next_one_runs(client, demo_serve
 
 
 def test_embedded_samples_carry_the_judges_reading(embedded_client):
-    mhla, softmax, summary = embedded_client.predict("a red circle moving left", "", 0, 2, 5.0, 17, 64, 64, True, 2,
+    d = embedded_defaults()
+    mhla, softmax, summary = embedded_client.predict("a red circle moving left", "", 0, 2, 5.0, d.num_frames, d.height,
+                                                     d.width, True, 2,
                                                      api_name="/generate_video")
     reading = r"seed \d · judge: (red|green|blue|yellow) (circle|square|triangle), moving (left|right|up|down) " \
               r"\(confidence [01]\.\d\d: shape [01]\.\d\d, colour [01]\.\d\d, direction [01]\.\d\d\)( ✓| ✗)"
@@ -109,10 +112,11 @@ def test_embedded_page_shows_the_vocabulary_and_the_models_size_limits(embedded_
     assert all(word in vocabulary for values in ATTRIBUTES.values() for word in values)
     examples = [row[0] for row in components["t2v-examples"]["props"]["samples"]]
     assert examples == example_prompts()
-    # the embedded model's position table ends at 512 px: the form's bounds, and the server's check
-    assert components["t2v-height"]["props"]["maximum"] == components["t2v-width"]["props"]["maximum"] == 512
-    with pytest.raises(AppError, match="greater than maximum value 512"):
-        embedded_client.predict("a red circle moving left", "", 0, 2, 5.0, 17, 528, 64, False, 1,
+    # the embedded model's position table ends at 256 px: the form's bounds, and the server's check
+    assert components["t2v-height"]["props"]["maximum"] == components["t2v-width"]["props"]["maximum"] == 256
+    d = embedded_defaults()
+    with pytest.raises(AppError, match="greater than maximum value 256"):
+        embedded_client.predict("a red circle moving left", "", 0, 2, 5.0, d.num_frames, 272, d.width, False, 1,
                                 api_name="/generate_video")
 
 
