@@ -26,6 +26,12 @@ import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# On some CPUs (seen on AMD EPYC) MKL's float32 matmul rounds differently depending on its operands' memory
+# alignment, and a memory-mapped weight sits at its offset in the safetensors file (8-byte aligned): the same
+# weights then give outputs ~5e-7 apart loaded mapped or copied. MKL's strict reproducibility mode removes the
+# dependence, so the bit-exact reload tests test the loading, not the CPU. Read when MKL first runs: set it here,
+# before torch (subprocesses inherit it).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest
 import torch

@@ -31,6 +31,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke", action="store_true", help="a tiny model and two steps per run: checks the whole chain")
     p.add_argument("--figure", type=Path, default=None,
                    help="also copy the FID-vs-tokens plot there (the README's: docs/reproduce-fid-vs-tokens.png)")
+    p.add_argument("--vae", type=Path, default=None,
+                   help="the digits AutoencoderKL folder to work in (default: the embedded digits VAE)")
+    p.add_argument("--judge", type=Path, default=None,
+                   help="the image judge folder that scores the runs (default: the embedded digits judge)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="change one setting, e.g. --set token_counts=256,1024,4096 --set steps=1200,1200,400 "
                    "(repeatable; names: the fields of mhla_diffusion.embedded.attention_experiment.ExperimentSettings)")
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_with(ExperimentSettings.smoke() if args.smoke else ExperimentSettings(), args.overrides)
     settings.check()
     retain_freed_memory()
-    report = run_experiment(args.output, settings, figure=args.figure)
+    report = run_experiment(args.output, settings, figure=args.figure, vae=args.vae, judge=args.judge)
     print((args.output / "table.md").read_text())
     print(f"report: {args.output / 'report.json'}; plot: {args.output / 'fid-vs-tokens.png'}; "
           f"{report['seconds']:.0f} s in all (every run, every attempt)")

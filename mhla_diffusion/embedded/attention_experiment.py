@@ -307,17 +307,23 @@ def _mhla_of(model) -> dict[str, Any]:
 
 
 def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
-                   on_step: Callable[[str, int], None] | None = None, figure: str | Path | None = None) -> dict[str, Any]:
+                   on_step: Callable[[str, int], None] | None = None, figure: str | Path | None = None,
+                   vae: str | Path | None = None, judge: str | Path | None = None) -> dict[str, Any]:
     """Train and score every (token count, seed, variant); resumes a killed experiment in ``out``.
 
     Writes ``out/report.json`` (every setting, run and time), ``out/table.md`` and ``out/fid-vs-tokens.png``
-    (copied to ``figure`` when given). ``on_step(run, step)`` is called after every training step.
+    (copied to ``figure`` when given). ``on_step(run, step)`` is called after every training step. ``vae`` (an
+    ``AutoencoderKL`` folder) and ``judge`` (an image judge folder) default to the embedded digits VAE and judge.
     """
     s = settings or ExperimentSettings()
     s.check()
     out = Path(out)
+    vae_folder = Path(vae) if vae is not None else embedded_model("class-to-image", "softmax") / "vae"
+    judge_folder = Path(judge) if judge is not None else embedded_judge("image")
+    for name, folder, config in (("vae", vae_folder, "config.json"), ("judge", judge_folder, "judge_config.json")):
+        if not (folder / config).is_file():
+            raise FileNotFoundError(f"{name} folder {folder} has no {config}: give the folder that holds it")
     out.mkdir(parents=True, exist_ok=True)
-    vae_folder, judge_folder = embedded_model("class-to-image", "softmax") / "vae", embedded_judge("image")
     # the runs depend on the VAE and the judge too: a rebuild of the embedded models must not reuse old runs
     inputs = {"vae": weight_hashes(vae_folder), "judge": weight_hashes(judge_folder)}
     settings_file = out / "settings.json"

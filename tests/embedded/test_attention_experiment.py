@@ -107,6 +107,11 @@ def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys, monkeyp
     rebuilt = tmp_path / "rebuilt" / "digits-c2i-softmax"
     shutil.copytree(vae, rebuilt / "vae")
     (rebuilt / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"other weights")
+    # --vae / --judge name the folders that are hashed and used
+    assert main(["reproduce", "--smoke", "--output", str(out), "--vae", str(rebuilt / "vae")]) == 2
+    assert "another VAE or judge" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="judge folder .* has no judge_config.json"):
+        run_experiment(out, s, judge=rebuilt)
     monkeypatch.setattr(attention_experiment, "embedded_model", lambda task, attention: rebuilt)
     with pytest.raises(ValueError, match="another VAE or judge"):
         run_experiment(out, s)

@@ -1,5 +1,6 @@
 """The committed `mhla reproduce` results (``docs/reproduce/``): made by the committed command with its
-default settings, from the committed digits VAE and judge, and the README shows exactly that table."""
+default settings, from the digits VAE and judge committed beside them (``docs/reproduce/inputs/``), and the
+README shows exactly that table."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 from pathlib import Path
 
 from mhla_diffusion.embedded.attention_experiment import ExperimentSettings, summarise, table_markdown
-from mhla_diffusion.embedded.locations import embedded_judge, embedded_model, weight_hashes
+from mhla_diffusion.embedded.attention_experiment import check_digits_vae
+from mhla_diffusion.embedded.locations import weight_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "reproduce"
+INPUTS = RESULTS / "inputs"
 
 
 def _report() -> dict:
@@ -21,8 +24,8 @@ def _report() -> dict:
 def test_report_comes_from_the_default_settings_and_the_committed_vae_and_judge():
     report = _report()
     assert report["settings"] == dataclasses.asdict(ExperimentSettings())
-    assert report["inputs_sha256"] == {"vae": weight_hashes(embedded_model("class-to-image", "softmax") / "vae"),
-                                       "judge": weight_hashes(embedded_judge("image"))}
+    assert report["inputs_sha256"] == {"vae": weight_hashes(INPUTS / "vae"), "judge": weight_hashes(INPUTS / "judge")}
+    check_digits_vae(json.loads((INPUTS / "vae" / "config.json").read_text()))
     s = ExperimentSettings()
     assert len(report["runs"]) == len(s.variants) * len(s.token_counts) * len(s.seeds)
     assert max(s.token_counts) >= 1024 and len(s.seeds) >= 2  # the issue's minimum

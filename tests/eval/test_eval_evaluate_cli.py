@@ -67,8 +67,10 @@ def test_reference_file_round_trip_gives_the_same_distances(standin, tmp_path):
     from_folder = evaluate(ArrayImages(gen), load_reference(tmp_path / "ref_images"), standin, progress=False)
     from_file = evaluate(ArrayImages(gen), load_reference(ref_npz), standin, progress=False)
     assert from_file["reference"]["statistics"] == "stored in the file"
+    # not bit for bit: the file's statistics came from batches of 8, and a CPU's convolution kernels may round a
+    # feature differently in another batch size (~1e-9 relative on FID measured)
     for key in ("fid", "sfid", "inception_score"):
-        assert from_file["metrics"][key] == pytest.approx(from_folder["metrics"][key], rel=1e-9)
+        assert from_file["metrics"][key] == pytest.approx(from_folder["metrics"][key], rel=1e-7)
     assert from_file["reference"]["images"] == 10  # P/R used arr_0 only
     with pytest.raises(FileExistsError):
         make_reference(ArrayImages(ref), standin, ref_npz, progress=False)

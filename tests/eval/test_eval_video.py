@@ -165,7 +165,7 @@ def test_judge_metrics_of_the_embedded_models_clips(judge_videos, videos, tmp_pa
     assert set(judge["accuracy"]) == {"shape", "colour", "direction", "all"} and np.isfinite(judge["fid"])
     assert judge["accuracy"]["all"] >= 0.75  # real clips: the judge reads nearly all of them
     assert main(["eval-video", "--samples", str(videos), "--judge", "embedded", "--metrics", "judge",
-                 "--output", str(output)]) == 2  # FVD-length clips are not the judge's
+                 "--output", str(tmp_path / "fvd-length.json")]) == 2  # FVD-length clips are not the judge's
     assert f"the embedded video judge takes clips of {NUM_FRAMES} frames" in capsys.readouterr().err
 
 
