@@ -323,6 +323,7 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
     for name, folder, config in (("vae", vae_folder, "config.json"), ("judge", judge_folder, "judge_config.json")):
         if not (folder / config).is_file():
             raise FileNotFoundError(f"{name} folder {folder} has no {config}: give the folder that holds it")
+    check_digits_vae(json.loads((vae_folder / "config.json").read_text()))  # before anything is written to ``out``
     out.mkdir(parents=True, exist_ok=True)
     # the runs depend on the VAE and the judge too: a rebuild of the embedded models must not reuse old runs
     inputs = {"vae": weight_hashes(vae_folder), "judge": weight_hashes(judge_folder)}
@@ -336,7 +337,6 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
 
     judge = load_judge(judge_folder)
     vae = AutoencoderKL.from_pretrained(vae_folder).eval()
-    check_digits_vae(vae.config)
     split = split_digits(seed=s.split_seed)
     data: dict[Any, Any] = {"reference": split.test_images, "vae": vae}
     for tokens in s.token_counts:

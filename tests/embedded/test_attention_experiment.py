@@ -12,8 +12,8 @@ import torch
 from mhla_diffusion.cli import main
 from mhla_diffusion.conversion import get_mhla_conversion
 from mhla_diffusion.embedded.attention_experiment import (VARIANTS, ExperimentSettings, _new_model, check_digits_vae,
-                                                          effective_rank,
-                                                          geometry_for, mhla_layout, run_experiment, summarise)
+                                                          effective_rank, geometry_for, mhla_layout, run_experiment,
+                                                          summarise)
 from mhla_diffusion.embedded import attention_experiment
 from mhla_diffusion.embedded.build import settings_with
 from mhla_diffusion.embedded.locations import embedded_model, weight_hashes
@@ -37,7 +37,7 @@ def test_token_counts_map_to_image_size_and_latent_grid():
         geometry_for(1000)
 
 
-def test_a_vae_other_than_the_experiments_is_refused_by_name():
+def test_a_vae_other_than_the_experiments_is_refused_by_name(tmp_path):
     from diffusers import AutoencoderKL
 
     check_digits_vae(AutoencoderKL.load_config(embedded_model("class-to-image", "softmax") / "vae"))
@@ -45,6 +45,10 @@ def test_a_vae_other_than_the_experiments_is_refused_by_name():
                           up_block_types=("UpDecoderBlock2D",) * 3, latent_channels=8, norm_num_groups=4)
     with pytest.raises(ValueError, match=r"compresses 4x into 8 channels.*2x and 4 channels.*VAE_FACTOR"):
         check_digits_vae(other.config)
+    other.save_config(tmp_path / "vae")  # given as --vae: refused before the output folder is made
+    with pytest.raises(ValueError, match=r"compresses 4x into 8 channels"):
+        run_experiment(tmp_path / "out", ExperimentSettings.smoke(), vae=tmp_path / "vae")
+    assert not (tmp_path / "out").exists()
 
 
 def test_variants_differ_only_in_attention():

@@ -64,13 +64,14 @@ def test_reference_file_round_trip_gives_the_same_distances(standin, tmp_path):
         subset = data["arr_0"]
     assert all(any((img == r).all() for r in ref) for img in subset)  # the subset holds reference images
 
-    from_folder = evaluate(ArrayImages(gen), load_reference(tmp_path / "ref_images"), standin, progress=False)
-    from_file = evaluate(ArrayImages(gen), load_reference(ref_npz), standin, progress=False)
+    # the same batch size as the file's: a CPU's convolution kernels may round a feature differently in another
+    # batch size (FIDs 1.3e-9 apart relative, measured on an AMD EPYC), which is not what this test is about
+    from_folder = evaluate(ArrayImages(gen), load_reference(tmp_path / "ref_images"), standin, batch_size=8,
+                           progress=False)
+    from_file = evaluate(ArrayImages(gen), load_reference(ref_npz), standin, batch_size=8, progress=False)
     assert from_file["reference"]["statistics"] == "stored in the file"
-    # not bit for bit: the file's statistics came from batches of 8, and a CPU's convolution kernels may round a
-    # feature differently in another batch size (~1e-9 relative on FID measured)
     for key in ("fid", "sfid", "inception_score"):
-        assert from_file["metrics"][key] == pytest.approx(from_folder["metrics"][key], rel=1e-7)
+        assert from_file["metrics"][key] == pytest.approx(from_folder["metrics"][key], rel=1e-9)
     assert from_file["reference"]["images"] == 10  # P/R used arr_0 only
     with pytest.raises(FileExistsError):
         make_reference(ArrayImages(ref), standin, ref_npz, progress=False)
