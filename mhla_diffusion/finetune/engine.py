@@ -81,6 +81,7 @@ class TaskParts:
     ema_warmup: bool = False
     data_metrics: dict[str, int] | None = None
     finish: Callable[[nn.Module], None] | None = None  # after the final save (e.g. write a pipeline folder)
+    enter_stage: Callable[[str], None] | None = None  # told "transfer" or "train" as a stage begins
     # (unwrapped model, sample indices) -> uint8 (n, H, W, 3) images for validation FID; every process
     fid_samples: Callable[[nn.Module, list[int]], Any] | None = None
 
@@ -337,6 +338,8 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
             stage = wanted
             _enter_stage(stage, unwrapped, union, transfer_names, e2e_names, options.gradient_checkpointing)
             progress.set_description(stage)
+            if parts.enter_stage is not None:
+                parts.enter_stage(stage)
             if stage == "train" and transfer_steps and state.global_step == transfer_steps and ema is not None:
                 ema.shadow_params = [p.clone().detach() for p in (params[n] for n in e2e_names)]
         stage_optimizer = transfer_optimizer if stage == "transfer" else optimizer

@@ -80,6 +80,9 @@ class TrainOptions:
     attention_transfer_params: str = "auto"  # attention (MHLA + the layer's q/k/v/o, norms) | mhla (new parameters
     # only; far weaker) | auto (attention, or mhla when trainable is mhla / lora, whose outputs keep only those)
     attention_transfer_teacher_forcing: bool = True  # later layers see the softmax output, not the student's
+    # --- EMA of the trained weights (saved as `final` and in the pipeline; raw weights as `final-no-ema`)
+    ema_decay: float = 0.0  # 0 turns EMA off
+    ema_warmup: bool = False  # False: constant decay from the first step (DiT's reference); True: Diffusers' warmup
     # --- checkpoints and outputs
     checkpointing_steps: int = 500
     checkpoints_total_limit: int | None = 3
@@ -137,6 +140,8 @@ class TrainOptions:
         for name in ("learning_rate", "attention_transfer_lr", "adam_epsilon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"`ema_decay` must be in [0, 1) (0 = no EMA), got {self.ema_decay}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be in [0, 1), got {getattr(self, name)}")
@@ -229,9 +234,18 @@ class WanTrainOptions(TrainOptions):
     # split each clip's tokens across this many processes (sequence parallelism; data parallelism across the
     # groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it
     context_parallel_degree: int = 1
+    # Output distillation of an MHLA student (attention: mhla) from its softmax original (pretrained_model's own
+    # transformer, frozen): the end-to-end loss becomes (1 - w) * MSE(prediction, noise - x0)
+    # + w * MSE(prediction, the original's prediction for the same noisy latents, timestep and text).
+    distillation_weight: float = 0.0  # w in [0, 1]; 0 = off
 
     def validate(self) -> None:
         super().validate()
+        if not 0 <= self.distillation_weight <= 1:
+            raise ValueError(f"`distillation_weight` must be in [0, 1] (0 = off), got {self.distillation_weight}")
+        if self.distillation_weight and self.attention == "softmax":
+            raise ValueError("distillation_weight distils an MHLA student from its softmax original, but attention: "
+                             "softmax trains the original itself: set distillation_weight: 0, or use attention: mhla")
         _at_least("context_parallel_degree", self.context_parallel_degree, 1)
         if self.context_parallel_degree > 1:
             if self.attention_transfer_steps:
@@ -313,8 +327,7 @@ class DiTTrainOptions(TrainOptions):
     class_dropout: float = 0.1  # labels replaced by the null class (num_classes) for classifier-free guidance
     random_flip: bool = True
     flip_coin_per_batch: bool = False  # with random_flip: one coin per batch (all flipped or none), as released DiT
-    ema_decay: float = 0.9999  # 0 turns EMA off
-    ema_warmup: bool = False  # False: constant decay from the first step, as the reference
+    ema_decay: float = 0.9999  # the reference's EMA
     clamp_mixing: bool = True  # clamp mixing coefficients to [0, 1] after every step, as the reference
     learned_sigma_loss: str = "vb"  # vb (MSE + variational bound, as DiT) | none; used when the model predicts sigma
     class_map: dict | None = None  # folder name -> class id; default: numeric folder names, else sorted order
@@ -348,8 +361,6 @@ class DiTTrainOptions(TrainOptions):
                              "set cache_latents: true")
         if not 0 <= self.class_dropout <= 1:
             raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"`ema_decay` must be in [0, 1) (0 = no EMA), got {self.ema_decay}")
         _choice("learned_sigma_loss", self.learned_sigma_loss, ("vb", "none"))
         if self.validation_fid_reference and self.validation_fid_samples < 2:
             raise ValueError(f"`validation_fid_samples` must be >= 2 (FID takes a covariance), got {self.validation_fid_samples}")

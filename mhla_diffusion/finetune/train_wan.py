@@ -7,6 +7,8 @@ trained with flow matching.
 Recipe (defaults, MHLA reference): logit-normal timesteps (0, 1) with shift 3, target noise - x0,
 plain MSE; AdamW 2e-5 (0.9, 0.999, eps 1e-10, wd 0) with linear warmup then constant; clip 0.1;
 bf16; gradient checkpointing; caption dropout 0.1 to the empty prompt. See ``finetune/README.md``.
+Options beyond the recipe: ``distillation_weight`` (an MHLA student also matches its frozen softmax
+original's output) and ``ema_decay`` (an EMA of the trained weights is what the run saves).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class WanTask(Task):
         self.vae = self.text_encoder = self.tokenizer = None
         self.cache: LatentCache | None = None
         self._prompt_cache: dict[str, torch.Tensor] = {}
+        self.original: nn.Module | None = None  # the frozen softmax original (distillation_weight > 0)
+        self.stage = "train"
 
     # ------------------------------------------------------------------ setup
 
@@ -108,7 +112,13 @@ class WanTask(Task):
             data_metrics=report.metrics(),
             finish=self.save_pipeline if o.save_pipeline else None,
             fid_samples=self.fid_samples,
+            ema_decay=o.ema_decay,
+            ema_warmup=o.ema_warmup,
+            enter_stage=self._enter_stage,
         )
+
+    def _enter_stage(self, stage: str) -> None:
+        self.stage = stage
 
     def _index_data(self, accelerator) -> tuple[list[VideoSample], DataReport]:
         from accelerate.utils import gather_object
@@ -153,6 +163,13 @@ class WanTask(Task):
         transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
+        if o.distillation_weight:
+            if how == "saved":
+                raise ValueError(f"distillation_weight distils from the softmax original, but {o.pretrained_model} "
+                                 "holds an MHLA transformer: give the softmax pipeline it was converted from as "
+                                 "pretrained_model (and its MHLA weights as mhla_weights), or set distillation_weight: 0")
+            original = load_softmax_transformer(o.pretrained_model, o.revision, resolve_dtype(o.frozen_dtype, accelerator))
+            self.original = original.eval().requires_grad_(False).to(accelerator.device)
         if accelerator.is_main_process:
             logger.info("%s", get_mhla_conversion(transformer).summary())
         return transformer.train()
@@ -312,7 +329,8 @@ class WanTask(Task):
         return self._prompt_cache[prompt]
 
     def batch_loss(self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-        """Flow-matching loss of one batch. Random draws in a fixed order: caption dropout, latents, timesteps/noise."""
+        """Flow-matching loss of one batch (with ``distillation_weight``: mixed with the MSE to the softmax original's
+        prediction for the same inputs). Random draws in a fixed order: caption dropout, latents, timesteps/noise."""
         o = self.options
         size = batch["indices"].shape[0]
         drop = (torch.rand(size, generator=generator, device=generator.device) < o.caption_dropout).tolist()
@@ -328,7 +346,15 @@ class WanTask(Task):
         text = pad_prompt_embeds([e.to(self.device) for e in embeds], o.max_sequence_length).float()
         prediction = model(hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text,
                            return_dict=False)[0]
-        return flow_match_loss(prediction, inputs.target), {}
+        loss = flow_match_loss(prediction, inputs.target)
+        if self.original is None or self.stage == "transfer":  # attention transfer uses only its layer losses
+            return loss, {}
+        with torch.no_grad():
+            target = self.original(hidden_states=inputs.noisy.to(self.original.dtype), timestep=inputs.timesteps,
+                                   encoder_hidden_states=text.to(self.original.dtype), return_dict=False)[0]
+        distillation = flow_match_loss(prediction, target)
+        w = o.distillation_weight
+        return (1 - w) * loss + w * distillation, {"data_loss": loss.detach(), "distillation_loss": distillation.detach()}
 
     # ------------------------------------------------------------------ outputs
 
