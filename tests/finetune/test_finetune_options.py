@@ -32,6 +32,7 @@ def test_reference_recipe_defaults():
     assert (wan.lr_scheduler, wan.max_grad_norm, wan.mixed_precision) == ("constant_with_warmup", 0.1, "bf16")
     assert (wan.logit_mean, wan.logit_std, wan.flow_shift, wan.caption_dropout) == (0.0, 1.0, 3.0, 0.1)
     assert wan.gradient_checkpointing and wan.num_frames == 81 and wan.train_batch_size == 4
+    assert (wan.ema_decay, wan.distillation_weight) == (0.0, 0.0)  # neither is part of the reference recipe
     dit = options_from_dict(DiTTrainOptions, REQUIRED)
     assert (dit.learning_rate, dit.lr_scheduler, dit.max_grad_norm, dit.ema_decay) == (1e-4, "constant", 0.0, 0.9999)
     assert dit.clamp_mixing and dit.class_dropout == 0.1 and dit.learned_sigma_loss == "vb"
