@@ -106,6 +106,10 @@ class BuildSettings:
     # student matches its teacher without them.
     video_student_lepe: bool = True
     video_student_gate: bool = True
+    # The video student's end-to-end loss: (1 - w) x flow matching + w x the error to its softmax teacher's
+    # prediction (the trainer's distillation_weight); and the EMA decay of its weights (0 = none).
+    video_student_distillation: float = 0.0
+    video_student_ema: float = 0.0
     video_batch_size: int = 8
     # Flow-matching shift of the video model's training noise levels and of its sampler. A flat-coloured shape
     # stays visible in a clip's frames of noise up to sigma ~0.95, so where it goes is decided above that; with
@@ -259,13 +263,15 @@ def _run_values(work: Path, s: BuildSettings, run: str, data: str, pretrained: P
 
 
 def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
-                   mhla: dict[str, Any] | None, transfer: int) -> "WanTrainOptions":  # noqa: F821
+                   mhla: dict[str, Any] | None, transfer: int, distillation: float = 0.0,
+                   ema: float = 0.0) -> "WanTrainOptions":  # noqa: F821
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
     values = _run_values(work, s, f"t2v-{name}", "shapes", pretrained, steps, lr, mhla, transfer)
     values.update(height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
-                  caption_dropout=0.1, train_batch_size=s.video_batch_size, flow_shift=s.video_flow_shift)
+                  caption_dropout=0.1, train_batch_size=s.video_batch_size, flow_shift=s.video_flow_shift,
+                  distillation_weight=distillation, ema_decay=ema, ema_warmup=ema > 0)
     return options_from_dict(WanTrainOptions, values)
 
 
@@ -322,7 +328,7 @@ def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
         seconds[f"t2v-{name}"] = _train_run(work, train_wan, _video_options(
             work, s, name, work / "runs" / "t2v-softmax" / "pipeline", s.video_student_steps, s.student_lr,
             _student_mhla(name, VIDEO_LAYOUT, s.video_student_lepe, s.video_student_gate),
-            s.video_transfer_steps if transfer else 0))
+            s.video_transfer_steps if transfer else 0, s.video_student_distillation, s.video_student_ema))
         seconds[f"c2i-{name}"] = _train_run(work, train_dit, _image_options(
             work, s, name, work / "runs" / "c2i-softmax" / "pipeline", s.image_student_steps, s.student_lr,
             _student_mhla(name, IMAGE_LAYOUT), s.image_transfer_steps if transfer else 0))
@@ -528,7 +534,7 @@ _FIRST_STAGE = {
     **dict.fromkeys(["video_teacher_steps", "image_teacher_steps", "video_batch_size", "image_batch_size",
                      "teacher_lr"], "teachers"),
     **dict.fromkeys(["video_student_steps", "video_transfer_steps", "video_student_lepe", "video_student_gate",
-                     "image_student_steps", "image_transfer_steps", "student_lr"], "students"),
+                     "video_student_distillation", "video_student_ema", "image_student_steps", "image_transfer_steps", "student_lr"], "students"),
     **dict.fromkeys(["eval_clips", "eval_images", "eval_batch_size", "video_sample_steps", "image_sample_steps",
                      "video_guidance_scale", "image_guidance_scale"], "evaluate"),
 }
