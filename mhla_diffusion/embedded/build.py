@@ -477,7 +477,7 @@ def _folder_mb(folder: Path) -> float:
 
 def build_demo_models(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None = None,
                       overwrite: bool = False, on_step: Callable[[str, int], None] | None = None,
-                      figure: str | Path | None = None) -> dict[str, Any]:
+                      figure: str | Path | None = None, from_build: str | Path | None = None) -> dict[str, Any]:
     """Run every stage (resuming a previous run in ``work_dir``, inside the stage it was killed in);
     returns the stage results.
 
@@ -485,22 +485,28 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
     non-empty ``output`` is replaced only with ``overwrite`` (checked before any work starts).
     ``on_step(part, step)`` is called after every training step of every part (``video-vae``, ``t2v-softmax``, ...).
     ``figure``: where the export also copies the MHLA / softmax side-by-side figure (e.g. ``docs/...png``).
+    ``from_build``: a folder a finished build exported to (its ``build_report.json`` and models); a new
+    ``work_dir`` starts with that build's judges, VAEs and teachers (:func:`_start_from_build`), so only
+    the data (seconds), the students and the evaluation run.
     """
     global _ON_STEP
     _ON_STEP = on_step
     try:
-        return _build(work_dir, output, settings, overwrite, None if figure is None else Path(figure))
+        return _build(work_dir, output, settings, overwrite, None if figure is None else Path(figure),
+                      None if from_build is None else Path(from_build))
     finally:
         _ON_STEP = None
 
 
 def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None,
-           overwrite: bool, figure: Path | None) -> dict[str, Any]:
+           overwrite: bool, figure: Path | None, from_build: Path | None = None) -> dict[str, Any]:
     s = settings or BuildSettings()
     work = Path(work_dir)
     out = Path(output) if output is not None else None
     if out is not None and out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} already holds models; pass --overwrite to replace them or choose another --output")
+    if from_build is not None:
+        _start_from_build(work, from_build, s)
     work.mkdir(parents=True, exist_ok=True)
     settings_file = work / "settings.json"
     wanted = dataclasses.asdict(s)
@@ -521,6 +527,68 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
         report["export"] = _export(work, out, s, report, figure)
     report["total_seconds"] = round(sum(v.get("seconds", 0) for v in report.values() if isinstance(v, dict)), 1)
     return report
+
+
+# ---------------------------------------------------------------------------- starting from a finished build
+
+#: The stages a build can take over from an exported build, and what each left in the work dir that later
+#: stages read: (folder in the export, folder in the work dir). The data is made again (seeded, seconds);
+#: the base pipelines only fed the teachers.
+_REUSABLE: dict[str, list[tuple[str, str]]] = {
+    "judges": [("judges/video", "judges/video"), ("judges/image", "judges/image")],
+    "autoencoders": [("shapes-t2v-softmax/vae", "autoencoders/video"), ("digits-c2i-softmax/vae", "autoencoders/image")],
+    "base": [],
+    "teachers": [("shapes-t2v-softmax", "runs/t2v-softmax/pipeline"), ("digits-c2i-softmax", "runs/c2i-softmax/pipeline")],
+}
+
+
+def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
+    """Fill a new ``work`` with the judges, VAEs and teachers of the build exported to ``source``, and mark
+    their stages finished with that build's results and seconds (``reused_from`` says where they came
+    from). Everything is checked before anything is written: the settings those stages used must be
+    ``s``'s, and the models must be the ones ``source/build_report.json`` lists (same SHA-256).
+    A ``work`` this function already filled from ``source`` is left as it is (a killed build resumes); the
+    copies are made in ``<work>.partial`` and renamed, so ``work`` is never half filled."""
+    marker = work / "stages" / "teachers.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("reused_from") == str(source):
+        return
+    if work.exists() and any(work.iterdir()):
+        raise FileExistsError(f"--from-build starts a new work dir, but {work} already holds a build; "
+                              "choose an empty --work-dir")
+    report_file = source / "build_report.json"
+    if not report_file.is_file():
+        raise FileNotFoundError(f"--from-build {source}: no build_report.json there; give the folder a finished "
+                                "build exported to (e.g. mhla_diffusion/embedded/models)")
+    report = json.loads(report_file.read_text())
+    wanted = dataclasses.asdict(s)
+    changed = sorted(k for k, v in report["settings"].items()
+                     if k != "checkpoint_every" and _FIRST_STAGE.get(k, "data") in ("data", *_REUSABLE) and wanted.get(k) != v)
+    if changed:
+        before = report["settings"]
+        raise ValueError(f"--from-build {source}: that build's judges, VAEs or teachers were made with other settings "
+                         f"({', '.join(f'{k} {before[k]} -> {wanted.get(k)}' for k in changed)}); "
+                         "only student and evaluation settings may change; run a full build for the others")
+    for stage, pairs in _REUSABLE.items():
+        for exported, _ in pairs:
+            expected = {k: v for k, v in report["weights_sha256"].items() if k.startswith(exported + "/")}
+            found = {f"{exported}/{k}": v for k, v in weight_hashes(source / exported).items()}
+            if not expected or found != expected:
+                raise ValueError(f"--from-build {source}: the weights in {source / exported} are not the ones its "
+                                 "build_report.json lists (changed after that build?); use the folder as exported")
+    partial = work.with_name(work.name + ".partial")  # renamed to ``work`` once complete
+    if partial.exists():
+        shutil.rmtree(partial)
+    for stage, pairs in _REUSABLE.items():
+        for exported, target in pairs:
+            shutil.copytree(source / exported, partial / target)
+        (partial / "stages").mkdir(parents=True, exist_ok=True)
+        result = {**report["stages"][stage], "reused_from": str(source)}
+        (partial / "stages" / f"{stage}.json").write_text(json.dumps(result, indent=2))
+    (partial / "settings.json").write_text(json.dumps(report["settings"], indent=2))
+    if work.exists():
+        work.rmdir()  # empty (checked above)
+    partial.rename(work)
+    logger.info("work dir %s starts from the build in %s (judges, VAEs and teachers)", work, source)
 
 
 # ---------------------------------------------------------------------------- settings
