@@ -38,6 +38,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figure", type=Path, default=None,
                    help="also copy the MHLA / softmax side-by-side figure there (the README's: "
                    "docs/embedded-side-by-side.png)")
+    p.add_argument("--from-build", type=Path, default=None, metavar="DIR",
+                   help="start a new --work-dir from the judges, VAEs and teachers of the build exported to DIR (its "
+                   "build_report.json and models, e.g. mhla_diffusion/embedded/models): only the data, the students "
+                   "and the evaluation run (for new student or evaluation settings)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable; names: the fields "
                    "of mhla_diffusion.embedded.build.BuildSettings)")
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # memory only from its first MHLA call on (cpu_memory). MHLA_KEEP_MALLOC=1 opts out
     retain_freed_memory()
     report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite,
-                               figure=None if args.no_export else args.figure)
+                               figure=None if args.no_export else args.figure, from_build=args.from_build)
     print((args.work_dir / "reproduction.md").read_text())
     print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
     return 0

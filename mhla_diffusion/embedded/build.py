@@ -31,7 +31,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,9 +63,9 @@ logger = logging.getLogger(__name__)
 STUDENTS: dict[str, tuple[str, bool, bool]] = {
     "mhla": ("all", False, True),
 }
-#: MHLA block layouts: video token grid 5x12x12 -> 16 blocks of 5x3x3 tokens (every block spans the
-#: clip, so motion stays inside a block); digits 16x16 -> 16 blocks of 4x4 (DiT-XL/2's layout).
-VIDEO_LAYOUT, IMAGE_LAYOUT = (1, 4, 4), (4, 4)
+#: MHLA block layout of the digits student: 16x16 tokens -> 16 blocks of 4x4 (DiT-XL/2's layout); the video
+#: student's is a setting (``BuildSettings.video_student_layout``).
+IMAGE_LAYOUT = (4, 4)
 #: Video VAE: 2x spatial and 2x temporal compression, 4 latent channels (9x48x48 -> 4x5x24x24).
 #: Wan2.1 compresses 8x spatially and 4x in time; a VAE this small, trained for minutes on a CPU, that
 #: compresses 4x spatially rounded every outline (real clips through it: shape read right 40-67 % of
@@ -104,8 +104,16 @@ class BuildSettings:
     # student. After 1,200 steps (96 samples) plain MHLA read 95.8 % all-three-right with judge FID 120.6
     # (teacher: 100 %, 75.4), with LePE 99.0 % and 98.0, with LePE and gate 99.0 % and 93.8. The digits
     # student matches its teacher without them.
+    # The video student's MHLA block layout on its 5x12x12 token grid: 1x6x6 = 36 blocks of 5x2x2 tokens, each
+    # spanning the clip in time. On the first 192 evaluation clips (from the same teacher, 1,200 steps, LePE and
+    # gate) 1x4x4 (16 blocks of 5x3x3) scored judge FID 82.7 (1.19x the teacher's), 1x6x6 79.5 (1.15x).
+    video_student_layout: list[int] = field(default_factory=lambda: [1, 6, 6])
     video_student_lepe: bool = True
     video_student_gate: bool = True
+    # The video student's end-to-end loss: (1 - w) x flow matching + w x the error to its softmax teacher's
+    # prediction (the trainer's distillation_weight); and the EMA decay of its weights (0 = none).
+    video_student_distillation: float = 0.0
+    video_student_ema: float = 0.0
     video_batch_size: int = 8
     # Flow-matching shift of the video model's training noise levels and of its sampler. A flat-coloured shape
     # stays visible in a clip's frames of noise up to sigma ~0.95, so where it goes is decided above that; with
@@ -118,7 +126,8 @@ class BuildSettings:
     image_batch_size: int = 32
     teacher_lr: float = 7e-4
     student_lr: float = 2e-4
-    eval_clips: int = 96
+    # 480 clips: five disjoint sets of 96 clips of the same model scored judge FID 85.5 to 107.7
+    eval_clips: int = 480
     eval_images: int = 250
     eval_batch_size: int = 16
     video_sample_steps: int = embedded_defaults().video_steps
@@ -259,13 +268,15 @@ def _run_values(work: Path, s: BuildSettings, run: str, data: str, pretrained: P
 
 
 def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
-                   mhla: dict[str, Any] | None, transfer: int) -> "WanTrainOptions":  # noqa: F821
+                   mhla: dict[str, Any] | None, transfer: int, distillation: float = 0.0,
+                   ema: float = 0.0) -> "WanTrainOptions":  # noqa: F821
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
     values = _run_values(work, s, f"t2v-{name}", "shapes", pretrained, steps, lr, mhla, transfer)
     values.update(height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
-                  caption_dropout=0.1, train_batch_size=s.video_batch_size, flow_shift=s.video_flow_shift)
+                  caption_dropout=0.1, train_batch_size=s.video_batch_size, flow_shift=s.video_flow_shift,
+                  distillation_weight=distillation, ema_decay=ema, ema_warmup=ema > 0)
     return options_from_dict(WanTrainOptions, values)
 
 
@@ -321,8 +332,8 @@ def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
     for name, (_, _, transfer) in STUDENTS.items():
         seconds[f"t2v-{name}"] = _train_run(work, train_wan, _video_options(
             work, s, name, work / "runs" / "t2v-softmax" / "pipeline", s.video_student_steps, s.student_lr,
-            _student_mhla(name, VIDEO_LAYOUT, s.video_student_lepe, s.video_student_gate),
-            s.video_transfer_steps if transfer else 0))
+            _student_mhla(name, tuple(s.video_student_layout), s.video_student_lepe, s.video_student_gate),
+            s.video_transfer_steps if transfer else 0, s.video_student_distillation, s.video_student_ema))
         seconds[f"c2i-{name}"] = _train_run(work, train_dit, _image_options(
             work, s, name, work / "runs" / "c2i-softmax" / "pipeline", s.image_student_steps, s.student_lr,
             _student_mhla(name, IMAGE_LAYOUT), s.image_transfer_steps if transfer else 0))
@@ -471,7 +482,7 @@ def _folder_mb(folder: Path) -> float:
 
 def build_demo_models(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None = None,
                       overwrite: bool = False, on_step: Callable[[str, int], None] | None = None,
-                      figure: str | Path | None = None) -> dict[str, Any]:
+                      figure: str | Path | None = None, from_build: str | Path | None = None) -> dict[str, Any]:
     """Run every stage (resuming a previous run in ``work_dir``, inside the stage it was killed in);
     returns the stage results.
 
@@ -479,22 +490,28 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
     non-empty ``output`` is replaced only with ``overwrite`` (checked before any work starts).
     ``on_step(part, step)`` is called after every training step of every part (``video-vae``, ``t2v-softmax``, ...).
     ``figure``: where the export also copies the MHLA / softmax side-by-side figure (e.g. ``docs/...png``).
+    ``from_build``: a folder a finished build exported to (its ``build_report.json`` and models); a new
+    ``work_dir`` starts with that build's judges, VAEs and teachers (:func:`_start_from_build`), so only
+    the data (seconds), the students and the evaluation run.
     """
     global _ON_STEP
     _ON_STEP = on_step
     try:
-        return _build(work_dir, output, settings, overwrite, None if figure is None else Path(figure))
+        return _build(work_dir, output, settings, overwrite, None if figure is None else Path(figure),
+                      None if from_build is None else Path(from_build))
     finally:
         _ON_STEP = None
 
 
 def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None,
-           overwrite: bool, figure: Path | None) -> dict[str, Any]:
+           overwrite: bool, figure: Path | None, from_build: Path | None = None) -> dict[str, Any]:
     s = settings or BuildSettings()
     work = Path(work_dir)
     out = Path(output) if output is not None else None
     if out is not None and out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} already holds models; pass --overwrite to replace them or choose another --output")
+    if from_build is not None:
+        _start_from_build(work, from_build, s)
     work.mkdir(parents=True, exist_ok=True)
     settings_file = work / "settings.json"
     wanted = dataclasses.asdict(s)
@@ -517,6 +534,68 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
     return report
 
 
+# ---------------------------------------------------------------------------- starting from a finished build
+
+#: The stages a build can take over from an exported build, and what each left in the work dir that later
+#: stages read: (folder in the export, folder in the work dir). The data is made again (seeded, seconds);
+#: the base pipelines only fed the teachers.
+_REUSABLE: dict[str, list[tuple[str, str]]] = {
+    "judges": [("judges/video", "judges/video"), ("judges/image", "judges/image")],
+    "autoencoders": [("shapes-t2v-softmax/vae", "autoencoders/video"), ("digits-c2i-softmax/vae", "autoencoders/image")],
+    "base": [],
+    "teachers": [("shapes-t2v-softmax", "runs/t2v-softmax/pipeline"), ("digits-c2i-softmax", "runs/c2i-softmax/pipeline")],
+}
+
+
+def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
+    """Fill a new ``work`` with the judges, VAEs and teachers of the build exported to ``source``, and mark
+    their stages finished with that build's results and seconds (``reused_from`` says where they came
+    from). Everything is checked before anything is written: the settings those stages used must be
+    ``s``'s, and the models must be the ones ``source/build_report.json`` lists (same SHA-256).
+    A ``work`` this function already filled from ``source`` is left as it is (a killed build resumes); the
+    copies are made in ``<work>.partial`` and renamed, so ``work`` is never half filled."""
+    marker = work / "stages" / "teachers.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("reused_from") == str(source):
+        return
+    if work.exists() and any(work.iterdir()):
+        raise FileExistsError(f"--from-build starts a new work dir, but {work} already holds a build; "
+                              "choose an empty --work-dir")
+    report_file = source / "build_report.json"
+    if not report_file.is_file():
+        raise FileNotFoundError(f"--from-build {source}: no build_report.json there; give the folder a finished "
+                                "build exported to (e.g. mhla_diffusion/embedded/models)")
+    report = json.loads(report_file.read_text())
+    wanted = dataclasses.asdict(s)
+    changed = sorted(k for k, v in report["settings"].items()
+                     if k != "checkpoint_every" and _FIRST_STAGE.get(k, "data") in ("data", *_REUSABLE) and wanted.get(k) != v)
+    if changed:
+        before = report["settings"]
+        raise ValueError(f"--from-build {source}: that build's judges, VAEs or teachers were made with other settings "
+                         f"({', '.join(f'{k} {before[k]} -> {wanted.get(k)}' for k in changed)}); "
+                         "only student and evaluation settings may change; run a full build for the others")
+    for stage, pairs in _REUSABLE.items():
+        for exported, _ in pairs:
+            expected = {k: v for k, v in report["weights_sha256"].items() if k.startswith(exported + "/")}
+            found = {f"{exported}/{k}": v for k, v in weight_hashes(source / exported).items()}
+            if not expected or found != expected:
+                raise ValueError(f"--from-build {source}: the weights in {source / exported} are not the ones its "
+                                 "build_report.json lists (changed after that build?); use the folder as exported")
+    partial = work.with_name(work.name + ".partial")  # renamed to ``work`` once complete
+    if partial.exists():
+        shutil.rmtree(partial)
+    for stage, pairs in _REUSABLE.items():
+        for exported, target in pairs:
+            shutil.copytree(source / exported, partial / target)
+        (partial / "stages").mkdir(parents=True, exist_ok=True)
+        result = {**report["stages"][stage], "reused_from": str(source)}
+        (partial / "stages" / f"{stage}.json").write_text(json.dumps(result, indent=2))
+    (partial / "settings.json").write_text(json.dumps(report["settings"], indent=2))
+    if work.exists():
+        work.rmdir()  # empty (checked above)
+    partial.rename(work)
+    logger.info("work dir %s starts from the build in %s (judges, VAEs and teachers)", work, source)
+
+
 # ---------------------------------------------------------------------------- settings
 
 #: The first stage that uses each setting; the others' default: ``data``.
@@ -527,8 +606,8 @@ _FIRST_STAGE = {
     **dict.fromkeys(["video_layers", "video_heads", "image_layers", "image_heads", "video_flow_shift"], "base"),
     **dict.fromkeys(["video_teacher_steps", "image_teacher_steps", "video_batch_size", "image_batch_size",
                      "teacher_lr"], "teachers"),
-    **dict.fromkeys(["video_student_steps", "video_transfer_steps", "video_student_lepe", "video_student_gate",
-                     "image_student_steps", "image_transfer_steps", "student_lr"], "students"),
+    **dict.fromkeys(["video_student_steps", "video_transfer_steps", "video_student_layout", "video_student_lepe", "video_student_gate",
+                     "video_student_distillation", "video_student_ema", "image_student_steps", "image_transfer_steps", "student_lr"], "students"),
     **dict.fromkeys(["eval_clips", "eval_images", "eval_batch_size", "video_sample_steps", "image_sample_steps",
                      "video_guidance_scale", "image_guidance_scale"], "evaluate"),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
 import yaml
@@ -67,9 +68,9 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     for row in rows:
         assert 0 <= float(row["fid"]) and (row["seconds_per_sample"] == "" or float(row["seconds_per_sample"]) > 0)
     layouts = {r["model"]: r["layout"] for r in rows}
-    assert layouts["MHLA (all layers)"] in ("1x4x4", "4x4")
+    assert layouts["MHLA (all layers)"] in ("x".join(map(str, BuildSettings.smoke().video_student_layout)), "4x4")
     wan = MHLAWanPipeline.from_pretrained(embedded_model("text-to-video", "mhla", root=out))
-    assert wan.mhla is not None and wan.mhla.layout == (1, 4, 4)
+    assert wan.mhla is not None and wan.mhla.layout == tuple(BuildSettings.smoke().video_student_layout) == (1, 6, 6)
     teacher = MHLAWanPipeline.from_pretrained(embedded_model("text-to-video", "softmax", root=out))
     assert teacher.mhla is None
     # the video models sample with the noise-level shift they were trained with
@@ -154,3 +155,58 @@ def test_settings_overrides_are_checked():
     assert settings_with(BuildSettings(), ["video_student_gate=true"]).video_student_gate is True
     with pytest.raises(ValueError, match="must be of type bool"):
         settings_with(BuildSettings(), ["video_student_lepe=no"])
+
+
+def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_path):
+    """``--from-build``: a new work dir starts with the exported judges, VAEs and teachers; only the data,
+    the students (here with another step count) and the evaluation run, and the report keeps the
+    reused stages' results and seconds with where they came from."""
+    import dataclasses
+
+    from mhla_diffusion.embedded.locations import weight_hashes
+
+    root, first, _ = smoke_build
+    source = root / "out"
+    settings = dataclasses.replace(BuildSettings.smoke(), video_student_steps=2)
+    steps: list[str] = []
+    report = build_demo_models(tmp_path / "work", tmp_path / "out", settings, from_build=source,
+                               on_step=lambda part, step: steps.append(part))
+    assert set(steps) == {"t2v-mhla", "c2i-mhla"} and steps.count("t2v-mhla") == settings.video_transfer_steps + 2
+    for stage in ("judges", "autoencoders", "base", "teachers"):
+        assert report[stage] == {**first[stage], "reused_from": str(source)}
+    assert "reused_from" not in report["data"] and "reused_from" not in report["students"]
+    saved, before = (json.loads((folder / "build_report.json").read_text()) for folder in (tmp_path / "out", source))
+    assert saved["settings"] == dataclasses.asdict(settings) and saved["weights_sha256"] == weight_hashes(tmp_path / "out")
+
+    def kept(hashes):  # the teachers (with their VAEs) and the judges
+        return {k: v for k, v in hashes.items() if "-softmax/" in k or k.startswith("judges/")}
+    assert kept(saved["weights_sha256"]) == kept(before["weights_sha256"]) and kept(before["weights_sha256"])
+    assert saved["weights_sha256"] != before["weights_sha256"]  # the students were trained again
+    # the same command again finds every stage finished (a killed build resumes the same way)
+    again = build_demo_models(tmp_path / "work", None, settings, from_build=source)
+    assert again["students"] == report["students"]
+
+
+def test_build_from_a_finished_build_checks_before_any_work(smoke_build, tmp_path):
+    import dataclasses
+
+    root, _, _ = smoke_build
+    source = root / "out"
+    work = tmp_path / "work"
+    other = dataclasses.replace(BuildSettings.smoke(), video_teacher_steps=3)
+    with pytest.raises(ValueError, match="video_teacher_steps 2 -> 3.*only student and evaluation settings may change"):
+        build_demo_models(work, None, other, from_build=source)
+    with pytest.raises(FileNotFoundError, match="no build_report.json"):
+        build_demo_models(work, None, BuildSettings.smoke(), from_build=tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    weights = next((copy / "shapes-t2v-softmax" / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + b" ")
+    with pytest.raises(ValueError, match="not the ones its build_report.json lists"):
+        build_demo_models(work, None, BuildSettings.smoke(), from_build=copy)
+    assert not work.exists() and not (tmp_path / "work.partial").exists()
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="choose an empty --work-dir"):
+        build_demo_models(work, None, BuildSettings.smoke(), from_build=source)
+    assert (work / "notes.txt").read_text() == "mine"
