@@ -20,6 +20,9 @@ Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it fin
 A stage killed part-way resumes from its last checkpoint inside the stage on the next run (judges,
 VAEs and trainers save every ``checkpoint_every`` steps; the evaluation keeps each scored model).
 
+``--from-build DIR`` starts a new work dir from the judges, VAEs and teachers of a build exported to
+``DIR`` (:func:`_start_from_build`): new student or evaluation settings without training the rest again.
+
 ``--smoke`` runs every stage with a handful of steps and samples (the CI check of this command).
 The command line is :mod:`mhla_diffusion.cli.build_embedded`.
 """
@@ -573,7 +576,7 @@ def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
         raise ValueError(f"--from-build {source}: that build's judges, VAEs or teachers were made with other settings "
                          f"({', '.join(f'{k} {before[k]} -> {wanted.get(k)}' for k in changed)}); "
                          "only student and evaluation settings may change; run a full build for the others")
-    for stage, pairs in _REUSABLE.items():
+    for pairs in _REUSABLE.values():
         for exported, _ in pairs:
             expected = {k: v for k, v in report["weights_sha256"].items() if k.startswith(exported + "/")}
             found = {f"{exported}/{k}": v for k, v in weight_hashes(source / exported).items()}
