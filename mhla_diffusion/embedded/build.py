@@ -568,13 +568,11 @@ def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
         raise FileNotFoundError(f"--from-build {source}: no build_report.json there; give the folder a finished "
                                 "build exported to (e.g. mhla_diffusion/embedded/models)")
     report = json.loads(report_file.read_text())
-    wanted = dataclasses.asdict(s)
-    changed = sorted(k for k, v in report["settings"].items()
-                     if k != "checkpoint_every" and _FIRST_STAGE.get(k, "data") in ("data", *_REUSABLE) and wanted.get(k) != v)
+    before, wanted = report["settings"], dataclasses.asdict(s)
+    changed = [k for k in _changed_settings(before, wanted) if _FIRST_STAGE.get(k, "data") in ("data", *_REUSABLE)]
     if changed:
-        before = report["settings"]
         raise ValueError(f"--from-build {source}: that build's judges, VAEs or teachers were made with other settings "
-                         f"({', '.join(f'{k} {before[k]} -> {wanted.get(k)}' for k in changed)}); "
+                         f"({_describe_changes(changed, before, wanted)}); "
                          "only student and evaluation settings may change; run a full build for the others")
     for pairs in _REUSABLE.values():
         for exported, _ in pairs:
@@ -620,16 +618,24 @@ def _check_settings_change(work: Path, before: dict[str, Any], after: dict[str, 
     """A rerun may change the settings of stages that have not finished yet (a longer teacher budget, say,
     while the VAE is still training); changing what a finished stage was built with is refused.
     ``checkpoint_every`` may always change."""
-    changed = sorted(k for k in after if before.get(k) != after[k] and k != "checkpoint_every")
+    changed = _changed_settings(before, after)
     if not changed:
         return
     done = [k for k in changed if (work / "stages" / f"{_FIRST_STAGE.get(k, 'data')}.json").is_file()]
     if done:
         raise ValueError(f"{work} holds a build with other settings ({work / 'settings.json'}): "
-                         f"{', '.join(f'{k} {before.get(k)} -> {after[k]}' for k in done)} would change stages that have "
+                         f"{_describe_changes(done, before, after)} would change stages that have "
                          "already finished; use another --work-dir or delete that folder")
-    logger.info("settings changed for stages not finished yet: %s",
-                ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in changed))
+    logger.info("settings changed for stages not finished yet: %s", _describe_changes(changed, before, after))
+
+
+def _changed_settings(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The settings ``after`` gives another value than ``before`` (``checkpoint_every`` never counts)."""
+    return sorted(k for k in after if before.get(k) != after[k] and k != "checkpoint_every")
+
+
+def _describe_changes(keys: list[str], before: dict[str, Any], after: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in keys)
 
 
 def settings_with(settings: Any, overrides: list[str]) -> Any:
