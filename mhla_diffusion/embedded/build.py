@@ -344,26 +344,20 @@ def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
             "video_transfer_steps": s.video_transfer_steps, "image_transfer_steps": s.image_transfer_steps}
 
 
-def _layout_of(pipe) -> str:
+def _attention_and_layout(pipe) -> tuple[str, str]:
+    """The attention (``softmax``, ``MHLA`` or ``MHLA + LePE + gate``) and block layout (``1x6x6``, with
+    ``(k/n layers)`` when only some layers are converted, ``-`` for softmax), read from the model, not from
+    its run's name."""
     from ..conversion import get_mhla_conversion
 
     conversion = get_mhla_conversion(pipe.transformer)
     if conversion is None:
-        return "-"
-    layers = len(conversion.layer_names)
-    total = conversion.num_layers
-    return "x".join(map(str, conversion.layout)) + ("" if layers == total else f" ({layers}/{total} layers)")
-
-
-def _attention_of(pipe) -> str:
-    """``softmax``, ``MHLA`` or ``MHLA + LePE + gate``: read from the model, not from its run's name."""
-    from ..conversion import get_mhla_conversion
-
-    conversion = get_mhla_conversion(pipe.transformer)
-    if conversion is None:
-        return "softmax"
+        return "softmax", "-"
     config = conversion.config
-    return " + ".join(["MHLA", *(["LePE"] if config.lepe else []), *(["gate"] if config.gate else [])])
+    attention = " + ".join(["MHLA", *(["LePE"] if config.lepe else []), *(["gate"] if config.gate else [])])
+    layers, total = len(conversion.layer_names), conversion.num_layers
+    layout = "x".join(map(str, conversion.layout)) + ("" if layers == total else f" ({layers}/{total} layers)")
+    return attention, layout
 
 
 def _row(task: str, model: str, scored: tuple[dict[str, float], dict], count: int, attention: str = "-",
@@ -387,8 +381,9 @@ def _model_rows(work: Path, task: str, prefix: str, pipeline_cls: type, sample: 
             samples, times = sample(pipe)
             accuracy, metrics = score(samples)
             scored.parent.mkdir(parents=True, exist_ok=True)
-            scored.write_text(json.dumps({"accuracy": accuracy, "metrics": metrics, "layout": _layout_of(pipe),
-                                          "attention": _attention_of(pipe), "seconds": median_seconds(times)}))
+            attention, layout = _attention_and_layout(pipe)
+            scored.write_text(json.dumps({"accuracy": accuracy, "metrics": metrics, "layout": layout,
+                                          "attention": attention, "seconds": median_seconds(times)}))
         saved = json.loads(scored.read_text())
         rows.append(_row(task, _model_name(name), (saved["accuracy"], saved["metrics"]), count, saved["attention"],
                          saved["layout"], saved["seconds"]))
@@ -558,8 +553,10 @@ def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
     A ``work`` this function already filled from ``source`` is left as it is (a killed build resumes); the
     copies are made in ``<work>.partial`` and renamed, so ``work`` is never half filled."""
     marker = work / "stages" / "teachers.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("reused_from") == str(source):
-        return
+    if marker.is_file():
+        reused_from = json.loads(marker.read_text()).get("reused_from")
+        if reused_from is not None and Path(reused_from).resolve() == source.resolve():
+            return
     if work.exists() and any(work.iterdir()):
         raise FileExistsError(f"--from-build starts a new work dir, but {work} already holds a build; "
                               "choose an empty --work-dir")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -157,7 +158,7 @@ def test_settings_overrides_are_checked():
         settings_with(BuildSettings(), ["video_student_lepe=no"])
 
 
-def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_path):
+def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_path, monkeypatch):
     """``--from-build``: a new work dir starts with the exported judges, VAEs and teachers; only the data,
     the students (here with another step count) and the evaluation run, and the report keeps the
     reused stages' results and seconds with where they came from."""
@@ -182,8 +183,10 @@ def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_p
         return {k: v for k, v in hashes.items() if "-softmax/" in k or k.startswith("judges/")}
     assert kept(saved["weights_sha256"]) == kept(before["weights_sha256"]) and kept(before["weights_sha256"])
     assert saved["weights_sha256"] != before["weights_sha256"]  # the students were trained again
-    # the same command again finds every stage finished (a killed build resumes the same way)
-    again = build_demo_models(tmp_path / "work", None, settings, from_build=source)
+    # the same command again finds every stage finished (a killed build resumes the same way), also with
+    # the source folder spelt another way (relative here, absolute the first time)
+    monkeypatch.chdir(root)
+    again = build_demo_models(tmp_path / "work", None, settings, from_build=Path("out"))
     assert again["students"] == report["students"]
 
 
