@@ -108,8 +108,10 @@ class BuildSettings:
     # (teacher: 100 %, 75.4), with LePE 99.0 % and 98.0, with LePE and gate 99.0 % and 93.8. The digits
     # student matches its teacher without them.
     # The video student's MHLA block layout on its 5x12x12 token grid: 1x6x6 = 36 blocks of 5x2x2 tokens, each
-    # spanning the clip in time. On the first 192 evaluation clips (from the same teacher, 1,200 steps, LePE and
-    # gate) 1x4x4 (16 blocks of 5x3x3) scored judge FID 82.7 (1.19x the teacher's), 1x6x6 79.5 (1.15x).
+    # spanning the clip in time. In trials on the first 192 evaluation clips (from the committed teacher, 1,200
+    # steps, LePE and gate; one such trial: ``mhla build-embedded --from-build mhla_diffusion/embedded/models
+    # --no-export --set eval_clips=192 --set video_student_layout=1,4,4``) 1x4x4 (16 blocks of 5x3x3) scored
+    # judge FID 82.7 (1.19x the teacher's), 1x6x6 79.5 (1.15x).
     video_student_layout: list[int] = field(default_factory=lambda: [1, 6, 6])
     video_student_lepe: bool = True
     video_student_gate: bool = True
@@ -129,7 +131,8 @@ class BuildSettings:
     image_batch_size: int = 32
     teacher_lr: float = 7e-4
     student_lr: float = 2e-4
-    # 480 clips: five disjoint sets of 96 clips of the same model scored judge FID 85.5 to 107.7
+    # 480 clips: in a trial outside the build, five disjoint sets of 96 clips of one model scored judge FID
+    # 85.5 to 107.7
     eval_clips: int = 480
     eval_images: int = 250
     eval_batch_size: int = 16
@@ -604,8 +607,9 @@ _FIRST_STAGE = {
     **dict.fromkeys(["video_layers", "video_heads", "image_layers", "image_heads", "video_flow_shift"], "base"),
     **dict.fromkeys(["video_teacher_steps", "image_teacher_steps", "video_batch_size", "image_batch_size",
                      "teacher_lr"], "teachers"),
-    **dict.fromkeys(["video_student_steps", "video_transfer_steps", "video_student_layout", "video_student_lepe", "video_student_gate",
-                     "video_student_distillation", "video_student_ema", "image_student_steps", "image_transfer_steps", "student_lr"], "students"),
+    **dict.fromkeys(["video_student_steps", "video_transfer_steps", "video_student_layout", "video_student_lepe",
+                     "video_student_gate", "video_student_distillation", "video_student_ema", "image_student_steps",
+                     "image_transfer_steps", "student_lr"], "students"),
     **dict.fromkeys(["eval_clips", "eval_images", "eval_batch_size", "video_sample_steps", "image_sample_steps",
                      "video_guidance_scale", "image_guidance_scale"], "evaluate"),
 }
