@@ -37,7 +37,7 @@ from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layou
 from .cpu_memory import retain_freed_memory_on_first_use
 from .geometry import check_equal_blocks
 
-__all__ = ["mhla_attention", "normalization_mode", "validate_attention_inputs"]
+__all__ = ["mhla_attention", "normalization_mode", "validate_attention_inputs", "without_autocast"]
 
 _MODES = {True: "denominator", False: "none", "denominator": "denominator", "none": "none",
           "scalar_mixed_denominator": "scalar_mixed_denominator"}
@@ -122,6 +122,13 @@ def _check_plan(
     return grid, layout
 
 
+def without_autocast(device: torch.device) -> torch.autocast:
+    """A context in which ``device``'s autocast is off, so the operator's products run in the dtype it
+    chose (float32 for half inputs) whether or not the caller enabled ``torch.autocast`` (as
+    accelerate's bf16 mixed precision does): training and inference then compute alike."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulate in float32 for half types, keep float32/float64 as they are."""
     return torch.promote_types(dtype, torch.float32)
@@ -174,7 +181,8 @@ def mhla_attention(
     temporary of a call at video length is page-faulted in again, which costs more than the arithmetic.
 
     Returns:
-        ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32.
+        ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32, inside
+        ``torch.autocast`` too (the operator's products never take autocast's lower precision).
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan)
     normalize = normalization_mode(normalize)
@@ -187,17 +195,18 @@ def mhla_attention(
     if normalize == "scalar_mixed_denominator" and plan.valid is not None:  # the plan knows if blocks are uneven
         check_equal_blocks(grid, layout)
     heads = q.shape[2]
-    if heads_per_chunk is None or heads_per_chunk >= heads:
-        return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize, eps)
-    out = v.new_empty(v.shape)
-    for start in range(0, heads, heads_per_chunk):
-        h = slice(start, start + heads_per_chunk)
-        chunk = lambda x: None if x is None else x[:, :, h]  # noqa: E731
-        out[:, :, h] = _mhla_blocks(
-            q[:, :, h], k[:, :, h], v[:, :, h], plan, mixing if mixing.ndim == 2 else mixing[h],
-            chunk(q_rot), chunk(k_rot), normalize, eps,
-        )
-    return out
+    with without_autocast(q.device):
+        if heads_per_chunk is None or heads_per_chunk >= heads:
+            return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize, eps)
+        out = v.new_empty(v.shape)
+        for start in range(0, heads, heads_per_chunk):
+            h = slice(start, start + heads_per_chunk)
+            chunk = lambda x: None if x is None else x[:, :, h]  # noqa: E731
+            out[:, :, h] = _mhla_blocks(
+                q[:, :, h], k[:, :, h], v[:, :, h], plan, mixing if mixing.ndim == 2 else mixing[h],
+                chunk(q_rot), chunk(k_rot), normalize, eps,
+            )
+        return out
 
 
 def _mhla_blocks(

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .attention import _compute_dtype, normalization_mode, validate_attention_inputs
+from .attention import _compute_dtype, normalization_mode, validate_attention_inputs, without_autocast
 from .block_layout import BlockPlan, block_plan
 from .geometry import check_equal_blocks
 from .sequence_split import split_sizes
@@ -390,52 +390,53 @@ def mhla_attention_context_parallel(
     if local_plan is None:
         local_plan = local_block_plan(plan, shard.start, shard.stop)
 
-    batch, _, heads, d = q.shape
-    dv = v.shape[-1]
-    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-    m, ml, pl = plan.num_blocks, local_plan.num_blocks, local_plan.block_len
-    mask = None if local_plan.valid is None else local_plan.valid[:, :, None].to(dtype)
+    with without_autocast(q.device):  # float32 products for half inputs, inside autocast too
+        batch, _, heads, d = q.shape
+        dv = v.shape[-1]
+        dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
+        m, ml, pl = plan.num_blocks, local_plan.num_blocks, local_plan.block_len
+        mask = None if local_plan.valid is None else local_plan.valid[:, :, None].to(dtype)
 
-    def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
-        # (B, N_local, H, e) -> (B, H, M_l, P_l, e); padded slots zeroed where they would add to a sum
-        xb = x.transpose(1, 2).index_select(2, local_plan.gather).view(batch, heads, ml, pl, x.shape[-1]).to(dtype)
-        return xb * mask if zero_padding and mask is not None else xb
+        def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
+            # (B, N_local, H, e) -> (B, H, M_l, P_l, e); padded slots zeroed where they would add to a sum
+            xb = x.transpose(1, 2).index_select(2, local_plan.gather).view(batch, heads, ml, pl, x.shape[-1]).to(dtype)
+            return xb * mask if zero_padding and mask is not None else xb
 
-    # partial summaries of this process's tokens, placed at their global block index
-    k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
-    partial = (k_hat.transpose(-1, -2) @ to_blocks(v)).flatten(-2)  # S_j (local part): (B, H, M_l, D*Dv)
-    if normalize != "none":
-        k_plain = k_hat if k_rot is None else to_blocks(k, zero_padding=True)
-        partial = torch.cat((partial, k_plain.sum(dim=3)), dim=-1)  # with z_j: (B, H, M_l, D*Dv + D)
-    summaries = partial.new_zeros((batch, heads, m, partial.shape[-1])).index_copy(2, local_plan.blocks, partial)
-    summaries = all_reduce_sum(summaries, shard.group, reduce_dtype)  # every block's S_j (and z_j)
+        # partial summaries of this process's tokens, placed at their global block index
+        k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
+        partial = (k_hat.transpose(-1, -2) @ to_blocks(v)).flatten(-2)  # S_j (local part): (B, H, M_l, D*Dv)
+        if normalize != "none":
+            k_plain = k_hat if k_rot is None else to_blocks(k, zero_padding=True)
+            partial = torch.cat((partial, k_plain.sum(dim=3)), dim=-1)  # with z_j: (B, H, M_l, D*Dv + D)
+        summaries = partial.new_zeros((batch, heads, m, partial.shape[-1])).index_copy(2, local_plan.blocks, partial)
+        summaries = all_reduce_sum(summaries, shard.group, reduce_dtype)  # every block's S_j (and z_j)
 
-    mix = mixing.to(dtype)
-    rows = mix.index_select(-2, local_plan.blocks)  # W[o, :] of the local blocks: (M_l, M) or (H, M_l, M)
-    if rows.ndim == 3:
-        rows = rows[None]
-    q_hat = to_blocks(q if q_rot is None else q_rot)
-    if normalize == "scalar_mixed_denominator":
-        mixed = rows @ summaries[..., : d * dv]  # S̃_o of the local blocks
-    else:
-        mixed = rows @ summaries  # S̃_o (and z̃_o): (B, H, M_l, D*Dv [+ D])
-    out = q_hat @ mixed[..., : d * dv].unflatten(-1, (d, dv))  # (B, H, M_l, P_l, Dv)
-    out = out.flatten(2, 3).transpose(1, 2).index_select(1, local_plan.scatter)  # token order: (B, N_l, H, Dv)
+        mix = mixing.to(dtype)
+        rows = mix.index_select(-2, local_plan.blocks)  # W[o, :] of the local blocks: (M_l, M) or (H, M_l, M)
+        if rows.ndim == 3:
+            rows = rows[None]
+        q_hat = to_blocks(q if q_rot is None else q_rot)
+        if normalize == "scalar_mixed_denominator":
+            mixed = rows @ summaries[..., : d * dv]  # S̃_o of the local blocks
+        else:
+            mixed = rows @ summaries  # S̃_o (and z̃_o): (B, H, M_l, D*Dv [+ D])
+        out = q_hat @ mixed[..., : d * dv].unflatten(-1, (d, dv))  # (B, H, M_l, P_l, Dv)
+        out = out.flatten(2, 3).transpose(1, 2).index_select(1, local_plan.scatter)  # token order: (B, N_l, H, Dv)
 
-    if normalize == "denominator":
-        q_plain = q_hat if q_rot is None else to_blocks(q)
-        denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mixed[..., d * dv :])  # q_(o,w) · z̃_o
-        denominator = denominator.flatten(2, 3).transpose(1, 2).index_select(1, local_plan.scatter)  # (B, N_l, H)
-        out = out / (denominator + eps).unsqueeze(-1)
-    elif normalize == "scalar_mixed_denominator":
-        # q_(j,w) · z_j for this process's tokens, placed at (j, w); the sum over processes holds every position
-        key_sum = summaries[..., d * dv :]  # z_j: (B, H, M, D)
-        own_sum = key_sum.index_select(2, local_plan.blocks).index_select(2, local_plan.block_of)  # (B, H, N_l, D)
-        scalars = (q.to(dtype).transpose(1, 2) * own_sum).sum(-1)  # (B, H, N_l)
-        slot = local_plan.blocks[local_plan.block_of] * plan.block_len + local_plan.position
-        every = scalars.new_zeros((batch, heads, m * plan.block_len)).index_copy(2, slot, scalars)
-        every = all_reduce_sum(every, shard.group, reduce_dtype).view(batch, heads, m, plan.block_len)
-        denominator = rows @ every  # Σ_j W[o, j] q_(j,w) · z_j for the local blocks o: (B, H, M_l, P)
-        denominator = denominator[:, :, local_plan.block_of, local_plan.position]  # (B, H, N_l)
-        out = out / (denominator + eps).transpose(1, 2).unsqueeze(-1)
-    return out.to(v.dtype)
+        if normalize == "denominator":
+            q_plain = q_hat if q_rot is None else to_blocks(q)
+            denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mixed[..., d * dv :])  # q_(o,w) · z̃_o
+            denominator = denominator.flatten(2, 3).transpose(1, 2).index_select(1, local_plan.scatter)  # (B, N_l, H)
+            out = out / (denominator + eps).unsqueeze(-1)
+        elif normalize == "scalar_mixed_denominator":
+            # q_(j,w) · z_j for this process's tokens, placed at (j, w); the sum over processes holds every position
+            key_sum = summaries[..., d * dv :]  # z_j: (B, H, M, D)
+            own_sum = key_sum.index_select(2, local_plan.blocks).index_select(2, local_plan.block_of)  # (B, H, N_l, D)
+            scalars = (q.to(dtype).transpose(1, 2) * own_sum).sum(-1)  # (B, H, N_l)
+            slot = local_plan.blocks[local_plan.block_of] * plan.block_len + local_plan.position
+            every = scalars.new_zeros((batch, heads, m * plan.block_len)).index_copy(2, slot, scalars)
+            every = all_reduce_sum(every, shard.group, reduce_dtype).view(batch, heads, m, plan.block_len)
+            denominator = rows @ every  # Σ_j W[o, j] q_(j,w) · z_j for the local blocks o: (B, H, M_l, P)
+            denominator = denominator[:, :, local_plan.block_of, local_plan.position]  # (B, H, N_l)
+            out = out / (denominator + eps).transpose(1, 2).unsqueeze(-1)
+        return out.to(v.dtype)

@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import MHLAConfig
 from .conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
+from .processors.base import kept_in_fp32
 from .processors.grid import TokenGridContext
 
 __all__ = [
@@ -143,9 +144,12 @@ def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 def dtype_on_load(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype Diffusers' ``from_pretrained(dtype=dtype)`` gives ``model``'s floating tensor ``name``: float32
     inside the modules the class keeps in float32 (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
-    norms, modulation tables), ``dtype`` everywhere else."""
+    norms, modulation tables) and for the MHLA parameters the processors keep in float32
+    (:data:`~mhla_diffusion.processors.base.FP32_PARAMETERS`), ``dtype`` everywhere else."""
     keep = getattr(model, "_keep_in_fp32_modules", None) or ()
-    return torch.float32 if any(part in keep for part in name.split(".")) else dtype
+    if any(part in keep for part in name.split(".")) or (kept_in_fp32(name) and dtype.itemsize < 4):
+        return torch.float32
+    return dtype
 
 
 def check_model_matches(transformer: nn.Module, meta: dict[str, Any]) -> None:

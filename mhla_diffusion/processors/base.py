@@ -28,7 +28,22 @@ from ..geometry import check_equal_blocks
 from ..mixing import mixing_init
 from .grid import TokenGridContext
 
-__all__ = ["MHLAProcessor", "apply_interleaved_rotary"]
+__all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "kept_in_fp32"]
+
+#: The processor parameters (by first name component) that stay float32 when the model is cast to a half
+#: type, as Diffusers' ``_keep_in_fp32_modules`` keeps its norms: the block mixing stays near its
+#: initialisation, where bf16's 8-bit mantissa drops small updates (1 + 1e-3 rounds to 1), and the
+#: norms are tiny and computed in float32 anyway. The gate and LePE follow the model's dtype like the
+#: q/k/v projections beside them.
+FP32_PARAMETERS = ("mixing", "out_norm", "input_norm")
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def kept_in_fp32(name: str) -> bool:
+    """Whether the transformer's tensor ``name`` (``<layer>.processor.<parameter>``) stays float32."""
+    _, found, parameter = name.partition(".processor.")
+    return bool(found) and parameter.split(".")[0] in FP32_PARAMETERS
 
 
 def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,6 +110,18 @@ class MHLAProcessor(nn.Module):
                     self.lepe.weight.zero_()
                     self.lepe.weight[(slice(None), 0) + (1,) * self.num_axes] = 1.0
                     self.lepe.bias.zero_()
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # Every cast (model.to(dtype), .bfloat16(), .half(), Diffusers' from_pretrained) comes through here:
+        # FP32_PARAMETERS keep their float32 values and follow only the move to another device.
+        kept = {name: param.data for name, param in self.named_parameters()
+                if name.split(".")[0] in FP32_PARAMETERS and param.dtype not in _HALF}
+        super()._apply(fn, recurse)
+        for name, param in self.named_parameters():
+            if name.split(".")[0] in FP32_PARAMETERS and param.dtype in _HALF:
+                original = kept.get(name)
+                param.data = param.data.float() if original is None else original.to(device=param.device)
+        return self
 
     @property
     def num_blocks(self) -> int:

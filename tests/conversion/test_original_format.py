@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, get_mhla_conversion
 from mhla_diffusion.load_benchmark import in_weight_file_mapping
+from mhla_diffusion.processors.base import kept_in_fp32
 from mhla_diffusion.original_format import (
     empty_original_wan,
     empty_wan_transformer,
@@ -227,9 +228,11 @@ def test_import_in_another_dtype_converts_each_tensor_once(tmp_path):
     imported = load_original_wan(path, layout=(2, 2, 3), attention_head_dim=12, rope_max_seq_len=32, dtype=torch.bfloat16)
     keep = imported._keep_in_fp32_modules
     params = dict(imported.named_parameters())
-    fp32 = {n for n, p in params.items() if any(part in keep for part in n.split("."))}
+    # as Diffusers' from_pretrained keeps them, and MHLA's mixing and norms (processors.base.FP32_PARAMETERS)
+    fp32 = {n for n, p in params.items() if any(part in keep for part in n.split(".")) or kept_in_fp32(n)}
     assert fp32 and "blocks.0.norm2.weight" in fp32 and "scale_shift_table" in fp32
-    assert {n for n, p in params.items() if p.dtype == torch.float32} == fp32  # as Diffusers' from_pretrained keeps them
+    assert "blocks.1.attn1.processor.mixing" in fp32
+    assert {n for n, p in params.items() if p.dtype == torch.float32} == fp32
     assert all(p.dtype == torch.bfloat16 for n, p in params.items() if n not in fp32)
     assert outside({n: params[n] for n in fp32}, path) == []  # unchanged dtype: still the file's data
     assert outside({"blocks.1.attn1.processor.gate.weight": params["blocks.1.attn1.processor.gate.weight"]},
