@@ -29,7 +29,8 @@ divides the grid), so that position ``w`` exists in every block. Extra cost O(N 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from contextlib import nullcontext
+from typing import ContextManager, Sequence
 
 import torch
 
@@ -122,10 +123,13 @@ def _check_plan(
     return grid, layout
 
 
-def without_autocast(device: torch.device) -> torch.autocast:
+def without_autocast(device: torch.device) -> ContextManager:
     """A context in which ``device``'s autocast is off, so the operator's products run in the dtype it
     chose (float32 for half inputs) whether or not the caller enabled ``torch.autocast`` (as
-    accelerate's bf16 mixed precision does): training and inference then compute alike."""
+    accelerate's bf16 mixed precision does): training and inference then compute alike. Devices
+    without autocast (``meta``) get a context that does nothing."""
+    if not torch.amp.is_autocast_available(device.type):
+        return nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 

@@ -574,3 +574,72 @@ if __name__ == "__main__":  # the fresh measuring process: python -m mhla_diffus
     _spec = BenchSpec.from_json(json.loads(sys.argv[1]))
     _result = measure(_spec, lambda text: print(text, file=sys.stderr, flush=True), fresh_process=True)
     print(json.dumps(_result))
+
+
+#: Wan2.1-1.3B's self-attention: 12 heads of 128 channels.
+WAN_13B_HEADS, WAN_13B_HEAD_DIM = 12, 128
+
+TRAFFIC_COLUMNS = (
+    ("grid", "grid", ""), ("tokens", "N", ",d"), ("setting", "setting", ""), ("layout", "layout", ""),
+    ("blocks", "M", "d"), ("path", "path", ""), ("gigabytes", "GB moved", ".2f"), ("units", "U", ".1f"),
+    ("floor_units", "floor U", ".1f"), ("over_floor", "x floor", ".1f"),
+)
+
+
+def traffic_settings() -> dict[str, "MHLAConfig"]:
+    """The settings ``mhla bench --traffic`` counts: the paper's (denominator, nothing around it) and the
+    released Wan-MHLA one (no denominator, per-head output RMSNorm, SiLU gate), both on 3x5x10 blocks."""
+    from .config import MHLAConfig
+
+    return {"paper": MHLAConfig(layout=(3, 5, 10)), "released": MHLAConfig.released_wan()}
+
+
+def wan_attention_traffic(
+    grid: Sequence[int],
+    config: "MHLAConfig",
+    *,
+    heads: int = WAN_13B_HEADS,
+    head_dim: int = WAN_13B_HEAD_DIM,
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+) -> dict[str, Any]:
+    """Bytes moved by one MHLA self-attention of a Wan layer (the processor's path from projected ``q, k,
+    v`` to the attention output: feature map, RoPE, blocks, products, denominator, output norm and gate),
+    counted on meta tensors (:mod:`mhla_diffusion.ops.traffic`). Returns a row of :data:`TRAFFIC_COLUMNS`
+    with the busiest ops under ``ops``."""
+    from .ops.traffic import count_traffic, floor_bytes
+    from .processors.grid import TokenGridContext
+    from .processors.wan import WanMHLAProcessor
+
+    grid = tuple(int(g) for g in grid)
+    layout = tuple(config.layout)
+    n, inner = math.prod(grid), heads * head_dim
+    context = TokenGridContext()
+    context.set_grid(grid)
+    processor = WanMHLAProcessor(heads, head_dim, layout, config, context).to(device="meta", dtype=dtype)
+    meta = dict(device="meta", dtype=dtype)
+    layer_input = torch.empty(batch, n, inner, **meta)
+    q, k, v = (torch.empty(batch, n, heads, head_dim, **meta) for _ in range(3))
+    rotary = tuple(torch.empty(1, n, 1, head_dim, device="meta", dtype=torch.float32) for _ in range(2))
+    counter = count_traffic(lambda: processor.attend(layer_input, q, k, v, rotary))
+    unit = batch * n * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    blocks = num_blocks(layout)
+    floor = floor_bytes(batch, n, heads, head_dim, head_dim, blocks, dtype)
+    busiest = sorted(counter.by_op.items(), key=lambda item: -(item[1][1] + item[1][2]))[:8]
+    return {
+        "grid": "x".join(map(str, grid)), "tokens": n, "layout": "x".join(map(str, layout)), "blocks": blocks,
+        "dtype": str(dtype).removeprefix("torch."), "gigabytes": counter.total / 1e9, "units": counter.total / unit,
+        "floor_units": floor / unit, "over_floor": counter.total / floor, "unit_bytes": unit,
+        "ops": {name: {"calls": calls, "units": (read + written) / unit} for name, (calls, read, written) in busiest},
+    }
+
+
+def traffic_table(grids: Sequence[Sequence[int]] = ((21, 30, 50), (21, 30, 52)),
+                  dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """:func:`wan_attention_traffic` of the eager PyTorch path for every grid and :func:`traffic_settings`
+    entry (Wan2.1-1.3B shapes)."""
+    rows = []
+    for grid in grids:
+        for setting, config in traffic_settings().items():
+            rows.append({**wan_attention_traffic(grid, config, dtype=dtype), "setting": setting, "path": "eager PyTorch"})
+    return rows

@@ -64,6 +64,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "by --output (with --write-readme: put them into the README)")
     p.add_argument("--write-readme", type=Path, metavar="README", help="also write the tables into README between "
                    "<!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)")
+    traffic = p.add_argument_group("traffic (--traffic): bytes moved by one MHLA attention call, counted, not timed")
+    traffic.add_argument("--traffic", action="store_true", help="count the bytes every op of one Wan2.1-1.3B MHLA "
+                         "self-attention call reads and writes (meta tensors: nothing is computed, any machine), in U = "
+                         "N x H x D x 2 bytes and as a multiple of the floor (q, k, v read and the output written once, "
+                         "plus the float32 block summaries written and read once)")
+    traffic.add_argument("--traffic-grid", action="append", type=parse_sizes,
+                         help="token grid to count (repeatable; default 21x30x50 and 21x30x52)")
     load = p.add_argument_group("loading (--load): peak memory and time of loading a full-size Wan transformer")
     load.add_argument("--load", action="store_true", help="measure loading instead of attention: the published "
                       "Wan config with random weights made here, each load in a fresh process (Linux)")
@@ -78,6 +85,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.load:
         return run_load(args)
+    if args.traffic:
+        return run_traffic(args)
     import json
     import sys
 
@@ -133,6 +142,30 @@ def _measure(args: argparse.Namespace) -> dict:
     if device.type == "cpu":
         return measure_in_fresh_process(spec)
     return measure(spec, lambda text: print(text, file=sys.stderr, flush=True))
+
+
+def run_traffic(args: argparse.Namespace) -> int:
+    """``mhla bench --traffic``: the table of :func:`mhla_diffusion.bench.traffic_table`."""
+    import json
+
+    import torch
+
+    from ..bench import TRAFFIC_COLUMNS, format_table, traffic_table
+
+    grids = args.traffic_grid or [(21, 30, 50), (21, 30, 52)]
+    for grid in grids:
+        if len(grid) != 3:
+            raise ValueError(f"--traffic-grid must be frames x height x width, e.g. 21x30x50; got {grid}")
+    if args.output is not None and args.output.exists():
+        raise FileExistsError(f"{args.output} exists; choose another --output")
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    rows = traffic_table(grids, dtype)
+    print(f"# mhla bench --traffic: one MHLA self-attention call of Wan2.1-1.3B (12 heads x 128, {dtype}), "
+          f"counted op by op on meta tensors; U = N x 12 x 128 x {dtype.itemsize} bytes\n")
+    print(format_table(rows, TRAFFIC_COLUMNS))
+    if args.output is not None:
+        args.output.write_text(json.dumps({"traffic": rows}, indent=2) + "\n")
+    return 0
 
 
 def run_load(args: argparse.Namespace) -> int:
