@@ -75,3 +75,14 @@ def test_bench_traffic_prints_the_table(tmp_path, capsys):
     assert out.exists()
     assert main(["bench", "--traffic", "--traffic-grid", "3x4"]) == 2
     assert "--traffic-grid must be frames x height x width" in capsys.readouterr().err
+
+
+def test_the_readme_table_is_what_the_command_prints(capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert main(["bench", "--traffic"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 21x30x5")]
+    assert len(rows) == 4
+    for row in rows:
+        assert row in readme
