@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import ContextManager, Sequence
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -38,7 +39,8 @@ from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layou
 from .cpu_memory import retain_freed_memory_on_first_use
 from .geometry import check_equal_blocks
 
-__all__ = ["mhla_attention", "normalization_mode", "validate_attention_inputs", "without_autocast"]
+__all__ = ["LocalPlan", "SequenceSplit", "check_feature_arguments", "mhla_attention", "normalization_mode",
+           "validate_attention_inputs", "without_autocast"]
 
 _MODES = {True: "denominator", False: "none", "denominator": "denominator", "none": "none",
           "scalar_mixed_denominator": "scalar_mixed_denominator"}
@@ -133,11 +135,6 @@ def without_autocast(device: torch.device) -> ContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulate in float32 for half types, keep float32/float64 as they are."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def mhla_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,11 +149,14 @@ def mhla_attention(
     eps: float = 1e-6,
     heads_per_chunk: int | None = None,
     plan: BlockPlan | None = None,
+    feature_eps: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Multi-head linear attention over token blocks.
 
     Args:
-        q, k: feature-mapped (non-negative) queries and keys, ``(B, N, H, D)``.
+        q, k: feature-mapped (non-negative) queries and keys, ``(B, N, H, D)``; with ``feature_eps``,
+            the raw projections instead (see below).
         v: values, ``(B, N, H, Dv)``.
         grid: token-grid sizes (1 to 3 axes, product ``N``); tokens in row-major order.
         layout: blocks per grid axis; token coordinate ``c`` on an axis of size ``G`` cut into ``L``
@@ -176,6 +176,15 @@ def mhla_attention(
             inputs' device, built once and reused across calls (the MHLA processors get one per
             transformer forward from their grid context); default: built here. A plan for another
             grid, layout or device raises ``ValueError``. The result does not depend on it.
+        feature_eps: when given, ``q`` and ``k`` are the raw projections and the operator applies the
+            feature map ``φ(x) = ReLU(x) + feature_eps`` itself, in the inputs' dtype and in the same
+            passes that regroup the tokens into blocks (the MHLA processors' path; it moves about a
+            quarter of the bytes of mapping, rotating and regrouping separately). The result equals the
+            operator on ``φ(q)``, ``φ(k)``.
+        rotary: with ``feature_eps``, Wan's RoPE tables ``(cos, sin)``, each ``(1, N, 1, D)`` (channel
+            pairs ``(2i, 2i+1)`` rotate by angle ``i``; see
+            :func:`~mhla_diffusion.processors.base.apply_interleaved_rotary`), applied after the feature
+            map on the numerator path: the same as ``q_rot = RoPE(φ(q))``, ``k_rot = RoPE(φ(k))``.
 
     ``layout`` may have more blocks than ``grid`` has tokens on an axis: the blocks that receive no
     token are empty (zero key-value summary and key sum, no query), as in the reference.
@@ -185,11 +194,15 @@ def mhla_attention(
     temporary of a call at video length is page-faulted in again, which costs more than the arithmetic.
 
     Returns:
-        ``(B, N, H, Dv)`` in ``v``'s dtype; bf16/fp16 inputs are accumulated in float32, inside
-        ``torch.autocast`` too (the operator's products never take autocast's lower precision).
+        ``(B, N, H, Dv)`` in ``v``'s dtype. Float32 and float64 inputs are computed in their dtype;
+        bf16/fp16 inputs are multiplied in their dtype with float32 accumulation inside every product
+        (as half-precision GEMMs do): the key-value summaries and their mixing are stored in the
+        inputs' dtype, key sums and denominators in float32. The same holds inside
+        ``torch.autocast``: the operator's products never take autocast's dtype.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan)
     normalize = normalization_mode(normalize)
+    check_feature_arguments(q, q_rot, k_rot, feature_eps, rotary)
     if q.device.type == "cpu" and not torch.compiler.is_compiling():
         retain_freed_memory_on_first_use()  # once per process, logged; MHLA_KEEP_MALLOC=1 opts out (cpu_memory)
     if heads_per_chunk is not None and heads_per_chunk < 1:
@@ -199,18 +212,49 @@ def mhla_attention(
     if normalize == "scalar_mixed_denominator" and plan.valid is not None:  # the plan knows if blocks are uneven
         check_equal_blocks(grid, layout)
     heads = q.shape[2]
+    options = dict(normalize=normalize, eps=eps, feature_eps=feature_eps, rotary=rotary)
     with without_autocast(q.device):
         if heads_per_chunk is None or heads_per_chunk >= heads:
-            return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize, eps)
+            return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, **options)
         out = v.new_empty(v.shape)
         for start in range(0, heads, heads_per_chunk):
             h = slice(start, start + heads_per_chunk)
             chunk = lambda x: None if x is None else x[:, :, h]  # noqa: E731
             out[:, :, h] = _mhla_blocks(
                 q[:, :, h], k[:, :, h], v[:, :, h], plan, mixing if mixing.ndim == 2 else mixing[h],
-                chunk(q_rot), chunk(k_rot), normalize, eps,
+                chunk(q_rot), chunk(k_rot), **options,
             )
         return out
+
+
+def check_feature_arguments(
+    q: torch.Tensor,
+    q_rot: torch.Tensor | None,
+    k_rot: torch.Tensor | None,
+    feature_eps: float | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Raise ``ValueError`` when the operator's feature-map arguments (see :func:`mhla_attention`) conflict."""
+    if feature_eps is None and rotary is not None:
+        raise ValueError("`rotary` applies after the operator's own feature map: pass `feature_eps` with it "
+                         "(or rotate feature-mapped inputs yourself and pass `q_rot` / `k_rot`)")
+    if feature_eps is not None and (q_rot is not None or k_rot is not None):
+        raise ValueError("with `feature_eps` the operator rotates the features itself: pass `rotary=(cos, sin)` "
+                         "instead of `q_rot` / `k_rot`")
+    if rotary is not None:
+        _check_rotary(rotary, q)
+
+
+def _check_rotary(rotary: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor) -> None:
+    if not isinstance(rotary, (tuple, list)) or len(rotary) != 2:
+        raise ValueError("`rotary` must be the pair (cos, sin) of RoPE tables")
+    want = (1, q.shape[1], 1, q.shape[3])
+    for name, table in zip(("cos", "sin"), rotary):
+        if not isinstance(table, torch.Tensor) or tuple(table.shape) != want:
+            raise ValueError(f"`rotary` {name} must have shape {want} (1, N, 1, D), got "
+                             f"{tuple(getattr(table, 'shape', ()))}")
+    if q.shape[3] % 2:
+        raise ValueError(f"RoPE rotates channel pairs: the head dim must be even, got {q.shape[3]}")
 
 
 def _mhla_blocks(
@@ -221,61 +265,271 @@ def _mhla_blocks(
     mixing: torch.Tensor,
     q_rot: torch.Tensor | None,
     k_rot: torch.Tensor | None,
+    *,
     normalize: str,
     eps: float,
+    feature_eps: float | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    split: "SequenceSplit | None" = None,
 ) -> torch.Tensor:
-    """The operator on validated inputs (see :func:`mhla_attention`); ``normalize`` is a mode name."""
-    batch, n, heads, _ = q.shape
-    dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-    m, p = plan.num_blocks, plan.block_len
-    # Without autograd the temporaries can be updated in place, which keeps peak memory low.
+    """The operator on validated inputs (see :func:`mhla_attention`); ``normalize`` is a mode name.
+
+    With a ``split`` (context parallelism), ``q, k, v`` hold this process's tokens of the sequence and the
+    result is theirs: the keys' partial summaries are completed across processes by the split's hook.
+
+    Two steps: :class:`_Blocks` regroups the inputs into block-major ``(B, H, M, P, d)`` tensors (applying
+    the feature map and RoPE on the way when asked), then :class:`_Summaries` (key-value summaries and key
+    sums, mixed) and :func:`_block_output` (queries against them) do the block math once for both kinds of
+    input.
+    """
+    dtype = torch.promote_types(q.dtype, v.dtype)
+    # Without autograd the temporaries can be written in place, which saves memory and passes.
     inplace = not (torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, q_rot, k_rot, mixing)
     ))
+    blocks = _Blocks(plan if split is None else split.plan, dtype, inplace)
+    den = normalize != "none"
+    tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
+    # with RoPE the feature map's shift is folded into the rotation and the sums: φ itself is never stored
+    shift = 0.0 if tables is None else float(feature_eps)
 
-    def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
-        # (B, N, H, d) -> (B, H, M, P, d): one gather, head-major so the products below are plain
-        # batched matmuls; padded slots are zeroed where they would add to a sum.
-        xb = x.transpose(1, 2).index_select(2, plan.gather).view(batch, heads, m, p, x.shape[-1]).to(dtype)
-        if zero_padding and plan.valid is not None:
-            mask = plan.valid[:, :, None].to(dtype)
-            xb = xb.mul_(mask) if inplace else xb * mask
+    def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block-major (numerator features, denominator features or None) of one of q, k."""
+        if feature_eps is None:
+            num = blocks.gather(x if x_rot is None else x_rot)
+            return num, ((num if x_rot is None else blocks.gather(x)) if den else None)
+        relu_x = blocks.relu(x)
+        if tables is None:  # φ(x) = ReLU(x) + feature_eps serves numerator and denominator alike
+            phi = relu_x.add_(feature_eps) if inplace else relu_x + feature_eps
+            return phi, (phi if den else None)
+        return blocks.rotate(relu_x, tables), (relu_x if den else None)
+
+    # keys and values first; each step makes its block copies itself and frees them before the next step
+    summaries = _Summaries.of(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True),
+                              mixing, shift, split)
+    return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _Blocks:
+    """Regroups token-order ``(B, N, H, d)`` tensors into block-major ``(B, H, M, P, d)`` ones (block ``m``'s
+    padded slot ``p`` at ``[:, :, m, p]``), in ``dtype``, applying the feature map and RoPE on the way.
+
+    On a grid that the layout divides (``plan.valid is None``) the block-major order is a strided view of the
+    token order, so regrouping is one copy and, without autograd, the first elementwise op writes its
+    result straight in block order; otherwise it is one gather along ``plan.gather``.
+    """
+
+    def __init__(self, plan: "BlockPlan | LocalPlan", dtype: torch.dtype, inplace: bool) -> None:
+        self.plan, self.dtype, self.inplace = plan, dtype, inplace
+        self.even = isinstance(plan, BlockPlan) and plan.valid is None
+        # Writing results through `out=` views saves passes in eager mode; under torch.compile Inductor fuses
+        # the passes itself, and Dynamo does not trace `out=` into non-contiguous views.
+        self.write_through = inplace and self.even and not torch.compiler.is_compiling()
+        if self.even:
+            self.pads = tuple(g // b for g, b in zip(plan.grid, plan.layout))
+
+    def block_view(self, x: torch.Tensor) -> torch.Tensor:
+        """Even grids: ``x`` ``(B, N, H, d)`` seen as ``(B, H, L_1, .., L_a, P_1, .., P_a, d)`` without a copy."""
+        axes = len(self.pads)
+        split = [size for pair in zip(self.plan.layout, self.pads) for size in pair]
+        y = x.view(x.shape[0], *split, x.shape[2], x.shape[3])
+        order = [0, 2 * axes + 1, *range(1, 2 * axes, 2), *range(2, 2 * axes + 1, 2), 2 * axes + 2]
+        return y.permute(order)
+
+    def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        return (x.shape[0], x.shape[2], self.plan.num_blocks, self.plan.block_len, x.shape[3])
+
+    def gather(self, x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
+        """``x`` in block-major order, a new contiguous tensor; padded slots zeroed with ``zero_padding``."""
+        if self.even:  # one pass: read through the strided view, write block-major in `dtype`
+            view = self.block_view(x)
+            return torch.empty(view.shape, dtype=self.dtype, device=x.device).copy_(view).view(self._shape(x))
+        xb = x.transpose(1, 2).index_select(2, self.plan.gather).view(self._shape(x)).to(self.dtype)
+        if zero_padding and self.plan.valid is not None:
+            mask = self.plan.valid[:, :, None].to(self.dtype)
+            xb = xb.mul_(mask) if self.inplace else xb * mask
         return xb
 
-    mix = mixing.to(dtype)
-    if mix.ndim == 3:
-        mix = mix[None]  # (1, H, M, M) against (B, H, M, ...)
+    def relu(self, x: torch.Tensor) -> torch.Tensor:
+        """``ReLU(x)`` in block-major order (padded slots hold copies of real tokens' values)."""
+        if self.write_through:  # ReLU writes block-major directly: one pass instead of two
+            view = self.block_view(x)
+            out = torch.empty(view.shape, dtype=self.dtype, device=x.device)
+            return torch.clamp_min(view, 0, out=out).view(self._shape(x))
+        xb = self.gather(x)
+        return xb.relu_() if self.inplace else xb.relu()
 
-    k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
-    v_blocks = to_blocks(v)
-    kv_summary = k_hat.transpose(-1, -2) @ v_blocks  # S_j: (B, H, M, D, Dv)
-    if normalize != "none":
-        key_sum = (k_hat if k_rot is None else to_blocks(k, zero_padding=True)).sum(dim=3)  # z_j: (B, H, M, D)
-    del k_hat, v_blocks
-    d, dv = kv_summary.shape[-2:]
-    mixed_summary = (mix @ kv_summary.reshape(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)  # S̃_o
-    del kv_summary
-    q_hat = to_blocks(q if q_rot is None else q_rot)
-    out = q_hat @ mixed_summary  # (B, H, M, P, Dv)
-    del mixed_summary
+    def rotary_tables(self, rotary: tuple[torch.Tensor, torch.Tensor], feature_eps: float) -> tuple[torch.Tensor, ...]:
+        """Wan's RoPE tables ``(1, N, 1, D)`` as block-major ``(1, 1, M, P, D/2)`` ``cos`` and ``sin`` (each
+        angle once), and the rotated feature-map shift ``feature_eps * RoPE(1)`` (even, odd channels)."""
+        cos, sin = (self.gather(table[..., 0::2]) for table in rotary)
+        return cos, sin, feature_eps * (cos - sin), feature_eps * (sin + cos)
 
-    if normalize != "none":
-        q_plain = q_hat if q_rot is None else to_blocks(q)
-        del q_hat
-        if normalize == "denominator":
-            denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mix @ key_sum)  # q_(o,w) · z̃_o
-        else:  # scalar_mixed_denominator (equal blocks: slot p of every block is the same position w)
-            scalars = torch.einsum("bhjpd,bhjd->bhjp", q_plain, key_sum)  # q_(j,w) · z_j: (B, H, M, P)
-            denominator = mix @ scalars  # Σ_j W[o, j] q_(j,w) · z_j
-            del scalars
-        denominator = denominator.unsqueeze(-1)
-        del q_plain
-        denominator = denominator.add_(eps) if inplace else denominator + eps
-        if plan.valid is not None:  # padded slots (all of an empty block's) are dropped: divide them by 1
-            padding = ~plan.valid[:, :, None]
-            denominator = denominator.masked_fill_(padding, 1.0) if inplace else denominator.masked_fill(padding, 1.0)
-        out = out.div_(denominator) if inplace else out / denominator
+    def rotate(self, relu_x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``RoPE(ReLU(x) + feature_eps)`` from block-major ``relu_x`` and :meth:`rotary_tables`: channel pairs
+        ``(2i, 2i+1)`` rotate by the token's angle ``i``; the rotated shift is added in the same passes."""
+        cos, sin, shift_even, shift_odd = tables
+        even, odd = relu_x[..., 0::2], relu_x[..., 1::2]
+        if not (self.inplace and not torch.compiler.is_compiling()):
+            return torch.stack((torch.addcmul(shift_even, even, cos).addcmul(odd, sin, value=-1),
+                                torch.addcmul(shift_odd, odd, cos).addcmul(even, sin)), dim=-1).flatten(-2)
+        out = torch.empty_like(relu_x)
+        out_even, out_odd = out[..., 0::2], out[..., 1::2]
+        torch.addcmul(shift_even, even, cos, out=out_even).addcmul_(odd, sin, value=-1)
+        torch.addcmul(shift_odd, odd, cos, out=out_odd).addcmul_(even, sin)
+        return out
 
-    # one gather back to token order, straight into a contiguous (B, N, H, Dv)
-    out = out.view(batch, heads, m * p, dv).transpose(1, 2).index_select(1, plan.scatter)
-    return out.to(v.dtype)
+    def key_sum(self, k_den: torch.Tensor, shift: float) -> torch.Tensor:
+        """``z_j = Σ_{s in block j} (k_den_s + shift)`` over real tokens: ``(B, H, M, D)`` in at least float32."""
+        compute = torch.promote_types(k_den.dtype, torch.float32)
+        if self.plan.valid is None:  # no padded slot
+            return k_den.sum(dim=3, dtype=compute) + shift * self.plan.block_len
+        valid = self.plan.valid.to(k_den.dtype)  # (M, P)
+        rows = valid[:, None, :].expand(*k_den.shape[:2], -1, -1, -1)  # (B, H, M, 1, P), small
+        counts = self.plan.valid.sum(-1).to(compute)[:, None]  # real tokens per block
+        return _matmul(rows, k_den).squeeze(-2) + shift * counts
+
+    def scatter(self, out: torch.Tensor, denominator: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Block-major ``out`` ``(B, H, M, P, Dv)`` divided by ``denominator`` ``(B, H, M, P, 1)`` (if any), back
+        in token order ``(B, N, H, Dv)`` and ``dtype``; padded slots dropped."""
+        batch, heads, m, p, dv = out.shape
+        if self.write_through:  # divide straight into token order: one pass for both
+            result = torch.empty((batch, m * p, heads, dv), dtype=dtype, device=out.device)
+            target = self.block_view(result)
+            source = out.view(target.shape)
+            if denominator is None:
+                target.copy_(source)
+            else:
+                torch.div(source, denominator.view(*target.shape[:-1], 1), out=target)
+            return result
+        if denominator is not None:
+            out = out.div_(denominator) if self.inplace else out / denominator
+        return out.view(batch, heads, m * p, dv).transpose(1, 2).index_select(1, self.plan.scatter).to(dtype)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` over equal leading dims, accumulated and returned in at least float32. A half ``a`` (the large,
+    N-sized operand) stays half where a kernel accumulates half operands in float32 (CUDA's ``bmm`` with
+    ``out_dtype``; also on ``meta``, where the traffic is counted), with the small ``b`` rounded to its dtype;
+    elsewhere, and under autograd, both are upcast first."""
+    compute = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    if a.dtype in _HALF and a.device.type in ("cuda", "meta") and not (
+            torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+        lead = a.shape[:-2]
+        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.to(a.dtype).reshape(-1, *b.shape[-2:]), out_dtype=compute)
+        return out.view(*lead, *out.shape[-2:])
+    return a.to(compute) @ b.to(compute)
+
+
+class LocalPlan(Protocol):
+    """What :class:`_Blocks` needs of a block plan: a :class:`BlockPlan`, or the context-parallel
+    :class:`~mhla_diffusion.context_parallel_attention.LocalBlockPlan` of one process's tokens."""
+
+    num_blocks: int
+    block_len: int
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    valid: torch.Tensor | None
+
+
+class SequenceSplit(Protocol):
+    """The context-parallel hook of the block math (:mod:`mhla_diffusion.context_parallel_attention`):
+    this process holds some tokens of the sequence, regrouped by ``plan`` into its ``(M_l, P_l)`` local
+    blocks, which are the global blocks ``blocks`` ``(M_l,)``; the partial sums of its keys are completed
+    across processes."""
+
+    plan: LocalPlan
+    blocks: torch.Tensor
+    slot_positions: torch.Tensor  # (M_l, P_l): each local slot's within-block position w in the whole grid
+
+    def complete(self, kv_summary: torch.Tensor, key_sum: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Local blocks' partial ``S_j`` ``(B, H, M_l, D, Dv)`` and ``z_j`` -> every block's full ones."""
+
+    def complete_scalars(self, scalars: torch.Tensor) -> torch.Tensor:
+        """Local slots' ``q_(j,w) · z_j`` ``(B, H, M_l, P_l)`` -> every block's and position's ``(B, H, M, P)``."""
+
+
+@dataclass
+class _Summaries:
+    """What the keys and values of every block leave for the query blocks (block-major, ``(B, H, M, ...)``)."""
+
+    weights: torch.Tensor  # the rows of the mixing W for the query blocks, as (B * H, M_q, M)
+    key_sum: torch.Tensor | None = None  # z_j, (B, H, M, D) in at least float32; None without a denominator
+    split: SequenceSplit | None = None
+    mixed: torch.Tensor | None = None  # S̃_o = Σ_j W[o, j] S_j for the query blocks, (B, H, M_q, D, Dv)
+
+    @classmethod
+    def of(cls, blocks: _Blocks, key_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+           values: Callable[[], torch.Tensor], mixing: torch.Tensor, shift: float,
+           split: SequenceSplit | None = None) -> "_Summaries":
+        """``key_features()``: block-major (numerator's rotated key features, denominator's or None), ``shift``
+        to be added to the latter; ``values()``: block-major values with zeroed padded slots."""
+        k_num, k_den = key_features()
+        batch, heads = k_num.shape[:2]
+        # S_j: (B, H, M, D, Dv). Products of half inputs accumulate in float32 inside the GEMM and are stored
+        # in the inputs' dtype, as S̃ must meet the half queries in it anyway: the summaries cost no casts.
+        kv_summary = k_num.transpose(-1, -2) @ values()
+        del k_num
+        key_sum = None if k_den is None else blocks.key_sum(k_den, shift)
+        del k_den
+        rows = mixing
+        if split is not None:  # every block's sums from every process; the local query blocks' rows of W
+            kv_summary, key_sum = split.complete(kv_summary, key_sum)
+            rows = mixing.index_select(-2, split.blocks)
+        m_q, m = rows.shape[-2:]
+        summaries = cls(rows.expand(batch, heads, m_q, m).reshape(batch * heads, m_q, m), key_sum, split)
+        summaries.mixed = summaries.mix(kv_summary)
+        return summaries
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """``Σ_j W[o, j] x_j`` for every query block ``o``, ``x`` ``(B, H, M, ...)`` -> ``(B, H, M_q, ...)``:
+        one bmm, no copy of ``x``."""
+        batch, heads, m = x.shape[:3]
+        out = torch.bmm(self.weights.to(x.dtype), x.reshape(batch * heads, m, -1))
+        return out.view(batch, heads, -1, *x.shape[3:])
+
+
+def _block_output(
+    blocks: _Blocks,
+    summaries: _Summaries,
+    query_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    normalize: str,
+    eps: float,
+    shift: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Every query block against its mixed summary, divided by its denominator, back in token order.
+
+    ``query_features()``: block-major (numerator's rotated query features ``(B, H, M, P, D)``, denominator's
+    or None), ``shift`` to be added to the latter (the feature map's ``eps`` when they are ``ReLU(q)``, else
+    0). Returns ``(B, N, H, Dv)`` in ``out_dtype``.
+    """
+    q_num, q_den = query_features()
+    out = q_num @ summaries.mixed  # (B, H, M, P, Dv)
+    del q_num
+    summaries.mixed = None  # freed before the denominator and the way back to token order
+    denominator = None
+    key_sum = summaries.key_sum
+    if normalize == "denominator":
+        mixed_sum = summaries.mix(key_sum)  # z̃_o: (B, H, M, D)
+        denominator = _matmul(q_den, mixed_sum.unsqueeze(-1))  # q_(o,w) · z̃_o: (B, H, M, P, 1)
+        denominator = denominator + (shift * mixed_sum.sum(-1) + eps)[..., None, None]
+    elif normalize == "scalar_mixed_denominator":  # equal blocks: slot p of every block is the same position w
+        split = summaries.split
+        own = key_sum if split is None else key_sum.index_select(2, split.blocks)  # z of the query blocks
+        scalars = _matmul(q_den, own.unsqueeze(-1)).squeeze(-1)  # q_(j,w) · z_j: (B, H, M_q, P_q)
+        scalars = scalars + shift * own.sum(-1, keepdim=True)
+        if split is not None:  # every position of every block, from the processes that hold them
+            scalars = split.complete_scalars(scalars)
+        mixed = summaries.mix(scalars)  # Σ_j W[o, j] q_(j,w) · z_j: (B, H, M_q, P)
+        if split is not None:  # each local slot reads its own position w
+            mixed = mixed.gather(3, split.slot_positions.expand(*mixed.shape[:2], -1, -1))
+        denominator = (mixed + eps).unsqueeze(-1)
+    del q_den
+    if denominator is not None and blocks.plan.valid is not None:  # padded slots are dropped: divide them by 1
+        denominator = denominator.masked_fill(~blocks.plan.valid[:, :, None], 1.0)
+    return blocks.scatter(out, denominator, out_dtype)

@@ -33,7 +33,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .attention import _compute_dtype, normalization_mode, validate_attention_inputs, without_autocast
+from .attention import (
+    _mhla_blocks,
+    check_feature_arguments,
+    normalization_mode,
+    validate_attention_inputs,
+    without_autocast,
+)
 from .block_layout import BlockPlan, block_plan
 from .geometry import check_equal_blocks
 from .sequence_split import split_sizes
@@ -340,6 +346,48 @@ def grid_conv_context_parallel(
     return out[:, shard.start - first * row : shard.stop - first * row]
 
 
+@dataclass
+class _SplitSequence:
+    """The block math's context-parallel hook (:class:`~mhla_diffusion.attention.SequenceSplit`): partial sums
+    of this process's keys placed at their global blocks and all-reduced over ``shard.group``."""
+
+    shard: TokenShard
+    whole: BlockPlan
+    plan: LocalBlockPlan
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.plan.blocks
+
+    @property
+    def slot_positions(self) -> torch.Tensor:
+        return self.plan.position[self.plan.gather].view(self.plan.num_blocks, self.plan.block_len)
+
+    def complete(self, kv_summary: torch.Tensor, key_sum: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, heads, _, d, dv = kv_summary.shape
+        compute = torch.promote_types(kv_summary.dtype, torch.float32)
+        partial = kv_summary.flatten(-2).to(compute)  # (B, H, M_l, D*Dv)
+        if key_sum is not None:
+            partial = torch.cat((partial, key_sum.to(compute)), dim=-1)  # with z_j: one all-reduce for both
+        placed = partial.new_zeros((batch, heads, self.whole.num_blocks, partial.shape[-1]))
+        every = all_reduce_sum(placed.index_copy(2, self.plan.blocks, partial), self.shard.group, self.reduce_dtype)
+        full = every[..., : d * dv].unflatten(-1, (d, dv)).to(kv_summary.dtype)
+        return full, (None if key_sum is None else every[..., d * dv :].to(key_sum.dtype))
+
+    def complete_scalars(self, scalars: torch.Tensor) -> torch.Tensor:
+        batch, heads = scalars.shape[:2]
+        plan, p = self.plan, self.whole.block_len
+        slots = (plan.blocks[:, None] * p + self.slot_positions).reshape(-1)  # global slot of each local slot
+        values = scalars.reshape(batch, heads, -1)
+        if plan.valid is not None:  # padded local slots repeat a token: leave them out of the sum
+            keep = plan.valid.reshape(-1).nonzero().squeeze(-1)
+            slots, values = slots[keep], values.index_select(2, keep)
+        every = values.new_zeros((batch, heads, self.whole.num_blocks * p)).index_copy(2, slots, values)
+        return all_reduce_sum(every, self.shard.group, self.reduce_dtype).view(batch, heads, -1, p)
+
+
 def mhla_attention_context_parallel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -356,22 +404,26 @@ def mhla_attention_context_parallel(
     plan: BlockPlan | None = None,
     local_plan: LocalBlockPlan | None = None,
     reduce_dtype: torch.dtype | None = None,
+    feature_eps: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`~mhla_diffusion.attention.mhla_attention` of one process's tokens of a split sequence.
 
-    Every process of ``shard.group`` calls it (collectively) with its own tokens.
+    Every process of ``shard.group`` calls it (collectively) with its own tokens. The block math is the
+    one-process operator's, with a hook that all-reduces the keys' partial summaries.
 
     Args:
-        q, k: this process's feature-mapped queries and keys ``(B, N_local, H, D)``: tokens
-            ``shard.start .. shard.stop - 1`` of the row-major ``grid``.
+        q, k: this process's feature-mapped queries and keys ``(B, N_local, H, D)`` (with ``feature_eps``,
+            its raw projections): tokens ``shard.start .. shard.stop - 1`` of the row-major ``grid``.
         v: its values ``(B, N_local, H, Dv)``.
-        grid, layout, mixing, q_rot, k_rot, normalize, eps: as :func:`mhla_attention`; ``grid`` is
-            the *whole* sequence's grid (product ``shard.total``), ``q_rot`` / ``k_rot`` local.
+        grid, layout, mixing, q_rot, k_rot, normalize, eps, feature_eps, rotary: as :func:`mhla_attention`;
+            ``grid`` is the *whole* sequence's grid (product ``shard.total``), ``q_rot`` / ``k_rot`` and the
+            ``rotary`` tables local.
         shard: the split (group, this rank, tokens per rank).
         plan: the whole grid's :class:`BlockPlan` (default: built here).
         local_plan: :func:`local_block_plan` of ``plan`` for this shard (default: built here).
-        reduce_dtype: dtype of the all-reduced summaries (default: the compute dtype, float32 for
-            half inputs; ``torch.bfloat16`` halves the traffic and rounds the partial sums).
+        reduce_dtype: dtype of the all-reduced summaries (default: at least float32; ``torch.bfloat16``
+            halves the traffic and rounds the partial sums).
 
     Returns:
         ``(B, N_local, H, Dv)`` in ``v``'s dtype: the one-process result for this process's tokens.
@@ -382,6 +434,7 @@ def mhla_attention_context_parallel(
             f"{shard.num_local}: pass each process's own tokens"
         )
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, mixing, q_rot, k_rot, plan, num_tokens=shard.total)
+    check_feature_arguments(q, q_rot, k_rot, feature_eps, rotary)
     normalize = normalization_mode(normalize)
     if plan is None:
         plan = block_plan(grid, layout, device=q.device)
@@ -389,54 +442,7 @@ def mhla_attention_context_parallel(
         check_equal_blocks(grid, layout)
     if local_plan is None:
         local_plan = local_block_plan(plan, shard.start, shard.stop)
-
-    with without_autocast(q.device):  # float32 products for half inputs, inside autocast too
-        batch, _, heads, d = q.shape
-        dv = v.shape[-1]
-        dtype = _compute_dtype(torch.promote_types(q.dtype, v.dtype))
-        m, ml, pl = plan.num_blocks, local_plan.num_blocks, local_plan.block_len
-        mask = None if local_plan.valid is None else local_plan.valid[:, :, None].to(dtype)
-
-        def to_blocks(x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
-            # (B, N_local, H, e) -> (B, H, M_l, P_l, e); padded slots zeroed where they would add to a sum
-            xb = x.transpose(1, 2).index_select(2, local_plan.gather).view(batch, heads, ml, pl, x.shape[-1]).to(dtype)
-            return xb * mask if zero_padding and mask is not None else xb
-
-        # partial summaries of this process's tokens, placed at their global block index
-        k_hat = to_blocks(k if k_rot is None else k_rot, zero_padding=True)
-        partial = (k_hat.transpose(-1, -2) @ to_blocks(v)).flatten(-2)  # S_j (local part): (B, H, M_l, D*Dv)
-        if normalize != "none":
-            k_plain = k_hat if k_rot is None else to_blocks(k, zero_padding=True)
-            partial = torch.cat((partial, k_plain.sum(dim=3)), dim=-1)  # with z_j: (B, H, M_l, D*Dv + D)
-        summaries = partial.new_zeros((batch, heads, m, partial.shape[-1])).index_copy(2, local_plan.blocks, partial)
-        summaries = all_reduce_sum(summaries, shard.group, reduce_dtype)  # every block's S_j (and z_j)
-
-        mix = mixing.to(dtype)
-        rows = mix.index_select(-2, local_plan.blocks)  # W[o, :] of the local blocks: (M_l, M) or (H, M_l, M)
-        if rows.ndim == 3:
-            rows = rows[None]
-        q_hat = to_blocks(q if q_rot is None else q_rot)
-        if normalize == "scalar_mixed_denominator":
-            mixed = rows @ summaries[..., : d * dv]  # S̃_o of the local blocks
-        else:
-            mixed = rows @ summaries  # S̃_o (and z̃_o): (B, H, M_l, D*Dv [+ D])
-        out = q_hat @ mixed[..., : d * dv].unflatten(-1, (d, dv))  # (B, H, M_l, P_l, Dv)
-        out = out.flatten(2, 3).transpose(1, 2).index_select(1, local_plan.scatter)  # token order: (B, N_l, H, Dv)
-
-        if normalize == "denominator":
-            q_plain = q_hat if q_rot is None else to_blocks(q)
-            denominator = torch.einsum("bhmpd,bhmd->bhmp", q_plain, mixed[..., d * dv :])  # q_(o,w) · z̃_o
-            denominator = denominator.flatten(2, 3).transpose(1, 2).index_select(1, local_plan.scatter)  # (B, N_l, H)
-            out = out / (denominator + eps).unsqueeze(-1)
-        elif normalize == "scalar_mixed_denominator":
-            # q_(j,w) · z_j for this process's tokens, placed at (j, w); the sum over processes holds every position
-            key_sum = summaries[..., d * dv :]  # z_j: (B, H, M, D)
-            own_sum = key_sum.index_select(2, local_plan.blocks).index_select(2, local_plan.block_of)  # (B, H, N_l, D)
-            scalars = (q.to(dtype).transpose(1, 2) * own_sum).sum(-1)  # (B, H, N_l)
-            slot = local_plan.blocks[local_plan.block_of] * plan.block_len + local_plan.position
-            every = scalars.new_zeros((batch, heads, m * plan.block_len)).index_copy(2, slot, scalars)
-            every = all_reduce_sum(every, shard.group, reduce_dtype).view(batch, heads, m, plan.block_len)
-            denominator = rows @ every  # Σ_j W[o, j] q_(j,w) · z_j for the local blocks o: (B, H, M_l, P)
-            denominator = denominator[:, :, local_plan.block_of, local_plan.position]  # (B, H, N_l)
-            out = out / (denominator + eps).transpose(1, 2).unsqueeze(-1)
-        return out.to(v.dtype)
+    split = _SplitSequence(shard, plan, local_plan, reduce_dtype)
+    with without_autocast(q.device):
+        return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize=normalize, eps=eps,
+                            feature_eps=feature_eps, rotary=rotary, split=split)

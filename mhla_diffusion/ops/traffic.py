@@ -26,8 +26,11 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["TrafficCounter", "count_traffic", "floor_bytes", "tensor_bytes"]
 
+#: In-place ops that overwrite their ``self`` without reading it.
+_OVERWRITE_SELF = {"copy_", "fill_", "zero_"}
+
 #: Ops that allocate or relabel memory without reading or writing tensor data.
-_NO_TRAFFIC = {"empty", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "detach", "alias",
+_NO_TRAFFIC = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "detach", "alias",
                "lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride",
                "sym_numel", "sym_storage_offset", "is_same_size"}
 
@@ -56,7 +59,12 @@ class TrafficCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.is_view or name in _NO_TRAFFIC:
             return out
-        read = sum(tensor_bytes(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+        # an `out=` argument is only written (an in-place op's `self` is read and written)
+        outs = {id(kwargs[a.name]) for a in func._schema.arguments if a.is_out and a.name in kwargs}
+        if name in _OVERWRITE_SELF:
+            outs.add(id(args[0]))
+        read = sum(tensor_bytes(t) for t in tree_flatten((args, kwargs))[0]
+                   if isinstance(t, torch.Tensor) and id(t) not in outs)
         written = sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         self.read += read
         self.written += written

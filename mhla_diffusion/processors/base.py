@@ -171,22 +171,14 @@ class MHLAProcessor(nn.Module):
         plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
         if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
-        features = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the feature map and RoPE
-        q = F.relu(q.to(features)) + self.eps
-        k = F.relu(k.to(features)) + self.eps
-        q_rot = k_rot = None
-        if rotary_emb is not None:  # RoPE after the feature map, on the numerator path only
-            q_rot, k_rot = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
+        # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
+        features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
         if shard is None:
-            out = mhla_attention(
-                q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization,
-                eps=self.eps, plan=plan,
-            )
+            out = mhla_attention(q, k, v, grid, self.layout, self.mixing, **features)
         else:  # partial block summaries, one all-reduce over the context-parallel group, local queries
-            out = mhla_attention_context_parallel(
-                q, k, v, grid, self.layout, self.mixing, shard, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization,
-                eps=self.eps, plan=plan, local_plan=self.grid_context.local_plan(self.layout, q.device, shard.start, shard.stop),
-            )
+            local_plan = self.grid_context.local_plan(self.layout, q.device, shard.start, shard.stop)
+            out = mhla_attention_context_parallel(q, k, v, grid, self.layout, self.mixing, shard, local_plan=local_plan,
+                                                  **features)
         if self.out_norm is not None:
             weight = self.out_norm.weight.float()
             out = F.rms_norm(out.float(), (self.head_dim,), weight, self.out_norm.eps).to(v.dtype)

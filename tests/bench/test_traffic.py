@@ -86,3 +86,10 @@ def test_the_readme_table_is_what_the_command_prints(capsys):
     assert len(rows) == 4
     for row in rows:
         assert row in readme
+
+
+def test_an_out_argument_is_written_not_read():
+    x, out = _meta(10, dtype=torch.float32), _meta(10, dtype=torch.float32)
+    counter = count_traffic(lambda: torch.clamp_min(x, 0, out=out))
+    assert (counter.read, counter.written) == (40, 40)
+    assert count_traffic(lambda: torch.empty_like(x)).total == 0
