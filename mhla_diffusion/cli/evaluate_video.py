@@ -122,7 +122,7 @@ def _small_set_warnings(samples: int, reference: int, dim: int, table_clips: int
     of the reproduction table, named as the comparable one)."""
     return [f"judge FID on {count} {side}: with at most {dim} clips (the judge's feature size) the covariance is "
             f"singular and FID is dominated by the set size, not comparable with other sets; use more than {dim} "
-            f"clips (the reproduction table uses {table_clips})"
+            f"clips (the reproduction table uses {table_clips} clips)"
             for side, count in (("sample clips", samples), ("reference clips", reference)) if count <= dim]
 
 

@@ -182,7 +182,7 @@ def test_judge_on_three_clips_says_why_precision_recall_are_missing_and_warns(tm
     assert judge["precision"] is None and judge["recall"] is None
     assert "k=3" in judge["precision_recall_note"] and "got 3 samples" in judge["precision_recall_note"]
     assert len(judge["warnings"]) == 1 and "judge FID on 3 sample clips" in judge["warnings"][0]
-    assert "more than 64 clips" in judge["warnings"][0]  # the judge's 64-d features: a singular covariance below
+    assert "more than 64 clips (the reproduction table uses 480 clips)" in judge["warnings"][0]  # 64-d judge features
     assert f"warning: {judge['warnings'][0]}" in err
     network = result["networks"]["judge"]
     assert network["name"] == "video-judge" and network["pool_dim"] == 64 and len(network["weights_sha256"]) == 64

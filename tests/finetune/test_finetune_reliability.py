@@ -1,7 +1,7 @@
 """Fine-tuning reliability: resuming with changed options, metrics after a resume, one run per
 folder (the run lock), the process / global-batch log line, non-finite options, the data layouts of
 other trainers (DiffSynth-Studio's ``video,prompt`` CSV, finetrainers' ``prompts.txt`` + ``videos.txt``),
-and the MHLA mark in LoRA files."""
+and the MHLA mark in LoRA files; one progress bar per run."""
 
 from __future__ import annotations
 
