@@ -112,7 +112,8 @@ def _judge_metrics(samples: Path, ref: Path | None, prompts: list[str]) -> tuple
     result = {"accuracy": accuracy, "fid": metrics["fid"], "precision": metrics.get("precision"),
               "recall": metrics.get("recall"), "precision_recall_note": note, "reference": source,
               "reference_count": int(len(reference)),
-              "warnings": _small_set_warnings(len(clips), len(reference), features.pool_dim, BuildSettings().eval_clips)}
+              "warnings": _small_set_warnings(len(clips), len(reference), features.pool_dim,
+                                              BuildSettings().eval_clips)}
     return result, features.info()
 
 
@@ -148,7 +149,8 @@ def run_eval_video(args: argparse.Namespace) -> int:
     # Every network file and the prompts the metrics need are checked before any work starts.
     i3d_path = resolve_i3d_weights(args.i3d_weights) if "fvd" in metrics else None
     clip_path = resolve_clip_model(args.clip_model) if "clip" in metrics else None
-    prompts = read_prompts(list_videos(args.samples), args.prompts) if {"clip", "judge"} & set(metrics) else args.prompts
+    needs_prompts = "clip" in metrics or "judge" in metrics
+    prompts = read_prompts(list_videos(args.samples), args.prompts) if needs_prompts else args.prompts
 
     from ..eval.clip_score import VideoCLIPScore
     from ..eval.fvd import I3DFeatures

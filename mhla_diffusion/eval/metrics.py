@@ -3,8 +3,9 @@
 Each metric is a :class:`torchmetrics.Metric` around a feature network (the
 :class:`~mhla_diffusion.eval.features.FeatureExtractor` interface: ``InceptionV3Features(path)`` for
 comparable numbers; any other ``nn.Module`` returning ``(N, D)`` features, as torchmetrics' ``feature=``,
-is wrapped by :class:`~.features.TensorFeatures`). ``update(images, real=False)`` takes uint8 images ``(N, H, W, 3)`` (ADM's layout)
-or ``(N, 3, H, W)`` -- a tensor or an array; ``(N, 3, H, 3)`` is read as NHWC -- or the feature dict
+is wrapped by :class:`~.features.TensorFeatures`). ``update(images, real=False)`` takes uint8 images
+``(N, H, W, 3)`` (ADM's layout) or ``(N, 3, H, W)`` -- a tensor or an array; ``(N, 3, H, 3)`` is read as
+NHWC -- or the feature dict
 :func:`extract_features` returned for them (one forward shared by several metrics). ``compute()``
 gives the numbers ``mhla eval`` / :func:`~mhla_diffusion.eval.evaluate.evaluate` report: ``evaluate``
 accumulates through these classes.
@@ -142,7 +143,8 @@ class _FrechetMetric(_ADMMetric):
     _feature = "pool"
     _stats_key = "fid"
 
-    def __init__(self, extractor: FeatureExtractor | nn.Module, reference: Reference | GaussianStats | str | os.PathLike | None = None,
+    def __init__(self, extractor: FeatureExtractor | nn.Module,
+                 reference: Reference | GaussianStats | str | os.PathLike | None = None,
                  **kwargs) -> None:
         super().__init__(extractor, **kwargs)
         dim = self.extractor.pool_dim if self._feature == "pool" else self.extractor.spatial_dim
@@ -265,7 +267,8 @@ class ADMPrecisionRecall(_ADMMetric):
 
     higher_is_better = True
 
-    def __init__(self, extractor: FeatureExtractor | nn.Module, reference: Reference | np.ndarray | torch.Tensor | str | os.PathLike | None = None,
+    def __init__(self, extractor: FeatureExtractor | nn.Module,
+                 reference: Reference | np.ndarray | torch.Tensor | str | os.PathLike | None = None,
                  k: int = ADM_K, block_size: int = 10000, distance_dtype: str = "float32", **kwargs) -> None:
         super().__init__(extractor, **kwargs)
         if distance_dtype not in DISTANCE_DTYPES:
@@ -281,7 +284,8 @@ class ADMPrecisionRecall(_ADMMetric):
         elif reference is not None:
             reference = torch.as_tensor(np.asarray(reference) if not torch.is_tensor(reference) else reference).float()
             if reference.dim() != 2 or reference.shape[1] != self.extractor.pool_dim:
-                raise ValueError(f"reference features must be (N, {self.extractor.pool_dim}), got {tuple(reference.shape)}")
+                raise ValueError(f"reference features must be (N, {self.extractor.pool_dim}), "
+                                 f"got {tuple(reference.shape)}")
         self.reference = reference
 
     def update(self, images, real: bool = False) -> None:

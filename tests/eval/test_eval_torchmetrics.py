@@ -214,3 +214,75 @@ def test_a_metric_collection_runs_the_shared_feature_network_once_per_update(sta
     small.update(random_images(6, seed=1, size=8))
     small.update(random_images(6, seed=2, size=8))
     assert len(plain_calls) == 2
+
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from helpers.features import StandInFeatures
+    from mhla_diffusion.eval import ADMFrechetInceptionDistance, ADMInceptionScore, ADMPrecisionRecall, SpatialFID
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = np.load(sys.argv[1])
+    cut_s, cut_r = int(data["cut_s"]), int(data["cut_r"])
+    samples = data["samples"][:cut_s] if rank == 0 else data["samples"][cut_s:]
+    real = data["real"][:cut_r] if rank == 0 else data["real"][cut_r:]
+    net = StandInFeatures()
+    metrics = {"fid": ADMFrechetInceptionDistance(net), "sfid": SpatialFID(net),
+               "is": ADMInceptionScore(net, split_size=70), "pr": ADMPrecisionRecall(net)}
+    for metric in metrics.values():
+        for start in range(0, len(samples), 16):
+            metric.update(samples[start:start + 16])
+        for start in range(0, len(real), 16):
+            metric.update(real[start:start + 16], real=True)
+    result = {name: metric.compute() for name, metric in metrics.items()}
+    result = {"fid": float(result["fid"]), "sfid": float(result["sfid"]), "is": float(result["is"]),
+              "precision": float(result["pr"]["precision"]), "recall": float(result["pr"]["recall"]),
+              "local_count": int(metrics["fid"].fake_count)}
+    with open(sys.argv[2] + f".{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_two_gloo_processes_equal_one_process_over_the_union(standin, tmp_path):
+    samples, real = samples_and_reference()
+    data = tmp_path / "data.npz"
+    np.savez(data, samples=samples, real=real, cut_s=120, cut_r=100)  # uneven shards
+    (tmp_path / "worker.py").write_text(WORKER)
+    out = tmp_path / "result.json"
+    port = free_port()
+    env_base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    runs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(data), str(out)],
+                             env={**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [run.communicate(timeout=240) for run in runs]
+    for run, (stdout, stderr) in zip(runs, outputs):
+        assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    results = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    assert (results[0]["local_count"], results[1]["local_count"]) == (120, len(samples) - 120)
+
+    # one process over the union; the union's order is the gathered order (rank 0's images, then rank 1's)
+    fid, sfid = ADMFrechetInceptionDistance(standin), SpatialFID(standin)
+    inception, pr = ADMInceptionScore(standin, split_size=70), ADMPrecisionRecall(standin)
+    for metric in (fid, sfid, inception, pr):
+        metric.update(samples)
+        metric.update(real, real=True)
+    for result in results:  # every process gets the synchronised value
+        assert abs(result["fid"] - float(fid.compute())) <= 1e-10 * float(fid.compute())
+        assert abs(result["sfid"] - float(sfid.compute())) <= 1e-10 * float(sfid.compute())
+        assert result["is"] == pytest.approx(float(inception.compute()), rel=1e-12)
+        expected = pr.compute()
+        assert (result["precision"], result["recall"]) == (float(expected["precision"]), float(expected["recall"]))
