@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -69,19 +70,22 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _judge_metrics(samples: Path, ref: Path | None, prompts: Path | None) -> dict:
-    """Per-attribute accuracy and judge-feature FID / precision / recall (``embedded.reproduction.score_clips``)."""
+def _judge_metrics(samples: Path, ref: Path | None, prompts: list[str]) -> tuple[dict, dict]:
+    """Per-attribute accuracy and judge-feature FID / precision / recall (``embedded.reproduction.score_clips``),
+    with a note where precision/recall are not computed and warnings for sets too small for FID; and the
+    judge's network record."""
     import numpy as np
 
     from ..embedded.build import REFERENCE_SEED, BuildSettings
-    from ..embedded.judge_io import load_judge
+    from ..embedded.judge_io import load_judge_features
     from ..embedded.locations import embedded_judge
     from ..embedded.moving_shapes import generate_clips, parse_caption
-    from ..embedded.reproduction import score_clips
+    from ..embedded.reproduction import PR_K, score_clips
     from ..eval.video import iter_videos
-    from ..eval.video_files import list_videos, read_prompts
+    from ..eval.video_files import list_videos
 
-    judge = load_judge(embedded_judge("video"))
+    features = load_judge_features(embedded_judge("video"))
+    judge = features.judge
     shape = (judge.config["num_frames"], judge.config["frame_size"], judge.config["frame_size"], 3)
 
     def clips_of(paths) -> np.ndarray:
@@ -92,20 +96,39 @@ def _judge_metrics(samples: Path, ref: Path | None, prompts: Path | None) -> dic
                              f"(the embedded models' size); {', '.join(bad[:5])} differ")
         return np.stack(clips)
 
-    videos = list_videos(samples)
-    attributes = [parse_caption(text) for text in read_prompts(videos, prompts)]
-    clips = clips_of(videos)
+    attributes = [parse_caption(text) for text in prompts]
+    clips = clips_of(list_videos(samples))
     if ref is not None and ref.is_dir():
         reference, source = clips_of(list_videos(ref)), str(ref)
     else:  # the ground-truth generator's held-out clips, the reference of the build's reproduction table
         reference, _, _ = generate_clips(BuildSettings().reference_clips, seed=REFERENCE_SEED)
         source = f"procedural moving-shapes clips (seed {REFERENCE_SEED}, as the reproduction table)"
     accuracy, metrics = score_clips(clips, attributes, reference, judge)
-    return {"accuracy": accuracy, "fid": metrics["fid"], "precision": metrics.get("precision"),
-            "recall": metrics.get("recall"), "reference": source, "reference_count": int(len(reference))}
+    note = None
+    if metrics.get("precision") is None:
+        note = (f"not computed: improved precision/recall take each clip's k-th nearest neighbour (k={PR_K}, as the "
+                f"reproduction table) and need more than {PR_K} clips on each side; got {len(clips)} samples and "
+                f"{len(reference)} reference clips")
+    result = {"accuracy": accuracy, "fid": metrics["fid"], "precision": metrics.get("precision"),
+              "recall": metrics.get("recall"), "precision_recall_note": note, "reference": source,
+              "reference_count": int(len(reference)),
+              "warnings": _small_set_warnings(len(clips), len(reference), features.pool_dim,
+                                              BuildSettings().eval_clips)}
+    return result, features.info()
+
+
+def _small_set_warnings(samples: int, reference: int, dim: int, table_clips: int) -> list[str]:
+    """A warning per side with at most ``dim`` clips: their covariance (rank <= clips - 1) is singular in the
+    judge's ``dim``-d feature space, and the FID mostly reflects the set size (``table_clips``: the set size
+    of the reproduction table, named as the comparable one)."""
+    return [f"judge FID on {count} {side}: with at most {dim} clips (the judge's feature size) the covariance is "
+            f"singular and FID is dominated by the set size, not comparable with other sets; use more than {dim} "
+            f"clips (the reproduction table uses {table_clips} clips)"
+            for side, count in (("sample clips", samples), ("reference clips", reference)) if count <= dim]
 
 
 def run_eval_video(args: argparse.Namespace) -> int:
+    from ..eval.video_files import list_videos, read_prompts
     from ..eval.video_weights import resolve_clip_model, resolve_i3d_weights
 
     started = time.perf_counter()
@@ -123,9 +146,11 @@ def run_eval_video(args: argparse.Namespace) -> int:
     output = args.output or args.samples.with_name(args.samples.name + "_eval_video.json")
     if output.exists() and not args.overwrite:
         raise FileExistsError(f"{output} already exists; choose another --output or pass --overwrite")
-    # Every network file is checked before any work starts.
+    # Every network file and the prompts the metrics need are checked before any work starts.
     i3d_path = resolve_i3d_weights(args.i3d_weights) if "fvd" in metrics else None
     clip_path = resolve_clip_model(args.clip_model) if "clip" in metrics else None
+    needs_prompts = "clip" in metrics or "judge" in metrics
+    prompts = read_prompts(list_videos(args.samples), args.prompts) if needs_prompts else args.prompts
 
     from ..eval.clip_score import VideoCLIPScore
     from ..eval.fvd import I3DFeatures
@@ -136,10 +161,10 @@ def run_eval_video(args: argparse.Namespace) -> int:
     clip = VideoCLIPScore(clip_path, device=device) if clip_path else None
     if i3d is not None:
         print(f"I3D: {i3d.weights_path} sha256={i3d.weights_sha256}")
-    result = evaluate_videos(args.samples, args.ref, i3d=i3d, clip=clip, prompts=args.prompts,
+    result = evaluate_videos(args.samples, args.ref, i3d=i3d, clip=clip, prompts=prompts,
                              batch_size=args.batch_size, save_ref=args.save_ref, overwrite=args.overwrite)
     if "judge" in metrics:
-        result["judge"] = _judge_metrics(args.samples, args.ref, args.prompts)
+        result["judge"], result["networks"]["judge"] = _judge_metrics(args.samples, args.ref, prompts)
     result["seconds"] = round(time.perf_counter() - started, 2)
     m = result["metrics"]
     print(f"videos: {result['samples']['count']} from {args.samples}")
@@ -154,6 +179,12 @@ def run_eval_video(args: argparse.Namespace) -> int:
         for name, value in judge["accuracy"].items():
             print(f"{'judge acc ' + name:<18}{value:>12.4f}")
         print(f"{'judge FID':<18}{judge['fid']:>12.4f}  (reference: {judge['reference']})")
+        for name in ("precision", "recall"):
+            value = judge[name]
+            shown = f"{value:>12.4f}" if value is not None else f"{'-':>12}  ({judge['precision_recall_note']})"
+            print(f"{'judge ' + name:<18}{shown}")
+        for message in judge["warnings"]:
+            print(f"warning: {message}", file=sys.stderr)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output} ({result['seconds']:.1f} s)")

@@ -10,7 +10,8 @@ itself) and returns a dict of float32 tensors:
   (K = 1008).
 
 :class:`~mhla_diffusion.eval.inception.InceptionV3Features` is the real network; the tests use a
-small stand-in with the same interface.
+small stand-in with the same interface. Any other ``nn.Module`` returning ``(N, D)`` features (what
+torchmetrics' ``feature=`` takes) is wrapped by :class:`TensorFeatures`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-__all__ = ["FEATURE_KEYS", "FeatureExtractor", "check_uint8_images", "exact_float32", "flatten_spatial", "spatial_features"]
+__all__ = ["FEATURE_KEYS", "FeatureExtractor", "TensorFeatures", "as_feature_extractor", "check_uint8_images",
+           "exact_float32", "flatten_spatial", "spatial_features"]
 
 FEATURE_KEYS = ("pool", "spatial", "logits_unbiased")
 
@@ -67,6 +69,59 @@ class FeatureExtractor(nn.Module):
             "weights_path": self.weights_path,
             "weights_sha256": self.weights_sha256,
         }
+
+
+class TensorFeatures(FeatureExtractor):
+    """A plain feature module (``forward(uint8 (N, 3, H, W)) -> (N, D)``, as torchmetrics' ``feature=``)
+    behind the :class:`FeatureExtractor` interface: its output is every feature at once (``pool`` and
+    ``logits_unbiased``; ``spatial`` as ``(N, 1, 1, D)``, so sFID equals FID).
+
+    Images reach the module unchanged (uint8, as torchmetrics passes them with ``normalize=False``).
+    ``D`` is the module's ``num_features`` attribute, else found by one forward of a random uint8 image
+    of ``input_img_size`` (torchmetrics' rule). The module is kept in eval mode.
+    """
+
+    def __init__(self, module: nn.Module, input_img_size: tuple[int, int, int] = (3, 299, 299)) -> None:
+        super().__init__()
+        self.module = module
+        self.name = type(module).__name__
+        dim = getattr(module, "num_features", None)
+        self.eval()
+        if dim is None:
+            dim = self._probe_dim(tuple(input_img_size))
+        self.pool_dim = self.num_logits = int(dim)
+        self.spatial_shape = (1, 1, int(dim))
+
+    def _probe_dim(self, input_img_size: tuple[int, int, int]) -> int:
+        image = torch.randint(0, 256, (1, *input_img_size), dtype=torch.uint8, device=self.device)
+        try:
+            with torch.inference_mode():
+                out = self.module(image)
+        except Exception as error:  # noqa: BLE001 -- any failure means the probe size does not fit the module
+            raise ValueError(f"could not find the feature size of {self.name} by a forward of a {input_img_size} "
+                             f"uint8 image ({type(error).__name__}: {error}): give the module a `num_features` "
+                             "attribute or wrap it as TensorFeatures(module, input_img_size=(3, H, W))") from None
+        return self._checked(out, 1).shape[1]
+
+    def _checked(self, out: object, count: int) -> torch.Tensor:
+        if not torch.is_tensor(out) or out.dim() != 2 or out.shape[0] != count:
+            shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise ValueError(f"feature module {self.name} must return an (N, D) tensor for N images, got {shape}")
+        return out
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self._checked(self.module(images), images.shape[0])
+        return {"pool": out, "spatial": out[:, None, None, :], "logits_unbiased": out}
+
+
+def as_feature_extractor(network: nn.Module) -> FeatureExtractor:
+    """``network`` itself when it is a :class:`FeatureExtractor`, else wrapped in :class:`TensorFeatures`."""
+    if isinstance(network, FeatureExtractor):
+        return network
+    if not isinstance(network, nn.Module):
+        raise TypeError(f"the feature network must be a FeatureExtractor (e.g. InceptionV3Features) or an nn.Module "
+                        f"returning (N, D) features, got {type(network).__name__}")
+    return TensorFeatures(network)
 
 
 def check_uint8_images(images: torch.Tensor) -> None:

@@ -2,11 +2,18 @@
 
 Each metric is a :class:`torchmetrics.Metric` around a feature network (the
 :class:`~mhla_diffusion.eval.features.FeatureExtractor` interface: ``InceptionV3Features(path)`` for
-comparable numbers). ``update(images, real=False)`` takes uint8 images ``(N, H, W, 3)`` (ADM's layout)
-or ``(N, 3, H, W)`` -- a tensor or an array; ``(N, 3, H, 3)`` is read as NHWC -- or the feature dict
+comparable numbers; any other ``nn.Module`` returning ``(N, D)`` features, as torchmetrics' ``feature=``,
+is wrapped by :class:`~.features.TensorFeatures`). ``update(images, real=False)`` takes uint8 images
+``(N, H, W, 3)`` (ADM's layout) or ``(N, 3, H, W)`` -- a tensor or an array; ``(N, 3, H, 3)`` is read as
+NHWC -- or the feature dict
 :func:`extract_features` returned for them (one forward shared by several metrics). ``compute()``
 gives the numbers ``mhla eval`` / :func:`~mhla_diffusion.eval.evaluate.evaluate` report: ``evaluate``
 accumulates through these classes.
+
+Metrics given the same feature network share its features: an ``update`` with the batch the network
+saw last (same pixels, same weights) reuses that forward, so a torchmetrics ``MetricCollection`` of
+FID, sFID, IS and P/R runs the network once per update. The last batch and its features are kept
+until the next batch (or the network) goes.
 
 The reference side is either given at construction (``reference=``: a :class:`~.reference.Reference`
 from :func:`~.reference.load_reference`, the path of an ADM ``.npz`` or image folder, or for FID/sFID a
@@ -28,15 +35,17 @@ metric to the process's GPU, ``metric.to(device)``; that moves the feature netwo
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Iterator, Mapping
 
 import numpy as np
 import torch
+from torch import nn
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 from tqdm.auto import tqdm
 
-from .features import FeatureExtractor, exact_float32, flatten_spatial
+from .features import FeatureExtractor, TensorFeatures, as_feature_extractor, exact_float32, flatten_spatial
 from .frechet import GaussianStats, frechet_distance, gaussian_from_sums
 from .images import ImageSource
 from .inception_score import ADM_SPLIT_SIZE, inception_score
@@ -71,6 +80,30 @@ def extract_features(extractor: FeatureExtractor, images: torch.Tensor | np.ndar
     return {"pool": pool, "spatial": spatial, "logits_unbiased": features["logits_unbiased"].float()}
 
 
+#: Per feature network: the last batch it saw, its weights' versions, and that batch's features.
+_LAST_FEATURES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _weights_versions(network: nn.Module) -> tuple[int, ...]:
+    """Version counters of the weights (bumped by any in-place change, e.g. ``load_state_dict``);
+    inference-mode tensors keep none."""
+    return tuple(-1 if p.is_inference() else p._version for p in network.parameters())
+
+
+def shared_features(extractor: FeatureExtractor, images: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
+    """:func:`extract_features`, reusing the last forward of the same network on an equal batch."""
+    network = extractor.module if isinstance(extractor, TensorFeatures) else extractor
+    x = _as_nchw_uint8(images)
+    versions = _weights_versions(network)
+    last = _LAST_FEATURES.get(network)
+    if last is not None and last[1] == versions and last[0].shape == x.shape and last[0].device == x.device \
+            and torch.equal(last[0], x):
+        return last[2]
+    features = extract_features(extractor, x)
+    _LAST_FEATURES[network] = (x.clone(), versions, features)
+    return features
+
+
 def source_features(source: ImageSource, extractor: FeatureExtractor, batch_size: int = ADM_BATCH_SIZE, *,
                     progress: bool = False, desc: str | None = None) -> Iterator[tuple[np.ndarray, dict]]:
     """``(uint8 batch (n, H, W, 3), its features)`` for ``source`` in batches (a progress bar over batches)."""
@@ -92,15 +125,13 @@ class _ADMMetric(Metric):
     full_state_update = False
     is_differentiable = False
 
-    def __init__(self, extractor: FeatureExtractor, batch_size: int = ADM_BATCH_SIZE, **kwargs) -> None:
+    def __init__(self, extractor: FeatureExtractor | nn.Module, batch_size: int = ADM_BATCH_SIZE, **kwargs) -> None:
         super().__init__(**kwargs)
-        if not isinstance(extractor, FeatureExtractor):
-            raise TypeError(f"extractor must be a FeatureExtractor (e.g. InceptionV3Features), got {type(extractor).__name__}")
-        self.extractor = extractor
+        self.extractor = as_feature_extractor(extractor)
         self.batch_size = batch_size
 
     def _features(self, images) -> Mapping[str, torch.Tensor]:
-        return images if isinstance(images, Mapping) else extract_features(self.extractor, images)
+        return images if isinstance(images, Mapping) else shared_features(self.extractor, images)
 
     def _reference_features(self, source: ImageSource) -> Iterator[dict]:
         for _, features in source_features(source, self.extractor, self.batch_size):
@@ -112,10 +143,11 @@ class _FrechetMetric(_ADMMetric):
     _feature = "pool"
     _stats_key = "fid"
 
-    def __init__(self, extractor: FeatureExtractor, reference: Reference | GaussianStats | str | os.PathLike | None = None,
+    def __init__(self, extractor: FeatureExtractor | nn.Module,
+                 reference: Reference | GaussianStats | str | os.PathLike | None = None,
                  **kwargs) -> None:
         super().__init__(extractor, **kwargs)
-        dim = extractor.pool_dim if self._feature == "pool" else extractor.spatial_dim
+        dim = self.extractor.pool_dim if self._feature == "pool" else self.extractor.spatial_dim
         for side in ("real", "fake"):
             self.add_state(f"{side}_count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
             self.add_state(f"{side}_sum", torch.zeros(dim, dtype=torch.float64), dist_reduce_fx="sum")
@@ -173,7 +205,8 @@ class ADMFrechetInceptionDistance(_FrechetMetric):
     """FID as ADM computes it: Inception pool_3 (2048-d) Gaussians, float64, symmetric-sqrt trace.
 
     Args:
-        extractor: the feature network.
+        extractor: the feature network (a plain module returning ``(N, D)`` features is wrapped by
+            :class:`~.features.TensorFeatures`).
         reference: reference statistics (``mu``/``sigma`` of an ADM ``.npz``: a path, a
             :class:`~.reference.Reference` or :class:`~.frechet.GaussianStats`; a reference with images
             but no statistics is run through ``extractor`` once); None: ``update(images, real=True)``.
@@ -201,7 +234,7 @@ class ADMInceptionScore(_ADMMetric):
 
     higher_is_better = True
 
-    def __init__(self, extractor: FeatureExtractor, split_size: int = ADM_SPLIT_SIZE, **kwargs) -> None:
+    def __init__(self, extractor: FeatureExtractor | nn.Module, split_size: int = ADM_SPLIT_SIZE, **kwargs) -> None:
         super().__init__(extractor, **kwargs)
         if split_size < 1:
             raise ValueError(f"split_size must be >= 1, got {split_size}")
@@ -224,7 +257,7 @@ class ADMPrecisionRecall(_ADMMetric):
     """Improved precision and recall (k = 3) of the samples' pool features against the reference's.
 
     Args:
-        extractor: the feature network.
+        extractor: the feature network (or a plain module, as above).
         reference: the reference images' pool features: a :class:`~.reference.Reference` / path with images
             (``arr_0``; run through ``extractor`` once) or an ``(N, D)`` array; None: ``update(images, real=True)``.
         k, block_size, distance_dtype: as :func:`~.precision_recall.precision_recall` (``"float16"``: ADM's
@@ -234,7 +267,8 @@ class ADMPrecisionRecall(_ADMMetric):
 
     higher_is_better = True
 
-    def __init__(self, extractor: FeatureExtractor, reference: Reference | np.ndarray | torch.Tensor | str | os.PathLike | None = None,
+    def __init__(self, extractor: FeatureExtractor | nn.Module,
+                 reference: Reference | np.ndarray | torch.Tensor | str | os.PathLike | None = None,
                  k: int = ADM_K, block_size: int = 10000, distance_dtype: str = "float32", **kwargs) -> None:
         super().__init__(extractor, **kwargs)
         if distance_dtype not in DISTANCE_DTYPES:
@@ -249,8 +283,9 @@ class ADMPrecisionRecall(_ADMMetric):
             reference = torch.cat([f["pool"].cpu() for f in self._reference_features(reference.images)])
         elif reference is not None:
             reference = torch.as_tensor(np.asarray(reference) if not torch.is_tensor(reference) else reference).float()
-            if reference.dim() != 2 or reference.shape[1] != extractor.pool_dim:
-                raise ValueError(f"reference features must be (N, {extractor.pool_dim}), got {tuple(reference.shape)}")
+            if reference.dim() != 2 or reference.shape[1] != self.extractor.pool_dim:
+                raise ValueError(f"reference features must be (N, {self.extractor.pool_dim}), "
+                                 f"got {tuple(reference.shape)}")
         self.reference = reference
 
     def update(self, images, real: bool = False) -> None:

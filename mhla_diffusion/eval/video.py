@@ -60,17 +60,40 @@ def fvd_of_folders(samples: str | os.PathLike, ref: str | os.PathLike, i3d: I3DF
             "reference": reference, "feature_dim": sample_stats.dim}
 
 
+def _known_prompts(videos: Sequence[Path], prompts: str | os.PathLike | Sequence[str] | None, required: bool
+                   ) -> list[str] | None:
+    """The videos' prompts: given as texts, read from a prompts file or the sidecars; when not ``required``,
+    None where they cannot be read (an FVD-only run needs none)."""
+    if prompts is not None and not isinstance(prompts, (str, os.PathLike)):
+        texts = list(prompts)
+        if len(texts) != len(videos):
+            raise ValueError(f"{len(texts)} prompts for {len(videos)} videos")
+        return texts
+    try:
+        return read_prompts(videos, prompts)
+    except (OSError, ValueError):
+        if required:
+            raise
+        return None
+
+
 def evaluate_videos(samples: str | os.PathLike, ref: str | os.PathLike | None = None, *, i3d: I3DFeatures | None = None,
-                    clip=None, prompts: str | os.PathLike | None = None, batch_size: int = 8,
+                    clip=None, prompts: str | os.PathLike | Sequence[str] | None = None, batch_size: int = 8,
                     save_ref: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
     """FVD (when ``i3d`` and ``ref`` are given) and CLIP score (when ``clip`` is given) of ``samples``.
 
+    ``prompts``: a prompts file (one a line, sorted-name order), the texts themselves, or None for the
+    sidecar JSONs; the CLIP score needs them, otherwise they are recorded when readable.
     Returns a JSON-ready dict: ``metrics`` (``fvd``, ``clip_score``; None when not computed),
-    ``samples``, ``reference``, ``networks`` and ``per_video`` (file, prompt, CLIP score).
+    ``samples``, ``reference``, ``networks`` and ``per_video`` (file, prompt when known, CLIP score).
     """
     videos = list_videos(samples)
+    texts = _known_prompts(videos, prompts, required=clip is not None)
+    rows = [{"file": p.name} for p in videos]
+    for row, text in zip(rows, texts or []):
+        row["prompt"] = text
     result: dict = {"metrics": {"fvd": None, "clip_score": None}, "samples": {"path": str(samples), "count": len(videos)},
-                    "reference": None, "networks": {}, "per_video": [{"file": p.name} for p in videos]}
+                    "reference": None, "networks": {}, "per_video": rows}
     if i3d is not None:
         if ref is None:
             raise ValueError("FVD needs a reference: a folder of videos or an FVD .npz")
@@ -79,10 +102,9 @@ def evaluate_videos(samples: str | os.PathLike, ref: str | os.PathLike | None = 
         result["reference"] = fvd["reference"]
         result["networks"]["i3d"] = {**i3d.info(), "feature_dim": fvd["feature_dim"]}
     if clip is not None:
-        texts = read_prompts(videos, prompts)
         scores = clip(iter_videos(videos), texts)
         result["metrics"]["clip_score"] = scores["clip_score"]
         result["networks"]["clip"] = clip.info()
-        for row, prompt, score in zip(result["per_video"], texts, scores["per_video"]):
-            row.update(prompt=prompt, clip_score=score)
+        for row, score in zip(result["per_video"], scores["per_video"]):
+            row["clip_score"] = score
     return result

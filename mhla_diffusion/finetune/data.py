@@ -12,10 +12,14 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .media import MediaError, MediaInfo, probe
 
-__all__ = ["DataReport", "probe_sharded", "sample_rng", "load_with_fallback"]
+__all__ = ["DataReport", "datasets_root_hint", "probe_sharded", "sample_rng", "load_with_fallback"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Folder names the Hugging Face ``datasets`` folder builders (imagefolder, videofolder) read as splits.
+SPLIT_FOLDERS = frozenset({"train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval",
+                           "evaluation"})
 
 
 @dataclass
@@ -52,6 +56,24 @@ class DataReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DataReport":
         return cls(**data)
+
+
+def datasets_root_hint(folder: Path) -> str | None:
+    """The error for a data folder that is the root of a ``datasets`` imagefolder / videofolder (its split
+    folders, ``train/`` among them, instead of the training files), else None.
+
+    A root is recognised by a ``train/`` sub-folder holding ``metadata.jsonl`` / ``metadata.csv``, or by
+    sub-folders that are all split names.
+    """
+    train = folder / "train"
+    if not train.is_dir():
+        return None
+    subfolders = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    metadata = any((train / name).is_file() for name in ("metadata.jsonl", "metadata.csv"))
+    if not metadata and not set(subfolders) <= SPLIT_FOLDERS:
+        return None
+    return (f"{folder} looks like a `datasets` folder (split folders {', '.join(subfolders)}): use {train} as "
+            "data_dir")
 
 
 def probe_sharded(

@@ -327,17 +327,17 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     batches = _batches(sampler, parts.dataset, parts.collate_fn, options.dataloader_num_workers, state, accelerator.device)
     transfer_steps, total = options.attention_transfer_steps, options.attention_transfer_steps + options.max_train_steps
     progress = tqdm(total=total, initial=state.global_step, disable=not accelerator.is_local_main_process,
-                    unit="step", desc="training", dynamic_ncols=True)
+                    unit="step", desc=_stage_at(state.global_step, transfer_steps), dynamic_ncols=True)
     stage = None
     last_validated = last_fid = -1
     started, started_step = time.perf_counter(), state.global_step
 
     while state.global_step < total:
-        wanted = "transfer" if state.global_step < transfer_steps else "train"
+        wanted = _stage_at(state.global_step, transfer_steps)
         if wanted != stage:
             stage = wanted
             _enter_stage(stage, unwrapped, union, transfer_names, e2e_names, options.gradient_checkpointing)
-            progress.set_description(stage)
+            progress.set_description(stage, refresh=False)  # one bar: relabelled at its next step, not redrawn
             if parts.enter_stage is not None:
                 parts.enter_stage(stage)
             if stage == "train" and transfer_steps and state.global_step == transfer_steps and ema is not None:
@@ -403,6 +403,11 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
+
+
+def _stage_at(step: int, transfer_steps: int) -> str:
+    """The stage optimizer step ``step`` belongs to: ``"transfer"`` (attention transfer) or ``"train"``."""
+    return "transfer" if step < transfer_steps else "train"
 
 
 def _enter_stage(stage: str, model: nn.Module, union: set[str], transfer_names: list[str], e2e_names: list[str],

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .data import DataReport, load_with_fallback, probe_sharded, sample_rng
+from .data import DataReport, datasets_root_hint, load_with_fallback, probe_sharded, sample_rng
 from .media import IMAGE_EXTENSIONS, adm_center_crop, probe, read_image
 
 __all__ = [
@@ -73,6 +73,8 @@ def _class_folders(folder: str | Path) -> tuple[Path, list[str]]:
     if not folder.is_dir():
         raise FileNotFoundError(f"data_dir {folder} does not exist or is not a folder")
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if hint := datasets_root_hint(folder):
+        raise ValueError(hint)
     if not classes:
         raise ValueError(f"{folder} has no class sub-folders: put the images of each class in {folder}/<class name>/")
     return folder, classes

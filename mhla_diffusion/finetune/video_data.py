@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .buckets import frame_bucket, nearest_resolution
-from .data import DataReport, load_with_fallback, probe_sharded, sample_rng
+from .data import DataReport, datasets_root_hint, load_with_fallback, probe_sharded, sample_rng
 from .media import IMAGE_EXTENSIONS, MediaInfo, is_media, read_image, read_video_frames, resize_center_crop
 
 __all__ = [
@@ -183,6 +183,8 @@ def read_captions(folder: Path, files: list[Path], caption_column: str | None = 
             captions[path.resolve()] = sidecar.read_text().strip()
     out = {path: captions.get(path.resolve(), "") for path in files}
     missing = [str(p.relative_to(folder)) for p, c in out.items() if not c]
+    if missing and found is None and (hint := datasets_root_hint(folder)):
+        raise ValueError(hint)
     if missing:
         raise ValueError(
             f"{len(missing)} of {len(files)} files in {folder} have no caption (e.g. {missing[:3]}): add a sidecar "

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.features import StandInFeatures
 from helpers.media import random_images, smooth_images
 from torchmetrics import Metric
 
@@ -124,8 +125,95 @@ def test_bad_inputs(standin):
     with pytest.raises(ValueError, match="another network"):
         from mhla_diffusion.eval import GaussianStats
         SpatialFID(standin, reference=GaussianStats(np.zeros(3), np.eye(3)))
-    with pytest.raises(TypeError, match="FeatureExtractor"):
+    with pytest.raises(TypeError, match=r"FeatureExtractor .* or an nn.Module"):
+        ADMInceptionScore(lambda images: images)
+    with pytest.raises(ValueError, match=r"must return an \(N, D\) tensor"):  # Identity gives (N, 3, H, W)
         ADMInceptionScore(torch.nn.Identity())
+
+
+class SmallFeatures(torch.nn.Module):
+    """A plain feature module as torchmetrics' ``feature=`` takes: uint8 (N, 3, 8, 8) -> (N, 5)."""
+
+    def __init__(self, num_features: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.project = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5))
+        if num_features:
+            self.num_features = 5
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.project(images.float() / 255)
+
+
+def test_a_plain_feature_module_gives_the_fid_of_its_features():
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    from mhla_diffusion.eval import TensorFeatures, frechet_distance, gaussian_stats
+
+    samples = smooth_images(40, seed=1, size=8)
+    real = random_images(30, seed=2, size=8)
+    net = SmallFeatures()
+    nchw = [torch.from_numpy(x).permute(0, 3, 1, 2).contiguous() for x in (samples, real)]
+    with torch.no_grad():
+        expected = frechet_distance(*(gaussian_stats(net(x).double().numpy()) for x in nchw))
+    theirs = FrechetInceptionDistance(feature=net)  # torchmetrics' own metric on the same module
+    ours = ADMFrechetInceptionDistance(net)
+    for metric in (theirs, ours):
+        metric.update(nchw[0], real=False)
+        metric.update(nchw[1], real=True)
+    assert_close(ours.compute(), expected)
+    assert float(theirs.compute()) == pytest.approx(expected, rel=1e-6) and expected > 0.01
+    # without `num_features` the size comes from one forward at the given input size (torchmetrics' rule)
+    bare = SmallFeatures(num_features=False)
+    with pytest.raises(ValueError, match=r"input_img_size=\(3, H, W\)"):  # the default probe is 299 x 299
+        ADMPrecisionRecall(bare)
+    pr = ADMPrecisionRecall(TensorFeatures(bare, input_img_size=(3, 8, 8)))
+    pr.update(samples)
+    pr.update(real, real=True)
+    assert set(pr.compute()) == {"precision", "recall"}
+
+
+def count_forwards(network: torch.nn.Module) -> list:
+    """A list that grows by one at every forward of ``network``."""
+    calls: list = []
+    network.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def test_a_metric_collection_runs_the_shared_feature_network_once_per_update(standin):
+    from torchmetrics import MetricCollection
+
+    samples, _ = samples_and_reference()
+    separate = {"fid": ADMFrechetInceptionDistance(StandInFeatures()), "is": ADMInceptionScore(StandInFeatures(), 50)}
+    calls = count_forwards(standin)
+    collection = MetricCollection({"fid": ADMFrechetInceptionDistance(standin), "sfid": SpatialFID(standin),
+                                   "is": ADMInceptionScore(standin, split_size=50), "pr": ADMPrecisionRecall(standin, k=2)})
+    for batch in (samples[:20], samples[20:50]):
+        collection.update(batch)
+        collection.update(batch, real=True)  # the same pixels as reference images: no new forward
+        for metric in separate.values():
+            metric.update(batch)
+            metric.update(batch, real=True)
+    assert len(calls) == 2  # main: 4 metrics x 4 updates = 16 forwards
+    result = collection.compute()
+    assert float(result["fid"]) == float(separate["fid"].compute())
+    assert float(result["is"]) == float(separate["is"].compute())
+    changed = samples[20:50]  # the same array object changed in place: a new forward
+    changed[0] ^= 255
+    collection.update(changed)
+    collection.update(changed)
+    assert len(calls) == 3
+    with torch.no_grad():  # new weights, same pixels: a new forward
+        standin.conv1.bias.add_(1.0)
+    collection.update(changed)
+    assert len(calls) == 4
+    # a plain module shared by the metrics (each wraps it) is shared the same way
+    plain = SmallFeatures()
+    plain_calls = count_forwards(plain)
+    small = MetricCollection([ADMFrechetInceptionDistance(plain), ADMPrecisionRecall(plain, k=2)])
+    small.update(random_images(6, seed=1, size=8))
+    small.update(random_images(6, seed=2, size=8))
+    assert len(plain_calls) == 2
 
 
 WORKER = textwrap.dedent("""

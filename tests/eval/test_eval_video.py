@@ -155,6 +155,7 @@ def test_fvd_and_clip_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["reference"]["statistics"] == "npz" and abs(again["metrics"]["fvd"]) < 1e-6
     assert again["metrics"]["clip_score"] is None
+    assert [row["prompt"] for row in again["per_video"]] == [row["prompt"] for row in result["per_video"]]
 
 
 def test_judge_metrics_of_the_embedded_models_clips(judge_videos, videos, tmp_path, capsys):
@@ -167,6 +168,25 @@ def test_judge_metrics_of_the_embedded_models_clips(judge_videos, videos, tmp_pa
     assert main(["eval-video", "--samples", str(videos), "--judge", "embedded", "--metrics", "judge",
                  "--output", str(tmp_path / "fvd-length.json")]) == 2  # FVD-length clips are not the judge's
     assert f"the embedded video judge takes clips of {NUM_FRAMES} frames" in capsys.readouterr().err
+
+
+def test_judge_on_three_clips_says_why_precision_recall_are_missing_and_warns(tmp_path, capsys):
+    folder = tmp_path / "three"
+    captions = _write_videos(folder, 3, seed=7, num_frames=NUM_FRAMES)
+    output = tmp_path / "judge.json"
+    assert main(["eval-video", "--samples", str(folder), "--judge", "embedded", "--metrics", "judge",
+                 "--output", str(output)]) == 0
+    err = capsys.readouterr().err
+    result = json.loads(output.read_text())
+    judge = result["judge"]
+    assert judge["precision"] is None and judge["recall"] is None
+    assert "k=3" in judge["precision_recall_note"] and "got 3 samples" in judge["precision_recall_note"]
+    assert len(judge["warnings"]) == 1 and "judge FID on 3 sample clips" in judge["warnings"][0]
+    assert "more than 64 clips (the reproduction table uses 480 clips)" in judge["warnings"][0]  # 64-d judge features
+    assert f"warning: {judge['warnings'][0]}" in err
+    network = result["networks"]["judge"]
+    assert network["name"] == "video-judge" and network["pool_dim"] == 64 and len(network["weights_sha256"]) == 64
+    assert [row["prompt"] for row in result["per_video"]] == captions  # from the generation sidecars
 
 
 def test_fvd_of_different_sets_is_positive(videos, i3d_file, tmp_path):

@@ -188,3 +188,24 @@ def test_cache_identity_follows_the_encoders_not_the_folder_name(pipeline_dirs, 
     config.write_text(config.read_text().replace('"z_dim": 16', '"z_dim": 17'))
     assert encoder_identity(str(copy), None, parts) != encoder_identity(str(pipeline_dirs["wan"]), None, parts)
     assert encoder_identity("org/model", "main", parts) == {"pretrained_model": "org/model", "revision": "main"}
+
+
+def test_a_datasets_folder_root_names_its_train_split(tmp_path):
+    """A Hugging Face ``datasets`` imagefolder / videofolder root (split folders) given as the data folder."""
+    videos = tmp_path / "videos"
+    for split in ("train", "test"):
+        (videos / split).mkdir(parents=True)
+        write_video(videos / split / "a.mp4", 9, 32, 32)
+        (videos / split / "metadata.jsonl").write_text(json.dumps({"file_name": "a.mp4", "text": "a clip"}))
+    with pytest.raises(ValueError, match=rf"^{videos} looks like a `datasets` folder .*: use {videos / 'train'} as"):
+        index_video_folder(videos, [(32, 32)], [9])
+    samples, _ = index_video_folder(videos / "train", [(32, 32)], [9])  # the split itself trains
+    assert [s.caption for s in samples] == ["a clip"]
+    images = tmp_path / "images"  # imagefolder with class labels: <split>/<class>/<image>
+    for split in ("train", "validation"):
+        for label in ("0", "1"):
+            (images / split / label).mkdir(parents=True)
+            write_image(images / split / label / "x.png", 16, 16)
+    with pytest.raises(ValueError, match=rf"^{images} looks like a `datasets` folder .*: use {images / 'train'} as"):
+        index_class_folder(images, num_classes=2)
+    assert len(index_class_folder(images / "train", num_classes=2)[0]) == 2

@@ -1,7 +1,7 @@
 """Fine-tuning reliability: resuming with changed options, metrics after a resume, one run per
 folder (the run lock), the process / global-batch log line, non-finite options, the data layouts of
 other trainers (DiffSynth-Studio's ``video,prompt`` CSV, finetrainers' ``prompts.txt`` + ``videos.txt``),
-and the MHLA mark in LoRA files."""
+and the MHLA mark in LoRA files; one progress bar per run."""
 
 from __future__ import annotations
 
@@ -202,3 +202,21 @@ def test_mhla_lora_files_are_marked_and_refused_without_mhla(tmp_path, pipeline_
         other.load_lora_weights(final)
     pipe = MHLAWanPipeline.from_pretrained(base, mhla_weights=final)
     pipe.load_lora_weights(final)  # the matching MHLA model loads it
+
+
+def test_one_progress_bar_relabelled_by_stage(tmp_path, pipeline_dirs, image_classes, capfd):
+    """A run shows one bar, labelled by its stage (``transfer`` then ``train``), not a second one."""
+    import re
+
+    from helpers.finetune import dit_options
+
+    from mhla_diffusion.finetune import train_dit
+
+    for name, transfer in (("plain", 0), ("transfer", 1)):
+        capfd.readouterr()
+        train_dit.train(dit_options(pipeline_dirs["dit"], image_classes, tmp_path / name, max_train_steps=2,
+                                    attention_transfer_steps=transfer))
+        renders = re.findall(r"(\w+): +(\d+)%\|", capfd.readouterr().err)  # every draw of a bar: label, percent
+        assert [percent for _, percent in renders].count("0") == 1, renders  # main: a "training" bar, then another
+        labels = list(dict.fromkeys(label for label, _ in renders))
+        assert labels == (["transfer", "train"] if transfer else ["train"]), renders
