@@ -19,11 +19,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Iterable, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli"]
+__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli",
+           "unknown_name"]
 
 T = TypeVar("T", bound="TrainOptions")
 
@@ -449,6 +450,15 @@ def _help_text(cls: type[TrainOptions] | None) -> str:
     return "\n".join(lines)
 
 
+def unknown_name(kind: str, name: str, names: Iterable[str], lookup: str | None = None) -> ValueError:
+    """The error for a name that is not among ``names``: "unknown option `learnin_rate` (did you mean
+    `learning_rate`?); `--help` lists every option" (``kind``: option, setting, ...; ``lookup``: the spelling
+    to match, default ``name``)."""
+    close = difflib.get_close_matches(lookup or name, list(names), n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else ""
+    return ValueError(f"unknown {kind} `{name}`{hint}; `--help` lists every {kind}")
+
+
 def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
     """Build and validate ``cls`` from a flat dict whose ``mhla.X`` keys go into the ``mhla`` dict."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -461,9 +471,7 @@ def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
             mhla[key[5:]] = value
             continue
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" (did you mean `{close[0]}`?)" if close else ""
-            raise ValueError(f"unknown option `{raw_key}`{hint}; `--help` lists every option")
+            raise unknown_name("option", raw_key, names, key)
         kwargs[key] = _coerce(key, value, hints[key])
     if mhla:
         kwargs["mhla"] = {**kwargs.get("mhla", {}), **mhla}
