@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence, TypeVar
 import yaml
 
 __all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli",
-           "unknown_name"]
+           "read_yaml", "unknown_name"]
 
 T = TypeVar("T", bound="TrainOptions")
 
@@ -431,9 +431,23 @@ def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions] | None = None)
                 raise ValueError(f"--{key} needs a value (booleans too: --{key} true)")
             value = rest[i + 1]
             i += 1
-        overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        overrides[key.replace("-", "_")] = read_yaml(value, f"--{key} {value!r}") if value != "" else ""
         i += 1
     return known.config, overrides
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``; a syntax error is a one-line ``ValueError`` naming ``where`` (a file, an option),
+    the line and the column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+        opened = f" ({context} opened at line {start.line + 1}, column {start.column + 1})" if context and start else ""
+        raise ValueError(f"{where}{at}: not valid YAML: {problem}{opened}") from None
 
 
 def _help_text(cls: type[TrainOptions] | None) -> str:
@@ -488,7 +502,11 @@ def load_options(cls: type[T], argv: Sequence[str] | None = None) -> T:
         path = Path(config_path)
         if not path.is_file():
             raise FileNotFoundError(f"--config {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"--config {path} is not a text file: give a YAML file of option: value") from None
+        loaded = read_yaml(text, str(path)) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path} must hold a mapping of option: value")
         values.update(loaded)
