@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.cli.arguments import dataclass_field_names
 
 NO_CUDA = "no CUDA device is available on this machine (torch.cuda.is_available() is False): use --device cpu"
 
@@ -88,6 +87,7 @@ def test_a_setting_with_no_close_name_is_one_short_line(tmp_path, capsys):
 
 
 def test_help_lists_every_setting(capsys):
+    from mhla_diffusion.cli.arguments import dataclass_field_names
     from mhla_diffusion.embedded.attention_experiment import ExperimentSettings
     from mhla_diffusion.embedded.build import BuildSettings
 
