@@ -1,8 +1,9 @@
-"""What several ``mhla`` commands parse alike: sizes, layers, attention, counts, the model options,
+"""What several ``mhla`` commands parse alike: sizes, layers, attention, counts, devices, the model options,
 deprecated names, and subcommand parsers that add their arguments only when they are used.
 
 Standard library only (plus the torch-free :mod:`mhla_diffusion.geometry`), so parsing never waits
-for torch or Diffusers.
+for torch or Diffusers; only a given ``--device`` imports torch (:func:`parse_device` asks it what this
+machine has).
 """
 
 from __future__ import annotations
