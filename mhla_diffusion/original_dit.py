@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pickle
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -52,6 +51,7 @@ import torch
 from .config import MHLAConfig
 from .dit_sizes import DIT_MODEL_SIZES, DiTModelSize, dit_model_size
 from .conversion import convert_to_mhla
+from .weight_files import read_checkpoint_file
 from .weights import check_state_dict
 
 __all__ = [
@@ -87,19 +87,10 @@ def read_dit_checkpoint(path: str | os.PathLike, weights: str | None = None) -> 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        data: Any = load_file(path)
-    elif path.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        # train.py checkpoints also hold their argparse.Namespace; allow that one class, nothing else.
-        try:
-            with torch.serialization.safe_globals([argparse.Namespace]):
-                data = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as error:
-            raise ValueError(f"{path} holds objects other than tensors and plain values, which are not loaded: {error}") from None
-    else:
+    if not path.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")):
         raise ValueError(f"unsupported checkpoint type {path!r}: expected .pt, .pth, .bin, .ckpt or .safetensors")
+    # train.py checkpoints also hold their argparse.Namespace; allow that one class, nothing else.
+    data = read_checkpoint_file(path, safe_globals=[argparse.Namespace])
     return select_weights(data, weights, path)
 
 

@@ -33,8 +33,6 @@ import json
 import math
 import os
 import re
-import warnings
-import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -42,7 +40,7 @@ import torch
 
 from .config import MHLAConfig
 from .conversion import convert_to_mhla
-from .weight_files import dtype_on_load
+from .weight_files import dtype_on_load, read_checkpoint_file
 from .weights import check_state_dict
 
 __all__ = [
@@ -178,17 +176,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def _read_file(file: Path) -> dict[str, torch.Tensor]:
     """The tensors of one checkpoint file, memory-mapped where the format allows."""
-    if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            return {key: handle.get_tensor(key) for key in handle.keys()}
-    if zipfile.is_zipfile(file):
-        data = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    else:
-        warnings.warn(f"{file} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
-                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
-        data = torch.load(file, map_location="cpu", weights_only=True)
+    data = read_checkpoint_file(file, mmap=True)
     while isinstance(data, Mapping) and not any(isinstance(v, torch.Tensor) for v in data.values()):
         inner = next((data[k] for k in _WRAPPER_KEYS if isinstance(data.get(k), Mapping)), None)
         if inner is None:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
+import warnings
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .config import MHLAConfig
@@ -33,6 +37,7 @@ __all__ = [
     "hub_kwargs_of",
     "load_into",
     "model_shape",
+    "read_checkpoint_file",
     "read_meta",
     "read_mhla_config",
     "read_mhla_tensors",
@@ -134,11 +139,45 @@ def weight_files(
 def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if ".processor." in key:
-                    tensors[key] = f.get_tensor(key)
+        tensors.update(read_checkpoint_file(path, keep=lambda key: ".processor." in key))
     return tensors
+
+
+#: What ``torch.load`` and safetensors raise for a file that is no checkpoint (random bytes, a truncated download).
+_UNREADABLE = (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, ValueError)
+
+
+def read_checkpoint_file(
+    path: str | os.PathLike, *, mmap: bool = False, safe_globals: Sequence[type] = (),
+    keep: Callable[[str], bool] | None = None,
+) -> Any:
+    """What one ``.safetensors`` or ``.pt``-style file holds, or a one-line ``ValueError`` naming the file.
+
+    ``.safetensors``: its tensors (only the keys ``keep`` accepts, when given). Any other file: ``torch.load``
+    with ``weights_only=True`` (``safe_globals`` names the only classes allowed besides tensors and plain values),
+    memory-mapped with ``mmap`` where the file's format allows it (a legacy non-zip file is read whole, with a
+    warning). A file of another kind, corrupt or truncated, is refused as such; objects other than tensors and
+    plain values are refused and never loaded.
+    """
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                return {key: handle.get_tensor(key) for key in handle.keys() if keep is None or keep(key)}
+        legacy = mmap and not zipfile.is_zipfile(path)
+        with torch.serialization.safe_globals(list(safe_globals)):
+            data = torch.load(path, map_location="cpu", mmap=mmap and not legacy, weights_only=True)
+    except _UNREADABLE as error:
+        # torch's own message would advise weights_only=False; name the class instead, and load nothing
+        unsupported = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        if unsupported:
+            raise ValueError(f"{path} holds objects other than tensors and plain values ({unsupported.group(1)}), "
+                             "which are not loaded") from None
+        raise ValueError(f"{path} is not a readable PyTorch/safetensors checkpoint (corrupt or truncated?)") from None
+    if legacy:
+        warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
+                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
+    return data
 
 
 def dtype_on_load(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:

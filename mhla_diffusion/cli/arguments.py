@@ -1,13 +1,16 @@
-"""What several ``mhla`` commands parse alike: sizes, layers, attention, counts, the model options,
+"""What several ``mhla`` commands parse alike: sizes, layers, attention, counts, devices, the model options,
 deprecated names, and subcommand parsers that add their arguments only when they are used.
 
 Standard library only (plus the torch-free :mod:`mhla_diffusion.geometry`), so parsing never waits
-for torch or Diffusers.
+for torch or Diffusers; only a given ``--device`` imports torch (:func:`parse_device` asks it what this
+machine has).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -22,9 +25,11 @@ __all__ = [
     "WAN_480P",
     "add_command",
     "add_model_arguments",
+    "dataclass_field_names",
     "finite_float",
     "non_negative_int",
     "parse_attention",
+    "parse_device",
     "parse_layers",
     "parse_sizes",
     "positive_int",
@@ -75,6 +80,31 @@ def parse_attention(text: str) -> str:
         warn_deprecated("--attention sdpa", "--attention softmax")
         return "softmax"
     return text  # argparse checks it against ATTENTIONS
+
+
+def parse_device(text: str) -> str:
+    """A device this machine has: ``cpu``, ``cuda``, ``cuda:N``, or another accelerator present here (an
+    ``argparse`` type; it imports torch, so only a command given ``--device`` waits for it at parsing)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device: use cpu, cuda, cuda:N (N: the GPU's index) or another accelerator's name "
+            "(mps, xpu, ...)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                "no CUDA device is available on this machine (torch.cuda.is_available() is False): use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    elif device.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None or accelerator.type != device.type:
+            raise argparse.ArgumentTypeError(f"no {device.type} device is available on this machine: use --device cpu")
+    return text
 
 
 def _int_at_least(minimum: int, words: str):
@@ -140,8 +170,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: 
     parser.add_argument("--seed", type=seed, default=0, help="random seed, 0 to 2**32-1 (default 0)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where outputs go (default ./outputs)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    parser.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
+    parser.add_argument("--device", type=parse_device, help="cuda, cpu, ... (default: cuda when available)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+
+def dataclass_field_names(module: str, class_name: str) -> list[str]:
+    """The fields of the dataclass ``class_name`` in ``module``, read from its source without importing it
+    (``--help`` lists the settings of ``--set``; the module that holds them imports torch)."""
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    body = next(node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    return [node.target.id for node in body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
 
 
 # ---------------------------------------------------------------------------------- subcommands

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from .arguments import DTYPES, add_command, finite_float, non_negative_int, positive_int
+from .arguments import DTYPES, add_command, finite_float, non_negative_int, parse_device, positive_int
 
 __all__ = ["add_sample_arguments", "load_feature_extractor", "register", "run_eval", "run_eval_ref", "run_sample"]
 
@@ -65,7 +65,7 @@ def _add_network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inception-weights", metavar="PATH",
                    help=f"FID Inception-v3 weights ({INCEPTION_WEIGHTS_NAMES[0]}); default ${INCEPTION_WEIGHTS_ENV}")
     p.add_argument("--batch-size", type=positive_int, default=64, help="images per Inception batch (ADM: 64)")
-    p.add_argument("--device", help="cuda / cpu / cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", type=parse_device, help="cuda / cpu / cuda:1 ... (default: cuda if available)")
     p.add_argument("--skip-corrupt", action="store_true",
                    help="skip unreadable image files (listed in the output) instead of stopping")
     p.add_argument("--workers", type=positive_int, default=4, help="threads that decode image files")

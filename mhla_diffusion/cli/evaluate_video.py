@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import add_command, positive_int
+from .arguments import add_command, parse_device, positive_int
 
 __all__ = ["METRICS", "register", "run_eval_video"]
 
@@ -59,7 +59,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-ref", type=Path, help="write the I3D statistics of a --ref folder to this .npz")
     p.add_argument("--output", type=Path, help="JSON file for the results (default: <samples>_eval_video.json)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="clips per I3D batch")
-    p.add_argument("--device", help="cuda / cpu / cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", type=parse_device, help="cuda / cpu / cuda:1 ... (default: cuda if available)")
     p.add_argument("--overwrite", action="store_true", help="replace the output files if they exist")
     p.set_defaults(func=run_eval_video)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import add_command
+from .arguments import add_command, dataclass_field_names
 
 __all__ = ["DEFAULT_OUTPUT", "register"]
 
@@ -37,7 +37,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the image judge folder that scores the runs (default: the embedded digits judge)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="change one setting, e.g. --set token_counts=256,1024,4096 --set steps=1200,1200,400 "
-                   "(repeatable; names: the fields of mhla_diffusion.embedded.attention_experiment.ExperimentSettings)")
+                   "(repeatable). The settings (the fields of mhla_diffusion.embedded.attention_experiment."
+                   "ExperimentSettings): "
+                   + ", ".join(dataclass_field_names("mhla_diffusion.embedded.attention_experiment", "ExperimentSettings")))
     p.set_defaults(func=run)
 
 

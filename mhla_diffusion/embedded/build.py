@@ -643,12 +643,16 @@ def settings_with(settings: Any, overrides: list[str]) -> Any:
     """``settings`` (a settings dataclass: :class:`BuildSettings`, the reproduction's ``ExperimentSettings``)
     with ``NAME=VALUE`` overrides, each checked against the field's type. A list field takes
     comma-separated values (``seeds=0,1,2``); an optional count takes ``none``."""
+    from ..finetune.options import unknown_name
+
     fields = {f.name: f for f in dataclasses.fields(settings)}
     changes: dict[str, Any] = {}
     for item in overrides:
         name, eq, value = item.partition("=")
-        if not eq or name not in fields:
-            raise ValueError(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
+        if name not in fields:
+            raise unknown_name("setting", name, fields)
+        if not eq:
+            raise ValueError(f"--set {item!r}: expected NAME=VALUE ({name}=...)")
         current = getattr(settings, name)
         optional = "None" in str(fields[name].type)
         if isinstance(current, list):

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from ..weight_files import read_checkpoint_file
 from .image_judge import ImageJudge
 from .judge_features import ImageJudgeFeatures, VideoJudgeFeatures, judge_features
 from .video_judge import VideoJudge
@@ -54,7 +55,7 @@ def load_judge(folder: str | Path) -> VideoJudge | ImageJudge:
     """The judge saved in ``folder``, in eval mode; its config's ``metadata`` is in ``judge.metadata``."""
     config, weights_path = _read(Path(folder))
     judge = _KINDS[config["kind"]](**config["config"])
-    missing, unexpected = judge.load_state_dict(load_file(str(weights_path)), strict=False)
+    missing, unexpected = judge.load_state_dict(read_checkpoint_file(weights_path), strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     judge.metadata = config.get("metadata", {})

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from ..weight_files import read_checkpoint_file
 
 __all__ = [
     "RESUME_MAY_CHANGE",
@@ -339,7 +341,7 @@ def save_trainable_only(accelerator, model: torch.nn.Module, names: list[str]) -
         path = os.path.join(input_dir, TRAINABLE_WEIGHTS)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete or from a full-model run")
-        saved, params = load_file(path), trainable()
+        saved, params = read_checkpoint_file(path), trainable()
         if set(saved) != set(params):
             missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
             raise ValueError(

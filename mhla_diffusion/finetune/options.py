@@ -19,11 +19,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Iterable, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli"]
+__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli",
+           "read_yaml", "unknown_name"]
 
 T = TypeVar("T", bound="TrainOptions")
 
@@ -430,9 +431,23 @@ def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions] | None = None)
                 raise ValueError(f"--{key} needs a value (booleans too: --{key} true)")
             value = rest[i + 1]
             i += 1
-        overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        overrides[key.replace("-", "_")] = read_yaml(value, f"--{key} {value!r}") if value != "" else ""
         i += 1
     return known.config, overrides
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``; a syntax error is a one-line ``ValueError`` naming ``where`` (a file, an option),
+    the line and the column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+        opened = f" ({context} opened at line {start.line + 1}, column {start.column + 1})" if context and start else ""
+        raise ValueError(f"{where}{at}: not valid YAML: {problem}{opened}") from None
 
 
 def _help_text(cls: type[TrainOptions] | None) -> str:
@@ -449,6 +464,15 @@ def _help_text(cls: type[TrainOptions] | None) -> str:
     return "\n".join(lines)
 
 
+def unknown_name(kind: str, name: str, names: Iterable[str], lookup: str | None = None) -> ValueError:
+    """The error for a name that is not among ``names``: "unknown option `learnin_rate` (did you mean
+    `learning_rate`?); `--help` lists every option" (``kind``: option, setting, ...; ``lookup``: the spelling
+    to match, default ``name``)."""
+    close = difflib.get_close_matches(lookup or name, list(names), n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else ""
+    return ValueError(f"unknown {kind} `{name}`{hint}; `--help` lists every {kind}")
+
+
 def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
     """Build and validate ``cls`` from a flat dict whose ``mhla.X`` keys go into the ``mhla`` dict."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -461,9 +485,7 @@ def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
             mhla[key[5:]] = value
             continue
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" (did you mean `{close[0]}`?)" if close else ""
-            raise ValueError(f"unknown option `{raw_key}`{hint}; `--help` lists every option")
+            raise unknown_name("option", raw_key, names, key)
         kwargs[key] = _coerce(key, value, hints[key])
     if mhla:
         kwargs["mhla"] = {**kwargs.get("mhla", {}), **mhla}
@@ -480,7 +502,11 @@ def load_options(cls: type[T], argv: Sequence[str] | None = None) -> T:
         path = Path(config_path)
         if not path.is_file():
             raise FileNotFoundError(f"--config {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"--config {path} is not a text file: give a YAML file of option: value") from None
+        loaded = read_yaml(text, str(path)) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path} must hold a mapping of option: value")
         values.update(loaded)

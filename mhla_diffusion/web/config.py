@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
 from ..geometry import VideoGeometry
 from ..loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
@@ -137,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--concurrency", type=int, default=_env_int("CONCURRENCY", 1),
                      help="generations run at once, all tabs together (default 1); others wait in the queue")
     run.add_argument("--max-queue", type=int, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)")
-    run.add_argument("--device", default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)")
+    run.add_argument("--device", type=parse_device, default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)")
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=_env("DTYPE"),
                      help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
     run.add_argument("--no-preload", dest="preload", action="store_false",
@@ -211,6 +212,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """A :class:`DemoConfig` from parsed flags; model folders are checked here, before anything loads."""
     if args.concurrency < 1 or args.max_queue < 1:
         raise ValueError("--concurrency and --max-queue must be >= 1")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a port number: use 1 to 65535 (or leave --port out: 7860 or the "
+                         "next free one)")
     limits = Limits(max_steps=args.max_steps, max_frames=args.max_frames, max_size=args.max_size)
     if not 1 <= args.samples <= limits.max_samples:
         raise ValueError(f"--samples {args.samples} must be from 1 to {limits.max_samples}")

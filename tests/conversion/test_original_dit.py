@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 
 import pytest
@@ -188,3 +189,22 @@ def test_import_dit_then_class_to_image(pipeline_dirs, tmp_path, capsys):
                  "--steps", "2", "--output-dir", str(tmp_path / "images")]) == 0
     settings = json.loads((tmp_path / "images" / "000-goldfish-seed0-mhla.json").read_text())
     assert settings["transformer"] == str(out) and settings["attention"] == "mhla"
+
+
+@pytest.mark.parametrize("name", ["random.pt", "random.safetensors"])
+def test_import_dit_of_a_corrupt_file_is_one_line_without_unsafe_advice(tmp_path, capsys, name):
+    checkpoint, out = tmp_path / name, tmp_path / "transformer"
+    checkpoint.write_bytes(os.urandom(4096))  # e.g. a truncated download
+    assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 2
+    assert capsys.readouterr().err == (f"mhla import-dit: error: {checkpoint} is not a readable PyTorch/safetensors "
+                                       "checkpoint (corrupt or truncated?)\n")
+    assert not out.exists()
+
+
+def test_a_checkpoint_with_other_objects_is_refused_naming_them_not_advising_unsafe_loading(tmp_path, capsys):
+    checkpoint, out = tmp_path / "dit.pt", tmp_path / "transformer"
+    torch.save({"model": original_checkpoint(), "args": pathlib.PurePosixPath("not/allowed")}, checkpoint)
+    assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 2
+    assert capsys.readouterr().err == (f"mhla import-dit: error: {checkpoint} holds objects other than tensors and plain "
+                                       "values (pathlib.PurePosixPath), which are not loaded\n")
+    assert not out.exists()

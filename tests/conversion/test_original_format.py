@@ -360,3 +360,15 @@ def test_published_config_names():
     assert WAN_TRANSFORMER_CONFIGS["Wan2.1-T2V-1.3B"]["num_layers"] == 30
     with pytest.raises(ValueError, match="known: Wan2.1-T2V-1.3B, Wan2.1-T2V-14B"):
         wan_transformer_config("Wan2.1-T2V-2B")
+
+
+@pytest.mark.parametrize("name", ["random.safetensors", "random.pt"])
+def test_import_wan_of_a_corrupt_file_is_one_line_naming_it(tmp_path, capsys, name):
+    from mhla_diffusion.cli import main
+
+    checkpoint, out = tmp_path / name, tmp_path / "transformer"
+    checkpoint.write_bytes(os.urandom(4096))  # e.g. a truncated download
+    assert main(["import-wan", str(checkpoint), "--output", str(out)]) == 2
+    assert capsys.readouterr().err == (f"mhla import-wan: error: {checkpoint} is not a readable PyTorch/safetensors "
+                                       "checkpoint (corrupt or truncated?)\n")
+    assert not out.exists()

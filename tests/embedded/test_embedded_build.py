@@ -148,8 +148,10 @@ def test_settings_overrides_are_checked():
 
     changed = settings_with(BuildSettings(), ["video_teacher_steps=6000", "teacher_lr=1e-3", "train_digits=100"])
     assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)
-    with pytest.raises(ValueError, match="NAME=VALUE"):
+    with pytest.raises(ValueError, match="unknown setting `video_teacher_step` \\(did you mean `video_teacher_steps`\\?\\)"):
         settings_with(BuildSettings(), ["video_teacher_step=1"])
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        settings_with(BuildSettings(), ["video_teacher_steps"])
     with pytest.raises(ValueError, match="must be of type int"):
         settings_with(BuildSettings(), ["video_teacher_steps=many"])
     assert settings_with(BuildSettings(), ["video_student_lepe=False"]).video_student_lepe is False

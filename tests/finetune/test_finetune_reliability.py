@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helpers.finetune import metrics, wan_options
 
-from mhla_diffusion.finetune import train_wan
+from mhla_diffusion.finetune import train_dit, train_wan
 from mhla_diffusion.finetune.checkpointing import RUN_CONFIG
 from mhla_diffusion.finetune.options import WanTrainOptions, options_from_dict
 from mhla_diffusion.finetune.video_data import index_video_folder
@@ -122,6 +122,18 @@ def test_non_finite_options_are_refused(tmp_path, name, value):
     values = dict(pretrained_model="x", data_dir="d", output_dir=str(tmp_path), **{name: value})
     with pytest.raises(ValueError, match=rf"`{name}` must be a finite number"):
         options_from_dict(WanTrainOptions, values if value != ".inf" else {**values, name: yaml.safe_load(value)})
+
+
+@pytest.mark.parametrize("trainer", [train_wan, train_dit])
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys, trainer):
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    config.write_text(f"output_dir: {run}\nmhla: {{layout: [1, 2\nmax_train_steps: 3\n")  # the list is never closed
+    assert trainer.main(["--config", str(config)]) == 2
+    assert capsys.readouterr().err == (f"error: {config}, line 3, column 16: not valid YAML: expected ',' or ']', but got "
+                                       "':' (while parsing a flow sequence opened at line 2, column 16)\n")
+    assert not run.exists()
+    assert trainer.main(["--max_train_steps", "[3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --max_train_steps '[3', line 1, column 3: not valid YAML:")
 
 
 def _uncaptioned_copy(video_set, folder):

@@ -52,6 +52,17 @@ def test_one_seed_rule_for_the_cli_and_the_demo():
     assert validation.video_request("a cat", "", geometry.MAX_SEED, 2, 5.0, 5, 32, 32).seed == geometry.MAX_SEED
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_is_refused_before_anything_starts(capsys, monkeypatch, port):
+    from mhla_diffusion.cli import main
+    from mhla_diffusion.web import app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("the demo started"))
+    assert main(["web", "--port", port]) == 2
+    assert capsys.readouterr().err == (f"mhla web: error: --port {port} is not a port number: use 1 to 65535 (or leave "
+                                       "--port out: 7860 or the next free one)\n")
+
+
 # ---------------------------------------------------------------- through the running server
 
 TEXT_NUMBERS = [
