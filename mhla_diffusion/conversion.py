@@ -146,8 +146,28 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
 
 
 def get_mhla_conversion(transformer: nn.Module) -> MHLAConversion | None:
-    """The :class:`MHLAConversion` of a converted transformer, or ``None``."""
-    return getattr(transformer, "_mhla_conversion", None)
+    """The :class:`MHLAConversion` of the MHLA layers that run now, or ``None`` when none does.
+
+    It follows the processors actually installed: ``None`` for a model never converted, reverted, inside
+    :func:`softmax_attention`, or whose MHLA processors were all replaced by hand (e.g.
+    ``transformer.set_attn_processor(WanAttnProcessor())``); when only some were replaced, the conversion of
+    the layers that still run MHLA (what ``save_pretrained`` / :func:`save_mhla` then write).
+    """
+    conversion = getattr(transformer, "_mhla_conversion", None)
+    if conversion is None:
+        return None
+    running = [isinstance(getattr(transformer.get_submodule(name), "processor", None), MHLAProcessor)
+               for name in conversion.layer_names]
+    if all(running):
+        return conversion
+    if not any(running):
+        return None
+    names = [name for name, runs in zip(conversion.layer_names, running) if runs]
+    layers = [index for index, runs in zip(conversion.config.layers, running) if runs]
+    return dataclasses.replace(
+        conversion, config=dataclasses.replace(conversion.config, layers=layers), layer_names=names,
+        num_new_parameters=sum(p.numel() for name in names for p in transformer.get_submodule(name).processor.parameters()),
+    )
 
 
 def resolve_mhla_config(transformer: nn.Module, config: MHLAConfig) -> MHLAConfig:
