@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import warnings
-
 from typing import Any, Callable, Sequence, Union
 
 import torch
