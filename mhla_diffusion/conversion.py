@@ -156,17 +156,21 @@ def get_mhla_conversion(transformer: nn.Module) -> MHLAConversion | None:
     conversion = getattr(transformer, "_mhla_conversion", None)
     if conversion is None:
         return None
-    running = [isinstance(getattr(transformer.get_submodule(name), "processor", None), MHLAProcessor)
-               for name in conversion.layer_names]
+    try:
+        modules = [transformer.get_submodule(name) for name in conversion.layer_names]
+    except AttributeError:  # a wrapper (FSDP, torch.compile) renames the paths: the recorded conversion, as it is
+        return conversion
+    running = [isinstance(getattr(module, "processor", None), MHLAProcessor) for module in modules]
     if all(running):
         return conversion
     if not any(running):
         return None
-    names = [name for name, runs in zip(conversion.layer_names, running) if runs]
-    layers = [index for index, runs in zip(conversion.config.layers, running) if runs]
+    kept = [i for i, runs in enumerate(running) if runs]
     return dataclasses.replace(
-        conversion, config=dataclasses.replace(conversion.config, layers=layers), layer_names=names,
-        num_new_parameters=sum(p.numel() for name in names for p in transformer.get_submodule(name).processor.parameters()),
+        conversion,
+        config=dataclasses.replace(conversion.config, layers=[conversion.config.layers[i] for i in kept]),
+        layer_names=[conversion.layer_names[i] for i in kept],
+        num_new_parameters=sum(p.numel() for i in kept for p in modules[i].processor.parameters()),
     )
 
 
