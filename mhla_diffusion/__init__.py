@@ -7,6 +7,7 @@ The public API below is imported on first use (PEP 562), so ``import mhla_diffus
 
 from ._lazy import lazy_exports
 from ._renamed import install as _install_renamed_modules
+from .diffusers_warnings import install as _install_diffusers_warnings
 
 __version__ = "0.1.0"
 
@@ -32,4 +33,5 @@ _EXPORTS = {
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 _install_renamed_modules()  # mhla_diffusion.demo / .webdemo: old paths, for one release
+_install_diffusers_warnings()  # Diffusers' loaders that drop MHLA say so (logging only)
 __all__ = sorted(name for name in _EXPORTS if name != "ModelMixin")

@@ -146,8 +146,32 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
 
 
 def get_mhla_conversion(transformer: nn.Module) -> MHLAConversion | None:
-    """The :class:`MHLAConversion` of a converted transformer, or ``None``."""
-    return getattr(transformer, "_mhla_conversion", None)
+    """The :class:`MHLAConversion` of the MHLA layers that run now, or ``None`` when none does.
+
+    It follows the processors actually installed: ``None`` for a model never converted, reverted, inside
+    :func:`softmax_attention`, or whose MHLA processors were all replaced by hand (e.g.
+    ``transformer.set_attn_processor(WanAttnProcessor())``); when only some were replaced, the conversion of
+    the layers that still run MHLA (what ``save_pretrained`` / :func:`save_mhla` then write).
+    """
+    conversion = getattr(transformer, "_mhla_conversion", None)
+    if conversion is None:
+        return None
+    try:
+        modules = [transformer.get_submodule(name) for name in conversion.layer_names]
+    except AttributeError:  # a wrapper (FSDP, torch.compile) renames the paths: the recorded conversion, as it is
+        return conversion
+    running = [isinstance(getattr(module, "processor", None), MHLAProcessor) for module in modules]
+    if all(running):
+        return conversion
+    if not any(running):
+        return None
+    kept = [i for i, runs in enumerate(running) if runs]
+    return dataclasses.replace(
+        conversion,
+        config=dataclasses.replace(conversion.config, layers=[conversion.config.layers[i] for i in kept]),
+        layer_names=[conversion.layer_names[i] for i in kept],
+        num_new_parameters=sum(p.numel() for i in kept for p in modules[i].processor.parameters()),
+    )
 
 
 def resolve_mhla_config(transformer: nn.Module, config: MHLAConfig) -> MHLAConfig:

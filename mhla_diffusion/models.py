@@ -10,8 +10,11 @@ reload MHLA intact instead of silently falling back to softmax attention.
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+import re
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from diffusers import DiTTransformer2DModel, WanTransformer3DModel
 
@@ -23,6 +26,7 @@ __all__ = [
     "apply_timestep_freq_shift",
     "mhla_transformer_class",
     "set_timestep_freq_shift",
+    "shift_applied_quietly",
 ]
 
 #: The ``config.json`` key of :func:`set_timestep_freq_shift`.
@@ -43,6 +47,27 @@ def set_timestep_freq_shift(transformer: DiTTransformer2DModel, shift: float) ->
     for block in transformer.transformer_blocks:
         block.norm1.emb.time_proj.downscale_freq_shift = shift
     transformer.register_to_config(**{TIMESTEP_FREQ_SHIFT: shift})
+
+
+class _DropShiftWarning(logging.Filter):
+    """Drops Diffusers' warning that a config's ``timestep_freq_shift`` (and nothing else) "will be ignored"."""
+
+    pattern = re.compile(rf"The config attributes \{{'{TIMESTEP_FREQ_SHIFT}': [^,{{}}]+\}} were passed to ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+@contextmanager
+def shift_applied_quietly() -> Iterator[None]:
+    """For our loaders, which apply ``timestep_freq_shift`` after Diffusers builds the model: silence Diffusers'
+    warning that it ignores the key (stock ``from_pretrained`` elsewhere still warns, rightly)."""
+    logger, quiet = logging.getLogger("diffusers.configuration_utils"), _DropShiftWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def apply_timestep_freq_shift(transformer: DiTTransformer2DModel) -> DiTTransformer2DModel:
@@ -71,7 +96,8 @@ class MHLADiTTransformer2DModel(DiTTransformer2DModel):
     @classmethod
     def from_config(cls, config: Any = None, return_unused_kwargs: bool = False, **kwargs: Any) -> Any:
         """Diffusers' ``from_config`` (which ``from_pretrained`` uses), plus a recorded ``timestep_freq_shift``."""
-        out = super().from_config(config, return_unused_kwargs=return_unused_kwargs, **kwargs)
+        with shift_applied_quietly():
+            out = super().from_config(config, return_unused_kwargs=return_unused_kwargs, **kwargs)
         apply_timestep_freq_shift(out[0] if return_unused_kwargs else out)
         return out
 

@@ -122,6 +122,9 @@ def weight_files(
             weights = weights.replace(".safetensors", f".{variant}.safetensors")
             index = index.replace(".safetensors.index", f".{variant}.safetensors.index")
         index_path = find_file(source, index, subfolder, hub_kwargs)
+        if index_path is None and find_file(source, weights, subfolder, hub_kwargs) is None:
+            weights, index = _pickle_names(weights), _pickle_names(index)  # save_pretrained(safe_serialization=False)
+            index_path = find_file(source, index, subfolder, hub_kwargs)
         if index_path is not None:
             weight_map = json.loads(index_path.read_text())["weight_map"]
             names = sorted({f for key, f in weight_map.items() if ".processor." in key})
@@ -136,10 +139,17 @@ def weight_files(
     return files
 
 
+def _pickle_names(name: str) -> str:
+    """Diffusers' name for ``name`` when saved with ``safe_serialization=False`` (``.bin`` instead of ``.safetensors``)."""
+    return name.replace(".safetensors", ".bin")
+
+
 def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        tensors.update(read_checkpoint_file(path, keep=lambda key: ".processor." in key))
+        # safetensors or a pickled Diffusers checkpoint (`.bin`, read with weights_only: tensors only)
+        state = read_checkpoint_file(path, keep=lambda key: ".processor." in key)
+        tensors.update({key: value for key, value in state.items() if ".processor." in key})
     return tensors
 
 

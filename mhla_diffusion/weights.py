@@ -152,7 +152,12 @@ def load_mhla(
     if transformer is None:
         from .models import mhla_transformer_class
 
-        meta = read_meta(source, subfolder, hub_kwargs_of(kwargs))
+        meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
+        if meta is None:
+            where = f"{source}/{subfolder}" if subfolder else str(source)
+            raise FileNotFoundError(
+                f"no {MHLA_CONFIG_NAME} in {where}: it holds no MHLA layers; load a plain Diffusers transformer folder "
+                "(e.g. one `mhla import-dit` wrote for an original DiT) with load_transformer(folder)")
         if meta["contents"] != "transformer":
             raise ValueError(
                 f"{source} holds only MHLA parameters: pass the base transformer too, load_mhla(folder, transformer)"
@@ -193,10 +198,11 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
         )
     import diffusers
 
-    cls = getattr(diffusers, _TRANSFORMER_CLASSES[class_name])
-    transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
-    if isinstance(transformer, diffusers.DiTTransformer2DModel):
-        from .models import apply_timestep_freq_shift
+    from .models import apply_timestep_freq_shift, shift_applied_quietly
 
+    cls = getattr(diffusers, _TRANSFORMER_CLASSES[class_name])
+    with shift_applied_quietly():
+        transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
+    if isinstance(transformer, diffusers.DiTTransformer2DModel):
         apply_timestep_freq_shift(transformer)  # e.g. 0 in a folder written by `mhla import-dit`
     return transformer

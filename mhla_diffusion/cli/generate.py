@@ -166,6 +166,18 @@ def _declared_mhla(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [meta for meta in metas if meta is not None]
 
 
+def _mhla_weights_2(args: argparse.Namespace) -> str | None:
+    """The folder ``transformer_2``'s MHLA weights were loaded from, for the settings JSON: --mhla-weights-2, or
+    ``transformer_2/`` of an --mhla-weights folder that holds one (as ``mhla convert`` writes for Wan2.2-A14B)."""
+    from ..pipelines.mhla_mixin import mhla_weight_sources
+
+    sources = mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}
+    source, subfolder = sources.get("transformer_2", (args.mhla_weights_2, None))
+    if source is None:
+        return None
+    return str(Path(source, subfolder)) if subfolder else str(source)
+
+
 def _read_image(path: Path) -> Any:
     """The ``--image`` as an RGB ``PIL.Image``, read before any model loads."""
     from PIL import Image, UnidentifiedImageError
@@ -346,7 +358,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     flow_shift = pipe.scheduler.config.get("flow_shift", pipe.scheduler.config.get("shift"))
     conditioning = {"image": image} if image is not None else {}
     recorded = {"image": str(args.image)} if image is not None else {}
-    recorded["mhla_weights_2"] = str(args.mhla_weights_2) if args.mhla_weights_2 else None
+    recorded["mhla_weights_2"] = _mhla_weights_2(args)
     recorded["context_parallel"] = args.context_parallel
     check_settings(_settings(args, pipe, device, dtype, flow_shift=flow_shift))  # before generating: valid JSON sidecars
     reader = _judge_reader(args.model) if parallel is None or parallel.is_main else None

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import os
+import warnings
+from typing import Any, Callable, Sequence, Union
 
 import torch
-from diffusers import DiTPipeline
+from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
+from diffusers.schedulers import KarrasDiffusionSchedulers
 
 from .class_labels import label_index, resolve_class_ids
 from .mhla_mixin import MHLAPipelineMixin
 
-__all__ = ["MHLADiTPipeline", "label_index", "resolve_class_ids"]
+__all__ = ["MHLADiTPipeline", "STOCK_NULL_CLASS", "label_index", "resolve_class_ids"]
+
+#: The class Diffusers' stock ``DiTPipeline`` gives the unconditional half of a guided batch (ImageNet's null class).
+STOCK_NULL_CLASS = 1000
 
 
 class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
@@ -26,10 +32,29 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
     _stock_transformer_name = "DiTTransformer2DModel"
     _mhla_transformer_name = "MHLADiTTransformer2DModel"
 
-    def __init__(self, transformer, vae, scheduler, id2label: dict[int, str] | None = None):
+    def __init__(
+        self,
+        transformer: DiTTransformer2DModel,
+        vae: AutoencoderKL,
+        scheduler: KarrasDiffusionSchedulers,
+        id2label: dict[Union[int, str], str] | None = None,  # str keys: as model_index.json gives them back
+    ):
         super().__init__(transformer=transformer, vae=vae, scheduler=scheduler, id2label=id2label)
         if id2label is not None:  # stock DiTPipeline forgets it on save
             self.register_to_config(id2label={int(k): v for k, v in id2label.items()})
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """:meth:`MHLAPipelineMixin.save_pretrained`, warning when Diffusers' stock ``DiTPipeline`` cannot guide the
+        saved model: it labels the unconditional half class 1000 (ImageNet's null class), and a model with
+        another class count (e.g. trained from scratch with ``num_classes: data``) has its null class elsewhere."""
+        super().save_pretrained(save_directory, **kwargs)
+        null = int(self.transformer.config.num_embeds_ada_norm)
+        if null != STOCK_NULL_CLASS:
+            warnings.warn(
+                f"{save_directory} holds a DiT with {null} classes (null class {null}): Diffusers' stock DiTPipeline "
+                f"guides with class {STOCK_NULL_CLASS} as the null class, so it runs this folder only with "
+                f"guidance_scale <= 1 (with guidance it {'fails with IndexError' if null < STOCK_NULL_CLASS else 'guides wrongly'}); "
+                "load it with mhla_diffusion.MHLADiTPipeline, which guides with the model's own null class", stacklevel=2)
 
     def _with_null_class(self, call: Callable[[], Any], guided: bool) -> Any:
         """Run ``call`` so that the unconditional half of a guided batch gets this model's null class.
@@ -38,7 +63,7 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
         ``num_embeds_ada_norm`` other than 1000 keeps its null class at ``num_embeds_ada_norm``.
         """
         null = int(self.transformer.config.num_embeds_ada_norm)
-        if not guided or null == 1000:
+        if not guided or null == STOCK_NULL_CLASS:
             return call()
 
         def relabel(module, args, kwargs):

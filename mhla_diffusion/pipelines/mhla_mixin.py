@@ -59,6 +59,20 @@ class MHLAPipelineMixin:
     _mhla_transformer_name: str = ""
 
     @classmethod
+    def _get_signature_types(cls) -> dict[str, tuple]:
+        """Diffusers' expected types of the ``__init__`` arguments, with this pipeline's MHLA-preserving transformer
+        class beside the stock one: ``from_pipe`` keeps a component only when its type is listed (exactly), so
+        without it the MHLA transformer of a reloaded folder would be dropped."""
+        from .. import models
+
+        types = super()._get_signature_types()
+        mhla_class = getattr(models, cls._mhla_transformer_name)
+        for name in TRANSFORMER_COMPONENTS:
+            if name in types:
+                types[name] = tuple(types[name]) + (mhla_class,)
+        return types
+
+    @classmethod
     def from_pretrained(
         cls,
         pretrained_model_name_or_path: str | os.PathLike,

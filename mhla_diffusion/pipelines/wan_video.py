@@ -10,6 +10,7 @@ work, the words a prompt loses to the tokenizer, and the MHLA mark of LoRA files
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 from ..geometry import VideoGeometry, check_layout_fits
@@ -76,9 +77,15 @@ class MHLAWanVideoMixin(MHLAPipelineMixin):
         from .lora import check_lora_mark, lora_file
 
         target = "transformer_2" if kwargs.get("load_into_transformer_2") else "transformer"
-        path = lora_file(pretrained_model_name_or_path_or_dict, kwargs.get("weight_name"), kwargs.get("subfolder"))
+        source = pretrained_model_name_or_path_or_dict
+        path = lora_file(source, kwargs.get("weight_name"), kwargs.get("subfolder"))
         if path is not None and path.suffix == ".safetensors":
             check_lora_mark(path, self.mhla_conversions.get(target))
+        else:  # a state dict, a hub id or a pickled file: no metadata to read the mark from
+            what = "a state dict" if isinstance(source, dict) else str(path or source)
+            warnings.warn(f"load_lora_weights got {what}, which carries no MHLA mark: it is loaded without checking that "
+                          f"it was trained on this pipeline's {target} attention (MHLA or softmax); pass the local "
+                          ".safetensors file (or folder) the trainer wrote to have it checked", stacklevel=2)
         return super().load_lora_weights(pretrained_model_name_or_path_or_dict, adapter_name=adapter_name, **kwargs)
 
     def check_call(self, arguments: dict[str, Any]) -> None:
