@@ -26,6 +26,7 @@ tests); :func:`fused_available` says when callers should choose this path.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -247,6 +248,11 @@ def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> Non
 
 def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
     """Validate the fused operator's arguments (one-line ``ValueError``s); returns the normalize mode."""
+    if isinstance(plan, BlockPlan) and isinstance(q, torch.Tensor) and q.ndim == 4 and math.prod(plan.grid) != q.shape[1]:
+        raise ValueError(
+            f"`plan` was built for grid {plan.grid} ({math.prod(plan.grid)} tokens) but q has N={q.shape[1]}: "
+            f"build it with block_plan(grid, layout, device) for these inputs"
+        )
     validate_attention_inputs(q, k, v, getattr(plan, "grid", ()), getattr(plan, "layout", ()), mixing, None, None, plan)
     mode = normalization_mode(normalize)
     if mode == "scalar_mixed_denominator":
