@@ -5,12 +5,12 @@ From the *raw* projections ``q, k, v`` ``(B, N, H, D)`` (before the feature map)
 ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))`` (``phi(x) = relu(x) + feature_eps``, ``R`` Wan's
 interleaved RoPE), in three steps:
 
-1. ``_summaries_kernel``, grid ``(B*H, M, Dv tiles)``: walks block ``m``'s padded slots in tiles
+1. ``_summaries_kernel``, one program per (batch x head, block, Dv tile): walks block ``m``'s padded slots in tiles
    (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads ``k`` and ``v``
    at their native strides, applies ``phi`` and RoPE in registers and accumulates in float32
    ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``.
 2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small float32 matmul in PyTorch.
-3. ``_output_kernel``, grid ``(B*H, M, slot tiles)``: loads each query tile once (``phi`` and RoPE in
+3. ``_output_kernel``, one program per (batch x head, block, slot tile): loads each query tile once (``phi`` and RoPE in
    registers), ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when normalizing, and writes it
    straight to the tokens' positions in ``v``'s dtype.
 
@@ -18,6 +18,10 @@ RoPE pairs channels ``(2i, 2i+1)``, so the kernels hold the even and the odd cha
 half-width tiles (``S``'s rows ``2i`` and ``2i+1``); head dims need not be powers of two (tiles are
 padded to one, at least 16, and masked). The summaries are stored in natural channel order
 ``(B, H, M, D, Dv)``.
+
+Launch grids put the tiles of one block first (``(tiles, M, B*H)``: axis 0 varies fastest), so that
+the programs sharing a block's keys (kernel 1) or its mixed summary (kernel 2) run together and hit
+the L2 cache instead of reading them again from memory.
 
 The backward is PyTorch (:class:`_FusedMHLA`): it recomputes the forward with the eager operator
 and differentiates that. On CPU tensors the kernels run through Triton's interpreter (slow, for
@@ -53,9 +57,10 @@ def fused_available(tensor: torch.Tensor) -> bool:
     """Whether :func:`mhla_attention_fused` should be used for ``tensor``'s device.
 
     True when the switch :data:`FUSED` is on, Triton imports, and ``tensor`` is on CUDA, or is a CPU
-    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only).
+    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only). False while
+    ``torch.compile`` traces (the eager operator compiles; the kernels are launched outside Dynamo).
     """
-    if not FUSED or triton is None:
+    if not FUSED or triton is None or torch.compiler.is_compiling():
         return False
     if tensor.is_cuda:
         return True
@@ -80,9 +85,9 @@ def _summaries_kernel(
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One block's ``S_m`` (one Dv tile) and ``z_m`` of one (batch, head); see the module docstring."""
-    bh = tl.program_id(0).to(tl.int64)
+    pv = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    pv = tl.program_id(2)
+    bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
     half = tl.arange(0, BLOCK_DH)
@@ -149,9 +154,9 @@ def _output_kernel(
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One slot tile of block ``m`` of one (batch, head): ``q̂ S̃_m / (phi(q) · z̃_m + eps)`` at the tokens."""
-    bh = tl.program_id(0).to(tl.int64)
+    pt = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
-    pt = tl.program_id(2)
+    bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
     half = tl.arange(0, BLOCK_DH)
@@ -315,14 +320,15 @@ def _fused_forward(
     block_dv = min(64, _pow2(dv))
     dot = _tl_dtype(dot_dtype)
     ieee = dot_dtype == torch.float32
-    valid = plan.valid.view(torch.uint8) if has_valid else plan.gather  # unused pointer when all slots are valid
+    gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
+    valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all are valid
     rope = (cos, sin) if has_rope else (q, q)  # unused pointers without RoPE
     rope_strides = (cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3)) if has_rope else (0, 0, 0, 0)
 
     summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=torch.float32)
     key_sums = torch.empty((batch, heads, m, d), device=q.device, dtype=torch.float32) if norm else summaries
-    _kernel("_summaries_kernel", interpret)[(batch * heads, m, triton.cdiv(dv, block_dv))](
-        k, v, rope[0], rope[1], plan.gather, valid, summaries, key_sums,
+    _kernel("_summaries_kernel", interpret)[(triton.cdiv(dv, block_dv), m, batch * heads)](
+        k, v, rope[0], rope[1], gather, valid, summaries, key_sums,
         heads, m, p, d, dv,
         *k.stride(), *v.stride(), *rope_strides,
         float(feature_eps),
@@ -337,8 +343,8 @@ def _fused_forward(
     del summaries
 
     out = torch.empty((batch, n, heads, dv), device=q.device, dtype=v.dtype)
-    _kernel("_output_kernel", interpret)[(batch * heads, m, triton.cdiv(p, block_t))](
-        q, rope[0], rope[1], plan.gather, valid, mixed, mixed_sums, out,
+    _kernel("_output_kernel", interpret)[(triton.cdiv(p, block_t), m, batch * heads)](
+        q, rope[0], rope[1], gather, valid, mixed, mixed_sums, out,
         heads, m, p, d, dv,
         *q.stride(), *out.stride(), *rope_strides,
         float(feature_eps), float(eps),

@@ -191,6 +191,9 @@ def test_fused_available(monkeypatch):
     assert not fused_available(cpu)  # CPU tensors only through the interpreter, on request
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert fused_available(cpu)
+    with monkeypatch.context() as patch:  # while torch.compile traces, the eager operator is the one compiled
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not fused_available(cpu)
     monkeypatch.setattr(triton_mhla, "FUSED", False)  # the switch MHLA_FUSED=0 sets
     assert not fused_available(cpu)
 
