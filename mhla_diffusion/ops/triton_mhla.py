@@ -5,14 +5,14 @@ From the *raw* projections ``q, k, v`` ``(B, N, H, D)`` (before the feature map)
 ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))`` (``phi(x) = relu(x) + feature_eps``, ``R`` Wan's
 interleaved RoPE), in three steps:
 
-1. ``_summaries_kernel``, one program per (batch x head, block, Dv tile): walks block ``m``'s padded slots in tiles
-   (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads ``k`` and ``v``
-   at their native strides, applies ``phi`` and RoPE in registers and accumulates in float32
-   ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``.
+1. ``_summaries_kernel``, one program per (batch x head, block, Dv tile): walks block ``m``'s padded
+   slots in tiles (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads
+   ``k`` and ``v`` at their native strides, applies ``phi`` and RoPE in registers and accumulates in
+   float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``.
 2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small float32 matmul in PyTorch.
-3. ``_output_kernel``, one program per (batch x head, block, slot tile): loads each query tile once (``phi`` and RoPE in
-   registers), ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when normalizing, and writes it
-   straight to the tokens' positions in ``v``'s dtype.
+3. ``_output_kernel``, one program per (batch x head, block, slot tile): loads each query tile once
+   (``phi`` and RoPE in registers), ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when
+   normalizing, and writes it straight to the tokens' positions in ``v``'s dtype.
 
 RoPE pairs channels ``(2i, 2i+1)``, so the kernels hold the even and the odd channels as two
 half-width tiles (``S``'s rows ``2i`` and ``2i+1``); head dims need not be powers of two (tiles are
@@ -50,7 +50,7 @@ __all__ = ["FUSED", "fused_available", "mhla_attention_fused"]
 #: for :func:`fused_available`; callers may also set it at run time.
 FUSED: bool = os.environ.get("MHLA_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
 
-_DOT_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DOT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}  # name in tl
 
 
 def fused_available(tensor: torch.Tensor) -> bool:
@@ -253,7 +253,8 @@ def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> Non
 
 def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
     """Validate the fused operator's arguments (one-line ``ValueError``s); returns the normalize mode."""
-    if isinstance(plan, BlockPlan) and isinstance(q, torch.Tensor) and q.ndim == 4 and math.prod(plan.grid) != q.shape[1]:
+    if isinstance(plan, BlockPlan) and isinstance(q, torch.Tensor) and q.ndim == 4 \
+            and math.prod(plan.grid) != q.shape[1]:
         raise ValueError(
             f"`plan` was built for grid {plan.grid} ({math.prod(plan.grid)} tokens) but q has N={q.shape[1]}: "
             f"build it with block_plan(grid, layout, device) for these inputs"
@@ -276,6 +277,11 @@ def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
         raise ValueError(f"RoPE needs an even head dim, got D={q.shape[-1]}: pass cos=sin=None or use an even D")
     if dot_dtype is not None and dot_dtype not in _DOT_DTYPES:
         raise ValueError(f"`dot_dtype` must be torch.float32, torch.bfloat16 or torch.float16, got {dot_dtype}")
+    if dot_dtype == torch.bfloat16 and q.device.type == "cpu":
+        raise ValueError(
+            "`dot_dtype=torch.bfloat16` is wrong under Triton's interpreter (CPU tensors): its bf16 tl.dot "
+            "multiplies raw bit patterns; pass torch.float32 (or None)"
+        )
     if triton is None:
         raise RuntimeError("mhla_attention_fused needs Triton, which does not import here: use mhla_attention")
     if q.device.type not in ("cuda", "cpu"):
@@ -293,7 +299,8 @@ def _default_dot_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
 
 
 def _tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    """Triton's dtype for one of the ``_DOT_DTYPES``."""
+    return getattr(tl, _DOT_DTYPES[dtype])
 
 
 def _fused_forward(

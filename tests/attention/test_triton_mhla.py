@@ -161,6 +161,7 @@ def test_scalar_mixed_denominator_is_left_to_the_eager_operator():
         (dict(cos="short"), r"`cos` must be Diffusers' RoPE table of shape \(1, 96, 1, 16\)"),
         (dict(cos="only"), r"`cos` and `sin` must be given together"),
         (dict(dot_dtype=torch.float64), r"`dot_dtype` must be torch.float32"),
+        (dict(dot_dtype=torch.bfloat16), r"`dot_dtype=torch.bfloat16` is wrong under Triton's interpreter"),
         (dict(plan="other"), r"`plan` was built for grid \(5, 6, 7\) \(210 tokens\) but q has N=96"),
         (dict(mixing="wrong"), r"`mixing` must have shape \(12, 12\)"),
     ],
@@ -221,3 +222,39 @@ def test_switch_and_interpreter_mode_from_the_environment():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "False", "True"]
+
+
+def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Triton signature of one of the module's kernels: pointer types by name, the rest 32-bit ints
+    (``feature_eps``/``eps`` float32), ``constexpr`` for the compile-time parameters."""
+    import inspect
+
+    floats = {"feature_eps", "eps"}
+    return {
+        name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+        for name in inspect.signature(kernel).parameters
+    }
+
+
+def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
+    """The interpreter accepts more than the compiler: compile both kernels ahead of time, without a GPU,
+    for sm_90 in Wan's setting (bf16 inputs and dots, D = Dv = 128, RoPE, uneven blocks, denominator)."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
+    common = dict(BLOCK_T=64, BLOCK_DH=64, HAS_VALID=True, HAS_ROPE=True, DOT_DTYPE=tl.bfloat16, IEEE=False)
+    pointers = dict(cos_ptr="*fp32", sin_ptr="*fp32", gather_ptr="*i64", valid_ptr="*u8", s_ptr="*fp32", z_ptr="*fp32")
+    kernels = [
+        (triton_mhla._summaries_kernel, dict(k_ptr="*bf16", v_ptr="*bf16"), dict(BLOCK_DV=64, STORE_Z=True)),
+        (triton_mhla._output_kernel, dict(q_ptr="*bf16", o_ptr="*bf16"), dict(BLOCK_DV=128, NORMALIZE=True)),
+    ]
+    for fn, own_pointers, own in kernels:
+        constexprs = {**common, **own}
+        source = ASTSource(triton.jit(fn), _signature(fn, {**pointers, **own_pointers}, constexprs), constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], fn.__name__
