@@ -1,0 +1,456 @@
+"""A fused MHLA forward in Triton (issue 34, item 3), in flash-linear-attention's chunked style.
+
+From the *raw* projections ``q, k, v`` ``(B, N, H, D)`` (before the feature map) it computes what
+:func:`~mhla_diffusion.attention.mhla_attention` computes from ``phi(q), phi(k), v`` with
+``q_rot = R(phi(q))``, ``k_rot = R(phi(k))`` (``phi(x) = relu(x) + feature_eps``, ``R`` Wan's
+interleaved RoPE), in three steps:
+
+1. ``_summaries_kernel``, one program per (batch x head, block, Dv tile): walks block ``m``'s padded
+   slots in tiles (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads
+   ``k`` and ``v`` at their native strides, applies ``phi`` and RoPE in registers and accumulates in
+   float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``.
+2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small float32 matmul in PyTorch.
+3. ``_output_kernel``, one program per (batch x head, block, slot tile): loads each query tile once
+   (``phi`` and RoPE in registers), ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when
+   normalizing, and writes it straight to the tokens' positions in ``v``'s dtype.
+
+RoPE pairs channels ``(2i, 2i+1)``, so the kernels hold the even and the odd channels as two
+half-width tiles (``S``'s rows ``2i`` and ``2i+1``); head dims need not be powers of two (tiles are
+padded to one, at least 16, and masked). The summaries are stored in natural channel order
+``(B, H, M, D, Dv)``.
+
+Launch grids put the tiles of one block first (``(tiles, M, B*H)``: axis 0 varies fastest), so that
+the programs sharing a block's keys (kernel 1) or its mixed summary (kernel 2) run together and hit
+the L2 cache instead of reading them again from memory.
+
+The backward is PyTorch (:class:`_FusedMHLA`): it recomputes the forward with the eager operator
+and differentiates that. On CPU tensors the kernels run through Triton's interpreter (slow, for
+tests); :func:`fused_available` says when callers should choose this path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ..attention import mhla_attention, normalization_mode, validate_attention_inputs, without_autocast
+from ..block_layout import BlockPlan
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = tl = None
+
+__all__ = ["FUSED", "fused_available", "mhla_attention_fused"]
+
+#: Module-level switch: ``MHLA_FUSED=0`` in the environment (read at import) turns the fused path off
+#: for :func:`fused_available`; callers may also set it at run time.
+FUSED: bool = os.environ.get("MHLA_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
+
+_DOT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}  # name in tl
+
+
+def fused_available(tensor: torch.Tensor) -> bool:
+    """Whether :func:`mhla_attention_fused` should be used for ``tensor``'s device.
+
+    True when the switch :data:`FUSED` is on, Triton imports, and ``tensor`` is on CUDA, or is a CPU
+    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only). False while
+    ``torch.compile`` traces (the eager operator compiles; the kernels are launched outside Dynamo).
+    """
+    if not FUSED or triton is None or torch.compiler.is_compiling():
+        return False
+    if tensor.is_cuda:
+        return True
+    return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- kernels
+# Plain functions, made Triton kernels by `_kernel` per device: the interpreter for CPU tensors whatever
+# TRITON_INTERPRET said when Triton was imported (it decides whether triton.language's own @jit helpers,
+# such as tl.zeros and tl.sum, are built for the interpreter). So the kernels call no @jit function:
+# tl.full instead of tl.zeros, and tl.reduce with triton's own sum combiner instead of tl.sum (what tl.sum
+# does for float32; the interpreter recognises that combiner and sums with numpy).
+
+
+def _summaries_kernel(
+    k_ptr, v_ptr, cos_ptr, sin_ptr, gather_ptr, valid_ptr, s_ptr, z_ptr,
+    H, M, P, D, DV,
+    skb, skn, skh, skd, svb, svn, svh, svd, scn, scd, ssn, ssd,
+    feature_eps,
+    BLOCK_T: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr, STORE_Z: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One block's ``S_m`` (one Dv tile) and ``z_m`` of one (batch, head); see the module docstring."""
+    pv = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    half = tl.arange(0, BLOCK_DH)
+    even = 2 * half
+    odd = even + 1
+    even_ok = even < D
+    odd_ok = odd < D
+    cols = pv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    cols_ok = cols < DV
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    s_even = tl.full((BLOCK_DH, BLOCK_DV), 0.0, tl.float32)
+    s_odd = tl.full((BLOCK_DH, BLOCK_DV), 0.0, tl.float32)
+    z_even = tl.full((BLOCK_DH,), 0.0, tl.float32)
+    z_odd = tl.full((BLOCK_DH,), 0.0, tl.float32)
+    for start in range(0, P, BLOCK_T):
+        slot = start + tl.arange(0, BLOCK_T)
+        used = slot < P
+        token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
+        if HAS_VALID:
+            used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+        # keys transposed, (channels, slots): the summary is then a plain k̂ᵀ-on-the-left product
+        mask_even = even_ok[:, None] & used[None, :]
+        mask_odd = odd_ok[:, None] & used[None, :]
+        k_even = tl.load(k_base + token[None, :] * skn + even[:, None] * skd, mask=mask_even, other=0.0)
+        k_odd = tl.load(k_base + token[None, :] * skn + odd[:, None] * skd, mask=mask_odd, other=0.0)
+        k_even = tl.where(mask_even, tl.maximum(k_even.to(tl.float32), 0.0) + feature_eps, 0.0)
+        k_odd = tl.where(mask_odd, tl.maximum(k_odd.to(tl.float32), 0.0) + feature_eps, 0.0)
+        if STORE_Z:
+            z_even += tl.reduce(k_even, 1, tl.standard._sum_combine)
+            z_odd += tl.reduce(k_odd, 1, tl.standard._sum_combine)
+        if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables repeat it on both channels
+            cos = tl.load(cos_ptr + token[None, :] * scn + even[:, None] * scd, mask=mask_even, other=0.0)
+            sin = tl.load(sin_ptr + token[None, :] * ssn + even[:, None] * ssd, mask=mask_even, other=0.0)
+            rot_even = k_even * cos - k_odd * sin
+            rot_odd = k_even * sin + k_odd * cos
+            k_even = rot_even
+            k_odd = rot_odd
+        values = tl.load(
+            v_base + token[:, None] * svn + cols[None, :] * svd, mask=used[:, None] & cols_ok[None, :], other=0.0
+        ).to(DOT_DTYPE)
+        if IEEE:
+            s_even = tl.dot(k_even.to(DOT_DTYPE), values, s_even, input_precision="ieee")
+            s_odd = tl.dot(k_odd.to(DOT_DTYPE), values, s_odd, input_precision="ieee")
+        else:
+            s_even = tl.dot(k_even.to(DOT_DTYPE), values, s_even)
+            s_odd = tl.dot(k_odd.to(DOT_DTYPE), values, s_odd)
+    row = bh * M + m  # (B, H, M) flattened
+    s_base = s_ptr + row * D * DV
+    tl.store(s_base + even[:, None] * DV + cols[None, :], s_even, mask=even_ok[:, None] & cols_ok[None, :])
+    tl.store(s_base + odd[:, None] * DV + cols[None, :], s_odd, mask=odd_ok[:, None] & cols_ok[None, :])
+    if STORE_Z:
+        tl.store(z_ptr + row * D + even, z_even, mask=even_ok & (pv == 0))
+        tl.store(z_ptr + row * D + odd, z_odd, mask=odd_ok & (pv == 0))
+
+
+def _output_kernel(
+    q_ptr, cos_ptr, sin_ptr, gather_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
+    H, M, P, D, DV,
+    sqb, sqn, sqh, sqd, sob, son, soh, sod, scn, scd, ssn, ssd,
+    feature_eps, eps,
+    BLOCK_T: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr, NORMALIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One slot tile of block ``m`` of one (batch, head): ``q̂ S̃_m / (phi(q) · z̃_m + eps)`` at the tokens."""
+    pt = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(2).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    half = tl.arange(0, BLOCK_DH)
+    even = 2 * half
+    odd = even + 1
+    even_ok = even < D
+    odd_ok = odd < D
+    cols = tl.arange(0, BLOCK_DV)
+    cols_ok = cols < DV
+    slot = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    used = slot < P
+    token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
+    if HAS_VALID:
+        used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+    q_base = q_ptr + b * sqb + h * sqh
+    mask_even = used[:, None] & even_ok[None, :]
+    mask_odd = used[:, None] & odd_ok[None, :]
+    q_even = tl.load(q_base + token[:, None] * sqn + even[None, :] * sqd, mask=mask_even, other=0.0)
+    q_odd = tl.load(q_base + token[:, None] * sqn + odd[None, :] * sqd, mask=mask_odd, other=0.0)
+    q_even = tl.where(mask_even, tl.maximum(q_even.to(tl.float32), 0.0) + feature_eps, 0.0)
+    q_odd = tl.where(mask_odd, tl.maximum(q_odd.to(tl.float32), 0.0) + feature_eps, 0.0)
+    row = bh * M + m
+    if NORMALIZE:  # un-rotated features against the mixed key sum
+        z_even = tl.load(z_ptr + row * D + even, mask=even_ok, other=0.0)
+        z_odd = tl.load(z_ptr + row * D + odd, mask=odd_ok, other=0.0)
+        den = tl.reduce(q_even * z_even[None, :], 1, tl.standard._sum_combine)
+        den += tl.reduce(q_odd * z_odd[None, :], 1, tl.standard._sum_combine) + eps
+    if HAS_ROPE:
+        cos = tl.load(cos_ptr + token[:, None] * scn + even[None, :] * scd, mask=mask_even, other=0.0)
+        sin = tl.load(sin_ptr + token[:, None] * ssn + even[None, :] * ssd, mask=mask_even, other=0.0)
+        rot_even = q_even * cos - q_odd * sin
+        rot_odd = q_even * sin + q_odd * cos
+        q_even = rot_even
+        q_odd = rot_odd
+    s_base = s_ptr + row * D * DV
+    s_even = tl.load(s_base + even[:, None] * DV + cols[None, :], mask=even_ok[:, None] & cols_ok[None, :], other=0.0)
+    s_odd = tl.load(s_base + odd[:, None] * DV + cols[None, :], mask=odd_ok[:, None] & cols_ok[None, :], other=0.0)
+    acc = tl.full((BLOCK_T, BLOCK_DV), 0.0, tl.float32)
+    if IEEE:
+        acc = tl.dot(q_even.to(DOT_DTYPE), s_even.to(DOT_DTYPE), acc, input_precision="ieee")
+        acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd.to(DOT_DTYPE), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(q_even.to(DOT_DTYPE), s_even.to(DOT_DTYPE), acc)
+        acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd.to(DOT_DTYPE), acc)
+    if NORMALIZE:
+        acc = acc / den[:, None]
+    o_base = o_ptr + b * sob + h * soh
+    tl.store(
+        o_base + token[:, None] * son + cols[None, :] * sod,
+        acc.to(o_ptr.dtype.element_ty),
+        mask=used[:, None] & cols_ok[None, :],
+    )
+
+
+_KERNELS: dict[tuple[str, bool], object] = {}
+
+
+def _kernel(name: str, interpret: bool):
+    """The kernel ``name`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors)."""
+    key = (name, interpret)
+    if key not in _KERNELS:
+        fn = globals()[name]
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _KERNELS[key] = InterpretedFunction(fn)
+        else:
+            _KERNELS[key] = triton.jit(fn)
+    return _KERNELS[key]
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    """The next power of two ``>= max(n, floor)`` (``tl.dot`` needs tiles of at least 16)."""
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> None:
+    """``cos``/``sin`` must be Diffusers' ``(1, N, 1, D)`` tables on ``q``'s device."""
+    if table is None:
+        return
+    b, n, _, d = q.shape
+    if not isinstance(table, torch.Tensor) or table.ndim != 4 or table.shape[0] != 1 or table.shape[2] != 1 \
+            or table.shape[1] != n or table.shape[3] != d:
+        raise ValueError(
+            f"`{name}` must be Diffusers' RoPE table of shape (1, {n}, 1, {d}) for q {tuple(q.shape)}, "
+            f"got {tuple(getattr(table, 'shape', ()))}"
+        )
+    if table.device != q.device:
+        raise ValueError(f"`{name}` is on {table.device} but q is on {q.device}: move the RoPE tables to q's device")
+
+
+def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
+    """Validate the fused operator's arguments (one-line ``ValueError``s); returns the normalize mode."""
+    if isinstance(plan, BlockPlan) and isinstance(q, torch.Tensor) and q.ndim == 4 \
+            and math.prod(plan.grid) != q.shape[1]:
+        raise ValueError(
+            f"`plan` was built for grid {plan.grid} ({math.prod(plan.grid)} tokens) but q has N={q.shape[1]}: "
+            f"build it with block_plan(grid, layout, device) for these inputs"
+        )
+    validate_attention_inputs(q, k, v, getattr(plan, "grid", ()), getattr(plan, "layout", ()), mixing, None, None, plan)
+    mode = normalization_mode(normalize)
+    if mode == "scalar_mixed_denominator":
+        raise NotImplementedError(
+            "mhla_attention_fused does not implement normalize='scalar_mixed_denominator' (released DiT): "
+            "use mhla_diffusion.attention.mhla_attention for it"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point():
+            raise ValueError(f"`{name}` must be a floating-point tensor, got {t.dtype}")
+    if (cos is None) != (sin is None):
+        raise ValueError("`cos` and `sin` must be given together (both RoPE tables) or both left None")
+    _check_rotary("cos", cos, q)
+    _check_rotary("sin", sin, q)
+    if cos is not None and q.shape[-1] % 2:
+        raise ValueError(f"RoPE needs an even head dim, got D={q.shape[-1]}: pass cos=sin=None or use an even D")
+    if dot_dtype is not None and dot_dtype not in _DOT_DTYPES:
+        raise ValueError(f"`dot_dtype` must be torch.float32, torch.bfloat16 or torch.float16, got {dot_dtype}")
+    if dot_dtype == torch.bfloat16 and q.device.type == "cpu":
+        raise ValueError(
+            "`dot_dtype=torch.bfloat16` is wrong under Triton's interpreter (CPU tensors): its bf16 tl.dot "
+            "multiplies raw bit patterns; pass torch.float32 (or None)"
+        )
+    if triton is None:
+        raise RuntimeError("mhla_attention_fused needs Triton, which does not import here: use mhla_attention")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"mhla_attention_fused runs on CUDA (or CPU through Triton's interpreter), got {q.device}")
+    return mode
+
+
+def _default_dot_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The inputs' half type on CUDA; float32 otherwise (and always under the interpreter, whose
+    bfloat16 ``tl.dot`` multiplies raw bit patterns)."""
+    dtype = torch.promote_types(q.dtype, v.dtype)
+    if q.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return torch.float32
+
+
+def _tl_dtype(dtype: torch.dtype):
+    """Triton's dtype for one of the ``_DOT_DTYPES``."""
+    return getattr(tl, _DOT_DTYPES[dtype])
+
+
+def _fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    mixing: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+    dot_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Launch summaries -> mixing -> output on validated inputs (see :func:`mhla_attention_fused`)."""
+    batch, n, heads, d = q.shape
+    dv = v.shape[-1]
+    m, p = plan.num_blocks, plan.block_len
+    interpret = q.device.type == "cpu"
+    has_rope, has_valid, norm = cos is not None, plan.valid is not None, normalize == "denominator"
+    block_t = min(64, _pow2(p))
+    block_dh = _pow2((d + 1) // 2)
+    block_dv = min(64, _pow2(dv))
+    dot = _tl_dtype(dot_dtype)
+    ieee = dot_dtype == torch.float32
+    gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
+    valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all are valid
+    rope = (cos, sin) if has_rope else (q, q)  # unused pointers without RoPE
+    rope_strides = (cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3)) if has_rope else (0, 0, 0, 0)
+
+    summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=torch.float32)
+    key_sums = torch.empty((batch, heads, m, d), device=q.device, dtype=torch.float32) if norm else summaries
+    _kernel("_summaries_kernel", interpret)[(triton.cdiv(dv, block_dv), m, batch * heads)](
+        k, v, rope[0], rope[1], gather, valid, summaries, key_sums,
+        heads, m, p, d, dv,
+        *k.stride(), *v.stride(), *rope_strides,
+        float(feature_eps),
+        BLOCK_T=block_t, BLOCK_DH=block_dh, BLOCK_DV=block_dv,
+        HAS_VALID=has_valid, HAS_ROPE=has_rope, STORE_Z=norm, DOT_DTYPE=dot, IEEE=ieee,
+    )
+
+    with without_autocast(q.device):  # the mixing stays float32 under torch.autocast
+        mix = mixing.to(torch.float32)
+        mixed = (mix @ summaries.view(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)  # S̃ = W S
+        mixed_sums = (mix @ key_sums) if norm else mixed  # z̃ = W z
+    del summaries
+
+    out = torch.empty((batch, n, heads, dv), device=q.device, dtype=v.dtype)
+    _kernel("_output_kernel", interpret)[(triton.cdiv(p, block_t), m, batch * heads)](
+        q, rope[0], rope[1], gather, valid, mixed, mixed_sums, out,
+        heads, m, p, d, dv,
+        *q.stride(), *out.stride(), *rope_strides,
+        float(feature_eps), float(eps),
+        BLOCK_T=block_t, BLOCK_DH=block_dh, BLOCK_DV=_pow2(dv),
+        HAS_VALID=has_valid, HAS_ROPE=has_rope, NORMALIZE=norm, DOT_DTYPE=dot, IEEE=ieee,
+    )
+    return out
+
+
+def _eager_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    mixing: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+) -> torch.Tensor:
+    """The same function in differentiable eager PyTorch, O(N): feature map, RoPE, then the operator."""
+    from ..processors.base import apply_interleaved_rotary  # lazily: the processors import this module
+
+    features = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+    q_feat = torch.relu(q.to(features)) + feature_eps
+    k_feat = torch.relu(k.to(features)) + feature_eps
+    q_rot = k_rot = None
+    if cos is not None:
+        q_rot, k_rot = apply_interleaved_rotary(q_feat, cos, sin), apply_interleaved_rotary(k_feat, cos, sin)
+    return mhla_attention(
+        q_feat, k_feat, v, plan.grid, plan.layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=normalize, eps=eps,
+        plan=plan,
+    )
+
+
+class _FusedMHLA(torch.autograd.Function):
+    """Fused forward; the backward recomputes the forward eagerly (:func:`_eager_forward`) and differentiates it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype):  # noqa: D102
+        ctx.save_for_backward(q, k, v, mixing, cos, sin)
+        ctx.settings = (plan, feature_eps, normalize, eps)
+        return _fused_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps, dot_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, mixing, cos, sin = ctx.saved_tensors
+        plan, feature_eps, normalize, eps = ctx.settings
+        needs = ctx.needs_input_grad[:4]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v, mixing), needs)]
+            out = _eager_forward(*inputs[:3], plan, inputs[3], cos, sin, feature_eps, normalize, eps)
+            wanted = [t for t, need in zip(inputs, needs) if need]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out))
+        return (*(next(grads) if need else None for need in needs), None, None, None, None, None, None, None)
+
+
+def mhla_attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    mixing: torch.Tensor,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    feature_eps: float = 1e-6,
+    normalize: str = "denominator",
+    eps: float = 1e-6,
+    dot_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """MHLA from raw projections with the feature map, RoPE and block products fused in Triton.
+
+    Args:
+        q, k: raw query and key projections ``(B, N, H, D)`` (before the feature map); v ``(B, N, H, Dv)``.
+            Any float dtype and any strides (read where they lie: slices of a fused qkv are not copied).
+        plan: :func:`~mhla_diffusion.block_layout.block_plan` of the token grid and layout on the inputs' device.
+        mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``
+            (applied in float32).
+        cos, sin: Diffusers' Wan RoPE tables ``(1, N, 1, D)``: channel pairs ``(2i, 2i+1)`` rotate by angle
+            ``i`` (see :func:`~mhla_diffusion.processors.base.apply_interleaved_rotary`), after the feature
+            map, on the numerator path only. ``None``: no rotation.
+        feature_eps: the feature map is ``phi(x) = relu(x) + feature_eps``.
+        normalize: ``"denominator"`` (or ``True``): divide by ``phi(q_t) · z̃_b(t) + eps``; ``"none"`` (or
+            ``False``): no denominator. ``"scalar_mixed_denominator"`` raises ``NotImplementedError``.
+        eps: added to the denominator.
+        dot_dtype: operand dtype of the kernels' ``tl.dot`` (float32, bfloat16 or float16); ``None``: the
+            inputs' half type on CUDA, else float32 (always float32 under the interpreter, whose bfloat16
+            ``tl.dot`` is wrong). float32 dots run at IEEE precision (no TF32). Accumulation is float32.
+
+    Returns:
+        ``(B, N, H, Dv)`` in ``v``'s dtype, token order. Equals
+        :func:`~mhla_diffusion.attention_reference.mhla_attention_reference` of ``phi(q), phi(k), v`` with
+        ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))``, to float32 accumulation (float64 inputs are computed
+        in float32 too). Differentiable in ``q, k, v, mixing`` (the backward recomputes eagerly in PyTorch).
+    """
+    mode = _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype)
+    if dot_dtype is None:
+        dot_dtype = _default_dot_dtype(q, v)
+    return _FusedMHLA.apply(q, k, v, mixing, cos, sin, plan, feature_eps, mode, eps, dot_dtype)
