@@ -127,3 +127,13 @@ def test_a_stage_past_its_limit_or_the_budget_is_recorded(gpu_session, tmp_path,
     markdown = gpu_session.render_markdown(session)
     assert "*versions*: timeout (stopped after" in markdown and "*compile*: skipped (skipped:" in markdown
     assert "*timing*: not run." not in markdown  # stages not asked for are left out
+
+
+def test_the_gpu_sizes_are_the_issues(gpu_session):
+    """What the README says the GPU session measures: Wan2.1-1.3B's heads at 21x30x50 and 21x30x52, and a
+    30-block transformer at 21x30x52 with 512 text tokens."""
+    full = gpu_session.FULL
+    assert (full.heads, full.head_dim, full.layout) == (12, 128, (3, 5, 10))
+    assert full.timing_grids == ((21, 30, 50), (21, 30, 52)) and full.compile_backend == "inductor"
+    assert (full.transformer_grid, full.transformer_layers, full.text_tokens) == ((21, 30, 52), 30, 512)
+    assert set(full.correctness_grids) == {"even", "uneven", "empty blocks"}
