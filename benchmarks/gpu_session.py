@@ -160,12 +160,29 @@ class StageContext:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def fused_runs(self, fused: Callable | None, what: str) -> bool:
+        """Whether the fused kernel runs here: it imported, and the device is CUDA or Triton's CPU interpreter
+        is on (``TRITON_INTERPRET=1``); otherwise notes why ``what`` was skipped."""
+        if fused is None:
+            return False
+        return _interpreting() or self.cuda_only(what)
+
     def cuda_only(self, what: str) -> bool:
         """``True`` on CUDA; elsewhere notes that ``what`` was skipped and returns ``False``."""
         if self.device.type == "cuda":
             return True
         self.note(f"CUDA-only, skipped on {self.device.type}: {what}")
         return False
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter is on: the fused kernel runs on CPU tensors, with float32 dots (its bf16
+    ``tl.dot`` is unreliable)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_dtype() -> torch.dtype | None:
+    return torch.float32 if _interpreting() else None
 
 
 def _error_line(error: BaseException, caught: list | None = None) -> str:
@@ -304,7 +321,7 @@ def stage_correctness(ctx: StageContext) -> None:
     ctx.data.update(tolerance=BF16_TOLERANCE, reference="float64 on the CPU", checks=[])
     fused, fused_status = fused_kernel()
     ctx.data["fused"] = fused_status
-    run_fused = fused is not None and ctx.cuda_only("the fused Triton kernel's checks")
+    run_fused = ctx.fused_runs(fused, "the fused Triton kernel's checks")
     layout, eps = sizes.layout, 1e-6
 
     def check(kind: str, grid: tuple, setting: str, path: str, autocast: bool, out: torch.Tensor, ref: torch.Tensor):
@@ -362,7 +379,8 @@ def stage_correctness(ctx: StageContext) -> None:
                     try:
                         with torch.no_grad(), autocast(on):
                             out = fused(raw_q.to(device), raw_k.to(device), v.to(device), plan, mixing.to(device),
-                                        cos=cos.to(device), sin=sin.to(device), feature_eps=eps, normalize=mode, eps=eps)
+                                        cos=cos.to(device), sin=sin.to(device), feature_eps=eps, normalize=mode, eps=eps,
+                                        dot_dtype=_dot_dtype())
                         check(kind, grid, setting, "fused", on, out, ref)
                     except Exception as error:
                         ctx.data["checks"].append({"grid_kind": kind, "grid": "x".join(map(str, grid)), "setting": setting,
@@ -450,7 +468,7 @@ def stage_timing(ctx: StageContext) -> None:
                     timer="CUDA events" if device.type == "cuda" else "wall clock")
     fused, ctx.data["fused"] = fused_kernel()
     tf32 = ctx.cuda_only("the TF32 rows")
-    run_fused = fused is not None and ctx.cuda_only("the fused Triton kernel's rows")
+    run_fused = ctx.fused_runs(fused, "the fused Triton kernel's rows")
     unit_of = lambda n: n * sizes.heads * sizes.head_dim * torch.empty((), dtype=dtype).element_size()  # noqa: E731
     for grid in sizes.timing_grids:
         n, label = math.prod(grid), "x".join(map(str, grid))
@@ -513,7 +531,7 @@ def _fused_calls(fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: t
     cos, sin = rotary_tables(n, sizes.head_dim, device, g)
     plan, mixing = block_plan(grid, sizes.layout, device), mixing_init(sizes.layout).to(device)
     return {f"fused Triton kernel, {mode} (feature map, RoPE)":
-            (lambda mode=mode: fused(q, k, v, plan, mixing, cos=cos, sin=sin, normalize=mode))
+            (lambda mode=mode: fused(q, k, v, plan, mixing, cos=cos, sin=sin, normalize=mode, dot_dtype=_dot_dtype()))
             for mode in ("denominator", "none")}
 
 
@@ -554,7 +572,7 @@ def stage_profile(ctx: StageContext) -> None:
     ctx.save()
     fused, status = fused_kernel()
     ctx.data["fused"] = status
-    if fused is not None and ctx.cuda_only("the fused kernel's profile"):
+    if ctx.fused_runs(fused, "the fused kernel's profile"):
         name, call = next(iter(_fused_calls(fused, grid, sizes, ctx.device, ctx.dtype).items()))
         ctx.data["tables"][name] = profile_table(call, ctx.device)
 

@@ -137,3 +137,34 @@ def test_the_gpu_sizes_are_the_issues(gpu_session):
     assert full.timing_grids == ((21, 30, 50), (21, 30, 52)) and full.compile_backend == "inductor"
     assert (full.transformer_grid, full.transformer_layers, full.text_tokens) == ((21, 30, 52), 30, 512)
     assert set(full.correctness_grids) == {"even", "uneven", "empty blocks"}
+
+
+def _stand_in_fused(q, k, v, plan, mixing, *, cos=None, sin=None, feature_eps=1e-6, normalize="denominator", eps=1e-6,
+                    dot_dtype=None):
+    """The fused kernel's contract (raw q, k; feature map and RoPE inside) computed by the eager operator."""
+    import torch.nn.functional as F
+
+    from mhla_diffusion import mhla_attention
+    from mhla_diffusion.processors.base import apply_interleaved_rotary
+
+    qf, kf = (F.relu(x.float()) + feature_eps for x in (q, k))
+    q_rot, k_rot = (None, None) if cos is None else (apply_interleaved_rotary(x, cos, sin) for x in (qf, kf))
+    return mhla_attention(qf, kf, v, plan.grid, plan.layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=normalize,
+                          eps=eps, plan=plan)
+
+
+def test_the_fused_kernel_is_checked_timed_and_profiled_when_it_runs(gpu_session, tmp_path, monkeypatch):
+    """Under Triton's interpreter (as on CUDA) the session calls the fused kernel with its signature; a stand-in
+    with the kernel's contract takes its place here."""
+    monkeypatch.setattr(gpu_session, "fused_kernel", lambda: (_stand_in_fused, "available"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    session = gpu_session.run_session(tmp_path, smoke=True, budget_s=300, stages=("correctness", "timing", "profile"),
+                                      isolate=False)
+    assert [entry["status"] for entry in session["stages"].values()] == ["ok"] * 3
+    fused = [c for c in session["stages"]["correctness"]["checks"] if c["path"] == "fused"]
+    assert len(fused) == 12 and all(c["ok"] for c in fused)  # 3 grids x 2 settings x autocast off / on
+    rows = [r for r in session["stages"]["timing"]["rows"] if r["method"].startswith("fused Triton kernel")]
+    assert {(r["grid"], r["method"].split(",")[1].split()[0]) for r in rows} == {
+        (grid, mode) for grid in ("3x5x10", "3x5x12") for mode in ("denominator", "none")}
+    assert all(r["bytes_basis"] == "floor" and r["median_ms"] > 0 for r in rows)
+    assert "fused Triton kernel, denominator (feature map, RoPE)" in session["stages"]["profile"]["tables"]
