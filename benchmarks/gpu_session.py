@@ -440,7 +440,11 @@ def operator_calls(grid: tuple[int, ...], sizes: Sizes, device: torch.device | s
 
 
 #: The rows timed again with TF32 matmuls (the operator accumulates bf16 inputs in float32 products).
-TF32_ROWS = ("MHLA operator, plan precomputed", "Wan processor path, paper")
+TF32_ROWS = ("MHLA operator, plan precomputed", "Wan processor path, paper", "Wan processor path, released")
+
+
+#: The rows that compute MHLA, whose bytes have MHLA's floor (:func:`~mhla_diffusion.ops.traffic.floor_bytes`).
+MHLA_ROWS = ("MHLA operator", "Wan processor path", "fused Triton kernel")
 
 
 def _at_precision(fn: Callable[[], object], tf32: bool) -> Callable[[], object]:
@@ -509,7 +513,8 @@ def stage_timing(ctx: StageContext) -> None:
             ctx.data["rows"].append({
                 "grid": label, "tokens": n, "method": name, "median_ms": seconds * 1e3,
                 "counted_units": bytes_of[name] / unit, "bytes_basis": basis[name],
-                "gb_per_s": bytes_of[name] / seconds / 1e9, "floor_gb_per_s": floor / seconds / 1e9,
+                "gb_per_s": bytes_of[name] / seconds / 1e9,
+                "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
                 "peak_extra_mb": peak / 2**20,
             })
         for name, error in errors.items():
@@ -696,7 +701,7 @@ def run_stage_isolated(out: Path, name: str, smoke: bool, limit_s: float) -> Non
 
 def new_session(smoke: bool, budget_s: float) -> dict[str, Any]:
     sizes = SMOKE if smoke else FULL
-    return {"format": FORMAT, "smoke": smoke, "device": "cpu" if smoke else "cuda",
+    return {"format": FORMAT, "smoke": smoke, "device": "cpu" if smoke else "cuda", "torch": torch.__version__,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "budget_s": budget_s, "sizes": dataclasses.asdict(sizes), "stages": {}}
 
@@ -732,7 +737,7 @@ def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...]
 TIMING_COLUMNS = (
     ("grid", "grid", ""), ("method", "method", ""), ("median_ms", "median ms", ".2f"),
     ("counted_units", "bytes (U)", ".1f"), ("bytes_basis", "bytes are", ""), ("gb_per_s", "GB/s", ".0f"),
-    ("floor_gb_per_s", "floor GB/s", ".0f"), ("error", "error", ""),
+    ("floor_gb_per_s", "floor GB/s", ".0f"), ("peak_extra_mb", "peak extra MiB", ".0f"), ("error", "error", ""),
 )
 CORRECTNESS_COLUMNS = (
     ("path", "path", ""), ("setting", "setting", ""), ("grid_kind", "grids", ""), ("checks", "checks", "d"),
@@ -776,7 +781,7 @@ def render_markdown(session: dict[str, Any]) -> str:
     v = versions.get("versions", {})
     gpu = versions.get("gpu") or {}
     where = gpu.get("name") or versions.get("cpu") or session.get("device", "?")
-    head = (f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: torch {v.get('torch', '?')}, "
+    head = (f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: torch {v.get('torch', session.get('torch', '?'))}, "
             f"CUDA {v.get('cuda')}, Triton {v.get('triton')}, Diffusers {v.get('diffusers')}"
             + (f", commit {v['commit']}" if v.get("commit") else "") + ".")
     lines = ["**Smoke run on the CPU at toy sizes: checks that the session runs, not measurements.**", ""] if session.get("smoke") else []
