@@ -17,6 +17,7 @@ The command line (cases, defaults, printing) is :mod:`mhla_diffusion.cli.bench`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -129,12 +130,15 @@ def time_calls(
     fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device: torch.device,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, tuple[float, int]]:
-    """Median wall time in seconds and peak extra memory of one run, for each of ``fns``.
+    """Median time in seconds and peak extra memory of one run, for each of ``fns``.
 
     The methods are interleaved -- every round runs each once -- so that a slow spell of a shared
     machine falls on all of them rather than on one; ``warmup`` untimed runs of each come first.
+    On CUDA a run is timed by CUDA events around it (device time, no host synchronisation inside the
+    timed region); elsewhere by the wall clock.
     """
-    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    cuda = torch.device(device).type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     peaks: dict[str, int] = {}
     times: dict[str, list[float]] = {name: [] for name in fns}
     with torch.no_grad():
@@ -148,18 +152,34 @@ def time_calls(
             peaks[name] = memory.peak
         for _ in range(repeats):
             for name, fn in fns.items():
-                started = time.perf_counter()
-                fn()
-                sync()
-                times[name].append(time.perf_counter() - started)
+                times[name].append(_cuda_event_seconds(fn, device) if cuda else _wall_seconds(fn))
     return {name: (statistics.median(times[name]), peaks[name]) for name in fns}
+
+
+def _wall_seconds(fn: Callable[[], object]) -> float:
+    """Wall time of one ``fn()`` in seconds."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _cuda_event_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Device time of one ``fn()`` in seconds, between CUDA events recorded before and after it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3
 
 
 def _sdpa_backends(device: torch.device, requested: Sequence[str] | None) -> list[str]:
     """Diffusers attention backends to time: ``native`` everywhere, plus flash/xformers on a GPU when they run."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-    gpu = ["_native_flash", "flash", "_flash_3", "xformers"]  # PyTorch's own FlashAttention kernel, flash-attn 2 / 3
+    # PyTorch's own FlashAttention, cuDNN and memory-efficient kernels, flash-attn 2 / 3, xformers
+    # (the last usable one is the MHLA rows' cross-attention backend: the likely fastest last)
+    gpu = ["_native_efficient", "_native_cudnn", "_native_flash", "flash", "_flash_3", "xformers"]
     names = list(requested) if requested else ["native"] + (gpu if device.type == "cuda" else [])
     usable = []
     probe = torch.rand(1, 8, 1, 64, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -350,21 +370,27 @@ def wan_transformer_table(
     warmup: int = 1,
     sdpa_backends: Sequence[str] | None = None,
     log: Callable[[str], None] = lambda _: None,
+    settings: dict[str, "MHLAConfig"] | None = None,
 ) -> list[dict]:
     """Time a whole Wan2.1-1.3B-shaped transformer forward with ``layers`` blocks: stock, once per usable
     SDPA backend, and converted to MHLA (every block; cross-attention on the last usable backend). The
     stock runs are the converted model under :func:`~mhla_diffusion.conversion.softmax_attention`
     (the same weights), interleaved with the MHLA runs (:func:`time_calls`).
 
+    ``settings`` names the MHLA settings to convert to in turn (their ``layers`` and ``layout`` replaced
+    by every block and ``layout``); default ``{"mhla": MHLAConfig()}``. The stock runs are interleaved
+    with the first setting's.
+
     The model is Wan2.1-T2V-1.3B's config (``dim``, ``heads``, ``ffn_dim`` and ``layers`` replaced) with
-    random weights; inputs are latents ``(1, 16, F, 2 H, 2 W)`` for the token grid ``(F, H, W)`` and
-    ``text_tokens`` text embeddings ``(1, T, 4096)``. The last row (MHLA) carries
-    ``sdpa_over_mhla``: the fastest stock row's time over MHLA's.
+    random weights, built on ``device``; inputs are latents ``(1, 16, F, 2 H, 2 W)`` for the token grid
+    ``(F, H, W)`` and ``text_tokens`` text embeddings ``(1, T, 4096)``. The MHLA rows (last) carry
+    ``sdpa_over_mhla``: the fastest stock row's time over theirs. Every row has ``weights_mb``, the
+    model's parameters and buffers (stock), which ``peak_extra_mb`` does not include.
     """
     from diffusers import WanTransformer3DModel
 
     from .config import MHLAConfig
-    from .conversion import convert_to_mhla, softmax_attention
+    from .conversion import convert_to_mhla, revert_mhla, softmax_attention
     from .wan_configs import wan_transformer_config
 
     device = torch.device(device)
@@ -373,15 +399,15 @@ def wan_transformer_table(
     config = wan_transformer_config("Wan2.1-T2V-1.3B")
     config.update(num_layers=layers, num_attention_heads=heads, attention_head_dim=dim // heads, ffn_dim=ffn_dim)
     torch.manual_seed(0)
-    model = _cast_like_from_pretrained(WanTransformer3DModel(**config).to(device).eval(), dtype)
+    with torch.device(device):  # initialised where it runs: no host copy of the weights
+        model = _cast_like_from_pretrained(WanTransformer3DModel(**config).eval(), dtype)
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     patch = config["patch_size"]
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(1, config["in_channels"], *(n * p for n, p in zip(grid, patch)), generator=g)
     text = torch.randn(1, text_tokens, config["text_dim"], generator=g)
     inputs = dict(hidden_states=latents.to(device, dtype), timestep=torch.tensor([500], device=device),
                   encoder_hidden_states=text.to(device, dtype), return_dict=False)
-    convert_to_mhla(model, MHLAConfig(layers="all", layout=layout))  # processors on the model's device and dtype
-
     def forward(backend: str, stock: bool) -> Callable[[], object]:
         def run() -> object:
             with softmax_attention(model) if stock else nullcontext():
@@ -390,24 +416,34 @@ def wan_transformer_table(
 
         return run
 
-    methods = {f"sdpa ({name})": forward(name, stock=True) for name in backends}
-    methods["mhla"] = forward(backends[-1], stock=False)
     label = f"  Wan transformer ({layers} blocks)"
-    timings = time_calls(methods, repeats, warmup, device, lambda text: log(f"{label} {text}"))
+    timings: dict[str, tuple[float, int]] = {}
+    for i, (setting, mhla_config) in enumerate((settings or {"mhla": MHLAConfig()}).items()):
+        if i:
+            revert_mhla(model)
+        # processors on the model's device and dtype
+        convert_to_mhla(model, dataclasses.replace(mhla_config, layers="all", layout=layout))
+        methods = {f"sdpa ({name})": forward(name, stock=True) for name in backends} if i == 0 else {}
+        methods[setting] = forward(backends[-1], stock=False)
+        timings.update(time_calls(methods, repeats, warmup, device, lambda text: log(f"{label} {text}")))
+    stock = [name for name in timings if name.startswith("sdpa (")]
     rows = [
         {
             "grid": "x".join(map(str, grid)),
             "tokens": math.prod(grid),
             "layout": "x".join(map(str, layout)),
             "layers": layers,
-            "method": name if name != "mhla" else f"mhla (cross-attention {backends[-1]})",
+            "method": name if name in stock else f"{name} (cross-attention {backends[-1]})",
             "median_s": seconds,
             "peak_extra_mb": peak / 2**20,
+            "weights_mb": weights / 2**20,
         }
         for name, (seconds, peak) in timings.items()
     ]
-    fastest_stock = min(t for name, (t, _) in timings.items() if name != "mhla")
-    rows[-1]["sdpa_over_mhla"] = fastest_stock / timings["mhla"][0]
+    fastest_stock = min(timings[name][0] for name in stock)
+    for row, (name, (seconds, _)) in zip(rows, timings.items()):
+        if name not in stock:
+            row["sdpa_over_mhla"] = fastest_stock / seconds
     return rows
 
 
@@ -594,6 +630,56 @@ def traffic_settings() -> dict[str, "MHLAConfig"]:
     return {"paper": MHLAConfig(layout=(3, 5, 10)), "released": MHLAConfig.released_wan()}
 
 
+def rotary_tables(tokens: int, head_dim: int, device: torch.device | str = "cpu",
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random RoPE tables of the layout Diffusers' Wan gives its processors: ``cos`` and ``sin``
+    ``(1, N, 1, D)`` float32, each angle repeated for both channels of its pair (a valid rotation per
+    token, not Wan's frequencies: enough for timing and for comparing two implementations)."""
+    angles = torch.rand(1, tokens, 1, head_dim // 2, generator=generator) * 2 * math.pi
+    angles = angles.repeat_interleave(2, dim=-1).to(device)
+    return angles.cos(), angles.sin()
+
+
+def wan_self_attention(
+    grid: Sequence[int],
+    config: "MHLAConfig",
+    *,
+    heads: int = WAN_13B_HEADS,
+    head_dim: int = WAN_13B_HEAD_DIM,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "meta",
+    batch: int = 1,
+    seed: int = 0,
+) -> tuple["WanMHLAProcessor", Callable[[], torch.Tensor]]:
+    """One Wan layer's MHLA self-attention, ready to call: a ``WanMHLAProcessor`` of ``config`` on
+    ``device`` in ``dtype`` whose grid context holds ``grid``, and a zero-argument call of its path from
+    projected ``q, k, v`` ``(B, N, H, D)`` to the attention output (feature map, RoPE, blocks, products,
+    denominator, output norm and gate: :meth:`~mhla_diffusion.processors.base.MHLAProcessor.attend`).
+    On ``meta`` the inputs are empty (for counting traffic); elsewhere random (seeded by ``seed``),
+    with the RoPE tables of :func:`rotary_tables`."""
+    from .processors.grid import TokenGridContext
+    from .processors.wan import WanMHLAProcessor
+
+    grid = tuple(int(g) for g in grid)
+    n, inner = math.prod(grid), heads * head_dim
+    context = TokenGridContext()
+    context.set_grid(grid)
+    with torch.random.fork_rng(devices=[]):  # the gate's initialisation, seeded without touching the caller's RNG
+        torch.manual_seed(seed)
+        processor = WanMHLAProcessor(heads, head_dim, tuple(config.layout), config, context)
+    processor = processor.to(device=device, dtype=dtype)
+    if torch.device(device).type == "meta":
+        layer_input = torch.empty(batch, n, inner, device="meta", dtype=dtype)
+        q, k, v = (torch.empty(batch, n, heads, head_dim, device="meta", dtype=dtype) for _ in range(3))
+        rotary = tuple(torch.empty(1, n, 1, head_dim, device="meta", dtype=torch.float32) for _ in range(2))
+    else:
+        g = torch.Generator().manual_seed(seed)
+        layer_input = torch.randn(batch, n, inner, generator=g).to(device, dtype)
+        q, k, v = (torch.randn(batch, n, heads, head_dim, generator=g).to(device, dtype) for _ in range(3))
+        rotary = rotary_tables(n, head_dim, device, g)
+    return processor, lambda: processor.attend(layer_input, q, k, v, rotary)
+
+
 def wan_attention_traffic(
     grid: Sequence[int],
     config: "MHLAConfig",
@@ -608,20 +694,12 @@ def wan_attention_traffic(
     counted on meta tensors (:mod:`mhla_diffusion.ops.traffic`). Returns a row of :data:`TRAFFIC_COLUMNS`
     with the busiest ops under ``ops``."""
     from .ops.traffic import count_traffic, floor_bytes
-    from .processors.grid import TokenGridContext
-    from .processors.wan import WanMHLAProcessor
 
     grid = tuple(int(g) for g in grid)
     layout = tuple(config.layout)
-    n, inner = math.prod(grid), heads * head_dim
-    context = TokenGridContext()
-    context.set_grid(grid)
-    processor = WanMHLAProcessor(heads, head_dim, layout, config, context).to(device="meta", dtype=dtype)
-    meta = dict(device="meta", dtype=dtype)
-    layer_input = torch.empty(batch, n, inner, **meta)
-    q, k, v = (torch.empty(batch, n, heads, head_dim, **meta) for _ in range(3))
-    rotary = tuple(torch.empty(1, n, 1, head_dim, device="meta", dtype=torch.float32) for _ in range(2))
-    counter = count_traffic(lambda: processor.attend(layer_input, q, k, v, rotary))
+    n = math.prod(grid)
+    _, call = wan_self_attention(grid, config, heads=heads, head_dim=head_dim, dtype=dtype, batch=batch)
+    counter = count_traffic(call)
     unit = batch * n * heads * head_dim * torch.empty((), dtype=dtype).element_size()
     blocks = num_blocks(layout)
     floor = floor_bytes(batch, n, heads, head_dim, head_dim, blocks, dtype)

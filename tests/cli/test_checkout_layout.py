@@ -48,6 +48,7 @@ def test_packages_import_from_a_checkout_with_pythonpath_dot():
     ("pipelines/text_to_video.py", "--prompt"),
     ("pipelines/image_to_video.py", "--image"),
     ("pipelines/class_to_image.py", "--class"),
+    ("benchmarks/gpu_session.py", "--smoke"),
 ])
 def test_entry_scripts_run_from_a_checkout(script, expected):
     result = _run_without_install([script, "--help"], [])  # no PYTHONPATH=.: the script finds the checkout itself
@@ -56,7 +57,7 @@ def test_entry_scripts_run_from_a_checkout(script, expected):
 
 
 # `path` in backticks that starts with one of the repository's own folders or files.
-_PATH = re.compile(r"`((?:mhla_diffusion|pipelines|finetune|eval|tests|docs|app\.py|\.ci)(?:/[\w.\-*]+)*/?)")
+_PATH = re.compile(r"`((?:mhla_diffusion|pipelines|finetune|eval|benchmarks|tests|docs|app\.py|\.ci)(?:/[\w.\-*]+)*/?)")
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md", "finetune/README.md", "eval/README.md",
