@@ -206,6 +206,10 @@ class CommandParser(argparse.ArgumentParser):
         self._configured()
         return super().parse_known_args(args, namespace)
 
+    def error(self, message: str):  # type: ignore[override]
+        """One line naming the problem and where the options are listed, instead of argparse's usage block."""
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
     def format_usage(self) -> str:
         self._configured()
         return super().format_usage()
