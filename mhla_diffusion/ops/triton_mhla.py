@@ -373,18 +373,10 @@ def _eager_forward(
     normalize: str,
     eps: float,
 ) -> torch.Tensor:
-    """The same function in differentiable eager PyTorch, O(N): feature map, RoPE, then the operator."""
-    from ..processors.base import apply_interleaved_rotary  # lazily: the processors import this module
-
-    features = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
-    q_feat = torch.relu(q.to(features)) + feature_eps
-    k_feat = torch.relu(k.to(features)) + feature_eps
-    q_rot = k_rot = None
-    if cos is not None:
-        q_rot, k_rot = apply_interleaved_rotary(q_feat, cos, sin), apply_interleaved_rotary(k_feat, cos, sin)
+    """The same function in differentiable eager PyTorch, O(N): the operator with its own feature map and RoPE."""
     return mhla_attention(
-        q_feat, k_feat, v, plan.grid, plan.layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=normalize, eps=eps,
-        plan=plan,
+        q, k, v, plan.grid, plan.layout, mixing, normalize=normalize, eps=eps, plan=plan, feature_eps=feature_eps,
+        rotary=None if cos is None else (cos, sin),
     )
 
 

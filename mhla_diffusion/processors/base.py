@@ -26,6 +26,7 @@ from ..config import MHLAConfig
 from ..context_parallel_attention import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ..geometry import check_equal_blocks
 from ..mixing import mixing_init
+from ..ops.triton_mhla import fused_available, mhla_attention_fused
 from .grid import TokenGridContext
 
 __all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "kept_in_fp32"]
@@ -173,7 +174,13 @@ class MHLAProcessor(nn.Module):
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
-        if shard is None:
+        if shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
+            out = mhla_attention_fused(  # Triton on CUDA (MHLA_FUSED=0 turns it off): one read of q, k, v
+                q, k, v, plan, self.mixing, cos=None if rotary_emb is None else rotary_emb[0],
+                sin=None if rotary_emb is None else rotary_emb[1], feature_eps=self.eps,
+                normalize=self.normalization, eps=self.eps,
+            )
+        elif shard is None:
             out = mhla_attention(q, k, v, grid, self.layout, self.mixing, **features)
         else:  # partial block summaries, one all-reduce over the context-parallel group, local queries
             local_plan = self.grid_context.local_plan(self.layout, q.device, shard.start, shard.stop)

@@ -258,3 +258,32 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
         source = ASTSource(triton.jit(fn), _signature(fn, {**pointers, **own_pointers}, constexprs), constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], fn.__name__
+
+
+@pytest.mark.parametrize("setting", ["paper", "released"])
+def test_processors_choose_the_fused_kernel_when_it_is_available(tiny_wan, wan_batch, monkeypatch, setting):
+    """Where fused_available says so (CUDA; here the interpreter), the Wan processors run the Triton kernels,
+    and the transformer's output is the eager operator's."""
+    import mhla_diffusion.processors.base as base
+    from helpers.models import run
+
+    from mhla_diffusion import MHLAConfig, convert_to_mhla
+
+    config = MHLAConfig(layout=(2, 2, 3)) if setting == "paper" else MHLAConfig.released_wan(layout=(2, 2, 3))
+    convert_to_mhla(tiny_wan, config)
+    eager = run(tiny_wan, wan_batch)
+    launched = []
+
+    def fused(*args, **kwargs):
+        launched.append(kwargs["normalize"])
+        return mhla_attention_fused(*args, **kwargs)
+
+    monkeypatch.setattr(base, "fused_available", lambda tensor: True)
+    monkeypatch.setattr(base, "mhla_attention_fused", fused)
+    got = run(tiny_wan, wan_batch)
+    assert launched and set(launched) == {config.normalization}
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # where the kernels run on this CPU
+    assert triton_mhla.fused_available(wan_batch["hidden_states"])
+    monkeypatch.setattr(triton_mhla, "FUSED", False)  # the switch (MHLA_FUSED=0) leaves the eager operator
+    assert not triton_mhla.fused_available(wan_batch["hidden_states"])
