@@ -59,6 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhla_diffusion.bench import (  # noqa: E402
+    plain_linear_attention,
     TRANSFORMER_COLUMNS, format_table, replace_marked_section, rotary_tables, time_calls, traffic_settings,
     wan_self_attention, wan_transformer_table,
 )
@@ -392,14 +393,6 @@ def stage_correctness(ctx: StageContext) -> None:
 
 
 # ----------------------------------------------------------------------------- stage 3: operator timing
-
-
-def plain_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Global linear attention ``q (Σ_s k_s v_sᵀ) / (q · Σ_s k_s + eps)`` in three einsums, in the inputs'
-    dtype: the plain baseline (no blocks, no mixing, no gathers) that MHLA's cost is compared with."""
-    kv = torch.einsum("bnhd,bnhe->bhde", k, v)
-    z = k.sum(dim=1)
-    return torch.einsum("bnhd,bhde->bnhe", q, kv) / (torch.einsum("bnhd,bhd->bnh", q, z).unsqueeze(-1) + eps)
 
 
 def operator_calls(grid: tuple[int, ...], sizes: Sizes, device: torch.device | str, dtype: torch.dtype) -> dict[str, Callable]:

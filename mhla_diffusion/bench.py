@@ -42,7 +42,7 @@ from .geometry import VideoGeometry
 from .mixing import mixing_init
 
 __all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_COLUMNS", "BenchCase", "BenchSpec",
-           "PeakMemory", "attention_table", "format_table", "measure", "measure_in_fresh_process",
+           "PeakMemory", "attention_table", "format_table", "measure", "measure_in_fresh_process", "plain_linear_attention",
            "replace_marked_section", "report_markdown", "time_call", "time_calls", "wan_block_table",
            "wan_transformer_table"]
 
@@ -193,6 +193,15 @@ def _sdpa_backends(device: torch.device, requested: Sequence[str] | None) -> lis
     return usable
 
 
+def plain_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Global linear attention ``q (Σ_s k_s v_sᵀ) / (q · Σ_s k_s + eps)`` in three einsums, in the inputs'
+    dtype: the plain baseline a user would write (no blocks, no mixing, no regrouping) that MHLA's cost is
+    compared with. ``q, k`` feature-mapped ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)``."""
+    kv = torch.einsum("bnhd,bnhe->bhde", k, v)
+    z = k.sum(dim=1)
+    return torch.einsum("bnhd,bhde->bnhe", q, kv) / (torch.einsum("bnhd,bhd->bnh", q, z).unsqueeze(-1) + eps)
+
+
 def attention_table(
     cases: Sequence[BenchCase],
     heads: int = 12,
@@ -205,7 +214,8 @@ def attention_table(
     sdpa_max_tokens: int | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> list[dict]:
-    """Time SDPA, global linear attention and MHLA on the same random inputs for every case."""
+    """Time SDPA, global linear attention (:func:`plain_linear_attention`, and the MHLA operator with one
+    block) and MHLA on the same random inputs for every case; ``mhla_over_linear`` is against the plain one."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     device = torch.device(device)
@@ -228,7 +238,8 @@ def attention_table(
                 backend = AttentionBackendName(name)
                 methods.append((f"sdpa ({name})", lambda b=backend: dispatch_attention_fn(q, k, v, backend=b)))
         one = torch.ones(1, 1, device=device, dtype=dtype)
-        methods.append(("linear", lambda: mhla_attention(q, k, v, case.grid, ones, one)))
+        methods.append(("linear", lambda: plain_linear_attention(q, k, v)))
+        methods.append(("linear (MHLA, 1 block)", lambda: mhla_attention(q, k, v, case.grid, ones, one)))
         mixing = mixing_init(case.layout).to(device, dtype)
         methods.append(("mhla", lambda: mhla_attention(q, k, v, case.grid, case.layout, mixing)))
         grid = "x".join(map(str, case.grid))
