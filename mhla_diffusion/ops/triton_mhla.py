@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -44,7 +47,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = tl = None
 
-__all__ = ["FUSED", "fused_available", "mhla_attention_fused"]
+__all__ = ["FUSED", "fused_available", "fused_traffic", "mhla_attention_fused", "recording_launches"]
 
 #: Module-level switch: ``MHLA_FUSED=0`` in the environment (read at import) turns the fused path off
 #: for :func:`fused_available`; callers may also set it at run time.
@@ -64,6 +67,8 @@ def fused_available(tensor: torch.Tensor) -> bool:
         return False
     if tensor.is_cuda:
         return True
+    if tensor.device.type == "meta":
+        return bool(_RECORDERS)
     return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -236,6 +241,29 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class _Tiles:
+    """Tile sizes and grid extents of one launch (chosen by :func:`_tiles`, the one place both the launch
+    and :func:`fused_traffic` take them from)."""
+
+    block_t: int  # slots per tile (both kernels)
+    block_dh: int  # channel pairs per tile: the even and the odd channels of D, each padded to a power of two
+    block_dv: int  # value columns per summaries program (kernel 1)
+    value_tiles: int  # summaries programs per (block, batch x head): kernel 1's grid axis 0
+    out_dv: int  # value columns of the output kernel (all of Dv, padded)
+    slot_tiles: int  # output programs per (block, batch x head): kernel 2's grid axis 0
+
+
+def _tiles(block_len: int, head_dim: int, value_dim: int) -> _Tiles:
+    """The tiles :func:`_fused_forward` launches with for blocks of ``block_len`` slots."""
+    block_t = min(64, _pow2(block_len))
+    block_dv = min(64, _pow2(value_dim))
+    return _Tiles(
+        block_t=block_t, block_dh=_pow2((head_dim + 1) // 2), block_dv=block_dv,
+        value_tiles=-(-value_dim // block_dv), out_dv=_pow2(value_dim), slot_tiles=-(-block_len // block_t),
+    )
+
+
 def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> None:
     """``cos``/``sin`` must be Diffusers' ``(1, N, 1, D)`` tables on ``q``'s device."""
     if table is None:
@@ -282,6 +310,8 @@ def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
             "`dot_dtype=torch.bfloat16` is wrong under Triton's interpreter (CPU tensors): its bf16 tl.dot "
             "multiplies raw bit patterns; pass torch.float32 (or None)"
         )
+    if q.device.type == "meta":
+        return mode
     if triton is None:
         raise RuntimeError("mhla_attention_fused needs Triton, which does not import here: use mhla_attention")
     if q.device.type not in ("cuda", "cpu"):
@@ -303,6 +333,18 @@ def _tl_dtype(dtype: torch.dtype):
     return getattr(tl, _DOT_DTYPES[dtype])
 
 
+def _mix(mixing: torch.Tensor, summaries: torch.Tensor, key_sums: torch.Tensor | None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mixing between the kernels, in PyTorch: ``S̃ = W S`` ``(B, H, M, D, Dv)`` and ``z̃ = W z``
+    ``(B, H, M, D)`` (``None`` without key sums), float32 also under ``torch.autocast``."""
+    batch, heads, m, d, dv = summaries.shape
+    with without_autocast(summaries.device):
+        mix = mixing.to(torch.float32)
+        mixed = (mix @ summaries.view(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)
+        mixed_sums = None if key_sums is None else mix @ key_sums
+    return mixed, mixed_sums
+
+
 def _fused_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -322,9 +364,7 @@ def _fused_forward(
     m, p = plan.num_blocks, plan.block_len
     interpret = q.device.type == "cpu"
     has_rope, has_valid, norm = cos is not None, plan.valid is not None, normalize == "denominator"
-    block_t = min(64, _pow2(p))
-    block_dh = _pow2((d + 1) // 2)
-    block_dv = min(64, _pow2(dv))
+    tiles = _tiles(p, d, dv)
     dot = _tl_dtype(dot_dtype)
     ieee = dot_dtype == torch.float32
     gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
@@ -334,31 +374,128 @@ def _fused_forward(
 
     summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=torch.float32)
     key_sums = torch.empty((batch, heads, m, d), device=q.device, dtype=torch.float32) if norm else summaries
-    _kernel("_summaries_kernel", interpret)[(triton.cdiv(dv, block_dv), m, batch * heads)](
+    _kernel("_summaries_kernel", interpret)[(tiles.value_tiles, m, batch * heads)](
         k, v, rope[0], rope[1], gather, valid, summaries, key_sums,
         heads, m, p, d, dv,
         *k.stride(), *v.stride(), *rope_strides,
         float(feature_eps),
-        BLOCK_T=block_t, BLOCK_DH=block_dh, BLOCK_DV=block_dv,
+        BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, BLOCK_DV=tiles.block_dv,
         HAS_VALID=has_valid, HAS_ROPE=has_rope, STORE_Z=norm, DOT_DTYPE=dot, IEEE=ieee,
     )
 
-    with without_autocast(q.device):  # the mixing stays float32 under torch.autocast
-        mix = mixing.to(torch.float32)
-        mixed = (mix @ summaries.view(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)  # S̃ = W S
-        mixed_sums = (mix @ key_sums) if norm else mixed  # z̃ = W z
+    mixed, mixed_sums = _mix(mixing, summaries, key_sums if norm else None)
     del summaries
+    if mixed_sums is None:
+        mixed_sums = mixed  # unused pointer without a denominator
 
     out = torch.empty((batch, n, heads, dv), device=q.device, dtype=v.dtype)
-    _kernel("_output_kernel", interpret)[(triton.cdiv(p, block_t), m, batch * heads)](
+    _kernel("_output_kernel", interpret)[(tiles.slot_tiles, m, batch * heads)](
         q, rope[0], rope[1], gather, valid, mixed, mixed_sums, out,
         heads, m, p, d, dv,
         *q.stride(), *out.stride(), *rope_strides,
         float(feature_eps), float(eps),
-        BLOCK_T=block_t, BLOCK_DH=block_dh, BLOCK_DV=_pow2(dv),
+        BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, BLOCK_DV=tiles.out_dv,
         HAS_VALID=has_valid, HAS_ROPE=has_rope, NORMALIZE=norm, DOT_DTYPE=dot, IEEE=ieee,
     )
     return out
+
+
+_INDEX_BYTES = 8  # plan.gather, int64
+_VALID_BYTES = 1  # plan.valid, read as uint8
+
+
+def fused_traffic(
+    batch: int,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    value_dim: int,
+    num_blocks: int,
+    block_len: int,
+    *,
+    padded: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    rope_dtype: torch.dtype | None = torch.float32,
+    normalize: str = "denominator",
+    per_head_mixing: bool = False,
+) -> dict[str, int]:
+    """Bytes that :func:`mhla_attention_fused` reads and writes in global memory, term by term, as its
+    kernels are written (what each program's ``tl.load``/``tl.store`` touches; a masked-off element moves
+    nothing) plus the PyTorch ops between them, counted on meta tensors by
+    :func:`~mhla_diffusion.ops.traffic.count_traffic` of the very functions the launch calls.
+
+    Args: the launch's shapes: ``q, k`` ``(batch, tokens, heads, head_dim)``, ``v`` and the output
+    ``(.., value_dim)``, all in ``dtype``; a plan of ``num_blocks`` blocks of ``block_len`` slots, with
+    ``padded`` slots (``plan.valid`` given: uneven or empty blocks) or not; RoPE tables in ``rope_dtype``
+    (``None``: no RoPE); ``normalize`` ``"denominator"`` or ``"none"``; a ``(heads, M, M)`` mixing with
+    ``per_head_mixing``, else ``(M, M)``. Each token fills exactly one real slot, so the real slots of
+    all blocks add up to ``tokens``.
+
+    Caches are ignored: a tile that two programs load counts twice (e.g. the RoPE tables, loaded by the
+    programs of every (batch, head)). Returns ``{term: bytes}`` in launch order.
+    """
+    from .traffic import count_traffic
+
+    mode = normalization_mode(normalize)
+    tiles = _tiles(block_len, head_dim, value_dim)
+    size = torch.empty((), dtype=dtype).element_size()
+    pairs = (head_dim + 1) // 2  # even channels: the RoPE tables' columns a kernel reads
+    rope_size = 0 if rope_dtype is None else torch.empty((), dtype=rope_dtype).element_size()
+    norm = mode == "denominator"
+    bh, m, p = batch * heads, num_blocks, block_len
+    # the plan's index arrays, loaded for every slot < P by each program that walks it
+    index = p * (_INDEX_BYTES + (_VALID_BYTES if padded else 0))
+    terms: dict[str, int] = {}
+    # kernel 1, grid (value tiles, M, B*H); over its blocks a program's real slots add up to `tokens`
+    terms["summaries kernel: plan index"] = tiles.value_tiles * m * bh * index
+    terms["summaries kernel: k"] = tiles.value_tiles * bh * tokens * head_dim * size
+    terms["summaries kernel: RoPE tables"] = tiles.value_tiles * bh * tokens * pairs * 2 * rope_size
+    terms["summaries kernel: v"] = bh * tokens * value_dim * size  # each value tile's columns once
+    terms["summaries kernel: S stored"] = bh * m * head_dim * value_dim * 4
+    terms["summaries kernel: z stored"] = bh * m * head_dim * 4 if norm else 0  # by the programs of tile 0
+    # the mixing, as launched, on meta tensors
+    meta = dict(device="meta", dtype=torch.float32)
+    mixing = torch.empty((heads, m, m) if per_head_mixing else (m, m), **meta)
+    summaries = torch.empty((batch, heads, m, head_dim, value_dim), **meta)
+    key_sums = torch.empty((batch, heads, m, head_dim), **meta) if norm else None
+    terms["mixing (PyTorch): W S, W z"] = count_traffic(lambda: _mix(mixing, summaries, key_sums)).total
+    # kernel 2, grid (slot tiles, M, B*H): each program loads the whole mixed summary of its block
+    programs = tiles.slot_tiles * m * bh
+    terms["output kernel: plan index"] = m * bh * index  # each slot by one program
+    terms["output kernel: q"] = bh * tokens * head_dim * size
+    terms["output kernel: mixed key sum"] = programs * head_dim * 4 if norm else 0
+    terms["output kernel: RoPE tables"] = bh * tokens * pairs * 2 * rope_size
+    terms["output kernel: mixed summary"] = programs * head_dim * value_dim * 4
+    terms["output kernel: output stored"] = bh * tokens * value_dim * size
+    return terms
+
+
+_RECORDERS: list[list[dict]] = []
+
+
+@contextmanager
+def recording_launches() -> Iterator[list[dict]]:
+    """While active, :func:`fused_available` is true for ``meta`` tensors, and :func:`mhla_attention_fused`
+    on meta tensors launches nothing: it returns an empty output and appends its :func:`fused_traffic`
+    arguments to the list this yields. With :func:`~mhla_diffusion.ops.traffic.count_traffic` of a
+    processor call on meta tensors, this counts what the fused path moves outside the kernels (output
+    norm, gate) by dispatch and inside them by :func:`fused_traffic`."""
+    launches: list[dict] = []
+    _RECORDERS.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDERS.remove(launches)
+
+
+def _launch_arguments(q, v, plan, mixing, cos, normalize) -> dict:
+    """:func:`fused_traffic`'s arguments for a launch on these inputs."""
+    batch, n, heads, d = q.shape
+    return dict(
+        batch=batch, tokens=n, heads=heads, head_dim=d, value_dim=v.shape[-1], num_blocks=plan.num_blocks,
+        block_len=plan.block_len, padded=plan.valid is not None, dtype=q.dtype,
+        rope_dtype=None if cos is None else cos.dtype, normalize=normalize, per_head_mixing=mixing.ndim == 3,
+    )
 
 
 def _eager_forward(
@@ -443,6 +580,10 @@ def mhla_attention_fused(
         in float32 too). Differentiable in ``q, k, v, mixing`` (the backward recomputes eagerly in PyTorch).
     """
     mode = _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype)
+    if q.device.type == "meta":  # shapes only (counting traffic): nothing to launch
+        for launches in _RECORDERS:
+            launches.append(_launch_arguments(q, v, plan, mixing, cos, mode))
+        return v.new_empty((*q.shape[:3], v.shape[-1]))
     if dot_dtype is None:
         dot_dtype = _default_dot_dtype(q, v)
     return _FusedMHLA.apply(q, k, v, mixing, cos, sin, plan, feature_eps, mode, eps, dot_dtype)
