@@ -685,6 +685,24 @@ def wan_self_attention(
     return processor, lambda: processor.attend(layer_input, q, k, v, rotary)
 
 
+def count_path(call: Callable[[], Any], fused: bool = False) -> tuple[dict[str, tuple[int, int]], int]:
+    """Bytes that ``call`` (on meta tensors) moves, ``{op or kernel term: (calls, bytes)}``, and how many
+    fused launches it made. With ``fused``, MHLA processors inside take the fused Triton path
+    (:func:`~mhla_diffusion.ops.triton_mhla.recording_launches`): its kernels are counted from their
+    launch (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), every other op as dispatched."""
+    from .ops.traffic import count_traffic
+    from .ops.triton_mhla import fused_traffic, recording_launches
+
+    with recording_launches() if fused else nullcontext([]) as launches:
+        counter = count_traffic(call)
+    items = {name: (calls, read + written) for name, (calls, read, written) in counter.by_op.items()}
+    for launch in launches:
+        for term, size in fused_traffic(**launch).items():
+            calls, before = items.get(term, (0, 0))
+            items[term] = (calls + 1, before + size)
+    return items, len(launches)
+
+
 def wan_attention_traffic(
     grid: Sequence[int],
     config: "MHLAConfig",
@@ -701,20 +719,13 @@ def wan_attention_traffic(
     takes where the fused Triton kernels run: the kernels' bytes as their launch reads and writes them
     (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), the rest (output norm, gate) op by op.
     Returns a row of :data:`TRAFFIC_COLUMNS` with the busiest ops (or kernel terms) under ``ops``."""
-    from .ops.traffic import count_traffic, floor_bytes
-    from .ops.triton_mhla import fused_traffic, recording_launches
+    from .ops.traffic import floor_bytes
 
     grid = tuple(int(g) for g in grid)
     layout = tuple(config.layout)
     n = math.prod(grid)
     _, call = wan_self_attention(grid, config, heads=heads, head_dim=head_dim, dtype=dtype, batch=batch)
-    with recording_launches() if fused else nullcontext([]) as launches:
-        counter = count_traffic(call)
-    items = {name: (calls, read + written) for name, (calls, read, written) in counter.by_op.items()}
-    for launch in launches:
-        for term, size in fused_traffic(**launch).items():
-            calls, before = items.get(term, (0, 0))
-            items[term] = (calls + 1, before + size)
+    items, launches = count_path(call, fused)
     total = sum(size for _, size in items.values())
     unit = batch * n * heads * head_dim * torch.empty((), dtype=dtype).element_size()
     blocks = num_blocks(layout)
@@ -723,7 +734,7 @@ def wan_attention_traffic(
     return {
         "grid": "x".join(map(str, grid)), "tokens": n, "layout": "x".join(map(str, layout)), "blocks": blocks,
         "dtype": str(dtype).removeprefix("torch."), "gigabytes": total / 1e9, "units": total / unit,
-        "floor_units": floor / unit, "over_floor": total / floor, "unit_bytes": unit, "fused_launches": len(launches),
+        "floor_units": floor / unit, "over_floor": total / floor, "unit_bytes": unit, "fused_launches": launches,
         "ops": {name: {"calls": calls, "units": size / unit} for name, (calls, size) in busiest},
     }
 
