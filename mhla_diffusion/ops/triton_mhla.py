@@ -70,8 +70,9 @@ def fused_available(tensor: torch.Tensor) -> bool:
     """Whether :func:`mhla_attention_fused` should be used for ``tensor``'s device.
 
     True when the switch :data:`FUSED` is on, Triton imports, and ``tensor`` is on CUDA, or is a CPU
-    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only). False while
-    ``torch.compile`` traces (the eager operator compiles; the kernels are launched outside Dynamo).
+    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only), or a ``meta`` tensor inside
+    :func:`recording_launches` (counting traffic). False while ``torch.compile`` traces (the eager
+    operator compiles; the kernels are launched outside Dynamo).
     """
     if not FUSED or triton is None or torch.compiler.is_compiling():
         return False
