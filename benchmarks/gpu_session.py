@@ -448,11 +448,24 @@ def _at_precision(fn: Callable[[], object], tf32: bool) -> Callable[[], object]:
     return run
 
 
-def counted_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes read and written by every call of :func:`operator_calls`, counted on meta tensors."""
-    from mhla_diffusion.ops.traffic import count_traffic
+def counted_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, fused: bool = False) -> dict[str, int]:
+    """Bytes read and written by every call of :func:`operator_calls`, counted on meta tensors; with ``fused``
+    (the fused kernels run on the timing device, so the processors take them) the processor rows' kernels
+    counted from their launch."""
+    from mhla_diffusion.bench import count_path
 
-    return {name: count_traffic(call).total for name, call in operator_calls(grid, sizes, "meta", dtype).items()}
+    calls = operator_calls(grid, sizes, "meta", dtype)
+    return {name: sum(size for _, size in count_path(call, fused)[0].values()) for name, call in calls.items()}
+
+
+def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normalize: str) -> int:
+    """Bytes of one call of :func:`_fused_calls`'s kernel, counted from its launch."""
+    from mhla_diffusion.block_layout import block_plan
+    from mhla_diffusion.ops.triton_mhla import fused_traffic
+
+    plan = block_plan(grid, sizes.layout)
+    return sum(fused_traffic(1, math.prod(grid), sizes.heads, sizes.head_dim, sizes.head_dim, plan.num_blocks,
+                             plan.block_len, padded=plan.valid is not None, dtype=dtype, normalize=normalize).values())
 
 
 def stage_timing(ctx: StageContext) -> None:
@@ -471,7 +484,7 @@ def stage_timing(ctx: StageContext) -> None:
         n, label = math.prod(grid), "x".join(map(str, grid))
         unit = unit_of(n)
         floor = floor_bytes(1, n, sizes.heads, sizes.head_dim, sizes.head_dim, math.prod(sizes.layout), dtype)
-        bytes_of = counted_bytes(grid, sizes, dtype)
+        bytes_of = counted_bytes(grid, sizes, dtype, fused=run_fused)
         plain = operator_calls(grid, sizes, device, dtype)
         calls = {name: _at_precision(call, False) for name, call in plain.items()}
         basis = dict.fromkeys(calls, "counted")
@@ -492,8 +505,9 @@ def stage_timing(ctx: StageContext) -> None:
             bytes_of[name], basis[name] = 4 * unit, "q, k, v, out once"
         if run_fused:
             fused_calls = _fused_calls(fused, grid, sizes, device, dtype)
-            for name in fused_calls:
-                bytes_of[name], basis[name] = floor, "floor"
+            for mode in FUSED_MODES:
+                bytes_of[_fused_name(mode)] = fused_bytes(grid, sizes, dtype, mode)
+                basis[_fused_name(mode)] = "counted from the launch"
         timings = time_calls(calls, sizes.repeats, sizes.warmup, device)
         if run_fused:  # after the others: a fault in the new kernel loses only its own rows
             for name, call in fused_calls.items():
@@ -528,9 +542,17 @@ def _fused_calls(fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: t
     q, k, v = (torch.randn(1, n, sizes.heads, sizes.head_dim, generator=g).to(device, dtype) for _ in range(3))
     cos, sin = rotary_tables(n, sizes.head_dim, device, g)
     plan, mixing = block_plan(grid, sizes.layout, device), mixing_init(sizes.layout).to(device)
-    return {f"fused Triton kernel, {mode} (feature map, RoPE)":
+    return {_fused_name(mode):
             (lambda mode=mode: fused(q, k, v, plan, mixing, cos=cos, sin=sin, normalize=mode, dot_dtype=_dot_dtype()))
-            for mode in ("denominator", "none")}
+            for mode in FUSED_MODES}
+
+
+#: The fused kernel's timed normalisations.
+FUSED_MODES = ("denominator", "none")
+
+
+def _fused_name(mode: str) -> str:
+    return f"fused Triton kernel, {mode} (feature map, RoPE)"
 
 
 # ----------------------------------------------------------------------------- stage 4: profile

@@ -633,6 +633,11 @@ TRAFFIC_COLUMNS = (
 )
 
 
+#: The paths ``mhla bench --traffic`` counts: the eager operator op by op, and the fused Triton kernels as
+#: launched (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`) with the processor's ops around them.
+TRAFFIC_PATHS = ("eager PyTorch", "fused Triton (counted from the launch)")
+
+
 def traffic_settings() -> dict[str, "MHLAConfig"]:
     """The settings ``mhla bench --traffic`` counts: the paper's (denominator, nothing around it) and the
     released Wan-MHLA one (no denominator, per-head output RMSNorm, SiLU gate), both on 3x5x10 blocks."""
@@ -691,6 +696,24 @@ def wan_self_attention(
     return processor, lambda: processor.attend(layer_input, q, k, v, rotary)
 
 
+def count_path(call: Callable[[], Any], fused: bool = False) -> tuple[dict[str, tuple[int, int]], int]:
+    """Bytes that ``call`` (on meta tensors) moves, ``{op or kernel term: (calls, bytes)}``, and how many
+    fused launches it made. With ``fused``, MHLA processors inside take the fused Triton path
+    (:func:`~mhla_diffusion.ops.triton_mhla.recording_launches`): its kernels are counted from their
+    launch (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), every other op as dispatched."""
+    from .ops.traffic import count_traffic
+    from .ops.triton_mhla import fused_traffic, recording_launches
+
+    with recording_launches() if fused else nullcontext([]) as launches:
+        counter = count_traffic(call)
+    items = {name: (calls, read + written) for name, (calls, read, written) in counter.by_op.items()}
+    for launch in launches:
+        for term, size in fused_traffic(**launch).items():
+            calls, before = items.get(term, (0, 0))
+            items[term] = (calls + 1, before + size)
+    return items, len(launches)
+
+
 def wan_attention_traffic(
     grid: Sequence[int],
     config: "MHLAConfig",
@@ -699,36 +722,42 @@ def wan_attention_traffic(
     head_dim: int = WAN_13B_HEAD_DIM,
     dtype: torch.dtype = torch.bfloat16,
     batch: int = 1,
+    fused: bool = False,
 ) -> dict[str, Any]:
     """Bytes moved by one MHLA self-attention of a Wan layer (the processor's path from projected ``q, k,
     v`` to the attention output: feature map, RoPE, blocks, products, denominator, output norm and gate),
-    counted on meta tensors (:mod:`mhla_diffusion.ops.traffic`). Returns a row of :data:`TRAFFIC_COLUMNS`
-    with the busiest ops under ``ops``."""
-    from .ops.traffic import count_traffic, floor_bytes
+    counted on meta tensors (:mod:`mhla_diffusion.ops.traffic`). With ``fused``, the path the processor
+    takes where the fused Triton kernels run: the kernels' bytes as their launch reads and writes them
+    (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), the rest (output norm, gate) op by op.
+    Returns a row of :data:`TRAFFIC_COLUMNS` with the busiest ops (or kernel terms) under ``ops``."""
+    from .ops.traffic import floor_bytes
 
     grid = tuple(int(g) for g in grid)
     layout = tuple(config.layout)
     n = math.prod(grid)
     _, call = wan_self_attention(grid, config, heads=heads, head_dim=head_dim, dtype=dtype, batch=batch)
-    counter = count_traffic(call)
+    items, launches = count_path(call, fused)
+    total = sum(size for _, size in items.values())
     unit = batch * n * heads * head_dim * torch.empty((), dtype=dtype).element_size()
     blocks = num_blocks(layout)
     floor = floor_bytes(batch, n, heads, head_dim, head_dim, blocks, dtype)
-    busiest = sorted(counter.by_op.items(), key=lambda item: -(item[1][1] + item[1][2]))[:8]
+    busiest = sorted(items.items(), key=lambda item: -item[1][1])[:8 if not fused else None]
     return {
         "grid": "x".join(map(str, grid)), "tokens": n, "layout": "x".join(map(str, layout)), "blocks": blocks,
-        "dtype": str(dtype).removeprefix("torch."), "gigabytes": counter.total / 1e9, "units": counter.total / unit,
-        "floor_units": floor / unit, "over_floor": counter.total / floor, "unit_bytes": unit,
-        "ops": {name: {"calls": calls, "units": (read + written) / unit} for name, (calls, read, written) in busiest},
+        "dtype": str(dtype).removeprefix("torch."), "gigabytes": total / 1e9, "units": total / unit,
+        "floor_units": floor / unit, "over_floor": total / floor, "unit_bytes": unit, "fused_launches": launches,
+        "ops": {name: {"calls": calls, "units": size / unit} for name, (calls, size) in busiest},
     }
 
 
 def traffic_table(grids: Sequence[Sequence[int]] = ((21, 30, 50), (21, 30, 52)),
                   dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
-    """:func:`wan_attention_traffic` of the eager PyTorch path for every grid and :func:`traffic_settings`
-    entry (Wan2.1-1.3B shapes)."""
+    """:func:`wan_attention_traffic` of the eager PyTorch path and of the fused Triton path for every grid
+    and :func:`traffic_settings` entry (Wan2.1-1.3B shapes)."""
     rows = []
     for grid in grids:
         for setting, config in traffic_settings().items():
-            rows.append({**wan_attention_traffic(grid, config, dtype=dtype), "setting": setting, "path": "eager PyTorch"})
+            for fused, path in ((False, TRAFFIC_PATHS[0]), (True, TRAFFIC_PATHS[1])):
+                row = wan_attention_traffic(grid, config, dtype=dtype, fused=fused)
+                rows.append({**row, "setting": setting, "path": path})
     return rows

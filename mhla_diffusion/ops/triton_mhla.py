@@ -5,23 +5,33 @@ From the *raw* projections ``q, k, v`` ``(B, N, H, D)`` (before the feature map)
 ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))`` (``phi(x) = relu(x) + feature_eps``, ``R`` Wan's
 interleaved RoPE), in three steps:
 
-1. ``_summaries_kernel``, one program per (batch x head, block, Dv tile): walks block ``m``'s padded
+1. ``_summaries_kernel``, one program per (Dv tile, batch x head, block): walks block ``m``'s padded
    slots in tiles (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads
    ``k`` and ``v`` at their native strides, applies ``phi`` and RoPE in registers and accumulates in
-   float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``.
-2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small float32 matmul in PyTorch.
-3. ``_output_kernel``, one program per (batch x head, block, slot tile): loads each query tile once
-   (``phi`` and RoPE in registers), ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when
-   normalizing, and writes it straight to the tokens' positions in ``v``'s dtype.
+   float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``. Up to Dv = 128 there is one
+   Dv tile, so ``k`` is read once.
+2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small matmul in PyTorch.
+3. ``_output_kernel``, one program per (batch x head, block): loads ``S̃_m`` and ``z̃_m`` once, then
+   walks the block's slots in tiles, loading each query once (``phi`` and RoPE in registers):
+   ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when normalizing, written straight to the
+   tokens' positions in ``v``'s dtype.
+
+Precision: products accumulate in float32. The summaries ``S`` and ``S̃`` are stored in the inputs'
+half dtype when the inputs are bf16/fp16 (float32 otherwise), as the eager operator stores them; the
+key sums in float32. RoPE tables are read as their even channels (each angle once) in that same dtype:
+a copy made once per call from Wan's float32 tables for half inputs (the eager operator gathers them
+in the inputs' dtype too). Both halve the bytes of the two terms that are read most after ``q, k, v``
+and the output: :func:`fused_traffic` counts the launch term by term (8.8 U at Wan2.1-1.3B's
+21x30x50 tokens with the denominator and RoPE, where the floor is 6.5 U).
 
 RoPE pairs channels ``(2i, 2i+1)``, so the kernels hold the even and the odd channels as two
 half-width tiles (``S``'s rows ``2i`` and ``2i+1``); head dims need not be powers of two (tiles are
 padded to one, at least 16, and masked). The summaries are stored in natural channel order
 ``(B, H, M, D, Dv)``.
 
-Launch grids put the tiles of one block first (``(tiles, M, B*H)``: axis 0 varies fastest), so that
-the programs sharing a block's keys (kernel 1) or its mixed summary (kernel 2) run together and hit
-the L2 cache instead of reading them again from memory.
+Launch grids put the heads of one block next to each other (``(Dv tiles, B*H, M)`` and ``(B*H, M)``:
+axis 0 varies fastest), so that programs reading the same RoPE table rows run together and may hit
+the L2 cache (:func:`fused_traffic` does not count on it).
 
 The backward is PyTorch (:class:`_FusedMHLA`): it recomputes the forward with the eager operator
 and differentiates that. On CPU tensors the kernels run through Triton's interpreter (slow, for
@@ -32,6 +42,9 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -44,7 +57,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = tl = None
 
-__all__ = ["FUSED", "fused_available", "mhla_attention_fused"]
+__all__ = ["FUSED", "fused_available", "fused_traffic", "mhla_attention_fused", "recording_launches"]
 
 #: Module-level switch: ``MHLA_FUSED=0`` in the environment (read at import) turns the fused path off
 #: for :func:`fused_available`; callers may also set it at run time.
@@ -57,13 +70,16 @@ def fused_available(tensor: torch.Tensor) -> bool:
     """Whether :func:`mhla_attention_fused` should be used for ``tensor``'s device.
 
     True when the switch :data:`FUSED` is on, Triton imports, and ``tensor`` is on CUDA, or is a CPU
-    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only). False while
-    ``torch.compile`` traces (the eager operator compiles; the kernels are launched outside Dynamo).
+    tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only), or a ``meta`` tensor inside
+    :func:`recording_launches` (counting traffic). False while ``torch.compile`` traces (the eager
+    operator compiles; the kernels are launched outside Dynamo).
     """
     if not FUSED or triton is None or torch.compiler.is_compiling():
         return False
     if tensor.is_cuda:
         return True
+    if tensor.device.type == "meta":
+        return bool(_RECORDERS)
     return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -86,11 +102,11 @@ def _summaries_kernel(
 ):
     """One block's ``S_m`` (one Dv tile) and ``z_m`` of one (batch, head); see the module docstring."""
     pv = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    bh = tl.program_id(2).to(tl.int64)
+    bh = tl.program_id(1).to(tl.int64)
+    m = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
-    half = tl.arange(0, BLOCK_DH)
+    half = tl.arange(0, BLOCK_DH)  # channel pair i: channels 2i, 2i+1; the RoPE tables' column i
     even = 2 * half
     odd = even + 1
     even_ok = even < D
@@ -119,9 +135,11 @@ def _summaries_kernel(
         if STORE_Z:
             z_even += tl.reduce(k_even, 1, tl.standard._sum_combine)
             z_odd += tl.reduce(k_odd, 1, tl.standard._sum_combine)
-        if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables repeat it on both channels
-            cos = tl.load(cos_ptr + token[None, :] * scn + even[:, None] * scd, mask=mask_even, other=0.0)
-            sin = tl.load(sin_ptr + token[None, :] * ssn + even[:, None] * ssd, mask=mask_even, other=0.0)
+        if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i
+            cos = tl.load(cos_ptr + token[None, :] * scn + half[:, None] * scd, mask=mask_even, other=0.0)
+            sin = tl.load(sin_ptr + token[None, :] * ssn + half[:, None] * ssd, mask=mask_even, other=0.0)
+            cos = cos.to(tl.float32)
+            sin = sin.to(tl.float32)
             rot_even = k_even * cos - k_odd * sin
             rot_odd = k_even * sin + k_odd * cos
             k_even = rot_even
@@ -137,8 +155,9 @@ def _summaries_kernel(
             s_odd = tl.dot(k_odd.to(DOT_DTYPE), values, s_odd)
     row = bh * M + m  # (B, H, M) flattened
     s_base = s_ptr + row * D * DV
-    tl.store(s_base + even[:, None] * DV + cols[None, :], s_even, mask=even_ok[:, None] & cols_ok[None, :])
-    tl.store(s_base + odd[:, None] * DV + cols[None, :], s_odd, mask=odd_ok[:, None] & cols_ok[None, :])
+    s_type = s_ptr.dtype.element_ty  # the summaries' dtype: accumulated in float32, stored rounded to it
+    tl.store(s_base + even[:, None] * DV + cols[None, :], s_even.to(s_type), mask=even_ok[:, None] & cols_ok[None, :])
+    tl.store(s_base + odd[:, None] * DV + cols[None, :], s_odd.to(s_type), mask=odd_ok[:, None] & cols_ok[None, :])
     if STORE_Z:
         tl.store(z_ptr + row * D + even, z_even, mask=even_ok & (pv == 0))
         tl.store(z_ptr + row * D + odd, z_odd, mask=odd_ok & (pv == 0))
@@ -153,10 +172,10 @@ def _output_kernel(
     HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr, NORMALIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """One slot tile of block ``m`` of one (batch, head): ``q̂ S̃_m / (phi(q) · z̃_m + eps)`` at the tokens."""
-    pt = tl.program_id(0)
+    """Block ``m`` of one (batch, head): ``q̂ S̃_m / (phi(q) · z̃_m + eps)`` at the tokens, slot tile by slot
+    tile, with ``S̃_m`` and ``z̃_m`` loaded once."""
+    bh = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
-    bh = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
     half = tl.arange(0, BLOCK_DH)
@@ -166,49 +185,55 @@ def _output_kernel(
     odd_ok = odd < D
     cols = tl.arange(0, BLOCK_DV)
     cols_ok = cols < DV
-    slot = pt * BLOCK_T + tl.arange(0, BLOCK_T)
-    used = slot < P
-    token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
-    if HAS_VALID:
-        used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
-    q_base = q_ptr + b * sqb + h * sqh
-    mask_even = used[:, None] & even_ok[None, :]
-    mask_odd = used[:, None] & odd_ok[None, :]
-    q_even = tl.load(q_base + token[:, None] * sqn + even[None, :] * sqd, mask=mask_even, other=0.0)
-    q_odd = tl.load(q_base + token[:, None] * sqn + odd[None, :] * sqd, mask=mask_odd, other=0.0)
-    q_even = tl.where(mask_even, tl.maximum(q_even.to(tl.float32), 0.0) + feature_eps, 0.0)
-    q_odd = tl.where(mask_odd, tl.maximum(q_odd.to(tl.float32), 0.0) + feature_eps, 0.0)
     row = bh * M + m
-    if NORMALIZE:  # un-rotated features against the mixed key sum
-        z_even = tl.load(z_ptr + row * D + even, mask=even_ok, other=0.0)
-        z_odd = tl.load(z_ptr + row * D + odd, mask=odd_ok, other=0.0)
-        den = tl.reduce(q_even * z_even[None, :], 1, tl.standard._sum_combine)
-        den += tl.reduce(q_odd * z_odd[None, :], 1, tl.standard._sum_combine) + eps
-    if HAS_ROPE:
-        cos = tl.load(cos_ptr + token[:, None] * scn + even[None, :] * scd, mask=mask_even, other=0.0)
-        sin = tl.load(sin_ptr + token[:, None] * ssn + even[None, :] * ssd, mask=mask_even, other=0.0)
-        rot_even = q_even * cos - q_odd * sin
-        rot_odd = q_even * sin + q_odd * cos
-        q_even = rot_even
-        q_odd = rot_odd
     s_base = s_ptr + row * D * DV
     s_even = tl.load(s_base + even[:, None] * DV + cols[None, :], mask=even_ok[:, None] & cols_ok[None, :], other=0.0)
     s_odd = tl.load(s_base + odd[:, None] * DV + cols[None, :], mask=odd_ok[:, None] & cols_ok[None, :], other=0.0)
-    acc = tl.full((BLOCK_T, BLOCK_DV), 0.0, tl.float32)
-    if IEEE:
-        acc = tl.dot(q_even.to(DOT_DTYPE), s_even.to(DOT_DTYPE), acc, input_precision="ieee")
-        acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd.to(DOT_DTYPE), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(q_even.to(DOT_DTYPE), s_even.to(DOT_DTYPE), acc)
-        acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd.to(DOT_DTYPE), acc)
+    s_even = s_even.to(DOT_DTYPE)
+    s_odd = s_odd.to(DOT_DTYPE)
     if NORMALIZE:
-        acc = acc / den[:, None]
+        z_even = tl.load(z_ptr + row * D + even, mask=even_ok, other=0.0)
+        z_odd = tl.load(z_ptr + row * D + odd, mask=odd_ok, other=0.0)
+    q_base = q_ptr + b * sqb + h * sqh
     o_base = o_ptr + b * sob + h * soh
-    tl.store(
-        o_base + token[:, None] * son + cols[None, :] * sod,
-        acc.to(o_ptr.dtype.element_ty),
-        mask=used[:, None] & cols_ok[None, :],
-    )
+    for start in range(0, P, BLOCK_T):
+        slot = start + tl.arange(0, BLOCK_T)
+        used = slot < P
+        token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
+        if HAS_VALID:
+            used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+        mask_even = used[:, None] & even_ok[None, :]
+        mask_odd = used[:, None] & odd_ok[None, :]
+        q_even = tl.load(q_base + token[:, None] * sqn + even[None, :] * sqd, mask=mask_even, other=0.0)
+        q_odd = tl.load(q_base + token[:, None] * sqn + odd[None, :] * sqd, mask=mask_odd, other=0.0)
+        q_even = tl.where(mask_even, tl.maximum(q_even.to(tl.float32), 0.0) + feature_eps, 0.0)
+        q_odd = tl.where(mask_odd, tl.maximum(q_odd.to(tl.float32), 0.0) + feature_eps, 0.0)
+        if NORMALIZE:  # un-rotated features against the mixed key sum
+            den = tl.reduce(q_even * z_even[None, :], 1, tl.standard._sum_combine)
+            den += tl.reduce(q_odd * z_odd[None, :], 1, tl.standard._sum_combine) + eps
+        if HAS_ROPE:
+            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=mask_even, other=0.0)
+            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=mask_even, other=0.0)
+            cos = cos.to(tl.float32)
+            sin = sin.to(tl.float32)
+            rot_even = q_even * cos - q_odd * sin
+            rot_odd = q_even * sin + q_odd * cos
+            q_even = rot_even
+            q_odd = rot_odd
+        acc = tl.full((BLOCK_T, BLOCK_DV), 0.0, tl.float32)
+        if IEEE:
+            acc = tl.dot(q_even.to(DOT_DTYPE), s_even, acc, input_precision="ieee")
+            acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(q_even.to(DOT_DTYPE), s_even, acc)
+            acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd, acc)
+        if NORMALIZE:
+            acc = acc / den[:, None]
+        tl.store(
+            o_base + token[:, None] * son + cols[None, :] * sod,
+            acc.to(o_ptr.dtype.element_ty),
+            mask=used[:, None] & cols_ok[None, :],
+        )
 
 
 _KERNELS: dict[tuple[str, bool], object] = {}
@@ -234,6 +259,36 @@ def _kernel(name: str, interpret: bool):
 def _pow2(n: int, floor: int = 16) -> int:
     """The next power of two ``>= max(n, floor)`` (``tl.dot`` needs tiles of at least 16)."""
     return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Tile sizes, grid extents and warps of one launch, chosen by :func:`_tiles`: the one place the
+    launch and :func:`fused_traffic` take them from."""
+
+    block_t: int  # slots per tile (both kernels walk a block's slots in tiles of this many)
+    block_dh: int  # channel pairs per tile: the even and the odd channels of D, each padded to a power of two
+    block_dv: int  # value columns per summaries program (kernel 1)
+    value_tiles: int  # summaries programs per (batch x head, block): kernel 1's grid axis 0
+    out_dv: int  # value columns of the output kernel (all of Dv, padded)
+    num_warps: int
+
+
+def _tiles(block_len: int, head_dim: int, value_dim: int) -> _Tiles:
+    """The tiles :func:`_fused_forward` launches with for blocks of ``block_len`` slots.
+
+    Kernel 1 keeps a float32 accumulator pair ``(BLOCK_DH, BLOCK_DV)`` per program: up to Dv = 128 one
+    value tile, so ``k`` is read once (Wan: two 64 x 128 tiles, 8 warps); wider values split into tiles
+    of 128, each reading ``k`` again. Kernel 2 holds the mixed summary of its block (all of Dv). Slot
+    tiles of 32: at Wan's D = Dv = 128 with 8 warps ptxas (sm_90) keeps both kernels in registers
+    without spilling (230 and 184 registers a thread; 64 slots spill)."""
+    block_dh = _pow2((head_dim + 1) // 2)
+    block_dv = min(128, _pow2(value_dim))
+    return _Tiles(
+        block_t=min(32, _pow2(block_len)), block_dh=block_dh, block_dv=block_dv,
+        value_tiles=-(-value_dim // block_dv), out_dv=_pow2(value_dim),
+        num_warps=8 if block_dh * block_dv >= 64 * 64 else 4,
+    )
 
 
 def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -282,6 +337,8 @@ def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
             "`dot_dtype=torch.bfloat16` is wrong under Triton's interpreter (CPU tensors): its bf16 tl.dot "
             "multiplies raw bit patterns; pass torch.float32 (or None)"
         )
+    if q.device.type == "meta":
+        return mode
     if triton is None:
         raise RuntimeError("mhla_attention_fused needs Triton, which does not import here: use mhla_attention")
     if q.device.type not in ("cuda", "cpu"):
@@ -303,6 +360,42 @@ def _tl_dtype(dtype: torch.dtype):
     return getattr(tl, _DOT_DTYPES[dtype])
 
 
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype of the summaries and RoPE tables for inputs of ``dtypes``: their half type (bf16/fp16),
+    else float32."""
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each angle of Diffusers' ``(1, N, 1, D)`` tables once: their even channels ``(N, D/2)`` in ``dtype``.
+    Views when the tables are in ``dtype`` already; else one copy per call (bf16 tables from Wan's float32
+    ones: both kernels then read half the bytes, once per (batch x head) each)."""
+    tables = (cos[0, :, 0, 0::2], sin[0, :, 0, 0::2])
+    if all(t.dtype == dtype for t in tables):
+        return tables
+    out = torch.empty((2, *tables[0].shape), dtype=dtype, device=cos.device)
+    out[0].copy_(tables[0])
+    out[1].copy_(tables[1])
+    return out[0], out[1]
+
+
+def _mix(mixing: torch.Tensor, summaries: torch.Tensor, key_sums: torch.Tensor | None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mixing between the kernels, in PyTorch, outside ``torch.autocast``: ``S̃ = W S`` ``(B, H, M, D,
+    Dv)`` in the summaries' dtype (half summaries: a half GEMM, float32 accumulation, ``W`` rounded to the
+    half type as the eager operator does) and ``z̃ = W z`` ``(B, H, M, D)`` in float32 (``None`` without
+    key sums)."""
+    batch, heads, m, d, dv = summaries.shape
+    with without_autocast(summaries.device):
+        mix = mixing.to(torch.float32)
+        mixed = mix.to(summaries.dtype) @ summaries.view(batch, heads, m, d * dv)
+        mixed_sums = None if key_sums is None else mix @ key_sums
+    return mixed.view(batch, heads, m, d, dv), mixed_sums
+
+
 def _fused_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -322,43 +415,145 @@ def _fused_forward(
     m, p = plan.num_blocks, plan.block_len
     interpret = q.device.type == "cpu"
     has_rope, has_valid, norm = cos is not None, plan.valid is not None, normalize == "denominator"
-    block_t = min(64, _pow2(p))
-    block_dh = _pow2((d + 1) // 2)
-    block_dv = min(64, _pow2(dv))
+    tiles = _tiles(p, d, dv)
+    dtype = _compute_dtype(q.dtype, k.dtype, v.dtype)
     dot = _tl_dtype(dot_dtype)
     ieee = dot_dtype == torch.float32
     gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
     valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all are valid
-    rope = (cos, sin) if has_rope else (q, q)  # unused pointers without RoPE
-    rope_strides = (cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3)) if has_rope else (0, 0, 0, 0)
+    rope = _rope_tables(cos, sin, dtype) if has_rope else (q, q)  # unused pointers without RoPE
+    rope_strides = (*rope[0].stride(), *rope[1].stride()) if has_rope else (0, 0, 0, 0)
+    options = dict(BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, HAS_VALID=has_valid, HAS_ROPE=has_rope,
+                   DOT_DTYPE=dot, IEEE=ieee, num_warps=tiles.num_warps)
 
-    summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=torch.float32)
+    summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=dtype)
     key_sums = torch.empty((batch, heads, m, d), device=q.device, dtype=torch.float32) if norm else summaries
-    _kernel("_summaries_kernel", interpret)[(triton.cdiv(dv, block_dv), m, batch * heads)](
-        k, v, rope[0], rope[1], gather, valid, summaries, key_sums,
+    _kernel("_summaries_kernel", interpret)[(tiles.value_tiles, batch * heads, m)](
+        k, v, *rope, gather, valid, summaries, key_sums,
         heads, m, p, d, dv,
         *k.stride(), *v.stride(), *rope_strides,
         float(feature_eps),
-        BLOCK_T=block_t, BLOCK_DH=block_dh, BLOCK_DV=block_dv,
-        HAS_VALID=has_valid, HAS_ROPE=has_rope, STORE_Z=norm, DOT_DTYPE=dot, IEEE=ieee,
+        BLOCK_DV=tiles.block_dv, STORE_Z=norm, **options,
     )
 
-    with without_autocast(q.device):  # the mixing stays float32 under torch.autocast
-        mix = mixing.to(torch.float32)
-        mixed = (mix @ summaries.view(batch, heads, m, d * dv)).view(batch, heads, m, d, dv)  # S̃ = W S
-        mixed_sums = (mix @ key_sums) if norm else mixed  # z̃ = W z
+    mixed, mixed_sums = _mix(mixing, summaries, key_sums if norm else None)
     del summaries
+    if mixed_sums is None:
+        mixed_sums = mixed  # unused pointer without a denominator
 
     out = torch.empty((batch, n, heads, dv), device=q.device, dtype=v.dtype)
-    _kernel("_output_kernel", interpret)[(triton.cdiv(p, block_t), m, batch * heads)](
-        q, rope[0], rope[1], gather, valid, mixed, mixed_sums, out,
+    _kernel("_output_kernel", interpret)[(batch * heads, m)](
+        q, *rope, gather, valid, mixed, mixed_sums, out,
         heads, m, p, d, dv,
         *q.stride(), *out.stride(), *rope_strides,
         float(feature_eps), float(eps),
-        BLOCK_T=block_t, BLOCK_DH=block_dh, BLOCK_DV=_pow2(dv),
-        HAS_VALID=has_valid, HAS_ROPE=has_rope, NORMALIZE=norm, DOT_DTYPE=dot, IEEE=ieee,
+        BLOCK_DV=tiles.out_dv, NORMALIZE=norm, **options,
     )
     return out
+
+
+_INDEX_BYTES = 8  # plan.gather, int64
+_VALID_BYTES = 1  # plan.valid, read as uint8
+
+
+def fused_traffic(
+    batch: int,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    value_dim: int,
+    num_blocks: int,
+    block_len: int,
+    *,
+    padded: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    rope_dtype: torch.dtype | None = torch.float32,
+    normalize: str = "denominator",
+    per_head_mixing: bool = False,
+) -> dict[str, int]:
+    """Bytes that :func:`mhla_attention_fused` reads and writes in global memory, term by term, as
+    :func:`_fused_forward` launches its kernels: what each program's ``tl.load``/``tl.store`` touches (a
+    masked-off element moves nothing), plus the PyTorch ops between the kernels, counted by
+    :func:`~mhla_diffusion.ops.traffic.count_traffic` of the very functions the launch calls on meta tensors.
+
+    Args: the launch's shapes: ``q, k`` ``(batch, tokens, heads, head_dim)``, ``v`` and the output
+    ``(.., value_dim)``, all in ``dtype``; a plan of ``num_blocks`` blocks of ``block_len`` slots, with
+    ``padded`` slots (``plan.valid`` given: uneven or empty blocks) or not; Diffusers' RoPE tables
+    ``(1, tokens, 1, head_dim)`` in ``rope_dtype`` (``None``: no RoPE); ``normalize`` ``"denominator"`` or
+    ``"none"``; a float32 ``(heads, M, M)`` mixing with ``per_head_mixing``, else ``(M, M)``.
+
+    Every token fills exactly one real slot, so the real slots a program walks add up, over the blocks, to
+    ``tokens``; padded slots load their plan entries and nothing else. Caches are ignored: a tile that two
+    programs load counts twice (the RoPE tables, loaded by the programs of every batch x head; ``k`` by
+    every value tile beyond Dv = 128). Do not call it inside a ``count_traffic`` (it runs one itself).
+    Returns ``{term: bytes}`` in launch order.
+    """
+    from .traffic import count_traffic
+
+    norm = normalization_mode(normalize) == "denominator"
+    tiles = _tiles(block_len, head_dim, value_dim)
+    compute = _compute_dtype(dtype)  # summaries and RoPE tables
+    size, compute_size = (torch.empty((), dtype=t).element_size() for t in (dtype, compute))
+    bh, m, p = batch * heads, num_blocks, block_len
+    pairs = (head_dim + 1) // 2  # channel pairs: the columns of the even-channel RoPE tables
+    rope = 0 if rope_dtype is None else 1
+    index = p * (_INDEX_BYTES + (_VALID_BYTES if padded else 0))  # plan.gather (and valid) of one block's slots
+    meta = dict(device="meta")
+    terms: dict[str, int] = {}
+    # PyTorch, once per call: the even channels of the tables in the compute dtype (none when already in it)
+    cos = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)
+    terms["RoPE tables to the summaries' dtype (PyTorch)"] = rope * count_traffic(
+        lambda: _rope_tables(cos, cos, compute)).total
+    # _summaries_kernel, grid (value tiles, B*H, M); per program: plan entries, then per real slot k (D
+    # channels), the tables (pairs, cos and sin), v (its tile's columns); then S (D x tile) and z (tile 0)
+    terms["summaries kernel: plan index"] = tiles.value_tiles * bh * m * index
+    terms["summaries kernel: k"] = tiles.value_tiles * bh * tokens * head_dim * size
+    terms["summaries kernel: RoPE tables"] = rope * tiles.value_tiles * bh * tokens * pairs * 2 * compute_size
+    terms["summaries kernel: v"] = bh * tokens * value_dim * size
+    terms["summaries kernel: S stored"] = bh * m * head_dim * value_dim * compute_size
+    terms["summaries kernel: z stored"] = norm * bh * m * head_dim * 4
+    # PyTorch: S̃ = W S, z̃ = W z
+    mixing = torch.empty((heads, m, m) if per_head_mixing else (m, m), dtype=torch.float32, **meta)
+    summaries = torch.empty((batch, heads, m, head_dim, value_dim), dtype=compute, **meta)
+    key_sums = torch.empty((batch, heads, m, head_dim), dtype=torch.float32, **meta) if norm else None
+    terms["mixing (PyTorch): W S, W z"] = count_traffic(lambda: _mix(mixing, summaries, key_sums)).total
+    # _output_kernel, grid (B*H, M); per program: S̃ and z̃ of its block once, then per slot tile the plan
+    # entries, and per real slot q (D channels), the tables, the output (Dv columns)
+    terms["output kernel: mixed summary"] = bh * m * head_dim * value_dim * compute_size
+    terms["output kernel: mixed key sum"] = norm * bh * m * head_dim * 4
+    terms["output kernel: plan index"] = bh * m * index
+    terms["output kernel: q"] = bh * tokens * head_dim * size
+    terms["output kernel: RoPE tables"] = rope * bh * tokens * pairs * 2 * compute_size
+    terms["output kernel: output stored"] = bh * tokens * value_dim * size
+    return terms
+
+
+_RECORDERS: list[list[dict]] = []
+
+
+@contextmanager
+def recording_launches() -> Iterator[list[dict]]:
+    """While active, :func:`fused_available` is true for ``meta`` tensors, and :func:`mhla_attention_fused`
+    on meta tensors launches nothing: it returns an empty output and appends its :func:`fused_traffic`
+    arguments to the list this yields. With :func:`~mhla_diffusion.ops.traffic.count_traffic` of a
+    processor call on meta tensors, this counts what the fused path moves outside the kernels (output
+    norm, gate) by dispatch and inside them by :func:`fused_traffic`."""
+    launches: list[dict] = []
+    _RECORDERS.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDERS.remove(launches)
+
+
+def _launch_arguments(q, v, plan, mixing, cos, normalize) -> dict:
+    """:func:`fused_traffic`'s arguments for a launch on these inputs."""
+    batch, n, heads, d = q.shape
+    return dict(
+        batch=batch, tokens=n, heads=heads, head_dim=d, value_dim=v.shape[-1], num_blocks=plan.num_blocks,
+        block_len=plan.block_len, padded=plan.valid is not None, dtype=q.dtype,
+        rope_dtype=None if cos is None else cos.dtype, normalize=normalize, per_head_mixing=mixing.ndim == 3,
+    )
 
 
 def _eager_forward(
@@ -440,9 +635,15 @@ def mhla_attention_fused(
         ``(B, N, H, Dv)`` in ``v``'s dtype, token order. Equals
         :func:`~mhla_diffusion.attention_reference.mhla_attention_reference` of ``phi(q), phi(k), v`` with
         ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))``, to float32 accumulation (float64 inputs are computed
-        in float32 too). Differentiable in ``q, k, v, mixing`` (the backward recomputes eagerly in PyTorch).
+        in float32 too; bf16/fp16 inputs store the block summaries and read the RoPE tables in their dtype,
+        as the eager operator does). Differentiable in ``q, k, v, mixing`` (the backward recomputes eagerly
+        in PyTorch). On ``meta`` tensors nothing is launched: an empty output (see :func:`recording_launches`).
     """
     mode = _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype)
+    if q.device.type == "meta":  # shapes only (counting traffic): nothing to launch
+        for launches in _RECORDERS:
+            launches.append(_launch_arguments(q, v, plan, mixing, cos, mode))
+        return v.new_empty((*q.shape[:3], v.shape[-1]))
     if dot_dtype is None:
         dot_dtype = _default_dot_dtype(q, v)
     return _FusedMHLA.apply(q, k, v, mixing, cos, sin, plan, feature_eps, mode, eps, dot_dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,8 +77,8 @@ def test_matches_reference(grid, rope, normalize):
 
 def test_per_head_mixing_batch_and_head_dims_of_the_tiny_models():
     """Per-head ``(H, M, M)`` mixing, batch 2, and head dims that are not powers of two (the tiny Wan's 12;
-    the value dim 72 spans two value tiles of the summaries kernel)."""
-    q, k, v, mixing = _inputs(UNEVEN, heads=2, dim=12, value_dim=72, batch=2, seed=1, per_head=True)
+    the value dim 136 spans two value tiles of the summaries kernel)."""
+    q, k, v, mixing = _inputs(UNEVEN, heads=2, dim=12, value_dim=136, batch=2, seed=1, per_head=True)
     plan = block_plan(*UNEVEN)
     cos, sin = _rope(UNEVEN[0], 12)
     out = mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, **FP32)
@@ -238,7 +239,8 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, 
 
 def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
     """The interpreter accepts more than the compiler: compile both kernels ahead of time, without a GPU,
-    for sm_90 in Wan's setting (bf16 inputs and dots, D = Dv = 128, RoPE, uneven blocks, denominator)."""
+    for sm_90 with the tiles and warps Wan's launch takes (bf16 inputs, dots, RoPE tables and summaries,
+    D = Dv = 128, uneven blocks of 240 slots, denominator), and check with ptxas that no register spills."""
     triton = pytest.importorskip("triton")
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -247,17 +249,28 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
-    common = dict(BLOCK_T=64, BLOCK_DH=64, HAS_VALID=True, HAS_ROPE=True, DOT_DTYPE=tl.bfloat16, IEEE=False)
-    pointers = dict(cos_ptr="*fp32", sin_ptr="*fp32", gather_ptr="*i64", valid_ptr="*u8", s_ptr="*fp32", z_ptr="*fp32")
+    tiles = triton_mhla._tiles(240, 128, 128)
+    assert (tiles.block_dh, tiles.block_dv, tiles.value_tiles, tiles.num_warps) == (64, 128, 1, 8)
+    common = dict(BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, HAS_VALID=True, HAS_ROPE=True,
+                  DOT_DTYPE=tl.bfloat16, IEEE=False)
+    pointers = dict(cos_ptr="*bf16", sin_ptr="*bf16", gather_ptr="*i64", valid_ptr="*u8", s_ptr="*bf16", z_ptr="*fp32")
     kernels = [
-        (triton_mhla._summaries_kernel, dict(k_ptr="*bf16", v_ptr="*bf16"), dict(BLOCK_DV=64, STORE_Z=True)),
-        (triton_mhla._output_kernel, dict(q_ptr="*bf16", o_ptr="*bf16"), dict(BLOCK_DV=128, NORMALIZE=True)),
+        (triton_mhla._summaries_kernel, dict(k_ptr="*bf16", v_ptr="*bf16"), dict(BLOCK_DV=tiles.block_dv, STORE_Z=True)),
+        (triton_mhla._output_kernel, dict(q_ptr="*bf16", o_ptr="*bf16"), dict(BLOCK_DV=tiles.out_dv, NORMALIZE=True)),
     ]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     for fn, own_pointers, own in kernels:
         constexprs = {**common, **own}
         source = ASTSource(triton.jit(fn), _signature(fn, {**pointers, **own_pointers}, constexprs), constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tiles.num_warps))
         assert compiled.asm["cubin"], fn.__name__
+        if os.path.exists(ptxas):
+            ptx = tmp_path / f"{fn.__name__}.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            done = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert re.search(r"(?<!\d)0 bytes spill stores", done.stderr), (fn.__name__, done.stderr)
 
 
 @pytest.mark.parametrize("setting", ["paper", "released"])

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.py"
@@ -166,5 +167,11 @@ def test_the_fused_kernel_is_checked_timed_and_profiled_when_it_runs(gpu_session
     rows = [r for r in session["stages"]["timing"]["rows"] if r["method"].startswith("fused Triton kernel")]
     assert {(r["grid"], r["method"].split(",")[1].split()[0]) for r in rows} == {
         (grid, mode) for grid in ("3x5x10", "3x5x12") for mode in ("denominator", "none")}
-    assert all(r["bytes_basis"] == "floor" and r["median_ms"] > 0 for r in rows)
+    assert all(r["bytes_basis"] == "counted from the launch" and r["median_ms"] > 0 for r in rows)
+    timing = session["stages"]["timing"]
+    dtype = getattr(torch, timing["dtype"])
+    for r in rows:  # the bytes each row is divided by: its launch's count (fused_traffic)
+        unit = r["tokens"] * timing["heads"] * timing["head_dim"] * dtype.itemsize
+        grid, mode = tuple(map(int, r["grid"].split("x"))), r["method"].split(",")[1].split()[0]
+        assert r["counted_units"] * unit == pytest.approx(gpu_session.fused_bytes(grid, gpu_session.SMOKE, dtype, mode))
     assert "fused Triton kernel, denominator (feature map, RoPE)" in session["stages"]["profile"]["tables"]

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig
-from mhla_diffusion.bench import traffic_settings, wan_attention_traffic
+from mhla_diffusion.bench import TRAFFIC_PATHS, traffic_settings, wan_attention_traffic
 from mhla_diffusion.cli import main
+from mhla_diffusion.ops import triton_mhla
 from mhla_diffusion.ops.traffic import count_traffic, floor_bytes, tensor_bytes
+from mhla_diffusion.ops.triton_mhla import fused_available, fused_traffic, recording_launches
 
 
 def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -71,6 +73,7 @@ def test_bench_traffic_prints_the_table(tmp_path, capsys):
     assert main(["bench", "--traffic", "--traffic-grid", "3x4x10", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| 3x4x10 | 120 | paper | 3x5x10 | 150 | eager PyTorch |" in text
+    assert f"| 3x4x10 | 120 | paper | 3x5x10 | 150 | {TRAFFIC_PATHS[1]} |" in text
     assert "| 3x4x10 | 120 | released |" in text and "x floor" in text
     assert out.exists()
     assert main(["bench", "--traffic", "--traffic-grid", "3x4"]) == 2
@@ -83,7 +86,7 @@ def test_the_readme_table_is_what_the_command_prints(capsys):
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert main(["bench", "--traffic"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 21x30x5")]
-    assert len(rows) == 4
+    assert len(rows) == 8  # 2 grids x 2 settings x (eager, fused)
     for row in rows:
         assert row in readme
 
@@ -93,3 +96,76 @@ def test_an_out_argument_is_written_not_read():
     counter = count_traffic(lambda: torch.clamp_min(x, 0, out=out))
     assert (counter.read, counter.written) == (40, 40)
     assert count_traffic(lambda: torch.empty_like(x)).total == 0
+
+
+def test_fused_count_by_hand():
+    """16 tokens, 2 heads of 16 channels, 4 blocks of 4 slots, bf16, float32 RoPE tables, denominator."""
+    terms = fused_traffic(1, 16, 2, 16, 16, 4, 4)
+    tokens_x_heads = 16 * 2
+    qkvo = tokens_x_heads * 16 * 2  # one of q, k, v, out: 1024 bytes
+    tables = tokens_x_heads * 8 * 2 * 2  # per head, each token's 8 angles, cos and sin, bf16
+    summaries = 2 * 4 * 16 * 16 * 2  # S (or S̃): B*H*M x D x Dv, bf16
+    key_sums = 2 * 4 * 16 * 4  # z (or z̃), float32
+    index = 2 * 4 * 4 * 8  # plan.gather (int64) of every slot, by each (batch x head)'s programs
+    assert terms == {
+        # even channels of the float32 (1, 16, 1, 16) tables read, written as bf16 (N, 8) once per call
+        "RoPE tables to the summaries' dtype (PyTorch)": 2 * 16 * 8 * 4 + 2 * 16 * 8 * 2,
+        "summaries kernel: plan index": index,
+        "summaries kernel: k": qkvo,  # one value tile: k once
+        "summaries kernel: RoPE tables": tables,
+        "summaries kernel: v": qkvo,
+        "summaries kernel: S stored": summaries,
+        "summaries kernel: z stored": key_sums,
+        # W (float32, 64 B) cast to bf16 (32 B), read by the bf16 GEMM; S read, S̃ written; W, z read, z̃ written
+        "mixing (PyTorch): W S, W z": (64 + 32) + 32 + 2 * summaries + 64 + 2 * key_sums,
+        "output kernel: mixed summary": summaries,  # once per (batch x head, block)
+        "output kernel: mixed key sum": key_sums,
+        "output kernel: plan index": index,
+        "output kernel: q": qkvo,
+        "output kernel: RoPE tables": tables,
+        "output kernel: output stored": qkvo,
+    }
+    float32 = fused_traffic(1, 16, 2, 16, 16, 4, 4, dtype=torch.float32, rope_dtype=None, normalize="none",
+                            padded=True, per_head_mixing=True)
+    assert float32["RoPE tables to the summaries' dtype (PyTorch)"] == float32["output kernel: RoPE tables"] == 0
+    assert float32["summaries kernel: plan index"] == 2 * 4 * 4 * (8 + 1)  # plan.valid (uint8) too
+    assert float32["summaries kernel: S stored"] == 2 * summaries  # float32 summaries
+    assert float32["summaries kernel: z stored"] == float32["output kernel: mixed key sum"] == 0
+    assert float32["mixing (PyTorch): W S, W z"] == 2 * 4 * 4 * 4 + 2 * 2 * summaries  # (H, M, M) W, S, S̃
+
+
+def test_fused_count_takes_the_launch_tiles():
+    """Values wider than one summaries tile (Dv > 128): each value tile's programs read k and the tables again."""
+    one, two = fused_traffic(1, 16, 2, 16, 128, 4, 4), fused_traffic(1, 16, 2, 16, 136, 4, 4)
+    assert triton_mhla._tiles(4, 16, 128).value_tiles == 1 and triton_mhla._tiles(4, 16, 136).value_tiles == 2
+    for term in ("summaries kernel: k", "summaries kernel: RoPE tables", "summaries kernel: plan index"):
+        assert two[term] == 2 * one[term], term
+    assert two["summaries kernel: v"] == one["summaries kernel: v"] * 136 // 128  # each column once
+
+
+def test_the_fused_path_is_under_ten_units_at_21x30x50():
+    """The issue's target, paper setting (denominator and RoPE): the processor's fused path as launched."""
+    unit = 31_500 * 12 * 128 * 2
+    row = wan_attention_traffic((21, 30, 50), traffic_settings()["paper"], fused=True)
+    kernels = sum(fused_traffic(1, 31_500, 12, 128, 128, 150, 210).values())
+    assert row["fused_launches"] == 1
+    assert row["units"] == pytest.approx(kernels / unit, abs=0.05)  # and the block plan built (~0.02 U)
+    assert row["units"] <= 10
+    eager = wan_attention_traffic((21, 30, 50), traffic_settings()["paper"])
+    assert eager["fused_launches"] == 0 and row["units"] < eager["units"]
+
+
+def test_recording_launches_takes_the_processors_call_on_meta_tensors():
+    q = torch.empty(1, 60, 2, 8, device="meta")
+    assert not fused_available(q)  # meta tensors take the eager operator outside a recording
+    with recording_launches() as launches:
+        assert fused_available(q)
+        row = wan_attention_traffic((3, 4, 5), MHLAConfig.released_wan(layout=(1, 2, 2)), heads=2, head_dim=8,
+                                    fused=True)
+    assert not fused_available(q)
+    # the row: the kernels as launched, and the processor's output norm and gate op by op
+    assert {"output kernel: q", "mixing (PyTorch): W S, W z", "silu", "mean"} <= set(row["ops"])
+    # 5 columns in blocks of 2: uneven, 3 x 2 x 3 = 18 slots a block
+    assert launches == [dict(batch=1, tokens=60, heads=2, head_dim=8, value_dim=8, num_blocks=4, block_len=18,
+                             padded=True, dtype=torch.bfloat16, rope_dtype=torch.float32, normalize="none",
+                             per_head_mixing=False)]
