@@ -29,7 +29,7 @@ from ..mixing import mixing_init
 from ..ops.triton_mhla import fused_available, mhla_attention_fused
 from .grid import TokenGridContext
 
-__all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "kept_in_fp32"]
+__all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "head_rms_norm", "kept_in_fp32"]
 
 #: The processor parameters (by first name component) that stay float32 when the model is cast to a half
 #: type, as Diffusers' ``_keep_in_fp32_modules`` keeps its norms: the block mixing stays near its
@@ -56,6 +56,20 @@ def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     x_even, x_odd = x[..., 0::2], x[..., 1::2]
     cos, sin = cos[..., 0::2].to(x.dtype), sin[..., 0::2].to(x.dtype)
     return torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` ``(..., D)`` over its last axis with ``weight`` ``(D,)``, in ``x``'s dtype.
+
+    The mean square is accumulated in float32 (``vector_norm`` with a float32 result) without a float32
+    copy of ``x``: two passes over ``x`` (read once for the norm, once to scale) instead of the five of
+    an upcast ``F.rms_norm``. For half ``x`` the scale and the weight meet it rounded to its dtype.
+    """
+    accumulate = torch.promote_types(x.dtype, torch.float32)
+    mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=accumulate).square_() / x.shape[-1]
+    scale = torch.rsqrt(mean_square + eps).to(x.dtype)
+    out = x * scale
+    return out.mul_(weight.to(x.dtype))
 
 
 class MHLAProcessor(nn.Module):
@@ -187,8 +201,7 @@ class MHLAProcessor(nn.Module):
             out = mhla_attention_context_parallel(q, k, v, grid, self.layout, self.mixing, shard, local_plan=local_plan,
                                                   **features)
         if self.out_norm is not None:
-            weight = self.out_norm.weight.float()
-            out = F.rms_norm(out.float(), (self.head_dim,), weight, self.out_norm.eps).to(v.dtype)
+            out = head_rms_norm(out.to(v.dtype), self.out_norm.weight, self.out_norm.eps)
         out = out.flatten(2)
         if self.gate is not None:
             out = out * F.silu(self.gate(layer_input))

@@ -125,3 +125,17 @@ def test_importers_load_mhla_parameters_in_float32(tiny_wan):
     assert dtype_on_load(tiny_wan, "blocks.0.attn1.processor.gate.weight", torch.bfloat16) == torch.bfloat16
     assert dtype_on_load(tiny_wan, "blocks.0.attn1.processor.mixing", torch.float64) == torch.float64
     assert dtype_on_load(tiny_wan, "blocks.0.attn1.to_q.weight", torch.bfloat16) == torch.bfloat16
+
+
+def test_the_output_norm_is_rms_norm_without_a_float32_copy():
+    from torch.nn import functional as F
+
+    from mhla_diffusion.processors.base import head_rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(2, 40, 3, 16, generator=g, dtype=torch.float64), torch.rand(16, generator=g, dtype=torch.float64)
+    want = F.rms_norm(x, (16,), weight, 1e-6)
+    torch.testing.assert_close(head_rms_norm(x, weight, 1e-6), want, rtol=1e-12, atol=1e-12)
+    half = head_rms_norm(x.bfloat16(), weight.float(), 1e-6)  # a float32 weight, as the processors keep it
+    assert half.dtype == torch.bfloat16
+    assert _relative_error(half.float(), want) < 1e-2
