@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import warnings
 import zipfile
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from torch import nn
 
 from .config import MHLAConfig
@@ -153,8 +152,6 @@ def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-#: What ``torch.load`` and safetensors raise for a file that is no checkpoint (random bytes, a truncated download).
-_UNREADABLE = (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError, ValueError)
 
 
 def read_checkpoint_file(
@@ -177,7 +174,9 @@ def read_checkpoint_file(
         legacy = mmap and not zipfile.is_zipfile(path)
         with torch.serialization.safe_globals(list(safe_globals)):
             data = torch.load(path, map_location="cpu", mmap=mmap and not legacy, weights_only=True)
-    except _UNREADABLE as error:
+    except OSError:  # a missing or unreadable file keeps its own message
+        raise
+    except Exception as error:  # noqa: BLE001 - bytes that are no checkpoint fail anywhere in the unpickler
         # torch's own message would advise weights_only=False; name the class instead, and load nothing
         unsupported = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
         if unsupported:

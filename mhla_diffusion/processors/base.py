@@ -66,7 +66,7 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     an upcast ``F.rms_norm``. For half ``x`` the scale and the weight meet it rounded to its dtype.
     """
     accumulate = torch.promote_types(x.dtype, torch.float32)
-    mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=accumulate).square_() / x.shape[-1]
+    mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=accumulate).square() / x.shape[-1]
     scale = torch.rsqrt(mean_square + eps).to(x.dtype)
     out = x * scale
     return out.mul_(weight.to(x.dtype))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
+import random
 
 import pytest
 import torch
@@ -194,7 +194,7 @@ def test_import_dit_then_class_to_image(pipeline_dirs, tmp_path, capsys):
 @pytest.mark.parametrize("name", ["random.pt", "random.safetensors"])
 def test_import_dit_of_a_corrupt_file_is_one_line_without_unsafe_advice(tmp_path, capsys, name):
     checkpoint, out = tmp_path / name, tmp_path / "transformer"
-    checkpoint.write_bytes(os.urandom(4096))  # e.g. a truncated download
+    checkpoint.write_bytes(random.Random(0).randbytes(4096))  # e.g. a truncated download
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 2
     assert capsys.readouterr().err == (f"mhla import-dit: error: {checkpoint} is not a readable PyTorch/safetensors "
                                        "checkpoint (corrupt or truncated?)\n")

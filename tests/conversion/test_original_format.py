@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 import torch
@@ -367,7 +368,7 @@ def test_import_wan_of_a_corrupt_file_is_one_line_naming_it(tmp_path, capsys, na
     from mhla_diffusion.cli import main
 
     checkpoint, out = tmp_path / name, tmp_path / "transformer"
-    checkpoint.write_bytes(os.urandom(4096))  # e.g. a truncated download
+    checkpoint.write_bytes(random.Random(0).randbytes(4096))  # e.g. a truncated download
     assert main(["import-wan", str(checkpoint), "--output", str(out)]) == 2
     assert capsys.readouterr().err == (f"mhla import-wan: error: {checkpoint} is not a readable PyTorch/safetensors "
                                        "checkpoint (corrupt or truncated?)\n")

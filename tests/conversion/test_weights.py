@@ -141,3 +141,21 @@ def test_load_transformer_from_pipeline_style_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_transformer(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".bin"])
+def test_files_of_random_bytes_are_one_readable_error_whatever_the_bytes(tmp_path, suffix):
+    """torch's unpickler fails on random bytes with many kinds of errors (UnpicklingError, KeyError, EOFError,
+    ...): every one becomes the same line naming the file."""
+    import random
+
+    from mhla_diffusion.weight_files import read_checkpoint_file
+
+    for seed in range(40):
+        path = tmp_path / f"random{seed}{suffix}"
+        path.write_bytes(random.Random(seed).randbytes(64 + 97 * seed))
+        with pytest.raises(ValueError) as error:
+            read_checkpoint_file(path)
+        assert str(error.value) == f"{path} is not a readable PyTorch/safetensors checkpoint (corrupt or truncated?)"
+    with pytest.raises(FileNotFoundError):  # a missing file keeps its own message
+        read_checkpoint_file(tmp_path / f"missing{suffix}")

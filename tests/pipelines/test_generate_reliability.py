@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import stat
 
 import pytest
@@ -167,7 +168,7 @@ def test_convert_output_files_share_one_mode(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["random.pt", "random.safetensors"])
 def test_a_corrupt_transformer_file_is_one_line_naming_it(pipeline_dirs, tmp_path, capsys, name):
     checkpoint, out = tmp_path / name, tmp_path / "out"
-    checkpoint.write_bytes(os.urandom(4096))  # e.g. a truncated download
+    checkpoint.write_bytes(random.Random(0).randbytes(4096))  # e.g. a truncated download
     assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--transformer", str(checkpoint),
                  "--prompt", "a cat", "--output-dir", str(out), *VIDEO]) == 2
     assert capsys.readouterr().err == (f"mhla text-to-video: error: {checkpoint} is not a readable PyTorch/safetensors "
