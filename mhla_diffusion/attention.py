@@ -39,7 +39,7 @@ from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layou
 from .cpu_memory import retain_freed_memory_on_first_use
 from .geometry import check_equal_blocks
 
-__all__ = ["LocalPlan", "SequenceSplit", "check_feature_arguments", "mhla_attention", "normalization_mode",
+__all__ = ["HALF_DTYPES", "LocalPlan", "SequenceSplit", "check_feature_arguments", "mhla_attention", "normalization_mode",
            "validate_attention_inputs", "without_autocast"]
 
 _MODES = {True: "denominator", False: "none", "denominator": "denominator", "none": "none",
@@ -126,8 +126,8 @@ def _check_plan(
 
 
 def without_autocast(device: torch.device) -> ContextManager:
-    """A context in which ``device``'s autocast is off, so the operator's products run in the dtype it
-    chose (float32 for half inputs) whether or not the caller enabled ``torch.autocast`` (as
+    """A context in which ``device``'s autocast is off, so the operator's products run in the dtypes it
+    chose (see :func:`mhla_attention`'s Returns) whether or not the caller enabled ``torch.autocast`` (as
     accelerate's bf16 mixed precision does): training and inference then compute alike. Devices
     without autocast (``meta``) get a context that does nothing."""
     if not torch.amp.is_autocast_available(device.type):
@@ -310,7 +310,8 @@ def _mhla_blocks(
     return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
 
 
-_HALF = (torch.float16, torch.bfloat16)
+#: The half-precision floating dtypes (16-bit).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class _Blocks:
@@ -327,7 +328,9 @@ class _Blocks:
         self.even = isinstance(plan, BlockPlan) and plan.valid is None
         # Writing results through `out=` views saves passes in eager mode; under torch.compile Inductor fuses
         # the passes itself, and Dynamo does not trace `out=` into non-contiguous views.
-        self.write_through = inplace and self.even and not torch.compiler.is_compiling()
+        self.write_views = inplace and not torch.compiler.is_compiling()
+        # ... and on an even grid also into the strided block view of token order
+        self.write_through = self.write_views and self.even
         if self.even:
             self.pads = tuple(g // b for g, b in zip(plan.grid, plan.layout))
 
@@ -373,7 +376,7 @@ class _Blocks:
         ``(2i, 2i+1)`` rotate by the token's angle ``i``; the rotated shift is added in the same passes."""
         cos, sin, shift_even, shift_odd = tables
         even, odd = relu_x[..., 0::2], relu_x[..., 1::2]
-        if not (self.inplace and not torch.compiler.is_compiling()):
+        if not self.write_views:
             return torch.stack((torch.addcmul(shift_even, even, cos).addcmul(odd, sin, value=-1),
                                 torch.addcmul(shift_odd, odd, cos).addcmul(even, sin)), dim=-1).flatten(-2)
         out = torch.empty_like(relu_x)
@@ -416,7 +419,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``out_dtype``; also on ``meta``, where the traffic is counted), with the small ``b`` rounded to its dtype;
     elsewhere, and under autograd, both are upcast first."""
     compute = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    if a.dtype in _HALF and a.device.type in ("cuda", "meta") and not (
+    if a.dtype in HALF_DTYPES and a.device.type in ("cuda", "meta") and not (
             torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         lead = a.shape[:-2]
         out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.to(a.dtype).reshape(-1, *b.shape[-2:]), out_dtype=compute)

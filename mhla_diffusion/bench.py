@@ -42,8 +42,8 @@ from .geometry import VideoGeometry
 from .mixing import mixing_init
 
 __all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_COLUMNS", "BenchCase", "BenchSpec",
-           "PeakMemory", "attention_table", "format_table", "measure", "measure_in_fresh_process", "plain_linear_attention",
-           "replace_marked_section", "report_markdown", "time_call", "time_calls", "wan_block_table",
+           "PeakMemory", "TRAFFIC_GRIDS", "attention_table", "format_table", "measure", "measure_in_fresh_process",
+           "plain_linear_attention", "replace_marked_section", "report_markdown", "time_call", "time_calls", "wan_block_table",
            "wan_transformer_table"]
 
 #: CPU allocator of a measuring process: ``auto`` as a user's own script gets it (glibc's defaults
@@ -738,7 +738,7 @@ def wan_attention_traffic(
     _, call = wan_self_attention(grid, config, heads=heads, head_dim=head_dim, dtype=dtype, batch=batch)
     items, launches = count_path(call, fused)
     total = sum(size for _, size in items.values())
-    unit = batch * n * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    unit = batch * n * heads * head_dim * dtype.itemsize
     blocks = num_blocks(layout)
     floor = floor_bytes(batch, n, heads, head_dim, head_dim, blocks, dtype)
     busiest = sorted(items.items(), key=lambda item: -item[1][1])[:8 if not fused else None]
@@ -750,7 +750,12 @@ def wan_attention_traffic(
     }
 
 
-def traffic_table(grids: Sequence[Sequence[int]] = ((21, 30, 50), (21, 30, 52)),
+#: The grids ``mhla bench --traffic`` counts by default: Wan's 81 frames at 480x800 (3x5x10 blocks divide it)
+#: and at its default 480x832 (they do not).
+TRAFFIC_GRIDS = ((21, 30, 50), (21, 30, 52))
+
+
+def traffic_table(grids: Sequence[Sequence[int]] = TRAFFIC_GRIDS,
                   dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     """:func:`wan_attention_traffic` of the eager PyTorch path and of the fused Triton path for every grid
     and :func:`traffic_settings` entry (Wan2.1-1.3B shapes)."""

@@ -147,8 +147,7 @@ def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         # safetensors or a pickled Diffusers checkpoint (`.bin`, read with weights_only: tensors only)
-        state = read_checkpoint_file(path, keep=lambda key: ".processor." in key)
-        tensors.update({key: value for key, value in state.items() if ".processor." in key})
+        tensors.update(read_checkpoint_file(path, keep=lambda key: ".processor." in key))
     return tensors
 
 
@@ -160,11 +159,11 @@ def read_checkpoint_file(
 ) -> Any:
     """What one ``.safetensors`` or ``.pt``-style file holds, or a one-line ``ValueError`` naming the file.
 
-    ``.safetensors``: its tensors (only the keys ``keep`` accepts, when given). Any other file: ``torch.load``
-    with ``weights_only=True`` (``safe_globals`` names the only classes allowed besides tensors and plain values),
+    ``.safetensors``: its tensors. Any other file: ``torch.load`` with ``weights_only=True`` (``safe_globals`` names the only classes allowed besides tensors and plain values),
     memory-mapped with ``mmap`` where the file's format allows it (a legacy non-zip file is read whole, with a
     warning). A file of another kind, corrupt or truncated, is refused as such; objects other than tensors and
-    plain values are refused and never loaded.
+    plain values are refused and never loaded. ``keep``: when given, only the entries of a state dict whose
+    keys it accepts (a safetensors file reads no other tensor).
     """
     path = Path(path)
     try:
@@ -186,6 +185,8 @@ def read_checkpoint_file(
     if legacy:
         warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
                       "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
+    if keep is not None and isinstance(data, dict):
+        data = {key: value for key, value in data.items() if keep(key)}
     return data
 
 

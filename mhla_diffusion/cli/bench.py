@@ -66,9 +66,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "<!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)")
     traffic = p.add_argument_group("traffic (--traffic): bytes moved by one MHLA attention call, counted, not timed")
     traffic.add_argument("--traffic", action="store_true", help="count the bytes every op of one Wan2.1-1.3B MHLA "
-                         "self-attention call reads and writes (meta tensors: nothing is computed, any machine), in U = "
-                         "N x H x D x 2 bytes and as a multiple of the floor (q, k, v read and the output written once, "
-                         "plus the float32 block summaries written and read once)")
+                         "self-attention call reads and writes (meta tensors: nothing is computed, any machine), in "
+                         "U = N x H x D x the dtype's bytes and as a multiple of the floor (q, k, v read and the output "
+                         "written once, plus the float32 block summaries written and read once)")
     traffic.add_argument("--traffic-grid", action="append", type=parse_sizes,
                          help="token grid to count (repeatable; default 21x30x50 and 21x30x52)")
     load = p.add_argument_group("loading (--load): peak memory and time of loading a full-size Wan transformer")
@@ -150,9 +150,9 @@ def run_traffic(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..bench import TRAFFIC_COLUMNS, format_table, traffic_table
+    from ..bench import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, format_table, traffic_table
 
-    grids = args.traffic_grid or [(21, 30, 50), (21, 30, 52)]
+    grids = args.traffic_grid or TRAFFIC_GRIDS
     for grid in grids:
         if len(grid) != 3:
             raise ValueError(f"--traffic-grid must be frames x height x width, e.g. 21x30x50; got {grid}")

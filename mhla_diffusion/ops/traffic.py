@@ -30,8 +30,8 @@ __all__ = ["TrafficCounter", "count_traffic", "floor_bytes", "tensor_bytes"]
 _OVERWRITE_SELF = {"copy_", "fill_", "zero_"}
 
 #: Ops that allocate or relabel memory without reading or writing tensor data.
-_NO_TRAFFIC = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "detach", "alias",
-               "lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride",
+_NO_TRAFFIC = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided",
+               "_unsafe_view", "detach", "alias", "lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride",
                "sym_numel", "sym_storage_offset", "is_same_size"}
 
 
@@ -90,7 +90,6 @@ def floor_bytes(batch: int, tokens: int, heads: int, head_dim: int, value_dim: i
                 dtype: torch.dtype = torch.bfloat16, summaries: bool = True) -> int:
     """The least traffic of one MHLA call: ``q``, ``k``, ``v`` read and the output written once, in
     ``dtype``, plus (with ``summaries``) the float32 block summaries and key sums written and read once."""
-    size = torch.empty((), dtype=dtype).element_size()
-    io = batch * tokens * heads * (2 * head_dim + 2 * value_dim) * size
+    io = batch * tokens * heads * (2 * head_dim + 2 * value_dim) * dtype.itemsize
     kept = 2 * batch * heads * blocks * (head_dim * value_dim + head_dim) * 4 if summaries else 0
     return io + kept

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import mhla_attention
+from ..attention import HALF_DTYPES, mhla_attention
 from ..block_layout import num_blocks
 from ..config import MHLAConfig
 from ..context_parallel_attention import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
@@ -37,8 +37,6 @@ __all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "head
 #: norms are tiny and computed in float32 anyway. The gate and LePE follow the model's dtype like the
 #: q/k/v projections beside them.
 FP32_PARAMETERS = ("mixing", "out_norm", "input_norm")
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def kept_in_fp32(name: str) -> bool:
@@ -130,10 +128,10 @@ class MHLAProcessor(nn.Module):
         # Every cast (model.to(dtype), .bfloat16(), .half(), Diffusers' from_pretrained) comes through here:
         # FP32_PARAMETERS keep their float32 values and follow only the move to another device.
         kept = {name: param.data for name, param in self.named_parameters()
-                if name.split(".")[0] in FP32_PARAMETERS and param.dtype not in _HALF}
+                if name.split(".")[0] in FP32_PARAMETERS and param.dtype not in HALF_DTYPES}
         super()._apply(fn, recurse)
         for name, param in self.named_parameters():
-            if name.split(".")[0] in FP32_PARAMETERS and param.dtype in _HALF:
+            if name.split(".")[0] in FP32_PARAMETERS and param.dtype in HALF_DTYPES:
                 original = kept.get(name)
                 param.data = param.data.float() if original is None else original.to(device=param.device)
         return self

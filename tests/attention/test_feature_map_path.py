@@ -3,13 +3,12 @@ O(N^2) reference on ``φ(q)``, ``φ(k)`` and their rotations, with and without a
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from helpers.attention import make_inputs
 
 from mhla_diffusion import mhla_attention, mhla_attention_reference, num_blocks
+from mhla_diffusion.bench import rotary_tables
 from mhla_diffusion.processors.base import apply_interleaved_rotary
 
 EPS = 1e-3  # large enough that a misplaced feature-map shift shows
@@ -22,9 +21,8 @@ CASES = [
 
 
 def _rotary(n: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    angles = torch.rand(1, n, 1, dim // 2, generator=g, dtype=torch.float64) * 2 * math.pi
-    return tuple(f(angles).repeat_interleave(2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    """Random RoPE tables of Wan's layout (:func:`mhla_diffusion.bench.rotary_tables`) in ``dtype``."""
+    return tuple(t.to(dtype) for t in rotary_tables(n, dim, generator=torch.Generator().manual_seed(7)))
 
 
 def _expected(q, k, v, grid, layout, mixing, rotary, normalize):

@@ -133,7 +133,8 @@ def test_the_output_norm_is_rms_norm_without_a_float32_copy():
     from mhla_diffusion.processors.base import head_rms_norm
 
     g = torch.Generator().manual_seed(5)
-    x, weight = torch.randn(2, 40, 3, 16, generator=g, dtype=torch.float64), torch.rand(16, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 40, 3, 16, generator=g, dtype=torch.float64)
+    weight = torch.rand(16, generator=g, dtype=torch.float64)
     want = F.rms_norm(x, (16,), weight, 1e-6)
     torch.testing.assert_close(head_rms_norm(x, weight, 1e-6), want, rtol=1e-12, atol=1e-12)
     half = head_rms_norm(x.bfloat16(), weight.float(), 1e-6)  # a float32 weight, as the processors keep it
