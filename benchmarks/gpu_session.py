@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script: import mhla_diffusion from thi
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mhla_diffusion.bench import (  # noqa: E402
+from mhla_diffusion.benchmarks.bench import (  # noqa: E402
     plain_linear_attention,
     TRANSFORMER_COLUMNS, format_table, replace_marked_section, rotary_tables, time_calls, traffic_settings,
     wan_self_attention, wan_transformer_table,
@@ -285,7 +285,7 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 
 
 def settings(layout: tuple[int, ...]) -> dict[str, Any]:
-    """The paper and released settings (:func:`~mhla_diffusion.bench.traffic_settings`) on ``layout``."""
+    """The paper and released settings (:func:`~mhla_diffusion.benchmarks.bench.traffic_settings`) on ``layout``."""
     return {name: dataclasses.replace(config, layout=layout) for name, config in traffic_settings().items()}
 
 
@@ -313,10 +313,10 @@ def _features(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def stage_correctness(ctx: StageContext) -> None:
     """bf16 on the device against float64 on the CPU: operator, processor path and (CUDA) fused kernel."""
-    from mhla_diffusion.attention import mhla_attention
-    from mhla_diffusion.attention_reference import mhla_attention_reference
-    from mhla_diffusion.block_layout import block_plan
-    from mhla_diffusion.processors.base import apply_interleaved_rotary
+    from mhla_diffusion.ops.attention import mhla_attention
+    from mhla_diffusion.ops.naive import mhla_attention_reference
+    from mhla_diffusion.ops.block_layout import block_plan
+    from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
     sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
     ctx.data.update(tolerance=BF16_TOLERANCE, reference="float64 on the CPU", checks=[])
@@ -400,10 +400,10 @@ def operator_calls(grid: tuple[int, ...], sizes: Sizes, device: torch.device | s
 
     Features are given in ``dtype`` (computed once, outside the timed call) except on the processor rows,
     which start from projected ``q, k, v`` as a Wan layer does."""
-    from mhla_diffusion.attention import mhla_attention
-    from mhla_diffusion.block_layout import block_plan
-    from mhla_diffusion.mixing import mixing_init
-    from mhla_diffusion.processors.base import apply_interleaved_rotary
+    from mhla_diffusion.ops.attention import mhla_attention
+    from mhla_diffusion.ops.block_layout import block_plan
+    from mhla_diffusion.ops.mixing import mixing_init
+    from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
     device = torch.device(device)
     n, layout = math.prod(grid), sizes.layout
@@ -452,7 +452,7 @@ def counted_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, fused
     """Bytes read and written by every call of :func:`operator_calls`, counted on meta tensors; with ``fused``
     (the fused kernels run on the timing device, so the processors take them) the processor rows' kernels
     counted from their launch."""
-    from mhla_diffusion.bench import count_path
+    from mhla_diffusion.benchmarks.bench import count_path
 
     calls = operator_calls(grid, sizes, "meta", dtype)
     return {name: sum(size for _, size in count_path(call, fused)[0].values()) for name, call in calls.items()}
@@ -460,7 +460,7 @@ def counted_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, fused
 
 def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normalize: str) -> int:
     """Bytes of one call of :func:`_fused_calls`'s kernel, counted from its launch."""
-    from mhla_diffusion.block_layout import block_plan
+    from mhla_diffusion.ops.block_layout import block_plan
     from mhla_diffusion.ops.triton_mhla import fused_traffic
 
     plan = block_plan(grid, sizes.layout)
@@ -534,8 +534,8 @@ def stage_timing(ctx: StageContext) -> None:
 def _fused_calls(fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: torch.device,
                  dtype: torch.dtype) -> dict[str, Callable]:
     """The fused kernel from projected ``q, k`` (feature map and RoPE inside), both normalisations."""
-    from mhla_diffusion.block_layout import block_plan
-    from mhla_diffusion.mixing import mixing_init
+    from mhla_diffusion.ops.block_layout import block_plan
+    from mhla_diffusion.ops.mixing import mixing_init
 
     n = math.prod(grid)
     g = torch.Generator().manual_seed(2)

@@ -6,32 +6,30 @@ The public API below is imported on first use (PEP 562), so ``import mhla_diffus
 """
 
 from ._lazy import lazy_exports
-from ._renamed import install as _install_renamed_modules
-from .diffusers_warnings import install as _install_diffusers_warnings
+from .utils.diffusers_warnings import install as _install_diffusers_warnings
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "mhla_attention": ".attention",
-    "mhla_attention_reference": ".attention_reference",
-    **dict.fromkeys(["auto_layout", "block_plan", "num_blocks", "token_block_ids"], ".block_layout"),
+    "mhla_attention": ".ops.attention",
+    "mhla_attention_reference": ".ops.naive",
+    **dict.fromkeys(["auto_layout", "block_plan", "num_blocks", "token_block_ids"], ".ops.block_layout"),
     "MHLAConfig": ".config",
-    "retain_freed_memory": ".cpu_memory",
+    "retain_freed_memory": ".ops.cpu_memory",
     **dict.fromkeys(
-        ["MHLAConversion", "convert_to_mhla", "get_mhla_conversion", "revert_mhla", "softmax_attention"], ".conversion"
+        ["MHLAConversion", "convert_to_mhla", "get_mhla_conversion", "revert_mhla", "softmax_attention"], ".models.conversion"
     ),
-    **dict.fromkeys(["image_token_grid", "video_token_grid"], ".geometry"),
-    **dict.fromkeys(["block_distances", "mixing_init"], ".mixing"),
-    **dict.fromkeys(["MHLADiTTransformer2DModel", "MHLAWanTransformer3DModel"], ".models"),
+    **dict.fromkeys(["image_token_grid", "video_token_grid"], ".utils.geometry"),
+    **dict.fromkeys(["block_distances", "mixing_init"], ".ops.mixing"),
+    **dict.fromkeys(["MHLADiTTransformer2DModel", "MHLAWanTransformer3DModel"], ".models.transformers"),
     **dict.fromkeys(["MHLADiTPipeline", "MHLAWanImageToVideoPipeline", "MHLAWanPipeline"], ".pipelines"),
-    **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".processors"),
-    **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".weights"),
+    **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".models.processors"),
+    **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".loaders.weights"),
     # Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a
     # model_index.json only if this package also exposes the base class it checks against.
     "ModelMixin": "diffusers",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-_install_renamed_modules()  # mhla_diffusion.demo / .webdemo: old paths, for one release
 _install_diffusers_warnings()  # Diffusers' loaders that drop MHLA say so (logging only)
 __all__ = sorted(name for name in _EXPORTS if name != "ModelMixin")

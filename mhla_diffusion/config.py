@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from .geometry import check_equal_blocks
-from .mixing import MIXING_TRANSFORMS
+from .utils.geometry import check_equal_blocks
+from .ops.mixing import MIXING_TRANSFORMS
 
 __all__ = ["MHLAConfig", "NORMALIZATIONS"]
 

@@ -38,7 +38,7 @@ import torch
 
 pytest.register_assert_rewrite("helpers")  # before any helper module is imported: their asserts explain failures too
 
-from mhla_diffusion.tiny import tiny_dit_transformer, tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
 
 from helpers.models import dit_inputs, wan_inputs
 
@@ -165,7 +165,7 @@ def pipeline_dirs(tmp_path_factory):
     (``save_mhla`` folders; Wan with a (2, 2, 2) layout, DiT with its auto 2x2 layout).
     """
     from mhla_diffusion import MHLAConfig, convert_to_mhla, save_mhla
-    from mhla_diffusion.tiny import TINY_ID2LABEL, tiny_dit_pipeline, tiny_wan_pipeline
+    from mhla_diffusion.models.tiny import TINY_ID2LABEL, tiny_dit_pipeline, tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("pipelines")
     wan = tiny_wan_pipeline()
@@ -197,7 +197,7 @@ def wan_family_dirs(tmp_path_factory):
     from helpers.wan_family import LAYOUT, VARIANTS, is_image_to_video, pipeline_class
 
     from mhla_diffusion import MHLAConfig
-    from mhla_diffusion.tiny import tiny_wan_pipeline
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan_family")
     dirs = {}

@@ -1,7 +1,7 @@
 """What several ``mhla`` commands parse alike: sizes, layers, attention, counts, devices, the model options,
 deprecated names, and subcommand parsers that add their arguments only when they are used.
 
-Standard library only (plus the torch-free :mod:`mhla_diffusion.geometry`), so parsing never waits
+Standard library only (plus the torch-free :mod:`mhla_diffusion.utils.geometry`), so parsing never waits
 for torch or Diffusers; only a given ``--device`` imports torch (:func:`parse_device` asks it what this
 machine has).
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..geometry import MAX_SEED
+from ..utils.geometry import MAX_SEED
 
 __all__ = [
     "ATTENTIONS",
@@ -137,7 +137,7 @@ def finite_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """A seed from 0 to :data:`mhla_diffusion.geometry.MAX_SEED` (an ``argparse`` type; the web demo's rule too)."""
+    """A seed from 0 to :data:`mhla_diffusion.utils.geometry.MAX_SEED` (an ``argparse`` type; the web demo's rule too)."""
     try:
         value = int(text)
     except ValueError:

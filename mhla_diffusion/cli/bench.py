@@ -1,4 +1,4 @@
-"""``mhla bench``: time MHLA beside softmax (SDPA) and linear attention (:mod:`mhla_diffusion.bench`)."""
+"""``mhla bench``: time MHLA beside softmax (SDPA) and linear attention (:mod:`mhla_diffusion.benchmarks.bench`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--malloc", choices=("auto", "default", "retain"), default="auto",
                    help="CPU, always measured in a fresh Python process: auto (default) as a user's own script "
                    "gets it (the library keeps freed memory from its first CPU MHLA call on, see "
-                   "mhla_diffusion.cpu_memory), "
+                   "mhla_diffusion.ops.cpu_memory), "
                    "default keeps glibc's defaults throughout (MHLA_KEEP_MALLOC=1), retain calls "
                    "retain_freed_memory() first")
     p.add_argument("--threads", type=int, help="CPU threads of the measuring process (default: torch's)")
@@ -75,7 +75,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     load.add_argument("--load", action="store_true", help="measure loading instead of attention: the published "
                       "Wan config with random weights made here, each load in a fresh process (Linux)")
     load.add_argument("--load-model", default="Wan2.1-T2V-1.3B", help="published transformer config (default "
-                      "Wan2.1-T2V-1.3B; see mhla_diffusion.wan_configs)")
+                      "Wan2.1-T2V-1.3B; see mhla_diffusion.utils.wan_configs)")
     load.add_argument("--load-layers", type=int, help="transformer blocks (default: the published number)")
     load.add_argument("--load-work-dir", type=Path, help="keep the written weights here and reuse them on the next "
                       "run (default: a temporary folder, removed afterwards)")
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         if args.output is not None:
             args.output.write_text(json.dumps(result, indent=2) + "\n")
 
-    from ..bench import replace_marked_section, report_markdown
+    from ..benchmarks.bench import replace_marked_section, report_markdown
 
     tables = report_markdown(result)
     print(tables)
@@ -114,8 +114,8 @@ def _measure(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from ..bench import BenchCase, BenchSpec, measure, measure_in_fresh_process
-    from ..geometry import validate_grid_layout
+    from ..benchmarks.bench import BenchCase, BenchSpec, measure, measure_in_fresh_process
+    from ..utils.geometry import validate_grid_layout
 
     cases = [BenchCase.of(grid, layout) for grid, layout in (args.case or [parse_case(c) for c in DEFAULT_CASES])]
     if args.block:
@@ -145,12 +145,12 @@ def _measure(args: argparse.Namespace) -> dict:
 
 
 def run_traffic(args: argparse.Namespace) -> int:
-    """``mhla bench --traffic``: the table of :func:`mhla_diffusion.bench.traffic_table`."""
+    """``mhla bench --traffic``: the table of :func:`mhla_diffusion.benchmarks.bench.traffic_table`."""
     import json
 
     import torch
 
-    from ..bench import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, format_table, traffic_table
+    from ..benchmarks.bench import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, format_table, traffic_table
 
     grids = args.traffic_grid or TRAFFIC_GRIDS
     for grid in grids:
@@ -169,11 +169,11 @@ def run_traffic(args: argparse.Namespace) -> int:
 
 
 def run_load(args: argparse.Namespace) -> int:
-    """``mhla bench --load``: the table of :mod:`mhla_diffusion.load_benchmark`."""
+    """``mhla bench --load``: the table of :mod:`mhla_diffusion.benchmarks.load`."""
     import json
     import sys
 
-    from ..wan_configs import wan_transformer_config
+    from ..utils.wan_configs import wan_transformer_config
 
     config = wan_transformer_config(args.load_model)  # unknown names fail here, before any work
     if args.load_layers is not None:
@@ -183,8 +183,8 @@ def run_load(args: argparse.Namespace) -> int:
     if args.output is not None and args.output.exists():
         raise FileExistsError(f"{args.output} exists; choose another --output")
 
-    from ..bench import format_table
-    from ..load_benchmark import LOAD_COLUMNS, load_table, parameter_count
+    from ..benchmarks.bench import format_table
+    from ..benchmarks.load import LOAD_COLUMNS, load_table, parameter_count
 
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     rows = load_table(config, work_dir=args.load_work_dir, log=log)

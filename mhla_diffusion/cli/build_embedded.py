@@ -52,7 +52,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from ..cpu_memory import retain_freed_memory
+    from ..ops.cpu_memory import retain_freed_memory
     from ..embedded.build import BuildSettings, build_demo_models, settings_with
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

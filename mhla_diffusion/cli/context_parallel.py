@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 -m mhla_diffusion.cli text-to-video --context-parallel 2 --model ... --prompt ...
 
 Every process runs the same command (same prompt, seed and settings); the transformers split the
-video's tokens across the processes (:mod:`mhla_diffusion.context_parallel`), and only rank 0 writes
+video's tokens across the processes (:mod:`mhla_diffusion.models.context_parallel`), and only rank 0 writes
 the outputs. The checks that need no model run on every process before anything loads: the degree
 against the number of launched processes (``WORLD_SIZE``, set by ``torchrun`` and ``accelerate
 launch``) and the video's token count against the split. Standard library only at module level.
@@ -48,8 +48,8 @@ def check_context_parallel(args: argparse.Namespace, grid: Sequence[int]) -> Non
     ``grid``: the video's token grid. With ``--attention softmax`` and Ulysses, the transformer's heads
     (from a local ``--model`` folder's config) must split across the processes too.
     """
-    from ..geometry import read_component_config
-    from ..sequence_split import split_sizes
+    from ..utils.geometry import read_component_config
+    from ..utils.sequence_split import split_sizes
 
     degree, world = args.context_parallel, _world_size()
     if degree < 1:
@@ -114,7 +114,7 @@ class ContextParallelRun:
 
     def enable(self, pipe: Any, args: argparse.Namespace) -> None:
         """Split the pipeline's transformers across the processes."""
-        from ..context_parallel import context_parallel_config, describe, enable_pipeline_context_parallel
+        from ..models.context_parallel import context_parallel_config, describe, enable_pipeline_context_parallel
 
         config = context_parallel_config(self.world_size, softmax=args.context_parallel_softmax,
                                          uneven=args.context_parallel_uneven)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
+from ..utils.geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
 from .arguments import WAN_480P, add_command, parse_layers, parse_sizes
 
 __all__ = ["register"]
@@ -174,7 +174,7 @@ def _pipeline_file(model: str, filename: str, subfolder: str | None) -> dict | N
     """A JSON file of a pipeline folder or hub repo (e.g. ``model_index.json``), or ``None`` when it has none."""
     import json
 
-    from ..weight_files import find_file
+    from ..loaders.weight_files import find_file
 
     path = find_file(model, filename, subfolder, {})
     return json.loads(path.read_text()) if path is not None else None
@@ -195,7 +195,7 @@ def _convert_one(transformer, config, args: argparse.Namespace):
     """Convert ``transformer`` with ``config``; print its layers and, unless ``--no-check``, the output change."""
     import torch
 
-    from ..conversion import convert_to_mhla, model_family, resolve_mhla_config
+    from ..models.conversion import convert_to_mhla, model_family, resolve_mhla_config
 
     family = model_family(transformer)
     resolved = resolve_mhla_config(transformer, config)  # the layout, and any config error, before any work
@@ -226,9 +226,9 @@ def _convert_one(transformer, config, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conversion import model_family, resolve_mhla_config
+    from ..models.conversion import model_family, resolve_mhla_config
     from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
-    from ..weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
+    from ..loaders.weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
 
     started = time.perf_counter()
     # Validate what can be validated before loading a (possibly large) model.
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     vae_config = None
     if args.tiny is not None:
-        from ..tiny import tiny_dit_transformer, tiny_wan_transformer
+        from ..models.tiny import tiny_dit_transformer, tiny_wan_transformer
 
         build = tiny_wan_transformer if args.tiny == "wan" else tiny_dit_transformer
         loaders, source = {"transformer": build}, f"tiny {'Wan' if args.tiny == 'wan' else 'DiT'} (built from a config)"

@@ -203,7 +203,7 @@ def run_sample(args: argparse.Namespace) -> int:
     import torch
 
     from ..eval.sample import SamplingConfig, num_classes_of, pack_samples, process_state, sample_for_evaluation
-    from ..loading import load_pipeline
+    from ..loaders.loading import load_pipeline
     from ..pipelines.dit import MHLADiTPipeline
 
     npz = args.npz or args.output_dir.with_name(args.output_dir.name + ".npz")

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..embedded.locations import embedded_defaults
-from ..geometry import VideoGeometry
+from ..utils.geometry import VideoGeometry
 from .arguments import WAN_480P, add_command, add_model_arguments, finite_float
 from .context_parallel import add_context_parallel_arguments, check_context_parallel, start_context_parallel
 
 __all__ = ["register"]
 
-#: Where unset settings come from, for the help texts (the rules: mhla_diffusion/model_defaults.py).
+#: Where unset settings come from, for the help texts (the rules: mhla_diffusion/utils/model_defaults.py).
 FROM_MODEL = "default: the model's own"
 #: The video commands.
 VIDEO_TASKS = ("text-to-video", "image-to-video")
@@ -45,14 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def configure_text_to_video(video: argparse.ArgumentParser) -> None:
-    from ..loading import WAN_HUB_ID
+    from ..loaders.loading import WAN_HUB_ID
 
     _add_video_arguments(video, WAN_HUB_ID, embedded=True)
     video.set_defaults(func=run_text_to_video)
 
 
 def configure_image_to_video(video: argparse.ArgumentParser) -> None:
-    from ..loading import WAN_I2V_HUB_ID
+    from ..loaders.loading import WAN_I2V_HUB_ID
 
     video.add_argument("--image", type=Path, required=True,
                        help="the first frame (PNG, JPEG, ...; resized to --height x --width), used for every prompt")
@@ -99,7 +99,7 @@ def _add_video_arguments(video: argparse.ArgumentParser, hub_id: str, embedded: 
 
 
 def configure_class_to_image(image: argparse.ArgumentParser) -> None:
-    from ..loading import DIT_HUB_ID
+    from ..loaders.loading import DIT_HUB_ID
 
     d = embedded_defaults()
     add_model_arguments(image, DIT_HUB_ID)
@@ -116,15 +116,15 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
 
 
 def _apply_defaults(args: argparse.Namespace, task: str) -> None:
-    """The model, then every unset option from it (:mod:`mhla_diffusion.model_defaults`).
+    """The model, then every unset option from it (:mod:`mhla_diffusion.utils.model_defaults`).
 
     Without --model: the embedded model, and with --attention softmax its softmax teacher (the embedded MHLA
     model's weights are trained for MHLA), said on stderr. A local --model must exist; a video model that
     records no size needs --num-frames, --height and --width.
     """
     from ..embedded.locations import embedded_model
-    from ..loading import DIT_HUB_ID, WAN_HUB_ID, WAN_I2V_HUB_ID, check_model_source
-    from ..model_defaults import RECORD_KEY, image_defaults, video_defaults
+    from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, WAN_I2V_HUB_ID, check_model_source
+    from ..utils.model_defaults import RECORD_KEY, image_defaults, video_defaults
 
     if args.model is None:  # never for image-to-video, whose --model is required
         if args.mhla_weights is not None or args.transformer is not None or getattr(args, "mhla_weights_2", None):
@@ -154,7 +154,7 @@ def _declared_mhla(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The MHLA configs (``mhla_config.json``) of the run's transformers that can be read without loading a
     model; --mhla-weights / --mhla-weights-2 are checked against the model's transformers on the way."""
     from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS, mhla_weight_sources
-    from ..weights import read_mhla_config
+    from ..loaders.weights import read_mhla_config
 
     sources = mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}  # {} for a hub id not at hand
     metas = [read_mhla_config(source, subfolder=subfolder) for source, subfolder in sources.values()]
@@ -255,8 +255,8 @@ def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) 
 
 def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
     """The device, dtype and pipeline of a run (the process keeps freed memory when it runs on the CPU)."""
-    from ..cpu_memory import retain_freed_memory
-    from ..loading import device_and_dtype, load_pipeline
+    from ..ops.cpu_memory import retain_freed_memory
+    from ..loaders.loading import device_and_dtype, load_pipeline
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     if device == "cpu":
@@ -308,7 +308,7 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
-    from ..geometry import check_layout_fits
+    from ..utils.geometry import check_layout_fits
     from ..pipelines.outputs import check_settings, plan_outputs, save_video, slugify, write_settings
 
     _apply_defaults(args, task)  # the model folder exists from here on
@@ -318,7 +318,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     num_frames = _video_frames(args, geometry)
     check_context_parallel(args, geometry.token_grid(num_frames, args.height, args.width))  # degree vs launch, split
     if task == "image-to-video":
-        from ..geometry import read_component_config
+        from ..utils.geometry import read_component_config
         from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
         from ..pipelines.wan_i2v import check_text_tokens
 
@@ -390,7 +390,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
 
 
 def run_class_to_image(args: argparse.Namespace) -> int:
-    from ..loading import local_labels
+    from ..loaders.loading import local_labels
     from ..pipelines.class_labels import resolve_class_ids
     from ..pipelines.outputs import plan_outputs, save_image, slugify, write_settings
 

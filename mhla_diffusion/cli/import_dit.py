@@ -39,7 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..original_dit import load_original_dit
+    from ..loaders.original_dit import load_original_dit
 
     check_output_free(args.output, args.overwrite)
     started = time.perf_counter()

@@ -30,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=Path, required=True, help="folder for the converted transformer")
     p.add_argument("--layout", type=parse_sizes, help="block layout of the MHLA layers, e.g. 3x5x10 (default for 150 blocks)")
     p.add_argument("--config", help="the model's WanTransformer3DModel config, checked against the checkpoint: a published "
-                   "name (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P, ...: mhla_diffusion/wan_configs.py) "
+                   "name (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P, ...: mhla_diffusion/utils/wan_configs.py) "
                    "or a config.json (default: read off the checkpoint's shapes, heads of 128)")
     p.add_argument("--attention-head-dim", type=int, help="head dim (default 128, as every Wan model, or --config's)")
     p.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: as stored in the checkpoint)")
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..original_format import load_original_wan
+    from ..loaders.original_wan import load_original_wan
 
     started = time.perf_counter()
     transformer = load_original_wan(
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def resolve_config(spec: str) -> dict[str, Any]:
     """``--config``: a Diffusers ``config.json`` (a file, or a folder holding one) or a published config's name."""
-    from ..wan_configs import wan_transformer_config
+    from ..utils.wan_configs import wan_transformer_config
 
     path = Path(spec)
     if path.is_dir():
@@ -85,8 +85,8 @@ def check_output_free(output: Path, overwrite: bool) -> None:
 
 def save_imported(transformer, output: Path, overwrite: bool, plain: str) -> None:
     """Save an imported transformer: the whole MHLA model with its config, or a plain Diffusers folder."""
-    from ..conversion import get_mhla_conversion
-    from ..weights import MHLA_CONFIG_NAME, save_mhla
+    from ..models.conversion import get_mhla_conversion
+    from ..loaders.weights import MHLA_CONFIG_NAME, save_mhla
 
     conversion = get_mhla_conversion(transformer)
     if conversion is None:

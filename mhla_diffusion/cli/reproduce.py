@@ -46,7 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from ..cpu_memory import retain_freed_memory
+    from ..ops.cpu_memory import retain_freed_memory
     from ..embedded.attention_experiment import ExperimentSettings, run_experiment
     from ..embedded.build import settings_with
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MHLAConfig
-from ..geometry import ImageGeometry
+from ..utils.geometry import ImageGeometry
 from .image_judge import images_to_tensor, tensor_to_uint8
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES, load_digits_images, split_digits
 from .judge_io import load_judge
@@ -296,7 +296,7 @@ def encode_digits(vae, images: np.ndarray, batch_size: int = 256) -> torch.Tenso
 
 
 def _mhla_of(model) -> dict[str, Any]:
-    from ..conversion import get_mhla_conversion
+    from ..models.conversion import get_mhla_conversion
 
     conversion = get_mhla_conversion(model)
     return {"layout": list(conversion.layout), **{k: v for k, v in conversion.config.to_dict().items()

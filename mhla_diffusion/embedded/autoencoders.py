@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..geometry import VideoGeometry
+from ..utils.geometry import VideoGeometry
 from .digits import DIGIT_SIZE
 from .image_judge import images_to_tensor, tensor_to_uint8
 from .moving_shapes import BACKGROUND

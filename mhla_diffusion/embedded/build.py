@@ -216,8 +216,8 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     from diffusers import (AutoencoderKL, AutoencoderKLWan, DDIMScheduler, DiTPipeline, UniPCMultistepScheduler,
                            WanPipeline)
 
-    from ..geometry import ImageGeometry
-    from ..tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
+    from ..utils.geometry import ImageGeometry
+    from ..models.tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
 
     vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video")
     tokenizer = tiny_tokenizer(_caption_words())
@@ -351,7 +351,7 @@ def _attention_and_layout(pipe) -> tuple[str, str]:
     """The attention (``softmax``, ``MHLA`` or ``MHLA + LePE + gate``) and block layout (``1x6x6``, with
     ``(k/n layers)`` when only some layers are converted, ``-`` for softmax), read from the model, not from
     its run's name."""
-    from ..conversion import get_mhla_conversion
+    from ..models.conversion import get_mhla_conversion
 
     conversion = get_mhla_conversion(pipe.transformer)
     if conversion is None:

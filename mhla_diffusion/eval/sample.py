@@ -11,7 +11,7 @@ Works with any pipeline called like Diffusers' ``DiTPipeline``:
 * ``sampling.json`` in the folder records the settings; a rerun with other settings is refused.
 * :func:`pack_samples` streams the PNGs into ``arr_0`` (uint8 NHWC) with the labels as ``arr_1``.
 
-The pipeline is loaded with :func:`mhla_diffusion.loading.load_pipeline` (``mhla eval-sample``).
+The pipeline is loaded with :func:`mhla_diffusion.loaders.loading.load_pipeline` (``mhla eval-sample``).
 
 Pixel rounding follows DiT's ``sample_ddp.py``: ``uint8(clip(floor(255 x + 0.5)))`` for ``x`` in [0, 1].
 Schedulers that add noise in their steps (DDPM) draw it from the global torch RNG, seeded per batch

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..conversion import get_mhla_conversion
+from ..models.conversion import get_mhla_conversion
 from .trainable import attention_parameter_names, mhla_processor_parameter_names
 
 __all__ = ["AttentionTransfer"]

@@ -26,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from ..weight_files import read_checkpoint_file
+from ..loaders.weight_files import read_checkpoint_file
 
 __all__ = [
     "RESUME_MAY_CHANGE",

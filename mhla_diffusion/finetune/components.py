@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..config import MHLAConfig
-from ..conversion import convert_to_mhla
-from ..weights import load_mhla, load_transformer, read_mhla_config
+from ..models.conversion import convert_to_mhla
+from ..loaders.weights import load_mhla, load_transformer, read_mhla_config
 
 __all__ = [
     "load_component",
@@ -116,7 +116,7 @@ def load_softmax_transformer(
 def save_plain_transformer(transformer: nn.Module, folder: str | os.PathLike) -> Path:
     """Diffusers' ``save_pretrained`` of a transformer without MHLA (``attention: softmax`` runs);
     MHLA files left in ``folder`` by an earlier save are removed, so it never reloads as MHLA."""
-    from ..weights import MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME
+    from ..loaders.weights import MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

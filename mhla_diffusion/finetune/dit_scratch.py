@@ -20,7 +20,7 @@ MHLA layers (converted before the initialisation) get the same treatment: a gate
 xavier-uniform, mixing and LePE keep their MHLA initialisation. One difference from DiT is kept on
 purpose: the timestep sinusoid's frequencies are Diffusers' (``10000 ** (-i / 127)``, DiT's are
 ``/ 128``). Imported original weights need DiT's (``timestep_freq_shift: 0``, see
-:func:`mhla_diffusion.models.set_timestep_freq_shift`), but a model trained here learns with
+:func:`mhla_diffusion.models.transformers.set_timestep_freq_shift`), but a model trained here learns with
 Diffusers' and is then sampled the same way by any loader, Diffusers' stock ``DiTPipeline`` included.
 
 The saved pipeline's scheduler is a ``DDIMScheduler`` on DiT's schedule (1000 steps, linear betas
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..config import MHLAConfig
-from ..conversion import convert_to_mhla
+from ..models.conversion import convert_to_mhla
 
 __all__ = [
     "DIT_NOISE_SCHEDULE",

@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from ..context_parallel import context_parallel_paused, enable_training_context_parallel
-from ..conversion import convert_to_mhla, get_mhla_conversion
+from ..models.context_parallel import context_parallel_paused, enable_training_context_parallel
+from ..models.conversion import convert_to_mhla, get_mhla_conversion
 from .attention_transfer import AttentionTransfer
 from .buckets import BucketBatchSampler
 from .checkpointing import (

@@ -209,7 +209,7 @@ class WanTrainOptions(TrainOptions):
 
     height: int = 480
     width: int = 832
-    num_frames: int = 81  # a count the model's VAE accepts (see mhla_diffusion.geometry)
+    num_frames: int = 81  # a count the model's VAE accepts (see mhla_diffusion.utils.geometry)
     resolution_buckets: list[list[int]] | None = None  # [[h, w], ...]; default [[height, width]]
     frame_buckets: list[int] | None = None  # frame counts videos may train at (as num_frames); default [num_frames]
     frame_stride: int = 1  # take every n-th frame
@@ -258,7 +258,7 @@ class WanTrainOptions(TrainOptions):
                                  "group can not split: drop validation_fid_reference, or set context_parallel_degree: 1")
         # Frame counts and sizes must also suit the model (frames k * VAE temporal scale + 1, sizes
         # multiples of VAE scale x patch size): the trainer checks them against the model's configs at
-        # setup, before any work (mhla_diffusion.geometry.VideoGeometry).
+        # setup, before any work (mhla_diffusion.utils.geometry.VideoGeometry).
         for name in ("height", "width", "num_frames"):
             _at_least(name, getattr(self, name), 1)
         for h, w in self.bucket_sizes():
@@ -336,7 +336,7 @@ class DiTTrainOptions(TrainOptions):
     validation_guidance_scale: float = 4.0
     validation_num_inference_steps: int = 50
     # --- a DiT from random initialisation (instead of pretrained_model)
-    model_size: str | None = None  # DiT-S/2 .. DiT-XL/8 (the DiT table, mhla_diffusion/original_dit.py): train from scratch
+    model_size: str | None = None  # DiT-S/2 .. DiT-XL/8 (the DiT table, mhla_diffusion/loaders/original_dit.py): train from scratch
     model_overrides: dict = field(default_factory=dict)  # DiTTransformer2DModel config over the size's, e.g. {num_layers: 2}
     num_classes: int | str = 1000  # classes of a model_size model: a count, or "data" (the data's class count)
     vae_model: str = DEFAULT_DIT_VAE  # model_size: VAE folder, hub id or pipeline folder (its vae/)
@@ -368,7 +368,7 @@ class DiTTrainOptions(TrainOptions):
 
     def _check_model_size(self) -> None:
         """``model_size`` (a DiT from scratch) against the options that need or exclude it."""
-        from ..dit_sizes import dit_model_size
+        from ..utils.dit_sizes import dit_model_size
 
         if self.model_size is None:
             set_options = [f"`{name}`" for name, unset in (

@@ -25,11 +25,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..conversion import get_mhla_conversion
-from ..dit_sizes import dit_transformer_config
-from ..geometry import ImageGeometry, check_layout_fits
-from ..loading import DIT_HUB_ID, check_model_source
-from ..weights import save_mhla
+from ..models.conversion import get_mhla_conversion
+from ..utils.dit_sizes import dit_transformer_config
+from ..utils.geometry import ImageGeometry, check_layout_fits
+from ..loaders.loading import DIT_HUB_ID, check_model_source
+from ..loaders.weights import save_mhla
 from .components import (
     load_component,
     load_mhla_transformer,

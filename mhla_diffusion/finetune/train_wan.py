@@ -23,10 +23,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..conversion import get_mhla_conversion
-from ..geometry import VideoGeometry, check_layout_fits
-from ..loading import WAN_HUB_ID, check_model_source
-from ..weights import save_mhla
+from ..models.conversion import get_mhla_conversion
+from ..utils.geometry import VideoGeometry, check_layout_fits
+from ..loaders.loading import WAN_HUB_ID, check_model_source
+from ..loaders.weights import save_mhla
 from .components import (
     load_component,
     load_mhla_transformer,
@@ -188,7 +188,7 @@ class WanTask(Task):
 
     def _check_sizes(self) -> None:
         """Every training and validation size must be a whole number of patches of latents (see
-        :class:`~mhla_diffusion.geometry.VideoGeometry`); validation sizes also what ``WanPipeline`` accepts.
+        :class:`~mhla_diffusion.utils.geometry.VideoGeometry`); validation sizes also what ``WanPipeline`` accepts.
         Checked from the configs only."""
         o = self.options
         geometry = self._geometry()

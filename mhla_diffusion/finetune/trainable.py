@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..conversion import get_mhla_conversion
+from ..models.conversion import get_mhla_conversion
 
 __all__ = ["add_lora", "attention_parameter_names", "mhla_processor_parameter_names", "set_trainable"]
 

@@ -1,2 +1,11 @@
-"""The MHLA operator's companions: counting the memory traffic of an attention call
-(:mod:`~mhla_diffusion.ops.traffic`)."""
+"""The MHLA operator: one implementation of block regrouping, summaries, mixing and output.
+
+- :mod:`~mhla_diffusion.ops.attention`: ``mhla_attention``, the O(N) operator (CPU and eager GPU).
+- :mod:`~mhla_diffusion.ops.naive`: the O(N^2) definition the fast paths are tested against.
+- :mod:`~mhla_diffusion.ops.triton_mhla`: the fused Triton forward (CUDA).
+- :mod:`~mhla_diffusion.ops.context_parallel`: the split-sequence hook (partial summaries all-reduced).
+- :mod:`~mhla_diffusion.ops.block_layout`, :mod:`~mhla_diffusion.ops.mixing`: blocks of the token grid
+  and the locality initialisation of the mixing coefficients.
+- :mod:`~mhla_diffusion.ops.traffic`: bytes moved by an attention call, counted on meta tensors.
+- :mod:`~mhla_diffusion.ops.cpu_memory`: the CPU allocator setting applied at the first CPU call.
+"""

@@ -1,7 +1,7 @@
 """A fused MHLA forward in Triton (issue 34, item 3), in flash-linear-attention's chunked style.
 
 From the *raw* projections ``q, k, v`` ``(B, N, H, D)`` (before the feature map) it computes what
-:func:`~mhla_diffusion.attention.mhla_attention` computes from ``phi(q), phi(k), v`` with
+:func:`~mhla_diffusion.ops.attention.mhla_attention` computes from ``phi(q), phi(k), v`` with
 ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))`` (``phi(x) = relu(x) + feature_eps``, ``R`` Wan's
 interleaved RoPE), in three steps:
 
@@ -48,8 +48,8 @@ from typing import Iterator
 
 import torch
 
-from ..attention import mhla_attention, normalization_mode, validate_attention_inputs, without_autocast
-from ..block_layout import BlockPlan
+from .attention import mhla_attention, normalization_mode, validate_attention_inputs, without_autocast
+from .block_layout import BlockPlan
 
 try:
     import triton
@@ -319,7 +319,7 @@ def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
     if mode == "scalar_mixed_denominator":
         raise NotImplementedError(
             "mhla_attention_fused does not implement normalize='scalar_mixed_denominator' (released DiT): "
-            "use mhla_diffusion.attention.mhla_attention for it"
+            "use mhla_diffusion.ops.attention.mhla_attention for it"
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_floating_point():
@@ -617,11 +617,11 @@ def mhla_attention_fused(
     Args:
         q, k: raw query and key projections ``(B, N, H, D)`` (before the feature map); v ``(B, N, H, Dv)``.
             Any float dtype and any strides (read where they lie: slices of a fused qkv are not copied).
-        plan: :func:`~mhla_diffusion.block_layout.block_plan` of the token grid and layout on the inputs' device.
+        plan: :func:`~mhla_diffusion.ops.block_layout.block_plan` of the token grid and layout on the inputs' device.
         mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``
             (applied in float32).
         cos, sin: Diffusers' Wan RoPE tables ``(1, N, 1, D)``: channel pairs ``(2i, 2i+1)`` rotate by angle
-            ``i`` (see :func:`~mhla_diffusion.processors.base.apply_interleaved_rotary`), after the feature
+            ``i`` (see :func:`~mhla_diffusion.models.processors.base.apply_interleaved_rotary`), after the feature
             map, on the numerator path only. ``None``: no rotation.
         feature_eps: the feature map is ``phi(x) = relu(x) + feature_eps``.
         normalize: ``"denominator"`` (or ``True``): divide by ``phi(q_t) · z̃_b(t) + eps``; ``"none"`` (or
@@ -633,7 +633,7 @@ def mhla_attention_fused(
 
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype, token order. Equals
-        :func:`~mhla_diffusion.attention_reference.mhla_attention_reference` of ``phi(q), phi(k), v`` with
+        :func:`~mhla_diffusion.ops.naive.mhla_attention_reference` of ``phi(q), phi(k), v`` with
         ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))``, to float32 accumulation (float64 inputs are computed
         in float32 too; bf16/fp16 inputs store the block summaries and read the RoPE tables in their dtype,
         as the eager operator does). Differentiable in ``q, k, v, mixing`` (the backward recomputes eagerly

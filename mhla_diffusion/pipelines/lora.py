@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..conversion import MHLAConversion
+from ..models.conversion import MHLAConversion
 
 __all__ = ["LORA_WEIGHT_NAME", "MARK_PREFIX", "check_lora_mark", "lora_file", "mark_mhla_lora", "read_lora_mark"]
 

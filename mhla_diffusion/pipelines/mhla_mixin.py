@@ -30,10 +30,10 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from ..config import MHLAConfig
-from ..conversion import MHLAConversion, get_mhla_conversion, resolve_mhla_config, softmax_attention
-from ..conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
-from ..weight_files import find_file, hub_kwargs_of
-from ..weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla, write_mhla_config
+from ..models.conversion import MHLAConversion, get_mhla_conversion, resolve_mhla_config, softmax_attention
+from ..models.conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
+from ..loaders.weight_files import find_file, hub_kwargs_of
+from ..loaders.weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla, write_mhla_config
 
 __all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
 
@@ -63,10 +63,10 @@ class MHLAPipelineMixin:
         """Diffusers' expected types of the ``__init__`` arguments, with this pipeline's MHLA-preserving transformer
         class beside the stock one: ``from_pipe`` keeps a component only when its type is listed (exactly), so
         without it the MHLA transformer of a reloaded folder would be dropped."""
-        from .. import models
+        from ..models import transformers
 
         types = super()._get_signature_types()
-        mhla_class = getattr(models, cls._mhla_transformer_name)
+        mhla_class = getattr(transformers, cls._mhla_transformer_name)
         for name in TRANSFORMER_COMPONENTS:
             if name in types:
                 types[name] = tuple(types[name]) + (mhla_class,)

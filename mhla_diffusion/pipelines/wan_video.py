@@ -2,7 +2,7 @@
 
 :class:`MHLAWanVideoMixin` sits between :class:`~mhla_diffusion.pipelines.mhla_mixin.MHLAPipelineMixin`
 and a Diffusers Wan pipeline (``WanPipeline``, ``WanImageToVideoPipeline``) and adds, from the loaded
-model's own configs: the size rules (:mod:`mhla_diffusion.geometry`: VAE factors, patch, RoPE table;
+model's own configs: the size rules (:mod:`mhla_diffusion.utils.geometry`: VAE factors, patch, RoPE table;
 Wan2.2-TI2V-5B's VAE compresses x16 in space, the others x8), the checks every call runs before any
 work, the words a prompt loses to the tokenizer, and the MHLA mark of LoRA files.
 """
@@ -13,7 +13,7 @@ import inspect
 import warnings
 from typing import Any
 
-from ..geometry import VideoGeometry, check_layout_fits
+from ..utils.geometry import VideoGeometry, check_layout_fits
 from .mhla_mixin import MHLAPipelineMixin
 
 __all__ = ["MHLAWanVideoMixin"]

@@ -73,8 +73,8 @@ def serve(config: DemoConfig, block: bool = True):
 
 def run(args: argparse.Namespace) -> int:
     """Entry of ``mhla web`` and ``python app.py``: check the flags, then serve until stopped."""
-    from ..cpu_memory import retain_freed_memory
-    from ..loading import device_and_dtype
+    from ..ops.cpu_memory import retain_freed_memory
+    from ..loaders.loading import device_and_dtype
 
     config = config_from_args(args)
     if device_and_dtype(config.device, config.dtype)[0] == "cpu":

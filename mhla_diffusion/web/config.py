@@ -11,7 +11,7 @@ the "compare" option needs a softmax model; where it comes from (see :func:`reso
   with the original softmax attention (``softmax_attention()``).
 
 The form's defaults (frames, size, steps, guidance, frame rate, text length) are the models' own
-(:mod:`mhla_diffusion.model_defaults`) unless a flag gives them.
+(:mod:`mhla_diffusion.utils.model_defaults`) unless a flag gives them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
-from ..geometry import VideoGeometry
-from ..loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
-from ..model_defaults import RECORD_KEY, image_defaults, video_defaults
+from ..utils.geometry import VideoGeometry
+from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
+from ..utils.model_defaults import RECORD_KEY, image_defaults, video_defaults
 from .validation import Limits
 
 __all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="load the models on the first request instead of at start")
     form = parser.add_argument_group("form defaults and limits")
-    own = "default: the model's own (mhla_diffusion/model_defaults.py); embedded model"
+    own = "default: the model's own (mhla_diffusion/utils/model_defaults.py); embedded model"
     form.add_argument("--max-sequence-length", type=int, default=_env_int("MAX_SEQUENCE_LENGTH", None),
                       help=f"text tokens of the prompt ({own} {d.max_sequence_length})")
     form.add_argument("--num-frames", type=int, default=_env_int("NUM_FRAMES", None), help=f"{own} {d.num_frames}")

@@ -1,6 +1,6 @@
 """Loading, caching and running the demo's pipelines (MHLA, and softmax for "compare").
 
-Pipelines load once (with :func:`mhla_diffusion.loading.load_pipeline`, as the CLI loads them) and
+Pipelines load once (with :func:`mhla_diffusion.loaders.loading.load_pipeline`, as the CLI loads them) and
 are kept. Each task has one lock: the MHLA pipeline and its softmax counterpart may share components
 (text encoder, VAE), so one task runs one generation at a time whatever the queue's concurrency.
 
@@ -83,7 +83,7 @@ class ModelStore:
     @property
     def device_and_dtype(self) -> tuple[str, Any]:
         if self._device_dtype is None:
-            from ..loading import device_and_dtype
+            from ..loaders.loading import device_and_dtype
 
             self._device_dtype = device_and_dtype(self.config.device, self.config.dtype)
         return self._device_dtype
@@ -111,8 +111,8 @@ class ModelStore:
     def _load(self, task: str, attention: Attention) -> Any:
         import torch
 
-        from ..loading import load_pipeline
-        from ..weights import load_transformer
+        from ..loaders.loading import load_pipeline
+        from ..loaders.weights import load_transformer
 
         models = self._models(task)
         cls = self._pipeline_class(task)
@@ -151,7 +151,7 @@ class ModelStore:
 
     def class_labels(self) -> tuple[dict[str, int], int]:
         """``(name -> id, number of classes)`` of the class-to-image model, read without loading when local."""
-        from ..loading import local_labels
+        from ..loaders.loading import local_labels
         from ..pipelines.class_labels import label_index
 
         local = local_labels(self.config.image.model)

@@ -25,7 +25,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr
 
 from ..embedded.locations import embedded_folder
-from ..geometry import MAX_SEED, VideoGeometry
+from ..utils.geometry import MAX_SEED, VideoGeometry
 from .config import DemoConfig
 from .models import Attention, Generated, GenerationStopped, ModelStore
 from .outputs import SessionOutputs

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
+from ..utils.geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 from ..pipelines.class_labels import resolve_class_ids
 
 __all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoBounds", "VideoRequest", "image_request", "video_bounds",
@@ -39,7 +39,7 @@ class Limits:
 @dataclass(frozen=True)
 class VideoBounds:
     """The video sizes the form offers for one model: the demo's :class:`Limits` within the model's own
-    (its position table's largest clip, :meth:`~mhla_diffusion.geometry.VideoGeometry.max_size`)."""
+    (its position table's largest clip, :meth:`~mhla_diffusion.utils.geometry.VideoGeometry.max_size`)."""
 
     max_frames: int
     min_height: int

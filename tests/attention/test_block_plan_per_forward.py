@@ -12,10 +12,10 @@ import torch
 from helpers.attention import make_inputs
 from helpers.models import dit_inputs, run, wan_inputs
 
-import mhla_diffusion.attention as attention_module
-import mhla_diffusion.processors.grid as grid_module
+import mhla_diffusion.ops.attention as attention_module
+import mhla_diffusion.models.processors.grid as grid_module
 from mhla_diffusion import MHLAConfig, block_plan, convert_to_mhla, mhla_attention, mhla_attention_reference, mixing_init
-from mhla_diffusion.processors.grid import TokenGridContext
+from mhla_diffusion.models.processors.grid import TokenGridContext
 
 CASES = [
     ((7,), (3,)),

@@ -12,8 +12,8 @@ import torch
 from helpers.attention import make_inputs
 from helpers.models import dit_inputs, run, wan_inputs
 
-import mhla_diffusion.attention as attention_module
-import mhla_diffusion.processors.grid as grid_module
+import mhla_diffusion.ops.attention as attention_module
+import mhla_diffusion.models.processors.grid as grid_module
 from mhla_diffusion import (
     MHLAConfig,
     block_plan,

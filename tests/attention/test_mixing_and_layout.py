@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig, auto_layout, block_plan, mixing_init, token_block_ids
-from mhla_diffusion.block_layout import estimated_cost_ratio
+from mhla_diffusion.ops.block_layout import estimated_cost_ratio
 
 
 def test_linear_column_normalised_on_4x4():

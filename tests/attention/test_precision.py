@@ -10,9 +10,9 @@ from helpers.attention import make_inputs
 from helpers.models import run, wan_inputs
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla, mhla_attention, mhla_attention_reference, mixing_init
-from mhla_diffusion.context_parallel_attention import TokenShard, mhla_attention_context_parallel
-from mhla_diffusion.processors.base import FP32_PARAMETERS, MHLAProcessor
-from mhla_diffusion.weight_files import dtype_on_load
+from mhla_diffusion.ops.context_parallel import TokenShard, mhla_attention_context_parallel
+from mhla_diffusion.models.processors.base import FP32_PARAMETERS, MHLAProcessor
+from mhla_diffusion.loaders.weight_files import dtype_on_load
 
 GRID, LAYOUT = (4, 6, 5), (2, 2, 2)
 
@@ -130,7 +130,7 @@ def test_importers_load_mhla_parameters_in_float32(tiny_wan):
 def test_the_output_norm_is_rms_norm_without_a_float32_copy():
     from torch.nn import functional as F
 
-    from mhla_diffusion.processors.base import head_rms_norm
+    from mhla_diffusion.models.processors.base import head_rms_norm
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 40, 3, 16, generator=g, dtype=torch.float64)

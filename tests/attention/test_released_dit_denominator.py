@@ -14,7 +14,7 @@ from helpers.attention import make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhla_diffusion import auto_layout, block_plan, mhla_attention, mhla_attention_reference, mixing_init, num_blocks
-from mhla_diffusion.geometry import check_equal_blocks
+from mhla_diffusion.utils.geometry import check_equal_blocks
 
 SCALAR = "scalar_mixed_denominator"
 

@@ -20,10 +20,10 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from mhla_diffusion import mhla_attention_reference, num_blocks
-from mhla_diffusion.block_layout import block_plan
+from mhla_diffusion.ops.block_layout import block_plan
 from mhla_diffusion.ops import triton_mhla
 from mhla_diffusion.ops.triton_mhla import fused_available, mhla_attention_fused
-from mhla_diffusion.processors.base import apply_interleaved_rotary
+from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
 EVEN, UNEVEN, EMPTY = ((4, 4, 6), (2, 2, 3)), ((5, 6, 7), (2, 2, 3)), ((1, 4, 6), (2, 2, 3))
 FP32 = dict(dot_dtype=torch.float32)
@@ -206,7 +206,7 @@ def test_switch_and_interpreter_mode_from_the_environment():
     script = textwrap.dedent(
         """
         import torch
-        from mhla_diffusion.block_layout import block_plan
+        from mhla_diffusion.ops.block_layout import block_plan
         from mhla_diffusion.ops.triton_mhla import FUSED, fused_available, mhla_attention_fused
         from mhla_diffusion import mhla_attention_reference
         print(FUSED, fused_available(torch.zeros(1)))
@@ -277,7 +277,7 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
 def test_processors_choose_the_fused_kernel_when_it_is_available(tiny_wan, wan_batch, monkeypatch, setting):
     """Where fused_available says so (CUDA; here the interpreter), the Wan processors run the Triton kernels,
     and the transformer's output is the eager operator's."""
-    import mhla_diffusion.processors.base as base
+    import mhla_diffusion.models.processors.base as base
     from helpers.models import run
 
     from mhla_diffusion import MHLAConfig, convert_to_mhla

@@ -10,7 +10,7 @@ import torch
 from helpers.attention import make_inputs
 
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init
-from mhla_diffusion.bench import BenchCase, PeakMemory, attention_table
+from mhla_diffusion.benchmarks.bench import BenchCase, PeakMemory, attention_table
 from mhla_diffusion.cli import main
 
 

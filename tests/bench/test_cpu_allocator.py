@@ -15,7 +15,8 @@ import pytest
 SCRIPT = r"""
 import json, logging, resource
 import torch
-from mhla_diffusion import cpu_memory, mhla_attention, mixing_init
+from mhla_diffusion import mhla_attention, mixing_init
+from mhla_diffusion.ops import cpu_memory
 
 records = []
 handler = logging.Handler()

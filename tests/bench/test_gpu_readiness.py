@@ -13,9 +13,9 @@ from helpers.models import run, wan_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla
-from mhla_diffusion.bench import replace_marked_section
+from mhla_diffusion.benchmarks.bench import replace_marked_section
 from mhla_diffusion.cli import main
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CONFIGS = {
@@ -60,7 +60,7 @@ def test_converted_wan_runs_in_bf16_with_float32_accumulation(setting, monkeypat
     model.to(torch.bfloat16)
     half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
 
-    import mhla_diffusion.processors.base as base
+    import mhla_diffusion.models.processors.base as base
 
     seen = []
     operator = base.mhla_attention

@@ -146,7 +146,7 @@ def _stand_in_fused(q, k, v, plan, mixing, *, cos=None, sin=None, feature_eps=1e
     import torch.nn.functional as F
 
     from mhla_diffusion import mhla_attention
-    from mhla_diffusion.processors.base import apply_interleaved_rotary
+    from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
     qf, kf = (F.relu(x.float()) + feature_eps for x in (q, k))
     q_rot, k_rot = (None, None) if cos is None else (apply_interleaved_rotary(x, cos, sin) for x in (qf, kf))
@@ -159,7 +159,7 @@ def test_the_fused_kernel_is_checked_timed_and_profiled_when_it_runs(gpu_session
     with the kernel's contract takes its place here."""
     monkeypatch.setattr(gpu_session, "fused_kernel", lambda: (_stand_in_fused, "available"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import mhla_diffusion.processors.base as processors
+    import mhla_diffusion.models.processors.base as processors
 
     # the Wan processor rows keep the eager operator here: the real kernels under the interpreter took ~3 minutes
     # of this test, and tests/attention/test_triton_mhla.py checks the processors' choice of them

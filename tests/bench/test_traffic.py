@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig
-from mhla_diffusion.bench import TRAFFIC_PATHS, traffic_settings, wan_attention_traffic
+from mhla_diffusion.benchmarks.bench import TRAFFIC_PATHS, traffic_settings, wan_attention_traffic
 from mhla_diffusion.cli import main
 from mhla_diffusion.ops import triton_mhla
 from mhla_diffusion.ops.traffic import count_traffic, floor_bytes, tensor_bytes

@@ -10,7 +10,7 @@ from helpers.models import run, wan_inputs
 
 from mhla_diffusion import get_mhla_conversion, load_mhla
 from mhla_diffusion.cli import main
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 
 def test_convert_tiny_wan_prints_changes_and_saves(tmp_path, capsys):

@@ -12,8 +12,8 @@ import pytest
 
 from mhla_diffusion.cli import main
 from mhla_diffusion.embedded import embedded_defaults, embedded_model
-from mhla_diffusion.model_defaults import RECORD_KEY, published_wan_model, video_defaults
-from mhla_diffusion.wan_configs import WAN_TRANSFORMER_CONFIGS
+from mhla_diffusion.utils.model_defaults import RECORD_KEY, published_wan_model, video_defaults
+from mhla_diffusion.utils.wan_configs import WAN_TRANSFORMER_CONFIGS
 
 
 def _settings(folder, pattern: str = "*.json") -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.wan_family import LAYOUT, first_frame, text_tokens
 
-from mhla_diffusion.block_layout import auto_layout
+from mhla_diffusion.ops.block_layout import auto_layout
 from mhla_diffusion.cli import main
 from mhla_diffusion.pipelines import MHLAWanPipeline
 

@@ -21,7 +21,7 @@ from mhla_diffusion import (
     softmax_attention,
     video_token_grid,
 )
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 
 def capture_attention_outputs(model, inputs):

@@ -1,6 +1,6 @@
 """MHLA conversion of every published full-size Wan transformer, on the meta device (shapes only, no memory).
 
-For each config of :mod:`mhla_diffusion.wan_configs` the test builds the model without memory, converts
+For each config of :mod:`mhla_diffusion.utils.wan_configs` the test builds the model without memory, converts
 it three ways and accounts for every state-dict key: the new ones are exactly what the MHLA processors
 should add (shapes computed here from the config), everything else -- text and image cross-attention
 included -- is untouched, and the parameter counts add up.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla, get_mhla_conversion, revert_mhla
-from mhla_diffusion.original_format import empty_wan_transformer
-from mhla_diffusion.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
+from mhla_diffusion.loaders.original_wan import empty_wan_transformer
+from mhla_diffusion.utils.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
 
 #: Published sizes (parameters of the Diffusers transformer, from the models' cards), 0.5 % tolerance.
 PUBLISHED_SIZES = {"Wan2.1-T2V-1.3B": 1.42e9, "Wan2.1-T2V-14B": 14.3e9, "Wan2.2-T2V-A14B": 14.3e9, "Wan2.2-TI2V-5B": 5.0e9}

@@ -1,4 +1,4 @@
-"""``mhla_diffusion.geometry``: pixels -> latents -> tokens, checked against arithmetic, against the
+"""``mhla_diffusion.utils.geometry``: pixels -> latents -> tokens, checked against arithmetic, against the
 embedded model's configs and against what Diffusers' Wan and DiT models really do."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from mhla_diffusion.geometry import (
+from mhla_diffusion.utils.geometry import (
     WAN_PIPELINE_SIZE_MULTIPLE,
     ImageGeometry,
     VideoGeometry,
@@ -156,7 +156,7 @@ def test_grid_against_layout():
 
 def test_max_size_is_the_position_encodings_limit():
     """One token past ``max_size`` on any axis breaks Diffusers' Wan forward; ``check_size`` refuses it first."""
-    from mhla_diffusion.tiny import tiny_wan_transformer
+    from mhla_diffusion.models.tiny import tiny_wan_transformer
 
     model = tiny_wan_transformer(num_layers=1, rope_max_seq_len=4)
     geometry = VideoGeometry.from_configs(model.config)
@@ -183,7 +183,7 @@ def test_token_grid_is_what_mhla_processors_see():
     """The grid MHLA layers get in a real tiny ``WanPipeline`` call (Diffusers rounding the frames and
     flooring the sizes) equals ``token_grid``; likewise for a DiT forward and ``image_token_grid``."""
     from mhla_diffusion import MHLAConfig, convert_to_mhla
-    from mhla_diffusion.tiny import tiny_dit_transformer, tiny_wan_pipeline
+    from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline(num_layers=1)
     pipe.set_progress_bar_config(disable=True)

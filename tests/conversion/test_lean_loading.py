@@ -11,9 +11,9 @@ import torch
 from helpers.models import run, wan_inputs
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer, save_mhla
-from mhla_diffusion.load_benchmark import LoadCase, in_weight_file_mapping, measure_load, write_weights
+from mhla_diffusion.benchmarks.load import LoadCase, in_weight_file_mapping, measure_load, write_weights
 from mhla_diffusion.pipelines import MHLAWanPipeline
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps (Linux)")
 

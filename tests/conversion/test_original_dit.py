@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from mhla_diffusion import MHLAConfig, MHLADiTTransformer2DModel, get_mhla_conversion, load_mhla, load_transformer
 from mhla_diffusion.cli import main
-from mhla_diffusion.loading import load_transformer_file
-from mhla_diffusion.original_dit import dit_model_size, load_original_dit, read_dit_checkpoint
+from mhla_diffusion.loaders.loading import load_transformer_file
+from mhla_diffusion.loaders.original_dit import dit_model_size, load_original_dit, read_dit_checkpoint
 
 
 def reference(sd, inputs, heads=4, block_tokens=None):

@@ -13,9 +13,9 @@ from helpers.original_format import i2v_inputs, outside, released_model, to_orig
 from safetensors.torch import save_file
 
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, get_mhla_conversion
-from mhla_diffusion.load_benchmark import in_weight_file_mapping
-from mhla_diffusion.processors.base import kept_in_fp32
-from mhla_diffusion.original_format import (
+from mhla_diffusion.benchmarks.load import in_weight_file_mapping
+from mhla_diffusion.models.processors.base import kept_in_fp32
+from mhla_diffusion.loaders.original_wan import (
     empty_original_wan,
     empty_wan_transformer,
     load_original_wan,
@@ -23,8 +23,8 @@ from mhla_diffusion.original_format import (
     read_checkpoint,
     rename_original_wan_keys,
 )
-from mhla_diffusion.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.utils.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 
 @pytest.mark.parametrize("gate,lepe", [(True, False), (False, False), (True, True)])
@@ -248,7 +248,7 @@ def test_import_in_another_dtype_converts_each_tensor_once(tmp_path):
 
 PEAK_SCRIPT = """
 import torch
-from mhla_diffusion.original_format import load_original_wan
+from mhla_diffusion.loaders.original_wan import load_original_wan
 def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 load_original_wan({warm!r}, attention_head_dim=12, dtype=torch.float32)  # warm up: lazy imports, first allocations

@@ -18,8 +18,8 @@ from mhla_diffusion import MHLAConfig, convert_to_mhla, get_mhla_conversion, loa
 from mhla_diffusion.cli import main
 from mhla_diffusion.finetune.components import mhla_config_from_options
 from mhla_diffusion.finetune.options import DiTTrainOptions, WanTrainOptions, options_from_dict
-from mhla_diffusion.models import MHLADiTTransformer2DModel
-from mhla_diffusion.tiny import tiny_dit_transformer
+from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel
+from mhla_diffusion.models.tiny import tiny_dit_transformer
 
 SCALAR = "scalar_mixed_denominator"
 

@@ -10,7 +10,7 @@ from helpers.models import dit_inputs, run, wan_inputs
 from safetensors.torch import load_file, save_file
 
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, convert_to_mhla, get_mhla_conversion, load_mhla, load_transformer, save_mhla
-from mhla_diffusion.tiny import tiny_dit_transformer, tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
 
 
 def trained_wan():
@@ -149,7 +149,7 @@ def test_files_of_random_bytes_are_one_readable_error_whatever_the_bytes(tmp_pat
     ...): every one becomes the same line naming the file."""
     import random
 
-    from mhla_diffusion.weight_files import read_checkpoint_file
+    from mhla_diffusion.loaders.weight_files import read_checkpoint_file
 
     for seed in range(40):
         path = tmp_path / f"random{seed}{suffix}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.conversion import get_mhla_conversion
+from mhla_diffusion.models.conversion import get_mhla_conversion
 from mhla_diffusion.embedded.attention_experiment import (VARIANTS, ExperimentSettings, _new_model, check_digits_vae,
                                                           effective_rank, geometry_for, mhla_layout, run_experiment,
                                                           summarise)

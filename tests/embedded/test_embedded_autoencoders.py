@@ -58,7 +58,7 @@ def test_video_vae_training_lowers_loss_and_stores_latent_statistics():
 
 
 def test_video_vae_decodes_inside_wan_pipeline():
-    from mhla_diffusion.tiny import tiny_wan_pipeline
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline
 
     base = tiny_wan_pipeline()
     pipe = type(base)(**{**base.components, "vae": tiny_video_vae()})
@@ -89,7 +89,7 @@ def test_image_vae_shapes_training_and_scaling_factor(digit_split):
 
 
 def test_image_vae_decodes_inside_dit_pipeline():
-    from mhla_diffusion.tiny import tiny_dit_pipeline, tiny_dit_transformer
+    from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
 
     base = tiny_dit_pipeline()
     pipe = type(base)(transformer=tiny_dit_transformer(sample_size=16, patch_size=2), vae=tiny_image_vae(),

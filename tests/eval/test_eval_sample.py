@@ -29,7 +29,7 @@ from mhla_diffusion.eval.sample import (
     shard_indices,
     to_uint8,
 )
-from mhla_diffusion.tiny import tiny_dit_pipeline, tiny_dit_transformer
+from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
 
 CONFIG = SamplingConfig(num_samples=7, num_classes=5, num_inference_steps=2, guidance_scale=1.5, pipeline="tiny-dit")
 

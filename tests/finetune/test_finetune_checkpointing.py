@@ -15,7 +15,7 @@ from mhla_diffusion.finetune.checkpointing import (
 )
 from mhla_diffusion.finetune.engine import _cpu_copy, clean_parameter_name, step_generator
 from mhla_diffusion.finetune.trainable import add_lora, set_trainable
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 
 class FakeAccelerator:

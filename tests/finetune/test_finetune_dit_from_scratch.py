@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.finetune import train_dit
 from mhla_diffusion.finetune.dit_scratch import has_shared_embedder, new_dit_transformer, unshared_embedders
-from mhla_diffusion.dit_sizes import DIT_MODEL_SIZES, dit_model_size, dit_transformer_config
+from mhla_diffusion.utils.dit_sizes import DIT_MODEL_SIZES, dit_model_size, dit_transformer_config
 from mhla_diffusion.finetune.image_data import ClassImageDataset, ImageSample, batch_view, latent_identity
 from mhla_diffusion.finetune.latent_cache import LatentCache
 from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
 from mhla_diffusion.pipelines import MHLADiTPipeline
-from mhla_diffusion.tiny import tiny_dit_transformer
+from mhla_diffusion.models.tiny import tiny_dit_transformer
 
 
 class Interrupted(Exception):

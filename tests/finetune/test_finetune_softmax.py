@@ -25,7 +25,7 @@ class Interrupted(Exception):
 @pytest.fixture(scope="module")
 def wan_patch1(tmp_path_factory):
     """A tiny stock WanPipeline folder whose transformer has patch (1, 1, 1): 32x32, 9 frames -> 3x4x4 tokens."""
-    from mhla_diffusion.tiny import tiny_wan_pipeline, tiny_wan_transformer
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline, tiny_wan_transformer
 
     pipe = tiny_wan_pipeline()
     pipe.transformer = tiny_wan_transformer(patch_size=(1, 1, 1))
@@ -37,7 +37,7 @@ def wan_patch1(tmp_path_factory):
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     """A 10-class DiT pipeline (patch 1, VAE x2: 32 px -> 16x16 tokens; no id2label) and class folders 0..9."""
-    from mhla_diffusion.tiny import tiny_dit_pipeline, tiny_dit_transformer
+    from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
 
     root = tmp_path_factory.mktemp("digits")
     pipe = tiny_dit_pipeline()

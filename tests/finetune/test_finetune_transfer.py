@@ -13,7 +13,7 @@ from helpers.media import one_colour_clips
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer, softmax_attention
 from mhla_diffusion.finetune import train_wan
 from mhla_diffusion.finetune.attention_transfer import AttentionTransfer
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 SIZE = 64  # 64x64 px -> 4x4 tokens per latent frame
 

@@ -1,7 +1,7 @@
 """What each process of the context-parallel tests runs (tests/parallel/).
 
 The functions here run inside the gloo processes started by
-:func:`mhla_diffusion.context_parallel.run_cpu_processes` (so they live in an importable module, not
+:func:`mhla_diffusion.models.context_parallel.run_cpu_processes` (so they live in an importable module, not
 in a test file). Every process computes the one-process result itself, on the whole sequence with
 the same seeds, then its own share with the sequence split across the group, and returns the largest
 differences; the tests assert on them. Gradients of parameters are summed over the group first
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mhla_diffusion.attention import mhla_attention
-from mhla_diffusion.context_parallel_attention import (
+from mhla_diffusion.ops.attention import mhla_attention
+from mhla_diffusion.ops.context_parallel import (
     TokenShard,
     grid_conv_context_parallel,
     mhla_attention_context_parallel,
@@ -157,7 +157,7 @@ def case_grid(split: str, world_size: int) -> tuple[int, int, int]:
 
 def _randomise_mhla(model: torch.nn.Module) -> None:
     """Move the MHLA extras off their identity-like init, so that a wrong LePE / gate / norm shows."""
-    from mhla_diffusion.conversion import mhla_parameter_names
+    from mhla_diffusion.models.conversion import mhla_parameter_names
 
     params = dict(model.named_parameters())
     g = torch.Generator().manual_seed(11)
@@ -176,9 +176,9 @@ def transformer_case(mhla: dict[str, Any], split: str, grads: bool) -> dict[str,
     """
     from helpers.models import wan_inputs
     from mhla_diffusion.config import MHLAConfig
-    from mhla_diffusion.context_parallel import context_parallel_config, disable_context_parallel, enable_context_parallel
-    from mhla_diffusion.conversion import convert_to_mhla
-    from mhla_diffusion.tiny import tiny_wan_transformer
+    from mhla_diffusion.models.context_parallel import context_parallel_config, disable_context_parallel, enable_context_parallel
+    from mhla_diffusion.models.conversion import convert_to_mhla
+    from mhla_diffusion.models.tiny import tiny_wan_transformer
 
     world = dist.get_world_size()
     grid = case_grid(split, world)
@@ -225,9 +225,9 @@ def refusals() -> dict[str, str]:
     """The messages of the set-ups context parallelism refuses (``"no error"`` where none was raised)."""
     from helpers.models import wan_inputs
     from mhla_diffusion.config import MHLAConfig
-    from mhla_diffusion.context_parallel import context_parallel_config, disable_context_parallel, enable_context_parallel
-    from mhla_diffusion.conversion import convert_to_mhla
-    from mhla_diffusion.tiny import tiny_wan_transformer
+    from mhla_diffusion.models.context_parallel import context_parallel_config, disable_context_parallel, enable_context_parallel
+    from mhla_diffusion.models.conversion import convert_to_mhla
+    from mhla_diffusion.models.tiny import tiny_wan_transformer
 
     world = dist.get_world_size()
     model = tiny_wan_transformer(num_layers=3, num_attention_heads=world)
@@ -257,7 +257,7 @@ def wan_family_runs(wan_family_dirs: dict[str, Any]) -> dict[str, tuple[float, f
     per-token timesteps, both Wan2.2-A14B transformers) in one process and split across this group."""
     from helpers.models import seeded
     from helpers.wan_family import RUNS, call_args, pipeline_class
-    from mhla_diffusion.context_parallel import disable_context_parallel, enable_pipeline_context_parallel
+    from mhla_diffusion.models.context_parallel import disable_context_parallel, enable_pipeline_context_parallel
 
     results = {}
     for variant, image_to_video in RUNS:
@@ -303,7 +303,7 @@ def pipeline_run(pipeline_dirs: dict[str, Any], output_dir: str) -> dict[str, An
 
     from helpers.models import WAN_CALL, seeded
     from mhla_diffusion.cli import main
-    from mhla_diffusion.context_parallel import disable_context_parallel, enable_pipeline_context_parallel
+    from mhla_diffusion.models.context_parallel import disable_context_parallel, enable_pipeline_context_parallel
     from mhla_diffusion.pipelines import MHLAWanPipeline
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -342,9 +342,9 @@ def training_gradients(context_parallel_degree: int = 2) -> dict[str, Any]:
 
     from helpers.models import wan_inputs
     from mhla_diffusion.config import MHLAConfig
-    from mhla_diffusion.context_parallel import enable_training_context_parallel
-    from mhla_diffusion.conversion import convert_to_mhla
-    from mhla_diffusion.tiny import tiny_wan_transformer
+    from mhla_diffusion.models.context_parallel import enable_training_context_parallel
+    from mhla_diffusion.models.conversion import convert_to_mhla
+    from mhla_diffusion.models.tiny import tiny_wan_transformer
 
     model = tiny_wan_transformer(num_layers=3, num_attention_heads=context_parallel_degree)
     convert_to_mhla(model, MHLAConfig(layers="hybrid", layout=(1, 2, 3), normalization="none", output_norm=True, gate=True))

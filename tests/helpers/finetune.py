@@ -158,7 +158,7 @@ def attention_reliant_wan(folder: Path, data: Path, size: int, pretrain_steps: i
     """
     from mhla_diffusion.finetune.objectives import flow_match_inputs, flow_match_loss
     from mhla_diffusion.finetune.video_data import VideoTextDataset, index_video_folder
-    from mhla_diffusion.tiny import tiny_wan_pipeline, tiny_wan_transformer
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline, tiny_wan_transformer
 
     pipe = tiny_wan_pipeline(seed=seed)
     pipe.transformer = tiny_wan_transformer(num_layers=2, ffn_dim=64, seed=seed).train()

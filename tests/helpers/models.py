@@ -1,4 +1,4 @@
-"""Inputs for the tiny Wan / DiT transformers of :mod:`mhla_diffusion.tiny`, and running them."""
+"""Inputs for the tiny Wan / DiT transformers of :mod:`mhla_diffusion.models.tiny`, and running them."""
 
 from __future__ import annotations
 

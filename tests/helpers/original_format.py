@@ -7,7 +7,7 @@ import re
 import torch
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 # Diffusers -> original Wan names, written out independently of the importer's rules.
 TO_ORIGINAL = [
@@ -88,7 +88,7 @@ def i2v_inputs(model, frames: int = 3, height: int = 4, width: int = 6, image_to
 
 def outside(tensors: dict[str, torch.Tensor], path) -> list[str]:
     """Names of the tensors whose data does not lie in this process's memory mapping of ``path``."""
-    from mhla_diffusion.load_benchmark import in_weight_file_mapping
+    from mhla_diffusion.benchmarks.load import in_weight_file_mapping
 
     names = sorted(tensors)
     return [name for name, inside in zip(names, in_weight_file_mapping((tensors[n] for n in names), [path])) if not inside]

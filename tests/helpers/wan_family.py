@@ -1,6 +1,6 @@
 """The Wan variants beyond Wan2.1 text-to-video, at toy size: names, pipeline classes and fast call arguments.
 
-The pipelines themselves come from :func:`mhla_diffusion.tiny.tiny_wan_pipeline` (saved to disk by the
+The pipelines themselves come from :func:`mhla_diffusion.models.tiny.tiny_wan_pipeline` (saved to disk by the
 ``wan_family_dirs`` fixture in ``tests/conftest.py``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-#: The variants of :data:`mhla_diffusion.tiny.WAN_VARIANTS` these tests cover (Wan2.1 T2V has its own tests).
+#: The variants of :data:`mhla_diffusion.models.tiny.WAN_VARIANTS` these tests cover (Wan2.1 T2V has its own tests).
 VARIANTS = ("wan2.1-i2v", "wan2.2-ti2v", "wan2.2-a14b-t2v", "wan2.2-a14b-i2v")
 #: Two-transformer variants (Wan2.2-A14B).
 TWO_TRANSFORMERS = ("wan2.2-a14b-t2v", "wan2.2-a14b-i2v")

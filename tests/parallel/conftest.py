@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers.context_parallel import parallel_suite
 
-from mhla_diffusion.context_parallel import run_cpu_processes
+from mhla_diffusion.models.context_parallel import run_cpu_processes
 
 
 #: The group size that also runs the tiny pipeline and the command line (``text-to-video --context-parallel``).

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from helpers.context_parallel import LEPE_GRIDS, OPERATOR_CASES, TRANSFORMER_CASES, training_gradients
 from helpers.finetune import wan_options
 
-from mhla_diffusion.context_parallel import enable_context_parallel, run_cpu_processes, training_layout
-from mhla_diffusion.sequence_split import split_sizes
-from mhla_diffusion.tiny import tiny_wan_transformer
+from mhla_diffusion.models.context_parallel import enable_context_parallel, run_cpu_processes, training_layout
+from mhla_diffusion.utils.sequence_split import split_sizes
+from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 TOLERANCE = 1e-5
 WORLD_SIZES = [2, 3]

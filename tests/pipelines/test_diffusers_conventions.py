@@ -18,9 +18,9 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from mhla_diffusion import MHLAConfig, get_mhla_conversion, load_mhla, load_transformer
 from mhla_diffusion.cli import main
-from mhla_diffusion.models import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
+from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
 from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
-from mhla_diffusion.tiny import tiny_dit_pipeline, tiny_dit_transformer
+from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
 
 from helpers.models import WAN_CALL, seeded
 from helpers.original_dit import original_checkpoint

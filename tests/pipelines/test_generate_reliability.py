@@ -68,7 +68,7 @@ def test_cli_names_the_embedded_models_largest_size(tmp_path, capsys):
 
 
 def test_pipeline_call_names_the_largest_size(pipeline_dirs):
-    from mhla_diffusion.geometry import VideoGeometry
+    from mhla_diffusion.utils.geometry import VideoGeometry
     from mhla_diffusion.pipelines.wan import MHLAWanPipeline
 
     pipe = MHLAWanPipeline.from_pretrained(pipeline_dirs["wan"], mhla_weights=pipeline_dirs["wan_mhla"])

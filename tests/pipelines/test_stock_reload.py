@@ -36,7 +36,7 @@ _SCRIPT = textwrap.dedent("""
     except ValueError as error:
         result["without_import"] = str(error)
     import mhla_diffusion
-    from mhla_diffusion.conversion import get_mhla_conversion
+    from mhla_diffusion.models.conversion import get_mhla_conversion
     pipe = DiffusionPipeline.from_pretrained(folder)
     result["pipeline"] = type(pipe).__name__
     result["transformer"] = type(pipe.transformer).__module__.split(".")[0] + "." + type(pipe.transformer).__name__

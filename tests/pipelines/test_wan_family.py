@@ -15,11 +15,11 @@ from helpers.models import seeded
 from helpers.wan_family import LAYOUT, RUNS, TWO_TRANSFORMERS, VARIANTS, call_args, first_frame, is_image_to_video, pipeline_class
 
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, get_mhla_conversion, revert_mhla
-from mhla_diffusion.conversion import mhla_parameter_names
-from mhla_diffusion.geometry import VideoGeometry
+from mhla_diffusion.models.conversion import mhla_parameter_names
+from mhla_diffusion.utils.geometry import VideoGeometry
 from mhla_diffusion.pipelines import MHLAWanImageToVideoPipeline, MHLAWanPipeline
-from mhla_diffusion.processors import WanMHLAProcessor
-from mhla_diffusion.tiny import tiny_wan_pipeline
+from mhla_diffusion.models.processors import WanMHLAProcessor
+from mhla_diffusion.models.tiny import tiny_wan_pipeline
 
 
 def load(dirs, variant: str, image_to_video: bool, mhla: bool = True, **kwargs):

@@ -49,7 +49,7 @@ def test_limits_are_configurable():
 
 
 def test_video_request_follows_the_models_geometry(pipeline_dirs):
-    from mhla_diffusion.geometry import VideoGeometry
+    from mhla_diffusion.utils.geometry import VideoGeometry
 
     # a VAE that is 4x in space: 8 px would make whole patches, but Diffusers' WanPipeline takes multiples of 16
     x4 = VideoGeometry(vae_scale_spatial=4, max_tokens_per_axis=64)
@@ -100,7 +100,7 @@ def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
     import shutil
 
     from mhla_diffusion.embedded import embedded_defaults
-    from mhla_diffusion.model_defaults import RECORD_KEY
+    from mhla_diffusion.utils.model_defaults import RECORD_KEY
 
     d = embedded_defaults()
     config = config_from_args(build_parser().parse_args([]))  # the embedded models
@@ -125,7 +125,7 @@ def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
 
 def test_samples_and_the_models_size_bounds():
     from mhla_diffusion.embedded import embedded_model
-    from mhla_diffusion.geometry import MAX_SEED, VideoGeometry
+    from mhla_diffusion.utils.geometry import MAX_SEED, VideoGeometry
     from mhla_diffusion.web.validation import VideoBounds, video_bounds
 
     assert video_request(**GOOD_VIDEO, samples=3).seeds == [3, 4, 5]

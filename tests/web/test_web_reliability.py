@@ -43,7 +43,7 @@ def test_non_finite_numbers_in_a_request_are_refused():
 
 
 def test_one_seed_rule_for_the_cli_and_the_demo():
-    from mhla_diffusion import geometry
+    from mhla_diffusion.utils import geometry
     from mhla_diffusion.web import validation
 
     assert validation.MAX_SEED is geometry.MAX_SEED == 2**32 - 1

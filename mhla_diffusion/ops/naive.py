@@ -12,7 +12,7 @@ import torch
 
 from .attention import normalization_mode, validate_attention_inputs
 from .block_layout import token_block_ids
-from .geometry import check_equal_blocks
+from ..utils.geometry import check_equal_blocks
 
 __all__ = ["mhla_attention_reference"]
 

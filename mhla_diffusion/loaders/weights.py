@@ -16,7 +16,7 @@ on a network drive that may change while the model is in use). ``mhla bench --lo
 
 Loading is strict: missing, unexpected or wrongly shaped keys are an error that lists them, raised
 before the model is changed (Diffusers itself would only warn and drop unknown processor keys).
-Reading the files is :mod:`mhla_diffusion.weight_files` (shared with :mod:`mhla_diffusion.models`).
+Reading the files is :mod:`mhla_diffusion.loaders.weight_files` (shared with :mod:`mhla_diffusion.models.transformers`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import nn
 
-from .conversion import get_mhla_conversion, mhla_parameter_names
+from ..models.conversion import get_mhla_conversion, mhla_parameter_names
 from .weight_files import (
     DIFFUSERS_INDEX,
     DIFFUSERS_WEIGHTS,
@@ -150,7 +150,7 @@ def load_mhla(
     Returns the converted transformer. Any key mismatch raises ``ValueError`` listing the keys.
     """
     if transformer is None:
-        from .models import mhla_transformer_class
+        from ..models.transformers import mhla_transformer_class
 
         meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
         if meta is None:
@@ -198,7 +198,7 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
         )
     import diffusers
 
-    from .models import apply_timestep_freq_shift, shift_applied_quietly
+    from ..models.transformers import apply_timestep_freq_shift, shift_applied_quietly
 
     cls = getattr(diffusers, _TRANSFORMER_CLASSES[class_name])
     with shift_applied_quietly():

@@ -4,7 +4,7 @@ Which checkpoints: every Wan2.1 / Wan2.2 transformer in the original format -- T
 I2V-14B (480P / 720P), FLF2V-14B, the two transformers of Wan2.2-A14B (one file or folder each) and
 TI2V-5B -- as one ``.safetensors`` file, a sharded one (its folder or ``*.safetensors.index.json``)
 or a ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` file. The model config is read off the tensors'
-shapes and keys (:func:`original_wan_config`), or given (e.g. from :mod:`mhla_diffusion.wan_configs`).
+shapes and keys (:func:`original_wan_config`), or given (e.g. from :mod:`mhla_diffusion.utils.wan_configs`).
 
 Original names (``blocks.{i}.self_attn.q``, ``ffn.0``, ``head.head``, ...) map one to one onto
 Diffusers' ``WanTransformer3DModel``; image-to-video models add ``img_emb.proj.{0,1,3,4}`` (the CLIP
@@ -38,8 +38,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .config import MHLAConfig
-from .conversion import convert_to_mhla
+from ..config import MHLAConfig
+from ..models.conversion import convert_to_mhla
 from .weight_files import dtype_on_load, read_checkpoint_file
 from .weights import check_state_dict
 
@@ -316,7 +316,7 @@ def empty_wan_transformer(config: Mapping[str, Any], mhla_config: MHLAConfig | N
     """
     from accelerate import init_empty_weights
 
-    from .models import MHLAWanTransformer3DModel
+    from ..models.transformers import MHLAWanTransformer3DModel
 
     with init_empty_weights(include_buffers=False):
         transformer = MHLAWanTransformer3DModel(**{k: v for k, v in config.items() if not k.startswith("_")})
@@ -382,7 +382,7 @@ def empty_original_wan(
 
 def _cast(renamed: Mapping[str, torch.Tensor], dtype: torch.dtype | None, transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Floating tensors in the dtype ``from_pretrained(dtype=dtype)`` gives them in ``transformer``
-    (:func:`~mhla_diffusion.weight_files.dtype_on_load`), each converted on its own straight from the
+    (:func:`~mhla_diffusion.loaders.weight_files.dtype_on_load`), each converted on its own straight from the
     file; ``None``: unchanged."""
     if dtype is None:
         return dict(renamed)
@@ -402,7 +402,7 @@ def load_original_wan(
     """Build a Diffusers Wan transformer from an original-format checkpoint (path or state dict).
 
     The model config is read off the tensors (:func:`original_wan_config`; T2V, I2V, FLF2V, TI2V), or
-    taken from ``config`` (e.g. :func:`mhla_diffusion.wan_configs.wan_transformer_config`), which must
+    taken from ``config`` (e.g. :func:`mhla_diffusion.utils.wan_configs.wan_transformer_config`), which must
     agree with the tensors. MHLA layers are read from the keys: the layers that have
     ``block_attn.conv.weight`` become MHLA with the released setting (no denominator, per-head
     output RMSNorm, gate and LePE where their keys exist, mixing from the checkpoint). ``layout``

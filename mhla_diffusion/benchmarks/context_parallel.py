@@ -1,13 +1,13 @@
 """Communication of context-parallel MHLA vs Ulysses and ring attention, counted at the collectives.
 
-    python -m mhla_diffusion.context_parallel_bench --output /tmp/cp_bench.txt
+    python -m mhla_diffusion.benchmarks.context_parallel --output /tmp/cp_bench.txt
 
 Runs CPU processes (gloo) and counts every byte that enters and leaves a collective
 (``torch.distributed`` and its functional collectives are wrapped while a layer runs), for one
 Wan2.1-1.3B self-attention layer (12 heads x 128, bf16 activations) on the token grid of each video
 size:
 
-* **MHLA**: :func:`~mhla_diffusion.context_parallel_attention.mhla_attention_context_parallel` on real
+* **MHLA**: :func:`~mhla_diffusion.ops.context_parallel.mhla_attention_context_parallel` on real
   q, k, v of this process's tokens: one all-reduce of the block summaries (``H x M x D x Dv``; fp32,
   the default, and bf16 with the operator's ``reduce_dtype``). Layout 3x5x10 (150 blocks), released
   Wan setting (no denominator).
@@ -42,9 +42,9 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .context_parallel import context_parallel_config, cpu_parallel_config, run_cpu_processes
-from .context_parallel_attention import TokenShard, mhla_attention_context_parallel
-from .geometry import video_token_grid
+from ..models.context_parallel import context_parallel_config, cpu_parallel_config, run_cpu_processes
+from ..ops.context_parallel import TokenShard, mhla_attention_context_parallel
+from ..utils.geometry import video_token_grid
 
 __all__ = ["count_collectives", "main"]
 
@@ -162,9 +162,9 @@ def _timing_worker(grid: tuple[int, int, int], repeats: int, width: dict[str, in
     has more than one process; and the output, to compare with one process."""
     from diffusers import WanTransformer3DModel
 
-    from .config import MHLAConfig
-    from .context_parallel import enable_context_parallel
-    from .conversion import convert_to_mhla
+    from ..config import MHLAConfig
+    from ..models.context_parallel import enable_context_parallel
+    from ..models.conversion import convert_to_mhla
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=64, freq_dim=256,
@@ -215,7 +215,7 @@ def _format(counts: dict[str, Any], processes: int, height: int, width: int) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhla_diffusion.context_parallel_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mhla_diffusion.benchmarks.context_parallel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--frames", type=int, nargs="+", default=[17, 49, 81], help="video lengths (default 17 49 81)")
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)

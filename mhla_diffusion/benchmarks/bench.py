@@ -9,7 +9,7 @@ repeats; memory is the peak extra tensor memory of one call (GPU: allocator peak
 
 A run is described by a :class:`BenchSpec` and returns a JSON-ready dict (:func:`measure`). On a
 CPU the command measures in a fresh Python process (:func:`measure_in_fresh_process`), so that the
-allocator is what a user's own script gets (see :mod:`mhla_diffusion.cpu_memory`), not whatever the
+allocator is what a user's own script gets (see :mod:`mhla_diffusion.ops.cpu_memory`), not whatever the
 calling process did before. :func:`report_markdown` turns a result (or its saved JSON) into the
 tables, and :func:`replace_marked_section` writes them into the README between markers.
 The command line (cases, defaults, printing) is :mod:`mhla_diffusion.cli.bench`.
@@ -36,10 +36,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .attention import mhla_attention
-from .block_layout import auto_layout, num_blocks, validate_grid_layout
-from .geometry import VideoGeometry
-from .mixing import mixing_init
+from ..ops.attention import mhla_attention
+from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
+from ..utils.geometry import VideoGeometry
+from ..ops.mixing import mixing_init
 
 __all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_COLUMNS", "BenchCase", "BenchSpec",
            "PeakMemory", "TRAFFIC_GRIDS", "attention_table", "format_table", "measure", "measure_in_fresh_process",
@@ -47,9 +47,9 @@ __all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_CO
            "wan_transformer_table"]
 
 #: CPU allocator of a measuring process: ``auto`` as a user's own script gets it (glibc's defaults
-#: until the library's first CPU MHLA call keeps freed memory, see :mod:`mhla_diffusion.cpu_memory`),
+#: until the library's first CPU MHLA call keeps freed memory, see :mod:`mhla_diffusion.ops.cpu_memory`),
 #: ``default`` glibc's defaults throughout (``MHLA_KEEP_MALLOC=1``), ``retain`` kept from the start
-#: (:func:`~mhla_diffusion.cpu_memory.retain_freed_memory` first, as the CLI entry points do).
+#: (:func:`~mhla_diffusion.ops.cpu_memory.retain_freed_memory` first, as the CLI entry points do).
 MALLOC_MODES = ("auto", "default", "retain")
 
 @dataclass(frozen=True)
@@ -277,9 +277,9 @@ def wan_block_table(
     """Time one ``WanTransformerBlock`` with its default processor and with MHLA on the same inputs."""
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 
-    from .config import MHLAConfig
-    from .processors.grid import TokenGridContext
-    from .processors.wan import WanMHLAProcessor
+    from ..config import MHLAConfig
+    from ..models.processors.grid import TokenGridContext
+    from ..models.processors.wan import WanMHLAProcessor
 
     device = torch.device(device)
     layout = layout or auto_layout(grid)
@@ -351,7 +351,7 @@ def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> to
     """Cast ``model``'s floating-point parameters and buffers to ``dtype`` except those of the modules
     Diffusers keeps in float32 when loading (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
     norms, modulation), as ``from_pretrained(torch_dtype=dtype)`` does."""
-    from .weight_files import dtype_on_load
+    from ..loaders.weight_files import dtype_on_load
 
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -385,7 +385,7 @@ def wan_transformer_table(
 ) -> list[dict]:
     """Time a whole Wan2.1-1.3B-shaped transformer forward with ``layers`` blocks: stock, once per usable
     SDPA backend, and converted to MHLA (every block; cross-attention on the last usable backend). The
-    stock runs are the converted model under :func:`~mhla_diffusion.conversion.softmax_attention`
+    stock runs are the converted model under :func:`~mhla_diffusion.models.conversion.softmax_attention`
     (the same weights), interleaved with the MHLA runs (:func:`time_calls`).
 
     ``settings`` names the MHLA settings to convert to in turn (their ``layers`` and ``layout`` replaced
@@ -400,9 +400,9 @@ def wan_transformer_table(
     """
     from diffusers import WanTransformer3DModel
 
-    from .config import MHLAConfig
-    from .conversion import convert_to_mhla, revert_mhla, softmax_attention
-    from .wan_configs import wan_transformer_config
+    from ..config import MHLAConfig
+    from ..models.conversion import convert_to_mhla, revert_mhla, softmax_attention
+    from ..utils.wan_configs import wan_transformer_config
 
     device = torch.device(device)
     layout = tuple(layout or auto_layout(grid))
@@ -505,7 +505,7 @@ def _where(spec: BenchSpec, device: torch.device, fresh_process: bool) -> str:
     """The machine line of a result: GPU name, or CPU, threads and how the allocator was set."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from .cpu_memory import malloc_retained
+    from ..ops.cpu_memory import malloc_retained
 
     malloc = {
         "auto": "the library's own malloc setting",
@@ -531,7 +531,7 @@ def measure(
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     if device.type == "cpu" and spec.malloc == "retain":
-        from .cpu_memory import retain_freed_memory
+        from ..ops.cpu_memory import retain_freed_memory
 
         retain_freed_memory()
     cases = [BenchCase.of(grid, layout) for grid, layout in spec.cases]
@@ -568,7 +568,7 @@ def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
     ``default`` sets ``MHLA_KEEP_MALLOC=1`` there; ``auto`` and ``retain`` clear it, so that a value in
     this process's environment does not change what the mode measures.
     """
-    from .cpu_memory import KEEP_MALLOC_ENV
+    from ..ops.cpu_memory import KEEP_MALLOC_ENV
 
     if spec.malloc not in MALLOC_MODES:
         raise ValueError(f"`malloc` must be one of {MALLOC_MODES}, got {spec.malloc!r}")
@@ -577,7 +577,7 @@ def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
     if spec.malloc == "default":
         env[KEEP_MALLOC_ENV] = "1"
     done = subprocess.run(
-        [sys.executable, "-m", "mhla_diffusion.bench", json.dumps(spec.to_json())],
+        [sys.executable, "-m", "mhla_diffusion.benchmarks.bench", json.dumps(spec.to_json())],
         stdout=subprocess.PIPE, text=True, env=env, check=False,
     )
     if done.returncode != 0:
@@ -617,7 +617,7 @@ def replace_marked_section(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda _: f"{start}\n{body.strip()}\n{end}", text)
 
 
-if __name__ == "__main__":  # the fresh measuring process: python -m mhla_diffusion.bench '<spec json>'
+if __name__ == "__main__":  # the fresh measuring process: python -m mhla_diffusion.benchmarks.bench '<spec json>'
     _spec = BenchSpec.from_json(json.loads(sys.argv[1]))
     _result = measure(_spec, lambda text: print(text, file=sys.stderr, flush=True), fresh_process=True)
     print(json.dumps(_result))
@@ -641,7 +641,7 @@ TRAFFIC_PATHS = ("eager PyTorch", "fused Triton (counted from the launch)")
 def traffic_settings() -> dict[str, "MHLAConfig"]:
     """The settings ``mhla bench --traffic`` counts: the paper's (denominator, nothing around it) and the
     released Wan-MHLA one (no denominator, per-head output RMSNorm, SiLU gate), both on 3x5x10 blocks."""
-    from .config import MHLAConfig
+    from ..config import MHLAConfig
 
     return {"paper": MHLAConfig(layout=(3, 5, 10)), "released": MHLAConfig.released_wan()}
 
@@ -670,11 +670,11 @@ def wan_self_attention(
     """One Wan layer's MHLA self-attention, ready to call: a ``WanMHLAProcessor`` of ``config`` on
     ``device`` in ``dtype`` whose grid context holds ``grid``, and a zero-argument call of its path from
     projected ``q, k, v`` ``(B, N, H, D)`` to the attention output (feature map, RoPE, blocks, products,
-    denominator, output norm and gate: :meth:`~mhla_diffusion.processors.base.MHLAProcessor.attend`).
+    denominator, output norm and gate: :meth:`~mhla_diffusion.models.processors.base.MHLAProcessor.attend`).
     On ``meta`` the inputs are empty (for counting traffic); elsewhere random (seeded by ``seed``),
     with the RoPE tables of :func:`rotary_tables`."""
-    from .processors.grid import TokenGridContext
-    from .processors.wan import WanMHLAProcessor
+    from ..models.processors.grid import TokenGridContext
+    from ..models.processors.wan import WanMHLAProcessor
 
     grid = tuple(int(g) for g in grid)
     n, inner = math.prod(grid), heads * head_dim
@@ -701,8 +701,8 @@ def count_path(call: Callable[[], Any], fused: bool = False) -> tuple[dict[str, 
     fused launches it made. With ``fused``, MHLA processors inside take the fused Triton path
     (:func:`~mhla_diffusion.ops.triton_mhla.recording_launches`): its kernels are counted from their
     launch (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), every other op as dispatched."""
-    from .ops.traffic import count_traffic
-    from .ops.triton_mhla import fused_traffic, recording_launches
+    from ..ops.traffic import count_traffic
+    from ..ops.triton_mhla import fused_traffic, recording_launches
 
     with recording_launches() if fused else nullcontext([]) as launches:
         counter = count_traffic(call)
@@ -730,7 +730,7 @@ def wan_attention_traffic(
     takes where the fused Triton kernels run: the kernels' bytes as their launch reads and writes them
     (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), the rest (output norm, gate) op by op.
     Returns a row of :data:`TRAFFIC_COLUMNS` with the busiest ops (or kernel terms) under ``ops``."""
-    from .ops.traffic import floor_bytes
+    from ..ops.traffic import floor_bytes
 
     grid = tuple(int(g) for g in grid)
     layout = tuple(config.layout)

@@ -4,7 +4,7 @@ Diffusers never tells an attention processor the token grid. A forward pre-hook 
 reads the latent's shape on every call and writes the grid into a small shared object that the
 model's MHLA processors read, so a new resolution or frame count on the next call just works.
 
-The same object builds the :class:`~mhla_diffusion.block_layout.BlockPlan` (and so checks the grid
+The same object builds the :class:`~mhla_diffusion.ops.block_layout.BlockPlan` (and so checks the grid
 against the block layout) once per forward for each layout and device, and every MHLA layer of
 that forward reuses it, instead of every attention call building its own.
 """
@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..block_layout import BlockPlan, block_plan
-from ..context_parallel_attention import LocalBlockPlan, local_block_plan
+from ...ops.block_layout import BlockPlan, block_plan
+from ...ops.context_parallel import LocalBlockPlan, local_block_plan
 
 __all__ = ["TokenGridContext", "TokenGridHook", "install_grid_hook", "remove_grid_hook"]
 
@@ -91,7 +91,7 @@ class TokenGridContext:
         return plan
 
     def local_plan(self, layout: Sequence[int], device: torch.device | str, start: int, stop: int) -> LocalBlockPlan:
-        """The :class:`~mhla_diffusion.context_parallel_attention.LocalBlockPlan` of tokens ``start .. stop - 1``
+        """The :class:`~mhla_diffusion.ops.context_parallel.LocalBlockPlan` of tokens ``start .. stop - 1``
         (this process's share of the sequence under context parallelism), built once per forward like :meth:`plan`."""
         plan = self.plan(layout, device)
         if torch.compiler.is_compiling():

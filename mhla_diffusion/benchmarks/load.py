@@ -114,9 +114,9 @@ def write_weights(
     import torch
     from diffusers import WanTransformer3DModel
 
-    from .config import MHLAConfig
-    from .conversion import convert_to_mhla
-    from .weights import save_mhla
+    from ..config import MHLAConfig
+    from ..models.conversion import convert_to_mhla
+    from ..loaders.weights import save_mhla
 
     work_dir = Path(work_dir)
     marker = work_dir / MARKER
@@ -163,7 +163,7 @@ def _load(case: LoadCase, folders: dict[str, str]) -> Any:
     """The load being measured (runs in the worker process)."""
     import torch
 
-    from .weights import load_mhla, load_transformer
+    from ..loaders.weights import load_mhla, load_transformer
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, case.dtype or case.stored)}  # Diffusers' default is float32
     if not case.mmap:
@@ -208,10 +208,10 @@ def _warm_up(case: LoadCase) -> None:
     (Diffusers' lazy modules, kernels) belong to the baseline and not to the measured load."""
     import torch
 
-    from .config import MHLAConfig
-    from .conversion import convert_to_mhla
-    from .tiny import tiny_wan_transformer
-    from .weights import save_mhla
+    from ..config import MHLAConfig
+    from ..models.conversion import convert_to_mhla
+    from ..models.tiny import tiny_wan_transformer
+    from ..loaders.weights import save_mhla
 
     model = tiny_wan_transformer(num_layers=2).to(getattr(torch, case.stored))
     with tempfile.TemporaryDirectory() as root:
@@ -270,7 +270,7 @@ def measure_load(case: LoadCase, folders: dict[str, Path], threads: int = 1) -> 
     """Run one load in a fresh Python process and return its measurements (see the module docstring)."""
     spec = {"case": case.__dict__, "folders": {k: str(v) for k, v in folders.items()}, "threads": threads}
     done = subprocess.run(
-        [sys.executable, "-m", "mhla_diffusion.load_benchmark", json.dumps(spec)],
+        [sys.executable, "-m", "mhla_diffusion.benchmarks.load", json.dumps(spec)],
         capture_output=True, text=True, check=False,
     )
     if done.returncode != 0:
@@ -314,5 +314,5 @@ def parameter_count(config: dict[str, Any]) -> int:
     return sum(math.prod(p.shape) for p in model.parameters())
 
 
-if __name__ == "__main__":  # the worker: python -m mhla_diffusion.load_benchmark '<spec json>'
+if __name__ == "__main__":  # the worker: python -m mhla_diffusion.benchmarks.load '<spec json>'
     print(json.dumps(_worker(json.loads(sys.argv[1]))))

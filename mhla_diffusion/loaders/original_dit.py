@@ -24,7 +24,7 @@ Where the two models differ from Diffusers' ``DiTTransformer2DModel``:
 * The original pre-MLP LayerNorm has eps 1e-6 (Diffusers' default ``norm_eps`` is 1e-5), and the
   original timestep sinusoid divides by 128 frequencies where Diffusers divides by 127: the import
   sets ``norm_eps=1e-6`` and ``timestep_freq_shift=0``
-  (:func:`~mhla_diffusion.models.set_timestep_freq_shift`), so the imported model computes what the
+  (:func:`~mhla_diffusion.models.transformers.set_timestep_freq_shift`), so the imported model computes what the
   original does.
 
 The released DiT-MHLA model runs its tokens in block-major order; our processors keep Diffusers'
@@ -48,9 +48,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .config import MHLAConfig
-from .dit_sizes import DIT_MODEL_SIZES, DiTModelSize, dit_model_size
-from .conversion import convert_to_mhla
+from ..config import MHLAConfig
+from ..utils.dit_sizes import DIT_MODEL_SIZES, DiTModelSize, dit_model_size
+from ..models.conversion import convert_to_mhla
 from .weight_files import read_checkpoint_file
 from .weights import check_state_dict
 
@@ -383,13 +383,13 @@ def load_original_dit(
         dtype: cast the model after loading (the checkpoint's own float32 otherwise).
 
     Returns a plain ``DiTTransformer2DModel`` for an original DiT, and a
-    :class:`~mhla_diffusion.models.MHLADiTTransformer2DModel` converted with
+    :class:`~mhla_diffusion.models.transformers.MHLADiTTransformer2DModel` converted with
     :meth:`MHLAConfig.released_dit` (mixing, input LayerNorm and LePE from the checkpoint) for a
     DiT-MHLA one; in eval mode, computing what the original model computes.
     """
     from diffusers import DiTTransformer2DModel
 
-    from .models import MHLADiTTransformer2DModel, set_timestep_freq_shift
+    from ..models.transformers import MHLADiTTransformer2DModel, set_timestep_freq_shift
 
     if isinstance(checkpoint, (str, os.PathLike)):
         state_dict = read_dit_checkpoint(checkpoint, weights)

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import HALF_DTYPES, mhla_attention
-from ..block_layout import num_blocks
-from ..config import MHLAConfig
-from ..context_parallel_attention import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
-from ..geometry import check_equal_blocks
-from ..mixing import mixing_init
-from ..ops.triton_mhla import fused_available, mhla_attention_fused
+from ...ops.attention import HALF_DTYPES, mhla_attention
+from ...ops.block_layout import num_blocks
+from ...config import MHLAConfig
+from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
+from ...utils.geometry import check_equal_blocks
+from ...ops.mixing import mixing_init
+from ...ops.triton_mhla import fused_available, mhla_attention_fused
 from .grid import TokenGridContext
 
 __all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "head_rms_norm", "kept_in_fp32"]
@@ -79,7 +79,7 @@ class MHLAProcessor(nn.Module):
     lepe_identity_init: bool = False
     #: Diffusers' ``enable_parallelism`` sets its ``ParallelConfig`` here (on every processor that has the
     #: attribute); with context parallelism each call then holds one process's tokens
-    #: (:mod:`mhla_diffusion.context_parallel_attention`).
+    #: (:mod:`mhla_diffusion.ops.context_parallel`).
     _parallel_config = None
 
     def __init__(

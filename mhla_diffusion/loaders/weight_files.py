@@ -1,9 +1,9 @@
 """The files of a saved MHLA folder: find them (local folder or hub repo), read them, and load their
 tensors strictly into a transformer.
 
-The layer under both :mod:`mhla_diffusion.weights` (``save_mhla`` / ``load_mhla``) and
-:mod:`mhla_diffusion.models` (transformer classes whose ``from_pretrained`` restores MHLA), so that
-neither has to import the other. The folder format itself is described in :mod:`mhla_diffusion.weights`.
+The layer under both :mod:`mhla_diffusion.loaders.weights` (``save_mhla`` / ``load_mhla``) and
+:mod:`mhla_diffusion.models.transformers` (transformer classes whose ``from_pretrained`` restores MHLA), so that
+neither has to import the other. The folder format itself is described in :mod:`mhla_diffusion.loaders.weights`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .config import MHLAConfig
-from .conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
-from .processors.base import kept_in_fp32
-from .processors.grid import TokenGridContext
+from ..config import MHLAConfig
+from ..models.conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
+from ..models.processors.base import kept_in_fp32
+from ..models.processors.grid import TokenGridContext
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -194,7 +194,7 @@ def dtype_on_load(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtyp
     """The dtype Diffusers' ``from_pretrained(dtype=dtype)`` gives ``model``'s floating tensor ``name``: float32
     inside the modules the class keeps in float32 (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
     norms, modulation tables) and for the MHLA parameters the processors keep in float32
-    (:data:`~mhla_diffusion.processors.base.FP32_PARAMETERS`), ``dtype`` everywhere else."""
+    (:data:`~mhla_diffusion.models.processors.base.FP32_PARAMETERS`), ``dtype`` everywhere else."""
     keep = getattr(model, "_keep_in_fp32_modules", None) or ()
     if any(part in keep for part in name.split(".")) or (kept_in_fp32(name) and dtype.itemsize < 4):
         return torch.float32

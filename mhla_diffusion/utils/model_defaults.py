@@ -12,7 +12,7 @@ comes from the first of these that has it:
    the settings ``mhla build-embedded`` trains it with (:class:`~mhla_diffusion.embedded.locations.EmbeddedDefaults`,
    which the build reads too);
 3. **a published Wan model**, recognised by its name in the hub id or folder name (``Wan2.2-TI2V-5B``)
-   or, for a local folder, by its transformer config (:mod:`mhla_diffusion.wan_configs`): its
+   or, for a local folder, by its transformer config (:mod:`mhla_diffusion.utils.wan_configs`): its
    published frames, size and frame rate (:data:`PUBLISHED_WAN_SIZES`);
 4. **Diffusers' pipeline defaults** for what is left: 50 steps, guidance 5.0 (``WanPipeline``) or
    4.0 (``DiTPipeline``), 512 text tokens, 16 fps. No size: a model none of the above describes has
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .embedded.locations import embedded_defaults, embedded_folder
+from ..embedded.locations import embedded_defaults, embedded_folder
 from .geometry import read_component_config
 from .wan_configs import WAN_TRANSFORMER_CONFIGS
 

@@ -3,7 +3,7 @@
 The values are those of Diffusers' own Wan conversion script and the ``transformer/config.json`` of
 the ``Wan-AI/*-Diffusers`` repositories: every keyword of ``WanTransformer3DModel.__init__``, so
 ``WanTransformer3DModel(**config)`` builds the model (on the meta device for a model that does not
-fit in memory: see :func:`mhla_diffusion.original_format.empty_wan_transformer`). Nothing here
+fit in memory: see :func:`mhla_diffusion.loaders.original_wan.empty_wan_transformer`). Nothing here
 imports torch; the dicts returned by :func:`wan_transformer_config` are fresh copies.
 
 Shared by every entry: ``attention_head_dim`` 128 (``num_attention_heads x 128`` is the model width),

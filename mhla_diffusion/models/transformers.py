@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from diffusers import DiTTransformer2DModel, WanTransformer3DModel
 
-from .weight_files import from_pretrained_keeping_mhla
+from ..loaders.weight_files import from_pretrained_keeping_mhla
 
 __all__ = [
     "MHLADiTTransformer2DModel",
@@ -41,7 +41,7 @@ def set_timestep_freq_shift(transformer: DiTTransformer2DModel, shift: float) ->
     uses ``10000 ** (-i / 128)``, i.e. ``shift = 0``. Weights imported from an original checkpoint
     reproduce the original model only with ``shift = 0``. The value goes into the transformer's
     config, so ``save_pretrained`` writes it to ``config.json``; :class:`MHLADiTTransformer2DModel`
-    (and :func:`mhla_diffusion.weights.load_transformer`) apply it again on loading. Stock
+    (and :func:`mhla_diffusion.loaders.weights.load_transformer`) apply it again on loading. Stock
     ``DiTTransformer2DModel.from_pretrained`` warns that it ignores the key and keeps ``shift = 1``.
     """
     for block in transformer.transformer_blocks:

@@ -159,7 +159,7 @@ def tiny_wan_pipeline(num_layers: int = 2, seed: int = 0, variant: str = "wan2.1
       ``transformer_2`` (seed + 1), ``boundary_ratio`` 0.875 / 0.9; the I2V one is a ``WanImageToVideoPipeline``
       without image encoder (36 input channels, image latents only).
 
-    Size rules: ``VideoGeometry.from_pipeline(pipe)`` (:mod:`mhla_diffusion.geometry`), with a RoPE table of
+    Size rules: ``VideoGeometry.from_pipeline(pipe)`` (:mod:`mhla_diffusion.utils.geometry`), with a RoPE table of
     32 positions per axis. Every variant samples in well under a second on a CPU (e.g. 9x32x32, 2 steps;
     TI2V needs multiples of 32 px).
     """

@@ -10,9 +10,9 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from .block_layout import auto_layout, num_blocks, validate_grid_layout
-from .config import MHLAConfig
-from .geometry import ImageGeometry, VideoGeometry, check_equal_blocks
+from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
+from ..config import MHLAConfig
+from ..utils.geometry import ImageGeometry, VideoGeometry, check_equal_blocks
 from .processors.base import MHLAProcessor
 from .processors.dit import DiTMHLAProcessor
 from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook

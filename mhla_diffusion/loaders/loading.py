@@ -66,7 +66,7 @@ def local_labels(model: str | os.PathLike) -> tuple[dict[str, int], int] | None:
     index, config = Path(model, "model_index.json"), Path(model, "transformer", "config.json")
     if not (index.is_file() and config.is_file()):
         return None
-    from .pipelines.class_labels import label_index
+    from ..pipelines.class_labels import label_index
 
     id2label = json.loads(index.read_text()).get("id2label")
     return label_index(id2label), int(json.loads(config.read_text()).get("num_embeds_ada_norm") or 1000)
@@ -85,7 +85,7 @@ def load_transformer_file(path: str | os.PathLike, dtype: Any = None) -> Any:
     """A transformer from ``--transformer``: an original-format Wan checkpoint file (``.safetensors``,
     ``.pt``), a folder saved with MHLA (:func:`~mhla_diffusion.save_mhla` ``include_base``, ``mhla
     import-wan``), or a plain Diffusers transformer folder."""
-    from .original_format import load_original_wan
+    from .original_wan import load_original_wan
     from .weights import load_mhla, load_transformer, read_mhla_config
 
     path = Path(path)

@@ -11,7 +11,7 @@ the token sequence at ``blocks.0`` (and the RoPE tables) and gather it at ``proj
 that defines ``_parallel_config`` receives the config. MHLA processors define it, learn this process's
 token range from the config's flattened ``(ring, ulysses)`` mesh and the whole token grid (recorded by
 the grid pre-hook before the split), and all-reduce their block summaries
-(:mod:`mhla_diffusion.context_parallel_attention`); softmax layers of a hybrid model use Diffusers'
+(:mod:`mhla_diffusion.ops.context_parallel`); softmax layers of a hybrid model use Diffusers'
 Ulysses or ring attention as usual.
 
 Why not only ``enable_parallelism``: in Diffusers 0.42 it picks the device as
@@ -57,7 +57,7 @@ from torch import nn
 
 from .conversion import _patch_size, model_family, self_attention_layers
 from .processors.base import MHLAProcessor
-from .sequence_split import split_sizes
+from ..utils.sequence_split import split_sizes
 
 __all__ = [
     "ParallelLayout",
@@ -337,7 +337,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
 
 
 #: Modules the fork server of :func:`run_cpu_processes` imports before forking the processes.
-_PRELOAD = ("torch", "torch.distributed", "diffusers", "diffusers.models.transformers.transformer_wan", "mhla_diffusion.context_parallel")
+_PRELOAD = ("torch", "torch.distributed", "diffusers", "diffusers.models.transformers.transformer_wan", "mhla_diffusion.models.context_parallel")
 
 
 def run_cpu_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:

@@ -1,7 +1,7 @@
 """DiT model sizes, and each as a Diffusers ``DiTTransformer2DModel`` config.
 
 The DiT paper's ``DiT_models`` table, in one place for the importer of original checkpoints
-(:mod:`mhla_diffusion.original_dit`) and the from-scratch trainer (``model_size``): ``DiT-S/2`` ...
+(:mod:`mhla_diffusion.loaders.original_dit`) and the from-scratch trainer (``model_size``): ``DiT-S/2`` ...
 ``DiT-XL/8``, ``DiT-L/2-half``, ``DiT-L/2-half-small-head``. No torch import.
 
 =========================  =====  ======  =====  ============

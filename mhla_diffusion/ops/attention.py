@@ -7,11 +7,11 @@ For query token ``t`` in block ``b(t)``:
     z̃_o = Σ_j W[o, j] z_j,   z_j = Σ_{s in block j} k_s           (key sum of block j)
 
 which equals ``Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s`` divided by ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps``,
-the O(N^2) form kept in :mod:`mhla_diffusion.attention_reference`. Cost is O(N D Dv + M^2 D Dv) per
+the O(N^2) form kept in :mod:`mhla_diffusion.ops.naive`. Cost is O(N D Dv + M^2 D Dv) per
 head and no N x N matrix is ever formed.
 
 A grid with fewer tokens than blocks on some axis leaves *empty* blocks (see
-:mod:`mhla_diffusion.block_layout`): their ``S_j`` and ``z_j`` are zero, so they add nothing to any
+:mod:`mhla_diffusion.ops.block_layout`): their ``S_j`` and ``z_j`` are zero, so they add nothing to any
 mixed sum, and they hold no query (their padded slots are dropped, with denominator 1 so that no
 ``0 / 0`` reaches the gradients).
 
@@ -37,7 +37,7 @@ import torch
 
 from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
 from .cpu_memory import retain_freed_memory_on_first_use
-from .geometry import check_equal_blocks
+from ..utils.geometry import check_equal_blocks
 
 __all__ = ["HALF_DTYPES", "LocalPlan", "SequenceSplit", "check_feature_arguments", "mhla_attention", "normalization_mode",
            "validate_attention_inputs", "without_autocast"]
@@ -72,7 +72,7 @@ def validate_attention_inputs(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check the operator's arguments; raise ``ValueError`` naming the first bad one.
 
-    With a ``plan`` (built by :func:`~mhla_diffusion.block_layout.block_plan`, which validated its
+    With a ``plan`` (built by :func:`~mhla_diffusion.ops.block_layout.block_plan`, which validated its
     grid and layout), grid and layout are only compared with the plan's, not validated again.
     ``num_tokens`` is the grid's token count, default ``N`` of ``q``; the context-parallel operator
     passes the whole sequence's count, since its ``q`` holds only one rank's tokens.
@@ -172,7 +172,7 @@ def mhla_attention(
             otherwise. Denominators use the un-rotated ``q``, ``k``.
         eps: added to the denominator.
         heads_per_chunk: process this many heads at a time to bound the working memory (default: all).
-        plan: the :class:`~mhla_diffusion.block_layout.BlockPlan` of ``grid`` and ``layout`` on the
+        plan: the :class:`~mhla_diffusion.ops.block_layout.BlockPlan` of ``grid`` and ``layout`` on the
             inputs' device, built once and reused across calls (the MHLA processors get one per
             transformer forward from their grid context); default: built here. A plan for another
             grid, layout or device raises ``ValueError``. The result does not depend on it.
@@ -183,14 +183,14 @@ def mhla_attention(
             operator on ``φ(q)``, ``φ(k)``.
         rotary: with ``feature_eps``, Wan's RoPE tables ``(cos, sin)``, each ``(1, N, 1, D)`` (channel
             pairs ``(2i, 2i+1)`` rotate by angle ``i``; see
-            :func:`~mhla_diffusion.processors.base.apply_interleaved_rotary`), applied after the feature
+            :func:`~mhla_diffusion.models.processors.base.apply_interleaved_rotary`), applied after the feature
             map on the numerator path: the same as ``q_rot = RoPE(φ(q))``, ``k_rot = RoPE(φ(k))``.
 
     ``layout`` may have more blocks than ``grid`` has tokens on an axis: the blocks that receive no
     token are empty (zero key-value summary and key sum, no query), as in the reference.
 
     On a CPU, the first call in a process makes glibc keep freed memory for reuse (logged; see
-    :mod:`mhla_diffusion.cpu_memory`, ``MHLA_KEEP_MALLOC=1`` opts out): otherwise every large
+    :mod:`mhla_diffusion.ops.cpu_memory`, ``MHLA_KEEP_MALLOC=1`` opts out): otherwise every large
     temporary of a call at video length is page-faulted in again, which costs more than the arithmetic.
 
     Returns:
@@ -429,7 +429,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class LocalPlan(Protocol):
     """What :class:`_Blocks` needs of a block plan: a :class:`BlockPlan`, or the context-parallel
-    :class:`~mhla_diffusion.context_parallel_attention.LocalBlockPlan` of one process's tokens."""
+    :class:`~mhla_diffusion.ops.context_parallel.LocalBlockPlan` of one process's tokens."""
 
     num_blocks: int
     block_len: int
@@ -439,7 +439,7 @@ class LocalPlan(Protocol):
 
 
 class SequenceSplit(Protocol):
-    """The context-parallel hook of the block math (:mod:`mhla_diffusion.context_parallel_attention`):
+    """The context-parallel hook of the block math (:mod:`mhla_diffusion.ops.context_parallel`):
     this process holds some tokens of the sequence, regrouped by ``plan`` into its ``(M_l, P_l)`` local
     blocks, which are the global blocks ``blocks`` ``(M_l,)``; the partial sums of its keys are completed
     across processes."""

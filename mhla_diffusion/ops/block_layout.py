@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .geometry import validate_grid_layout
+from ..utils.geometry import validate_grid_layout
 
 __all__ = [
     "BlockPlan",
@@ -66,7 +66,7 @@ class BlockPlan:
 
     ``grid`` and ``layout`` record what the plan was built for, so that a plan built once (the MHLA
     processors get one per transformer forward) can be passed to
-    :func:`~mhla_diffusion.attention.mhla_attention` and checked there cheaply.
+    :func:`~mhla_diffusion.ops.attention.mhla_attention` and checked there cheaply.
     """
 
     num_blocks: int

@@ -41,8 +41,8 @@ from .attention import (
     without_autocast,
 )
 from .block_layout import BlockPlan, block_plan
-from .geometry import check_equal_blocks
-from .sequence_split import split_sizes
+from ..utils.geometry import check_equal_blocks
+from ..utils.sequence_split import split_sizes
 
 __all__ = [
     "LocalBlockPlan",
@@ -157,7 +157,7 @@ def local_block_plan(plan: BlockPlan, start: int, stop: int) -> LocalBlockPlan:
     """The :class:`LocalBlockPlan` of tokens ``start .. stop - 1`` of ``plan``'s grid (O(N_local) integer work).
 
     Block membership comes from ``plan.scatter`` (``block * P + slot`` of every token), so the
-    token -> block rule stays in :mod:`mhla_diffusion.block_layout`. Local blocks are padded only to
+    token -> block rule stays in :mod:`mhla_diffusion.ops.block_layout`. Local blocks are padded only to
     the largest number of *local* tokens in one block, so the work buffers scale with the local
     token count even when every block straddles processes.
     """
@@ -348,7 +348,7 @@ def grid_conv_context_parallel(
 
 @dataclass
 class _SplitSequence:
-    """The block math's context-parallel hook (:class:`~mhla_diffusion.attention.SequenceSplit`): partial sums
+    """The block math's context-parallel hook (:class:`~mhla_diffusion.ops.attention.SequenceSplit`): partial sums
     of this process's keys placed at their global blocks and all-reduced over ``shard.group``."""
 
     shard: TokenShard
@@ -407,7 +407,7 @@ def mhla_attention_context_parallel(
     feature_eps: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """:func:`~mhla_diffusion.attention.mhla_attention` of one process's tokens of a split sequence.
+    """:func:`~mhla_diffusion.ops.attention.mhla_attention` of one process's tokens of a split sequence.
 
     Every process of ``shard.group`` calls it (collectively) with its own tokens. The block math is the
     one-process operator's, with a hook that all-reduces the keys' partial summaries.

@@ -7,9 +7,9 @@ such blocks (gathered blocks, summaries, the output), and on this project's 2-co
 freed memory for reuse removes that cost for every operation in the process; PyTorch's CUDA caching
 allocator does the same on GPUs.
 
-So the first time :func:`~mhla_diffusion.attention.mhla_attention` runs on a CPU tensor in a process
+So the first time :func:`~mhla_diffusion.ops.attention.mhla_attention` runs on a CPU tensor in a process
 (directly, or through an MHLA attention processor), it calls :func:`retain_freed_memory` once and
-logs that it did, with ``logging.info`` on the ``mhla_diffusion.cpu_memory`` logger. Setting the
+logs that it did, with ``logging.info`` on the ``mhla_diffusion.ops.cpu_memory`` logger. Setting the
 environment variable ``MHLA_KEEP_MALLOC=1`` keeps glibc's settings untouched: then neither that
 first use nor any entry point nor :func:`retain_freed_memory` changes the allocator. Under
 ``torch.compile`` the setting is not applied from inside the compiled graph.

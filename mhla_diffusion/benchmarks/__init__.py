@@ -1,0 +1,2 @@
+"""What ``mhla bench`` measures: operator and model speed, memory traffic, loading and context
+parallelism."""
