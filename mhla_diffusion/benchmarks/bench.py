@@ -36,10 +36,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..config import MHLAConfig
 from ..ops.attention import mhla_attention
 from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
-from ..utils.geometry import VideoGeometry
 from ..ops.mixing import mixing_init
+from ..utils.geometry import VideoGeometry
 
 __all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_COLUMNS", "BenchCase", "BenchSpec",
            "PeakMemory", "TRAFFIC_GRIDS", "attention_table", "format_table", "measure", "measure_in_fresh_process",
@@ -202,6 +203,11 @@ def plain_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ep
     return torch.einsum("bnhd,bhde->bnhe", q, kv) / (torch.einsum("bnhd,bhd->bnh", q, z).unsqueeze(-1) + eps)
 
 
+def feature_map(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """MHLA's feature map ``ReLU(x) + eps`` as a user writes it for a linear attention: one new tensor."""
+    return torch.relu(x).add_(eps)
+
+
 def attention_table(
     cases: Sequence[BenchCase],
     heads: int = 12,
@@ -215,7 +221,9 @@ def attention_table(
     log: Callable[[str], None] = lambda _: None,
 ) -> list[dict]:
     """Time SDPA, global linear attention (:func:`plain_linear_attention`, and the MHLA operator with one
-    block) and MHLA on the same random inputs for every case; ``mhla_over_linear`` is against the plain one."""
+    block) and MHLA on the same random inputs for every case, on feature-mapped ``q, k`` and (rows ``+ φ``)
+    from raw projections with the feature map included; ``mhla_over_linear`` is MHLA's time over the plain
+    linear attention's on the same inputs (on the ``mhla`` and ``mhla + φ`` rows)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     device = torch.device(device)
@@ -226,10 +234,12 @@ def attention_table(
         if case.grid not in inputs:
             g = torch.Generator().manual_seed(0)
             shape = (1, case.tokens, heads, head_dim)
-            inputs = {case.grid: tuple(  # one grid's inputs alive at a time
-                x.to(device, dtype) for x in (torch.rand(shape, generator=g), torch.rand(shape, generator=g), torch.randn(shape, generator=g))
+            inputs = {case.grid: tuple(  # one grid's inputs alive at a time: features q, k, values v, projections
+                x.to(device, dtype) for x in (torch.rand(shape, generator=g), torch.rand(shape, generator=g),
+                                              torch.randn(shape, generator=g), torch.randn(shape, generator=g),
+                                              torch.randn(shape, generator=g))
             )}
-        q, k, v = inputs[case.grid]
+        q, k, v, q_raw, k_raw = inputs[case.grid]
         io_bytes = 4 * q.numel() * q.element_size()  # q, k, v and the output
         ones = (1,) * len(case.grid)
         methods: list[tuple[str, Callable[[], object]]] = []
@@ -241,6 +251,10 @@ def attention_table(
         methods.append(("linear", lambda: plain_linear_attention(q, k, v)))
         methods.append(("linear (MHLA, 1 block)", lambda: mhla_attention(q, k, v, case.grid, ones, one)))
         mixing = mixing_init(case.layout).to(device, dtype)
+        # from raw projections, the feature map φ(x) = ReLU(x) + eps included: the processors' path
+        eps = MHLAConfig().eps
+        methods.append(("linear + φ", lambda: plain_linear_attention(feature_map(q_raw, eps), feature_map(k_raw, eps), v)))
+        methods.append(("mhla + φ", lambda: mhla_attention(q_raw, k_raw, v, case.grid, case.layout, mixing, feature_eps=eps)))
         methods.append(("mhla", lambda: mhla_attention(q, k, v, case.grid, case.layout, mixing)))
         grid = "x".join(map(str, case.grid))
         timings = time_calls(dict(methods), repeats, warmup, device, lambda text: log(f"  {grid} {text}"))
@@ -257,6 +271,7 @@ def attention_table(
                 "peak_extra_mb": peak / 2**20,
                 "extra_vs_io": peak / io_bytes,
             })
+        rows[-2].update(mhla_over_linear=timings["mhla + φ"][0] / timings["linear + φ"][0])
         rows[-1].update(sdpa_over_mhla=None if sdpa is None else sdpa / mhla, mhla_over_linear=mhla / linear)
     return rows
 

@@ -78,11 +78,12 @@ def test_peak_memory_tracker_counts_new_tensors_only():
 def test_attention_table_reports_ratios():
     rows = attention_table([BenchCase.of((2, 4, 6)), BenchCase.of((3, 4, 4), (1, 2, 2))], heads=2, head_dim=8, repeats=1)
     methods = [r["method"] for r in rows]
-    assert methods == ["sdpa (native)", "linear", "linear (MHLA, 1 block)", "mhla"] * 2
-    mhla = rows[3]
+    assert methods == ["sdpa (native)", "linear", "linear (MHLA, 1 block)", "linear + φ", "mhla + φ", "mhla"] * 2
+    mapped, mhla = rows[4], rows[5]
     assert mhla["layout"].endswith("(auto)") and mhla["blocks"] == math.prod(BenchCase.of((2, 4, 6)).layout)
     assert mhla["sdpa_over_mhla"] > 0 and mhla["mhla_over_linear"] > 0 and mhla["median_ms"] > 0
-    assert "sdpa_over_mhla" not in rows[0]
+    assert mapped["mhla_over_linear"] > 0 and "sdpa_over_mhla" not in mapped
+    assert "sdpa_over_mhla" not in rows[0] and "mhla_over_linear" not in rows[3]
 
 
 def test_bench_command_prints_both_tables(tmp_path, capsys):
