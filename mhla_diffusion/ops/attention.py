@@ -292,6 +292,13 @@ def _mhla_blocks(
     tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
     # with RoPE the feature map's shift is folded into the rotation and the sums: φ itself is never stored
     shift = 0.0 if tables is None else float(feature_eps)
+    # One feature tensor per side (no rotation) and the paper's denominator: the key sum rides along as one
+    # more value channel (a column of ones), S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j], is mixed with S_j, and
+    # q · z̃ comes out of the query product as its last column: no separate passes over the keys and queries
+    # for the denominator. Half inputs keep their float32 key sums apart; uneven grids would pay a copy.
+    fold_key_sum = (normalize == "denominator" and tables is None and q_rot is None and k_rot is None
+                    and blocks.write_views and blocks.even and dtype not in HALF_DTYPES)
+    den = den and not fold_key_sum
 
     def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Block-major (numerator features, denominator features or None) of one of q, k."""
@@ -305,9 +312,12 @@ def _mhla_blocks(
         return blocks.rotate(relu_x, tables), (relu_x if den else None)
 
     # keys and values first; each step makes its block copies itself and frees them before the next step
-    summaries = _Summaries.of(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True),
-                              mixing, shift, split)
-    return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+    summaries = _Summaries.of(
+        blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True, ones_column=fold_key_sum),
+        mixing, shift, split,
+    )
+    mode = "folded" if fold_key_sum else normalize
+    return _block_output(blocks, summaries, lambda: features(q, q_rot), mode, eps, shift, v.dtype)
 
 
 #: The half-precision floating dtypes (16-bit).
@@ -345,10 +355,16 @@ class _Blocks:
     def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return (x.shape[0], x.shape[2], self.plan.num_blocks, self.plan.block_len, x.shape[3])
 
-    def gather(self, x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
-        """``x`` in block-major order, a new contiguous tensor; padded slots zeroed with ``zero_padding``."""
+    def gather(self, x: torch.Tensor, zero_padding: bool = False, ones_column: bool = False) -> torch.Tensor:
+        """``x`` in block-major order, a new contiguous tensor; padded slots zeroed with ``zero_padding``.
+        With ``ones_column`` (even grids), ``(B, H, M, P, d + 1)``: ``x`` and a last channel of ones."""
         if self.even:  # one pass: read through the strided view, write block-major in `dtype`
             view = self.block_view(x)
+            if ones_column:
+                wide = torch.empty((*view.shape[:-1], view.shape[-1] + 1), dtype=self.dtype, device=x.device)
+                wide[..., :-1].copy_(view)
+                wide[..., -1] = 1
+                return wide.view(*self._shape(x)[:-1], -1)
             return torch.empty(view.shape, dtype=self.dtype, device=x.device).copy_(view).view(self._shape(x))
         xb = x.transpose(1, 2).index_select(2, self.plan.gather).view(self._shape(x)).to(self.dtype)
         if zero_padding and self.plan.valid is not None:
@@ -509,15 +525,18 @@ def _block_output(
 
     ``query_features()``: block-major (numerator's rotated query features ``(B, H, M, P, D)``, denominator's
     or None), ``shift`` to be added to the latter (the feature map's ``eps`` when they are ``ReLU(q)``, else
-    0). Returns ``(B, N, H, Dv)`` in ``out_dtype``.
+    0). ``normalize`` ``"folded"``: the summaries carry the key sums as their last value channel, so the
+    product's last channel is the denominator. Returns ``(B, N, H, Dv)`` in ``out_dtype``.
     """
     q_num, q_den = query_features()
-    out = q_num @ summaries.mixed  # (B, H, M, P, Dv)
+    out = q_num @ summaries.mixed  # (B, H, M, P, Dv), or (.., Dv + 1) folded
     del q_num
     summaries.mixed = None  # freed before the denominator and the way back to token order
     denominator = None
     key_sum = summaries.key_sum
-    if normalize == "denominator":
+    if normalize == "folded":  # q_(o,w) · z̃_o is the last channel
+        out, denominator = out[..., :-1], out[..., -1:].add_(eps)
+    elif normalize == "denominator":
         mixed_sum = summaries.mix(key_sum)  # z̃_o: (B, H, M, D)
         denominator = _matmul(q_den, mixed_sum.unsqueeze(-1))  # q_(o,w) · z̃_o: (B, H, M, P, 1)
         denominator = denominator + (shift * mixed_sum.sum(-1) + eps)[..., None, None]
