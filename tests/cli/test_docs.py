@@ -67,7 +67,10 @@ def test_every_docs_page_is_linked():
     assert [page.name for page in PAGES if page.name not in targets] == []
 
 
-@pytest.mark.parametrize("doc", [README, *PAGES], ids=lambda path: str(path.relative_to(REPO)))
+FOLDER_READMES = [REPO / folder / "README.md" for folder in ("pipelines", "finetune", "eval")]
+
+
+@pytest.mark.parametrize("doc", [README, *PAGES, *FOLDER_READMES], ids=lambda path: str(path.relative_to(REPO)))
 def test_links_lead_to_files_and_headings_that_exist(doc):
     broken = []
     for target in _LINK.findall(doc.read_text()):
