@@ -23,8 +23,8 @@ measured):
                  time of one forward, peak memory, 100 forwards (50 steps with guidance) extrapolated.
 ``compile``      ``torch.compile`` (Inductor) of the processor's path: compile time, time after warm-up.
 
-Then the Markdown (:func:`render_markdown`) goes into the README between ``<!-- mhla-bench:cuda -->`` and
-``<!-- /mhla-bench:cuda -->`` with ``--write-readme README.md`` (also from a saved JSON: ``--report``).
+Then the Markdown (:func:`render_markdown`) goes into ``docs/speed.md`` between ``<!-- mhla-bench:cuda -->`` and
+``<!-- /mhla-bench:cuda -->`` with ``--write-doc docs/speed.md`` (also from a saved JSON: ``--report``).
 
 ``--smoke`` runs every stage at tiny sizes on the CPU, in one process (the test suite does, in
 ``tests/bench/test_gpu_session.py``); parts that need CUDA are skipped with a note saying so. On CUDA each
@@ -66,7 +66,7 @@ from mhla_diffusion.benchmarks.bench import (  # noqa: E402
 
 FORMAT = "mhla-gpu-session/1"
 JSON_NAME, MARKDOWN_NAME = "gpu_session.json", "gpu_session.md"
-README_SECTION = "cuda"
+DOC_SECTION = "cuda"
 #: Relative error ‖out − ref‖ / ‖ref‖ a bf16 result may have (bf16 operands land between 1e-3 and 1e-2).
 BF16_TOLERANCE = 1e-2
 SDPA_KERNELS = ("flash", "cudnn", "efficient", "math")
@@ -790,7 +790,7 @@ def _correctness_summary(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_markdown(session: dict[str, Any]) -> str:
-    """The README's "On a GPU" section from a session's JSON (whatever stages it holds)."""
+    """The "On a GPU" section of ``docs/speed.md`` from a session's JSON (whatever stages it holds)."""
     stages = session.get("stages", {})
     versions = stages.get("versions", {})
     v = versions.get("versions", {})
@@ -850,9 +850,9 @@ def render_markdown(session: dict[str, Any]) -> str:
     return "\n".join(lines).strip()
 
 
-def write_readme(readme: Path, session: dict[str, Any]) -> None:
-    """Replace the README's marked GPU section by :func:`render_markdown` of ``session``."""
-    readme.write_text(replace_marked_section(readme.read_text(), README_SECTION, render_markdown(session)))
+def write_doc(page: Path, session: dict[str, Any]) -> None:
+    """Replace the marked GPU section of the Markdown ``page`` by :func:`render_markdown` of ``session``."""
+    page.write_text(replace_marked_section(page.read_text(), DOC_SECTION, render_markdown(session)))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -866,7 +866,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated subset of {','.join(STAGE_NAMES)}")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each stage in its own time-limited process (default: on CUDA, not with --smoke)")
-    p.add_argument("--write-readme", type=Path, help="replace the README's <!-- mhla-bench:cuda --> section")
+    p.add_argument("--write-doc", type=Path, metavar="PAGE",
+                   help="replace the <!-- mhla-bench:cuda --> section of the Markdown page PAGE (docs/speed.md)")
     p.add_argument("--report", type=Path, help="render a saved gpu_session.json (measures nothing)")
     p.add_argument("--stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)  # one stage, in an isolated process
     return p.parse_args(argv)
@@ -883,13 +884,13 @@ def _check_args(args: argparse.Namespace) -> str | None:
     unknown = sorted(set(args.stages.split(",")) - set(STAGE_NAMES))
     if unknown:
         return f"--stages: unknown {','.join(unknown)}; choose from {','.join(STAGE_NAMES)}"
-    if args.write_readme is not None:
-        if not args.write_readme.is_file():
-            return f"--write-readme {args.write_readme}: no such file"
+    if args.write_doc is not None:
+        if not args.write_doc.is_file():
+            return f"--write-doc {args.write_doc}: no such file"
         try:
-            replace_marked_section(args.write_readme.read_text(), README_SECTION, "")
+            replace_marked_section(args.write_doc.read_text(), DOC_SECTION, "")
         except ValueError as error:
-            return f"--write-readme {args.write_readme}: {error}"
+            return f"--write-doc {args.write_doc}: {error}"
     if args.report is None and not args.smoke and not torch.cuda.is_available():
         return "no CUDA device here: run on a GPU, or with --smoke for the CPU check at tiny sizes"
     return None
@@ -911,8 +912,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         isolate = (not args.smoke) if args.isolate is None else args.isolate
         session = run_session(args.out, args.smoke, args.budget_s, tuple(args.stages.split(",")), isolate)
-    if args.write_readme is not None:
-        write_readme(args.write_readme, session)
+    if args.write_doc is not None:
+        write_doc(args.write_doc, session)
     print(render_markdown(session))
     return 0
 

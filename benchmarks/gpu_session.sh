@@ -11,7 +11,7 @@
 #      Markdown in $OUT are rewritten after every stage, so a cut run keeps what it measured, and the
 #      reply's output_tail ends with the Markdown.
 #   3. here, after it: copy gpu_session.json from the reply's files_at into benchmarks/results/ (dated name),
-#        python benchmarks/gpu_session.py --report benchmarks/results/<file>.json --write-readme README.md
+#        python benchmarks/gpu_session.py --report benchmarks/results/<file>.json --write-doc docs/speed.md
 #      and commit both ("Run it whenever a GPU is available to the project, and commit the numbers").
 #   Then call give_back: the machine's idle time counts against the session.
 #

@@ -11,7 +11,7 @@ A run is described by a :class:`BenchSpec` and returns a JSON-ready dict (:func:
 CPU the command measures in a fresh Python process (:func:`measure_in_fresh_process`), so that the
 allocator is what a user's own script gets (see :mod:`mhla_diffusion.ops.cpu_memory`), not whatever the
 calling process did before. :func:`report_markdown` turns a result (or its saved JSON) into the
-tables, and :func:`replace_marked_section` writes them into the README between markers.
+tables, and :func:`replace_marked_section` writes them into ``docs/speed.md`` between markers.
 The command line (cases, defaults, printing) is :mod:`mhla_diffusion.cli.bench`.
 """
 

@@ -61,9 +61,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads of the measuring process (default: torch's)")
     p.add_argument("--output", type=Path, help="also write the tables and settings as JSON here")
     p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print the tables of a JSON written "
-                   "by --output (with --write-readme: put them into the README)")
-    p.add_argument("--write-readme", type=Path, metavar="README", help="also write the tables into README between "
-                   "<!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)")
+                   "by --output (with --write-doc: put them into the docs page)")
+    p.add_argument("--write-doc", type=Path, metavar="PAGE", help="also write the tables into the Markdown page PAGE "
+                   "(docs/speed.md) between <!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)")
     traffic = p.add_argument_group("traffic (--traffic): bytes moved by one MHLA attention call, counted, not timed")
     traffic.add_argument("--traffic", action="store_true", help="count the bytes every op of one Wan2.1-1.3B MHLA "
                          "self-attention call reads and writes (meta tensors: nothing is computed, any machine), in "
@@ -101,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
     tables = report_markdown(result)
     print(tables)
-    if args.write_readme is not None:
+    if args.write_doc is not None:
         section = result["device_type"]
-        args.write_readme.write_text(replace_marked_section(args.write_readme.read_text(), section, tables))
-        print(f"wrote the tables into {args.write_readme} (section mhla-bench:{section})", file=sys.stderr)
+        args.write_doc.write_text(replace_marked_section(args.write_doc.read_text(), section, tables))
+        print(f"wrote the tables into {args.write_doc} (section mhla-bench:{section})", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,6 @@
 """What a GPU run relies on, checked on the CPU: a converted Wan transformer in bf16 (the operator still
 accumulating in float32), the whole converted transformer under ``torch.compile(fullgraph=True)``, and
-the `mhla bench` JSON and README tables that a GPU run writes (here with --device cpu at toy sizes)."""
+the `mhla bench` JSON and docs/speed.md tables that a GPU run writes (here with --device cpu at toy sizes)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mhla_diffusion.benchmarks.bench import replace_marked_section
 from mhla_diffusion.cli import main
 from mhla_diffusion.models.tiny import tiny_wan_transformer
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SPEED_PAGE = Path(__file__).resolve().parents[2] / "docs" / "speed.md"
 CONFIGS = {
     "paper": MHLAConfig(layout=(2, 2, 2), gate=True, output_norm=True, lepe=True),
     "released": MHLAConfig.released_wan(layout=(2, 2, 2), lepe=True),
@@ -106,7 +106,7 @@ def test_converted_wan_compiles_with_inductor_and_matches_eager():
     torch.testing.assert_close(run(compiled, inputs), run(model, inputs), rtol=1e-5, atol=1e-5)
 
 
-def test_bench_writes_json_and_the_readme_tables(tmp_path, capsys):
+def test_bench_writes_json_and_the_speed_page_tables(tmp_path, capsys):
     result_file = tmp_path / "bench.json"
     tiny = ["--case", "2x4x6", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--block-grid", "2x4x4",
             "--block-dim", "32", "--block-heads", "2", "--block-ffn", "64", "--block-text-tokens", "4"]
@@ -120,24 +120,25 @@ def test_bench_writes_json_and_the_readme_tables(tmp_path, capsys):
     assert [r["method"] for r in transformer] == ["sdpa (native)", "mhla (cross-attention native)"]
     assert transformer[-1]["layers"] == 1 and transformer[-1]["sdpa_over_mhla"] > 0 and transformer[0]["median_s"] > 0
 
-    readme = tmp_path / "README.md"
-    readme.write_text("before\n<!-- mhla-bench:cpu -->\nno numbers yet\n<!-- /mhla-bench:cpu -->\nafter\n")
-    assert main(["bench", "--report", str(result_file), "--write-readme", str(readme)]) == 0
+    page = tmp_path / "speed.md"
+    page.write_text("before\n<!-- mhla-bench:cpu -->\nno numbers yet\n<!-- /mhla-bench:cpu -->\nafter\n")
+    assert main(["bench", "--report", str(result_file), "--write-doc", str(page)]) == 0
     report = capsys.readouterr().out.strip()
     assert report == printed.strip()  # the same tables, from the JSON alone
-    text = readme.read_text()
+    text = page.read_text()
     assert text.startswith("before\n<!-- mhla-bench:cpu -->\n`mhla bench` on ") and text.endswith(
         "<!-- /mhla-bench:cpu -->\nafter\n")
     assert "no numbers yet" not in text and "| 2x4x4 | 32 | 1x2x2 | 1 | mhla (cross-attention native) |" in text
 
-    readme.write_text("no markers\n")
-    assert main(["bench", "--report", str(result_file), "--write-readme", str(readme)]) == 2
-    assert "mhla-bench:cpu" in capsys.readouterr().err and readme.read_text() == "no markers\n"
+    page.write_text("no markers\n")
+    assert main(["bench", "--report", str(result_file), "--write-doc", str(page)]) == 2
+    assert "mhla-bench:cpu" in capsys.readouterr().err and page.read_text() == "no markers\n"
 
 
-def test_readme_has_the_gpu_section_the_bench_writes():
-    text = README.read_text()
-    replaced = replace_marked_section(text, "cuda", "NEW TABLES")
-    assert "NEW TABLES" in replaced and "mhla bench --device cuda" in text
+def test_the_speed_page_has_the_sections_the_bench_writes():
+    text = SPEED_PAGE.read_text()
+    for section in ("cuda", "cpu"):
+        assert "NEW TABLES" in replace_marked_section(text, section, "NEW TABLES")
+    assert "mhla bench --device cuda" in text and "--write-doc docs/speed.md" in text
     with pytest.raises(ValueError, match="mhla-bench:nowhere"):
         replace_marked_section(text, "nowhere", "x")

@@ -1,5 +1,5 @@
 """benchmarks/gpu_session.sh, the script a lent GPU runs, checked on the CPU: its smoke mode runs every stage
-at tiny sizes and writes each stage's JSON entry and the README section; bad arguments are one line and
+at tiny sizes and writes each stage's JSON entry and the docs/speed.md section; bad arguments are one line and
 write nothing; a stage past its time limit or the session's budget is recorded, not fatal."""
 
 from __future__ import annotations
@@ -92,27 +92,27 @@ def test_smoke_renders_the_markdown_from_the_json(smoke, gpu_session, tmp_path):
                  "`torch.compile` (aot_eager)", "CUDA-only, skipped on cpu: the TF32 rows"):
         assert text in markdown, text
 
-    readme = tmp_path / "README.md"
-    readme.write_text("# T\n<!-- mhla-bench:cuda -->\nNot measured yet.\n<!-- /mhla-bench:cuda -->\nafter\n")
-    assert gpu_session.main(["--report", str(out / "gpu_session.json"), "--write-readme", str(readme)]) == 0
-    assert readme.read_text() == f"# T\n<!-- mhla-bench:cuda -->\n{markdown}\n<!-- /mhla-bench:cuda -->\nafter\n"
+    page = tmp_path / "speed.md"
+    page.write_text("# T\n<!-- mhla-bench:cuda -->\nNot measured yet.\n<!-- /mhla-bench:cuda -->\nafter\n")
+    assert gpu_session.main(["--report", str(out / "gpu_session.json"), "--write-doc", str(page)]) == 0
+    assert page.read_text() == f"# T\n<!-- mhla-bench:cuda -->\n{markdown}\n<!-- /mhla-bench:cuda -->\nafter\n"
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["{out}", "--smoke", "--write-readme", "{readme}"], "--write-readme {readme}: expected exactly one section"),
+    (["{out}", "--smoke", "--write-doc", "{page}"], "--write-doc {page}: expected exactly one section"),
     (["{out}"], "no CUDA device here: run on a GPU, or with --smoke"),
     (["{out}", "--smoke", "--stages", "versions,speed"], "--stages: unknown speed"),
     (["--report", "{out}/gpu_session.json"], "no such file"),
 ])
 def test_bad_arguments_are_one_line_and_write_nothing(argv, message, gpu_session, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_session.torch.cuda, "is_available", lambda: False)
-    out, readme = tmp_path / "out", tmp_path / "README.md"
-    readme.write_text("no markers\n")
-    fill = lambda text: text.format(out=out, readme=readme)  # noqa: E731
+    out, page = tmp_path / "out", tmp_path / "speed.md"
+    page.write_text("no markers\n")
+    fill = lambda text: text.format(out=out, page=page)  # noqa: E731
     assert gpu_session.main([fill(a) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gpu_session: ") and fill(message) in err and err.count("\n") == 1
-    assert not out.exists() and readme.read_text() == "no markers\n"
+    assert not out.exists() and page.read_text() == "no markers\n"
 
 
 def test_a_stage_past_its_limit_or_the_budget_is_recorded(gpu_session, tmp_path, monkeypatch):
@@ -131,7 +131,7 @@ def test_a_stage_past_its_limit_or_the_budget_is_recorded(gpu_session, tmp_path,
 
 
 def test_the_gpu_sizes_are_the_issues(gpu_session):
-    """What the README says the GPU session measures: Wan2.1-1.3B's heads at 21x30x50 and 21x30x52, and a
+    """What docs/speed.md says the GPU session measures: Wan2.1-1.3B's heads at 21x30x50 and 21x30x52, and a
     30-block transformer at 21x30x52 with 512 text tokens."""
     full = gpu_session.FULL
     assert (full.heads, full.head_dim, full.layout) == (12, 128, (3, 5, 10))

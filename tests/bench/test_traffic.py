@@ -80,15 +80,15 @@ def test_bench_traffic_prints_the_table(tmp_path, capsys):
     assert "--traffic-grid must be frames x height x width" in capsys.readouterr().err
 
 
-def test_the_readme_table_is_what_the_command_prints(capsys):
+def test_the_speed_page_table_is_what_the_command_prints(capsys):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "speed.md").read_text()
     assert main(["bench", "--traffic"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 21x30x5")]
     assert len(rows) == 8  # 2 grids x 2 settings x (eager, fused)
     for row in rows:
-        assert row in readme
+        assert row in page
 
 
 def test_an_out_argument_is_written_not_read():

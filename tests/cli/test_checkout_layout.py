@@ -60,8 +60,11 @@ def test_entry_scripts_run_from_a_checkout(script, expected):
 _PATH = re.compile(r"`((?:mhla_diffusion|pipelines|finetune|eval|benchmarks|tests|docs|app\.py|\.ci)(?:/[\w.\-*]+)*/?)")
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md", "finetune/README.md", "eval/README.md",
-                                 "pipelines/README.md"])
+DOCS = ["README.md", "finetune/README.md", "eval/README.md", "pipelines/README.md",
+        *sorted(str(page.relative_to(REPO)) for page in (REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_docs_name_only_paths_that_exist(doc):
     text = (REPO / doc).read_text()
     missing = []

@@ -1,4 +1,5 @@
-"""Every module of ``mhla_diffusion`` imports, and no two modules import each other, even through a chain.
+"""Every module of ``mhla_diffusion`` imports, no two modules import each other, even through a chain, and the
+torch-free rules (``utils/``) import no torch (what ``docs/architecture.md`` states).
 
 The import graph is read from the source with ``ast``: every ``import`` and ``from ... import``,
 including those inside functions (a deferred import that closes a cycle is still a cycle). A name
@@ -106,3 +107,13 @@ def test_every_module_imports():
     script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     result = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_utils_import_no_torch():
+    """``docs/architecture.md``: the rules in ``utils/`` need no torch (the CLI checks sizes before loading it)."""
+    modules = sorted(name for name in MODULES if name.startswith("mhla_diffusion.utils."))
+    script = ("import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+              "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(modules) >= 5 and result.stdout.split("\n")[-2] == "[]", result.stdout

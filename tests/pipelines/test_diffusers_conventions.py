@@ -183,7 +183,7 @@ def test_a_dit_with_its_own_class_count_warns_on_save_that_stock_dit_needs_no_gu
                                          r"with mhla_diffusion.MHLADiTPipeline"):
         pipe.save_pretrained(tmp_path / "two")
     reloaded = DiTPipeline.from_pretrained(tmp_path / "two")
-    reloaded(class_labels=[1], guidance_scale=1.0, num_inference_steps=1, output_type="np")  # what the README says
+    reloaded(class_labels=[1], guidance_scale=1.0, num_inference_steps=1, output_type="np")  # what docs/generate.md says
     with pytest.raises(IndexError):
         reloaded(class_labels=[1], num_inference_steps=1, output_type="np")
     MHLADiTPipeline.from_pretrained(tmp_path / "two")(class_labels=[1], num_inference_steps=1, output_type="np")
