@@ -1,7 +1,7 @@
 """mhla-diffusion: Multi-Head Linear Attention (MHLA) for Diffusers' Wan (2.1, 2.2) and DiT transformers.
 
 The public API below is imported on first use (PEP 562), so ``import mhla_diffusion`` and the
-``mhla`` command start without loading torch or Diffusers. Layers and import directions:
+``mhla`` command start without loading torch or Diffusers. Layers and the import rule:
 ``docs/architecture.md``.
 """
 

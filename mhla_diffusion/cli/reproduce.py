@@ -30,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_OUTPUT})")
     p.add_argument("--smoke", action="store_true", help="a tiny model and two steps per run: checks the whole chain")
     p.add_argument("--figure", type=Path, default=None,
-                   help="also copy the FID-vs-tokens plot there (the README's: docs/reproduce-fid-vs-tokens.png)")
+                   help="also copy the FID-vs-tokens plot there (the one docs/reproduce.md shows: docs/reproduce-fid-vs-tokens.png)")
     p.add_argument("--vae", type=Path, default=None,
                    help="the digits AutoencoderKL folder to work in (default: the embedded digits VAE)")
     p.add_argument("--judge", type=Path, default=None,

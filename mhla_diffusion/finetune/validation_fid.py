@@ -78,7 +78,7 @@ def prepare_validation_fid(options) -> "ValidationFID | None":
     if not options.inception_weights and not os.environ.get(INCEPTION_WEIGHTS_ENV):
         if os.environ.get("RANK", "0") == "0":  # once per run (the Accelerator does not exist yet)
             logger.warning("validation FID skipped: no Inception weights (set `inception_weights` or $%s to the FID "
-                           "Inception-v3 weights file, see README 'Evaluate')", INCEPTION_WEIGHTS_ENV)
+                           "Inception-v3 weights file, see docs/evaluate.md)", INCEPTION_WEIGHTS_ENV)
         return None
     weights = resolve_inception_weights(options.inception_weights or None)  # set but missing: an error
     return ValidationFID(stats, weights, options.validation_fid_samples, options.validation_fid_steps)

@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{prefix}-transformer", type=Path, default=_env(f"{env}_TRANSFORMER"),
                            help=f"converted transformer folder or original-format checkpoint (env {ENV_PREFIX}{env}_TRANSFORMER)")
         group.add_argument(f"--{prefix}-softmax-model", default=_env(f"{env}_SOFTMAX_MODEL"),
-                           help="pipeline folder for the softmax side of 'compare' (default: see the README) "
+                           help="pipeline folder for the softmax side of 'compare' (default: see docs/web.md) "
                            f"(env {ENV_PREFIX}{env}_SOFTMAX_MODEL)")
     run = parser.add_argument_group("server and device")
     run.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to serve on (default 127.0.0.1)")
