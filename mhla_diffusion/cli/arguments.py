@@ -154,7 +154,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: 
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where outputs go (default ./outputs)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--device", type=parse_device, help="cuda, cpu, ... (default: cuda when available)")
-    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES,
+                        help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def dataclass_field_names(module: str, class_name: str) -> list[str]:

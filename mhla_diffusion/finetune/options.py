@@ -25,7 +25,8 @@ from typing import Any, Sequence, TypeVar
 import yaml
 
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
-from ..utils.options import add_field_arguments, check_choice, check_choices, coerce, option, parse_text, read_yaml, unknown_name
+from ..utils.options import (add_field_arguments, check_choice, check_choices, coerce, option, parse_text, read_yaml,
+                             unknown_name)
 
 __all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict",
            "parse_cli"]
@@ -232,7 +233,8 @@ class WanTrainOptions(TrainOptions):
                                             default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     text_encoder_dtype: str = option("auto", "dtype of the text encoder; auto: the mixed-precision dtype",
                                      choices=("auto", *WEIGHT_DTYPES))
-    vae_dtype: str = option("auto", "dtype of the VAE; auto: the mixed-precision dtype", choices=("auto", *WEIGHT_DTYPES))
+    vae_dtype: str = option("auto", "dtype of the VAE; auto: the mixed-precision dtype",
+                            choices=("auto", *WEIGHT_DTYPES))
     validation_prompts: list[str] = option(help="prompts sampled at validation (none: no validation samples)",
                                            default_factory=list)
     validation_negative_prompt: str = option("", "negative prompt of validation samples")
@@ -245,8 +247,8 @@ class WanTrainOptions(TrainOptions):
         "groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it")
     distillation_weight: float = option(
         0.0, "w in [0, 1], 0 = off: output distillation of an MHLA student (attention: mhla) from its softmax original "
-        "(pretrained_model's own transformer, frozen); the end-to-end loss becomes (1 - w) * MSE(prediction, noise - x0)"
-        " + w * MSE(prediction, the original's prediction for the same input)")
+        "(pretrained_model's own transformer, frozen); the end-to-end loss becomes "
+        "(1 - w) * MSE(prediction, noise - x0) + w * MSE(prediction, the original's prediction for the same input)")
 
     def validate(self) -> None:
         super().validate()
@@ -334,7 +336,8 @@ class DiTTrainOptions(TrainOptions):
     validation_guidance_scale: float = 4.0
     validation_num_inference_steps: int = 50
     trainable: str = option("all", "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention); "
-                            "no lora: Diffusers has no LoRA loader for DiTPipeline", choices=("all", "mhla", "attention"))
+                            "no lora: Diffusers has no LoRA loader for DiTPipeline",
+                            choices=("all", "mhla", "attention"))
     latent_sampling: str = option("sample", "sample: a posterior sample each step | mode: the posterior mean | "
                                   "presampled: one posterior sample per image, drawn by the cache pre-pass",
                                   choices=("sample", "mode", "presampled"))
@@ -352,8 +355,9 @@ class DiTTrainOptions(TrainOptions):
     validation_classes: list = option(help="class ids (or names of class_map) sampled at validation",
                                       default_factory=list)
     # --- a DiT from random initialisation (instead of pretrained_model)
-    model_size: str | None = option(None, "DiT-S/2 .. DiT-XL/8 (the DiT table, mhla_diffusion/loaders/original_dit.py): "
-                                    "train a DiT of that size from random initialisation")
+    model_size: str | None = option(None, "DiT-S/2 .. DiT-XL/8 (the DiT table, "
+                                    "mhla_diffusion/loaders/original_dit.py): train a DiT of that size from random "
+                                    "initialisation")
     model_overrides: dict = option(help="model_size: DiTTransformer2DModel config over the size's, e.g. "
                                    "{num_layers: 2}", default_factory=dict)
     num_classes: int | str = option(1000, "model_size: classes, a count or \"data\" (the data's class count)")
