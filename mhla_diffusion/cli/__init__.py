@@ -30,7 +30,7 @@ import sys
 from typing import Sequence
 
 from . import bench, build_embedded, convert, evaluate, evaluate_video, generate, import_dit, import_wan, reproduce, web
-from .arguments import CommandParser, warn_deprecated
+from .arguments import CommandParser
 
 __all__ = ["build_parser", "main"]
 
@@ -40,7 +40,7 @@ COMMAND_MODULES = (convert, generate, import_wan, import_dit, evaluate, evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, Wan2.2, DiT).")
+    parser = CommandParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, Wan2.2, DiT).")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for module in COMMAND_MODULES:
         module.register(subparsers)
@@ -49,9 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    renamed_to = getattr(args, "renamed_to", None)
-    if renamed_to is not None:
-        warn_deprecated(f"`mhla {args.command}`", f"`mhla {renamed_to}`")
     try:
         return args.func(args)
     except (ValueError, TypeError, OSError) as error:  # bad input: a readable line, not a traceback

@@ -1,7 +1,8 @@
-"""What several ``mhla`` commands parse alike: sizes, layers, attention, counts, devices, the model options,
-deprecated names, and subcommand parsers that add their arguments only when they are used.
+"""What several ``mhla`` commands parse alike: sizes, layers, counts, devices, the model options, and
+subcommand parsers that add their arguments only when they are used.
 
-Standard library only (plus the torch-free :mod:`mhla_diffusion.utils.geometry`), so parsing never waits
+Numbers are read by the option layer (:mod:`mhla_diffusion.utils.options`), the choice lists are
+:mod:`mhla_diffusion.utils.choices`. Standard library and torch-free modules only, so parsing never waits
 for torch or Diffusers; only a given ``--device`` imports torch (:func:`parse_device` asks it what this
 machine has).
 """
@@ -12,15 +13,14 @@ import argparse
 import ast
 import importlib.util
 import math
-import sys
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
+from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
 from ..utils.geometry import MAX_SEED
+from ..utils.options import parse_text
 
 __all__ = [
-    "ATTENTIONS",
-    "DTYPES",
     "CommandParser",
     "WAN_480P",
     "add_command",
@@ -28,26 +28,15 @@ __all__ = [
     "dataclass_field_names",
     "finite_float",
     "non_negative_int",
-    "parse_attention",
     "parse_device",
     "parse_layers",
     "parse_sizes",
     "positive_int",
     "seed",
-    "warn_deprecated",
 ]
 
-#: The self-attention to generate with: the model's MHLA layers or the original softmax attention.
-ATTENTIONS = ("mhla", "softmax")
-#: Weights dtypes the commands accept.
-DTYPES = ("float32", "bfloat16", "float16")
 #: Wan2.1's 480p clip (frames, height, width): the default video size of the generation and convert commands.
 WAN_480P = (81, 480, 832)
-
-
-def warn_deprecated(old: str, new: str) -> None:
-    """Tell the user on stderr that ``old`` still works for this release but ``new`` is its name now."""
-    print(f"mhla: {old} is deprecated and will be removed in the next release; use {new}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------- value parsers
@@ -72,14 +61,6 @@ def parse_layers(text: str) -> str | list[int]:
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}") from None
-
-
-def parse_attention(text: str) -> str:
-    """``mhla`` or ``softmax``; ``sdpa``, the old name of ``softmax``, still works with a deprecation message."""
-    if text == "sdpa":
-        warn_deprecated("--attention sdpa", "--attention softmax")
-        return "softmax"
-    return text  # argparse checks it against ATTENTIONS
 
 
 def parse_device(text: str) -> str:
@@ -107,11 +88,18 @@ def parse_device(text: str) -> str:
     return text
 
 
+def _number(text: str, kind: type) -> int | float | None:
+    """``text`` read as ``kind`` by the option layer, or ``None`` when it is not one."""
+    try:
+        return parse_text(None, text, kind, where=repr(text))
+    except ValueError:
+        return None
+
+
 def _int_at_least(minimum: int, words: str):
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
+        value = _number(text, int)
+        if value is None:
             value = minimum - 1
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}")
@@ -127,10 +115,9 @@ non_negative_int = _int_at_least(0, "an integer >= 0")
 
 def finite_float(text: str) -> float:
     """A finite number (an ``argparse`` type): ``nan`` and ``inf`` are refused, not passed on to a pipeline."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text, float)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
@@ -138,11 +125,8 @@ def finite_float(text: str) -> float:
 
 def seed(text: str) -> int:
     """A seed from 0 to :data:`mhla_diffusion.utils.geometry.MAX_SEED` (an ``argparse`` type; the web demo's rule too)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SEED:
+    value = _number(text, int)
+    if value is None or not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"expected a whole number from 0 to {MAX_SEED}, got {text!r}")
     return value
 
@@ -164,14 +148,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: 
     parser.add_argument("--transformer", type=Path,
                         help="a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an "
                         "original-format Wan checkpoint file")
-    parser.add_argument("--attention", type=parse_attention, choices=ATTENTIONS, default="mhla",
-                        help="mhla (default) or softmax: the same weights with the original softmax attention "
-                        "(the old name sdpa still works)")
+    parser.add_argument("--attention", choices=ATTENTIONS, default="mhla",
+                        help="mhla (default) or softmax: the same weights with the original softmax attention")
     parser.add_argument("--seed", type=seed, default=0, help="random seed, 0 to 2**32-1 (default 0)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where outputs go (default ./outputs)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--device", type=parse_device, help="cuda, cpu, ... (default: cuda when available)")
-    parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES,
+                        help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def dataclass_field_names(module: str, class_name: str) -> list[str]:
@@ -226,28 +210,10 @@ def add_command(
     *,
     help: str,
     description: str | None = None,
-    old_names: Iterable[str] = (),
 ) -> argparse.ArgumentParser:
-    """Add command ``name`` whose arguments (and ``func`` default) ``configure`` adds.
-
-    Each of ``old_names`` runs the same command, unlisted; ``mhla`` prints a deprecation message for it
-    (the parsed namespace carries ``renamed_to=name``).
-    """
-
-    def configured_as(alias: str | None) -> Callable[[argparse.ArgumentParser], None]:
-        def apply(parser: argparse.ArgumentParser) -> None:
-            configure(parser)
-            if alias is not None:
-                parser.set_defaults(renamed_to=name)
-
-        return apply
-
+    """Add command ``name`` whose arguments (and ``func`` default) ``configure`` adds when it is used."""
     parser = subparsers.add_parser(name, help=help, description=description or help)
-    _configure(parser, configured_as(None))
-    for old in old_names:  # no help=: left out of the command list
-        alias = subparsers.add_parser(old, description=description or help,
-                                      epilog=f"`mhla {old}` is the deprecated name of `mhla {name}` (removed in the next release).")
-        _configure(alias, configured_as(old))
+    _configure(parser, configure)
     return parser
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import DTYPES, add_command, parse_device, parse_sizes
+from ..utils.choices import WEIGHT_DTYPES
+from .arguments import add_command, parse_device, parse_sizes
 
 __all__ = ["DEFAULT_CASES", "parse_case", "register"]
 
@@ -38,7 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is shown")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing the operators (default 1)")
     p.add_argument("--device", type=parse_device, default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=DTYPES, help="default float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="default float32 on CPU, bfloat16 on GPU")
     p.add_argument("--sdpa-backend", action="append", help="Diffusers attention backend(s) for SDPA (default: native, "
                    "plus on a GPU those of _native_flash, flash, _flash_3 and xformers that run there)")
     p.add_argument("--sdpa-max-tokens", type=int, help="skip SDPA above this many tokens")

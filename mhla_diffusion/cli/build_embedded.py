@@ -1,7 +1,6 @@
 """``mhla build-embedded``: train the embedded demonstration models and the reproduction table from scratch.
 
-The old name ``mhla demo-models`` still works for one release. The build itself is
-:mod:`mhla_diffusion.embedded.build`.
+The build itself is :mod:`mhla_diffusion.embedded.build`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ DEFAULT_WORK_DIR = Path("runs/build-embedded")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "build-embedded", configure, old_names=("demo-models",),
+        subparsers, "build-embedded", configure,
         help="train the embedded demonstration models and the reproduction table from scratch",
         description="Train the small moving-shapes (Wan architecture) and digits (DiT architecture) models, their "
         "MHLA / hybrid / linear conversions and judges, score them, and write the models to --output.",

@@ -17,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from .arguments import DTYPES, add_command, finite_float, non_negative_int, parse_device, positive_int
+from ..utils.choices import WEIGHT_DTYPES
+from .arguments import add_command, finite_float, non_negative_int, parse_device, positive_int
 
 __all__ = ["add_sample_arguments", "load_feature_extractor", "register", "run_eval", "run_eval_ref", "run_sample"]
 
@@ -113,7 +114,7 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per pipeline call and process")
     p.add_argument("--num-inference-steps", type=positive_int, default=250, help="denoising steps (DiT paper: 250)")
     p.add_argument("--guidance-scale", type=finite_float, default=1.5, help="classifier-free guidance (DiT FID-50K: 1.5)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="pipeline weights dtype")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float32", help="pipeline weights dtype")
     p.add_argument("--overwrite", action="store_true", help="replace the .npz if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_sample)

@@ -1,4 +1,4 @@
-"""``mhla web``: the Gradio web demo (``python app.py`` runs the same; the old name ``mhla demo`` still works).
+"""``mhla web``: the Gradio web demo (``python app.py`` runs the same).
 
 The flags live with the web app (:func:`mhla_diffusion.web.config.add_arguments`, each with a
 ``MHLA_DEMO_*`` environment variable as its default); they are added when the command is used.
@@ -14,8 +14,7 @@ __all__ = ["register"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    add_command(subparsers, "web", configure, help="start the Gradio web demo (MHLA vs softmax, side by side)",
-                old_names=("demo",))
+    add_command(subparsers, "web", configure, help="start the Gradio web demo (MHLA vs softmax, side by side)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

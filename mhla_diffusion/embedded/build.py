@@ -641,31 +641,24 @@ def _describe_changes(keys: list[str], before: dict[str, Any], after: dict[str, 
 
 def settings_with(settings: Any, overrides: list[str]) -> Any:
     """``settings`` (a settings dataclass: :class:`BuildSettings`, the reproduction's ``ExperimentSettings``)
-    with ``NAME=VALUE`` overrides, each checked against the field's type. A list field takes
-    comma-separated values (``seeds=0,1,2``); an optional count takes ``none``."""
-    from ..finetune.options import unknown_name
+    with ``NAME=VALUE`` overrides, each read against the field's type by the option layer's
+    :func:`~mhla_diffusion.utils.options.parse_text` (a list field takes comma-separated values, ``seeds=0,1,2``;
+    an optional count takes ``none``)."""
+    import typing
 
-    fields = {f.name: f for f in dataclasses.fields(settings)}
+    from ..utils.options import parse_text, unknown_name
+
+    hints = typing.get_type_hints(type(settings))
+    names = [f.name for f in dataclasses.fields(settings)]
     changes: dict[str, Any] = {}
     for item in overrides:
         name, eq, value = item.partition("=")
-        if name not in fields:
-            raise unknown_name("setting", name, fields)
+        if name not in names:
+            raise unknown_name("setting", name, names)
         if not eq:
             raise ValueError(f"--set {item!r}: expected NAME=VALUE ({name}=...)")
-        current = getattr(settings, name)
-        optional = "None" in str(fields[name].type)
-        if isinstance(current, list):
-            kind = type(current[0]) if current else str
-            parse: Callable[[str], Any] = lambda text: [kind(v) for v in text.split(",") if v.strip()]  # noqa: E731
-        elif isinstance(current, bool):  # bool("false") is True
-            kind, parse = bool, lambda text: {"true": True, "false": False}[text.strip().lower()]
-        else:
-            kind = int if current is None else type(current)
-            parse = kind
         try:
-            changes[name] = None if optional and value.lower() == "none" else parse(value)
-        except (ValueError, KeyError):
-            raise ValueError(f"--set {item!r}: {name} must be {'comma-separated values ' if isinstance(current, list) else ''}"
-                             f"of type {kind.__name__}") from None
+            changes[name] = parse_text(name, value, hints[name], where="the value")
+        except ValueError as error:
+            raise ValueError(f"--set {item!r}: {error}") from None
     return dataclasses.replace(settings, **changes)

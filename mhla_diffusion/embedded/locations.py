@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..utils.choices import ATTENTIONS, Attention
+
 __all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "EmbeddedFolder", "embedded_defaults", "embedded_folder", "embedded_judge", "embedded_model",
            "weight_hashes"]
 
 EMBEDDED_ROOT = Path(__file__).resolve().parent / "models"
 
 Task = Literal["text-to-video", "class-to-image"]
-Attention = Literal["mhla", "softmax"]
 _FOLDERS = {"text-to-video": "shapes-t2v", "class-to-image": "digits-c2i"}
 
 
@@ -58,8 +59,8 @@ def embedded_model(task: Task = "text-to-video", attention: Attention = "mhla", 
     """
     if task not in _FOLDERS:
         raise ValueError(f"task must be one of {', '.join(_FOLDERS)}; got {task!r}")
-    if attention not in ("mhla", "softmax"):
-        raise ValueError(f"attention must be 'mhla' or 'softmax'; got {attention!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}; got {attention!r}")
     folder = Path(root or EMBEDDED_ROOT) / f"{_FOLDERS[task]}-{attention}"
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(

@@ -2,105 +2,123 @@
 
 ``WanTrainOptions`` and ``DiTTrainOptions`` share :class:`TrainOptions`. Defaults follow the MHLA
 reference recipes (Wan: flow matching, AdamW 2e-5, clip 0.1, bf16; DiT: epsilon + VB, AdamW 1e-4,
-EMA 0.9999). Every value can come from the YAML file and be overridden on the command line:
+EMA 0.9999). Each field is defined once (type, default, help, choices; :mod:`mhla_diffusion.utils.options`):
+``--help`` is built from those definitions. Every value can come from the YAML file and be overridden on the
+command line:
 
     python -m mhla_diffusion.finetune.train_wan --config wan.yaml --max_train_steps 2000 --mhla.layers hybrid
 
-Keys may be spelled with ``_`` or ``-``; nested ``mhla`` options use a dot. Values are parsed as
-YAML (``true``, ``3``, ``[480, 832]``), then checked against the field's type.
+Keys may be spelled with ``_`` or ``-``; nested ``mhla`` options use a dot. Command-line values are read as
+YAML (``true``, ``3``, ``[480, 832]``; :func:`~mhla_diffusion.utils.options.parse_text`), then checked against
+the field's type like the file's (:func:`~mhla_diffusion.utils.options.coerce`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict", "parse_cli",
-           "read_yaml", "unknown_name"]
+from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
+from ..utils.options import (add_field_arguments, check_choice, check_choices, coerce, option, parse_text, read_yaml,
+                             unknown_name)
+
+__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict",
+           "parse_cli"]
 
 T = TypeVar("T", bound="TrainOptions")
 
-_TRAINABLE = ("all", "mhla", "attention", "lora")
-_ATTENTION = ("mhla", "softmax")
-_PRECISIONS = ("no", "fp16", "bf16")
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_DIT_VAE = "stabilityai/sd-vae-ft-ema"  # the released DiT recipe's VAE (a model_size run's default vae_model)
 
 
 @dataclass
 class TrainOptions:
-    """Options shared by both trainers (see the field comments; ``--help`` lists every option with its default)."""
+    """Options shared by both trainers (``--help`` lists every option with its help and default)."""
 
     # --- model
-    pretrained_model: str = ""  # Diffusers pipeline folder or hub id (required; DiT: or `model_size` instead)
-    revision: str | None = None  # hub revision of pretrained_model
-    attention: str = "mhla"  # mhla (convert the model, then train) | softmax (train the model's own attention as it is)
-    mhla: dict = field(default_factory=dict)  # MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}
-    mhla_preset: str | None = None  # "released-wan" / "released-dit": MHLAConfig.released_wan() / .released_dit(), `mhla` overrides
-    mhla_weights: str | None = None  # start from a save_mhla folder instead of a fresh conversion
-    trainable: str = "all"  # all | mhla (new MHLA parameters) | attention (MHLA + its self-attention) | lora
+    pretrained_model: str = option("", "Diffusers pipeline folder or hub id (required; DiT: or `model_size` instead)")
+    revision: str | None = option(None, "hub revision of pretrained_model")
+    attention: str = option("mhla", "mhla: convert the model, then train; softmax: train the model's own attention as "
+                            "it is", choices=ATTENTIONS)
+    mhla: dict = option(help="MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}; one at a time "
+                        "on the command line as --mhla.KEY VALUE", default_factory=dict)
+    mhla_preset: str | None = option(None, "released-wan / released-dit: MHLAConfig.released_wan() / .released_dit(), "
+                                     "`mhla` overrides its fields", choices=("released-wan", "released-dit"))
+    mhla_weights: str | None = option(None, "start from a save_mhla folder instead of a fresh conversion")
+    trainable: str = option("all", "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention) | "
+                            "lora", choices=("all", "mhla", "attention", "lora"))
     # --- run folder
-    output_dir: str = ""  # required; never reused for a new run unless overwrite_output_dir
-    overwrite_output_dir: bool = False
-    resume: str | None = None  # "latest" or a checkpoint folder
-    seed: int = 1
+    output_dir: str = option("", "the run folder (required); never reused for a new run unless overwrite_output_dir")
+    overwrite_output_dir: bool = option(False, "delete output_dir and start a new run there")
+    resume: str | None = option(None, "continue the run in output_dir: latest, or a checkpoint folder")
+    seed: int = option(1, "random seed of the run")
     # --- data
-    data_dir: str = ""  # required
-    cache_latents: bool = False  # pre-pass: encode latents (and text) once to disk, then train from the cache
-    cache_dir: str | None = None  # default <output_dir>/cache; share it between runs with the same data settings
-    cache_dtype: str = "float32"  # float32 | bfloat16 | float16 for cached tensors
-    latent_sampling: str = "sample"  # sample (posterior sample each step) | mode (posterior mean) | DiT: presampled
-    dataloader_num_workers: int = 0
+    data_dir: str = option("", "the training data folder (required)")
+    cache_latents: bool = option(False, "pre-pass: encode latents (and text) once to disk, then train from the cache")
+    cache_dir: str | None = option(None, "where cache_latents writes (default <output_dir>/cache); share it between "
+                                   "runs with the same data settings")
+    cache_dtype: str = option("float32", "dtype of cached tensors", choices=WEIGHT_DTYPES)
+    latent_sampling: str = option("sample", "sample: a posterior sample each step; mode: the posterior mean",
+                                  choices=("sample", "mode"))
+    dataloader_num_workers: int = option(0, "data loading processes (0: in the training process)")
     # --- optimisation
-    learning_rate: float = 2e-5
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-10
-    weight_decay: float = 0.0
-    lr_scheduler: str = "constant_with_warmup"  # any name of diffusers.optimization.get_scheduler
-    lr_warmup_steps: int = 1000  # optimizer steps
-    max_grad_norm: float = 0.1  # 0 turns clipping off
-    train_batch_size: int = 4  # per process
-    gradient_accumulation_steps: int = 1
-    max_train_steps: int = 1000  # end-to-end optimizer steps (after the attention-transfer stage)
-    mixed_precision: str | None = "bf16"  # no | fp16 | bf16 | null (use accelerate's config)
-    frozen_dtype: str = "auto"  # dtype of frozen weights; auto = the mixed-precision dtype (float32 under FSDP)
-    gradient_checkpointing: bool = True
-    allow_tf32: bool = True
+    learning_rate: float = option(2e-5, "AdamW learning rate of the end-to-end stage")
+    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
+    adam_beta2: float = option(0.999, "AdamW beta2, in [0, 1)")
+    adam_epsilon: float = option(1e-10, "AdamW epsilon, > 0")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    lr_scheduler: str = option("constant_with_warmup", "any name of diffusers.optimization.get_scheduler")
+    lr_warmup_steps: int = option(1000, "learning-rate warmup, in optimizer steps")
+    max_grad_norm: float = option(0.1, "gradient clipping norm; 0 turns clipping off")
+    train_batch_size: int = option(4, "samples per process and step")
+    gradient_accumulation_steps: int = option(1, "batches accumulated into one optimizer step")
+    max_train_steps: int = option(1000, "end-to-end optimizer steps (after the attention-transfer stage)")
+    mixed_precision: str | None = option("bf16", "no | fp16 | bf16 | null (use accelerate's config)",
+                                         choices=("no", "fp16", "bf16"))
+    frozen_dtype: str = option("auto", "dtype of frozen weights; auto: the mixed-precision dtype (float32 under FSDP)",
+                               choices=("auto", *WEIGHT_DTYPES))
+    gradient_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
+    allow_tf32: bool = option(True, "allow TF32 matrix multiplications on Ampere and later GPUs")
     # --- attention transfer (stage 1, optional)
-    attention_transfer_steps: int = 0  # 0 = off
-    attention_transfer_lr: float = 1e-3
-    attention_transfer_params: str = "auto"  # attention (MHLA + the layer's q/k/v/o, norms) | mhla (new parameters
-    # only; far weaker) | auto (attention, or mhla when trainable is mhla / lora, whose outputs keep only those)
-    attention_transfer_teacher_forcing: bool = True  # later layers see the softmax output, not the student's
+    attention_transfer_steps: int = option(0, "steps of the attention-transfer stage before the end-to-end stage; "
+                                           "0 = off")
+    attention_transfer_lr: float = option(1e-3, "learning rate of the attention-transfer stage")
+    attention_transfer_params: str = option(
+        "auto", "attention: MHLA and the layer's q/k/v/o and norms | mhla: the new parameters only (far weaker) | "
+        "auto: attention, or mhla when trainable is mhla / lora (whose outputs keep only those)",
+        choices=("auto", "mhla", "attention"))
+    attention_transfer_teacher_forcing: bool = option(True, "later layers see the softmax output, not the student's")
     # --- EMA of the trained weights (saved as `final` and in the pipeline; raw weights as `final-no-ema`)
-    ema_decay: float = 0.0  # 0 turns EMA off
-    ema_warmup: bool = False  # False: constant decay from the first step (DiT's reference); True: Diffusers' warmup
+    ema_decay: float = option(0.0, "EMA decay of the trained weights, in [0, 1); 0 turns EMA off (with EMA the "
+                              "averaged weights are saved as `final`, the raw ones as `final-no-ema`)")
+    ema_warmup: bool = option(False, "false: constant decay from the first step (DiT's reference); true: Diffusers' "
+                              "warmup")
     # --- checkpoints and outputs
-    checkpointing_steps: int = 500
-    checkpoints_total_limit: int | None = 3
-    save_pipeline: bool = False  # also write a full pipeline folder (<output_dir>/pipeline) at the end
+    checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimizer steps")
+    checkpoints_total_limit: int | None = option(3, "checkpoints kept (the oldest are deleted); null keeps all")
+    save_pipeline: bool = option(False, "also write a full pipeline folder (<output_dir>/pipeline) at the end")
     # --- logging and validation
-    report_to: str = "auto"  # auto (tensorboard if installed, else jsonl) | tensorboard | wandb | jsonl | none
-    tracker_project_name: str = "mhla-finetune"
-    validation_steps: int = 0  # 0 = only at the end (when validation inputs are given)
-    validation_num_inference_steps: int = 20
-    validation_guidance_scale: float = 3.0
-    validation_seed: int = 0
+    report_to: str = option("auto", "where metrics go: auto (tensorboard if installed, else jsonl) | tensorboard | "
+                            "wandb | jsonl | none", choices=("auto", "tensorboard", "wandb", "jsonl", "none"))
+    tracker_project_name: str = option("mhla-finetune", "project name for the tracker")
+    validation_steps: int = option(0, "sample the validation inputs every N optimizer steps; 0 = only at the end "
+                                   "(when validation inputs are given)")
+    validation_num_inference_steps: int = option(20, "denoising steps of validation samples")
+    validation_guidance_scale: float = option(3.0, "classifier-free guidance scale of validation samples")
+    validation_seed: int = option(0, "seed of validation samples")
     # --- validation FID (off unless validation_fid_reference is set; see mhla_diffusion/finetune/validation_fid.py)
-    validation_fid_reference: str | None = None  # ADM .npz with mu, sigma, mu_s, sigma_s (`mhla eval-ref`)
-    validation_fid_steps: int = 1000  # FID/sFID every N optimizer steps, and at the end
-    validation_fid_samples: int = 1000  # samples over all processes (Wan: clips, every frame an image)
-    validation_fid_batch_size: int = 8  # samples per pipeline call per process (DiT; Wan samples clip by clip)
-    inception_weights: str | None = None  # FID Inception-v3 weights file; default $MHLA_INCEPTION_WEIGHTS
+    validation_fid_reference: str | None = option(None, "ADM .npz with mu, sigma, mu_s, sigma_s (`mhla eval-ref`): "
+                                                  "turns validation FID / sFID on")
+    validation_fid_steps: int = option(1000, "FID/sFID every N optimizer steps, and at the end")
+    validation_fid_samples: int = option(1000, "FID samples over all processes (Wan: clips, every frame an image)")
+    validation_fid_batch_size: int = option(8, "FID samples per pipeline call per process (DiT; Wan samples clip by "
+                                            "clip)")
+    inception_weights: str | None = option(None, "FID Inception-v3 weights file; default $MHLA_INCEPTION_WEIGHTS")
 
     # ------------------------------------------------------------------ checks
 
@@ -110,19 +128,9 @@ class TrainOptions:
         for name in self._required_options():
             if not getattr(self, name):
                 raise ValueError(f"`{name}` is required: set it in the YAML file or pass --{name} VALUE")
-        _choice("attention", self.attention, _ATTENTION)
-        _choice("trainable", self.trainable, self._trainable_choices())
+        check_choices(self)
         if self.attention == "softmax":
             self._check_softmax()
-        if self.mixed_precision is not None:
-            _choice("mixed_precision", self.mixed_precision, _PRECISIONS)
-        _choice("frozen_dtype", self.frozen_dtype, _DTYPES)
-        _choice("cache_dtype", self.cache_dtype, _DTYPES[1:])
-        _choice("latent_sampling", self.latent_sampling, self._latent_sampling_choices())
-        _choice("attention_transfer_params", self.attention_transfer_params, ("auto", "mhla", "attention"))
-        _choice("report_to", self.report_to, ("auto", "tensorboard", "wandb", "jsonl", "none"))
-        if self.mhla_preset is not None:
-            _choice("mhla_preset", self.mhla_preset, ("released-wan", "released-dit"))
         if self.mhla_weights is not None and (self.mhla or self.mhla_preset):
             raise ValueError("`mhla_weights` brings its own MHLA config: drop `mhla` / `mhla_preset`")
         if self.resume is not None and self.overwrite_output_dir:
@@ -156,16 +164,10 @@ class TrainOptions:
             )
         from diffusers.optimization import SchedulerType
 
-        _choice("lr_scheduler", self.lr_scheduler, [s.value for s in SchedulerType])
-
-    def _trainable_choices(self) -> Sequence[str]:
-        return _TRAINABLE
+        check_choice("lr_scheduler", self.lr_scheduler, [s.value for s in SchedulerType])
 
     def _required_options(self) -> Sequence[str]:
         return ("pretrained_model", "output_dir", "data_dir")
-
-    def _latent_sampling_choices(self) -> Sequence[str]:
-        return ("sample", "mode")
 
     def _softmax_trainable(self) -> Sequence[str]:
         return ("all", "lora")
@@ -207,38 +209,46 @@ class TrainOptions:
 class WanTrainOptions(TrainOptions):
     """Text-to-video (Wan2.1 + MHLA): reference recipe of the MHLA paper's Wan fine-tune."""
 
-    height: int = 480
-    width: int = 832
-    num_frames: int = 81  # a count the model's VAE accepts (see mhla_diffusion.utils.geometry)
-    resolution_buckets: list[list[int]] | None = None  # [[h, w], ...]; default [[height, width]]
-    frame_buckets: list[int] | None = None  # frame counts videos may train at (as num_frames); default [num_frames]
-    frame_stride: int = 1  # take every n-th frame
-    frame_sampling: str = "start"  # start (first frames, as the reference) | random (random clip start)
-    max_sequence_length: int = 512
-    caption_dropout: float = 0.1  # probability of training on the empty prompt
-    caption_column: str | None = None  # metadata column with the caption; default: text, caption or prompt
-    file_column: str | None = None  # metadata column with the file path; default: file_name, video, image or path
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    flow_shift: float = 3.0
-    lora_rank: int = 64
-    lora_alpha: int = 64
-    lora_target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    text_encoder_dtype: str = "auto"  # auto = the mixed-precision dtype
-    vae_dtype: str = "auto"
-    validation_prompts: list[str] = field(default_factory=list)
-    validation_negative_prompt: str = ""
-    validation_height: int | None = None  # default: height
-    validation_width: int | None = None
-    validation_num_frames: int | None = None
-    validation_fps: int = 16
-    # split each clip's tokens across this many processes (sequence parallelism; data parallelism across the
-    # groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it
-    context_parallel_degree: int = 1
-    # Output distillation of an MHLA student (attention: mhla) from its softmax original (pretrained_model's own
-    # transformer, frozen): the end-to-end loss becomes (1 - w) * MSE(prediction, noise - x0)
-    # + w * MSE(prediction, the original's prediction for the same noisy latents, timestep and text).
-    distillation_weight: float = 0.0  # w in [0, 1]; 0 = off
+    height: int = option(480, "training height in pixels (a multiple of the VAE scale x patch size)")
+    width: int = option(832, "training width in pixels (a multiple of the VAE scale x patch size)")
+    num_frames: int = option(81, "frames per clip: a count the model's VAE accepts (see mhla_diffusion.utils.geometry)")
+    resolution_buckets: list[list[int]] | None = option(None, "[[h, w], ...] sizes videos may train at; default "
+                                                        "[[height, width]]")
+    frame_buckets: list[int] | None = option(None, "frame counts videos may train at (as num_frames); default "
+                                             "[num_frames]")
+    frame_stride: int = option(1, "take every n-th frame")
+    frame_sampling: str = option("start", "start: the first frames, as the reference | random: a random clip start",
+                                 choices=("start", "random"))
+    max_sequence_length: int = option(512, "text tokens of a caption")
+    caption_dropout: float = option(0.1, "probability of training on the empty prompt")
+    caption_column: str | None = option(None, "metadata column with the caption; default: text, caption or prompt")
+    file_column: str | None = option(None, "metadata column with the file path; default: file_name, video, image or "
+                                     "path")
+    logit_mean: float = option(0.0, "mean of the logit-normal timestep density")
+    logit_std: float = option(1.0, "standard deviation of the logit-normal timestep density, > 0")
+    flow_shift: float = option(3.0, "flow-matching timestep shift, > 0")
+    lora_rank: int = option(64, "LoRA rank (trainable: lora)")
+    lora_alpha: int = option(64, "LoRA alpha (trainable: lora)")
+    lora_target_modules: list[str] = option(help="modules LoRA adapts (trainable: lora)",
+                                            default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    text_encoder_dtype: str = option("auto", "dtype of the text encoder; auto: the mixed-precision dtype",
+                                     choices=("auto", *WEIGHT_DTYPES))
+    vae_dtype: str = option("auto", "dtype of the VAE; auto: the mixed-precision dtype",
+                            choices=("auto", *WEIGHT_DTYPES))
+    validation_prompts: list[str] = option(help="prompts sampled at validation (none: no validation samples)",
+                                           default_factory=list)
+    validation_negative_prompt: str = option("", "negative prompt of validation samples")
+    validation_height: int | None = option(None, "height of validation samples; default: height")
+    validation_width: int | None = option(None, "width of validation samples; default: width")
+    validation_num_frames: int | None = option(None, "frames of validation samples; default: num_frames")
+    validation_fps: int = option(16, "frame rate of the saved validation videos")
+    context_parallel_degree: int = option(
+        1, "split each clip's tokens across this many processes (sequence parallelism; data parallelism across the "
+        "groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it")
+    distillation_weight: float = option(
+        0.0, "w in [0, 1], 0 = off: output distillation of an MHLA student (attention: mhla) from its softmax original "
+        "(pretrained_model's own transformer, frozen); the end-to-end loss becomes "
+        "(1 - w) * MSE(prediction, noise - x0) + w * MSE(prediction, the original's prediction for the same input)")
 
     def validate(self) -> None:
         super().validate()
@@ -268,9 +278,6 @@ class WanTrainOptions(TrainOptions):
             _at_least("frame_buckets entry", frames, 1)
         _at_least("frame_stride", self.frame_stride, 1)
         _at_least("max_sequence_length", self.max_sequence_length, 1)
-        _choice("frame_sampling", self.frame_sampling, ("start", "random"))
-        _choice("text_encoder_dtype", self.text_encoder_dtype, _DTYPES)
-        _choice("vae_dtype", self.vae_dtype, _DTYPES)
         if not 0 <= self.caption_dropout <= 1:
             raise ValueError(f"`caption_dropout` must be in [0, 1], got {self.caption_dropout}")
         if self.logit_std <= 0 or self.flow_shift <= 0:
@@ -315,6 +322,7 @@ class WanTrainOptions(TrainOptions):
 class DiTTrainOptions(TrainOptions):
     """Class-to-image (DiT + MHLA): reference recipe of the MHLA paper's DiT training."""
 
+    # the DiT reference recipe's values of shared options (their help is TrainOptions')
     seed: int = 0
     learning_rate: float = 1e-4
     lr_scheduler: str = "constant"
@@ -324,29 +332,40 @@ class DiTTrainOptions(TrainOptions):
     train_batch_size: int = 32
     mixed_precision: str | None = None  # the reference trains in fp32 (+TF32) unless accelerate is configured
     gradient_checkpointing: bool = False
-    resolution: int = 256
-    class_dropout: float = 0.1  # labels replaced by the null class (num_classes) for classifier-free guidance
-    random_flip: bool = True
-    flip_coin_per_batch: bool = False  # with random_flip: one coin per batch (all flipped or none), as released DiT
-    ema_decay: float = 0.9999  # the reference's EMA
-    clamp_mixing: bool = True  # clamp mixing coefficients to [0, 1] after every step, as the reference
-    learned_sigma_loss: str = "vb"  # vb (MSE + variational bound, as DiT) | none; used when the model predicts sigma
-    class_map: dict | None = None  # folder name -> class id; default: numeric folder names, else sorted order
-    validation_classes: list = field(default_factory=list)
+    ema_decay: float = 0.9999
     validation_guidance_scale: float = 4.0
     validation_num_inference_steps: int = 50
+    trainable: str = option("all", "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention); "
+                            "no lora: Diffusers has no LoRA loader for DiTPipeline",
+                            choices=("all", "mhla", "attention"))
+    latent_sampling: str = option("sample", "sample: a posterior sample each step | mode: the posterior mean | "
+                                  "presampled: one posterior sample per image, drawn by the cache pre-pass",
+                                  choices=("sample", "mode", "presampled"))
+    # DiT's own options
+    resolution: int = option(256, "image size in pixels (a multiple of the VAE scale x patch size)")
+    class_dropout: float = option(0.1, "probability of replacing the label by the null class (num_classes), for "
+                                  "classifier-free guidance")
+    random_flip: bool = option(True, "flip images horizontally at random")
+    flip_coin_per_batch: bool = option(False, "with random_flip: one coin per batch (all flipped or none), as released "
+                                       "DiT")
+    clamp_mixing: bool = option(True, "clamp mixing coefficients to [0, 1] after every step, as the reference")
+    learned_sigma_loss: str = option("vb", "vb: MSE + variational bound, as DiT | none; used when the model predicts "
+                                     "sigma", choices=("vb", "none"))
+    class_map: dict | None = option(None, "folder name -> class id; default: numeric folder names, else sorted order")
+    validation_classes: list = option(help="class ids (or names of class_map) sampled at validation",
+                                      default_factory=list)
     # --- a DiT from random initialisation (instead of pretrained_model)
-    model_size: str | None = None  # DiT-S/2 .. DiT-XL/8 (the DiT table, mhla_diffusion/loaders/original_dit.py): train from scratch
-    model_overrides: dict = field(default_factory=dict)  # DiTTransformer2DModel config over the size's, e.g. {num_layers: 2}
-    num_classes: int | str = 1000  # classes of a model_size model: a count, or "data" (the data's class count)
-    vae_model: str = DEFAULT_DIT_VAE  # model_size: VAE folder, hub id or pipeline folder (its vae/)
-    share_embedder: bool = True  # model_size: one timestep + class embedder for all blocks, as DiT
+    model_size: str | None = option(None, "DiT-S/2 .. DiT-XL/8 (the DiT table, "
+                                    "mhla_diffusion/loaders/original_dit.py): train a DiT of that size from random "
+                                    "initialisation")
+    model_overrides: dict = option(help="model_size: DiTTransformer2DModel config over the size's, e.g. "
+                                   "{num_layers: 2}", default_factory=dict)
+    num_classes: int | str = option(1000, "model_size: classes, a count or \"data\" (the data's class count)")
+    vae_model: str = option(DEFAULT_DIT_VAE, "model_size: VAE folder, hub id or pipeline folder (its vae/)")
+    share_embedder: bool = option(True, "model_size: one timestep + class embedder for all blocks, as DiT")
 
     def _required_options(self) -> Sequence[str]:
         return ("output_dir", "data_dir") if self.model_size is not None else super()._required_options()
-
-    def _latent_sampling_choices(self) -> Sequence[str]:
-        return ("sample", "mode", "presampled")  # presampled: one posterior sample per image, drawn by the cache pre-pass
 
     def validate(self) -> None:
         if self.model_size is None and not self.pretrained_model:
@@ -362,7 +381,6 @@ class DiTTrainOptions(TrainOptions):
                              "set cache_latents: true")
         if not 0 <= self.class_dropout <= 1:
             raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
-        _choice("learned_sigma_loss", self.learned_sigma_loss, ("vb", "none"))
         if self.validation_fid_reference and self.validation_fid_samples < 2:
             raise ValueError(f"`validation_fid_samples` must be >= 2 (FID takes a covariance), got {self.validation_fid_samples}")
 
@@ -397,9 +415,6 @@ class DiTTrainOptions(TrainOptions):
         if isinstance(self.num_classes, int):
             _at_least("num_classes", self.num_classes, 1)
 
-    def _trainable_choices(self) -> Sequence[str]:
-        return ("all", "mhla", "attention")  # Diffusers has no LoRA loader for DiTPipeline
-
     def _softmax_trainable(self) -> Sequence[str]:
         return ("all",)
 
@@ -407,70 +422,58 @@ class DiTTrainOptions(TrainOptions):
 # ---------------------------------------------------------------------- parsing
 
 
-def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions] | None = None) -> tuple[str | None, dict[str, Any]]:
-    """``--config PATH`` and ``--key value`` / ``--key=value`` pairs -> (config path, raw overrides).
+class _OptionParser(argparse.ArgumentParser):
+    """A trainer's command line: a bad argument is a ``ValueError`` (one line, printed by ``run_main``)."""
 
-    ``--help`` prints the options of ``cls`` with their defaults and exits.
+    def error(self, message: str):  # type: ignore[override]
+        if message.endswith("expected one argument"):  # "argument --x/--x-y: expected one argument"
+            option = message.removeprefix("argument ").split(":")[0].split("/")[0]
+            raise ValueError(f"{option} needs a value (booleans too: {option} true)")
+        raise ValueError(message)
+
+
+def _trainer_parser(cls: type[TrainOptions]) -> argparse.ArgumentParser:
+    """``--config``, one option per field of ``cls`` and one per :class:`~mhla_diffusion.MHLAConfig` field."""
+    from ..config import MHLAConfig
+
+    script = "train_dit" if issubclass(cls, DiTTrainOptions) else "train_wan"
+    parser = _OptionParser(
+        prog=f"python -m mhla_diffusion.finetune.{script}", allow_abbrev=False,
+        usage="%(prog)s [--config CONFIG.yaml] [--OPTION VALUE ...]",
+        description=f"{(cls.__doc__ or '').strip()} Every option can be set in the --config YAML file (without its "
+        "--) and overridden here; values are YAML: true, 3, '[480, 832]' (a list also as 480,832). Example configs: "
+        "finetune/configs/.")
+    parser.add_argument("--config", metavar="CONFIG.yaml", help="YAML file of option: value")
+    add_field_arguments(parser.add_argument_group("trainer options"), cls)
+    mhla = parser.add_argument_group("MHLA options", "one field of `mhla` each (MHLAConfig; see its docstring)")
+    for f in dataclasses.fields(MHLAConfig):
+        names = [f"--mhla.{f.name}"] + ([f"--mhla.{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        mhla.add_argument(*names, dest=f"mhla.{f.name}", default=argparse.SUPPRESS, metavar="VALUE",
+                          help=f"MHLAConfig.{f.name} (default: {f.default!r})".replace("%", "%%"))
+    return parser
+
+
+def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions]) -> tuple[str | None, dict[str, Any]]:
+    """``--config PATH`` and ``--key value`` / ``--key=value`` pairs -> (config path, overrides read with
+    :func:`~mhla_diffusion.utils.options.parse_text`; ``mhla.KEY`` for the MHLA fields).
+
+    ``--help`` prints the options of ``cls`` with their help and defaults and exits.
     """
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config")
-    parser.add_argument("-h", "--help", action="store_true")
+    parser = _trainer_parser(cls)
     known, rest = parser.parse_known_args(argv)
-    if known.help:
-        print(_help_text(cls))
-        raise SystemExit(0)
-    overrides: dict[str, Any] = {}
-    i = 0
-    while i < len(rest):
-        token = rest[i]
+    if rest:
+        token = rest[0]
         if not token.startswith("--") or len(token) < 3:
             raise ValueError(f"unexpected argument {token!r}: options are --key value (e.g. --max_train_steps 100)")
-        key, eq, value = token[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
-                raise ValueError(f"--{key} needs a value (booleans too: --{key} true)")
-            value = rest[i + 1]
-            i += 1
-        overrides[key.replace("-", "_")] = read_yaml(value, f"--{key} {value!r}") if value != "" else ""
-        i += 1
-    return known.config, overrides
-
-
-def read_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load(text)``; a syntax error is a one-line ``ValueError`` naming ``where`` (a file, an option),
-    the line and the column."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
-        opened = f" ({context} opened at line {start.line + 1}, column {start.column + 1})" if context and start else ""
-        raise ValueError(f"{where}{at}: not valid YAML: {problem}{opened}") from None
-
-
-def _help_text(cls: type[TrainOptions] | None) -> str:
-    lines = [
-        "usage: python finetune/train_wan.py|train_dit.py (or python -m mhla_diffusion.finetune.train_wan|train_dit) --config CONFIG.yaml [--key value ...]",
-        "Every option of the YAML file can be overridden as --key value (YAML syntax for lists: '[480, 832]');",
-        "MHLA options as --mhla.KEY value (any MHLAConfig field). Example configs: finetune/configs/ (see finetune/README.md).",
-    ]
-    if cls is not None:
-        lines.append("\noptions (default):")
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            lines.append(f"  --{f.name} ({default!r})")
-    return "\n".join(lines)
-
-
-def unknown_name(kind: str, name: str, names: Iterable[str], lookup: str | None = None) -> ValueError:
-    """The error for a name that is not among ``names``: "unknown option `learnin_rate` (did you mean
-    `learning_rate`?); `--help` lists every option" (``kind``: option, setting, ...; ``lookup``: the spelling
-    to match, default ``name``)."""
-    close = difflib.get_close_matches(lookup or name, list(names), n=1)
-    hint = f" (did you mean `{close[0]}`?)" if close else ""
-    return ValueError(f"unknown {kind} `{name}`{hint}; `--help` lists every {kind}")
+        name = token[2:].partition("=")[0]
+        names = [a.dest for a in parser._actions if a.dest not in ("help", "config")]
+        raise unknown_name("option", name, names, name.replace("-", "_"))
+    texts = vars(known)
+    config = texts.pop("config")
+    hints = typing.get_type_hints(cls)
+    overrides = {name: parse_text(name, text, hints.get(name, Any), where=f"--{name} {text!r}")
+                 for name, text in texts.items()}
+    return config, overrides
 
 
 def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
@@ -486,7 +489,7 @@ def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
             continue
         if key not in names:
             raise unknown_name("option", raw_key, names, key)
-        kwargs[key] = _coerce(key, value, hints[key])
+        kwargs[key] = coerce(key, value, hints[key])
     if mhla:
         kwargs["mhla"] = {**kwargs.get("mhla", {}), **mhla}
     options = cls(**kwargs)
@@ -518,57 +521,6 @@ def load_options(cls: type[T], argv: Sequence[str] | None = None) -> T:
     return options_from_dict(cls, values)
 
 
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Check ``value`` against the annotation ``hint`` (ints are accepted for floats)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(name, value, arg)
-            except ValueError as err:
-                errors.append(str(err))
-        raise ValueError(errors[0])
-    if hint is Any:
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"`{name}` must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ValueError(f"`{name}` must be an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"`{name}` must be a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, bool):  # YAML 1.1 reads a bare `no` (mixed_precision: no) as false
-            return "no" if value is False else "yes"
-        if isinstance(value, (str, int, float)):
-            return str(value)
-        raise ValueError(f"`{name}` must be a string, got {value!r}")
-    if origin is list or hint is list:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"`{name}` must be a list (YAML: [a, b]), got {value!r}")
-        (item,) = typing.get_args(hint) or (Any,)
-        return [_coerce(name, v, item) for v in value]
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"`{name}` must be a mapping (YAML: {{key: value}}), got {value!r}")
-        return dict(value)
-    return value
-
-
 def _check_finite(options: TrainOptions) -> None:
     """Every number (also inside lists and the ``mhla`` / ``model_overrides`` dicts) must be finite."""
     import math
@@ -586,11 +538,6 @@ def _check_finite(options: TrainOptions) -> None:
         value = getattr(options, f.name)
         if bad(value):
             raise ValueError(f"`{f.name}` must be a finite number, got {value!r} (nan and inf are not accepted)")
-
-
-def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..utils.choices import ATTENTIONS
+
 __all__ = [
     "ATTENTIONS",
     "DIT_HUB_ID",
@@ -35,8 +37,6 @@ __all__ = [
 WAN_HUB_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 WAN_I2V_HUB_ID = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 DIT_HUB_ID = "facebook/DiT-XL-2-256"
-#: The self-attention a pipeline runs with: its MHLA layers, or the original softmax attention.
-ATTENTIONS = ("mhla", "softmax")
 
 
 def looks_local(model: str | os.PathLike) -> bool:

@@ -27,13 +27,16 @@ from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
 from ..utils.geometry import VideoGeometry
 from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
+from ..utils.choices import WEIGHT_DTYPES
 from ..utils.model_defaults import RECORD_KEY, image_defaults, video_defaults
+from ..utils.options import argparse_type, parse_text
 from .validation import Limits
 
 __all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
 
 SoftmaxSource = Literal["folder", "base", "same"]
 ENV_PREFIX = "MHLA_DEMO_"
+INT, FLOAT = argparse_type(int), argparse_type(float)
 
 
 @dataclass(frozen=True)
@@ -98,24 +101,23 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default) or default
 
 
-def _env_int(name: str, default: int | None) -> int | None:
+def _env_value(name: str, kind: type, default: Any) -> Any:
+    """Environment variable ``MHLA_DEMO_<name>`` read as ``kind`` by the option layer, or ``default`` when unset."""
     value = _env(name)
     if value is None:
         return default
     try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {ENV_PREFIX}{name}={value!r} must be a whole number") from None
+        return parse_text(ENV_PREFIX + name, value, kind)
+    except ValueError as error:
+        raise ValueError(f"environment variable {error}") from None
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    return _env_value(name, int, default)
 
 
 def _env_float(name: str, default: float | None) -> float | None:
-    value = _env(name)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"environment variable {ENV_PREFIX}{name}={value!r} must be a number") from None
+    return _env_value(name, float, default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,34 +136,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"(env {ENV_PREFIX}{env}_SOFTMAX_MODEL)")
     run = parser.add_argument_group("server and device")
     run.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to serve on (default 127.0.0.1)")
-    run.add_argument("--port", type=int, default=_env_int("PORT", None), help="port (default: 7860 or the next free one)")
-    run.add_argument("--concurrency", type=int, default=_env_int("CONCURRENCY", 1),
+    run.add_argument("--port", type=INT, default=_env_int("PORT", None), help="port (default: 7860 or the next free one)")
+    run.add_argument("--concurrency", type=INT, default=_env_int("CONCURRENCY", 1),
                      help="generations run at once, all tabs together (default 1); others wait in the queue")
-    run.add_argument("--max-queue", type=int, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)")
+    run.add_argument("--max-queue", type=INT, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)")
     run.add_argument("--device", type=parse_device, default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)")
-    run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=_env("DTYPE"),
+    run.add_argument("--dtype", choices=WEIGHT_DTYPES, default=_env("DTYPE"),
                      help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="load the models on the first request instead of at start")
     form = parser.add_argument_group("form defaults and limits")
     own = "default: the model's own (mhla_diffusion/utils/model_defaults.py); embedded model"
-    form.add_argument("--max-sequence-length", type=int, default=_env_int("MAX_SEQUENCE_LENGTH", None),
+    form.add_argument("--max-sequence-length", type=INT, default=_env_int("MAX_SEQUENCE_LENGTH", None),
                       help=f"text tokens of the prompt ({own} {d.max_sequence_length})")
-    form.add_argument("--num-frames", type=int, default=_env_int("NUM_FRAMES", None), help=f"{own} {d.num_frames}")
-    form.add_argument("--height", type=int, default=_env_int("HEIGHT", None), help=f"{own} {d.height}")
-    form.add_argument("--width", type=int, default=_env_int("WIDTH", None), help=f"{own} {d.width}")
-    form.add_argument("--fps", type=int, default=_env_int("FPS", None), help=f"frames per second of the videos ({own} {d.fps})")
-    form.add_argument("--video-steps", type=int, default=_env_int("VIDEO_STEPS", None), help=f"{own} {d.video_steps}")
-    form.add_argument("--video-guidance-scale", type=float, default=_env_float("VIDEO_GUIDANCE_SCALE", None),
+    form.add_argument("--num-frames", type=INT, default=_env_int("NUM_FRAMES", None), help=f"{own} {d.num_frames}")
+    form.add_argument("--height", type=INT, default=_env_int("HEIGHT", None), help=f"{own} {d.height}")
+    form.add_argument("--width", type=INT, default=_env_int("WIDTH", None), help=f"{own} {d.width}")
+    form.add_argument("--fps", type=INT, default=_env_int("FPS", None), help=f"frames per second of the videos ({own} {d.fps})")
+    form.add_argument("--video-steps", type=INT, default=_env_int("VIDEO_STEPS", None), help=f"{own} {d.video_steps}")
+    form.add_argument("--video-guidance-scale", type=FLOAT, default=_env_float("VIDEO_GUIDANCE_SCALE", None),
                       help=f"{own} {d.video_guidance_scale}")
-    form.add_argument("--image-steps", type=int, default=_env_int("IMAGE_STEPS", None), help=f"{own} {d.image_steps}")
-    form.add_argument("--image-guidance-scale", type=float, default=_env_float("IMAGE_GUIDANCE_SCALE", None),
+    form.add_argument("--image-steps", type=INT, default=_env_int("IMAGE_STEPS", None), help=f"{own} {d.image_steps}")
+    form.add_argument("--image-guidance-scale", type=FLOAT, default=_env_float("IMAGE_GUIDANCE_SCALE", None),
                       help=f"{own} {d.image_guidance_scale}")
-    form.add_argument("--samples", type=int, default=_env_int("SAMPLES", UIDefaults.samples),
+    form.add_argument("--samples", type=INT, default=_env_int("SAMPLES", UIDefaults.samples),
                       help=f"samples per click, seeds seed, seed+1, ... (default {UIDefaults.samples}; at most {Limits.max_samples})")
-    form.add_argument("--max-steps", type=int, default=_env_int("MAX_STEPS", Limits.max_steps), help="default 100")
-    form.add_argument("--max-frames", type=int, default=_env_int("MAX_FRAMES", Limits.max_frames), help="default 81")
-    form.add_argument("--max-size", type=int, default=_env_int("MAX_SIZE", Limits.max_size), help="largest height/width (default 1024)")
+    form.add_argument("--max-steps", type=INT, default=_env_int("MAX_STEPS", Limits.max_steps), help="default 100")
+    form.add_argument("--max-frames", type=INT, default=_env_int("MAX_FRAMES", Limits.max_frames), help="default 81")
+    form.add_argument("--max-size", type=INT, default=_env_int("MAX_SIZE", Limits.max_size), help="largest height/width (default 1024)")
 
 
 def resolve_task_models(

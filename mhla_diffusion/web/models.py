@@ -20,16 +20,16 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 
+from ..utils.choices import Attention
 from .config import DemoConfig, TaskModels
 from .validation import DemoInputError, ImageRequest, VideoRequest
 
 __all__ = ["Generated", "GenerationStopped", "ModelStore"]
 
-Attention = Literal["mhla", "softmax"]
 #: ``progress(step, total)`` after each denoising step (``step`` counts from 1).
 StepProgress = Callable[[int, int], None]
 

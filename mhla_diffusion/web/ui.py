@@ -25,9 +25,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr
 
 from ..embedded.locations import embedded_folder
+from ..utils.choices import ATTENTIONS, Attention
 from ..utils.geometry import MAX_SEED, VideoGeometry
 from .config import DemoConfig
-from .models import Attention, Generated, GenerationStopped, ModelStore
+from .models import Generated, GenerationStopped, ModelStore
 from .outputs import SessionOutputs
 from .report import TITLES, caption, example_prompts, summary, unknown_words_note, vocabulary_markdown
 from .validation import DemoInputError, image_request, video_bounds, video_request
@@ -102,7 +103,7 @@ def _checked(component: Any) -> Any:
 
 
 def _runs(compare: bool) -> list[Attention]:
-    return ["mhla", "softmax"] if compare else ["mhla"]
+    return list(ATTENTIONS) if compare else ["mhla"]
 
 
 def _run_compared(compare: bool, steps: int, progress: gr.Progress,
@@ -131,7 +132,7 @@ def _galleries(results: list[Generated], paths: dict[str, list[Any]]) -> tuple[l
     """(MHLA gallery, softmax gallery): ``(file, caption)`` per sample; an empty softmax gallery without compare."""
     by_attention = {r.attention: r for r in results}
     galleries = []
-    for attention in ("mhla", "softmax"):
+    for attention in ATTENTIONS:
         result = by_attention.get(attention)
         galleries.append([] if result is None else [
             (str(path), caption(seed, reading)) for path, seed, reading in zip(paths[attention], result.seeds, result.readings)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import pytest
 import torch
 from helpers.models import run, wan_inputs
 
@@ -51,13 +52,14 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "--target-size" in result.stdout
 
 
-def test_demo_models_is_a_deprecated_name_of_build_embedded(capsys):
-    from mhla_diffusion.embedded import EMBEDDED_ROOT
-
-    # a refused --smoke build into the package folder: the old name parses as the new one and runs it
-    assert main(["demo-models", "--smoke", "--output", str(EMBEDDED_ROOT)]) == 2
+@pytest.mark.parametrize("argv, old, new", [
+    (["demo-models", "--smoke"], "demo-models", "build-embedded"), (["demo", "--port", "7000"], "demo", "web"),
+    (["text-to-video", "--attention", "sdpa"], "sdpa", "softmax")])
+def test_removed_spellings_are_one_line_errors_naming_the_new_one(capsys, argv, old, new):
+    """The names kept for one release (`mhla demo-models`, `mhla demo`, `--attention sdpa`) are gone: refused
+    while parsing, on one line that lists the new name among the choices."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
     err = capsys.readouterr().err
-    assert "`mhla demo-models` is deprecated" in err and "`mhla build-embedded`" in err
-    assert "mhla demo-models: error: --smoke models are untrained" in err
-    assert main(["build-embedded", "--smoke", "--output", str(EMBEDDED_ROOT)]) == 2
-    assert "deprecated" not in capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"invalid choice: '{old}'" in err and f"'{new}'" in err

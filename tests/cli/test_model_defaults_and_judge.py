@@ -22,7 +22,7 @@ def _settings(folder, pattern: str = "*.json") -> dict:
 
 
 def test_softmax_on_the_embedded_default_runs_the_softmax_teacher(tmp_path, capsys):
-    assert main(["text-to-video", "--prompt", "a red circle moving left", "--attention", "sdpa", "--steps", "2",
+    assert main(["text-to-video", "--prompt", "a red circle moving left", "--attention", "softmax", "--steps", "2",
                  "--output-dir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     teacher = str(embedded_model("text-to-video", "softmax"))

@@ -23,7 +23,7 @@ CASES = [
     ("mhla_diffusion.cli", ["no-such-command"], 2),
     *[("mhla_diffusion.cli", [command, "--help"], 0) for command in (
         "convert", "class-to-image", "image-to-video", "import-wan", "import-dit", "eval", "eval-ref", "eval-sample", "eval-video", "bench",
-        "build-embedded", "demo-models",
+        "build-embedded",
     )],
     ("mhla_diffusion.cli", ["web", "--help"], 0),
     ("mhla_diffusion.eval.__main__", ["--help"], 0),
@@ -61,8 +61,3 @@ def test_help_and_argument_errors_import_no_heavy_library(module, argv, code):
     assert exit_code == code, stderr
     heavy = sorted(name for name in modules if name.split(".")[0] in HEAVY)
     assert not heavy, f"{module} {' '.join(argv)} imported {heavy[:5]}"
-
-
-def test_deprecated_names_are_announced_on_stderr():
-    code, _, stderr = imported_by("mhla_diffusion.cli", ["text-to-video", "--attention", "sdpa", "--help"])
-    assert code == 0 and "--attention sdpa is deprecated" in stderr and "--attention softmax" in stderr

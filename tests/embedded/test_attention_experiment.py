@@ -82,7 +82,7 @@ def test_verdicts_compare_seed_ranges():
 def test_list_settings_take_comma_separated_values():
     s = settings_with(ExperimentSettings(), ["token_counts=256,1024,4096", "steps=10,10,5", "variants=softmax,mhla"])
     assert s.token_counts == [256, 1024, 4096] and s.steps == [10, 10, 5] and s.variants == ["softmax", "mhla"]
-    with pytest.raises(ValueError, match="comma-separated values of type int"):
+    with pytest.raises(ValueError, match="`seeds` must be an integer, got .a."):
         settings_with(ExperimentSettings(), ["seeds=a,b"])
     with pytest.raises(ValueError, match="one entry per token count"):
         settings_with(ExperimentSettings(), ["steps=10"]).check()

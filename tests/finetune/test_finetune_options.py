@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 
@@ -109,3 +111,32 @@ def test_example_configs_are_valid(name):
         assert options.clamp_mixing
     else:
         assert options.pretrained_model in ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "facebook/DiT-XL-2-256")
+
+
+@pytest.mark.parametrize("cls", [WanTrainOptions, DiTTrainOptions])
+def test_every_option_has_help_and_help_shows_it(cls, capsys, monkeypatch):
+    """The help text of each option is its field's definition, and `--help` prints it."""
+    from mhla_diffusion.utils.options import field_help
+
+    monkeypatch.setenv("COLUMNS", "100000")  # no wrapping: each option's help on its line
+    with pytest.raises(SystemExit) as stop:
+        load_options(cls, ["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(cls):
+        assert field_help(cls, f.name).strip(), f"{cls.__name__}.{f.name} has no help"
+        assert f"--{f.name} VALUE" in text and field_help(cls, f.name) in text, f.name
+    trainable = "all, mhla, attention, lora" if cls is WanTrainOptions else "all, mhla, attention"  # DiT: no LoRA
+    assert f"(one of {trainable}; default: 'all')" in text
+
+
+def test_command_line_names_and_values_are_checked_before_anything_loads():
+    with pytest.raises(ValueError, match=r"unknown option `mhla.layot` \(did you mean `mhla.layout`\?\)"):
+        load_options(WanTrainOptions, ["--mhla.layot", "[3, 5, 10]"])
+    with pytest.raises(ValueError, match=r"unknown option `learnin_rate` \(did you mean `learning_rate`\?\)"):
+        load_options(WanTrainOptions, ["--learnin_rate", "1e-4"])
+    with pytest.raises(ValueError, match="`gradient_checkpointing` must be true or false, got 'no'"):
+        load_options(WanTrainOptions, ["--gradient_checkpointing", "no"])
+    options = load_options(WanTrainOptions, [f"--{k}={v}" for k, v in REQUIRED.items()]
+                           + ["--lora_target_modules", "to_q,to_k", "--revision", "010", "--resume", "none"])
+    assert options.lora_target_modules == ["to_q", "to_k"] and options.revision == "010" and options.resume is None

@@ -114,8 +114,7 @@ def test_class_to_image(pipeline_dirs, tmp_path, capsys):
     assert main([*base, "--class", "blue whale"]) == 2
     assert "unknown class names ['blue whale']" in capsys.readouterr().err
     capsys.readouterr()
-    assert main([*base, "--class", "goldfish", "--attention", "sdpa"]) == 0  # the deprecated name of softmax
-    assert "--attention sdpa is deprecated" in capsys.readouterr().err
+    assert main([*base, "--class", "goldfish", "--attention", "softmax"]) == 0
     assert not np.array_equal(iio.imread(tmp_path / "000-goldfish-seed0-softmax.png"), image)
 
 

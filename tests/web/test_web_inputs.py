@@ -162,19 +162,6 @@ def test_mhla_web_subcommand_exists():
     assert args.command == "web" and args.port == 7000 and args.preload is False
 
 
-def test_mhla_demo_is_a_deprecated_name_of_web(monkeypatch, capsys):
-    from mhla_diffusion.cli import build_parser as mhla_parser
-    from mhla_diffusion.cli import main
-    from mhla_diffusion.web import app
-
-    args = mhla_parser().parse_args(["demo", "--port", "7000", "--no-preload"])
-    assert args.port == 7000 and args.renamed_to == "web"
-    served = []
-    monkeypatch.setattr(app, "serve", lambda config: served.append(config))
-    assert main(["demo", "--port", "7001", "--no-preload", "--device", "cpu"]) == 0
-    assert served[0].port == 7001 and "`mhla demo` is deprecated" in capsys.readouterr().err
-
-
 def test_session_outputs_are_separate_and_cleaned(tmp_path):
     outputs = SessionOutputs(tmp_path / "root", max_age_s=60)
     frames = np.zeros((5, 16, 16, 3), dtype=np.float32)

@@ -1,0 +1,18 @@
+"""Choice lists several parts of the package accept alike (the CLI, the trainers, the web demo, the loaders).
+
+Torch-free, so ``mhla --help`` can list them without loading torch.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+__all__ = ["ATTENTIONS", "Attention", "WEIGHT_DTYPES"]
+
+#: The self-attention a model runs: its MHLA layers, or the original softmax attention with the same weights.
+Attention = Literal["mhla", "softmax"]
+#: The values of :data:`Attention`, in the order help texts list them.
+ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
+#: Weights dtypes a user may ask for by name.
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
