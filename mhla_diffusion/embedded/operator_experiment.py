@@ -119,11 +119,15 @@ class Task:
     def _with_positions(self, content: torch.Tensor) -> torch.Tensor:
         return torch.cat([content, self.positions.expand(len(content), -1, -1)], dim=-1)
 
-    def _local(self, size: int, generator: torch.Generator) -> Batch:
-        content = torch.randn(size, self.tokens, CONTENT_DIM, generator=generator)
+    def local_teacher(self, content: torch.Tensor) -> torch.Tensor:
+        """The local teacher's output ``(B, N, CONTENT_DIM)`` for token contents ``(B, N, CONTENT_DIM)``."""
         q, k, v = (_split_heads(content @ self.teacher[w], self.heads) for w in "qkv")
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)  # content term scaled by 1/sqrt(d)
-        return Batch(self._with_positions(content), _merge_heads(out) @ self.teacher["o"])
+        return _merge_heads(out) @ self.teacher["o"]
+
+    def _local(self, size: int, generator: torch.Generator) -> Batch:
+        content = torch.randn(size, self.tokens, CONTENT_DIM, generator=generator)
+        return Batch(self._with_positions(content), self.local_teacher(content))
 
     def _recall(self, size: int, generator: torch.Generator) -> Batch:
         """Token types: 0 filler, 1 a (key, value) pair, 2 a query holding one of the pairs' keys."""
