@@ -142,6 +142,9 @@ def reading_markdown(report: dict[str, Any]) -> str:
     """One plain sentence per finding, each stating its interval or test, null results included."""
     summary = report["summary"]
     out = []
+    for (task, student), rows in _groups(summary["part_a"], "task", "student").items():
+        cells = "; ".join(f"{_cell(r['score'])} at {r['tokens']} tokens" for r in sorted(rows, key=lambda r: r["tokens"]))
+        out.append(f"Part A, {task} teacher, {NAMES[student]}: {SCORE_NAMES[task]} {cells} (mean [95 % interval]).")
     for (task, a, b), diffs in _groups(summary["part_a_paired"], "task", "a", "b").items():
         parts = "; ".join(f"{d['tokens']} tokens: {_versus(d['score'], task == 'local')}"
                           for d in sorted(diffs, key=lambda d: d["tokens"]))
