@@ -115,8 +115,8 @@ def table_markdown(report: dict[str, Any]) -> str:
                     _cell(r["effective_rank"], 1), _cell(r["row_entropy"], 2)]) for r in summary["rank"]]
     timesteps = list(summary["part_b"][0]["held_out_loss"]) if summary["part_b"] else []
     lines += ["", f"**Part B: DiT denoiser on mirror-symmetric images, {s['part_b_tokens']} tokens** (mean [95 % interval] "
-              f"over {len(s['part_b_seeds'])} seeds; {s['part_b_steps']} steps; asymmetry 0 = symmetric, about 1 = "
-              "halves unrelated)", "",
+              f"over {len(s['part_b_seeds'])} seeds; {s['part_b_steps']} steps; asymmetry: 1 - corr(sample, its mirror "
+              "image), 0 = symmetric, about 1 = halves unrelated)", "",
               *_header(["attention", *[f"loss t={t}" for t in timesteps], "mean loss", "asymmetry", "sample std / data std"])]
     lines += [_row([r["arm"], *[_cell(r["held_out_loss"][t], 4) for t in timesteps], _cell(r["mean_held_out_loss"], 4),
                     _cell(r["asymmetry"]), _cell(r["sample_std_ratio"], 2)]) for r in summary["part_b"]]

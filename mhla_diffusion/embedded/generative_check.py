@@ -13,9 +13,9 @@ MHLA's effect from the convolution's). All arms of one seed share the initial we
 parts and see the same batches, noise and timesteps, so their measures pair seed by seed:
 
 * the held-out denoising loss (epsilon MSE) at :data:`EVAL_TIMESTEPS`, on fixed held-out images and noise;
-* the asymmetry of DDIM samples drawn from fixed noise: ``mean((x - mirror(x))**2) / (2 var)`` with ``var``
-  the data's pixel variance (0: exactly mirror-symmetric; about 1: the halves unrelated), beside the
-  samples' standard deviation over the data's (a blank sample is symmetric too).
+* the asymmetry of DDIM samples drawn from fixed noise, ``1 - corr(x, mirror(x))`` per sample (0: exactly
+  mirror-symmetric; about 1: the halves unrelated; :func:`asymmetry`), beside the samples' standard
+  deviation over the data's.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ ARMS: dict[str, Callable[[int], MHLAConfig | None]] = {
 EVAL_TIMESTEPS = (50, 200, 500, 800)
 BLOBS = 4
 DATA_SEED, EVAL_SEED, SAMPLE_SEED = 31, 32, 33
-DATA_STD = 0.55  # measured pixel standard deviation of mirror_images (see tests): the asymmetry's scale
+DATA_STD = 0.55  # the pixel standard deviation of mirror_images (a test measures it)
 
 
 def mirror_images(count: int, side: int, generator: torch.Generator) -> torch.Tensor:
@@ -62,9 +62,14 @@ def mirror_images(count: int, side: int, generator: torch.Generator) -> torch.Te
 
 
 def asymmetry(images: torch.Tensor) -> float:
-    """``mean((x - mirror(x))**2) / (2 DATA_STD**2)``: 0 for mirror-symmetric images, about 1 for images whose
-    halves are unrelated but distributed like the data."""
-    return float(((images - images.flip(-1)) ** 2).mean() / (2 * DATA_STD ** 2))
+    """The mean over images of ``|x - mirror(x)|**2 / (2 |x - mean(x)|**2)``, which is ``1 - corr(x, mirror(x))``:
+    0 for a mirror-symmetric image, about 1 for one whose halves are unrelated, whatever its scale (a
+    badly trained model's samples can be far brighter than the data; :func:`train_and_measure` reports
+    their scale beside)."""
+    x = images.flatten(1).double()
+    mirrored = images.flip(-1).flatten(1).double()
+    centred = ((x - x.mean(dim=1, keepdim=True)) ** 2).sum(dim=1)
+    return float((((x - mirrored) ** 2).sum(dim=1) / (2 * centred).clamp_min(1e-12)).mean())
 
 
 def new_denoiser(arm: str, side: int, layers: int, heads: int, head_dim: int, seed: int):

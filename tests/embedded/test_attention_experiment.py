@@ -108,6 +108,8 @@ def test_mirror_images_are_symmetric_and_asymmetry_is_scaled_by_the_data():
     assert images.std().item() == pytest.approx(DATA_STD, rel=0.1)
     unrelated = torch.cat([images[:, :, :, :16], images.roll(1, 0)[:, :, :, 16:]], dim=-1)
     assert 0.8 < asymmetry(unrelated) < 1.3
+    assert asymmetry(3 * unrelated + 1) == pytest.approx(asymmetry(unrelated))  # whatever the samples' scale
+    assert asymmetry(unrelated - unrelated.flip(-1)) == pytest.approx(2.0)  # antisymmetric
 
 
 def test_part_b_arms_differ_only_in_attention():
