@@ -58,7 +58,7 @@ def summarise(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                 if diff is not None:
                     paired_a.append({"task": t, "tokens": n, "a": a, "b": b, "score": diff})
     part_b = _groups(report["part_b"], "arm")
-    arms = [{"arm": arm, **{m: interval([r[m] for r in runs]) for m in (*PART_B_METRICS, "sample_std_ratio")},
+    arms = [{"arm": arm, **{m: interval([r[m] for r in runs]) for m in (*PART_B_METRICS, "sample_scale")},
              "held_out_loss": {t: interval([r["held_out_loss"][t] for r in runs]) for t in runs[0]["held_out_loss"]}}
             for (arm,), runs in part_b.items()]
     paired_b = [{"metric": m, "a": a, "b": b, **diff} for m in PART_B_METRICS for a, b in PART_B_PAIRS
@@ -117,9 +117,9 @@ def table_markdown(report: dict[str, Any]) -> str:
     lines += ["", f"**Part B: DiT denoiser on mirror-symmetric images, {s['part_b_tokens']} tokens** (mean [95 % interval] "
               f"over {len(s['part_b_seeds'])} seeds; {s['part_b_steps']} steps; asymmetry: 1 - corr(sample, its mirror "
               "image), 0 = symmetric, about 1 = halves unrelated)", "",
-              *_header(["attention", *[f"loss t={t}" for t in timesteps], "mean loss", "asymmetry", "sample std / data std"])]
+              *_header(["attention", *[f"loss t={t}" for t in timesteps], "mean loss", "asymmetry", "sample contrast / data's"])]
     lines += [_row([r["arm"], *[_cell(r["held_out_loss"][t], 4) for t in timesteps], _cell(r["mean_held_out_loss"], 4),
-                    _cell(r["asymmetry"]), _cell(r["sample_std_ratio"], 2)]) for r in summary["part_b"]]
+                    _cell(r["asymmetry"]), _cell(r["sample_scale"], 2)]) for r in summary["part_b"]]
     lines += ["", "**Part B, paired by seed** (same initial weights, batches, noise and timesteps; a - b)", "",
               *_header(["measure", "a - b", "per-seed differences", "difference ± SE"])]
     lines += [_row([d["metric"], f"{d['a']} - {d['b']}", ", ".join(f"{x:+.3g}" for x in d["differences"]),

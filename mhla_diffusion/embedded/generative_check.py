@@ -14,8 +14,8 @@ parts and see the same batches, noise and timesteps, so their measures pair seed
 
 * the held-out denoising loss (epsilon MSE) at :data:`EVAL_TIMESTEPS`, on fixed held-out images and noise;
 * the asymmetry of DDIM samples drawn from fixed noise, ``1 - corr(x, mirror(x))`` per sample (0: exactly
-  mirror-symmetric; about 1: the halves unrelated; :func:`asymmetry`), beside the samples' standard
-  deviation over the data's.
+  mirror-symmetric; about 1: the halves unrelated; :func:`asymmetry`), beside their contrast against the
+  data's (:func:`sample_scale`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..config import MHLAConfig
 from .operator_experiment import grid_side, mhla_layout
 from .training_loop import LoopProgress, run_loop, step_generator
 
-__all__ = ["ARMS", "EVAL_TIMESTEPS", "asymmetry", "mirror_images", "new_denoiser", "train_and_measure"]
+__all__ = ["ARMS", "EVAL_TIMESTEPS", "asymmetry", "mirror_images", "new_denoiser", "sample_scale", "train_and_measure"]
 
 #: Arm name -> MHLA options (``None``: softmax) for a ``side`` x ``side`` token grid.
 ARMS: dict[str, Callable[[int], MHLAConfig | None]] = {
@@ -44,7 +44,6 @@ ARMS: dict[str, Callable[[int], MHLAConfig | None]] = {
 EVAL_TIMESTEPS = (50, 200, 500, 800)
 BLOBS = 4
 DATA_SEED, EVAL_SEED, SAMPLE_SEED = 31, 32, 33
-DATA_STD = 0.55  # the pixel standard deviation of mirror_images (a test measures it)
 
 
 def mirror_images(count: int, side: int, generator: torch.Generator) -> torch.Tensor:
@@ -70,6 +69,16 @@ def asymmetry(images: torch.Tensor) -> float:
     mirrored = images.flip(-1).flatten(1).double()
     centred = ((x - x.mean(dim=1, keepdim=True)) ** 2).sum(dim=1)
     return float((((x - mirrored) ** 2).sum(dim=1) / (2 * centred).clamp_min(1e-12)).mean())
+
+
+def _median_std(images: torch.Tensor) -> float:
+    return float(images.flatten(1).std(dim=1).median())
+
+
+def sample_scale(samples: torch.Tensor, side: int) -> float:
+    """The median per-image standard deviation of ``samples`` over that of held-out data (1: the data's
+    contrast; an undertrained model's samples are often far brighter)."""
+    return _median_std(samples) / _median_std(mirror_images(len(samples), side, torch.Generator().manual_seed(EVAL_SEED)))
 
 
 def new_denoiser(arm: str, side: int, layers: int, heads: int, head_dim: int, seed: int):
@@ -155,5 +164,5 @@ def train_and_measure(folder: Path, arm: str, tokens: int, seed: int, s: Any,
             "parameters": int(sum(p.numel() for p in model.parameters())),
             "final_train_loss": float(np.mean(log.losses[-50:])), "train_seconds": round(log.seconds, 1),
             "held_out_loss": losses, "mean_held_out_loss": float(np.mean(list(losses.values()))),
-            "asymmetry": asymmetry(samples), "sample_std_ratio": float(samples.std() / DATA_STD),
+            "asymmetry": asymmetry(samples), "sample_scale": sample_scale(samples, side),
             "sample_seconds": round(sample_seconds, 1)}
