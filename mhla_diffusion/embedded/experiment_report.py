@@ -78,11 +78,12 @@ def _cell(stat: dict[str, Any] | None, digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f} [{stat['low']:.{digits}f}, {stat['high']:.{digits}f}]"
 
 
-def _difference(diff: dict[str, Any]) -> str:
+def _difference(diff: dict[str, Any], verdict: bool = True) -> str:
+    """``mean ± SE (verdict, p, seeds)`` of a paired difference."""
     se = "" if diff["se"] is None else f" ± {diff['se']:.2g}"
-    p = "" if diff["p"] is None else f", p = {diff['p']:.2g}"
-    verdict = "beyond two standard errors" if diff["called"] else "within two standard errors"
-    return f"{diff['mean']:+.3g}{se} ({verdict}{p}, {diff['n']} seeds)"
+    p = "" if diff["p"] is None else f"p = {diff['p']:.2g}, "
+    said = ("beyond two standard errors, " if diff["called"] else "within two standard errors, ") if verdict else ""
+    return f"{diff['mean']:+.3g}{se} ({said}{p}{diff['n']} seeds)"
 
 
 def _row(cells: Iterable[Any]) -> str:
@@ -133,7 +134,7 @@ def table_markdown(report: dict[str, Any]) -> str:
 def _versus(diff: dict[str, Any], lower_is_better: bool) -> str:
     """``diff`` (a - b) in words: better / worse only when called."""
     if not diff["called"]:
-        return f"no difference beyond two standard errors ({_difference(diff)})"
+        return f"no difference beyond two standard errors, {_difference(diff, verdict=False)}"
     better = (diff["mean"] < 0) == lower_is_better
     return f"{'better' if better else 'worse'} by {_difference(diff)}"
 
