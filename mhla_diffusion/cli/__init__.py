@@ -12,7 +12,7 @@
     mhla eval-video                               # FVD, CLIP score, embedded-judge metrics of videos
     mhla bench                                    # MHLA beside softmax and linear attention
     mhla build-embedded                           # train the embedded demonstration models
-    mhla reproduce                                # softmax vs linear vs MHLA DiTs trained from scratch
+    mhla reproduce                                # softmax vs linear vs MHLA: operator fits, rank, paired DiT check
     mhla web                                      # Gradio web demo on 127.0.0.1 (pip install .[demo])
 
 :mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.import_wan`,

@@ -69,7 +69,7 @@ def test_cpu_and_a_present_gpu_are_accepted(monkeypatch):
 
 
 @pytest.mark.parametrize("command,name,close", [("build-embedded", "video_teacher_step", "video_teacher_steps"),
-                                                ("reproduce", "seed", "seeds")])
+                                                ("reproduce", "part_a_seed", "part_a_seeds")])
 def test_an_unknown_setting_is_one_short_line_with_a_close_name(tmp_path, capsys, command, name, close):
     out, work = tmp_path / "out", tmp_path / "work"
     places = ["--output", str(out)] + (["--work-dir", str(work)] if command == "build-embedded" else [])

