@@ -25,6 +25,7 @@ from ..config import MHLAConfig
 from ..models.conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
 from ..models.processors.base import kept_in_fp32
 from ..models.processors.grid import TokenGridContext
+from ..utils.model_source import source_kind
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -79,17 +80,17 @@ def read_mhla_config(source: str | os.PathLike, subfolder: str | None = None, **
 
 def find_file(source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path | None:
     """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``."""
-    if os.path.isdir(source):
+    kind = source_kind(source)
+    if kind == "folder":
         path = Path(source, subfolder or "", filename)
         return path if path.is_file() else None
-    text = str(source)
-    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1:
+    if kind != "hub":
         raise FileNotFoundError(f"{source} is neither a local folder nor a hub repo id of the form 'owner/name'")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(text, filename, subfolder=subfolder, **hub_kwargs))
+        return Path(hf_hub_download(os.fspath(source), filename, subfolder=subfolder, **hub_kwargs))
     except (EntryNotFoundError, LocalEntryNotFoundError):  # absent, or not cached while offline
         return None
 
