@@ -15,7 +15,7 @@ import warnings
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -37,7 +37,11 @@ __all__ = [
     "hub_kwargs_of",
     "load_into",
     "model_shape",
+    "WRAPPER_PREFIXES",
     "read_checkpoint_file",
+    "read_safetensors_metadata",
+    "read_state_dict",
+    "strip_wrapper_prefix",
     "read_meta",
     "read_mhla_config",
     "read_mhla_tensors",
@@ -51,6 +55,9 @@ FORMAT_VERSION = 1
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
+#: Prefixes a training wrapper puts on every key of a state dict: DDP's ``module.``, ``model.`` (wrapping
+#: modules such as Lightning's), torch.compile's ``_orig_mod.``.
+WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.")
 
 
 def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -167,14 +174,34 @@ def read_checkpoint_file(
     keys it accepts (a safetensors file reads no other tensor).
     """
     path = Path(path)
-    try:
+    legacy = False
+    with _refusing_unreadable(path):
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 return {key: handle.get_tensor(key) for key in handle.keys() if keep is None or keep(key)}
         legacy = mmap and not zipfile.is_zipfile(path)
         with torch.serialization.safe_globals(list(safe_globals)):
             data = torch.load(path, map_location="cpu", mmap=mmap and not legacy, weights_only=True)
-    except OSError:  # a missing or unreadable file keeps its own message
+    if legacy:
+        warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
+                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
+    if keep is not None and isinstance(data, dict):
+        data = {key: value for key, value in data.items() if keep(key)}
+    return data
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a ``.safetensors`` file (``{}`` when it has none), or a one-line ``ValueError`` naming it."""
+    with _refusing_unreadable(Path(path)), safe_open(str(path), framework="pt", device="cpu") as handle:
+        return dict(handle.metadata() or {})
+
+
+@contextmanager
+def _refusing_unreadable(path: Path) -> Iterator[None]:
+    """Turn any failure to parse ``path`` into one line naming it (a missing or unreadable file keeps its own)."""
+    try:
+        yield
+    except OSError:
         raise
     except Exception as error:  # noqa: BLE001 - bytes that are no checkpoint fail anywhere in the unpickler
         # torch's own message would advise weights_only=False; name the class instead, and load nothing
@@ -183,12 +210,31 @@ def read_checkpoint_file(
             raise ValueError(f"{path} holds objects other than tensors and plain values ({unsupported.group(1)}), "
                              "which are not loaded") from None
         raise ValueError(f"{path} is not a readable PyTorch/safetensors checkpoint (corrupt or truncated?)") from None
-    if legacy:
-        warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
-                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
-    if keep is not None and isinstance(data, dict):
-        data = {key: value for key, value in data.items() if keep(key)}
-    return data
+
+
+def strip_wrapper_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without the wrapper prefixes (:data:`WRAPPER_PREFIXES`, nested ones too) that every key shares."""
+    state_dict = dict(state_dict)
+    for prefix in WRAPPER_PREFIXES:
+        if state_dict and all(key.startswith(prefix) for key in state_dict):
+            return strip_wrapper_prefix({key[len(prefix):]: value for key, value in state_dict.items()})
+    return state_dict
+
+
+def read_state_dict(
+    path: str | os.PathLike, select: Callable[[Any, str], Any] | None = None, *, safe_globals: Sequence[type] = (),
+) -> dict[str, torch.Tensor]:
+    """The state dict in one checkpoint file, memory-mapped where the format allows (``safe_open``; ``torch.load``
+    with ``mmap=True`` and ``weights_only=True``) and without its wrapper prefix (:func:`strip_wrapper_prefix`).
+
+    ``select(data, where)`` picks the state dict from what the file holds (default: the file is one);
+    anything but a mapping is a one-line ``ValueError`` naming the file.
+    """
+    data = read_checkpoint_file(path, mmap=True, safe_globals=safe_globals)
+    chosen = select(data, os.fspath(path)) if select is not None else data
+    if not isinstance(chosen, Mapping):
+        raise ValueError(f"{os.fspath(path)} holds a {type(chosen).__name__}, not a state dict")
+    return strip_wrapper_prefix(chosen)
 
 
 def dtype_on_load(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
