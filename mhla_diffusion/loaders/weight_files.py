@@ -22,7 +22,8 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import MHLAConfig
-from ..models.conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
+from ..models.conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, self_attention_layers
+from ..models.families import family_of
 from ..models.processors.base import kept_in_fp32
 from ..models.processors.grid import TokenGridContext
 from ..utils.model_source import source_kind
@@ -68,9 +69,10 @@ def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
 def model_shape(transformer: nn.Module) -> dict[str, Any]:
     layers = self_attention_layers(transformer)
     attn = layers[0][1]
+    family = family_of(transformer)
     return {
-        "family": model_family(transformer),
-        "transformer_class": {"wan": "WanTransformer3DModel", "dit": "DiTTransformer2DModel"}[model_family(transformer)],
+        "family": family.name,
+        "transformer_class": family.transformer_class_name,
         "num_layers": len(layers),
         "heads": int(attn.heads),
         "head_dim": int(attn.to_q.out_features // attn.heads),
