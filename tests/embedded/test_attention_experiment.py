@@ -88,6 +88,7 @@ def test_list_settings_take_comma_separated_values():
         settings_with(ExperimentSettings(), ["steps=10"]).check()
 
 
+@pytest.mark.slow
 def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys, monkeypatch):
     out = tmp_path / "reproduce"
     assert main(["reproduce", "--smoke", "--output", str(out), "--figure", str(tmp_path / "docs" / "fid.png")]) == 0
@@ -121,6 +122,7 @@ def test_smoke_experiment_writes_table_plot_and_report(tmp_path, capsys, monkeyp
         run_experiment(out, s)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_inside_the_run_bit_identically(tmp_path):
     s = settings_with(ExperimentSettings.smoke(), ["variants=mhla", "token_counts=16", "steps=4", "seeds=0"])
     plain = run_experiment(tmp_path / "plain", s)["runs"][0]

@@ -84,6 +84,7 @@ def test_checkpoint_without_training_time_is_refused(tmp_path):
         _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
 
 
+@pytest.mark.slow
 def test_video_vae_and_judge_resume_bit_identically(tmp_path):
     clips, _, _ = generate_clips(3, seed=3)
     clips = np.ascontiguousarray(clips[:, :5, ::2, ::2])
