@@ -45,7 +45,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id (both transformers of a "
                      "Wan2.2-A14B pipeline are converted)")
-    src.add_argument("--tiny", choices=tuple(FAMILIES), help="build a tiny model from a config instead (demo, no download)")
+    src.add_argument("--tiny", choices=tuple(FAMILIES),
+                     help="build a tiny model from a config instead (demo, no download)")
     p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for "
                    "pipelines, and 'transformer_2' too where there is one)")
     p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated", "released-dit"), default="paper",

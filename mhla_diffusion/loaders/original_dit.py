@@ -89,7 +89,8 @@ def read_dit_checkpoint(path: str | os.PathLike, weights: str | None = None) -> 
     if not path.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")):
         raise ValueError(f"unsupported checkpoint type {path!r}: expected .pt, .pth, .bin, .ckpt or .safetensors")
     # train.py checkpoints also hold their argparse.Namespace; allow that one class, nothing else.
-    return read_state_dict(path, lambda data, where: _chosen_weights(data, weights, where), safe_globals=[argparse.Namespace])
+    return read_state_dict(path, lambda data, where: _chosen_weights(data, weights, where),
+                           safe_globals=[argparse.Namespace])
 
 
 def select_weights(data: Any, weights: str | None = None, where: str = "the checkpoint") -> dict[str, torch.Tensor]:

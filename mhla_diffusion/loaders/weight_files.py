@@ -22,7 +22,12 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import MHLAConfig
-from ..models.conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, self_attention_layers
+from ..models.conversion import (
+    build_mhla_processors,
+    get_mhla_conversion,
+    install_mhla_processors,
+    self_attention_layers,
+)
 from ..models.families import family_of
 from ..models.processors.base import kept_in_fp32
 from ..models.processors.grid import TokenGridContext

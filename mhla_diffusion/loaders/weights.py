@@ -161,7 +161,8 @@ def load_mhla(
             raise ValueError(
                 f"{source} holds only MHLA parameters: pass the base transformer too, load_mhla(folder, transformer)"
             )
-        return family_named(meta["family"]).mhla_transformer_class().from_pretrained(source, subfolder=subfolder, **kwargs)
+        cls = family_named(meta["family"]).mhla_transformer_class()
+        return cls.from_pretrained(source, subfolder=subfolder, **kwargs)
     hub_kwargs = hub_kwargs_of(kwargs)
     meta = read_meta(source, subfolder, hub_kwargs)
     tensors = read_mhla_tensors(weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))

@@ -37,5 +37,6 @@ def test_unknown_families_and_class_names_are_named():
     assert family_for_class_name("UNet2DConditionModel") is None
     with pytest.raises(ValueError, match="unknown model family 'sd': expected 'wan' or 'dit'"):
         family_named("sd")
-    with pytest.raises(TypeError, match="MHLA supports Diffusers' WanTransformer3DModel and DiTTransformer2DModel, got Linear"):
+    supported = "MHLA supports Diffusers' WanTransformer3DModel and DiTTransformer2DModel, got Linear"
+    with pytest.raises(TypeError, match=supported):
         family_of(torch.nn.Linear(2, 2))

@@ -6,7 +6,8 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from mhla_diffusion.embedded import JudgeReader, embedded_judge, generate_clips, judge_reading, requested_attributes, split_digits
+from mhla_diffusion.embedded import (JudgeReader, embedded_judge, generate_clips, judge_reading, requested_attributes,
+                                     split_digits)
 from mhla_diffusion.pipelines.outputs import OutputPlan, save_image, save_video
 
 #: Every level k / 255 and every half-step (k + 0.5) / 255 between them (the last one clamps to 255).
@@ -67,7 +68,8 @@ def _bytes_handed_to_the_judge(monkeypatch, read) -> np.ndarray:
 def test_the_judges_read_the_bytes_the_output_writers_save(tmp_path, monkeypatch):
     image = np.resize(HALF_STEPS, (32, 32, 3))
     written = iio.imread(save_image(image, OutputPlan(tmp_path / "image.png", tmp_path / "image.json")))
-    read = _bytes_handed_to_the_judge(monkeypatch, lambda: JudgeReader(embedded_judge("image")).read_images(image[None], [None]))
+    reader = JudgeReader(embedded_judge("image"))
+    read = _bytes_handed_to_the_judge(monkeypatch, lambda: reader.read_images(image[None], [None]))
     np.testing.assert_array_equal(read[0], written)
 
     clip = np.resize(HALF_STEPS, (9, 48, 48, 3))
