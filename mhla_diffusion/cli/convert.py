@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from ..models.families import FAMILIES, family_named
 from ..utils.geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
 from .arguments import WAN_480P, add_command, parse_layers, parse_sizes
 
@@ -44,7 +45,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id (both transformers of a "
                      "Wan2.2-A14B pipeline are converted)")
-    src.add_argument("--tiny", choices=("wan", "dit"), help="build a tiny model from a config instead (demo, no download)")
+    src.add_argument("--tiny", choices=tuple(FAMILIES),
+                     help="build a tiny model from a config instead (demo, no download)")
     p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for "
                    "pipelines, and 'transformer_2' too where there is one)")
     p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated", "released-dit"), default="paper",
@@ -86,8 +88,8 @@ def _convert_config(args: argparse.Namespace, family: str | None, geometry: Vide
     until a model is loaded), which turn ``--target-size`` (and Wan's 480p default) into a token grid."""
     from ..config import MHLAConfig
 
-    if geometry is None:
-        geometry = VideoGeometry() if family == "wan" else ImageGeometry()
+    if geometry is None and family is not None:
+        geometry = family_named(family).geometry()
     if family == "wan":  # any size: the position bound is for generation, not for choosing a layout
         def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
             scale = (geometry.vae_scale_temporal, geometry.vae_scale_spatial, geometry.vae_scale_spatial)
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         transformer = load().eval()
         family = model_family(transformer)
         if config is None:  # from the first transformer: a pipeline's transformers share their architecture
-            geometry = (VideoGeometry if family == "wan" else ImageGeometry).from_configs(transformer.config, vae_config)
+            geometry = family_named(family).geometry.from_configs(transformer.config, vae_config)
             uses_size = args.target_size is not None or (args.layout in (None, "auto") and args.target_grid is None)
             if family == "wan" and vae_config is None and uses_size and args.tiny is None:
                 print("note: no vae/config.json beside the transformer: sizes become tokens with Wan2.1's VAE factors "

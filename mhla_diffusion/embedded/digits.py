@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..pipelines.outputs import float_to_uint8
+
 __all__ = ["DIGIT_SIZE", "NUM_DIGIT_CLASSES", "DigitSplit", "load_digits_images", "split_digits", "write_digits_folder"]
 
 DIGIT_SIZE = 32
@@ -41,7 +43,7 @@ def load_digits_images(size: int = DIGIT_SIZE) -> tuple[np.ndarray, np.ndarray]:
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("the digits data needs scikit-learn: pip install scikit-learn") from err
     digits = load_digits()
-    small = (digits.images * (255.0 / 16.0)).round().clip(0, 255).astype(np.uint8)  # values 0..16 -> 0..255
+    small = float_to_uint8(digits.images / 16.0)  # values 0..16 -> 0..255
     big = np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.BICUBIC)) for im in small])
     return np.repeat(big[..., None], 3, axis=-1), digits.target.astype(np.int64)
 

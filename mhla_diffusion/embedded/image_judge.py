@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..pipelines.outputs import float_to_uint8
 from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
 from .judge_training import fit_judge
 from .training_loop import LoopProgress, step_generator
@@ -71,8 +72,8 @@ def images_to_tensor(images: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def tensor_to_uint8(pixels: torch.Tensor) -> np.ndarray:
     """Inverse of :func:`images_to_tensor` (and of ``clips_to_tensor``): float ``(N, 3, ...)`` in ``[-1, 1]``
-    (clamped) -> uint8 channels-last ``(N, ..., 3)``."""
-    return ((pixels.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).movedim(1, -1).numpy()
+    (clamped) -> uint8 channels-last ``(N, ..., 3)``, by the project's one rule (:func:`float_to_uint8`)."""
+    return float_to_uint8(((pixels.double() + 1) / 2).movedim(1, -1).numpy())
 
 
 @torch.inference_mode()

@@ -20,20 +20,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..pipelines.outputs import float_to_uint8
 from .image_judge import ImageJudge, images_to_tensor
 from .judge_io import load_judge
 from .moving_shapes import ATTRIBUTES
 from .video_judge import VideoJudge, clips_to_tensor
 
-__all__ = ["ImageReading", "JudgeReader", "VideoReading", "requested_attributes", "to_uint8"]
-
-
-def to_uint8(samples: np.ndarray) -> np.ndarray:
-    """A pipeline's ``output_type="np"`` samples (floats in [0, 1]) as uint8, as the output writers round them."""
-    samples = np.asarray(samples)
-    if samples.dtype == np.uint8:
-        return samples
-    return (np.clip(samples, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+__all__ = ["ImageReading", "JudgeReader", "VideoReading", "requested_attributes"]
 
 
 def requested_attributes(prompt: str) -> dict[str, str]:
@@ -139,7 +132,7 @@ class JudgeReader:
         """Readings of ``clips`` ``(N, F, H, W, 3)`` (uint8, or floats in [0, 1]) generated for ``prompts``."""
         if self.kind != "video":
             raise ValueError(f"{self.folder} is an image judge; read_videos needs the video judge")
-        clips = to_uint8(clips)
+        clips = float_to_uint8(clips)  # what the output writers save: the judge reads what users see
         if len(clips) != len(prompts):
             raise ValueError(f"got {len(clips)} clips but {len(prompts)} prompts")
         why = self.unreadable(clips.shape[1:]) if len(clips) else None
@@ -163,7 +156,7 @@ class JudgeReader:
         ``requested``; ``labels`` names the classes (default: the id as text)."""
         if self.kind != "image":
             raise ValueError(f"{self.folder} is a video judge; read_images needs the image judge")
-        images = to_uint8(images)
+        images = float_to_uint8(images)
         if len(images) != len(requested):
             raise ValueError(f"got {len(images)} images but {len(requested)} requested classes")
         why = self.unreadable(images.shape[1:]) if len(images) else None

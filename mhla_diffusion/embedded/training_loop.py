@@ -19,7 +19,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..loaders.weight_files import read_checkpoint_file
+
 __all__ = ["LoopLog", "LoopProgress", "epoch_batch", "run_loop", "step_generator"]
+
+#: What a loop checkpoint may hold besides tensors and plain values: NumPy float scalars (learning rates
+#: that an LR lambda computed with NumPy, kept in the schedule's state).
+_NUMPY_FLOATS = [np.float64(0).__reduce__()[0], np.dtype, type(np.dtype(np.float64)), type(np.dtype(np.float32))]
 
 
 @dataclass
@@ -85,7 +91,7 @@ def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tupl
     losses: list[float] = []
     start, seconds = 0, 0.0
     if progress.checkpoint is not None and progress.checkpoint.is_file():
-        state = torch.load(progress.checkpoint, map_location="cpu", weights_only=False)
+        state = read_checkpoint_file(progress.checkpoint, safe_globals=_NUMPY_FLOATS)  # weights_only; damaged: one line
         if "seconds" not in state:
             raise ValueError(f"{progress.checkpoint} was written by an older version of this loop (no training time); "
                              f"delete it to start this {name} run afresh")

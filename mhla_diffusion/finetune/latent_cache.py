@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+from ..loaders.weight_files import read_checkpoint_file
 
 __all__ = ["LatentCache", "encoder_identity", "fill_entries", "run_prepass"]
 
@@ -132,7 +134,10 @@ class LatentCache:
         path = self.path(kind, identity)
         if not path.is_file():
             raise FileNotFoundError(f"cache entry {path} is missing: delete {self.folder / _INDEX} to rebuild the cache")
-        return load_file(str(path))
+        try:
+            return read_checkpoint_file(path)
+        except ValueError as error:
+            raise ValueError(f"cache entry {error}: delete {self.folder / _INDEX} to rebuild the cache") from None
 
 
 def fill_entries(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..utils.choices import ATTENTIONS
+from ..utils.model_source import source_kind
 
 __all__ = [
     "ATTENTIONS",
@@ -39,19 +40,14 @@ WAN_I2V_HUB_ID = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 DIT_HUB_ID = "facebook/DiT-XL-2-256"
 
 
-def looks_local(model: str | os.PathLike) -> bool:
-    """Whether ``model`` names a local path rather than a hub id of the form ``owner/name``."""
-    text = str(model)
-    return os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1
-
-
 def check_model_source(model: str | os.PathLike, hub_id: str = WAN_HUB_ID, *, what: str = "model folder") -> None:
     """A readable ``FileNotFoundError`` when ``model`` looks like a local path but is not a folder.
 
     ``hub_id`` is the model suggested for download; ``what`` names the option in the message.
     """
-    if looks_local(model) and not os.path.isdir(model):
-        problem = "is not a folder" if os.path.exists(model) else "not found"
+    kind = source_kind(model)
+    if kind in ("file", "missing"):
+        problem = "is not a folder" if kind == "file" else "not found"
         raise FileNotFoundError(
             f"{what} {model} {problem}. Get the weights with `huggingface-cli download {hub_id} --local-dir "
             f"{model}` on a machine with internet, or pass the hub id `{hub_id}`"

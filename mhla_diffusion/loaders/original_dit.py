@@ -51,7 +51,7 @@ import torch
 from ..config import MHLAConfig
 from ..utils.dit_sizes import DIT_MODEL_SIZES, DiTModelSize, dit_model_size
 from ..models.conversion import convert_to_mhla
-from .weight_files import read_checkpoint_file
+from .weight_files import read_state_dict, strip_wrapper_prefix
 from .weights import check_state_dict
 
 __all__ = [
@@ -71,7 +71,6 @@ __all__ = [
 # ----------------------------------------------------------------------------- reading
 
 WEIGHTS = ("ema", "model")
-_PREFIXES = ("module.", "_orig_mod.")
 
 
 def read_dit_checkpoint(path: str | os.PathLike, weights: str | None = None) -> dict[str, torch.Tensor]:
@@ -90,18 +89,24 @@ def read_dit_checkpoint(path: str | os.PathLike, weights: str | None = None) -> 
     if not path.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")):
         raise ValueError(f"unsupported checkpoint type {path!r}: expected .pt, .pth, .bin, .ckpt or .safetensors")
     # train.py checkpoints also hold their argparse.Namespace; allow that one class, nothing else.
-    data = read_checkpoint_file(path, safe_globals=[argparse.Namespace])
-    return select_weights(data, weights, path)
+    return read_state_dict(path, lambda data, where: _chosen_weights(data, weights, where),
+                           safe_globals=[argparse.Namespace])
 
 
 def select_weights(data: Any, weights: str | None = None, where: str = "the checkpoint") -> dict[str, torch.Tensor]:
-    """The state dict in ``data``: itself, or its ``"ema"`` / ``"model"`` (``"state_dict"``) entry."""
+    """The state dict in ``data``: itself, or its ``"ema"`` / ``"model"`` (``"state_dict"``) entry, without
+    the wrapper prefix its keys share."""
+    return strip_wrapper_prefix(_chosen_weights(data, weights, where))
+
+
+def _chosen_weights(data: Any, weights: str | None, where: str) -> Mapping[str, torch.Tensor]:
+    """What :func:`select_weights` picks from ``data``, prefixes left on."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} holds a {type(data).__name__}, not a state dict")
     if any(isinstance(value, torch.Tensor) for value in data.values()):
         if weights is not None:
             raise ValueError(f"{where} is a plain state dict without 'ema' / 'model' entries; do not choose `weights`")
-        return _strip_prefix(dict(data))
+        return data
     entries = [key for key in ("ema", "model", "state_dict") if isinstance(data.get(key), Mapping)]
     if weights is not None:
         if weights not in entries:
@@ -111,15 +116,7 @@ def select_weights(data: Any, weights: str | None = None, where: str = "the chec
         chosen = entries[0]
     else:
         raise ValueError(f"{where} holds no tensors at its top level nor under 'ema', 'model' or 'state_dict'")
-    return _strip_prefix(dict(data[chosen]))
-
-
-def _strip_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Drop a wrapper prefix (``module.`` from DDP, ``_orig_mod.`` from torch.compile) that every key shares."""
-    for prefix in _PREFIXES:
-        if state_dict and all(key.startswith(prefix) for key in state_dict):
-            return _strip_prefix({key[len(prefix):]: value for key, value in state_dict.items()})
-    return state_dict
+    return data[chosen]
 
 
 # ----------------------------------------------------------------------------- key rules

@@ -40,7 +40,7 @@ import torch
 
 from ..config import MHLAConfig
 from ..models.conversion import convert_to_mhla
-from .weight_files import dtype_on_load, read_checkpoint_file
+from .weight_files import dtype_on_load, read_state_dict, strip_wrapper_prefix
 from .weights import check_state_dict
 
 __all__ = [
@@ -94,7 +94,6 @@ _MHLA_RULES: list[tuple[str, str]] = [
 ]
 _RULES = [(re.compile(p + "$"), r) for p, r in _BASE_RULES + _IMAGE_RULES + _MHLA_RULES]
 _WRAPPER_KEYS = ("state_dict", "model", "module", "ema")
-_PREFIXES = ("module.", "model.", "_orig_mod.")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _INDEX_SUFFIX = ".safetensors.index.json"
 #: Config fields the tensors' shapes and keys fix (the head split, ``eps`` and ``rope_max_seq_len`` they do not).
@@ -165,7 +164,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise ValueError(f"{len(duplicates)} keys occur in more than one of {[f.name for f in files]}: {sorted(duplicates)}")
     index = next(iter(sorted(path.glob("*" + _INDEX_SUFFIX))), None) if path.is_dir() else path
     if index is not None and index.name.endswith(_INDEX_SUFFIX):
-        listed = set(_index_weight_map(index))
+        listed = set(strip_wrapper_prefix(_index_weight_map(index)))  # the shards' keys lose their prefix too
         if listed != set(tensors):
             raise ValueError(
                 f"the shards disagree with {index.name}: listed but absent {sorted(listed - set(tensors))}, "
@@ -176,23 +175,17 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def _read_file(file: Path) -> dict[str, torch.Tensor]:
     """The tensors of one checkpoint file, memory-mapped where the format allows."""
-    data = read_checkpoint_file(file, mmap=True)
+    return read_state_dict(file, _unwrap)
+
+
+def _unwrap(data: Any, where: str) -> Any:
+    """The state dict inside ``data``: itself, or what :data:`_WRAPPER_KEYS` hold (nested ones too)."""
     while isinstance(data, Mapping) and not any(isinstance(v, torch.Tensor) for v in data.values()):
         inner = next((data[k] for k in _WRAPPER_KEYS if isinstance(data.get(k), Mapping)), None)
         if inner is None:
-            raise ValueError(f"{file} holds no tensors at its top level nor under {list(_WRAPPER_KEYS)}")
+            raise ValueError(f"{where} holds no tensors at its top level nor under {list(_WRAPPER_KEYS)}")
         data = inner
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{file} holds a {type(data).__name__}, not a state dict")
-    return dict(data)
-
-
-def _strip_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop a wrapper prefix (``module.`` from DDP, ``model.``, ``_orig_mod.``) that every key shares."""
-    for prefix in _PREFIXES:
-        if state_dict and all(key.startswith(prefix) for key in state_dict):
-            return _strip_prefix({key[len(prefix):]: value for key, value in state_dict.items()})
-    return state_dict
+    return data
 
 
 def rename_original_wan_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -203,7 +196,7 @@ def rename_original_wan_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str
     """
     renamed: dict[str, torch.Tensor] = {}
     unknown = []
-    for key, value in _strip_prefix(dict(state_dict)).items():
+    for key, value in strip_wrapper_prefix(state_dict).items():
         for pattern, target in _RULES:
             match = pattern.match(key)
             if match:

@@ -15,16 +15,23 @@ import warnings
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from ..config import MHLAConfig
-from ..models.conversion import build_mhla_processors, get_mhla_conversion, install_mhla_processors, model_family, self_attention_layers
+from ..models.conversion import (
+    build_mhla_processors,
+    get_mhla_conversion,
+    install_mhla_processors,
+    self_attention_layers,
+)
+from ..models.families import family_of
 from ..models.processors.base import kept_in_fp32
 from ..models.processors.grid import TokenGridContext
+from ..utils.model_source import source_kind
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -36,7 +43,11 @@ __all__ = [
     "hub_kwargs_of",
     "load_into",
     "model_shape",
+    "WRAPPER_PREFIXES",
     "read_checkpoint_file",
+    "read_safetensors_metadata",
+    "read_state_dict",
+    "strip_wrapper_prefix",
     "read_meta",
     "read_mhla_config",
     "read_mhla_tensors",
@@ -50,6 +61,9 @@ FORMAT_VERSION = 1
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download")
+#: Prefixes a training wrapper puts on every key of a state dict: DDP's ``module.``, ``model.`` (wrapping
+#: modules such as Lightning's), torch.compile's ``_orig_mod.``.
+WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.")
 
 
 def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -60,9 +74,10 @@ def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
 def model_shape(transformer: nn.Module) -> dict[str, Any]:
     layers = self_attention_layers(transformer)
     attn = layers[0][1]
+    family = family_of(transformer)
     return {
-        "family": model_family(transformer),
-        "transformer_class": {"wan": "WanTransformer3DModel", "dit": "DiTTransformer2DModel"}[model_family(transformer)],
+        "family": family.name,
+        "transformer_class": family.transformer_class_name,
         "num_layers": len(layers),
         "heads": int(attn.heads),
         "head_dim": int(attn.to_q.out_features // attn.heads),
@@ -79,17 +94,17 @@ def read_mhla_config(source: str | os.PathLike, subfolder: str | None = None, **
 
 def find_file(source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path | None:
     """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``."""
-    if os.path.isdir(source):
+    kind = source_kind(source)
+    if kind == "folder":
         path = Path(source, subfolder or "", filename)
         return path if path.is_file() else None
-    text = str(source)
-    if os.path.exists(text) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1:
+    if kind != "hub":
         raise FileNotFoundError(f"{source} is neither a local folder nor a hub repo id of the form 'owner/name'")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(text, filename, subfolder=subfolder, **hub_kwargs))
+        return Path(hf_hub_download(os.fspath(source), filename, subfolder=subfolder, **hub_kwargs))
     except (EntryNotFoundError, LocalEntryNotFoundError):  # absent, or not cached while offline
         return None
 
@@ -166,14 +181,34 @@ def read_checkpoint_file(
     keys it accepts (a safetensors file reads no other tensor).
     """
     path = Path(path)
-    try:
+    legacy = False
+    with _refusing_unreadable(path):
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 return {key: handle.get_tensor(key) for key in handle.keys() if keep is None or keep(key)}
         legacy = mmap and not zipfile.is_zipfile(path)
         with torch.serialization.safe_globals(list(safe_globals)):
             data = torch.load(path, map_location="cpu", mmap=mmap and not legacy, weights_only=True)
-    except OSError:  # a missing or unreadable file keeps its own message
+    if legacy:
+        warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
+                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
+    if keep is not None and isinstance(data, dict):
+        data = {key: value for key, value in data.items() if keep(key)}
+    return data
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a ``.safetensors`` file (``{}`` when it has none), or a one-line ``ValueError`` naming it."""
+    with _refusing_unreadable(Path(path)), safe_open(str(path), framework="pt", device="cpu") as handle:
+        return dict(handle.metadata() or {})
+
+
+@contextmanager
+def _refusing_unreadable(path: Path) -> Iterator[None]:
+    """Turn any failure to parse ``path`` into one line naming it (a missing or unreadable file keeps its own)."""
+    try:
+        yield
+    except OSError:
         raise
     except Exception as error:  # noqa: BLE001 - bytes that are no checkpoint fail anywhere in the unpickler
         # torch's own message would advise weights_only=False; name the class instead, and load nothing
@@ -182,12 +217,31 @@ def read_checkpoint_file(
             raise ValueError(f"{path} holds objects other than tensors and plain values ({unsupported.group(1)}), "
                              "which are not loaded") from None
         raise ValueError(f"{path} is not a readable PyTorch/safetensors checkpoint (corrupt or truncated?)") from None
-    if legacy:
-        warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
-                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
-    if keep is not None and isinstance(data, dict):
-        data = {key: value for key, value in data.items() if keep(key)}
-    return data
+
+
+def strip_wrapper_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without the wrapper prefixes (:data:`WRAPPER_PREFIXES`, nested ones too) that every key shares."""
+    state_dict = dict(state_dict)
+    for prefix in WRAPPER_PREFIXES:
+        if state_dict and all(key.startswith(prefix) for key in state_dict):
+            return strip_wrapper_prefix({key[len(prefix):]: value for key, value in state_dict.items()})
+    return state_dict
+
+
+def read_state_dict(
+    path: str | os.PathLike, select: Callable[[Any, str], Any] | None = None, *, safe_globals: Sequence[type] = (),
+) -> dict[str, torch.Tensor]:
+    """The state dict in one checkpoint file, memory-mapped where the format allows (``safe_open``; ``torch.load``
+    with ``mmap=True`` and ``weights_only=True``) and without its wrapper prefix (:func:`strip_wrapper_prefix`).
+
+    ``select(data, where)`` picks the state dict from what the file holds (default: the file is one);
+    anything but a mapping is a one-line ``ValueError`` naming the file.
+    """
+    data = read_checkpoint_file(path, mmap=True, safe_globals=safe_globals)
+    chosen = select(data, os.fspath(path)) if select is not None else data
+    if not isinstance(chosen, Mapping):
+        raise ValueError(f"{os.fspath(path)} holds a {type(chosen).__name__}, not a state dict")
+    return strip_wrapper_prefix(chosen)
 
 
 def dtype_on_load(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:

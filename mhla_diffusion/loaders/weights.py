@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..models.conversion import get_mhla_conversion, mhla_parameter_names
+from ..models.families import family_for_class_name, family_named
 from .weight_files import (
     DIFFUSERS_INDEX,
     DIFFUSERS_WEIGHTS,
@@ -150,8 +151,6 @@ def load_mhla(
     Returns the converted transformer. Any key mismatch raises ``ValueError`` listing the keys.
     """
     if transformer is None:
-        from ..models.transformers import mhla_transformer_class
-
         meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
         if meta is None:
             where = f"{source}/{subfolder}" if subfolder else str(source)
@@ -162,20 +161,13 @@ def load_mhla(
             raise ValueError(
                 f"{source} holds only MHLA parameters: pass the base transformer too, load_mhla(folder, transformer)"
             )
-        return mhla_transformer_class(meta["family"]).from_pretrained(source, subfolder=subfolder, **kwargs)
+        cls = family_named(meta["family"]).mhla_transformer_class()
+        return cls.from_pretrained(source, subfolder=subfolder, **kwargs)
     hub_kwargs = hub_kwargs_of(kwargs)
     meta = read_meta(source, subfolder, hub_kwargs)
     tensors = read_mhla_tensors(weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))
     load_into(transformer, meta, tensors)
     return transformer
-
-
-# Hub DiT checkpoints (facebook/DiT-XL-2-256) still record the legacy class name.
-_TRANSFORMER_CLASSES = {
-    "WanTransformer3DModel": "WanTransformer3DModel",
-    "DiTTransformer2DModel": "DiTTransformer2DModel",
-    "Transformer2DModel": "DiTTransformer2DModel",
-}
 
 
 def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None, **kwargs: Any) -> nn.Module:
@@ -192,7 +184,8 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
         where = f"{source}/{subfolder}" if subfolder else str(source)
         raise FileNotFoundError(f"no config.json in {where}: give a Diffusers transformer or pipeline folder (or hub id)")
     class_name = json.loads(config_path.read_text()).get("_class_name")
-    if class_name not in _TRANSFORMER_CLASSES:
+    family = family_for_class_name(class_name)  # hub DiT checkpoints (facebook/DiT-XL-2-256) record a legacy name
+    if family is None:
         raise ValueError(
             f"{source} holds a {class_name!r}; MHLA supports WanTransformer3DModel and DiTTransformer2DModel"
         )
@@ -200,7 +193,7 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
 
     from ..models.transformers import apply_timestep_freq_shift, shift_applied_quietly
 
-    cls = getattr(diffusers, _TRANSFORMER_CLASSES[class_name])
+    cls = family.transformer_class()
     with shift_applied_quietly():
         transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
     if isinstance(transformer, diffusers.DiTTransformer2DModel):

@@ -12,11 +12,10 @@ from torch import nn
 
 from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
 from ..config import MHLAConfig
-from ..utils.geometry import ImageGeometry, VideoGeometry, check_equal_blocks
+from ..utils.geometry import check_equal_blocks
+from .families import family_of
 from .processors.base import MHLAProcessor
-from .processors.dit import DiTMHLAProcessor
 from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook
-from .processors.wan import WanMHLAProcessor
 
 __all__ = [
     "MHLAConversion",
@@ -31,9 +30,6 @@ __all__ = [
     "self_attention_layers",
     "softmax_attention",
 ]
-
-_PROCESSOR_CLASSES: dict[str, type[MHLAProcessor]] = {"wan": WanMHLAProcessor, "dit": DiTMHLAProcessor}
-
 
 @dataclass
 class MHLAConversion:
@@ -78,31 +74,20 @@ class MHLAConversion:
 
 
 def model_family(transformer: nn.Module) -> str:
-    """``"wan"`` for ``WanTransformer3DModel``, ``"dit"`` for ``DiTTransformer2DModel`` (and subclasses)."""
-    from diffusers import DiTTransformer2DModel, WanTransformer3DModel
-
-    if isinstance(transformer, WanTransformer3DModel):
-        return "wan"
-    if isinstance(transformer, DiTTransformer2DModel):
-        return "dit"
-    raise TypeError(
-        f"MHLA supports Diffusers' WanTransformer3DModel and DiTTransformer2DModel, got {type(transformer).__name__}"
-    )
+    """``"wan"`` for ``WanTransformer3DModel``, ``"dit"`` for ``DiTTransformer2DModel`` (and subclasses):
+    the name of its :mod:`~mhla_diffusion.models.families` entry."""
+    return family_of(transformer).name
 
 
 def self_attention_layers(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, attention module)`` of every block's self-attention, in block order."""
-    if model_family(transformer) == "wan":
-        return [(f"blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.blocks)]
-    return [(f"transformer_blocks.{i}.attn1", block.attn1) for i, block in enumerate(transformer.transformer_blocks)]
+    blocks = family_of(transformer).blocks_attribute
+    return [(f"{blocks}.{i}.attn1", block.attn1) for i, block in enumerate(getattr(transformer, blocks))]
 
 
 def _patch_size(transformer: nn.Module) -> tuple[int, ...]:
     """Patch size per token-grid axis: (t, h, w) for Wan, (h, w) for DiT (from the transformer's config)."""
-    if model_family(transformer) == "wan":
-        return VideoGeometry.from_configs(transformer.config).patch_size
-    patch = ImageGeometry.from_configs(transformer.config).patch_size
-    return patch, patch
+    return family_of(transformer).patch_grid(transformer.config)
 
 
 def _resolve_layers(spec: str | Sequence[int], total: int) -> list[int]:
@@ -117,16 +102,15 @@ def _resolve_layers(spec: str | Sequence[int], total: int) -> list[int]:
 
 
 def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ...]:
-    family = model_family(transformer)
-    axes = 3 if family == "wan" else 2
-    axis_names = "(frames, height, width)" if family == "wan" else "(rows, columns)"
+    family = family_of(transformer)
+    axes, axis_names = len(family.grid_axes), f"({', '.join(family.grid_axes)})"
     target = config.target_grid
     equal_blocks = config.normalization == "scalar_mixed_denominator"  # needs a layout that divides the grid
-    if target is None and family == "dit":
+    if target is None and family.fixed_grid:
         side = int(transformer.config.sample_size) // _patch_size(transformer)[0]
         target = (side, side)
     if target is not None and len(target) != axes:
-        raise ValueError(f"`target_grid` {tuple(target)} must have {axes} axes {axis_names} for {family}")
+        raise ValueError(f"`target_grid` {tuple(target)} must have {axes} axes {axis_names} for {family.name}")
     if config.layout == "auto":
         if target is None:
             raise ValueError(
@@ -136,7 +120,7 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
         return auto_layout(target, equal_blocks=equal_blocks)
     layout = tuple(config.layout)
     if len(layout) != axes:
-        raise ValueError(f"`layout` {layout} must have {axes} axes {axis_names} for {family}")
+        raise ValueError(f"`layout` {layout} must have {axes} axes {axis_names} for {family.name}")
     if target is not None:
         validate_grid_layout(target, layout)
         if equal_blocks:
@@ -189,7 +173,7 @@ def build_mhla_processors(
     ``empty``, the processors' parameters are left on the meta device in the layers' dtype (nothing
     allocated or initialised), for a loader that fills them with ``load_state_dict(..., assign=True)``.
     """
-    family = model_family(transformer)
+    processor_class = family_of(transformer).processor_class()
     layers = self_attention_layers(transformer)
     resolved = resolve_mhla_config(transformer, config)
     indices, layout = resolved.layers, tuple(resolved.layout)
@@ -202,7 +186,7 @@ def build_mhla_processors(
         # a model on the meta device (built without memory) gets meta parameters: none is allocated or initialised
         meta = empty or weight.is_meta
         with torch.device("meta") if meta else nullcontext():
-            processor = _PROCESSOR_CLASSES[family](attn.heads, head_dim, layout, resolved, context)
+            processor = processor_class(attn.heads, head_dim, layout, resolved, context)
         processors[name] = processor.to(device="meta" if meta else weight.device, dtype=weight.dtype)
     return resolved, processors
 

@@ -24,7 +24,6 @@ __all__ = [
     "MHLADiTTransformer2DModel",
     "MHLAWanTransformer3DModel",
     "apply_timestep_freq_shift",
-    "mhla_transformer_class",
     "set_timestep_freq_shift",
     "shift_applied_quietly",
 ]
@@ -100,11 +99,3 @@ class MHLADiTTransformer2DModel(DiTTransformer2DModel):
             out = super().from_config(config, return_unused_kwargs=return_unused_kwargs, **kwargs)
         apply_timestep_freq_shift(out[0] if return_unused_kwargs else out)
         return out
-
-
-def mhla_transformer_class(family: str) -> type:
-    """The MHLA-preserving transformer class of a model family (``"wan"`` or ``"dit"``)."""
-    classes = {"wan": MHLAWanTransformer3DModel, "dit": MHLADiTTransformer2DModel}
-    if family not in classes:
-        raise ValueError(f"unknown model family {family!r}: expected 'wan' or 'dit'")
-    return classes[family]

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..loaders.weight_files import read_checkpoint_file, read_safetensors_metadata
 from ..models.conversion import MHLAConversion
 
 __all__ = ["LORA_WEIGHT_NAME", "MARK_PREFIX", "check_lora_mark", "lora_file", "mark_mhla_lora", "read_lora_mark"]
@@ -24,17 +25,15 @@ def mark_mhla_lora(path: str | os.PathLike, conversion: MHLAConversion | None) -
     """Add the MHLA mark to the metadata of the LoRA file ``path`` (existing metadata is kept).
 
     ``conversion`` is the trained model's (``None``: a softmax model, marked ``requires_mhla: false``)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     path = Path(path)
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata() or {})
+    metadata = read_safetensors_metadata(path)
     metadata[MARK_PREFIX + "requires_mhla"] = "true" if conversion is not None else "false"
     if conversion is not None:
         metadata[MARK_PREFIX + "mhla_layers"] = json.dumps(list(conversion.layer_names))
         metadata[MARK_PREFIX + "layout"] = json.dumps(list(conversion.layout))
-    tensors = load_file(str(path))
+    tensors = read_checkpoint_file(path)
     temporary = path.with_name(path.name + ".tmp")
     save_file(tensors, str(temporary), metadata=metadata)
     os.replace(temporary, path)
@@ -56,10 +55,7 @@ def lora_file(source: Any, weight_name: str | None = None, subfolder: str | None
 
 def read_lora_mark(path: str | os.PathLike) -> dict[str, Any]:
     """The MHLA mark of a LoRA file: ``{}`` for a file without one (any other trainer's)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
+    metadata = read_safetensors_metadata(path)
     if MARK_PREFIX + "requires_mhla" not in metadata:
         return {}
     mark: dict[str, Any] = {"requires_mhla": metadata[MARK_PREFIX + "requires_mhla"] == "true"}

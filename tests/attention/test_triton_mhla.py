@@ -200,6 +200,7 @@ def test_fused_available(monkeypatch):
     assert not fused_available(cpu)
 
 
+@pytest.mark.slow
 def test_switch_and_interpreter_mode_from_the_environment():
     """In a fresh process: ``MHLA_FUSED=0`` turns the path off, and with ``TRITON_INTERPRET=1`` set before
     Triton is imported (triton.language's helpers then built for the interpreter) the kernels still match."""
@@ -237,6 +238,7 @@ def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, 
     }
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
     """The interpreter accepts more than the compiler: compile both kernels ahead of time, without a GPU,
     for sm_90 with the tiles and warps Wan's launch takes (bf16 inputs, dots, RoPE tables and summaries,

@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+#: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
+pytestmark = pytest.mark.slow
+
 SCRIPT = r"""
 import json, logging, resource
 import torch

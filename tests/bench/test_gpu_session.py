@@ -40,6 +40,7 @@ def smoke(tmp_path_factory):
     return out, done.stdout, time.perf_counter() - started
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     out, _, seconds = smoke
     session = json.loads((out / "gpu_session.json").read_text())
@@ -81,6 +82,7 @@ def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     assert all("error" not in r and r["compiled_ms"] > 0 and r["max_abs_diff_vs_eager"] < 0.05 for r in compiled)
 
 
+@pytest.mark.slow
 def test_smoke_renders_the_markdown_from_the_json(smoke, gpu_session, tmp_path):
     out, stdout, _ = smoke
     session = json.loads((out / "gpu_session.json").read_text())

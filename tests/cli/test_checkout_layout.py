@@ -24,6 +24,7 @@ def _run_without_install(args: list[str], pythonpath: list[Path]) -> subprocess.
     return subprocess.run([sys.executable, "-S", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_packages_import_from_a_checkout_with_pythonpath_dot():
     code = (
         "import mhla_diffusion.finetune, mhla_diffusion.pipelines, mhla_diffusion.eval, mhla_diffusion.web, "
@@ -39,6 +40,7 @@ def test_packages_import_from_a_checkout_with_pythonpath_dot():
     assert Path(path) == REPO / "mhla_diffusion" / "finetune" / "__init__.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, expected", [
     ("finetune/train_wan.py", "--config"),
     ("finetune/train_dit.py", "--config"),

@@ -45,6 +45,7 @@ def test_convert_bad_input_is_a_readable_error(capsys):
     assert "--target-size 80x480x832: 80 frames is not supported: use 4k+1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     exe = shutil.which("mhla")
     assert exe is not None, "install the package (pip install -e .) to get the `mhla` command"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mhla_diffusion
 
 PACKAGE = Path(mhla_diffusion.__file__).parent
@@ -101,6 +103,7 @@ def test_no_import_cycles():
         " <-> ".join(component) for component in found)
 
 
+@pytest.mark.slow
 def test_every_module_imports():
     """One fresh interpreter imports every module (``__main__`` modules too: they run nothing on import)."""
     modules = sorted(set(MODULES) - NOT_IMPORTED)

@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+#: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
+pytestmark = pytest.mark.slow
+
 HEAVY = ("torch", "diffusers", "transformers")
 
 #: (entry point, arguments, expected exit code). Every command's help builds that command's arguments.

@@ -89,6 +89,7 @@ SMALL_WAN = dict(  # Wan2.1-1.3B's width with one block: ~0.2 GB in float32, eno
 )
 
 
+@pytest.mark.slow
 def test_load_benchmark_peak_memory_in_fresh_processes(tmp_path):
     folders = write_weights(tmp_path / "work", SMALL_WAN, log=lambda _: None)
     lean = measure_load(LoadCase("whole", "float32"), folders)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import random
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from diffusers import DiTTransformer2DModel
 from helpers.models import run
+from helpers.original_format import outside
 from helpers.original_dit import dit_inputs, original_checkpoint, original_dit_forward, sincos_table
 from safetensors.torch import save_file
 
@@ -18,6 +20,7 @@ from mhla_diffusion import MHLAConfig, MHLADiTTransformer2DModel, get_mhla_conve
 from mhla_diffusion.cli import main
 from mhla_diffusion.loaders.loading import load_transformer_file
 from mhla_diffusion.loaders.original_dit import dit_model_size, load_original_dit, read_dit_checkpoint
+from mhla_diffusion.loaders.original_wan import read_checkpoint
 
 
 def reference(sd, inputs, heads=4, block_tokens=None):
@@ -84,6 +87,21 @@ def test_train_checkpoint_prefers_ema_and_can_choose(tmp_path):
     torch.save({"model": ema, "args": pathlib.PurePosixPath("not/allowed")}, plain)
     with pytest.raises(ValueError, match="objects other than tensors"):
         read_dit_checkpoint(plain)
+
+
+@pytest.mark.parametrize("prefix", ["module.", "model.", "_orig_mod."])
+def test_both_importers_read_files_alike_mapped_and_without_a_wrapper_prefix(tmp_path, prefix):
+    """The Wan and DiT importers share one reader: the same wrapper prefixes come off (``model.`` included),
+    and a ``.pt`` file is memory-mapped, not read into memory."""
+    sd = original_checkpoint()
+    path = tmp_path / "wrapped.pt"
+    torch.save({prefix + k: v for k, v in sd.items()}, path)
+    for read in (read_dit_checkpoint, read_checkpoint):
+        tensors = read(path)
+        assert sorted(tensors) == sorted(sd), read.__name__
+        if os.path.exists("/proc/self/maps"):
+            assert outside(tensors, path) == [], f"{read.__name__} copied the file into memory"
+    torch.testing.assert_close(run(load_original_dit(path, num_heads=4), dit_inputs()), reference(sd, dit_inputs()))
 
 
 def test_unknown_and_missing_keys_are_named():

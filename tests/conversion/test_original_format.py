@@ -264,6 +264,7 @@ print(status("VmHWM") - start)
 """
 
 
+@pytest.mark.slow
 @needs_proc_maps
 def test_peak_memory_of_a_dtype_import_is_the_file_plus_the_converted_copy(tmp_path):
     """fp32 -> bf16: the mapped file's pages (its size, reclaimable page cache) plus the bf16 copy (half of

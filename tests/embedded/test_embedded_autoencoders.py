@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mhla_diffusion.embedded import (generate_clips, latent_statistics, tiny_image_vae, tiny_video_vae, train_image_vae,
@@ -37,6 +38,7 @@ def test_video_vae_has_wan_compression():
     assert tiny_video_vae(z_dim=8).config.latents_mean == [0.0] * 8
 
 
+@pytest.mark.slow
 def test_video_vae_training_lowers_loss_and_stores_latent_statistics():
     clips = _small_clips()
     vae = tiny_video_vae(seed=1)
@@ -69,6 +71,7 @@ def test_video_vae_decodes_inside_wan_pipeline():
     assert video.shape == (1, 17, 64, 64, 3)
 
 
+@pytest.mark.slow
 def test_image_vae_shapes_training_and_scaling_factor(digit_split):
     split = digit_split
     images = split.train_images[:64]

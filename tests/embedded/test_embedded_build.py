@@ -45,6 +45,7 @@ def smoke_build(tmp_path_factory):
     return root, report, steps
 
 
+@pytest.mark.slow
 def test_killed_build_resumes_inside_the_running_stage(smoke_build):
     root, report, steps = smoke_build
     first, second, third = steps
@@ -58,6 +59,7 @@ def test_killed_build_resumes_inside_the_running_stage(smoke_build):
     assert report["autoencoders"]["seconds"] == pytest.approx(sum(report["autoencoders"]["attempt_seconds"]), abs=0.2)
 
 
+@pytest.mark.slow
 def test_smoke_build_writes_models_judges_and_table(smoke_build):
     from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
 
@@ -97,6 +99,7 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     assert all(v["MHLA"]["reading"] and v["softmax"]["reading"] for v in verdicts)
 
 
+@pytest.mark.slow
 def test_rerun_resumes_and_output_is_protected(smoke_build):
     root, _, _ = smoke_build
     with pytest.raises(FileExistsError, match="--overwrite"):
@@ -160,6 +163,7 @@ def test_settings_overrides_are_checked():
         settings_with(BuildSettings(), ["video_student_lepe=no"])
 
 
+@pytest.mark.slow
 def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_path, monkeypatch):
     """``--from-build``: a new work dir starts with the exported judges, VAEs and teachers; only the data,
     the students (here with another step count) and the evaluation run, and the report keeps the
@@ -192,6 +196,7 @@ def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_p
     assert again["students"] == report["students"]
 
 
+@pytest.mark.slow
 def test_build_from_a_finished_build_checks_before_any_work(smoke_build, tmp_path):
     import dataclasses
 

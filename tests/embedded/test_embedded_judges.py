@@ -23,6 +23,7 @@ def short_video_judge():
     return train_video_judge(steps=100, batch_size=16, width=8, embed_dim=32, lr=3e-3)
 
 
+@pytest.mark.slow
 def test_short_video_training_beats_chance_on_fresh_clips(short_video_judge, held_out_clips):
     judge = short_video_judge
     clips, labels, _ = held_out_clips
@@ -33,6 +34,7 @@ def test_short_video_training_beats_chance_on_fresh_clips(short_video_judge, hel
     assert prompt_accuracy(judge, clips, by_name) == accuracy
 
 
+@pytest.mark.slow
 def test_short_image_training_beats_chance_on_held_out_digits(digit_split):
     split = digit_split
     judge = train_image_judge(split.train_images, split.train_labels, steps=60, batch_size=64)
@@ -76,6 +78,7 @@ def test_save_and_load_round_trip(tmp_path, held_out_clips):
         load_judge(tmp_path)
 
 
+@pytest.mark.slow
 def test_video_judge_features_through_the_evaluator(short_video_judge, held_out_clips):
     clips, labels, _ = held_out_clips
     extractor = judge_features(short_video_judge)

@@ -3,6 +3,8 @@ checkpoint and started again ends exactly where an uninterrupted run ends."""
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,7 @@ def test_checkpoint_without_training_time_is_refused(tmp_path):
         _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
 
 
+@pytest.mark.slow
 def test_video_vae_and_judge_resume_bit_identically(tmp_path):
     clips, _, _ = generate_clips(3, seed=3)
     clips = np.ascontiguousarray(clips[:, :5, ::2, ::2])
@@ -110,3 +113,15 @@ def test_video_vae_and_judge_resume_bit_identically(tmp_path):
                               progress=LoopProgress(tmp_path / "judge.pt", every=1))
     for a, b in zip(judge.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_a_damaged_or_foreign_checkpoint_is_one_line_and_never_unpickled(tmp_path):
+    checkpoint = tmp_path / "loop.pt"
+    _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
+    state = torch.load(checkpoint, weights_only=True)
+    checkpoint.write_bytes(checkpoint.read_bytes()[:200])  # a kill or a full disk mid-copy
+    with pytest.raises(ValueError, match=f"{checkpoint} is not a readable PyTorch/safetensors checkpoint"):
+        _linear_run(tmp_path, LoopProgress(checkpoint, every=3))
+    torch.save(dict(state, note=pathlib.PurePosixPath("not/a/tensor")), checkpoint)
+    with pytest.raises(ValueError, match="holds objects other than tensors and plain values"):
+        _linear_run(tmp_path, LoopProgress(checkpoint, every=3))

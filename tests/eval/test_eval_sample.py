@@ -198,6 +198,7 @@ def test_eval_sample_command_with_mhla_weights(pipe, uninterrupted, tmp_path, ca
         args.func(args)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None or not torch.distributed.is_available(), reason="needs torchrun")
 def test_two_real_processes_share_the_samples_and_resume(pipe, uninterrupted, tmp_path):
     """torchrun (what `accelerate launch --multi_gpu` runs) with 2 CPU processes on the gloo backend."""

@@ -255,6 +255,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_two_gloo_processes_equal_one_process_over_the_union(standin, tmp_path):
     samples, real = samples_and_reference()

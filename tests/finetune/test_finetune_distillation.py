@@ -28,6 +28,7 @@ def _loss(task, model, batch, weight):
         return task.batch_loss(model, batch, torch.Generator().manual_seed(7))
 
 
+@pytest.mark.slow
 def test_distillation_mixes_the_data_loss_with_the_error_to_the_softmax_original(tmp_path, pipeline_dirs, video_set):
     task, student, batch = _task_and_batch(tmp_path, pipeline_dirs["wan"], video_set, distillation_weight=0.25)
     original = task.original
@@ -48,6 +49,7 @@ def test_distillation_mixes_the_data_loss_with_the_error_to_the_softmax_original
     assert _loss(task, student, batch, 1.0)[1] == {}
 
 
+@pytest.mark.slow
 def test_a_distilled_run_logs_both_losses_and_skips_the_original_in_transfer(tmp_path, pipeline_dirs, video_set,
                                                                               monkeypatch):
     stages = []  # the task's stage at every batch_loss call: the engine must tell it when transfer ends
@@ -64,6 +66,7 @@ def test_a_distilled_run_logs_both_losses_and_skips_the_original_in_transfer(tmp
         assert row["loss"] == pytest.approx(0.5 * row["data_loss"] + 0.5 * row["distillation_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_ema_weights_are_the_final_model_and_the_pipeline(tmp_path, pipeline_dirs, video_set):
     options = wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", max_train_steps=3, ema_decay=0.5,
                           save_pipeline=True)
@@ -85,6 +88,7 @@ def test_bad_distillation_and_ema_options_are_refused(tmp_path, pipeline_dirs, v
         wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", **overrides)
 
 
+@pytest.mark.slow
 def test_distilling_from_an_mhla_pipeline_is_refused_before_training(tmp_path, pipeline_dirs, video_set):
     first = wan_options(pipeline_dirs["wan"], video_set, tmp_path / "mhla", max_train_steps=1, save_pipeline=True)
     train_wan.train(first)

@@ -8,11 +8,15 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 from helpers.finetune import metrics, subprocess_env
 
 from mhla_diffusion.pipelines import MHLAWanPipeline
+
+#: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
+pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ class Interrupted(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_dit_learns_and_outputs_load_with_the_pipelines(tmp_path, pipeline_dirs, image_classes):
     base = pipeline_dirs["dit"]
     evaluate = DiTEvaluator(base, image_classes)
@@ -44,6 +45,7 @@ def test_dit_learns_and_outputs_load_with_the_pipelines(tmp_path, pipeline_dirs,
     assert (tmp_path / "run" / "validation" / "step-00000030" / "01-goldfish.png").is_file()
 
 
+@pytest.mark.slow
 def test_dit_resume_with_ema_equals_uninterrupted(tmp_path, pipeline_dirs, image_classes):
     base = pipeline_dirs["dit"]
     common = dict(max_train_steps=5, checkpointing_steps=2, ema_decay=0.8, class_dropout=0.5, train_batch_size=3,

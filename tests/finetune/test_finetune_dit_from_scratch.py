@@ -113,6 +113,7 @@ ATTENTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ATTENTIONS)
 def test_from_scratch_trains_and_saves_a_pipeline(tmp_path, pipeline_dirs, image_classes, name):
     extra = dict(ATTENTIONS[name])
@@ -144,6 +145,7 @@ def test_from_scratch_trains_and_saves_a_pipeline(tmp_path, pipeline_dirs, image
     assert images.shape == (2, 16, 16, 3) and torch.isfinite(torch.as_tensor(images)).all()
 
 
+@pytest.mark.slow
 def test_from_scratch_resume_equals_uninterrupted(tmp_path, pipeline_dirs, image_classes):
     vae = pipeline_dirs["dit"] / "vae"
     common = dict(max_train_steps=5, checkpointing_steps=2, ema_decay=0.8, train_batch_size=3, learning_rate=1e-2,
@@ -172,6 +174,7 @@ def _cache_entries(cache_dir) -> tuple[list[ImageSample], list[dict[str, torch.T
     return samples, [cache.read("latents", latent_identity(s)) for s in samples]
 
 
+@pytest.mark.slow
 def test_prepass_stores_both_flips_and_training_needs_no_vae(tmp_path, pipeline_dirs, image_classes, monkeypatch):
     from diffusers import AutoencoderKL
 
@@ -213,6 +216,7 @@ def test_batch_view_flips_all_or_none():
     assert batch_view(cached, False)["latents"].eq(0).all()
 
 
+@pytest.mark.slow
 def test_flip_coin_per_batch(tmp_path, pipeline_dirs, image_classes, monkeypatch):
     seen = []
 

@@ -38,6 +38,7 @@ def _crash_at(step_to_crash):
 LORA = dict(trainable="lora", lora_rank=4, lora_alpha=4, max_train_steps=4, checkpointing_steps=2)
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_options_and_keeps_the_run_record(tmp_path, pipeline_dirs, video_set):
     base, run = pipeline_dirs["wan"], tmp_path / "run"
     with pytest.raises(Interrupted):
@@ -57,6 +58,7 @@ def test_resume_refuses_changed_options_and_keeps_the_run_record(tmp_path, pipel
     assert (run / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_metrics_hold_each_step_once_after_a_resume(tmp_path, pipeline_dirs, video_set):
     base, run = pipeline_dirs["wan"], tmp_path / "run"
     with pytest.raises(Interrupted):
@@ -66,6 +68,7 @@ def test_metrics_hold_each_step_once_after_a_resume(tmp_path, pipeline_dirs, vid
     assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_live_run_lock_is_refused_naming_its_holder(tmp_path, pipeline_dirs, video_set):
     run = tmp_path / "run"
     run.mkdir()
@@ -82,6 +85,7 @@ def test_a_live_run_lock_is_refused_naming_its_holder(tmp_path, pipeline_dirs, v
         holder.wait()
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_the_start_logs_processes_and_global_batch(tmp_path, pipeline_dirs, video_set,
                                                                                   caplog):
     import socket
@@ -197,6 +201,7 @@ def test_hugging_face_datasets_saved_to_disk(tmp_path, video_set):
         index_video_folder(embedded, [(32, 32)], [9])
 
 
+@pytest.mark.slow
 def test_mhla_lora_files_are_marked_and_refused_without_mhla(tmp_path, pipeline_dirs, video_set):
     from mhla_diffusion.pipelines import MHLAWanPipeline
     from mhla_diffusion.pipelines.lora import read_lora_mark
@@ -216,6 +221,7 @@ def test_mhla_lora_files_are_marked_and_refused_without_mhla(tmp_path, pipeline_
     pipe.load_lora_weights(final)  # the matching MHLA model loads it
 
 
+@pytest.mark.slow
 def test_one_progress_bar_relabelled_by_stage(tmp_path, pipeline_dirs, image_classes, capfd):
     """A run shows one bar, labelled by its stage (``transfer`` then ``train``), not a second one."""
     import re

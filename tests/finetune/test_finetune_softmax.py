@@ -51,6 +51,7 @@ def _equal_states(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow
 def test_wan_softmax_teacher_then_mhla_student(tmp_path, wan_patch1, video_set):
     from diffusers import WanPipeline, WanTransformer3DModel
 
@@ -82,6 +83,7 @@ def test_wan_softmax_teacher_then_mhla_student(tmp_path, wan_patch1, video_set):
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.slow
 def test_wan_softmax_lora_and_size_checks(tmp_path, pipeline_dirs, wan_patch1, video_set):
     from diffusers import WanPipeline
 
@@ -122,6 +124,7 @@ def test_wan_frame_counts_and_validation_sizes_follow_the_model(tmp_path, pipeli
         task._check_sizes()
 
 
+@pytest.mark.slow
 def test_dit_softmax_teacher_resumes_and_seeds_an_mhla_student(tmp_path, digits):
     from diffusers import DiTPipeline, DiTTransformer2DModel
 
@@ -166,6 +169,7 @@ def test_dit_softmax_teacher_resumes_and_seeds_an_mhla_student(tmp_path, digits)
     assert any("transfer/loss" in row for row in metrics(student))
 
 
+@pytest.mark.slow
 def test_trainers_run_back_to_back_in_one_process(tmp_path, digits):
     """Two CLI runs in one process with different precision and accumulation (Accelerate's singletons
     would refuse the second without the reset at the end of a run); no logging handlers pile up."""

@@ -66,6 +66,7 @@ def test_attention_mode_keeps_a_frozen_teacher():
     torch.testing.assert_close(forced, original)  # ... the teacher does not
 
 
+@pytest.mark.slow
 def test_transfer_stage_lowers_the_end_to_end_loss(tmp_path):
     data = one_colour_clips(tmp_path / "data", 8, SIZE)
     pretrained = attention_reliant_wan(tmp_path / "pretrained", data, SIZE, pretrain_steps=300)

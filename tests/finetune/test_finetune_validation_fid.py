@@ -49,6 +49,7 @@ def inception(tmp_path_factory):
     return weights, reference
 
 
+@pytest.mark.slow
 def test_dit_logs_validation_fid_at_the_configured_steps_and_the_end(tmp_path, pipeline_dirs, image_classes,
                                                                        inception, monkeypatch):
     weights, reference = inception
@@ -66,6 +67,7 @@ def test_dit_logs_validation_fid_at_the_configured_steps_and_the_end(tmp_path, p
     assert len([r for r in rows if "loss" in r]) == 3
 
 
+@pytest.mark.slow
 def test_without_inception_weights_validation_fid_is_skipped_with_one_line(tmp_path, pipeline_dirs, image_classes,
                                                                             inception, monkeypatch, caplog):
     _, reference = inception
@@ -140,6 +142,7 @@ class _StandInWithWeights(StandInFeatures):
         super().__init__()
 
 
+@pytest.mark.slow
 def test_wan_per_frame_fid_counts_every_frame_of_every_clip(tmp_path, pipeline_dirs, video_set, inception, monkeypatch):
     from helpers.finetune import wan_options
 

@@ -23,6 +23,7 @@ class Interrupted(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_loss_decreases_and_outputs_load_with_the_pipelines(tmp_path, pipeline_dirs, video_set):
     base = pipeline_dirs["wan"]
     evaluate = WanEvaluator(base, video_set)
@@ -59,6 +60,7 @@ def _final_tensors(folder):
     return tensors
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_lora_run_equals_uninterrupted(tmp_path, pipeline_dirs, video_set):
     base = pipeline_dirs["wan"]
     common = dict(trainable="lora", lora_rank=4, lora_alpha=8, gradient_accumulation_steps=2, caption_dropout=0.5,
@@ -97,6 +99,7 @@ def test_interrupted_and_resumed_lora_run_equals_uninterrupted(tmp_path, pipelin
     assert (with_lora - without).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_latent_cache_matches_online_encoding_and_is_reused(tmp_path, pipeline_dirs, video_set, monkeypatch):
     base = pipeline_dirs["wan"]
     data = tmp_path / "data"
@@ -133,6 +136,7 @@ def test_latent_cache_matches_online_encoding_and_is_reused(tmp_path, pipeline_d
                                     max_sequence_length=8, **common))
 
 
+@pytest.mark.slow
 def test_images_and_videos_of_several_sizes_train_in_buckets(tmp_path, pipeline_dirs, monkeypatch):
     data = tmp_path / "mixed"
     data.mkdir()
@@ -151,6 +155,7 @@ def test_images_and_videos_of_several_sizes_train_in_buckets(tmp_path, pipeline_
     assert sorted(shapes) == sorted([(1, 16, 3, 4, 6), (1, 16, 3, 6, 4), (1, 16, 2, 4, 4), (1, 16, 1, 4, 4)])
 
 
+@pytest.mark.slow
 def test_run_folders_are_never_reused_by_accident(tmp_path, pipeline_dirs, video_set):
     base = pipeline_dirs["wan"]
     user_folder = tmp_path / "mine"
@@ -194,6 +199,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(tmp_path, pipeline_dirs, vid
         train_wan.train(wan_options(tmp_path / "no-model", video_set, tmp_path / "r3"))
 
 
+@pytest.mark.slow
 def test_images_train_under_an_auto_layout_with_more_frame_blocks(tmp_path, pipeline_dirs, monkeypatch):
     """The auto layout is chosen for the 9-frame training size; an image (1 latent frame) leaves the
     layout's other frame blocks empty instead of stopping the run."""

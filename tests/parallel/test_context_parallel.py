@@ -25,6 +25,7 @@ def assert_close(compared: dict[str, tuple[float, float]], where: str) -> None:
     assert not bad, f"{where}: differs from one process: {bad}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", sorted(OPERATOR_CASES) + [f"lepe: {name}" for name in LEPE_GRIDS])
 def test_operator_matches_one_process(parallel_results, world_size, case):
@@ -36,6 +37,7 @@ def test_operator_matches_one_process(parallel_results, world_size, case):
         assert_close(compared, f"rank {rank} of {world_size}, {case}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", sorted(TRANSFORMER_CASES))
 def test_tiny_wan_matches_one_process(parallel_results, world_size, case):
@@ -51,6 +53,7 @@ def test_tiny_wan_matches_one_process(parallel_results, world_size, case):
         assert_close(result["compared"], f"rank {rank} of {world_size}, {case}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_refusals_name_the_problem_and_the_fix(parallel_results, world_size):
     messages = parallel_results(world_size)[0]["refusals"]
@@ -77,6 +80,7 @@ def test_split_sizes_follow_diffusers_rules():
         split_sizes(2, 3, even=False)
 
 
+@pytest.mark.slow
 def test_tiny_pipeline_and_command_line_make_the_one_process_video(parallel_results, parallel_output_dir):
     """``torchrun --nproc_per_node 2 -m mhla_diffusion.cli text-to-video --context-parallel 2``, in-process:
     the same frames as one process, written by rank 0 alone, the degree in the settings."""
@@ -102,6 +106,7 @@ def test_tiny_pipeline_and_command_line_make_the_one_process_video(parallel_resu
     assert np.abs(frames[0] - frames[1]).max() <= 1  # uint8 frames of float results equal within 1e-5
 
 
+@pytest.mark.slow
 def test_training_on_a_2x2_mesh_gives_the_data_parallel_gradient():
     """4 processes: 2 data-parallel groups x 2 context-parallel ranks (DDP over all 4, the trainer's loss
     scale) give every process the mean over the 2 batches of the one-process gradient."""
@@ -123,6 +128,7 @@ def test_trainer_option_context_parallel_degree(tmp_path):
         training_layout(0)
 
 
+@pytest.mark.slow
 def test_wan_family_pipelines_make_the_one_process_video(parallel_results):
     """Wan2.1 image-to-video, Wan2.2-TI2V-5B (text and image; per-token timesteps, split with the tokens) and
     Wan2.2-A14B text and image (both transformers split) on 2 processes."""

@@ -58,6 +58,7 @@ def _stock_load(folder) -> dict:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["wan", "dit"])
 def test_stock_diffusers_reload_needs_import_and_says_so(kind, pipeline_dirs, tmp_path):
     cls = MHLAWanPipeline if kind == "wan" else MHLADiTPipeline

@@ -76,6 +76,7 @@ TEXT_NUMBERS = [
 ]
 
 
+@pytest.mark.slow
 def test_numbers_typed_as_text_get_the_pages_message_and_no_traceback(client, demo_server):
     import json
     import urllib.request
@@ -108,6 +109,7 @@ def test_numbers_typed_as_text_get_the_pages_message_and_no_traceback(client, de
     assert "seed 3" in summary
 
 
+@pytest.mark.slow
 def test_words_the_tokenizer_does_not_know_are_named_in_the_page(client):
     # the tiny pipeline's word-level tokenizer knows "a", "red", "circle", not "zebra" or an emoji
     _, _, summary = client.predict("a red zebra circle \U0001F993", "", 0, 1, 5.0, FRAMES, SIZE, SIZE, False,

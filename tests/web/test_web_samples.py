@@ -22,6 +22,9 @@ from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES  # noqa: E402
 from mhla_diffusion.utils.geometry import MAX_SEED  # noqa: E402
 from mhla_diffusion.web.report import example_prompts  # noqa: E402
 
+#: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
+pytestmark = pytest.mark.slow
+
 
 def _frames(path) -> np.ndarray:
     import imageio.v3 as iio

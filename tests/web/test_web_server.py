@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from helpers.web import BROWSER_ARGS, FRAMES, REPO, SIZE, STEPS, chromium, gallery
 
+#: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
 gradio_client = pytest.importorskip("gradio_client")
 
