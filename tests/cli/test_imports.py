@@ -112,6 +112,7 @@ def test_every_module_imports():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_utils_import_no_torch():
     """``docs/architecture.md``: the rules in ``utils/`` need no torch (the CLI checks sizes before loading it)."""
     modules = sorted(name for name in MODULES if name.startswith("mhla_diffusion.utils."))

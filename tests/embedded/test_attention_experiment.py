@@ -126,6 +126,7 @@ def test_part_b_arms_differ_only_in_attention():
                 assert torch.equal(p, shared[name]), (arm, name)
 
 
+@pytest.mark.slow  # trains
 def test_smoke_run_covers_every_arm(smoke_reproduction):
     report = json.loads((smoke_reproduction / "report.json").read_text())
     s = ExperimentSettings.smoke()
@@ -156,6 +157,7 @@ def _tiny() -> ExperimentSettings:
                                                       "part_b_steps=4"])
 
 
+@pytest.mark.slow  # trains
 def test_a_killed_run_keeps_finished_units_and_resumes_inside_the_run(tmp_path):
     s = _tiny()
     plain = run_experiment(tmp_path / "plain", s)
@@ -182,6 +184,7 @@ def test_a_killed_run_keeps_finished_units_and_resumes_inside_the_run(tmp_path):
         run_experiment(tmp_path / "killed", settings_with(s, ["part_a_steps=5"]))
 
 
+@pytest.mark.slow  # trains
 def test_budget_times_every_arm_and_writes_nothing(tmp_path, capsys, monkeypatch):
     s = _tiny()
     estimate = estimate_budget(s, probe_steps=1)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "reproduce"
 
 
+@pytest.mark.slow  # trains
 def test_smoke_outputs_come_from_its_report_and_settings(smoke_reproduction):
     report = check_outputs_come_from_report(smoke_reproduction)
     check_report_is_complete(report, ExperimentSettings.smoke())
