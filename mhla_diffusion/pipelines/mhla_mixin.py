@@ -126,8 +126,8 @@ class MHLAPipelineMixin:
                                       hub_kwargs=kwargs)
         converted = [name for name in sources if self.mhla_conversions[name] is not None]
         if converted:
-            raise ValueError(f"{' and '.join(converted)} already has MHLA layers: revert_mhla() it first, or load the "
-                             "weights into a base pipeline")
+            raise ValueError(f"{' and '.join(converted)} is already converted to MHLA: revert_mhla() it first, or load "
+                             "the weights into a base pipeline")
         for name, (source, subfolder) in sources.items():
             load_mhla(source, getattr(self, name), subfolder=subfolder, **kwargs)
         return self.mhla_conversions
