@@ -230,15 +230,14 @@ def _convert_one(transformer, config, args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from ..models.conversion import model_family, resolve_mhla_config
     from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
-    from ..loaders.weights import MHLA_CONFIG_NAME, load_transformer, save_mhla
+    from ..loaders.weights import load_transformer, read_mhla_config, save_mhla
 
     started = time.perf_counter()
     # Validate what can be validated before loading a (possibly large) model.
     _convert_config(args, args.tiny)
     if args.output is not None and not args.overwrite:
-        taken = [str(path) for path in (args.output / MHLA_CONFIG_NAME,
-                                        *(args.output / name / MHLA_CONFIG_NAME for name in TRANSFORMER_COMPONENTS))
-                 if path.exists()]
+        taken = [str(path) for path in (args.output, *(args.output / name for name in TRANSFORMER_COMPONENTS))
+                 if path.is_dir() and read_mhla_config(path) is not None]
         if taken:
             raise FileExistsError(f"{args.output} already holds MHLA weights ({', '.join(taken)}); choose another "
                                   "--output or pass --overwrite")

@@ -4,6 +4,10 @@ tensors strictly into a transformer.
 The layer under both :mod:`mhla_diffusion.loaders.weights` (``save_mhla`` / ``load_mhla``) and
 :mod:`mhla_diffusion.models.transformers` (transformer classes whose ``from_pretrained`` restores MHLA), so that
 neither has to import the other. The folder format itself is described in :mod:`mhla_diffusion.loaders.weights`.
+
+A folder says it holds MHLA in one of two ways, both read by :func:`read_meta`: the ``mhla`` entry of a
+whole transformer's ``config.json`` (what ``save_pretrained`` writes now), or an ``mhla_config.json`` (MHLA-only
+folders, and whole-transformer folders written before the entry existed).
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import os
 import re
 import warnings
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -23,12 +26,13 @@ from torch import nn
 
 from ..config import MHLAConfig
 from ..models.conversion import (
+    MHLA_CONFIG_KEY,
     build_mhla_processors,
     get_mhla_conversion,
     install_mhla_processors,
     self_attention_layers,
 )
-from ..models.families import family_of
+from ..models.families import family_for_class_name, family_of
 from ..models.processors.base import kept_in_fp32
 from ..models.processors.grid import TokenGridContext
 from ..utils.model_source import source_kind
@@ -64,6 +68,7 @@ HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_downl
 #: Prefixes a training wrapper puts on every key of a state dict: DDP's ``module.``, ``model.`` (wrapping
 #: modules such as Lightning's), torch.compile's ``_orig_mod.``.
 WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.")
+
 
 
 def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -112,16 +117,41 @@ def find_file(source: str | os.PathLike, filename: str, subfolder: str | None, h
 def read_meta(
     source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any], required: bool = True
 ) -> dict[str, Any] | None:
+    """The MHLA description of a saved folder, in the form of ``mhla_config.json`` (``format``, ``contents``,
+    ``family``, ``num_layers``, ``heads``, ``head_dim``, ``mhla_config``): from the ``mhla`` entry of its
+    ``config.json`` when it has one, else from its ``mhla_config.json``. ``None`` (or, when ``required``,
+    ``FileNotFoundError``) for a folder with neither."""
+    meta = _meta_of_model_config(source, subfolder, hub_kwargs)
+    if meta is not None:
+        return meta
     path = find_file(source, MHLA_CONFIG_NAME, subfolder, hub_kwargs)
     if path is None:
         if not required:
             return None
         where = f"{source}/{subfolder}" if subfolder else str(source)
-        raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in {where}: point to a folder written by save_mhla")
+        raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in {where} (nor an `{MHLA_CONFIG_KEY}` entry in a config.json): "
+                                "point to a folder written by save_mhla or save_pretrained of a converted transformer")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} is not an mhla-diffusion config this version can read (format {meta.get('format')!r})")
     return meta
+
+
+def _meta_of_model_config(source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]
+                          ) -> dict[str, Any] | None:
+    """:func:`read_meta`'s description made from the ``mhla`` entry of a transformer's ``config.json`` (``None``
+    without one): the whole transformer, MHLA parameters included, is in the Diffusers weights beside it."""
+    path = find_file(source, "config.json", subfolder, hub_kwargs)
+    config = json.loads(path.read_text()) if path is not None else {}
+    setting, family = config.get(MHLA_CONFIG_KEY), family_for_class_name(config.get("_class_name"))
+    if not isinstance(setting, dict) or family is None:
+        return None
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "contents": "transformer", "family": family.name,
+        "transformer_class": family.transformer_class_name, "num_layers": config.get("num_layers"),
+        "heads": config.get("num_attention_heads"), "head_dim": config.get("attention_head_dim"),
+        "mhla_config": setting,
+    }
 
 
 def weight_files(
@@ -292,45 +322,35 @@ def check_state_dict(expected: dict[str, torch.Tensor], given: dict[str, torch.T
         for key in set(expected) & set(given)
         if given[key].shape != expected[key].shape
     )
-    found = [(label, keys) for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                                                 ("wrong shapes", wrong_shape)) if keys]
-    if found:
-        raise ValueError(f"{problem}: " + "; ".join(f"{label} {keys}" for label, keys in found))
+    raise_key_mismatch(problem, {"missing keys": missing, "unexpected keys": unexpected, "wrong shapes": wrong_shape})
 
 
-@contextmanager
-def quiet_about_processor_keys(cls: type) -> Iterator[None]:
-    """Let Diffusers' ``from_pretrained`` skip ``.processor.`` keys silently; we load them ourselves."""
-    had_own = "_keys_to_ignore_on_load_unexpected" in cls.__dict__
-    old = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
-    inherited = getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []
-    cls._keys_to_ignore_on_load_unexpected = list(inherited) + [r"\.processor\."]
-    try:
-        yield
-    finally:
-        if had_own:
-            cls._keys_to_ignore_on_load_unexpected = old
-        else:
-            del cls._keys_to_ignore_on_load_unexpected
+def raise_key_mismatch(problem: str, found: dict[str, list[str]]) -> None:
+    """Raise ``ValueError(problem: missing keys [...]; ...)`` naming the non-empty key lists of ``found`` (by label)."""
+    listed = [f"{label} {sorted(keys)}" for label, keys in found.items() if keys]
+    if listed:
+        raise ValueError(f"{problem}: " + "; ".join(listed))
 
 
 def from_pretrained_keeping_mhla(
-    cls: type, base_from_pretrained: Any, source: str | os.PathLike, subfolder: str | None = None, **kwargs: Any
-) -> nn.Module:
-    """Diffusers' ``from_pretrained`` (``base_from_pretrained``) plus the MHLA layers a folder declares.
+    base_from_pretrained: Callable[..., Any], source: str | os.PathLike, subfolder: str | None = None, **kwargs: Any
+) -> Any:
+    """Diffusers' ``from_pretrained`` of an MHLA transformer class (``base_from_pretrained``), whose ``mhla``
+    config entry rebuilds the MHLA processors before Diffusers loads their parameters, with two additions:
 
-    Without an ``mhla_config.json`` beside the weights this is the plain Diffusers load. With one,
-    the checkpoint's ``.processor.`` keys are loaded strictly into freshly built MHLA processors
-    instead of being dropped with a warning.
+    * a folder written before ``config.json`` held the setting gets it from its ``mhla_config.json``;
+    * MHLA parameters the checkpoint lacks, or holds for layers the setting does not name, are a ``ValueError``
+      listing them (Diffusers would only warn, and leave missing ones uninitialised).
     """
-    hub_kwargs = hub_kwargs_of(kwargs)
-    meta = read_meta(source, subfolder, hub_kwargs, required=False)
-    if meta is None:
-        return base_from_pretrained(source, subfolder=subfolder, **kwargs)
-    if meta["contents"] != "transformer":
-        raise ValueError(f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer)")
-    with quiet_about_processor_keys(cls):
-        transformer = base_from_pretrained(source, subfolder=subfolder, **kwargs)
-    tensors = read_mhla_tensors(weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))
-    load_into(transformer, meta, tensors)
-    return transformer
+    meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
+    if meta is not None and meta["contents"] != "transformer":
+        raise ValueError(f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer) "
+                         "(or pipe.load_mhla_weights(folder))")
+    if meta is not None:
+        kwargs.setdefault(MHLA_CONFIG_KEY, meta["mhla_config"])
+    with_info = kwargs.pop("output_loading_info", False)
+    model, info = base_from_pretrained(source, subfolder=subfolder, output_loading_info=True, **kwargs)
+    raise_key_mismatch(f"the MHLA parameters in {source} do not match its MHLA setting",
+                       {f"{kind} keys": [key for key in info[f"{kind}_keys"] if ".processor." in key]
+                        for kind in ("missing", "unexpected")})
+    return (model, info) if with_info else model

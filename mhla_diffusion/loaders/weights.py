@@ -1,12 +1,15 @@
-"""Save and load MHLA weights: safetensors plus a JSON config.
+"""Save and load MHLA weights.
 
-Two forms of a folder, both with ``mhla_config.json`` (the resolved :class:`MHLAConfig` and the
-shape of the model it belongs to):
+Two forms of a folder:
 
 * MHLA only (default): ``mhla_weights.safetensors`` holds just the processors' parameters, keyed as
-  in the transformer (``blocks.3.attn1.processor.mixing``). Load into a base model from anywhere.
-* Whole transformer (``include_base=True``): Diffusers' ``save_pretrained`` files (``config.json``,
-  ``diffusion_pytorch_model*.safetensors``, processor parameters included) next to the config.
+  in the transformer (``blocks.3.attn1.processor.mixing``), beside ``mhla_config.json`` (the resolved
+  :class:`MHLAConfig` and the shape of the model it belongs to). Load into a base model from anywhere
+  (``load_mhla(folder, transformer)``, ``pipe.load_mhla_weights(folder)``).
+* Whole transformer (``include_base=True``): Diffusers' own ``save_pretrained`` folder (``config.json`` with
+  the MHLA setting in its ``mhla`` entry, ``diffusion_pytorch_model*.safetensors`` with the processor
+  parameters), which ``MHLAWanTransformer3DModel`` / ``MHLADiTTransformer2DModel.from_pretrained`` reload.
+  Folders written before ``config.json`` held the setting carry an ``mhla_config.json`` instead, and still load.
 
 Loading is lean: Diffusers' ``from_pretrained`` memory-maps the safetensors files and the model's
 weights stay in the mapped pages (private, copy-on-write: training never writes into the files), so
@@ -14,8 +17,8 @@ a load takes no second copy of the weights; pass ``dtype=`` to load in that dtyp
 it is not converted), and ``disable_mmap=True`` to read the files into memory instead (e.g. for files
 on a network drive that may change while the model is in use). ``mhla bench --load`` measures it.
 
-Loading is strict: missing, unexpected or wrongly shaped keys are an error that lists them, raised
-before the model is changed (Diffusers itself would only warn and drop unknown processor keys).
+Loading is strict: missing, unexpected or wrongly shaped MHLA keys are an error that lists them (Diffusers
+itself would only warn and drop unknown processor keys, or leave missing ones uninitialised).
 Reading the files is :mod:`mhla_diffusion.loaders.weight_files` (shared with :mod:`mhla_diffusion.models.transformers`).
 """
 
@@ -29,7 +32,7 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import nn
 
-from ..models.conversion import get_mhla_conversion, mhla_parameter_names
+from ..models.conversion import get_mhla_conversion, mhla_parameter_names, sync_mhla_config
 from ..models.families import family_for_class_name, family_named
 from .weight_files import (
     DIFFUSERS_INDEX,
@@ -70,7 +73,8 @@ def save_mhla(
     include_base: bool = False,
     overwrite: bool = False,
 ) -> Path:
-    """Save the MHLA parameters (or, with ``include_base``, the whole converted transformer).
+    """Save the MHLA parameters (or, with ``include_base``, the whole converted transformer: Diffusers'
+    ``save_pretrained``, whose ``config.json`` holds the MHLA setting).
 
     Existing files are never replaced unless ``overwrite=True``. Returns the folder.
     """
@@ -80,7 +84,7 @@ def save_mhla(
     folder = Path(save_directory)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"`save_directory` {folder} exists and is not a folder")
-    planned = [MHLA_CONFIG_NAME] + (["config.json", DIFFUSERS_WEIGHTS, DIFFUSERS_INDEX] if include_base else [MHLA_WEIGHTS_NAME])
+    planned = ["config.json", DIFFUSERS_WEIGHTS, DIFFUSERS_INDEX] if include_base else [MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME]
     existing = [name for name in planned if (folder / name).exists()]
     if existing and not overwrite:
         raise FileExistsError(
@@ -89,12 +93,13 @@ def save_mhla(
     folder.mkdir(parents=True, exist_ok=True)
 
     if include_base:
+        sync_mhla_config(transformer)  # the stock classes' save_pretrained does not
         transformer.save_pretrained(folder, safe_serialization=True)
     else:
         state = transformer.state_dict()
         tensors = {key: state[key].detach().contiguous().cpu() for key in mhla_parameter_names(transformer)}
         save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "producer": FORMAT})
-    write_mhla_config(transformer, folder, contents="transformer" if include_base else "mhla")
+        write_mhla_config(transformer, folder, contents="mhla")
     written = {folder / name for name in planned} | set(folder.glob("*.safetensors"))  # shards too
     for path in written:  # safetensors writes 0600: give the files the mode the umask gives any new file
         if path.is_file():
@@ -112,8 +117,9 @@ def _new_file_mode() -> int:
 def write_mhla_config(transformer: nn.Module, folder: str | os.PathLike, contents: str = "transformer") -> Path:
     """Write ``mhla_config.json`` for a converted ``transformer`` into ``folder``.
 
-    ``contents`` says where the MHLA parameters are: ``"transformer"`` (in the Diffusers weights
-    files beside it, e.g. after ``save_pretrained``) or ``"mhla"`` (in ``mhla_weights.safetensors``).
+    ``contents`` says where the MHLA parameters are: ``"mhla"`` (in ``mhla_weights.safetensors``) or
+    ``"transformer"`` (in the Diffusers weights files beside it: what older releases wrote after
+    ``save_pretrained``; ``config.json``'s ``mhla`` entry says it now).
     """
     conversion = get_mhla_conversion(transformer)
     if conversion is None:
@@ -155,7 +161,8 @@ def load_mhla(
         if meta is None:
             where = f"{source}/{subfolder}" if subfolder else str(source)
             raise FileNotFoundError(
-                f"no {MHLA_CONFIG_NAME} in {where}: it holds no MHLA layers; load a plain Diffusers transformer folder "
+                f"no MHLA setting in {where} (neither an `mhla` entry in its config.json nor an {MHLA_CONFIG_NAME}): "
+                "it holds no MHLA layers; load a plain Diffusers transformer folder "
                 "(e.g. one `mhla import-dit` wrote for an original DiT) with load_transformer(folder)")
         if meta["contents"] != "transformer":
             raise ValueError(

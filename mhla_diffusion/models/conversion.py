@@ -18,6 +18,7 @@ from .processors.base import MHLAProcessor
 from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook
 
 __all__ = [
+    "MHLA_CONFIG_KEY",
     "MHLAConversion",
     "build_mhla_processors",
     "convert_to_mhla",
@@ -29,7 +30,13 @@ __all__ = [
     "revert_mhla",
     "self_attention_layers",
     "softmax_attention",
+    "sync_mhla_config",
 ]
+
+#: The ``config.json`` entry (Diffusers' ``register_to_config``) that holds a converted transformer's resolved
+#: :class:`MHLAConfig` as a dict; absent (or ``None``) while the transformer runs softmax attention.
+MHLA_CONFIG_KEY = "mhla"
+
 
 @dataclass
 class MHLAConversion:
@@ -230,6 +237,7 @@ def install_mhla_processors(
     )
     transformer._mhla_conversion = conversion
     transformer._mhla_original_processors = originals
+    sync_mhla_config(transformer)
     return conversion
 
 
@@ -243,6 +251,24 @@ def revert_mhla(transformer: nn.Module) -> None:
     remove_grid_hook(transformer)
     del transformer._mhla_conversion
     del transformer._mhla_original_processors
+    sync_mhla_config(transformer)
+
+
+def sync_mhla_config(transformer: nn.Module) -> None:
+    """Make the transformer's Diffusers config say what runs: its :data:`MHLA_CONFIG_KEY` entry holds the resolved
+    config of :func:`get_mhla_conversion` (so ``save_pretrained`` writes it into ``config.json``), and is removed
+    when no MHLA layer runs (``None`` in the MHLA transformer classes, whose ``__init__`` takes it)."""
+    conversion = get_mhla_conversion(transformer)
+    if conversion is not None:
+        transformer.register_to_config(**{MHLA_CONFIG_KEY: conversion.config.to_dict()})
+        return
+    if transformer.config.get(MHLA_CONFIG_KEY) is None:
+        return
+    if MHLA_CONFIG_KEY in transformer._get_init_keys(type(transformer)):
+        transformer.register_to_config(**{MHLA_CONFIG_KEY: None})
+    else:  # Diffusers' FrozenDict has no deletion: replace it without the key
+        kept = {key: value for key, value in transformer.config.items() if key != MHLA_CONFIG_KEY}
+        transformer._internal_dict = type(transformer.config)(kept)
 
 
 @contextmanager

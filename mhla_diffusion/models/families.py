@@ -44,6 +44,11 @@ class ModelFamily:
     #: Whether the model is made for one image size (its config's ``sample_size``), which fixes its token grid.
     fixed_grid: bool
 
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """Every ``_class_name`` a ``config.json`` of this family may record: Diffusers', legacy, MHLA's."""
+        return (self.transformer_class_name, *self.legacy_class_names, self.mhla_transformer_path.split(":")[1])
+
     def transformer_class(self) -> type:
         """The Diffusers transformer class (``WanTransformer3DModel`` / ``DiTTransformer2DModel``)."""
         return _load(f"diffusers:{self.transformer_class_name}")
@@ -112,5 +117,6 @@ def family_of(transformer: Any) -> ModelFamily:
 
 
 def family_for_class_name(class_name: str | None) -> ModelFamily | None:
-    """The family whose transformer a ``config.json`` ``_class_name`` names (legacy names too), else ``None``."""
-    return next((f for f in FAMILIES.values() if class_name in (f.transformer_class_name, *f.legacy_class_names)), None)
+    """The family whose transformer a ``config.json`` ``_class_name`` names (legacy names and the MHLA classes
+    too), else ``None``."""
+    return next((f for f in FAMILIES.values() if class_name in f.class_names), None)

@@ -1,24 +1,34 @@
-"""Transformer classes that keep MHLA across ``save_pretrained`` / ``from_pretrained``.
+"""Transformer classes that carry MHLA in their own Diffusers config.
 
-They are Diffusers' own Wan and DiT transformers with one change: ``from_pretrained`` reads the
-``mhla_config.json`` that :func:`save_mhla` and our pipelines write beside the weights and restores
-the MHLA layers strictly. The DiT class also honours a ``timestep_freq_shift`` recorded in its
-``config.json`` (see :func:`set_timestep_freq_shift`). A pipeline folder saved by our pipelines names these classes in its
-``model_index.json``, so even Diffusers' stock ``WanPipeline.from_pretrained`` / ``DiTPipeline``
-reload MHLA intact instead of silently falling back to softmax attention.
+They are Diffusers' own Wan and DiT transformers with one more config entry, ``mhla``: the resolved
+:class:`~mhla_diffusion.config.MHLAConfig` as a dict (``None``: softmax attention). ``__init__`` converts the
+model when it is given, and :func:`~mhla_diffusion.models.conversion.convert_to_mhla` /
+:func:`~mhla_diffusion.models.conversion.revert_mhla` keep it up to date, so ``save_pretrained`` writes one
+standard Diffusers folder and ``from_pretrained`` (Diffusers' own, with its formats: safetensors or pickle,
+variants, shards) rebuilds the MHLA processors and loads their parameters. Folders written before the entry
+existed (a separate ``mhla_config.json`` beside the weights) still load. The DiT class also honours a
+``timestep_freq_shift`` recorded in its ``config.json`` (see :func:`set_timestep_freq_shift`). A pipeline
+folder saved by our pipelines names these classes in its ``model_index.json``, so even Diffusers' stock
+``WanPipeline.from_pretrained`` / ``DiTPipeline`` reload MHLA intact instead of silently falling back to
+softmax attention.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from diffusers import DiTTransformer2DModel, WanTransformer3DModel
+from diffusers.configuration_utils import register_to_config
 
+from ..config import MHLAConfig
 from ..loaders.weight_files import from_pretrained_keeping_mhla
+from .conversion import MHLA_CONFIG_KEY, convert_to_mhla, sync_mhla_config
+from .processors.base import FP32_PARAMETERS
 
 __all__ = [
     "MHLADiTTransformer2DModel",
@@ -77,20 +87,67 @@ def apply_timestep_freq_shift(transformer: DiTTransformer2DModel) -> DiTTransfor
     return transformer
 
 
-class MHLAWanTransformer3DModel(WanTransformer3DModel):
-    """``WanTransformer3DModel`` whose ``from_pretrained`` also restores saved MHLA layers."""
+def _with_mhla_parameter(base_init: Callable[..., None]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give an ``__init__(self, *args, mhla=None, **kwargs)`` the signature of ``base_init`` plus ``mhla``: Diffusers
+    reads a model's config keys, and the defaults it records, from its ``__init__`` signature."""
+    base = inspect.signature(base_init)
+    mhla = inspect.Parameter(MHLA_CONFIG_KEY, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation="MHLAConfig | dict | None")
+
+    def with_signature(init: Callable[..., None]) -> Callable[..., None]:
+        init.__signature__ = base.replace(parameters=[*base.parameters.values(), mhla])
+        return init
+
+    return with_signature
+
+
+def _init_mhla(model: Any, mhla: MHLAConfig | dict | None) -> None:
+    """Convert a freshly built model with ``mhla`` (its ``__init__`` argument; ``None``: leave it softmax)."""
+    if mhla is not None:
+        convert_to_mhla(model, mhla if isinstance(mhla, MHLAConfig) else MHLAConfig.from_dict(mhla))
+
+
+class _MHLAConfigLoading:
+    """``from_pretrained`` / ``save_pretrained`` of the MHLA transformer classes (mixed in before the Diffusers class)."""
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> "MHLAWanTransformer3DModel":
-        return from_pretrained_keeping_mhla(cls, super().from_pretrained, pretrained_model_name_or_path, **kwargs)
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
+        """Diffusers' ``from_pretrained``, strict about MHLA parameters, also of folders with an ``mhla_config.json``
+        (see :func:`~mhla_diffusion.loaders.weight_files.from_pretrained_keeping_mhla`)."""
+        return from_pretrained_keeping_mhla(super().from_pretrained, pretrained_model_name_or_path, **kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Diffusers' ``save_pretrained``, with the ``mhla`` entry first brought up to date (processors set by hand)."""
+        sync_mhla_config(self)
+        super().save_pretrained(save_directory, **kwargs)
 
 
-class MHLADiTTransformer2DModel(DiTTransformer2DModel):
-    """``DiTTransformer2DModel`` whose ``from_pretrained`` also restores saved MHLA layers."""
+class MHLAWanTransformer3DModel(_MHLAConfigLoading, WanTransformer3DModel):
+    """``WanTransformer3DModel`` whose config holds its MHLA setting (``mhla``, see the module docstring).
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> "MHLADiTTransformer2DModel":
-        return from_pretrained_keeping_mhla(cls, super().from_pretrained, pretrained_model_name_or_path, **kwargs)
+    ``MHLAWanTransformer3DModel(**wan_config, mhla=MHLAConfig(...))`` builds a converted model; ``from_pretrained``
+    of a folder it (or a converted ``WanTransformer3DModel``) saved rebuilds it with its MHLA parameters.
+    """
+
+    _keep_in_fp32_modules = [*WanTransformer3DModel._keep_in_fp32_modules, *FP32_PARAMETERS]
+
+    @register_to_config
+    @_with_mhla_parameter(WanTransformer3DModel.__init__)
+    def __init__(self, *args: Any, mhla: MHLAConfig | dict | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _init_mhla(self, mhla)
+
+
+class MHLADiTTransformer2DModel(_MHLAConfigLoading, DiTTransformer2DModel):
+    """``DiTTransformer2DModel`` whose config holds its MHLA setting (``mhla``, see the module docstring)."""
+
+    _keep_in_fp32_modules = [*(DiTTransformer2DModel._keep_in_fp32_modules or ()), *FP32_PARAMETERS]
+
+    @register_to_config
+    @_with_mhla_parameter(DiTTransformer2DModel.__init__)
+    def __init__(self, *args: Any, mhla: MHLAConfig | dict | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _init_mhla(self, mhla)
 
     @classmethod
     def from_config(cls, config: Any = None, return_unused_kwargs: bool = False, **kwargs: Any) -> Any:

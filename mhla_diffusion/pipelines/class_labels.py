@@ -5,9 +5,9 @@ Shared by the pipeline, the CLI and the web app's input checks, which run before
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any
 
-__all__ = ["label_index", "resolve_class_ids"]
+__all__ = ["flat_class_labels", "label_index", "resolve_class_ids"]
 
 
 def label_index(id2label: dict[int | str, str] | None) -> dict[str, int]:
@@ -19,9 +19,24 @@ def label_index(id2label: dict[int | str, str] | None) -> dict[str, int]:
     return labels
 
 
-def resolve_class_ids(classes: int | str | Sequence[int | str], labels: dict[str, int], num_classes: int) -> list[int]:
-    """Class ids for ids and/or label names; unknown names or out-of-range ids are a ``ValueError``."""
-    items = [classes] if isinstance(classes, (int, str)) else list(classes)
+def flat_class_labels(classes: Any) -> list[Any]:
+    """The class labels of every form Diffusers' ``DiTPipeline`` takes, as one flat list: an id or a name, a list of
+    them, nested lists (``[[1], [2]]``, as Diffusers' batch tests build), or a tensor / array of ids (read with its
+    ``tolist``; a one-element one is a scalar)."""
+    if hasattr(classes, "tolist") and not isinstance(classes, (int, str)):
+        classes = classes.tolist()
+    if isinstance(classes, (int, str)):
+        return [classes]
+    return [label for item in classes for label in flat_class_labels(item)]
+
+
+def resolve_class_ids(classes: Any, labels: dict[str, int], num_classes: int) -> list[int]:
+    """Class ids for ids and/or label names in any form :func:`flat_class_labels` reads; unknown names or
+    out-of-range ids are a ``ValueError``."""
+    try:
+        items = flat_class_labels(classes)
+    except TypeError:
+        raise ValueError(f"class labels must be ids or names (a list of them, nested or not), got {classes!r}") from None
     if not items:
         raise ValueError("no classes given: pass at least one class id or name")
     ids, unknown = [], []

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 from diffusers import AutoencoderKL, DiTPipeline, DiTTransformer2DModel
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.schedulers import KarrasDiffusionSchedulers
 
 from .class_labels import label_index, resolve_class_ids
@@ -24,9 +25,15 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
 
     Beyond the stock pipeline: classes may be given by name or id, ``id2label`` survives
     ``save_pretrained``, guidance uses the model's own null class (``num_embeds_ada_norm``; the stock
-    pipeline assumes ImageNet's 1000), and ``callback_on_step_end`` is supported (called after every scheduler
-    step with ``{"latents": ...}``; with guidance the latents hold both CFG halves, as DiT keeps them).
+    pipeline assumes ImageNet's 1000), and ``callback_on_step_end`` is supported with Diffusers' callback
+    contract: called after every scheduler step with the tensors of ``_callback_tensor_inputs`` it asks for
+    (``latents``; with guidance they hold both CFG halves, as DiT keeps them), beside the pipeline properties
+    ``guidance_scale``, ``do_classifier_free_guidance`` and ``num_timesteps``. (The stock sampling loop reads
+    the guidance scale it was called with: a callback that changes ``pipe._guidance_scale`` changes the
+    property, not the run.)
     """
+
+    _callback_tensor_inputs = ["latents"]
 
     _stock_pipeline_name = "DiTPipeline"
     _stock_transformer_name = "DiTTransformer2DModel"
@@ -80,6 +87,21 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
         finally:
             handle.remove()
 
+    @property
+    def guidance_scale(self) -> float:
+        """The guidance scale of the current (or last) call."""
+        return self._guidance_scale
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """Whether the current (or last) call guides: ``guidance_scale > 1``, as ``DiTPipeline`` decides."""
+        return self._guidance_scale > 1
+
+    @property
+    def num_timesteps(self) -> int:
+        """The number of denoising steps of the current (or last) call (the scheduler's timesteps)."""
+        return self._num_timesteps
+
     def class_ids(self, classes: int | str | Sequence[int | str]) -> list[int]:
         """Class ids for ids and/or label names; unknown names or ids are a ``ValueError``."""
         return resolve_class_ids(classes, self.labels, int(self.transformer.config.num_embeds_ada_norm))
@@ -92,28 +114,35 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
         num_inference_steps: int = 50,
         output_type: str | None = "pil",
         return_dict: bool = True,
-        callback_on_step_end: Callable[..., dict[str, Any]] | None = None,
+        callback_on_step_end: Callable[..., dict[str, Any]] | PipelineCallback | MultiPipelineCallbacks | None = None,
         callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     ):
-        """Generate one image per class label (id or name). Other arguments as ``DiTPipeline.__call__``."""
+        """Generate one image per class label (an id or a name; nested lists and tensors of ids as in ``DiTPipeline``).
+        Other arguments as ``DiTPipeline.__call__``; ``callback_on_step_end`` as in Diffusers' other pipelines."""
         labels = self.class_ids(class_labels)
-        if callback_on_step_end is not None and set(callback_on_step_end_tensor_inputs) - {"latents"}:
-            raise ValueError("MHLADiTPipeline passes only `latents` to callback_on_step_end")
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        unknown = [name for name in callback_on_step_end_tensor_inputs if name not in self._callback_tensor_inputs]
+        if callback_on_step_end is not None and unknown:
+            raise ValueError(f"callback_on_step_end_tensor_inputs {unknown} are not among this pipeline's "
+                             f"{self._callback_tensor_inputs}")
+        self._guidance_scale, self._num_timesteps = guidance_scale, num_inference_steps
         stock_call = lambda: super(MHLADiTPipeline, self).__call__(  # noqa: E731
             labels, guidance_scale, generator, num_inference_steps, output_type, return_dict
         )
         call = lambda: self._with_null_class(stock_call, guidance_scale > 1)  # noqa: E731
-        if callback_on_step_end is None:
-            return call()
         scheduler_step = self.scheduler.step
         step_index = [0]
 
         def step_with_callback(model_output, timestep, sample, *args, **kwargs):
+            self._num_timesteps = len(self.scheduler.timesteps)
             out = scheduler_step(model_output, timestep, sample, *args, **kwargs)
-            result = callback_on_step_end(self, step_index[0], timestep, {"latents": out.prev_sample})
+            if callback_on_step_end is not None:
+                given = {"latents": out.prev_sample} if "latents" in callback_on_step_end_tensor_inputs else {}
+                result = callback_on_step_end(self, step_index[0], timestep, given)
+                if result and "latents" in result:
+                    out.prev_sample = result["latents"]
             step_index[0] += 1
-            if result and "latents" in result:
-                out.prev_sample = result["latents"]
             return out
 
         self.scheduler.step = step_with_callback  # the stock loop calls self.scheduler.step once per step

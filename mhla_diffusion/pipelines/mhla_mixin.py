@@ -1,13 +1,14 @@
 """What our pipelines add to Diffusers' ``WanPipeline`` / ``DiTPipeline``: MHLA in, MHLA out.
 
-* ``from_pretrained(..., mhla_weights=DIR)`` loads a base pipeline and its MHLA weights in one call.
-  A pipeline with two transformers (Wan2.2-A14B: ``transformer`` for the high-noise steps,
-  ``transformer_2`` for the rest) takes a folder with ``transformer/`` and ``transformer_2/`` MHLA
-  folders (what ``mhla convert`` and :meth:`save_mhla` write for it), or ``mhla_weights`` and
+* ``load_mhla_weights(DIR)`` (Diffusers' loader-method style, as ``load_lora_weights``) converts the
+  pipeline's transformers and loads MHLA weights into them; ``from_pretrained(..., mhla_weights=DIR)`` loads a
+  base pipeline and calls it. A pipeline with two transformers (Wan2.2-A14B: ``transformer`` for the
+  high-noise steps, ``transformer_2`` for the rest) takes a folder with ``transformer/`` and ``transformer_2/``
+  MHLA folders (what ``mhla convert`` and :meth:`save_mhla` write for it), or ``mhla_weights`` and
   ``mhla_weights_2``, one ``save_mhla`` folder each.
 * ``convert_to_mhla(config, config_2=None)`` converts every transformer of the pipeline.
-* ``save_pretrained`` writes ``<transformer>/mhla_config.json`` and names the MHLA-preserving
-  transformer class in ``model_index.json`` for each converted transformer, so the folder reloads
+* ``save_pretrained`` writes each converted transformer's MHLA setting into its ``config.json`` (the ``mhla``
+  entry) and names the MHLA-preserving transformer class in ``model_index.json``, so the folder reloads
   with MHLA intact both with our pipelines and with Diffusers' stock ``WanPipeline`` /
   ``WanImageToVideoPipeline`` / ``DiTPipeline`` / ``DiffusionPipeline``
   once the process has run ``import mhla_diffusion``. Diffusers (0.42) resolves a component's library
@@ -30,10 +31,10 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from ..config import MHLAConfig
-from ..models.conversion import MHLAConversion, get_mhla_conversion, resolve_mhla_config, softmax_attention
+from ..models.conversion import MHLAConversion, get_mhla_conversion, resolve_mhla_config, softmax_attention, sync_mhla_config
 from ..models.conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
-from ..loaders.weight_files import find_file, hub_kwargs_of
-from ..loaders.weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla, write_mhla_config
+from ..loaders.weight_files import HUB_KWARGS, find_file, hub_kwargs_of
+from ..loaders.weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla
 
 __all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
 
@@ -81,41 +82,68 @@ class MHLAPipelineMixin:
         mhla_weights_2: str | os.PathLike | None = None,
         **kwargs: Any,
     ):
-        """Diffusers' ``from_pretrained`` (local folder or hub id), plus MHLA weights.
+        """Diffusers' ``from_pretrained`` (local folder or hub id), plus MHLA weights: a thin alias of
+        :meth:`load_mhla_weights` on the loaded pipeline, whose arguments ``mhla_weights`` / ``mhla_weights_2`` are.
 
-        Args:
-            mhla_weights: a folder (or hub repo) written by ``save_mhla`` / ``mhla convert --output``: its MHLA
-                layers go into ``transformer``. For a two-transformer pipeline (Wan2.2-A14B) it may instead hold
-                ``transformer/`` and ``transformer_2/`` MHLA folders (what ``mhla convert`` and
-                :meth:`save_mhla` write for such a pipeline), each loaded into the transformer of its name.
-            mhla_weights_2: a ``save_mhla`` folder for ``transformer_2`` (e.g. each expert fine-tuned on its own).
-
-        In a two-transformer pipeline MHLA weights must reach both transformers. Which weights go where is
-        checked before the pipeline loads (from its ``model_index.json``) and is a ``ValueError`` /
-        ``FileNotFoundError`` naming the fix. A folder saved by our ``save_pretrained`` already holds MHLA and
-        needs no ``mhla_weights``.
+        Which weights go where is checked before the pipeline loads (from its ``model_index.json``) and is a
+        ``ValueError`` / ``FileNotFoundError`` naming the fix. A folder saved by our ``save_pretrained`` already
+        holds MHLA and needs no ``mhla_weights``.
         """
         sources = mhla_weight_sources(pretrained_model_name_or_path, mhla_weights, mhla_weights_2, **kwargs)
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        if sources is None:  # the pipeline's model_index.json could not be read before loading
-            sources = mhla_weight_sources(pretrained_model_name_or_path, mhla_weights, mhla_weights_2,
-                                          transformers=list(pipe.transformer_components))
-        for name, (source, subfolder) in sources.items():
-            load_mhla(source, getattr(pipe, name), subfolder=subfolder)
+        if sources or sources is None:  # None: the pipeline's model_index.json could not be read before loading
+            pipe.load_mhla_weights(mhla_weights, mhla_weights_2)
         return pipe
 
+    def load_mhla_weights(
+        self,
+        mhla_weights: str | os.PathLike | None,
+        mhla_weights_2: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> dict[str, MHLAConversion]:
+        """Convert this pipeline's transformers to MHLA with the weights of an MHLA-only folder, in place (as
+        Diffusers' ``load_lora_weights`` loads an adapter onto a base pipeline).
+
+        Args:
+            mhla_weights: a local folder or hub repo written by ``save_mhla`` / ``mhla convert --output`` (or a whole
+                converted transformer folder, of which only the MHLA parameters are read): its MHLA layers go into
+                ``transformer``. For a two-transformer pipeline (Wan2.2-A14B) it may instead hold ``transformer/``
+                and ``transformer_2/`` MHLA folders (what ``mhla convert`` and :meth:`save_mhla` write for such a
+                pipeline), each loaded into the transformer of its name.
+            mhla_weights_2: a ``save_mhla`` folder for ``transformer_2`` (e.g. each expert fine-tuned on its own).
+            kwargs: hub options (``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``).
+
+        In a two-transformer pipeline MHLA weights must reach both transformers. Every folder is checked (from its
+        small config files) before any transformer changes. Returns :attr:`mhla_conversions`.
+        """
+        unknown = sorted(set(kwargs) - set(HUB_KWARGS))
+        if unknown:
+            raise TypeError(f"load_mhla_weights() got unexpected keyword arguments {unknown}; it takes the hub options "
+                            f"{', '.join(HUB_KWARGS)}")
+        if mhla_weights is None and mhla_weights_2 is None:
+            raise ValueError("load_mhla_weights needs `mhla_weights` (or `mhla_weights_2`): a folder written by save_mhla")
+        sources = mhla_weight_sources(None, mhla_weights, mhla_weights_2, transformers=list(self.transformer_components),
+                                      hub_kwargs=kwargs)
+        converted = [name for name in sources if self.mhla_conversions[name] is not None]
+        if converted:
+            raise ValueError(f"{' and '.join(converted)} is already converted to MHLA: revert_mhla() it first, or load "
+                             "the weights into a base pipeline")
+        for name, (source, subfolder) in sources.items():
+            load_mhla(source, getattr(self, name), subfolder=subfolder, **kwargs)
+        return self.mhla_conversions
+
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Diffusers' ``save_pretrained`` that keeps MHLA loadable (see the module docstring): every converted
-        transformer gets its ``mhla_config.json`` and its MHLA-preserving class in ``model_index.json``."""
+        """Diffusers' ``save_pretrained`` that keeps MHLA loadable (see the module docstring): every transformer's
+        ``config.json`` says what runs in it, and a converted one is named by its MHLA-preserving class in
+        ``model_index.json``."""
+        conversions = self.mhla_conversions
+        for transformer in self.transformer_components.values():
+            sync_mhla_config(transformer)  # processors set by hand since the conversion
         super().save_pretrained(save_directory, **kwargs)
-        folder = Path(save_directory)
-        index_path = folder / "model_index.json"
+        index_path = Path(save_directory) / "model_index.json"
         index = json.loads(index_path.read_text())
         index["_class_name"] = self._stock_pipeline_name
-        conversions = self.mhla_conversions
         for name, conversion in conversions.items():
-            if conversion is not None:
-                write_mhla_config(getattr(self, name), folder / name, contents="transformer")
             index[name] = (["mhla_diffusion", self._mhla_transformer_name] if conversion is not None
                            else ["diffusers", self._stock_transformer_name])
         if any(conversion is not None for conversion in conversions.values()):
@@ -229,11 +257,12 @@ def _declared_transformers(source: str | os.PathLike, kwargs: dict[str, Any]) ->
 
 
 def mhla_weight_sources(
-    pretrained_model_name_or_path: str | os.PathLike,
+    pretrained_model_name_or_path: str | os.PathLike | None,
     mhla_weights: str | os.PathLike | None = None,
     mhla_weights_2: str | os.PathLike | None = None,
     *,
     transformers: Sequence[str] | None = None,
+    hub_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> dict[str, tuple[Any, str | None]] | None:
     """Where ``from_pretrained``'s ``mhla_weights`` / ``mhla_weights_2`` go: ``{transformer name: (MHLA folder,
@@ -241,6 +270,7 @@ def mhla_weight_sources(
 
     ``transformers`` are the pipeline's transformer components; by default those the pipeline's
     ``model_index.json`` declares (``kwargs``: ``from_pretrained``'s, e.g. ``transformer_2=None``, ``revision``).
+    ``hub_kwargs`` (``revision``, ``token``, ...) apply to the MHLA folders.
     Returns ``{}`` without MHLA weights, ``None`` when the pipeline's index cannot be read. Raises
     ``FileNotFoundError`` / ``ValueError`` naming the fix when a folder holds no MHLA weights, when weights name a
     transformer the pipeline lacks, or when a two-transformer pipeline would get MHLA in only one of them.
@@ -251,13 +281,14 @@ def mhla_weight_sources(
         transformers = _declared_transformers(pretrained_model_name_or_path, kwargs)
         if transformers is None:
             return None
+    hub_kwargs = hub_kwargs or {}
     sources: dict[str, tuple[Any, str | None]] = {}
     if mhla_weights is not None:
-        if read_mhla_config(mhla_weights) is not None:
+        if read_mhla_config(mhla_weights, **hub_kwargs) is not None:
             sources["transformer"] = (mhla_weights, None)
         else:
             sources = {name: (mhla_weights, name) for name in TRANSFORMER_COMPONENTS
-                       if read_mhla_config(mhla_weights, subfolder=name) is not None}
+                       if read_mhla_config(mhla_weights, subfolder=name, **hub_kwargs) is not None}
             if not sources:
                 raise FileNotFoundError(
                     f"no {MHLA_CONFIG_NAME} in mhla_weights {mhla_weights} (nor in its transformer/ or transformer_2/): "
@@ -265,7 +296,7 @@ def mhla_weight_sources(
     if mhla_weights_2 is not None:
         if "transformer_2" in sources:
             raise ValueError(f"mhla_weights {mhla_weights} already holds transformer_2/: leave out mhla_weights_2")
-        if read_mhla_config(mhla_weights_2) is None:
+        if read_mhla_config(mhla_weights_2, **hub_kwargs) is None:
             raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in mhla_weights_2 {mhla_weights_2}: give a folder written "
                                     "by save_mhla or `mhla convert --output`")
         sources["transformer_2"] = (mhla_weights_2, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from diffusers import WanPipeline
@@ -25,7 +26,6 @@ class MHLAWanPipeline(MHLAWanVideoMixin, WanPipeline):
 
     _stock_pipeline_name = "WanPipeline"
 
+    @functools.wraps(WanPipeline.__call__)  # Diffusers' signature and docs (inspect.signature follows __wrapped__)
     def __call__(self, *args: Any, **kwargs: Any):
         return self.checked_call(args, kwargs)
-
-    __call__.__doc__ = WanPipeline.__call__.__doc__

@@ -10,6 +10,7 @@ latent, mask and image latent; 48 for TI2V-5B), exactly as for text-to-video.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Mapping
 
 from diffusers import WanImageToVideoPipeline, WanPipeline
@@ -62,7 +63,6 @@ class MHLAWanImageToVideoPipeline(MHLAWanVideoMixin, WanImageToVideoPipeline):
                           embeds.shape[1] if embeds is not None else arguments["max_sequence_length"],
                           "prompt_embeds have" if embeds is not None else "max_sequence_length is")
 
+    @functools.wraps(WanImageToVideoPipeline.__call__)  # Diffusers' signature and docs (inspect.signature follows __wrapped__)
     def __call__(self, *args: Any, **kwargs: Any):
         return self.checked_call(args, kwargs)
-
-    __call__.__doc__ = WanImageToVideoPipeline.__call__.__doc__

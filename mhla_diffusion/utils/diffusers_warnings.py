@@ -22,7 +22,8 @@ __all__ = ["MODEL_LOGGER", "PIPELINE_LOGGER", "install"]
 MODEL_LOGGER = "diffusers.models.modeling_utils"
 PIPELINE_LOGGER = "diffusers.pipelines.pipeline_utils"
 
-_MODEL_HINT = (" -- these are MHLA layers (a folder with mhla_config.json): the model was loaded with softmax "
+_MODEL_HINT = (" -- these are MHLA layers (the folder's config.json has an `mhla` entry, or it has an "
+               "mhla_config.json): the model was loaded with softmax "
                "attention instead. Load it with mhla_diffusion.load_mhla(folder) or "
                "MHLAWanTransformer3DModel / MHLADiTTransformer2DModel.from_pretrained(folder)")
 _PIPELINE_HINT = (" -- mhla_weights / mhla_weights_2 are mhla_diffusion keywords: this pipeline runs softmax "

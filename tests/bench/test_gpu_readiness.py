@@ -114,7 +114,8 @@ def test_bench_writes_json_and_the_speed_page_tables(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads(result_file.read_text())
     assert result["device_type"] == "cpu" and "fresh process" in result["device"] and result["spec"]["malloc"] == "auto"
-    assert [r["method"] for r in result["attention"]] == ["sdpa (native)", "linear", "linear (MHLA, 1 block)", "mhla"]
+    assert [r["method"] for r in result["attention"]] == [
+        "sdpa (native)", "linear", "linear (MHLA, 1 block)", "linear + φ", "mhla + φ", "mhla"]
     assert [r["method"] for r in result["wan_block"]] == ["default (sdpa)", "mhla"]
     transformer = result["wan_transformer"]
     assert [r["method"] for r in transformer] == ["sdpa (native)", "mhla (cross-attention native)"]

@@ -156,8 +156,7 @@ def test_import_dit_cli_mhla_folder_reloads(tmp_path, capsys):
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 0
     printed = capsys.readouterr().out
     assert "MHLA on 2 of 2" in printed and "4 heads" in printed
-    meta = json.loads((out / "mhla_config.json").read_text())
-    assert meta["contents"] == "transformer" and meta["mhla_config"]["normalization"] == "scalar_mixed_denominator"
+    assert json.loads((out / "config.json").read_text())["mhla"]["normalization"] == "scalar_mixed_denominator"
     inputs = dit_inputs()
     expected = reference(sd, inputs, block_tokens=4)
     for loaded in (load_mhla(out), load_transformer_file(out)):
@@ -190,7 +189,7 @@ def test_import_dit_cli_plain_folder_reloads(tmp_path, capsys):
     torch.save(original_checkpoint(block_tokens=4), mhla_checkpoint)
     assert main(["import-dit", str(mhla_checkpoint), "--output", str(out), "--num-heads", "4", "--overwrite"]) == 0
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4", "--overwrite"]) == 0
-    assert "removed" in capsys.readouterr().out and not (out / "mhla_config.json").exists()
+    assert "mhla" not in json.loads((out / "config.json").read_text())  # the plain import replaced the MHLA one
     torch.testing.assert_close(run(load_transformer_file(out), inputs), expected, rtol=1e-5, atol=1e-5)
     assert main(["import-dit", str(checkpoint), "--output", str(tmp_path / "o"), "--model-size", "DiT-S/2"]) == 2
     assert "DiT-S/2 has depth 12" in capsys.readouterr().err

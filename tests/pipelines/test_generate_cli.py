@@ -124,7 +124,7 @@ def test_import_wan_then_generate(pipeline_dirs, tmp_path, capsys):
     out = tmp_path / "transformer"
     assert main(["import-wan", str(checkpoint), "--output", str(out), "--layout", "2x2x3", "--attention-head-dim", "12"]) == 0
     assert "MHLA on 2 of 3" in capsys.readouterr().out
-    assert (out / "mhla_config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["mhla"]["layout"] == [2, 2, 3]
     # the imported transformer replaces the pipeline's (its text_dim and channels match the tiny pipeline)
     assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--transformer", str(out), "--prompt", "x",
                  "--output-dir", str(tmp_path / "videos"), "--format", "gif", *VIDEO]) == 0

@@ -74,7 +74,7 @@ def test_save_pretrained_reloads_bit_exact_with_mhla(wan_family_dirs, tmp_path, 
     names = list(pipe.transformer_components)
     for name in names:
         assert index[name] == ["mhla_diffusion", "MHLAWanTransformer3DModel"]
-        assert (tmp_path / "saved" / name / "mhla_config.json").is_file()
+        assert json.loads((tmp_path / "saved" / name / "config.json").read_text())["mhla"]["layout"] == list(LAYOUT)
     stock = WanImageToVideoPipeline if image_to_video else WanPipeline
     for cls in (pipeline_class(image_to_video), stock, DiffusionPipeline):  # stock loaders keep MHLA too
         reloaded = cls.from_pretrained(tmp_path / "saved")

@@ -70,6 +70,22 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out.mul_(weight.to(x.dtype))
 
 
+class _InputInWeightDtype:
+    """A layer that casts its input to its weight's dtype inside ``forward``: after Diffusers' layerwise-casting
+    hook (``enable_layerwise_casting``) has cast a weight stored in e.g. float8 to the compute dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
+class LePEConv2d(_InputInWeightDtype, nn.Conv2d):
+    """LePE's depthwise convolution over a DiT token grid."""
+
+
+class LePEConv3d(_InputInWeightDtype, nn.Conv3d):
+    """LePE's depthwise convolution over a Wan token grid."""
+
+
 class MHLAProcessor(nn.Module):
     """Base of the Wan and DiT MHLA processors (one instance per layer)."""
 
@@ -116,7 +132,7 @@ class MHLAProcessor(nn.Module):
         self.input_norm = nn.LayerNorm(inner, eps=1e-5, elementwise_affine=True) if config.input_norm else None
         self.lepe = None
         if config.lepe:
-            conv = nn.Conv3d if self.num_axes == 3 else nn.Conv2d
+            conv = LePEConv3d if self.num_axes == 3 else LePEConv2d
             self.lepe = conv(inner, inner, kernel_size=3, padding=1, groups=inner)
             if self.lepe_identity_init:
                 with torch.no_grad():
@@ -227,8 +243,7 @@ class MHLAProcessor(nn.Module):
         ``shard``, of this process's ``N_local`` tokens, neighbours across its range's edges fetched from
         the processes that hold them."""
         if shard is not None:
-            conv = lambda image: self.lepe(image.to(self.lepe.weight.dtype))  # noqa: E731
-            return grid_conv_context_parallel(conv, v, grid, shard).to(v.dtype)
+            return grid_conv_context_parallel(self.lepe, v, grid, shard).to(v.dtype)
         batch, n, channels = v.shape
         image = v.transpose(1, 2).reshape(batch, channels, *grid)
-        return self.lepe(image.to(self.lepe.weight.dtype)).reshape(batch, channels, n).transpose(1, 2).to(v.dtype)
+        return self.lepe(image).reshape(batch, channels, n).transpose(1, 2).to(v.dtype)
