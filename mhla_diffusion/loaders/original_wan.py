@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..config import MHLAConfig
-from ..models.conversion import convert_to_mhla
+from ..models.conversion import MHLA_CONFIG_KEY, convert_to_mhla
 from .weight_files import dtype_on_load, read_state_dict, strip_wrapper_prefix
 from .weights import check_state_dict
 
@@ -331,7 +331,8 @@ def _model_config(
     """The config to build: inferred from the tensors, or ``config`` (checked against what the tensors fix)."""
     if config is None:
         return original_wan_config(renamed, attention_head_dim=attention_head_dim, **overrides)
-    model_config = {k: v for k, v in config.items() if not k.startswith("_")}  # config.json: `_class_name`, ...
+    # config.json's `_class_name`, ... and the MHLA entry of a converted model's config: the checkpoint decides MHLA
+    model_config = {k: v for k, v in config.items() if not k.startswith("_") and k != MHLA_CONFIG_KEY}
     model_config.update(overrides)
     given_head_dim = model_config.get("attention_head_dim", 128)
     if attention_head_dim is not None and attention_head_dim != given_head_dim:

@@ -17,6 +17,7 @@ import os
 import re
 import warnings
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
