@@ -59,9 +59,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhla_diffusion.benchmarks.bench import (  # noqa: E402
+    TRANSFORMER_COLUMNS,
+    format_table,
     plain_linear_attention,
-    TRANSFORMER_COLUMNS, format_table, replace_marked_section, rotary_tables, time_calls, traffic_settings,
-    wan_self_attention, wan_transformer_table,
+    replace_marked_section,
+    rotary_tables,
+    time_calls,
+    traffic_settings,
+    wan_self_attention,
+    wan_transformer_table,
 )
 
 FORMAT = "mhla-gpu-session/1"
@@ -95,18 +101,39 @@ class Sizes:
 
 
 FULL = Sizes(
-    heads=12, head_dim=128, layout=(3, 5, 10),
+    heads=12,
+    head_dim=128,
+    layout=(3, 5, 10),
     correctness_grids={"even": (6, 10, 20), "uneven": (5, 7, 13), "empty blocks": (2, 4, 9)},
-    timing_grids=((21, 30, 50), (21, 30, 52)), repeats=20, warmup=3,
-    transformer_grid=(21, 30, 52), transformer_layout=(3, 5, 10), transformer_layers=30, transformer_dim=1536,
-    transformer_heads=12, transformer_ffn=8960, text_tokens=512, transformer_repeats=3, compile_backend="inductor",
+    timing_grids=((21, 30, 50), (21, 30, 52)),
+    repeats=20,
+    warmup=3,
+    transformer_grid=(21, 30, 52),
+    transformer_layout=(3, 5, 10),
+    transformer_layers=30,
+    transformer_dim=1536,
+    transformer_heads=12,
+    transformer_ffn=8960,
+    text_tokens=512,
+    transformer_repeats=3,
+    compile_backend="inductor",
 )
 SMOKE = Sizes(
-    heads=2, head_dim=16, layout=(3, 5, 10),
+    heads=2,
+    head_dim=16,
+    layout=(3, 5, 10),
     correctness_grids={"even": (6, 5, 10), "uneven": (4, 7, 12), "empty blocks": (2, 4, 9)},
-    timing_grids=((3, 5, 10), (3, 5, 12)), repeats=2, warmup=1,
-    transformer_grid=(2, 4, 4), transformer_layout=(1, 2, 2), transformer_layers=2, transformer_dim=32,
-    transformer_heads=2, transformer_ffn=64, text_tokens=4, transformer_repeats=1,
+    timing_grids=((3, 5, 10), (3, 5, 12)),
+    repeats=2,
+    warmup=1,
+    transformer_grid=(2, 4, 4),
+    transformer_layout=(1, 2, 2),
+    transformer_layers=2,
+    transformer_dim=32,
+    transformer_heads=2,
+    transformer_ffn=64,
+    text_tokens=4,
+    transformer_repeats=1,
     compile_backend="aot_eager",  # Inductor's C++ build takes minutes on a small CPU
 )
 
@@ -217,8 +244,12 @@ def _command_output(command: list[str]) -> str | None:
 def _sdpa_kernel(name: str):
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
 
 
 def run_sdpa(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -247,18 +278,26 @@ def _median_event_seconds(fn: Callable[[], object], device: torch.device, repeat
 def stage_versions(ctx: StageContext) -> None:
     """Versions, the device, SDPA kernels that run, and (CUDA) the copy and matmul ceilings."""
     ctx.data["versions"] = {
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "triton": _package_version("triton"), "diffusers": _package_version("diffusers"),
+        "triton": _package_version("triton"),
+        "diffusers": _package_version("diffusers"),
         "commit": _command_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
     }
     if ctx.device.type == "cuda":
         props = torch.cuda.get_device_properties(ctx.device)
-        smi = _command_output(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem",
-                               "--format=csv,noheader"])
-        ctx.data["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
-                           "multiprocessors": props.multi_processor_count, "memory_gib": props.total_memory / 2**30,
-                           "nvidia_smi": smi}
+        smi = _command_output(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"]
+        )
+        ctx.data["gpu"] = {
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "memory_gib": props.total_memory / 2**30,
+            "nvidia_smi": smi,
+        }
     else:
         ctx.data["gpu"] = None
         ctx.data["cpu"] = f"{platform.machine()}, {torch.get_num_threads()} threads"
@@ -303,8 +342,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     finite = bool(torch.isfinite(out).all())
     rel = float((out - ref).norm() / ref.norm().clamp_min(1e-300)) if finite else math.inf
-    return {"rel_err": rel, "max_abs_err": float((out - ref).abs().max()) if finite else math.inf,
-            "finite": finite, "ok": finite and rel < BF16_TOLERANCE}
+    return {
+        "rel_err": rel,
+        "max_abs_err": float((out - ref).abs().max()) if finite else math.inf,
+        "finite": finite,
+        "ok": finite and rel < BF16_TOLERANCE,
+    }
 
 
 def _features(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -313,10 +356,10 @@ def _features(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def stage_correctness(ctx: StageContext) -> None:
     """bf16 on the device against float64 on the CPU: operator, processor path and (CUDA) fused kernel."""
-    from mhla_diffusion.ops.attention import mhla_attention
-    from mhla_diffusion.ops.naive import mhla_attention_reference
-    from mhla_diffusion.ops.block_layout import block_plan
     from mhla_diffusion.models.processors.base import apply_interleaved_rotary
+    from mhla_diffusion.ops.attention import mhla_attention
+    from mhla_diffusion.ops.block_layout import block_plan
+    from mhla_diffusion.ops.naive import mhla_attention_reference
 
     sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
     ctx.data.update(tolerance=BF16_TOLERANCE, reference="float64 on the CPU", checks=[])
@@ -326,8 +369,14 @@ def stage_correctness(ctx: StageContext) -> None:
     layout, eps = sizes.layout, 1e-6
 
     def check(kind: str, grid: tuple, setting: str, path: str, autocast: bool, out: torch.Tensor, ref: torch.Tensor):
-        row = {"grid_kind": kind, "grid": "x".join(map(str, grid)), "setting": setting, "path": path,
-               "autocast": autocast, **relative_error(out, ref)}
+        row = {
+            "grid_kind": kind,
+            "grid": "x".join(map(str, grid)),
+            "setting": setting,
+            "path": path,
+            "autocast": autocast,
+            **relative_error(out, ref),
+        }
         ctx.data["checks"].append(row)
 
     def autocast(on: bool):
@@ -348,17 +397,34 @@ def stage_correctness(ctx: StageContext) -> None:
             qf, kf = (_features(x.double(), eps) for x in (raw_q, raw_k))
             q_rot, k_rot = (apply_interleaved_rotary(x, cos.double(), sin.double()) for x in (qf, kf))
             args = [t.to(dtype) for t in (qf, kf, v, q_rot, k_rot)]
-            ref = mhla_attention_reference(*[t.double() for t in args[:3]], grid, layout, mixing.double(),
-                                           q_rot=args[3].double(), k_rot=args[4].double(), normalize=mode, eps=eps)
+            ref = mhla_attention_reference(
+                *[t.double() for t in args[:3]],
+                grid,
+                layout,
+                mixing.double(),
+                q_rot=args[3].double(),
+                k_rot=args[4].double(),
+                normalize=mode,
+                eps=eps,
+            )
             on_device = [t.to(device) for t in args]
             for on in (False, True):
                 with torch.no_grad(), autocast(on):
-                    out = mhla_attention(*on_device[:3], grid, layout, mixing.to(device), q_rot=on_device[3],
-                                         k_rot=on_device[4], normalize=mode, eps=eps)
+                    out = mhla_attention(
+                        *on_device[:3],
+                        grid,
+                        layout,
+                        mixing.to(device),
+                        q_rot=on_device[3],
+                        k_rot=on_device[4],
+                        normalize=mode,
+                        eps=eps,
+                    )
                 check(kind, grid, setting, "operator", on, out, ref)
             # the processor's whole path, bf16 on the device against the same processor in float64
-            processor, _ = wan_self_attention(grid, config, heads=sizes.heads, head_dim=sizes.head_dim,
-                                              dtype=dtype, device=device, seed=n)
+            processor, _ = wan_self_attention(
+                grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=dtype, device=device, seed=n
+            )
             with torch.no_grad():
                 processor.mixing.copy_(mixing if processor.mixing.ndim == mixing.ndim else mixing.mean(0))
                 if processor.out_norm is not None:
@@ -374,18 +440,38 @@ def stage_correctness(ctx: StageContext) -> None:
             ctx.save()
             if run_fused:
                 plan = block_plan(grid, layout, device)
-                ref = mhla_attention_reference(qf, kf, v.double(), grid, layout, mixing.double(), q_rot=q_rot,
-                                               k_rot=k_rot, normalize=mode, eps=eps)
+                ref = mhla_attention_reference(
+                    qf, kf, v.double(), grid, layout, mixing.double(), q_rot=q_rot, k_rot=k_rot, normalize=mode, eps=eps
+                )
                 for on in (False, True):
                     try:
                         with torch.no_grad(), autocast(on):
-                            out = fused(raw_q.to(device), raw_k.to(device), v.to(device), plan, mixing.to(device),
-                                        cos=cos.to(device), sin=sin.to(device), feature_eps=eps, normalize=mode, eps=eps,
-                                        dot_dtype=_dot_dtype())
+                            out = fused(
+                                raw_q.to(device),
+                                raw_k.to(device),
+                                v.to(device),
+                                plan,
+                                mixing.to(device),
+                                cos=cos.to(device),
+                                sin=sin.to(device),
+                                feature_eps=eps,
+                                normalize=mode,
+                                eps=eps,
+                                dot_dtype=_dot_dtype(),
+                            )
                         check(kind, grid, setting, "fused", on, out, ref)
                     except Exception as error:
-                        ctx.data["checks"].append({"grid_kind": kind, "grid": "x".join(map(str, grid)), "setting": setting,
-                                                   "path": "fused", "autocast": on, "ok": False, "error": _error_line(error)})
+                        ctx.data["checks"].append(
+                            {
+                                "grid_kind": kind,
+                                "grid": "x".join(map(str, grid)),
+                                "setting": setting,
+                                "path": "fused",
+                                "autocast": on,
+                                "ok": False,
+                                "error": _error_line(error),
+                            }
+                        )
                 ctx.save()
     checks = ctx.data["checks"]
     ctx.data["passed"] = sum(c["ok"] for c in checks)
@@ -395,15 +481,17 @@ def stage_correctness(ctx: StageContext) -> None:
 # ----------------------------------------------------------------------------- stage 3: operator timing
 
 
-def operator_calls(grid: tuple[int, ...], sizes: Sizes, device: torch.device | str, dtype: torch.dtype) -> dict[str, Callable]:
+def operator_calls(
+    grid: tuple[int, ...], sizes: Sizes, device: torch.device | str, dtype: torch.dtype
+) -> dict[str, Callable]:
     """The MHLA operator's timed calls on ``grid`` (random inputs; empty ones on ``meta``, for counting bytes).
 
     Features are given in ``dtype`` (computed once, outside the timed call) except on the processor rows,
     which start from projected ``q, k, v`` as a Wan layer does."""
+    from mhla_diffusion.models.processors.base import apply_interleaved_rotary
     from mhla_diffusion.ops.attention import mhla_attention
     from mhla_diffusion.ops.block_layout import block_plan
     from mhla_diffusion.ops.mixing import mixing_init
-    from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
     device = torch.device(device)
     n, layout = math.prod(grid), sizes.layout
@@ -423,11 +511,14 @@ def operator_calls(grid: tuple[int, ...], sizes: Sizes, device: torch.device | s
         "MHLA operator, plan per call": lambda: mhla_attention(qf, kf, v, grid, layout, mixing),
         "MHLA operator, plan precomputed": lambda: mhla_attention(qf, kf, v, grid, layout, mixing, plan=plan),
         "MHLA operator + RoPE, plan precomputed": lambda: mhla_attention(
-            qf, kf, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, plan=plan),
+            qf, kf, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, plan=plan
+        ),
         "plain linear attention (einsum)": lambda: plain_linear_attention(qf, kf, v),
     }
     for setting, config in settings(layout).items():
-        _, call = wan_self_attention(grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=dtype, device=device)
+        _, call = wan_self_attention(
+            grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=dtype, device=device
+        )
         calls[f"Wan processor path, {setting} (feature map, RoPE{', norm, gate' if config.gate else ''})"] = call
     return calls
 
@@ -464,8 +555,20 @@ def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normali
     from mhla_diffusion.ops.triton_mhla import fused_traffic
 
     plan = block_plan(grid, sizes.layout)
-    return sum(fused_traffic(1, math.prod(grid), sizes.heads, sizes.head_dim, sizes.head_dim, plan.num_blocks,
-                             plan.block_len, padded=plan.valid is not None, dtype=dtype, normalize=normalize).values())
+    return sum(
+        fused_traffic(
+            1,
+            math.prod(grid),
+            sizes.heads,
+            sizes.head_dim,
+            sizes.head_dim,
+            plan.num_blocks,
+            plan.block_len,
+            padded=plan.valid is not None,
+            dtype=dtype,
+            normalize=normalize,
+        ).values()
+    )
 
 
 def stage_timing(ctx: StageContext) -> None:
@@ -473,9 +576,15 @@ def stage_timing(ctx: StageContext) -> None:
     from mhla_diffusion.ops.traffic import floor_bytes
 
     sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
-    ctx.data.update(rows=[], dtype=str(dtype).removeprefix("torch."), heads=sizes.heads, head_dim=sizes.head_dim,
-                    layout="x".join(map(str, sizes.layout)), repeats=sizes.repeats,
-                    timer="CUDA events" if device.type == "cuda" else "wall clock")
+    ctx.data.update(
+        rows=[],
+        dtype=str(dtype).removeprefix("torch."),
+        heads=sizes.heads,
+        head_dim=sizes.head_dim,
+        layout="x".join(map(str, sizes.layout)),
+        repeats=sizes.repeats,
+        timer="CUDA events" if device.type == "cuda" else "wall clock",
+    )
     fused, ctx.data["fused"] = fused_kernel()
     tf32 = ctx.cuda_only("the TF32 rows")
     run_fused = ctx.fused_runs(fused, "the fused Triton kernel's rows")
@@ -517,13 +626,19 @@ def stage_timing(ctx: StageContext) -> None:
                     errors[name] = _error_line(error)
         torch.set_float32_matmul_precision("highest")
         for name, (seconds, peak) in timings.items():
-            ctx.data["rows"].append({
-                "grid": label, "tokens": n, "method": name, "median_ms": seconds * 1e3,
-                "counted_units": bytes_of[name] / unit, "bytes_basis": basis[name],
-                "gb_per_s": bytes_of[name] / seconds / 1e9,
-                "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
-                "peak_extra_mb": peak / 2**20,
-            })
+            ctx.data["rows"].append(
+                {
+                    "grid": label,
+                    "tokens": n,
+                    "method": name,
+                    "median_ms": seconds * 1e3,
+                    "counted_units": bytes_of[name] / unit,
+                    "bytes_basis": basis[name],
+                    "gb_per_s": bytes_of[name] / seconds / 1e9,
+                    "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
+                    "peak_extra_mb": peak / 2**20,
+                }
+            )
         for name, error in errors.items():
             ctx.data["rows"].append({"grid": label, "tokens": n, "method": name, "median_ms": None, "error": error})
         ctx.data.setdefault("floor_units", {})[label] = floor / unit
@@ -531,8 +646,9 @@ def stage_timing(ctx: StageContext) -> None:
         del plain, calls, heads_first
 
 
-def _fused_calls(fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: torch.device,
-                 dtype: torch.dtype) -> dict[str, Callable]:
+def _fused_calls(
+    fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: torch.device, dtype: torch.dtype
+) -> dict[str, Callable]:
     """The fused kernel from projected ``q, k`` (feature map and RoPE inside), both normalisations."""
     from mhla_diffusion.ops.block_layout import block_plan
     from mhla_diffusion.ops.mixing import mixing_init
@@ -542,9 +658,12 @@ def _fused_calls(fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: t
     q, k, v = (torch.randn(1, n, sizes.heads, sizes.head_dim, generator=g).to(device, dtype) for _ in range(3))
     cos, sin = rotary_tables(n, sizes.head_dim, device, g)
     plan, mixing = block_plan(grid, sizes.layout, device), mixing_init(sizes.layout).to(device)
-    return {_fused_name(mode):
-            (lambda mode=mode: fused(q, k, v, plan, mixing, cos=cos, sin=sin, normalize=mode, dot_dtype=_dot_dtype()))
-            for mode in FUSED_MODES}
+    return {
+        _fused_name(mode): (
+            lambda mode=mode: fused(q, k, v, plan, mixing, cos=cos, sin=sin, normalize=mode, dot_dtype=_dot_dtype())
+        )
+        for mode in FUSED_MODES
+    }
 
 
 #: The fused kernel's timed normalisations.
@@ -574,7 +693,7 @@ def profile_table(call: Callable[[], object], device: torch.device, rows: int = 
             if cuda:
                 torch.cuda.synchronize(device)
     averages = prof.key_averages()
-    for key in (["cuda_time_total", "device_time_total"] if cuda else ["cpu_time_total"]):
+    for key in ["cuda_time_total", "device_time_total"] if cuda else ["cpu_time_total"]:
         try:
             return averages.table(sort_by=key, row_limit=rows)
         except Exception:  # the key's name changed between PyTorch versions
@@ -586,7 +705,9 @@ def stage_profile(ctx: StageContext) -> None:
     """The profiler's table of one Wan processor call (paper setting) on the first timing grid, and of the fused kernel."""
     sizes, grid = ctx.sizes, ctx.sizes.timing_grids[0]
     config = settings(sizes.layout)["paper"]
-    _, call = wan_self_attention(grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=ctx.dtype, device=ctx.device)
+    _, call = wan_self_attention(
+        grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=ctx.dtype, device=ctx.device
+    )
     ctx.data["grid"] = "x".join(map(str, grid))
     ctx.data["tables"] = {"Wan processor path, paper": profile_table(call, ctx.device)}
     ctx.save()
@@ -606,9 +727,13 @@ def stage_compile(ctx: StageContext) -> None:
     backend = sizes.compile_backend
     ctx.data.update(backend=backend, grid="x".join(map(str, grid)), rows=[])
     if backend != "inductor":
-        ctx.note(f"backend {backend} instead of Inductor in smoke mode: Inductor's C++ build takes minutes on a small CPU")
+        ctx.note(
+            f"backend {backend} instead of Inductor in smoke mode: Inductor's C++ build takes minutes on a small CPU"
+        )
     for setting, config in settings(sizes.layout).items():
-        _, call = wan_self_attention(grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=ctx.dtype, device=ctx.device)
+        _, call = wan_self_attention(
+            grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=ctx.dtype, device=ctx.device
+        )
         row: dict[str, Any] = {"setting": setting}
         try:
             torch._dynamo.reset()
@@ -622,8 +747,11 @@ def stage_compile(ctx: StageContext) -> None:
                 expected = call()
             row["max_abs_diff_vs_eager"] = float((out.float() - expected.float()).abs().max())
             timings = time_calls({"eager": call, "compiled": compiled}, sizes.repeats, sizes.warmup, ctx.device)
-            row.update(eager_ms=timings["eager"][0] * 1e3, compiled_ms=timings["compiled"][0] * 1e3,
-                       eager_over_compiled=timings["eager"][0] / timings["compiled"][0])
+            row.update(
+                eager_ms=timings["eager"][0] * 1e3,
+                compiled_ms=timings["compiled"][0] * 1e3,
+                eager_over_compiled=timings["eager"][0] / timings["compiled"][0],
+            )
         except Exception as error:
             row["error"] = _error_line(error)
         ctx.data["rows"].append(row)
@@ -639,12 +767,26 @@ def stage_transformer(ctx: StageContext) -> None:
         ctx.note("Diffusers is not installed here (see benchmarks/gpu_session.sh on carrying its wheel): skipped")
         return
     sizes = ctx.sizes
-    ctx.data.update(grid="x".join(map(str, sizes.transformer_grid)), layers=sizes.transformer_layers,
-                    text_tokens=sizes.text_tokens, dim=sizes.transformer_dim, forwards_per_video=100)
+    ctx.data.update(
+        grid="x".join(map(str, sizes.transformer_grid)),
+        layers=sizes.transformer_layers,
+        text_tokens=sizes.text_tokens,
+        dim=sizes.transformer_dim,
+        forwards_per_video=100,
+    )
     rows = wan_transformer_table(
-        sizes.transformer_grid, sizes.transformer_layout, sizes.transformer_layers, sizes.transformer_dim,
-        sizes.transformer_heads, sizes.transformer_ffn, sizes.text_tokens, ctx.dtype, ctx.device,
-        sizes.transformer_repeats, 1, log=lambda text: print(text, file=sys.stderr, flush=True),
+        sizes.transformer_grid,
+        sizes.transformer_layout,
+        sizes.transformer_layers,
+        sizes.transformer_dim,
+        sizes.transformer_heads,
+        sizes.transformer_ffn,
+        sizes.text_tokens,
+        ctx.dtype,
+        ctx.device,
+        sizes.transformer_repeats,
+        1,
+        log=lambda text: print(text, file=sys.stderr, flush=True),
         settings={f"mhla {name}": config for name, config in settings(sizes.transformer_layout).items()},
     )
     for row in rows:
@@ -699,7 +841,9 @@ def run_stage_here(out: Path, name: str, smoke: bool) -> int:
 def run_stage_isolated(out: Path, name: str, smoke: bool, limit_s: float) -> None:
     """Run stage ``name`` in a fresh process limited to ``limit_s`` seconds; a killed or crashed stage keeps
     what it saved and is marked ``timeout`` / ``error``."""
-    command = [sys.executable, str(Path(__file__).resolve()), str(out), "--stage", name] + (["--smoke"] if smoke else [])
+    command = [sys.executable, str(Path(__file__).resolve()), str(out), "--stage", name] + (
+        ["--smoke"] if smoke else []
+    )
     started = time.perf_counter()
     try:
         done = subprocess.run(command, timeout=limit_s, check=False)
@@ -709,16 +853,24 @@ def run_stage_isolated(out: Path, name: str, smoke: bool, limit_s: float) -> Non
     if problem:
         session = load_session(out)
         entry = session["stages"].setdefault(name, {})
-        entry.update(status="timeout" if "stopped" in problem else "error", error=problem,
-                     seconds=time.perf_counter() - started)
+        entry.update(
+            status="timeout" if "stopped" in problem else "error", error=problem, seconds=time.perf_counter() - started
+        )
         save_session(out, session)
 
 
 def new_session(smoke: bool, budget_s: float) -> dict[str, Any]:
     sizes = SMOKE if smoke else FULL
-    return {"format": FORMAT, "smoke": smoke, "device": "cpu" if smoke else "cuda", "torch": torch.__version__,
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "budget_s": budget_s, "sizes": dataclasses.asdict(sizes), "stages": {}}
+    return {
+        "format": FORMAT,
+        "smoke": smoke,
+        "device": "cpu" if smoke else "cuda",
+        "torch": torch.__version__,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "budget_s": budget_s,
+        "sizes": dataclasses.asdict(sizes),
+        "stages": {},
+    }
 
 
 def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...], isolate: bool) -> dict[str, Any]:
@@ -734,8 +886,12 @@ def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...]
         left = budget_s - (time.monotonic() - started)
         if left < stage.needs_s:
             session = load_session(out)
-            session["stages"][stage.name] = {"status": "skipped", "notes": [
-                f"skipped: {left:.0f} s of the session's {budget_s:.0f} s were left, the stage needs about {stage.needs_s} s"]}
+            session["stages"][stage.name] = {
+                "status": "skipped",
+                "notes": [
+                    f"skipped: {left:.0f} s of the session's {budget_s:.0f} s were left, the stage needs about {stage.needs_s} s"
+                ],
+            }
             save_session(out, session)
             continue
         print(f"[gpu_session] {stage.name} ({left:.0f} s left)", file=sys.stderr, flush=True)
@@ -750,18 +906,32 @@ def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...]
 
 
 TIMING_COLUMNS = (
-    ("grid", "grid", ""), ("method", "method", ""), ("median_ms", "median ms", ".2f"),
-    ("counted_units", "bytes (U)", ".1f"), ("bytes_basis", "bytes are", ""), ("gb_per_s", "GB/s", ".0f"),
-    ("floor_gb_per_s", "floor GB/s", ".0f"), ("peak_extra_mb", "peak extra MiB", ".0f"), ("error", "error", ""),
+    ("grid", "grid", ""),
+    ("method", "method", ""),
+    ("median_ms", "median ms", ".2f"),
+    ("counted_units", "bytes (U)", ".1f"),
+    ("bytes_basis", "bytes are", ""),
+    ("gb_per_s", "GB/s", ".0f"),
+    ("floor_gb_per_s", "floor GB/s", ".0f"),
+    ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("error", "error", ""),
 )
 CORRECTNESS_COLUMNS = (
-    ("path", "path", ""), ("setting", "setting", ""), ("grid_kind", "grids", ""), ("checks", "checks", "d"),
-    ("worst_rel_err", "worst ‖out − ref‖ / ‖ref‖", ".1e"), ("failed", "failed", "d"),
+    ("path", "path", ""),
+    ("setting", "setting", ""),
+    ("grid_kind", "grids", ""),
+    ("checks", "checks", "d"),
+    ("worst_rel_err", "worst ‖out − ref‖ / ‖ref‖", ".1e"),
+    ("failed", "failed", "d"),
 )
 COMPILE_COLUMNS = (
-    ("setting", "setting", ""), ("compile_s", "compile s", ".1f"), ("eager_ms", "eager ms", ".2f"),
-    ("compiled_ms", "compiled ms", ".2f"), ("eager_over_compiled", "eager / compiled", ".2f"),
-    ("max_abs_diff_vs_eager", "max abs diff", ".1e"), ("error", "error", ""),
+    ("setting", "setting", ""),
+    ("compile_s", "compile s", ".1f"),
+    ("eager_ms", "eager ms", ".2f"),
+    ("compiled_ms", "compiled ms", ".2f"),
+    ("eager_over_compiled", "eager / compiled", ".2f"),
+    ("max_abs_diff_vs_eager", "max abs diff", ".1e"),
+    ("error", "error", ""),
 )
 VIDEO_COLUMNS = TRANSFORMER_COLUMNS + (("video_s", "100 forwards s", ".1f"), ("weights_mb", "weights MiB", ".0f"))
 
@@ -784,9 +954,17 @@ def _correctness_summary(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for check in checks:
         groups.setdefault((check["path"], check["setting"]), []).append(check)
-    return [{"path": path, "setting": setting, "grid_kind": ", ".join(dict.fromkeys(c["grid_kind"] for c in rows)),
-             "checks": len(rows), "worst_rel_err": max((c.get("rel_err", math.inf) for c in rows), default=None),
-             "failed": sum(not c["ok"] for c in rows)} for (path, setting), rows in groups.items()]
+    return [
+        {
+            "path": path,
+            "setting": setting,
+            "grid_kind": ", ".join(dict.fromkeys(c["grid_kind"] for c in rows)),
+            "checks": len(rows),
+            "worst_rel_err": max((c.get("rel_err", math.inf) for c in rows), default=None),
+            "failed": sum(not c["ok"] for c in rows),
+        }
+        for (path, setting), rows in groups.items()
+    ]
 
 
 def render_markdown(session: dict[str, Any]) -> str:
@@ -796,57 +974,99 @@ def render_markdown(session: dict[str, Any]) -> str:
     v = versions.get("versions", {})
     gpu = versions.get("gpu") or {}
     where = gpu.get("name") or versions.get("cpu") or session.get("device", "?")
-    head = (f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: torch {v.get('torch', session.get('torch', '?'))}, "
-            f"CUDA {v.get('cuda')}, Triton {v.get('triton')}, Diffusers {v.get('diffusers')}"
-            + (f", commit {v['commit']}" if v.get("commit") else "") + ".")
-    lines = ["**Smoke run on the CPU at toy sizes: checks that the session runs, not measurements.**", ""] if session.get("smoke") else []
+    head = (
+        f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: torch {v.get('torch', session.get('torch', '?'))}, "
+        f"CUDA {v.get('cuda')}, Triton {v.get('triton')}, Diffusers {v.get('diffusers')}"
+        + (f", commit {v['commit']}" if v.get("commit") else "")
+        + "."
+    )
+    lines = (
+        ["**Smoke run on the CPU at toy sizes: checks that the session runs, not measurements.**", ""]
+        if session.get("smoke")
+        else []
+    )
     lines += [head, ""]
     lines += _status_line(session, "versions")
     if versions.get("sdpa_kernels"):
-        lines.append("SDPA kernels: " + ", ".join(f"{k} {'runs' if s == 'ok' else 'fails (' + s + ')'}"
-                                                 for k, s in versions["sdpa_kernels"].items()) + ".")
+        lines.append(
+            "SDPA kernels: "
+            + ", ".join(
+                f"{k} {'runs' if s == 'ok' else 'fails (' + s + ')'}" for k, s in versions["sdpa_kernels"].items()
+            )
+            + "."
+        )
     if versions.get("ceilings"):
         c = versions["ceilings"]
-        lines.append(f"Measured ceilings: device copy {c['copy_gb_per_s']:.0f} GB/s, bf16 matmul "
-                     f"{c['bf16_matmul_tflop_per_s']:.0f} TFLOP/s.")
+        lines.append(
+            f"Measured ceilings: device copy {c['copy_gb_per_s']:.0f} GB/s, bf16 matmul "
+            f"{c['bf16_matmul_tflop_per_s']:.0f} TFLOP/s."
+        )
     lines.append("")
 
     correctness = stages.get("correctness", {})
     lines += _status_line(session, "correctness")
     if correctness.get("checks"):
-        lines += [f"Correctness, bf16 on {session.get('device')} against float64 on the CPU (tolerance "
-                  f"{correctness.get('tolerance')}, autocast off and on; fused kernel: {correctness.get('fused')}): "
-                  f"{correctness.get('passed', '?')} checks pass, {correctness.get('failed', '?')} fail.", "",
-                  format_table(_correctness_summary(correctness["checks"]), CORRECTNESS_COLUMNS), ""]
-        lines += [f"- {c['path']} {c['setting']} {c['grid']}: {c['error']}" for c in correctness["checks"] if c.get("error")]
+        lines += [
+            f"Correctness, bf16 on {session.get('device')} against float64 on the CPU (tolerance "
+            f"{correctness.get('tolerance')}, autocast off and on; fused kernel: {correctness.get('fused')}): "
+            f"{correctness.get('passed', '?')} checks pass, {correctness.get('failed', '?')} fail.",
+            "",
+            format_table(_correctness_summary(correctness["checks"]), CORRECTNESS_COLUMNS),
+            "",
+        ]
+        lines += [
+            f"- {c['path']} {c['setting']} {c['grid']}: {c['error']}" for c in correctness["checks"] if c.get("error")
+        ]
 
     timing = stages.get("timing", {})
     lines += _status_line(session, "timing")
     if timing.get("rows"):
         floors = ", ".join(f"{g}: {u:.1f} U" for g, u in timing.get("floor_units", {}).items())
-        lines += [f"Attention operators, B=1, H={timing['heads']}, D={timing['head_dim']}, {timing['dtype']}, "
-                  f"layout {timing['layout']}, median of {timing['repeats']} ({timing['timer']}); "
-                  f"bytes counted on meta tensors in U = N x H x D x 2 bytes (floor of an MHLA call: {floors}); "
-                  f"fused kernel: {timing.get('fused')}:", "", format_table(timing["rows"], TIMING_COLUMNS), ""]
+        lines += [
+            f"Attention operators, B=1, H={timing['heads']}, D={timing['head_dim']}, {timing['dtype']}, "
+            f"layout {timing['layout']}, median of {timing['repeats']} ({timing['timer']}); "
+            f"bytes counted on meta tensors in U = N x H x D x 2 bytes (floor of an MHLA call: {floors}); "
+            f"fused kernel: {timing.get('fused')}:",
+            "",
+            format_table(timing["rows"], TIMING_COLUMNS),
+            "",
+        ]
 
     profile = stages.get("profile", {})
     lines += _status_line(session, "profile")
     for name, table in profile.get("tables", {}).items():
-        lines += [f"<details><summary>Profile of one call: {name}, {profile.get('grid')}</summary>", "",
-                  "```", table.rstrip(), "```", "", "</details>", ""]
+        lines += [
+            f"<details><summary>Profile of one call: {name}, {profile.get('grid')}</summary>",
+            "",
+            "```",
+            table.rstrip(),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
 
     transformer = stages.get("transformer", {})
     lines += _status_line(session, "transformer")
     if transformer.get("rows"):
-        lines += [f"Wan2.1-1.3B-shaped transformer, {transformer['layers']} blocks, random weights, one forward at "
-                  f"{transformer['grid']} tokens with {transformer['text_tokens']} text tokens; 100 forwards = 50 "
-                  "steps with guidance (extrapolated):", "", format_table(transformer["rows"], VIDEO_COLUMNS), ""]
+        lines += [
+            f"Wan2.1-1.3B-shaped transformer, {transformer['layers']} blocks, random weights, one forward at "
+            f"{transformer['grid']} tokens with {transformer['text_tokens']} text tokens; 100 forwards = 50 "
+            "steps with guidance (extrapolated):",
+            "",
+            format_table(transformer["rows"], VIDEO_COLUMNS),
+            "",
+        ]
 
     compiled = stages.get("compile", {})
     lines += _status_line(session, "compile")
     if compiled.get("rows"):
-        lines += [f"`torch.compile` ({compiled['backend']}) of the Wan processor's path at {compiled['grid']}:", "",
-                  format_table(compiled["rows"], COMPILE_COLUMNS), ""]
+        lines += [
+            f"`torch.compile` ({compiled['backend']}) of the Wan processor's path at {compiled['grid']}:",
+            "",
+            format_table(compiled["rows"], COMPILE_COLUMNS),
+            "",
+        ]
     return "\n".join(lines).strip()
 
 
@@ -859,15 +1079,27 @@ def write_doc(page: Path, session: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out", nargs="?", type=Path, help="folder for gpu_session.json and gpu_session.md")
-    p.add_argument("--smoke", action="store_true", help="every stage at tiny sizes on the CPU (CUDA-only parts skipped)")
+    p.add_argument(
+        "--smoke", action="store_true", help="every stage at tiny sizes on the CPU (CUDA-only parts skipped)"
+    )
     p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all stages (default 480)")
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated subset of {','.join(STAGE_NAMES)}")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="each stage in its own time-limited process (default: on CUDA, not with --smoke)")
-    p.add_argument("--write-doc", type=Path, metavar="PAGE",
-                   help="replace the <!-- mhla-bench:cuda --> section of the Markdown page PAGE (docs/speed.md)")
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each stage in its own time-limited process (default: on CUDA, not with --smoke)",
+    )
+    p.add_argument(
+        "--write-doc",
+        type=Path,
+        metavar="PAGE",
+        help="replace the <!-- mhla-bench:cuda --> section of the Markdown page PAGE (docs/speed.md)",
+    )
     p.add_argument("--report", type=Path, help="render a saved gpu_session.json (measures nothing)")
     p.add_argument("--stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)  # one stage, in an isolated process
     return p.parse_args(argv)
@@ -907,7 +1139,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         session = json.loads(args.report.read_text())
         if session.get("format") != FORMAT:
-            print(f"gpu_session: --report {args.report} is not a GPU session result; give gpu_session.json", file=sys.stderr)
+            print(
+                f"gpu_session: --report {args.report} is not a GPU session result; give gpu_session.json",
+                file=sys.stderr,
+            )
             return 2
     else:
         isolate = (not args.smoke) if args.isolate is None else args.isolate

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Fine-tune DiT class-to-image with MHLA (or train it with softmax): the library's trainer.
 
-    python finetune/train_dit.py --config finetune/configs/dit_xl2_256_mhla.yaml --data_dir DATA --output_dir RUN
-    accelerate launch finetune/train_dit.py --config ... (same as `python -m mhla_diffusion.finetune.train_dit`)"""
+python finetune/train_dit.py --config finetune/configs/dit_xl2_256_mhla.yaml --data_dir DATA --output_dir RUN
+accelerate launch finetune/train_dit.py --config ... (same as `python -m mhla_diffusion.finetune.train_dit`)"""
 
 import sys
 from pathlib import Path

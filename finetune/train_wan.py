@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Fine-tune Wan2.1 text-to-video with MHLA (or train it with softmax): the library's trainer.
 
-    python finetune/train_wan.py --config finetune/configs/wan2.1_t2v_1.3b_mhla.yaml --data_dir DATA --output_dir RUN
-    accelerate launch finetune/train_wan.py --config ... (same as `python -m mhla_diffusion.finetune.train_wan`)"""
+python finetune/train_wan.py --config finetune/configs/wan2.1_t2v_1.3b_mhla.yaml --data_dir DATA --output_dir RUN
+accelerate launch finetune/train_wan.py --config ... (same as `python -m mhla_diffusion.finetune.train_wan`)"""
 
 import sys
 from pathlib import Path

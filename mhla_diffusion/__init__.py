@@ -17,7 +17,8 @@ _EXPORTS = {
     "MHLAConfig": ".config",
     "retain_freed_memory": ".ops.cpu_memory",
     **dict.fromkeys(
-        ["MHLAConversion", "convert_to_mhla", "get_mhla_conversion", "revert_mhla", "softmax_attention"], ".models.conversion"
+        ["MHLAConversion", "convert_to_mhla", "get_mhla_conversion", "revert_mhla", "softmax_attention"],
+        ".models.conversion",
     ),
     **dict.fromkeys(["image_token_grid", "video_token_grid"], ".utils.geometry"),
     **dict.fromkeys(["block_distances", "mixing_init"], ".ops.mixing"),

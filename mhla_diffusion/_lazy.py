@@ -33,7 +33,8 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
     """``(__getattr__, __dir__)`` for ``package`` that import ``exports[name]`` (relative to it) on demand."""
     module = sys.modules[package]
     module._lazy_exports = {  # names exported from the submodule of the same name
-        name: importlib.util.resolve_name(target, package) for name, target in exports.items()
+        name: importlib.util.resolve_name(target, package)
+        for name, target in exports.items()
         if importlib.util.resolve_name(target, package) == f"{package}.{name}"
     }
     module.__class__ = _LazyPackage

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from .utils.geometry import check_equal_blocks
 from .ops.mixing import MIXING_TRANSFORMS
+from .utils.geometry import check_equal_blocks
 
 __all__ = ["MHLAConfig", "NORMALIZATIONS"]
 
@@ -83,7 +83,9 @@ class MHLAConfig:
             try:
                 self.layers = sorted({int(i) for i in self.layers})
             except (TypeError, ValueError):
-                raise ValueError(f"`layers` must be 'all', 'hybrid' or a list of block indices, got {self.layers!r}") from None
+                raise ValueError(
+                    f"`layers` must be 'all', 'hybrid' or a list of block indices, got {self.layers!r}"
+                ) from None
             if not self.layers or self.layers[0] < 0:
                 raise ValueError(f"`layers` must list at least one non-negative block index, got {self.layers}")
         if isinstance(self.layout, str):
@@ -98,11 +100,16 @@ class MHLAConfig:
         if self.mixing_normalization not in ("column", "row"):
             raise ValueError(f"`mixing_normalization` must be 'column' or 'row', got {self.mixing_normalization!r}")
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"`normalization` must be one of {', '.join(map(repr, NORMALIZATIONS))}, got {self.normalization!r}")
+            raise ValueError(
+                f"`normalization` must be one of {', '.join(map(repr, NORMALIZATIONS))}, got {self.normalization!r}"
+            )
         if not isinstance(self.input_norm, bool):
             raise ValueError(f"`input_norm` must be True or False, got {self.input_norm!r}")
-        if isinstance(self.output_dropout, bool) or not isinstance(self.output_dropout, (int, float)) \
-                or not 0 <= self.output_dropout < 1:
+        if (
+            isinstance(self.output_dropout, bool)
+            or not isinstance(self.output_dropout, (int, float))
+            or not 0 <= self.output_dropout < 1
+        ):
             raise ValueError(f"`output_dropout` must be a probability in [0, 1), got {self.output_dropout!r}")
         self.output_dropout = float(self.output_dropout)
         if self.normalization == "scalar_mixed_denominator" and self.target_grid is not None and self.layout != "auto":

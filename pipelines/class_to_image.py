@@ -9,4 +9,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works
 from mhla_diffusion.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(['class-to-image', *sys.argv[1:]]))
+    sys.exit(main(["class-to-image", *sys.argv[1:]]))

@@ -38,9 +38,8 @@ import torch
 
 pytest.register_assert_rewrite("helpers")  # before any helper module is imported: their asserts explain failures too
 
-from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
-
 from helpers.models import dit_inputs, wan_inputs
+from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -85,7 +84,10 @@ def no_outbound_network():
     """
     real_connect, real_connect_ex, real_sendto = socket.socket.connect, socket.socket.connect_ex, socket.socket.sendto
     real_getaddrinfo, real_gethostbyname, real_gethostbyname_ex = (
-        socket.getaddrinfo, socket.gethostbyname, socket.gethostbyname_ex)
+        socket.getaddrinfo,
+        socket.gethostbyname,
+        socket.gethostbyname_ex,
+    )
     internet = (socket.AF_INET, socket.AF_INET6)
 
     def connect(self, address):
@@ -195,7 +197,6 @@ def wan_family_dirs(tmp_path_factory):
     wrong transformer, change the output.
     """
     from helpers.wan_family import LAYOUT, VARIANTS, is_image_to_video, pipeline_class
-
     from mhla_diffusion import MHLAConfig
     from mhla_diffusion.models.tiny import tiny_wan_pipeline
 

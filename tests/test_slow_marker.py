@@ -4,8 +4,9 @@ everything), and on every test that starts a process, so ``pytest -m 'not slow'`
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 TESTS = Path(__file__).parent
 #: What starts a process: the subprocess module, the interpreter's path, the project's process launchers,
@@ -19,8 +20,9 @@ def _is_slow_mark(node: ast.AST) -> bool:
 
 
 def _names(node: ast.AST) -> set[str]:
-    return {n.id if isinstance(n, ast.Name) else n.attr
-            for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+    return {
+        n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))
+    }
 
 
 def _unmarked_process_tests(path: Path) -> list[str]:
@@ -51,6 +53,10 @@ def test_slow_is_registered_and_runs_by_default():
 
 
 def test_every_test_that_starts_a_process_is_marked_slow():
-    unmarked = [test for path in sorted(TESTS.rglob("test_*.py")) if path != Path(__file__)
-                for test in _unmarked_process_tests(path)]
+    unmarked = [
+        test
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if path != Path(__file__)
+        for test in _unmarked_process_tests(path)
+    ]
     assert unmarked == []

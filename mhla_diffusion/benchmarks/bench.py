@@ -42,16 +42,34 @@ from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
 from ..ops.mixing import mixing_init
 from ..utils.geometry import VideoGeometry
 
-__all__ = ["ATTENTION_COLUMNS", "BLOCK_COLUMNS", "MALLOC_MODES", "TRANSFORMER_COLUMNS", "BenchCase", "BenchSpec",
-           "PeakMemory", "TRAFFIC_GRIDS", "attention_table", "format_table", "measure", "measure_in_fresh_process",
-           "plain_linear_attention", "replace_marked_section", "report_markdown", "time_call", "time_calls", "wan_block_table",
-           "wan_transformer_table"]
+__all__ = [
+    "ATTENTION_COLUMNS",
+    "BLOCK_COLUMNS",
+    "MALLOC_MODES",
+    "TRANSFORMER_COLUMNS",
+    "BenchCase",
+    "BenchSpec",
+    "PeakMemory",
+    "TRAFFIC_GRIDS",
+    "attention_table",
+    "format_table",
+    "measure",
+    "measure_in_fresh_process",
+    "plain_linear_attention",
+    "replace_marked_section",
+    "report_markdown",
+    "time_call",
+    "time_calls",
+    "wan_block_table",
+    "wan_transformer_table",
+]
 
 #: CPU allocator of a measuring process: ``auto`` as a user's own script gets it (glibc's defaults
 #: until the library's first CPU MHLA call keeps freed memory, see :mod:`mhla_diffusion.ops.cpu_memory`),
 #: ``default`` glibc's defaults throughout (``MHLA_KEEP_MALLOC=1``), ``retain`` kept from the start
 #: (:func:`~mhla_diffusion.ops.cpu_memory.retain_freed_memory` first, as the CLI entry points do).
 MALLOC_MODES = ("auto", "default", "retain")
+
 
 @dataclass(frozen=True)
 class BenchCase:
@@ -128,7 +146,10 @@ def time_call(fn: Callable[[], object], repeats: int, warmup: int, device: torch
 
 
 def time_calls(
-    fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device: torch.device,
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, tuple[float, int]]:
     """Median time in seconds and peak extra memory of one run, for each of ``fns``.
@@ -234,11 +255,18 @@ def attention_table(
         if case.grid not in inputs:
             g = torch.Generator().manual_seed(0)
             shape = (1, case.tokens, heads, head_dim)
-            inputs = {case.grid: tuple(  # one grid's inputs alive at a time: features q, k, values v, projections
-                x.to(device, dtype) for x in (torch.rand(shape, generator=g), torch.rand(shape, generator=g),
-                                              torch.randn(shape, generator=g), torch.randn(shape, generator=g),
-                                              torch.randn(shape, generator=g))
-            )}
+            inputs = {
+                case.grid: tuple(  # one grid's inputs alive at a time: features q, k, values v, projections
+                    x.to(device, dtype)
+                    for x in (
+                        torch.rand(shape, generator=g),
+                        torch.rand(shape, generator=g),
+                        torch.randn(shape, generator=g),
+                        torch.randn(shape, generator=g),
+                        torch.randn(shape, generator=g),
+                    )
+                )
+            }
         q, k, v, q_raw, k_raw = inputs[case.grid]
         io_bytes = 4 * q.numel() * q.element_size()  # q, k, v and the output
         ones = (1,) * len(case.grid)
@@ -253,24 +281,30 @@ def attention_table(
         mixing = mixing_init(case.layout).to(device, dtype)
         # from raw projections, the feature map φ(x) = ReLU(x) + eps included: the processors' path
         eps = MHLAConfig().eps
-        methods.append(("linear + φ", lambda: plain_linear_attention(feature_map(q_raw, eps), feature_map(k_raw, eps), v)))
-        methods.append(("mhla + φ", lambda: mhla_attention(q_raw, k_raw, v, case.grid, case.layout, mixing, feature_eps=eps)))
+        methods.append(
+            ("linear + φ", lambda: plain_linear_attention(feature_map(q_raw, eps), feature_map(k_raw, eps), v))
+        )
+        methods.append(
+            ("mhla + φ", lambda: mhla_attention(q_raw, k_raw, v, case.grid, case.layout, mixing, feature_eps=eps))
+        )
         methods.append(("mhla", lambda: mhla_attention(q, k, v, case.grid, case.layout, mixing)))
         grid = "x".join(map(str, case.grid))
         timings = time_calls(dict(methods), repeats, warmup, device, lambda text: log(f"  {grid} {text}"))
         linear, mhla = timings["linear"][0], timings["mhla"][0]
         sdpa = min((t for n, (t, _) in timings.items() if n.startswith("sdpa")), default=None)
         for name, (seconds, peak) in timings.items():
-            rows.append({
-                "grid": "x".join(map(str, case.grid)),
-                "tokens": case.tokens,
-                "layout": "x".join(map(str, case.layout)) + (" (auto)" if case.auto else ""),
-                "blocks": num_blocks(case.layout),
-                "method": name,
-                "median_ms": seconds * 1e3,
-                "peak_extra_mb": peak / 2**20,
-                "extra_vs_io": peak / io_bytes,
-            })
+            rows.append(
+                {
+                    "grid": "x".join(map(str, case.grid)),
+                    "tokens": case.tokens,
+                    "layout": "x".join(map(str, case.layout)) + (" (auto)" if case.auto else ""),
+                    "blocks": num_blocks(case.layout),
+                    "method": name,
+                    "median_ms": seconds * 1e3,
+                    "peak_extra_mb": peak / 2**20,
+                    "extra_vs_io": peak / io_bytes,
+                }
+            )
         rows[-2].update(mhla_over_linear=timings["mhla + φ"][0] / timings["linear + φ"][0])
         rows[-1].update(sdpa_over_mhla=None if sdpa is None else sdpa / mhla, mhla_over_linear=mhla / linear)
     return rows
@@ -353,15 +387,28 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 
 
 ATTENTION_COLUMNS = (
-    ("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""), ("blocks", "M", "d"),
-    ("method", "method", ""), ("median_ms", "median ms", ".1f"), ("peak_extra_mb", "peak extra MiB", ".0f"),
-    ("extra_vs_io", "extra / (q,k,v,out)", ".2f"), ("sdpa_over_mhla", "SDPA / MHLA", ".1f"),
+    ("grid", "grid", ""),
+    ("tokens", "N", ",d"),
+    ("layout", "layout", ""),
+    ("blocks", "M", "d"),
+    ("method", "method", ""),
+    ("median_ms", "median ms", ".1f"),
+    ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("extra_vs_io", "extra / (q,k,v,out)", ".2f"),
+    ("sdpa_over_mhla", "SDPA / MHLA", ".1f"),
     ("mhla_over_linear", "MHLA / linear", ".2f"),
 )
 BLOCK_COLUMNS = (
-    ("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""), ("method", "self-attention", ""),
-    ("median_s", "median s", ".2f"), ("peak_extra_mb", "peak extra MiB", ".0f"), ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
+    ("grid", "grid", ""),
+    ("tokens", "N", ",d"),
+    ("layout", "layout", ""),
+    ("method", "self-attention", ""),
+    ("median_s", "median s", ".2f"),
+    ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
 )
+
+
 def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast ``model``'s floating-point parameters and buffers to ``dtype`` except those of the modules
     Diffusers keeps in float32 when loading (``_keep_in_fp32_modules``: Wan's RoPE, time embedder,
@@ -376,8 +423,13 @@ def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> to
 
 
 TRANSFORMER_COLUMNS = (
-    ("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""), ("layers", "blocks", "d"),
-    ("method", "self-attention", ""), ("median_s", "median s", ".3f"), ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("grid", "grid", ""),
+    ("tokens", "N", ",d"),
+    ("layout", "layout", ""),
+    ("layers", "blocks", "d"),
+    ("method", "self-attention", ""),
+    ("median_s", "median s", ".3f"),
+    ("peak_extra_mb", "peak extra MiB", ".0f"),
     ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
 )
 
@@ -432,8 +484,13 @@ def wan_transformer_table(
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(1, config["in_channels"], *(n * p for n, p in zip(grid, patch)), generator=g)
     text = torch.randn(1, text_tokens, config["text_dim"], generator=g)
-    inputs = dict(hidden_states=latents.to(device, dtype), timestep=torch.tensor([500], device=device),
-                  encoder_hidden_states=text.to(device, dtype), return_dict=False)
+    inputs = dict(
+        hidden_states=latents.to(device, dtype),
+        timestep=torch.tensor([500], device=device),
+        encoder_hidden_states=text.to(device, dtype),
+        return_dict=False,
+    )
+
     def forward(backend: str, stock: bool) -> Callable[[], object]:
         def run() -> object:
             with softmax_attention(model) if stock else nullcontext():
@@ -551,19 +608,47 @@ def measure(
         retain_freed_memory()
     cases = [BenchCase.of(grid, layout) for grid, layout in spec.cases]
     rows = attention_table(
-        cases, spec.heads, spec.head_dim, dtype, device, spec.repeats, spec.warmup, spec.sdpa_backends,
-        spec.sdpa_max_tokens, log,
+        cases,
+        spec.heads,
+        spec.head_dim,
+        dtype,
+        device,
+        spec.repeats,
+        spec.warmup,
+        spec.sdpa_backends,
+        spec.sdpa_max_tokens,
+        log,
     )
     block_rows, transformer_rows = [], []
     if spec.block_grid is not None:
         block_rows = wan_block_table(
-            spec.block_grid, spec.block_layout, spec.block_dim, spec.block_heads, spec.block_ffn,
-            spec.block_text_tokens, dtype, device, spec.repeats, 0, log,
+            spec.block_grid,
+            spec.block_layout,
+            spec.block_dim,
+            spec.block_heads,
+            spec.block_ffn,
+            spec.block_text_tokens,
+            dtype,
+            device,
+            spec.repeats,
+            0,
+            log,
         )
         if spec.transformer_layers > 0:
             transformer_rows = wan_transformer_table(
-                spec.block_grid, spec.block_layout, spec.transformer_layers, spec.block_dim, spec.block_heads,
-                spec.block_ffn, spec.block_text_tokens, dtype, device, spec.repeats, 1, spec.sdpa_backends, log,
+                spec.block_grid,
+                spec.block_layout,
+                spec.transformer_layers,
+                spec.block_dim,
+                spec.block_heads,
+                spec.block_ffn,
+                spec.block_text_tokens,
+                dtype,
+                device,
+                spec.repeats,
+                1,
+                spec.sdpa_backends,
+                log,
             )
     return {
         "spec": spec.to_json(),
@@ -593,7 +678,10 @@ def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
         env[KEEP_MALLOC_ENV] = "1"
     done = subprocess.run(
         [sys.executable, "-m", "mhla_diffusion.benchmarks.bench", json.dumps(spec.to_json())],
-        stdout=subprocess.PIPE, text=True, env=env, check=False,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"the benchmark process failed (exit code {done.returncode}); its error is above")
@@ -606,19 +694,31 @@ def report_markdown(result: dict[str, Any]) -> str:
     if missing:
         raise ValueError(f"not a result of `mhla bench --output` (missing {sorted(missing)}); measure again")
     spec = result["spec"]
-    lines = [f"`mhla bench` on {result['device']}, {result['dtype']}, torch {result['torch']}, "
-             f"median of {spec['repeats']}.", "",
-             f"Attention operator, B=1, H={spec['heads']}, D={spec['head_dim']}:", "",
-             format_table(result["attention"], ATTENTION_COLUMNS)]
+    lines = [
+        f"`mhla bench` on {result['device']}, {result['dtype']}, torch {result['torch']}, median of {spec['repeats']}.",
+        "",
+        f"Attention operator, B=1, H={spec['heads']}, D={spec['head_dim']}:",
+        "",
+        format_table(result["attention"], ATTENTION_COLUMNS),
+    ]
     if result.get("wan_block"):
-        lines += ["", f"One Wan transformer block (dim {spec['block_dim']}, {spec['block_heads']} heads, ffn "
-                  f"{spec['block_ffn']}, cross-attention to {spec['block_text_tokens']} text tokens):", "",
-                  format_table(result["wan_block"], BLOCK_COLUMNS)]
+        lines += [
+            "",
+            f"One Wan transformer block (dim {spec['block_dim']}, {spec['block_heads']} heads, ffn "
+            f"{spec['block_ffn']}, cross-attention to {spec['block_text_tokens']} text tokens):",
+            "",
+            format_table(result["wan_block"], BLOCK_COLUMNS),
+        ]
     if result.get("wan_transformer"):
         layers = spec["transformer_layers"]
-        lines += ["", f"Whole Wan2.1-1.3B-shaped transformer forward, {layers} block{'s' * (layers != 1)} (dim "
-                  f"{spec['block_dim']}, {spec['block_text_tokens']} text tokens), stock per SDPA backend and "
-                  "converted to MHLA:", "", format_table(result["wan_transformer"], TRANSFORMER_COLUMNS)]
+        lines += [
+            "",
+            f"Whole Wan2.1-1.3B-shaped transformer forward, {layers} block{'s' * (layers != 1)} (dim "
+            f"{spec['block_dim']}, {spec['block_text_tokens']} text tokens), stock per SDPA backend and "
+            "converted to MHLA:",
+            "",
+            format_table(result["wan_transformer"], TRANSFORMER_COLUMNS),
+        ]
     return "\n".join(lines)
 
 
@@ -642,9 +742,16 @@ if __name__ == "__main__":  # the fresh measuring process: python -m mhla_diffus
 WAN_13B_HEADS, WAN_13B_HEAD_DIM = 12, 128
 
 TRAFFIC_COLUMNS = (
-    ("grid", "grid", ""), ("tokens", "N", ",d"), ("setting", "setting", ""), ("layout", "layout", ""),
-    ("blocks", "M", "d"), ("path", "path", ""), ("gigabytes", "GB moved", ".2f"), ("units", "U", ".1f"),
-    ("floor_units", "floor U", ".1f"), ("over_floor", "x floor", ".1f"),
+    ("grid", "grid", ""),
+    ("tokens", "N", ",d"),
+    ("setting", "setting", ""),
+    ("layout", "layout", ""),
+    ("blocks", "M", "d"),
+    ("path", "path", ""),
+    ("gigabytes", "GB moved", ".2f"),
+    ("units", "U", ".1f"),
+    ("floor_units", "floor U", ".1f"),
+    ("over_floor", "x floor", ".1f"),
 )
 
 
@@ -661,8 +768,9 @@ def traffic_settings() -> dict[str, "MHLAConfig"]:
     return {"paper": MHLAConfig(layout=(3, 5, 10)), "released": MHLAConfig.released_wan()}
 
 
-def rotary_tables(tokens: int, head_dim: int, device: torch.device | str = "cpu",
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    tokens: int, head_dim: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random RoPE tables of the layout Diffusers' Wan gives its processors: ``cos`` and ``sin``
     ``(1, N, 1, D)`` float32, each angle repeated for both channels of its pair (a valid rotation per
     token, not Wan's frequencies: enough for timing and for comparing two implementations)."""
@@ -756,11 +864,19 @@ def wan_attention_traffic(
     unit = batch * n * heads * head_dim * dtype.itemsize
     blocks = num_blocks(layout)
     floor = floor_bytes(batch, n, heads, head_dim, head_dim, blocks, dtype)
-    busiest = sorted(items.items(), key=lambda item: -item[1][1])[:8 if not fused else None]
+    busiest = sorted(items.items(), key=lambda item: -item[1][1])[: 8 if not fused else None]
     return {
-        "grid": "x".join(map(str, grid)), "tokens": n, "layout": "x".join(map(str, layout)), "blocks": blocks,
-        "dtype": str(dtype).removeprefix("torch."), "gigabytes": total / 1e9, "units": total / unit,
-        "floor_units": floor / unit, "over_floor": total / floor, "unit_bytes": unit, "fused_launches": launches,
+        "grid": "x".join(map(str, grid)),
+        "tokens": n,
+        "layout": "x".join(map(str, layout)),
+        "blocks": blocks,
+        "dtype": str(dtype).removeprefix("torch."),
+        "gigabytes": total / 1e9,
+        "units": total / unit,
+        "floor_units": floor / unit,
+        "over_floor": total / floor,
+        "unit_bytes": unit,
+        "fused_launches": launches,
         "ops": {name: {"calls": calls, "units": size / unit} for name, (calls, size) in busiest},
     }
 
@@ -770,8 +886,9 @@ def wan_attention_traffic(
 TRAFFIC_GRIDS = ((21, 30, 50), (21, 30, 52))
 
 
-def traffic_table(grids: Sequence[Sequence[int]] = TRAFFIC_GRIDS,
-                  dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+def traffic_table(
+    grids: Sequence[Sequence[int]] = TRAFFIC_GRIDS, dtype: torch.dtype = torch.bfloat16
+) -> list[dict[str, Any]]:
     """:func:`wan_attention_traffic` of the eager PyTorch path and of the fused Triton path for every grid
     and :func:`traffic_settings` entry (Wan2.1-1.3B shapes)."""
     rows = []

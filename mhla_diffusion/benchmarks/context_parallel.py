@@ -110,9 +110,20 @@ def _totals(log: list[tuple[str, int, int]]) -> tuple[int, int, list[str]]:
     return sum(entry[1] for entry in log), sum(entry[2] for entry in log), sorted({entry[0] for entry in log})
 
 
-def _zero_attention(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-                    dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, enable_gqa: bool = False,
-                    return_lse: bool = False, _save_ctx: bool = True, _parallel_config: Any = None) -> Any:
+def _zero_attention(
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _save_ctx: bool = True,
+    _parallel_config: Any = None,
+) -> Any:
     """A local attention kernel with Diffusers' forward-op signature that computes nothing: zeros of the
     output's shape (and a log-sum-exp for ring attention)."""
     out = torch.zeros_like(query)
@@ -140,18 +151,42 @@ def _count_worker(frames: Sequence[int], height: int, width: int) -> dict[str, A
         measured: dict[str, Any] = {"grid": grid, "tokens": n, "local tokens": shard.num_local}
         for name, reduce_dtype in (("MHLA", None), ("MHLA, bf16 summaries", torch.bfloat16)):
             with torch.no_grad(), count_collectives() as log:
-                mhla_attention_context_parallel(q, k, v, grid, LAYOUT, torch.eye(math.prod(LAYOUT)), shard,
-                                                normalize="none", reduce_dtype=reduce_dtype)
+                mhla_attention_context_parallel(
+                    q,
+                    k,
+                    v,
+                    grid,
+                    LAYOUT,
+                    torch.eye(math.prod(LAYOUT)),
+                    shard,
+                    normalize="none",
+                    reduce_dtype=reduce_dtype,
+                )
             measured[name] = _totals(log)
         if n % world == 0:  # Diffusers' Ulysses / ring with the default (even) split
             for name, config in (("Ulysses", ulysses), ("ring", ring)):
                 with torch.no_grad(), count_collectives() as log:
-                    _templated_context_parallel_attention(q, k, v, None, 0.0, False, None, False, False,
-                                                          forward_op=_zero_attention, backward_op=None, _parallel_config=config)
+                    _templated_context_parallel_attention(
+                        q,
+                        k,
+                        v,
+                        None,
+                        0.0,
+                        False,
+                        None,
+                        False,
+                        False,
+                        forward_op=_zero_attention,
+                        backward_op=None,
+                        _parallel_config=config,
+                    )
                 measured[name] = _totals(log)
             with torch.no_grad(), count_collectives() as log:
-                EquipartitionSharder.unshard(torch.zeros(1, shard.num_local, OUT_CHANNELS, dtype=torch.bfloat16), 1,
-                                             ulysses.context_parallel_config._flattened_mesh)
+                EquipartitionSharder.unshard(
+                    torch.zeros(1, shard.num_local, OUT_CHANNELS, dtype=torch.bfloat16),
+                    1,
+                    ulysses.context_parallel_config._flattened_mesh,
+                )
             measured["output gather"] = _totals(log)
         rows[f"{count}"] = measured
     return rows
@@ -167,12 +202,23 @@ def _timing_worker(grid: tuple[int, int, int], repeats: int, width: dict[str, in
     from ..models.conversion import convert_to_mhla
 
     torch.manual_seed(0)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=64, freq_dim=256,
-                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", **width).eval()
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        in_channels=16,
+        out_channels=16,
+        text_dim=64,
+        freq_dim=256,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        **width,
+    ).eval()
     convert_to_mhla(model, MHLAConfig.released_wan(layout=LAYOUT))
     g = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 16, grid[0], 2 * grid[1], 2 * grid[2], generator=g),
-                  timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 16, 64, generator=g))
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, grid[0], 2 * grid[1], 2 * grid[2], generator=g),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 16, 64, generator=g),
+    )
     if dist.get_world_size() > 1:
         enable_context_parallel(model, dist.get_world_size())
     times = []
@@ -205,23 +251,35 @@ def _format(counts: dict[str, Any], processes: int, height: int, width: int) -> 
         methods = [(name, row[name]) for name in ("MHLA", "MHLA, bf16 summaries", "Ulysses", "ring") if name in row]
         for name, (sent, received, ops) in methods:
             step_in, step_out = (FORWARDS_PER_STEP * (LAYERS * row[name][i] + gather[i]) for i in (0, 1))
-            lines.append(f"| {frames} | {row['tokens']:,} | {name} | {_mb(sent)} | {_mb(received)} | {_mb(step_in)} | "
-                         f"{_mb(step_out)} | {', '.join(ops)} |")
+            lines.append(
+                f"| {frames} | {row['tokens']:,} | {name} | {_mb(sent)} | {_mb(received)} | {_mb(step_in)} | "
+                f"{_mb(step_out)} | {', '.join(ops)} |"
+            )
         if "Ulysses" in row:
-            step_in, step_out = (FORWARDS_PER_STEP * (20 * row["MHLA"][i] + 10 * row["Ulysses"][i] + gather[i]) for i in (0, 1))
-            lines.append(f"| {frames} | {row['tokens']:,} | hybrid 2/3 (20 MHLA + 10 Ulysses) | | | {_mb(step_in)} | "
-                         f"{_mb(step_out)} | |")
+            step_in, step_out = (
+                FORWARDS_PER_STEP * (20 * row["MHLA"][i] + 10 * row["Ulysses"][i] + gather[i]) for i in (0, 1)
+            )
+            lines.append(
+                f"| {frames} | {row['tokens']:,} | hybrid 2/3 (20 MHLA + 10 Ulysses) | | | {_mb(step_in)} | "
+                f"{_mb(step_out)} | |"
+            )
     return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhla_diffusion.benchmarks.context_parallel", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mhla_diffusion.benchmarks.context_parallel", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--frames", type=int, nargs="+", default=[17, 49, 81], help="video lengths (default 17 49 81)")
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
-    parser.add_argument("--processes", type=int, default=2, help="CPU processes of the count and the timing (default 2)")
+    parser.add_argument(
+        "--processes", type=int, default=2, help="CPU processes of the count and the timing (default 2)"
+    )
     parser.add_argument("--time-frames", type=int, default=17, help="video length of the wall-time row (0 skips it)")
-    parser.add_argument("--time-layers", type=int, default=2, help="transformer blocks of the wall-time model (default 2)")
+    parser.add_argument(
+        "--time-layers", type=int, default=2, help="transformer blocks of the wall-time model (default 2)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed forwards (median; after one warm-up)")
     parser.add_argument("--output", type=Path, help="also write the table here")
     args = parser.parse_args(argv)

@@ -35,8 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = [
-    "LOAD_COLUMNS", "LoadCase", "default_cases", "in_weight_file_mapping", "load_table", "mapped_fraction",
-    "measure_load", "parameter_count", "write_weights",
+    "LOAD_COLUMNS",
+    "LoadCase",
+    "default_cases",
+    "in_weight_file_mapping",
+    "load_table",
+    "mapped_fraction",
+    "measure_load",
+    "parameter_count",
+    "write_weights",
 ]
 
 #: The marker file of a work folder this module wrote (a folder without it is never written into).
@@ -115,15 +122,17 @@ def write_weights(
     from diffusers import WanTransformer3DModel
 
     from ..config import MHLAConfig
-    from ..models.conversion import convert_to_mhla
     from ..loaders.weights import save_mhla
+    from ..models.conversion import convert_to_mhla
 
     work_dir = Path(work_dir)
     marker = work_dir / MARKER
-    wanted = json.loads(json.dumps(
-        {"config": config, "dtypes": list(dtypes), "mhla_config": MHLAConfig.released_wan().to_dict()}
-    ))
-    folders = {f"{form}-{dtype}": work_dir / f"{form}-{dtype}" for dtype in dtypes for form in ("whole", "base", "mhla")}
+    wanted = json.loads(
+        json.dumps({"config": config, "dtypes": list(dtypes), "mhla_config": MHLAConfig.released_wan().to_dict()})
+    )
+    folders = {
+        f"{form}-{dtype}": work_dir / f"{form}-{dtype}" for dtype in dtypes for form in ("whole", "base", "mhla")
+    }
     ours = json.loads(marker.read_text()) if marker.is_file() else None
     if ours is not None and ours.get("complete") and ours.get("spec") == wanted:
         log(f"reusing the weights in {work_dir}")
@@ -137,7 +146,9 @@ def write_weights(
         for name in ours.get("folders", []):
             shutil.rmtree(work_dir / name, ignore_errors=True)
     work_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"spec": wanted, "folders": sorted({*folders, "base-float32"}), "complete": False}, indent=2) + "\n")
+    marker.write_text(
+        json.dumps({"spec": wanted, "folders": sorted({*folders, "base-float32"}), "complete": False}, indent=2) + "\n"
+    )
     log("making the model (random weights, published config) ...")
     torch.manual_seed(0)
     model = WanTransformer3DModel(**config).eval()
@@ -155,7 +166,9 @@ def write_weights(
     if "float32" not in dtypes:
         shutil.rmtree(base_float32)
     del model
-    marker.write_text(json.dumps({"spec": wanted, "folders": sorted({*folders, "base-float32"}), "complete": True}, indent=2) + "\n")
+    marker.write_text(
+        json.dumps({"spec": wanted, "folders": sorted({*folders, "base-float32"}), "complete": True}, indent=2) + "\n"
+    )
     return folders
 
 
@@ -209,9 +222,9 @@ def _warm_up(case: LoadCase) -> None:
     import torch
 
     from ..config import MHLAConfig
+    from ..loaders.weights import save_mhla
     from ..models.conversion import convert_to_mhla
     from ..models.tiny import tiny_wan_transformer
-    from ..loaders.weights import save_mhla
 
     model = tiny_wan_transformer(num_layers=2).to(getattr(torch, case.stored))
     with tempfile.TemporaryDirectory() as root:
@@ -271,7 +284,9 @@ def measure_load(case: LoadCase, folders: dict[str, Path], threads: int = 1) -> 
     spec = {"case": case.__dict__, "folders": {k: str(v) for k, v in folders.items()}, "threads": threads}
     done = subprocess.run(
         [sys.executable, "-m", "mhla_diffusion.benchmarks.load", json.dumps(spec)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"the load of {case.name} failed:\n{done.stderr[-4000:]}")

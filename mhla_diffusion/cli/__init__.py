@@ -35,8 +35,18 @@ from .arguments import CommandParser
 __all__ = ["build_parser", "main"]
 
 #: In the order ``mhla --help`` lists them.
-COMMAND_MODULES = (convert, generate, import_wan, import_dit, evaluate, evaluate_video, bench, build_embedded, reproduce,
-                   web)
+COMMAND_MODULES = (
+    convert,
+    generate,
+    import_wan,
+    import_dit,
+    evaluate,
+    evaluate_video,
+    bench,
+    build_embedded,
+    reproduce,
+    web,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,7 +60,9 @@ def parse_layers(text: str) -> str | list[int]:
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}"
+        ) from None
 
 
 def parse_device(text: str) -> str:
@@ -73,14 +75,18 @@ def parse_device(text: str) -> str:
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a device: use cpu, cuda, cuda:N (N: the GPU's index) or another accelerator's name "
-            "(mps, xpu, ...)") from None
+            "(mps, xpu, ...)"
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(
-                "no CUDA device is available on this machine (torch.cuda.is_available() is False): use --device cpu")
+                "no CUDA device is available on this machine (torch.cuda.is_available() is False): use --device cpu"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
     elif device.type != "cpu":
         accelerator = torch.accelerator.current_accelerator(check_available=True)
         if accelerator is None or accelerator.type != device.type:
@@ -140,22 +146,33 @@ def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: 
     ``embedded``: without ``--model`` the command runs the embedded demonstration model; else ``--model`` is required.
     """
     if embedded:
-        parser.add_argument("--model", help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
-                            "embedded demonstration model (mhla_diffusion/embedded/models)")
+        parser.add_argument(
+            "--model",
+            help=f"Diffusers pipeline folder or hub id (e.g. {hub_id}); default: the small "
+            "embedded demonstration model (mhla_diffusion/embedded/models)",
+        )
     else:
         parser.add_argument("--model", required=True, help=f"Diffusers pipeline folder or hub id (e.g. {hub_id})")
     parser.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
-    parser.add_argument("--transformer", type=Path,
-                        help="a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an "
-                        "original-format Wan checkpoint file")
-    parser.add_argument("--attention", choices=ATTENTIONS, default="mhla",
-                        help="mhla (default) or softmax: the same weights with the original softmax attention")
+    parser.add_argument(
+        "--transformer",
+        type=Path,
+        help="a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an "
+        "original-format Wan checkpoint file",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default="mhla",
+        help="mhla (default) or softmax: the same weights with the original softmax attention",
+    )
     parser.add_argument("--seed", type=seed, default=0, help="random seed, 0 to 2**32-1 (default 0)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs"), help="where outputs go (default ./outputs)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--device", type=parse_device, help="cuda, cpu, ... (default: cuda when available)")
-    parser.add_argument("--dtype", choices=WEIGHT_DTYPES,
-                        help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument(
+        "--dtype", choices=WEIGHT_DTYPES, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)"
+    )
 
 
 def dataclass_field_names(module: str, class_name: str) -> list[str]:

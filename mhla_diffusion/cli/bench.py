@@ -22,7 +22,9 @@ def parse_case(text: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "bench", configure,
+        subparsers,
+        "bench",
+        configure,
         help="time MHLA beside SDPA and linear attention (operator, a full Wan block, a Wan transformer)",
         description="Print tables measured in one run on the same inputs: the attention operators on token "
         "grids up to 21x30x50, one Wan2.1-1.3B transformer block with SDPA vs MHLA self-attention, and (by "
@@ -32,54 +34,103 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--case", action="append", type=parse_case,
-                   help=f"GRID or GRID:LAYOUT (repeatable; default {' '.join(DEFAULT_CASES)})")
+    p.add_argument(
+        "--case",
+        action="append",
+        type=parse_case,
+        help=f"GRID or GRID:LAYOUT (repeatable; default {' '.join(DEFAULT_CASES)})",
+    )
     p.add_argument("--heads", type=int, default=12, help="attention heads (default 12, Wan2.1-1.3B)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is shown")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing the operators (default 1)")
     p.add_argument("--device", type=parse_device, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="default float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--sdpa-backend", action="append", help="Diffusers attention backend(s) for SDPA (default: native, "
-                   "plus on a GPU those of _native_flash, flash, _flash_3 and xformers that run there)")
+    p.add_argument(
+        "--sdpa-backend",
+        action="append",
+        help="Diffusers attention backend(s) for SDPA (default: native, "
+        "plus on a GPU those of _native_flash, flash, _flash_3 and xformers that run there)",
+    )
     p.add_argument("--sdpa-max-tokens", type=int, help="skip SDPA above this many tokens")
-    p.add_argument("--block-grid", type=parse_sizes, default="21x30x50",
-                   help="token grid of the Wan block table (default 21x30x50)")
+    p.add_argument(
+        "--block-grid",
+        type=parse_sizes,
+        default="21x30x50",
+        help="token grid of the Wan block table (default 21x30x50)",
+    )
     p.add_argument("--block-layout", type=parse_sizes, help="MHLA layout in the Wan block table (default: auto)")
     p.add_argument("--block-dim", type=int, default=1536)
     p.add_argument("--block-heads", type=int, default=12)
     p.add_argument("--block-ffn", type=int, default=8960)
     p.add_argument("--block-text-tokens", type=int, default=512)
     p.add_argument("--no-block", dest="block", action="store_false", help="skip the Wan block and transformer tables")
-    p.add_argument("--transformer-layers", type=int, help="blocks of the whole Wan2.1-1.3B-shaped transformer forward "
-                   "(stock per SDPA backend vs MHLA) on the block grid; default 4 on a GPU, 0 (skipped) on a CPU")
-    p.add_argument("--malloc", choices=("auto", "default", "retain"), default="auto",
-                   help="CPU, always measured in a fresh Python process: auto (default) as a user's own script "
-                   "gets it (the library keeps freed memory from its first CPU MHLA call on, see "
-                   "mhla_diffusion.ops.cpu_memory), "
-                   "default keeps glibc's defaults throughout (MHLA_KEEP_MALLOC=1), retain calls "
-                   "retain_freed_memory() first")
+    p.add_argument(
+        "--transformer-layers",
+        type=int,
+        help="blocks of the whole Wan2.1-1.3B-shaped transformer forward "
+        "(stock per SDPA backend vs MHLA) on the block grid; default 4 on a GPU, 0 (skipped) on a CPU",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("auto", "default", "retain"),
+        default="auto",
+        help="CPU, always measured in a fresh Python process: auto (default) as a user's own script "
+        "gets it (the library keeps freed memory from its first CPU MHLA call on, see "
+        "mhla_diffusion.ops.cpu_memory), "
+        "default keeps glibc's defaults throughout (MHLA_KEEP_MALLOC=1), retain calls "
+        "retain_freed_memory() first",
+    )
     p.add_argument("--threads", type=int, help="CPU threads of the measuring process (default: torch's)")
     p.add_argument("--output", type=Path, help="also write the tables and settings as JSON here")
-    p.add_argument("--report", type=Path, metavar="JSON", help="measure nothing: print the tables of a JSON written "
-                   "by --output (with --write-doc: put them into the docs page)")
-    p.add_argument("--write-doc", type=Path, metavar="PAGE", help="also write the tables into the Markdown page PAGE "
-                   "(docs/speed.md) between <!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the tables of a JSON written "
+        "by --output (with --write-doc: put them into the docs page)",
+    )
+    p.add_argument(
+        "--write-doc",
+        type=Path,
+        metavar="PAGE",
+        help="also write the tables into the Markdown page PAGE "
+        "(docs/speed.md) between <!-- mhla-bench:cuda --> and <!-- /mhla-bench:cuda --> (cpu for a CPU run)",
+    )
     traffic = p.add_argument_group("traffic (--traffic): bytes moved by one MHLA attention call, counted, not timed")
-    traffic.add_argument("--traffic", action="store_true", help="count the bytes every op of one Wan2.1-1.3B MHLA "
-                         "self-attention call reads and writes (meta tensors: nothing is computed, any machine), in "
-                         "U = N x H x D x the dtype's bytes and as a multiple of the floor (q, k, v read and the output "
-                         "written once, plus the float32 block summaries written and read once)")
-    traffic.add_argument("--traffic-grid", action="append", type=parse_sizes,
-                         help="token grid to count (repeatable; default 21x30x50 and 21x30x52)")
+    traffic.add_argument(
+        "--traffic",
+        action="store_true",
+        help="count the bytes every op of one Wan2.1-1.3B MHLA "
+        "self-attention call reads and writes (meta tensors: nothing is computed, any machine), in "
+        "U = N x H x D x the dtype's bytes and as a multiple of the floor (q, k, v read and the output "
+        "written once, plus the float32 block summaries written and read once)",
+    )
+    traffic.add_argument(
+        "--traffic-grid",
+        action="append",
+        type=parse_sizes,
+        help="token grid to count (repeatable; default 21x30x50 and 21x30x52)",
+    )
     load = p.add_argument_group("loading (--load): peak memory and time of loading a full-size Wan transformer")
-    load.add_argument("--load", action="store_true", help="measure loading instead of attention: the published "
-                      "Wan config with random weights made here, each load in a fresh process (Linux)")
-    load.add_argument("--load-model", default="Wan2.1-T2V-1.3B", help="published transformer config (default "
-                      "Wan2.1-T2V-1.3B; see mhla_diffusion.utils.wan_configs)")
+    load.add_argument(
+        "--load",
+        action="store_true",
+        help="measure loading instead of attention: the published "
+        "Wan config with random weights made here, each load in a fresh process (Linux)",
+    )
+    load.add_argument(
+        "--load-model",
+        default="Wan2.1-T2V-1.3B",
+        help="published transformer config (default Wan2.1-T2V-1.3B; see mhla_diffusion.utils.wan_configs)",
+    )
     load.add_argument("--load-layers", type=int, help="transformer blocks (default: the published number)")
-    load.add_argument("--load-work-dir", type=Path, help="keep the written weights here and reuse them on the next "
-                      "run (default: a temporary folder, removed afterwards)")
+    load.add_argument(
+        "--load-work-dir",
+        type=Path,
+        help="keep the written weights here and reuse them on the next "
+        "run (default: a temporary folder, removed afterwards)",
+    )
     p.set_defaults(func=run)
 
 
@@ -133,12 +184,23 @@ def _measure(args: argparse.Namespace) -> dict:
     layers = args.transformer_layers if args.transformer_layers is not None else (4 if device.type == "cuda" else 0)
     spec = BenchSpec(
         cases=[(case.grid, None if case.auto else case.layout) for case in cases],
-        heads=args.heads, head_dim=args.head_dim,
-        dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"), device=str(device),
-        repeats=args.repeats, warmup=args.warmup, sdpa_backends=args.sdpa_backend, sdpa_max_tokens=args.sdpa_max_tokens,
-        block_grid=args.block_grid if args.block else None, block_layout=args.block_layout, block_dim=args.block_dim,
-        block_heads=args.block_heads, block_ffn=args.block_ffn, block_text_tokens=args.block_text_tokens,
-        transformer_layers=layers, malloc=args.malloc, threads=args.threads,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+        device=str(device),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        sdpa_backends=args.sdpa_backend,
+        sdpa_max_tokens=args.sdpa_max_tokens,
+        block_grid=args.block_grid if args.block else None,
+        block_layout=args.block_layout,
+        block_dim=args.block_dim,
+        block_heads=args.block_heads,
+        block_ffn=args.block_ffn,
+        block_text_tokens=args.block_text_tokens,
+        transformer_layers=layers,
+        malloc=args.malloc,
+        threads=args.threads,
     )
     if device.type == "cpu":
         return measure_in_fresh_process(spec)
@@ -161,8 +223,10 @@ def run_traffic(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.output} exists; choose another --output")
     dtype = getattr(torch, args.dtype or "bfloat16")
     rows = traffic_table(grids, dtype)
-    print(f"# mhla bench --traffic: one MHLA self-attention call of Wan2.1-1.3B (12 heads x 128, {dtype}), "
-          f"counted op by op on meta tensors; U = N x 12 x 128 x {dtype.itemsize} bytes\n")
+    print(
+        f"# mhla bench --traffic: one MHLA self-attention call of Wan2.1-1.3B (12 heads x 128, {dtype}), "
+        f"counted op by op on meta tensors; U = N x 12 x 128 x {dtype.itemsize} bytes\n"
+    )
     print(format_table(rows, TRAFFIC_COLUMNS))
     if args.output is not None:
         args.output.write_text(json.dumps({"traffic": rows}, indent=2) + "\n")
@@ -189,8 +253,10 @@ def run_load(args: argparse.Namespace) -> int:
 
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     rows = load_table(config, work_dir=args.load_work_dir, log=log)
-    print(f"# mhla bench --load: {args.load_model} config, {config['num_layers']} blocks, "
-          f"{parameter_count(config) / 1e9:.2f} B parameters (random weights), each load in a fresh process\n")
+    print(
+        f"# mhla bench --load: {args.load_model} config, {config['num_layers']} blocks, "
+        f"{parameter_count(config) / 1e9:.2f} B parameters (random weights), each load in a fresh process\n"
+    )
     print(format_table(rows, LOAD_COLUMNS))
     if args.output is not None:
         args.output.write_text(json.dumps({"model": args.load_model, "config": config, "load": rows}, indent=2) + "\n")

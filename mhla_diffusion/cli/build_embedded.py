@@ -18,7 +18,9 @@ DEFAULT_WORK_DIR = Path("runs/build-embedded")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "build-embedded", configure,
+        subparsers,
+        "build-embedded",
+        configure,
         help="train the embedded demonstration models and the reproduction table from scratch",
         description="Train the small moving-shapes (Wan architecture) and digits (DiT architecture) models, their "
         "MHLA / hybrid / linear conversions and judges, score them, and write the models to --output.",
@@ -26,43 +28,73 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
-                   help="intermediate files and checkpoints; a rerun resumes a killed build inside the stage it "
-                   f"was in (default {DEFAULT_WORK_DIR})")
-    p.add_argument("--output", type=Path, default=EMBEDDED_ROOT,
-                   help="where the final models go (default: the package's mhla_diffusion/embedded/models)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=DEFAULT_WORK_DIR,
+        help="intermediate files and checkpoints; a rerun resumes a killed build inside the stage it "
+        f"was in (default {DEFAULT_WORK_DIR})",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=EMBEDDED_ROOT,
+        help="where the final models go (default: the package's mhla_diffusion/embedded/models)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace models already in --output")
     p.add_argument("--smoke", action="store_true", help="a few steps per stage: checks the whole chain in minutes")
     p.add_argument("--no-export", action="store_true", help="stop after the evaluation; write nothing to --output")
-    p.add_argument("--figure", type=Path, default=None,
-                   help="also copy the MHLA / softmax side-by-side figure there (the README's: "
-                   "docs/embedded-side-by-side.png)")
-    p.add_argument("--from-build", type=Path, default=None, metavar="DIR",
-                   help="start a new --work-dir from the judges, VAEs and teachers of the build exported to DIR (its "
-                   "build_report.json and models, e.g. mhla_diffusion/embedded/models): only the data, the students "
-                   "and the evaluation run (for new student or evaluation settings)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                   help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable). The settings (the "
-                   "fields of mhla_diffusion.embedded.build.BuildSettings): "
-                   + ", ".join(dataclass_field_names("mhla_diffusion.embedded.build", "BuildSettings")))
+    p.add_argument(
+        "--figure",
+        type=Path,
+        default=None,
+        help="also copy the MHLA / softmax side-by-side figure there (the README's: docs/embedded-side-by-side.png)",
+    )
+    p.add_argument(
+        "--from-build",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="start a new --work-dir from the judges, VAEs and teachers of the build exported to DIR (its "
+        "build_report.json and models, e.g. mhla_diffusion/embedded/models): only the data, the students "
+        "and the evaluation run (for new student or evaluation settings)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable). The settings (the "
+        "fields of mhla_diffusion.embedded.build.BuildSettings): "
+        + ", ".join(dataclass_field_names("mhla_diffusion.embedded.build", "BuildSettings")),
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from ..ops.cpu_memory import retain_freed_memory
     from ..embedded.build import BuildSettings, build_demo_models, settings_with
+    from ..ops.cpu_memory import retain_freed_memory
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = settings_with(BuildSettings.smoke() if args.smoke else BuildSettings(), args.overrides)
     if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
-        raise ValueError("--smoke models are untrained: give --output for them (or --no-export), not the package folder")
+        raise ValueError(
+            "--smoke models are untrained: give --output for them (or --no-export), not the package folder"
+        )
     # glibc would hand every large freed block back and page-fault it in again; the library would keep freed
     # memory only from its first MHLA call on (cpu_memory). MHLA_KEEP_MALLOC=1 opts out
     retain_freed_memory()
-    report = build_demo_models(args.work_dir, None if args.no_export else args.output, settings, args.overwrite,
-                               figure=None if args.no_export else args.figure, from_build=args.from_build)
+    report = build_demo_models(
+        args.work_dir,
+        None if args.no_export else args.output,
+        settings,
+        args.overwrite,
+        figure=None if args.no_export else args.figure,
+        from_build=args.from_build,
+    )
     print((args.work_dir / "reproduction.md").read_text())
     print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
     return 0

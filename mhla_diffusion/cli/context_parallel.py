@@ -22,17 +22,29 @@ __all__ = ["ContextParallelRun", "add_context_parallel_arguments", "check_contex
 
 def add_context_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("context parallelism (one video across several processes / GPUs)")
-    group.add_argument("--context-parallel", type=int, default=1, metavar="P",
-                       help="split each video's tokens across P processes launched with "
-                       "`torchrun --nproc_per_node P -m mhla_diffusion.cli ...` (default 1: off); MHLA layers all-reduce "
-                       "their block summaries (traffic fixed by the block layout), softmax layers use Diffusers' "
-                       "Ulysses or ring attention; only rank 0 writes outputs")
-    group.add_argument("--context-parallel-softmax", choices=("ulysses", "ring"), default="ulysses",
-                       help="how softmax self-attention layers (hybrid models, --attention softmax) attend across "
-                       "processes: ulysses (default; also on CPU) or ring (CUDA attention backends only)")
-    group.add_argument("--context-parallel-uneven", action="store_true",
-                       help="accept videos whose token count P does not divide (Diffusers' ulysses_anything / "
-                       "ring_anything; no backward for Ulysses, which generation does not need)")
+    group.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split each video's tokens across P processes launched with "
+        "`torchrun --nproc_per_node P -m mhla_diffusion.cli ...` (default 1: off); MHLA layers all-reduce "
+        "their block summaries (traffic fixed by the block layout), softmax layers use Diffusers' "
+        "Ulysses or ring attention; only rank 0 writes outputs",
+    )
+    group.add_argument(
+        "--context-parallel-softmax",
+        choices=("ulysses", "ring"),
+        default="ulysses",
+        help="how softmax self-attention layers (hybrid models, --attention softmax) attend across "
+        "processes: ulysses (default; also on CPU) or ring (CUDA attention backends only)",
+    )
+    group.add_argument(
+        "--context-parallel-uneven",
+        action="store_true",
+        help="accept videos whose token count P does not divide (Diffusers' ulysses_anything / "
+        "ring_anything; no backward for Ulysses, which generation does not need)",
+    )
 
 
 def _world_size() -> int:
@@ -63,7 +75,9 @@ def check_context_parallel(args: argparse.Namespace, grid: Sequence[int]) -> Non
             )
         return
     if world != degree:
-        launched = "one process was launched (no torchrun)" if "WORLD_SIZE" not in os.environ else f"{world} were launched"
+        launched = (
+            "one process was launched (no torchrun)" if "WORLD_SIZE" not in os.environ else f"{world} were launched"
+        )
         raise ValueError(
             f"--context-parallel {degree} needs {degree} processes but {launched}: run "
             f"`torchrun --nproc_per_node {degree} -m mhla_diffusion.cli {args.command} --context-parallel {degree} ...`"
@@ -74,13 +88,22 @@ def check_context_parallel(args: argparse.Namespace, grid: Sequence[int]) -> Non
     except ValueError as error:
         raise ValueError(f"a video of {'x'.join(map(str, grid))} tokens: {error}") from None
     heads = (read_component_config(args.model, "transformer") or {}).get("num_attention_heads")
-    if getattr(args, "attention", "mhla") == "softmax" and args.context_parallel_softmax == "ulysses" \
-            and heads is not None and heads % degree and not uneven:
-        raise ValueError(f"--attention softmax with Ulysses splits the model's {heads} attention heads across {degree} "
-                         "processes, which needs heads % P == 0: pass --context-parallel-uneven, or another degree")
+    if (
+        getattr(args, "attention", "mhla") == "softmax"
+        and args.context_parallel_softmax == "ulysses"
+        and heads is not None
+        and heads % degree
+        and not uneven
+    ):
+        raise ValueError(
+            f"--attention softmax with Ulysses splits the model's {heads} attention heads across {degree} "
+            "processes, which needs heads % P == 0: pass --context-parallel-uneven, or another degree"
+        )
     if args.context_parallel_softmax == "ring" and (args.device or "").startswith("cpu"):
-        raise ValueError("--context-parallel-softmax ring needs a CUDA attention backend (flash, cuDNN, sage); on the "
-                         "CPU use --context-parallel-softmax ulysses")
+        raise ValueError(
+            "--context-parallel-softmax ring needs a CUDA attention backend (flash, cuDNN, sage); on the "
+            "CPU use --context-parallel-softmax ulysses"
+        )
 
 
 @dataclass
@@ -116,8 +139,9 @@ class ContextParallelRun:
         """Split the pipeline's transformers across the processes."""
         from ..models.context_parallel import context_parallel_config, describe, enable_pipeline_context_parallel
 
-        config = context_parallel_config(self.world_size, softmax=args.context_parallel_softmax,
-                                         uneven=args.context_parallel_uneven)
+        config = context_parallel_config(
+            self.world_size, softmax=args.context_parallel_softmax, uneven=args.context_parallel_uneven
+        )
         for name in enable_pipeline_context_parallel(pipe, config):
             if self.is_main:
                 print(f"{name}: {describe(getattr(pipe, name))}")
@@ -140,8 +164,10 @@ def start_context_parallel(args: argparse.Namespace) -> ContextParallelRun | Non
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.context_parallel_softmax == "ring" and device.startswith("cpu"):
-        raise ValueError("--context-parallel-softmax ring needs a CUDA attention backend (flash, cuDNN, sage); on the "
-                         "CPU use --context-parallel-softmax ulysses")
+        raise ValueError(
+            "--context-parallel-softmax ring needs a CUDA attention backend (flash, cuDNN, sage); on the "
+            "CPU use --context-parallel-softmax ulysses"
+        )
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"

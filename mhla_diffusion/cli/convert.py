@@ -16,7 +16,9 @@ __all__ = ["register"]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "convert", configure,
+        subparsers,
+        "convert",
+        configure,
         help="convert a Wan / DiT transformer's self-attention to MHLA and print what changed",
         description="Convert the softmax self-attention of a Diffusers Wan (2.1, 2.2) or DiT transformer to MHLA, "
         "report the changed layers and the output change on a random input, and optionally save the result. "
@@ -43,47 +45,82 @@ def _probability(text: str) -> float:
 
 def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="Diffusers transformer or pipeline folder, or hub id (both transformers of a "
-                     "Wan2.2-A14B pipeline are converted)")
-    src.add_argument("--tiny", choices=tuple(FAMILIES),
-                     help="build a tiny model from a config instead (demo, no download)")
-    p.add_argument("--subfolder", help="subfolder of --model holding the transformer (default: 'transformer' for "
-                   "pipelines, and 'transformer_2' too where there is one)")
-    p.add_argument("--preset", choices=("paper", "released-wan", "released-wan-ungated", "released-dit"), default="paper",
-                   help="paper: denominator (default); released-wan: no denominator, per-head output RMSNorm, "
-                   "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate; released-dit (DiT "
-                   "only): the released MHLA4DiT: input LayerNorm, scalar-mixed denominator, LePE, output dropout "
-                   "0.1, blocks that divide the token grid (4x4 blocks on a 16x16 grid)")
+    src.add_argument(
+        "--model",
+        help="Diffusers transformer or pipeline folder, or hub id (both transformers of a "
+        "Wan2.2-A14B pipeline are converted)",
+    )
+    src.add_argument(
+        "--tiny", choices=tuple(FAMILIES), help="build a tiny model from a config instead (demo, no download)"
+    )
+    p.add_argument(
+        "--subfolder",
+        help="subfolder of --model holding the transformer (default: 'transformer' for "
+        "pipelines, and 'transformer_2' too where there is one)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=("paper", "released-wan", "released-wan-ungated", "released-dit"),
+        default="paper",
+        help="paper: denominator (default); released-wan: no denominator, per-head output RMSNorm, "
+        "SiLU gate, 3x5x10 blocks; released-wan-ungated: the same without the gate; released-dit (DiT "
+        "only): the released MHLA4DiT: input LayerNorm, scalar-mixed denominator, LePE, output dropout "
+        "0.1, blocks that divide the token grid (4x4 blocks on a 16x16 grid)",
+    )
     p.add_argument("--layers", type=parse_layers, help="all (default), hybrid (2/3 of the blocks) or indices 1,2,4")
     p.add_argument("--layout", type=parse_layout, help="blocks per token-grid axis, e.g. 3x5x10, or 'auto' (default)")
     grid = p.add_mutually_exclusive_group()
     grid.add_argument("--target-grid", type=parse_sizes, help="token grid for the auto layout, e.g. 21x30x52")
-    grid.add_argument("--target-size", type=parse_sizes,
-                      help="pixel size for the auto layout, turned into tokens with the model's own VAE and patch "
-                      "factors (a pipeline folder's vae/; Wan2.1's for a transformer folder): FRAMESxHEIGHTxWIDTH "
-                      f"for Wan (default {'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's "
-                      "sample size)")
-    p.add_argument("--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)")
-    p.add_argument("--mixing-normalization", choices=("column", "row"), help="column (reference code, default) or row (paper)")
-    p.add_argument("--normalization", choices=("denominator", "none", "scalar_mixed_denominator"),
-                   help="override the preset's normalisation (scalar_mixed_denominator: released DiT's, needs a "
-                   "layout that divides the token grid)")
-    p.add_argument("--input-norm", action="store_true", default=None,
-                   help="LayerNorm of the attention input before the q/k/v projections (released DiT)")
-    p.add_argument("--output-dropout", type=_probability, help="dropout on the attention output in training (released DiT: 0.1)")
+    grid.add_argument(
+        "--target-size",
+        type=parse_sizes,
+        help="pixel size for the auto layout, turned into tokens with the model's own VAE and patch "
+        "factors (a pipeline folder's vae/; Wan2.1's for a transformer folder): FRAMESxHEIGHTxWIDTH "
+        f"for Wan (default {'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's "
+        "sample size)",
+    )
+    p.add_argument(
+        "--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)"
+    )
+    p.add_argument(
+        "--mixing-normalization", choices=("column", "row"), help="column (reference code, default) or row (paper)"
+    )
+    p.add_argument(
+        "--normalization",
+        choices=("denominator", "none", "scalar_mixed_denominator"),
+        help="override the preset's normalisation (scalar_mixed_denominator: released DiT's, needs a "
+        "layout that divides the token grid)",
+    )
+    p.add_argument(
+        "--input-norm",
+        action="store_true",
+        default=None,
+        help="LayerNorm of the attention input before the q/k/v projections (released DiT)",
+    )
+    p.add_argument(
+        "--output-dropout", type=_probability, help="dropout on the attention output in training (released DiT: 0.1)"
+    )
     p.add_argument("--per-head-mixing", action="store_true", help="one mixing matrix per attention head")
     p.add_argument("--output-norm", action="store_true", default=None, help="per-head output RMSNorm")
     p.add_argument("--gate", action="store_true", default=None, help="SiLU output gate")
     p.add_argument("--lepe", action="store_true", default=None, help="depthwise LePE convolution of v")
     p.add_argument("--output", type=Path, help="save the MHLA weights (and config) to this folder")
-    p.add_argument("--include-base", action="store_true", help="save the whole converted transformer, not just MHLA weights")
+    p.add_argument(
+        "--include-base", action="store_true", help="save the whole converted transformer, not just MHLA weights"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace files already in --output")
-    p.add_argument("--no-check", dest="check", action="store_false",
-                   help="skip the before/after forward pass on a small random input")
+    p.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the before/after forward pass on a small random input",
+    )
     p.set_defaults(func=run)
 
 
-def _convert_config(args: argparse.Namespace, family: str | None, geometry: VideoGeometry | ImageGeometry | None = None):
+def _convert_config(
+    args: argparse.Namespace, family: str | None, geometry: VideoGeometry | ImageGeometry | None = None
+):
     """The :class:`MHLAConfig` of the options; ``geometry``: the loaded model's size rules (Wan2.1's or DiT-XL/2's
     until a model is loaded), which turn ``--target-size`` (and Wan's 480p default) into a token grid."""
     from ..config import MHLAConfig
@@ -91,10 +128,12 @@ def _convert_config(args: argparse.Namespace, family: str | None, geometry: Vide
     if geometry is None and family is not None:
         geometry = family_named(family).geometry()
     if family == "wan":  # any size: the position bound is for generation, not for choosing a layout
+
         def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
             scale = (geometry.vae_scale_temporal, geometry.vae_scale_spatial, geometry.vae_scale_spatial)
             return video_token_grid(*size, patch_size=geometry.patch_size, vae_scale=scale)
     else:
+
         def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
             return image_token_grid(*size, patch_size=geometry.patch_size, vae_scale=geometry.vae_scale)
 
@@ -103,8 +142,10 @@ def _convert_config(args: argparse.Namespace, family: str | None, geometry: Vide
         options.update(MHLAConfig.released_wan(gate=args.preset == "released-wan").to_dict())
     if args.preset == "released-dit":
         if family == "wan":
-            raise ValueError("--preset released-dit is the released DiT-MHLA setting, for DiT models; "
-                             "use --preset released-wan (or paper) for Wan")
+            raise ValueError(
+                "--preset released-dit is the released DiT-MHLA setting, for DiT models; "
+                "use --preset released-wan (or paper) for Wan"
+            )
         options.update(MHLAConfig.released_dit().to_dict())
     if args.layers is not None:
         options["layers"] = args.layers
@@ -126,8 +167,16 @@ def _convert_config(args: argparse.Namespace, family: str | None, geometry: Vide
         options["target_grid"] = size_to_grid(WAN_480P)
     if options.get("target_grid") is not None and "layout" not in options:
         options["layout"] = "auto"
-    for name in ("transform", "mixing_normalization", "normalization", "output_norm", "gate", "lepe", "input_norm",
-                 "output_dropout"):
+    for name in (
+        "transform",
+        "mixing_normalization",
+        "normalization",
+        "output_norm",
+        "gate",
+        "lepe",
+        "input_norm",
+        "output_dropout",
+    ):
         value = getattr(args, name)
         if value is not None:
             options[name] = value
@@ -160,8 +209,11 @@ def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks
             text = torch.randn(1, IMAGE_TEXT_TOKENS, cfg.text_dim, generator=g)
             pairs = cfg.pos_embed_seq_len  # FLF2V: first and last frame, one learned position per token
             image = torch.randn(*((2, pairs // 2) if pairs else (1, 4)), cfg.image_dim, generator=g)
-            kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype),
-                          encoder_hidden_states_image=image.to(device, dtype))
+            kwargs = dict(
+                timestep=torch.tensor([500]),
+                encoder_hidden_states=text.to(device, dtype),
+                encoder_hidden_states_image=image.to(device, dtype),
+            )
     else:
         side, patch = cfg.sample_size, cfg.patch_size
         h = w = side
@@ -188,8 +240,11 @@ def _transformer_subfolders(args: argparse.Namespace) -> list[str | None]:
     from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
 
     index = _pipeline_file(args.model, "model_index.json", None) if args.subfolder is None else None
-    declared = [name for name in TRANSFORMER_COMPONENTS
-                if index is not None and isinstance(index.get(name), list) and index[name][0] is not None]
+    declared = [
+        name
+        for name in TRANSFORMER_COMPONENTS
+        if index is not None and isinstance(index.get(name), list) and index[name][0] is not None
+    ]
     return declared if len(declared) > 1 else [args.subfolder]
 
 
@@ -221,26 +276,33 @@ def _convert_one(transformer, config, args: argparse.Namespace):
             after = transformer(latents, **kwargs).sample
         change = (after - before).float()
         relative = change.norm() / before.float().norm().clamp_min(1e-12)
-        print(f"output change on a random {'x'.join(map(str, latents.shape))} latent: "
-              f"max |diff| {change.abs().max().item():.4g}, relative L2 {relative.item():.4g} "
-              "(MHLA before fine-tuning vs the softmax original)")
+        print(
+            f"output change on a random {'x'.join(map(str, latents.shape))} latent: "
+            f"max |diff| {change.abs().max().item():.4g}, relative L2 {relative.item():.4g} "
+            "(MHLA before fine-tuning vs the softmax original)"
+        )
     return conversion
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loaders.weights import load_transformer, read_mhla_config, save_mhla
     from ..models.conversion import model_family, resolve_mhla_config
     from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
-    from ..loaders.weights import load_transformer, read_mhla_config, save_mhla
 
     started = time.perf_counter()
     # Validate what can be validated before loading a (possibly large) model.
     _convert_config(args, args.tiny)
     if args.output is not None and not args.overwrite:
-        taken = [str(path) for path in (args.output, *(args.output / name for name in TRANSFORMER_COMPONENTS))
-                 if path.is_dir() and read_mhla_config(path) is not None]
+        taken = [
+            str(path)
+            for path in (args.output, *(args.output / name for name in TRANSFORMER_COMPONENTS))
+            if path.is_dir() and read_mhla_config(path) is not None
+        ]
         if taken:
-            raise FileExistsError(f"{args.output} already holds MHLA weights ({', '.join(taken)}); choose another "
-                                  "--output or pass --overwrite")
+            raise FileExistsError(
+                f"{args.output} already holds MHLA weights ({', '.join(taken)}); choose another "
+                "--output or pass --overwrite"
+            )
 
     vae_config = None
     if args.tiny is not None:
@@ -250,8 +312,10 @@ def run(args: argparse.Namespace) -> int:
         loaders, source = {"transformer": build}, f"tiny {'Wan' if args.tiny == 'wan' else 'DiT'} (built from a config)"
     else:
         # one transformer in memory at a time: Wan2.2-A14B's two are 14B parameters each
-        loaders = {subfolder or "transformer": lambda subfolder=subfolder: load_transformer(args.model, subfolder=subfolder)
-                   for subfolder in _transformer_subfolders(args)}
+        loaders = {
+            subfolder or "transformer": lambda subfolder=subfolder: load_transformer(args.model, subfolder=subfolder)
+            for subfolder in _transformer_subfolders(args)
+        }
         source = args.model
         vae_config = _pipeline_file(args.model, "config.json", "vae")
     two = len(loaders) > 1
@@ -263,18 +327,28 @@ def run(args: argparse.Namespace) -> int:
             geometry = family_named(family).geometry.from_configs(transformer.config, vae_config)
             uses_size = args.target_size is not None or (args.layout in (None, "auto") and args.target_grid is None)
             if family == "wan" and vae_config is None and uses_size and args.tiny is None:
-                print("note: no vae/config.json beside the transformer: sizes become tokens with Wan2.1's VAE factors "
-                      "(x4 in time, x8 in space); for Wan2.2-TI2V-5B (x16) give the pipeline folder or --target-grid")
+                print(
+                    "note: no vae/config.json beside the transformer: sizes become tokens with Wan2.1's VAE factors "
+                    "(x4 in time, x8 in space); for Wan2.2-TI2V-5B (x16) give the pipeline folder or --target-grid"
+                )
             config = _convert_config(args, family, geometry)
         resolve_mhla_config(transformer, config)  # any config error before work on this transformer
-        print(f"model: {f'{name} of ' if two else ''}{source} -> {type(transformer).__name__}, "
-              f"{sum(p.numel() for p in transformer.parameters()):,} parameters")
+        print(
+            f"model: {f'{name} of ' if two else ''}{source} -> {type(transformer).__name__}, "
+            f"{sum(p.numel() for p in transformer.parameters()):,} parameters"
+        )
         _convert_one(transformer, config, args)
         if args.output is not None:  # a two-transformer pipeline: one folder per transformer, as the pipeline's
-            folder = save_mhla(transformer, args.output / name if two else args.output, include_base=args.include_base,
-                               overwrite=args.overwrite)
-            print(f"saved {'converted transformer' if args.include_base else 'MHLA weights'} to {folder}: "
-                  + ", ".join(sorted(p.name for p in folder.iterdir())))
+            folder = save_mhla(
+                transformer,
+                args.output / name if two else args.output,
+                include_base=args.include_base,
+                overwrite=args.overwrite,
+            )
+            print(
+                f"saved {'converted transformer' if args.include_base else 'MHLA weights'} to {folder}: "
+                + ", ".join(sorted(p.name for p in folder.iterdir()))
+            )
         del transformer
     print(f"wall time {time.perf_counter() - started:.2f} s")
     return 0

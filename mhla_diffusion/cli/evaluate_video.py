@@ -27,7 +27,9 @@ METRICS = ("fvd", "clip", "judge")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "eval-video", configure,
+        subparsers,
+        "eval-video",
+        configure,
         help="FVD, CLIP score and embedded-judge metrics of a folder of generated videos",
         description="Evaluate a folder of .mp4 videos: FVD against a reference folder or .npz (I3D TorchScript file "
         "you supply), CLIP score of the videos' prompts (a local CLIP folder), and for the embedded moving-shapes "
@@ -46,16 +48,25 @@ def _metrics(text: str) -> tuple[str, ...]:
 def configure(p: argparse.ArgumentParser) -> None:
     from ..eval.video_weights import CLIP_MODEL_ENV, I3D_WEIGHTS_ENV, I3D_WEIGHTS_NAME
 
-    p.add_argument("--samples", required=True, type=Path, help="folder of .mp4 videos (sidecar .json with \"prompt\")")
+    p.add_argument("--samples", required=True, type=Path, help='folder of .mp4 videos (sidecar .json with "prompt")')
     p.add_argument("--ref", type=Path, help="FVD reference: folder of .mp4 videos or an .npz of I3D mu/sigma")
-    p.add_argument("--prompts", type=Path,
-                   help="text file, one prompt a line in the sorted order of the video names (default: sidecar JSONs)")
-    p.add_argument("--i3d-weights", metavar="PATH",
-                   help=f"FVD I3D TorchScript file ({I3D_WEIGHTS_NAME}); default ${I3D_WEIGHTS_ENV}")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        help="text file, one prompt a line in the sorted order of the video names (default: sidecar JSONs)",
+    )
+    p.add_argument(
+        "--i3d-weights",
+        metavar="PATH",
+        help=f"FVD I3D TorchScript file ({I3D_WEIGHTS_NAME}); default ${I3D_WEIGHTS_ENV}",
+    )
     p.add_argument("--clip-model", metavar="FOLDER", help=f"local CLIP model folder; default ${CLIP_MODEL_ENV}")
     p.add_argument("--judge", choices=("embedded",), help="also score with the embedded moving-shapes video judge")
-    p.add_argument("--metrics", type=_metrics,
-                   help="comma-separated subset of fvd, clip, judge (default: fvd,clip, plus judge with --judge)")
+    p.add_argument(
+        "--metrics",
+        type=_metrics,
+        help="comma-separated subset of fvd, clip, judge (default: fvd,clip, plus judge with --judge)",
+    )
     p.add_argument("--save-ref", type=Path, help="write the I3D statistics of a --ref folder to this .npz")
     p.add_argument("--output", type=Path, help="JSON file for the results (default: <samples>_eval_video.json)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="clips per I3D batch")
@@ -92,8 +103,10 @@ def _judge_metrics(samples: Path, ref: Path | None, prompts: list[str]) -> tuple
         clips = list(iter_videos(paths))
         bad = [p.name for p, c in zip(paths, clips) if c.shape != shape]
         if bad:
-            raise ValueError(f"the embedded video judge takes clips of {shape[0]} frames of {shape[1]}x{shape[2]} "
-                             f"(the embedded models' size); {', '.join(bad[:5])} differ")
+            raise ValueError(
+                f"the embedded video judge takes clips of {shape[0]} frames of {shape[1]}x{shape[2]} "
+                f"(the embedded models' size); {', '.join(bad[:5])} differ"
+            )
         return np.stack(clips)
 
     attributes = [parse_caption(text) for text in prompts]
@@ -106,14 +119,21 @@ def _judge_metrics(samples: Path, ref: Path | None, prompts: list[str]) -> tuple
     accuracy, metrics = score_clips(clips, attributes, reference, judge)
     note = None
     if metrics.get("precision") is None:
-        note = (f"not computed: improved precision/recall take each clip's k-th nearest neighbour (k={PR_K}, as the "
-                f"reproduction table) and need more than {PR_K} clips on each side; got {len(clips)} samples and "
-                f"{len(reference)} reference clips")
-    result = {"accuracy": accuracy, "fid": metrics["fid"], "precision": metrics.get("precision"),
-              "recall": metrics.get("recall"), "precision_recall_note": note, "reference": source,
-              "reference_count": int(len(reference)),
-              "warnings": _small_set_warnings(len(clips), len(reference), features.pool_dim,
-                                              BuildSettings().eval_clips)}
+        note = (
+            f"not computed: improved precision/recall take each clip's k-th nearest neighbour (k={PR_K}, as the "
+            f"reproduction table) and need more than {PR_K} clips on each side; got {len(clips)} samples and "
+            f"{len(reference)} reference clips"
+        )
+    result = {
+        "accuracy": accuracy,
+        "fid": metrics["fid"],
+        "precision": metrics.get("precision"),
+        "recall": metrics.get("recall"),
+        "precision_recall_note": note,
+        "reference": source,
+        "reference_count": int(len(reference)),
+        "warnings": _small_set_warnings(len(clips), len(reference), features.pool_dim, BuildSettings().eval_clips),
+    }
     return result, features.info()
 
 
@@ -121,10 +141,13 @@ def _small_set_warnings(samples: int, reference: int, dim: int, table_clips: int
     """A warning per side with at most ``dim`` clips: their covariance (rank <= clips - 1) is singular in the
     judge's ``dim``-d feature space, and the FID mostly reflects the set size (``table_clips``: the set size
     of the reproduction table, named as the comparable one)."""
-    return [f"judge FID on {count} {side}: with at most {dim} clips (the judge's feature size) the covariance is "
-            f"singular and FID is dominated by the set size, not comparable with other sets; use more than {dim} "
-            f"clips (the reproduction table uses {table_clips} clips)"
-            for side, count in (("sample clips", samples), ("reference clips", reference)) if count <= dim]
+    return [
+        f"judge FID on {count} {side}: with at most {dim} clips (the judge's feature size) the covariance is "
+        f"singular and FID is dominated by the set size, not comparable with other sets; use more than {dim} "
+        f"clips (the reproduction table uses {table_clips} clips)"
+        for side, count in (("sample clips", samples), ("reference clips", reference))
+        if count <= dim
+    ]
 
 
 def run_eval_video(args: argparse.Namespace) -> int:
@@ -161,8 +184,16 @@ def run_eval_video(args: argparse.Namespace) -> int:
     clip = VideoCLIPScore(clip_path, device=device) if clip_path else None
     if i3d is not None:
         print(f"I3D: {i3d.weights_path} sha256={i3d.weights_sha256}")
-    result = evaluate_videos(args.samples, args.ref, i3d=i3d, clip=clip, prompts=prompts,
-                             batch_size=args.batch_size, save_ref=args.save_ref, overwrite=args.overwrite)
+    result = evaluate_videos(
+        args.samples,
+        args.ref,
+        i3d=i3d,
+        clip=clip,
+        prompts=prompts,
+        batch_size=args.batch_size,
+        save_ref=args.save_ref,
+        overwrite=args.overwrite,
+    )
     if "judge" in metrics:
         result["judge"], result["networks"]["judge"] = _judge_metrics(args.samples, args.ref, prompts)
     result["seconds"] = round(time.perf_counter() - started, 2)

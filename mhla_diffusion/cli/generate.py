@@ -30,18 +30,30 @@ VIDEO_TASKS = ("text-to-video", "image-to-video")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    add_command(subparsers, "text-to-video", configure_text_to_video,
-                help="generate videos from prompts with Wan (2.1, 2.2) + MHLA",
-                description="Generate videos with a Diffusers Wan text-to-video pipeline (Wan2.1, Wan2.2-TI2V-5B, "
-                "Wan2.2-T2V-A14B) whose self-attention is MHLA.")
-    add_command(subparsers, "image-to-video", configure_image_to_video,
-                help="generate videos from an image and prompts with Wan image-to-video + MHLA",
-                description="Generate videos that start from --image with a Diffusers Wan image-to-video pipeline "
-                "(Wan2.1-I2V, Wan2.2-I2V-A14B, Wan2.2-TI2V-5B) whose self-attention is MHLA. Options, outputs and "
-                "the JSON settings beside each video are those of `mhla text-to-video`.")
-    add_command(subparsers, "class-to-image", configure_class_to_image,
-                help="generate class-conditional images with DiT + MHLA",
-                description="Generate class-conditional images with a Diffusers DiT pipeline whose self-attention is MHLA.")
+    add_command(
+        subparsers,
+        "text-to-video",
+        configure_text_to_video,
+        help="generate videos from prompts with Wan (2.1, 2.2) + MHLA",
+        description="Generate videos with a Diffusers Wan text-to-video pipeline (Wan2.1, Wan2.2-TI2V-5B, "
+        "Wan2.2-T2V-A14B) whose self-attention is MHLA.",
+    )
+    add_command(
+        subparsers,
+        "image-to-video",
+        configure_image_to_video,
+        help="generate videos from an image and prompts with Wan image-to-video + MHLA",
+        description="Generate videos that start from --image with a Diffusers Wan image-to-video pipeline "
+        "(Wan2.1-I2V, Wan2.2-I2V-A14B, Wan2.2-TI2V-5B) whose self-attention is MHLA. Options, outputs and "
+        "the JSON settings beside each video are those of `mhla text-to-video`.",
+    )
+    add_command(
+        subparsers,
+        "class-to-image",
+        configure_class_to_image,
+        help="generate class-conditional images with DiT + MHLA",
+        description="Generate class-conditional images with a Diffusers DiT pipeline whose self-attention is MHLA.",
+    )
 
 
 def configure_text_to_video(video: argparse.ArgumentParser) -> None:
@@ -54,8 +66,12 @@ def configure_text_to_video(video: argparse.ArgumentParser) -> None:
 def configure_image_to_video(video: argparse.ArgumentParser) -> None:
     from ..loaders.loading import WAN_I2V_HUB_ID
 
-    video.add_argument("--image", type=Path, required=True,
-                       help="the first frame (PNG, JPEG, ...; resized to --height x --width), used for every prompt")
+    video.add_argument(
+        "--image",
+        type=Path,
+        required=True,
+        help="the first frame (PNG, JPEG, ...; resized to --height x --width), used for every prompt",
+    )
     _add_video_arguments(video, WAN_I2V_HUB_ID, embedded=False)
     video.set_defaults(func=run_image_to_video)
 
@@ -73,28 +89,39 @@ def _add_video_arguments(video: argparse.ArgumentParser, hub_id: str, embedded: 
         return f"{FROM_MODEL}: " + (f"embedded model {embedded_value}, " if embedded else "") + f"{example} {wan21}"
 
     add_model_arguments(video, hub_id, embedded=embedded)
-    video.add_argument("--mhla-weights-2", type=Path,
-                       help="MHLA weights (a save_mhla folder) for transformer_2 of a two-transformer model (Wan2.2-A14B); "
-                       "or give --mhla-weights a folder with transformer/ and transformer_2/ (what `mhla convert` writes)")
+    video.add_argument(
+        "--mhla-weights-2",
+        type=Path,
+        help="MHLA weights (a save_mhla folder) for transformer_2 of a two-transformer model (Wan2.2-A14B); "
+        "or give --mhla-weights a folder with transformer/ and transformer_2/ (what `mhla convert` writes)",
+    )
     video.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     video.add_argument("--prompts-file", type=Path, help="a text file with one prompt per line")
     video.add_argument("--negative-prompt", default="", help="negative prompt (default: empty, as the MHLA recipe)")
-    video.add_argument("--num-frames", type=int,
-                       help=f"frames as the model's VAE allows them (Wan2.1: {wan.frame_rule()}); others are rounded as "
-                       f"Diffusers' WanPipeline does ({default(d.num_frames, WAN_480P[0])})")
+    video.add_argument(
+        "--num-frames",
+        type=int,
+        help=f"frames as the model's VAE allows them (Wan2.1: {wan.frame_rule()}); others are rounded as "
+        f"Diffusers' WanPipeline does ({default(d.num_frames, WAN_480P[0])})",
+    )
     for axis, side in enumerate(("height", "width")):
-        video.add_argument(f"--{side}", type=int,
-                           help=f"pixels, a multiple of what the model's VAE, patch size and Diffusers' WanPipeline "
-                           f"allow (Wan2.1: {wan.generation_multiple[axis]}; Wan2.2-TI2V-5B: 32) "
-                           f"({default(getattr(d, side), WAN_480P[axis + 1])})")
+        video.add_argument(
+            f"--{side}",
+            type=int,
+            help=f"pixels, a multiple of what the model's VAE, patch size and Diffusers' WanPipeline "
+            f"allow (Wan2.1: {wan.generation_multiple[axis]}; Wan2.2-TI2V-5B: 32) "
+            f"({default(getattr(d, side), WAN_480P[axis + 1])})",
+        )
     video.add_argument("--steps", type=int, help=f"denoising steps ({default(d.video_steps, 50)})")
-    video.add_argument("--guidance-scale", type=finite_float,
-                       help=f"classifier-free guidance ({default(d.video_guidance_scale, 5.0)})")
-    video.add_argument("--flow-shift", type=finite_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)")
+    video.add_argument(
+        "--guidance-scale", type=finite_float, help=f"classifier-free guidance ({default(d.video_guidance_scale, 5.0)})"
+    )
+    video.add_argument(
+        "--flow-shift", type=finite_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)"
+    )
     video.add_argument("--fps", type=int, help=f"frames per second of the written video ({default(d.fps, 16)})")
     video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
-    video.add_argument("--max-sequence-length", type=int,
-                       help=f"text tokens ({default(d.max_sequence_length, 512)})")
+    video.add_argument("--max-sequence-length", type=int, help=f"text tokens ({default(d.max_sequence_length, 512)})")
     add_context_parallel_arguments(video)
 
 
@@ -103,12 +130,21 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
 
     d = embedded_defaults()
     add_model_arguments(image, DIT_HUB_ID)
-    image.add_argument("--class", dest="classes", action="append", default=[],
-                       help="class id or name, or a comma-separated list (repeatable)")
-    image.add_argument("--steps", type=int,
-                       help=f"denoising steps ({FROM_MODEL}: embedded model {d.image_steps}, DiT 50)")
-    image.add_argument("--guidance-scale", type=finite_float,
-                       help=f"classifier-free guidance ({FROM_MODEL}: embedded model {d.image_guidance_scale}, DiT 4.0)")
+    image.add_argument(
+        "--class",
+        dest="classes",
+        action="append",
+        default=[],
+        help="class id or name, or a comma-separated list (repeatable)",
+    )
+    image.add_argument(
+        "--steps", type=int, help=f"denoising steps ({FROM_MODEL}: embedded model {d.image_steps}, DiT 50)"
+    )
+    image.add_argument(
+        "--guidance-scale",
+        type=finite_float,
+        help=f"classifier-free guidance ({FROM_MODEL}: embedded model {d.image_guidance_scale}, DiT 4.0)",
+    )
     image.set_defaults(func=run_class_to_image)
 
 
@@ -131,17 +167,31 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
             raise ValueError("--mhla-weights / --mhla-weights-2 / --transformer need the --model they belong to")
         args.model = str(embedded_model(task, args.attention))
         if args.attention == "softmax":
-            print(f"--attention softmax: generating with the embedded softmax teacher {args.model} (the embedded "
-                  "MHLA model's weights are trained for MHLA; --model picks another folder)", file=sys.stderr)
-    check_model_source(args.model, {"text-to-video": WAN_HUB_ID, "image-to-video": WAN_I2V_HUB_ID}.get(task, DIT_HUB_ID))
+            print(
+                f"--attention softmax: generating with the embedded softmax teacher {args.model} (the embedded "
+                "MHLA model's weights are trained for MHLA; --model picks another folder)",
+                file=sys.stderr,
+            )
+    check_model_source(
+        args.model, {"text-to-video": WAN_HUB_ID, "image-to-video": WAN_I2V_HUB_ID}.get(task, DIT_HUB_ID)
+    )
     if task in VIDEO_TASKS:
         d = video_defaults(args.model)
-        values = dict(num_frames=d.num_frames, height=d.height, width=d.width, steps=d.steps,
-                      guidance_scale=d.guidance_scale, fps=d.fps, max_sequence_length=d.max_sequence_length)
+        values = dict(
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            steps=d.steps,
+            guidance_scale=d.guidance_scale,
+            fps=d.fps,
+            max_sequence_length=d.max_sequence_length,
+        )
         missing = [f"--{name.replace('_', '-')}" for name in d.missing_size if getattr(args, name) is None]
         if missing:
-            raise ValueError(f"{args.model} has no default video size (no {RECORD_KEY} in its model_index.json, "
-                             f"not an embedded or published Wan model): give {', '.join(missing)}")
+            raise ValueError(
+                f"{args.model} has no default video size (no {RECORD_KEY} in its model_index.json, "
+                f"not an embedded or published Wan model): give {', '.join(missing)}"
+            )
     else:
         d = image_defaults(args.model)
         values = dict(steps=d.steps, guidance_scale=d.guidance_scale)
@@ -153,16 +203,20 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
 def _declared_mhla(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The MHLA configs (``mhla_config.json``) of the run's transformers that can be read without loading a
     model; --mhla-weights / --mhla-weights-2 are checked against the model's transformers on the way."""
-    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS, mhla_weight_sources
     from ..loaders.weights import read_mhla_config
+    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS, mhla_weight_sources
 
-    sources = mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}  # {} for a hub id not at hand
+    sources = (
+        mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}
+    )  # {} for a hub id not at hand
     metas = [read_mhla_config(source, subfolder=subfolder) for source, subfolder in sources.values()]
     if args.transformer is not None and args.transformer.is_dir():
         metas.append(read_mhla_config(args.transformer))
     if os.path.isdir(args.model):  # a pipeline folder saved with MHLA
         replaced = set(sources) | ({"transformer"} if args.transformer is not None else set())
-        metas += [read_mhla_config(args.model, subfolder=name) for name in TRANSFORMER_COMPONENTS if name not in replaced]
+        metas += [
+            read_mhla_config(args.model, subfolder=name) for name in TRANSFORMER_COMPONENTS if name not in replaced
+        ]
     return [meta for meta in metas if meta is not None]
 
 
@@ -216,8 +270,11 @@ def _video_frames(args: argparse.Namespace, geometry: VideoGeometry) -> int:
     frames = args.num_frames
     if not geometry.valid_frames(frames):
         frames = geometry.round_frames(frames)  # a ValueError below 1
-        print(f"warning: --num-frames {args.num_frames} is not {geometry.frame_rule(examples=False)} "
-              f"({geometry.describe()}); generating {frames} frames", file=sys.stderr)
+        print(
+            f"warning: --num-frames {args.num_frames} is not {geometry.frame_rule(examples=False)} "
+            f"({geometry.describe()}); generating {frames} frames",
+            file=sys.stderr,
+        )
     geometry.check_size(frames, args.height, args.width, generation=True)
     for name in ("steps", "fps", "max_sequence_length"):
         if getattr(args, name) < 1:
@@ -233,7 +290,7 @@ def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) 
     mhla: dict[str, Any] = {}
     for name, conversion in pipe.mhla_conversions.items():  # "transformer" -> mhla_layers, "transformer_2" -> ..._2
         used = conversion if args.attention == "mhla" else None
-        suffix = name[len("transformer"):]
+        suffix = name[len("transformer") :]
         mhla[f"mhla_layers{suffix}"] = used.layers if used else []
         mhla[f"block_layout{suffix}"] = list(used.layout) if used else None
     return {
@@ -255,16 +312,22 @@ def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) 
 
 def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
     """The device, dtype and pipeline of a run (the process keeps freed memory when it runs on the CPU)."""
-    from ..ops.cpu_memory import retain_freed_memory
     from ..loaders.loading import device_and_dtype, load_pipeline
+    from ..ops.cpu_memory import retain_freed_memory
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     if device == "cpu":
         retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
-    pipe = load_pipeline(cls, args.model, mhla_weights=args.mhla_weights,
-                         mhla_weights_2=getattr(args, "mhla_weights_2", None), transformer=args.transformer,
-                         attention=args.attention, dtype=dtype,
-                         component_dtypes=component_dtypes_of() if component_dtypes_of else None)
+    pipe = load_pipeline(
+        cls,
+        args.model,
+        mhla_weights=args.mhla_weights,
+        mhla_weights_2=getattr(args, "mhla_weights_2", None),
+        transformer=args.transformer,
+        attention=args.attention,
+        dtype=dtype,
+        component_dtypes=component_dtypes_of() if component_dtypes_of else None,
+    )
     return device, dtype, pipe
 
 
@@ -308,8 +371,8 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
-    from ..utils.geometry import check_layout_fits
     from ..pipelines.outputs import check_settings, plan_outputs, save_video, slugify, write_settings
+    from ..utils.geometry import check_layout_fits
 
     _apply_defaults(args, task)  # the model folder exists from here on
     prompts = _read_prompts(args)
@@ -318,17 +381,20 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     num_frames = _video_frames(args, geometry)
     check_context_parallel(args, geometry.token_grid(num_frames, args.height, args.width))  # degree vs launch, split
     if task == "image-to-video":
-        from ..utils.geometry import read_component_config
         from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
         from ..pipelines.wan_i2v import check_text_tokens
+        from ..utils.geometry import read_component_config
 
         configs = [read_component_config(args.model, name) for name in TRANSFORMER_COMPONENTS]  # a local folder's
         check_text_tokens([c for c in configs if c is not None], args.max_sequence_length, "--max-sequence-length is")
     for meta in _declared_mhla(args) if args.attention == "mhla" else []:
         # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
-        check_layout_fits(geometry.token_grid(num_frames, args.height, args.width), meta["mhla_config"]["layout"],
-                          f"a {num_frames}x{args.height}x{args.width} video",
-                          meta["mhla_config"].get("normalization", "denominator"))
+        check_layout_fits(
+            geometry.token_grid(num_frames, args.height, args.width),
+            meta["mhla_config"]["layout"],
+            f"a {num_frames}x{args.height}x{args.width} video",
+            meta["mhla_config"].get("normalization", "denominator"),
+        )
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
     parallel = start_context_parallel(args)  # None without --context-parallel; with it rank 0 alone plans and writes
     if parallel is None:
@@ -353,36 +419,64 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     for index, prompt in enumerate(prompts):
         unknown = pipe.unknown_words(prompt)
         if unknown:
-            print(f"warning: prompt {index + 1} has words the model's tokenizer does not know, generated without them: "
-                  f"{', '.join(map(repr, unknown))}", file=sys.stderr)
+            print(
+                f"warning: prompt {index + 1} has words the model's tokenizer does not know, generated without them: "
+                f"{', '.join(map(repr, unknown))}",
+                file=sys.stderr,
+            )
     flow_shift = pipe.scheduler.config.get("flow_shift", pipe.scheduler.config.get("shift"))
     conditioning = {"image": image} if image is not None else {}
     recorded = {"image": str(args.image)} if image is not None else {}
     recorded["mhla_weights_2"] = _mhla_weights_2(args)
     recorded["context_parallel"] = args.context_parallel
-    check_settings(_settings(args, pipe, device, dtype, flow_shift=flow_shift))  # before generating: valid JSON sidecars
+    check_settings(
+        _settings(args, pipe, device, dtype, flow_shift=flow_shift)
+    )  # before generating: valid JSON sidecars
     reader = _judge_reader(args.model) if parallel is None or parallel.is_main else None
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
             started = time.perf_counter()
             frames = pipe(
-                **conditioning, prompt=prompt, negative_prompt=args.negative_prompt, num_frames=num_frames,
-                height=args.height, width=args.width, num_inference_steps=args.steps,
-                guidance_scale=args.guidance_scale, generator=torch.Generator("cpu").manual_seed(args.seed),
-                output_type="np", max_sequence_length=args.max_sequence_length,
+                **conditioning,
+                prompt=prompt,
+                negative_prompt=args.negative_prompt,
+                num_frames=num_frames,
+                height=args.height,
+                width=args.width,
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(args.seed),
+                output_type="np",
+                max_sequence_length=args.max_sequence_length,
             ).frames[0]
             wall = time.perf_counter() - started
             if parallel is not None and not parallel.is_main:
                 continue  # every process holds the same video; rank 0 writes it
             save_video(frames, plan, args.format, args.fps)
             judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
-            write_settings(plan, _settings(
-                args, pipe, device, dtype, task=task, **recorded, prompt=prompt, negative_prompt=args.negative_prompt,
-                num_frames=num_frames, height=args.height, width=args.width, fps=args.fps, flow_shift=flow_shift,
-                boundary_ratio=pipe.config.get("boundary_ratio"), output=str(plan.media), wall_time_s=round(wall, 3),
-                **judged,
-            ))
+            write_settings(
+                plan,
+                _settings(
+                    args,
+                    pipe,
+                    device,
+                    dtype,
+                    task=task,
+                    **recorded,
+                    prompt=prompt,
+                    negative_prompt=args.negative_prompt,
+                    num_frames=num_frames,
+                    height=args.height,
+                    width=args.width,
+                    fps=args.fps,
+                    flow_shift=flow_shift,
+                    boundary_ratio=pipe.config.get("boundary_ratio"),
+                    output=str(plan.media),
+                    wall_time_s=round(wall, 3),
+                    **judged,
+                ),
+            )
             print(f"[{index + 1}/{len(prompts)}] {plan.media}  ({args.attention}, {wall:.2f} s){line}")
     if parallel is not None:
         parallel.close()
@@ -417,18 +511,33 @@ def run_class_to_image(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with attention:
         images = pipe(
-            class_labels=ids, guidance_scale=args.guidance_scale, num_inference_steps=args.steps,
-            generator=torch.Generator("cpu").manual_seed(args.seed), output_type="np",
+            class_labels=ids,
+            guidance_scale=args.guidance_scale,
+            num_inference_steps=args.steps,
+            generator=torch.Generator("cpu").manual_seed(args.seed),
+            output_type="np",
         ).images
     wall = time.perf_counter() - started
     reader = _judge_reader(args.model)
     for name, class_id, image, plan in zip(classes, ids, images, plans):
         save_image(image, plan)
         judged, line = _judge(reader, image, lambda: reader.read_images(image[None], [class_id])[0])
-        write_settings(plan, _settings(
-            args, pipe, device, dtype, task="class-to-image", class_name=name, class_id=class_id,
-            batch_size=len(ids), output=str(plan.media), wall_time_s=round(wall, 3), **judged,
-        ))
+        write_settings(
+            plan,
+            _settings(
+                args,
+                pipe,
+                device,
+                dtype,
+                task="class-to-image",
+                class_name=name,
+                class_id=class_id,
+                batch_size=len(ids),
+                output=str(plan.media),
+                wall_time_s=round(wall, 3),
+                **judged,
+            ),
+        )
         print(f"{plan.media}  (class {class_id}){line}")
     print(f"{len(ids)} image(s) in {wall:.2f} s ({args.attention})")
     return 0

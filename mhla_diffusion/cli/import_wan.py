@@ -16,7 +16,9 @@ __all__ = ["check_output_free", "register", "save_imported"]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "import-wan", configure,
+        subparsers,
+        "import-wan",
+        configure,
         help="convert an original-format Wan (+MHLA) checkpoint to a Diffusers transformer folder",
         description="Convert a checkpoint in the original Wan key format (e.g. the one released with the MHLA "
         "paper) into a Diffusers transformer folder with MHLA layers; use it with --transformer. Any Wan2.1 / "
@@ -26,13 +28,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path,
-                   help=".safetensors, .pt or .pth file, or a sharded checkpoint's folder or .safetensors.index.json")
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        help=".safetensors, .pt or .pth file, or a sharded checkpoint's folder or .safetensors.index.json",
+    )
     p.add_argument("--output", type=Path, required=True, help="folder for the converted transformer")
-    p.add_argument("--layout", type=parse_sizes, help="block layout of the MHLA layers, e.g. 3x5x10 (default for 150 blocks)")
-    p.add_argument("--config", help="the model's WanTransformer3DModel config, checked against the checkpoint: a published "
-                   "name (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P, ...: mhla_diffusion/utils/wan_configs.py) "
-                   "or a config.json (default: read off the checkpoint's shapes, heads of 128)")
+    p.add_argument(
+        "--layout", type=parse_sizes, help="block layout of the MHLA layers, e.g. 3x5x10 (default for 150 blocks)"
+    )
+    p.add_argument(
+        "--config",
+        help="the model's WanTransformer3DModel config, checked against the checkpoint: a published "
+        "name (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P, ...: mhla_diffusion/utils/wan_configs.py) "
+        "or a config.json (default: read off the checkpoint's shapes, heads of 128)",
+    )
     p.add_argument("--attention-head-dim", type=int, help="head dim (default 128, as every Wan model, or --config's)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weights dtype (default: as stored in the checkpoint)")
     p.add_argument("--overwrite", action="store_true", help="replace files already in --output")
@@ -49,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     transformer = load_original_wan(
-        args.checkpoint, config=config, layout=args.layout, attention_head_dim=args.attention_head_dim,
+        args.checkpoint,
+        config=config,
+        layout=args.layout,
+        attention_head_dim=args.attention_head_dim,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
     )
     save_imported(transformer, args.output, args.overwrite, "plain Wan checkpoint (no MHLA keys)")
@@ -86,8 +99,8 @@ def check_output_free(output: Path, overwrite: bool) -> None:
 
 def save_imported(transformer, output: Path, overwrite: bool, plain: str) -> None:
     """Save an imported transformer: the whole MHLA model with its config, or a plain Diffusers folder."""
-    from ..models.conversion import get_mhla_conversion
     from ..loaders.weights import MHLA_CONFIG_NAME, save_mhla
+    from ..models.conversion import get_mhla_conversion
 
     conversion = get_mhla_conversion(transformer)
     if conversion is None:

@@ -15,7 +15,9 @@ DEFAULT_OUTPUT = Path("runs/reproduce")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     add_command(
-        subparsers, "reproduce", configure,
+        subparsers,
+        "reproduce",
+        configure,
         help="compare softmax, global linear attention and MHLA: operator fits, attention rank, a paired generative check",
         description="Part A: one attention layer (global linear, MHLA, MHLA with per-head mixing, softmax) fitted to a "
         "local softmax teacher and to associative recall on grids of 64 to 4,096 tokens, over 5 seeds: held-out "
@@ -28,17 +30,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                   help=f"runs and results; a rerun skips the finished units and resumes the one it was in "
-                   f"(default {DEFAULT_OUTPUT})")
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUTPUT,
+        help=f"runs and results; a rerun skips the finished units and resumes the one it was in "
+        f"(default {DEFAULT_OUTPUT})",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny grids and a few steps per run: checks the whole chain")
-    p.add_argument("--budget", action="store_true",
-                   help="time a few training steps of every arm at every token count, print the projected minutes "
-                   "of the whole run and exit (writes nothing)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                   help="change one setting, e.g. --set part_a_seeds=0,1,2 --set part_b_steps=300 (repeatable). "
-                   "The settings (the fields of mhla_diffusion.embedded.attention_experiment.ExperimentSettings): "
-                   + ", ".join(dataclass_field_names("mhla_diffusion.embedded.attention_experiment", "ExperimentSettings")))
+    p.add_argument(
+        "--budget",
+        action="store_true",
+        help="time a few training steps of every arm at every token count, print the projected minutes "
+        "of the whole run and exit (writes nothing)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change one setting, e.g. --set part_a_seeds=0,1,2 --set part_b_steps=300 (repeatable). "
+        "The settings (the fields of mhla_diffusion.embedded.attention_experiment.ExperimentSettings): "
+        + ", ".join(dataclass_field_names("mhla_diffusion.embedded.attention_experiment", "ExperimentSettings")),
+    )
     p.set_defaults(func=run)
 
 
@@ -57,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_experiment(args.output, settings)
     print((args.output / "table.md").read_text())
     print((args.output / "reading.md").read_text())
-    print(f"report: {args.output / 'report.json'}; figures and table beside it; {report['seconds']:.0f} s in all "
-          "(every unit, every attempt)")
+    print(
+        f"report: {args.output / 'report.json'}; figures and table beside it; {report['seconds']:.0f} s in all "
+        "(every unit, every attempt)"
+    )
     return 0

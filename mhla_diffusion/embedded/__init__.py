@@ -17,16 +17,62 @@ Names are re-exported lazily: ``from mhla_diffusion.embedded import embedded_mod
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(['latent_statistics', 'reconstruct_clips', 'reconstruct_images', 'tiny_image_vae', 'tiny_video_vae', 'train_image_vae', 'train_video_vae'], '.autoencoders'),
-    **dict.fromkeys(['DIGIT_SIZE', 'NUM_DIGIT_CLASSES', 'DigitSplit', 'load_digits_images', 'split_digits', 'write_digits_folder'], '.digits'),
-    **dict.fromkeys(['ImageJudge', 'class_accuracy', 'predict_classes', 'train_image_judge'], '.image_judge'),
-    **dict.fromkeys(['ImageJudgeFeatures', 'VideoJudgeFeatures', 'clips_to_filmstrips', 'filmstrips_to_clips', 'judge_features'], '.judge_features'),
-    **dict.fromkeys(['load_judge', 'load_judge_features', 'save_judge'], '.judge_io'),
-    **dict.fromkeys(['ATTRIBUTES', 'BACKGROUND', 'COLOURS', 'DIRECTIONS', 'FRAME_SIZE', 'NUM_COMBINATIONS', 'NUM_FRAMES', 'SHAPES', 'ShapeClip', 'caption_for', 'generate_clips', 'parse_caption', 'render_clip', 'shape_clip'], '.moving_shapes'),
-    **dict.fromkeys(['write_shapes_dataset'], '.shapes_dataset'),
-    **dict.fromkeys(['VideoJudge', 'predict_attributes', 'prompt_accuracy', 'train_video_judge'], '.video_judge'),
-    **dict.fromkeys(['EMBEDDED_ROOT', 'EmbeddedDefaults', 'EmbeddedFolder', 'embedded_defaults', 'embedded_folder', 'embedded_judge', 'embedded_model'], '.locations'),
-    **dict.fromkeys(['ImageReading', 'JudgeReader', 'VideoReading', 'requested_attributes'], '.judge_reading'),
+    **dict.fromkeys(
+        [
+            "latent_statistics",
+            "reconstruct_clips",
+            "reconstruct_images",
+            "tiny_image_vae",
+            "tiny_video_vae",
+            "train_image_vae",
+            "train_video_vae",
+        ],
+        ".autoencoders",
+    ),
+    **dict.fromkeys(
+        ["DIGIT_SIZE", "NUM_DIGIT_CLASSES", "DigitSplit", "load_digits_images", "split_digits", "write_digits_folder"],
+        ".digits",
+    ),
+    **dict.fromkeys(["ImageJudge", "class_accuracy", "predict_classes", "train_image_judge"], ".image_judge"),
+    **dict.fromkeys(
+        ["ImageJudgeFeatures", "VideoJudgeFeatures", "clips_to_filmstrips", "filmstrips_to_clips", "judge_features"],
+        ".judge_features",
+    ),
+    **dict.fromkeys(["load_judge", "load_judge_features", "save_judge"], ".judge_io"),
+    **dict.fromkeys(
+        [
+            "ATTRIBUTES",
+            "BACKGROUND",
+            "COLOURS",
+            "DIRECTIONS",
+            "FRAME_SIZE",
+            "NUM_COMBINATIONS",
+            "NUM_FRAMES",
+            "SHAPES",
+            "ShapeClip",
+            "caption_for",
+            "generate_clips",
+            "parse_caption",
+            "render_clip",
+            "shape_clip",
+        ],
+        ".moving_shapes",
+    ),
+    **dict.fromkeys(["write_shapes_dataset"], ".shapes_dataset"),
+    **dict.fromkeys(["VideoJudge", "predict_attributes", "prompt_accuracy", "train_video_judge"], ".video_judge"),
+    **dict.fromkeys(
+        [
+            "EMBEDDED_ROOT",
+            "EmbeddedDefaults",
+            "EmbeddedFolder",
+            "embedded_defaults",
+            "embedded_folder",
+            "embedded_judge",
+            "embedded_model",
+        ],
+        ".locations",
+    ),
+    **dict.fromkeys(["ImageReading", "JudgeReader", "VideoReading", "requested_attributes"], ".judge_reading"),
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .experiment_report import summarise, table_markdown, write_figures, reading_markdown
+from .experiment_report import reading_markdown, summarise, table_markdown, write_figures
 from .generative_check import ARMS, train_and_measure
 from .operator_experiment import STUDENTS, TASKS, Task, grid_side, train_students
 from .stages import Stages
@@ -77,22 +77,39 @@ class ExperimentSettings:
     @classmethod
     def smoke(cls) -> "ExperimentSettings":
         """A few steps on tiny grids: checks the whole chain in well under a minute."""
-        return cls(token_counts=[16, 64], part_a_seeds=[0, 1], part_a_steps=3, part_a_batch_sizes=[2, 2],
-                   part_a_eval_size=2, softmax_max_tokens=64, rank_max_tokens=64, part_b_tokens=64,
-                   part_b_seeds=[0, 1], part_b_steps=2, part_b_batch_size=2, part_b_layers=1, part_b_eval_images=2,
-                   part_b_samples=2, part_b_sample_steps=2, checkpoint_every=1)
+        return cls(
+            token_counts=[16, 64],
+            part_a_seeds=[0, 1],
+            part_a_steps=3,
+            part_a_batch_sizes=[2, 2],
+            part_a_eval_size=2,
+            softmax_max_tokens=64,
+            rank_max_tokens=64,
+            part_b_tokens=64,
+            part_b_seeds=[0, 1],
+            part_b_steps=2,
+            part_b_batch_size=2,
+            part_b_layers=1,
+            part_b_eval_images=2,
+            part_b_samples=2,
+            part_b_sample_steps=2,
+            checkpoint_every=1,
+        )
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad setting and how to fix it."""
-        for name, chosen, known in (("part_a_tasks", self.part_a_tasks, TASKS),
-                                    ("part_a_students", self.part_a_students, STUDENTS),
-                                    ("part_b_arms", self.part_b_arms, tuple(ARMS))):
+        for name, chosen, known in (
+            ("part_a_tasks", self.part_a_tasks, TASKS),
+            ("part_a_students", self.part_a_students, STUDENTS),
+            ("part_b_arms", self.part_b_arms, tuple(ARMS)),
+        ):
             unknown = [v for v in chosen if v not in known]
             if unknown or not chosen:
                 raise ValueError(f"{name}: {unknown or 'none chosen'} not known; choose from {', '.join(known)}")
         if len(self.part_a_batch_sizes) != len(self.token_counts):
-            raise ValueError(f"part_a_batch_sizes ({self.part_a_batch_sizes}) needs one entry per token count "
-                             f"({self.token_counts})")
+            raise ValueError(
+                f"part_a_batch_sizes ({self.part_a_batch_sizes}) needs one entry per token count ({self.token_counts})"
+            )
         for tokens in [*self.token_counts, self.part_b_tokens]:
             grid_side(tokens)
         for name in ("part_a_seeds", "part_b_seeds"):
@@ -106,8 +123,16 @@ class ExperimentSettings:
 
 
 def _part_a_unit(s: ExperimentSettings, task: str, tokens: int, batch_size: int, seed: int) -> dict[str, Any]:
-    runs = train_students(Task(task, tokens, s.heads, s.head_dim), s.students_at(tokens), seed, s.part_a_steps,
-                          batch_size, s.part_a_lr, s.part_a_eval_size, s.rank_max_tokens)
+    runs = train_students(
+        Task(task, tokens, s.heads, s.head_dim),
+        s.students_at(tokens),
+        seed,
+        s.part_a_steps,
+        batch_size,
+        s.part_a_lr,
+        s.part_a_eval_size,
+        s.rank_max_tokens,
+    )
     return {"runs": runs}
 
 
@@ -116,14 +141,17 @@ def _check_output(out: Path, s: ExperimentSettings) -> None:
     settings_file = out / "settings.json"
     wanted = dataclasses.asdict(s)
     if settings_file.is_file() and json.loads(settings_file.read_text()) != wanted:
-        raise ValueError(f"{out} holds an experiment with other settings ({settings_file}); use another --output "
-                         "or delete that folder")
+        raise ValueError(
+            f"{out} holds an experiment with other settings ({settings_file}); use another --output "
+            "or delete that folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
     settings_file.write_text(json.dumps(wanted, indent=2))
 
 
-def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
-                   on_step: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+def run_experiment(
+    out: str | Path, settings: ExperimentSettings | None = None, on_step: Callable[[str, int], None] | None = None
+) -> dict[str, Any]:
     """Run Parts A and B in ``out`` (resuming what a killed run left there); rewrites ``out/report.json``
     after each unit and, at the end, writes the table, the reading and the figures (:func:`write_outputs`).
     ``on_step(run, step)`` is called after every Part B training step (tests interrupt with it)."""
@@ -131,10 +159,19 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
     s.check()
     out = Path(out)
     _check_output(out, s)
-    report: dict[str, Any] = {"schema": SCHEMA, "settings": dataclasses.asdict(s),
-                              "torch_threads": torch.get_num_threads(), "part_a": [], "part_b": []}
-    units_a = [(task, tokens, batch, seed) for task in s.part_a_tasks
-               for tokens, batch in zip(s.token_counts, s.part_a_batch_sizes) for seed in s.part_a_seeds]
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "settings": dataclasses.asdict(s),
+        "torch_threads": torch.get_num_threads(),
+        "part_a": [],
+        "part_b": [],
+    }
+    units_a = [
+        (task, tokens, batch, seed)
+        for task in s.part_a_tasks
+        for tokens, batch in zip(s.token_counts, s.part_a_batch_sizes)
+        for seed in s.part_a_seeds
+    ]
     stages = Stages(out, total=len(units_a) + len(s.part_b_arms) * len(s.part_b_seeds), watched=("runs",), noun="unit")
     for task, tokens, batch, seed in units_a:
         unit = stages.run(f"a-{task}-{tokens}tok-seed{seed}", lambda: _part_a_unit(s, task, tokens, batch, seed))
@@ -144,8 +181,14 @@ def run_experiment(out: str | Path, settings: ExperimentSettings | None = None,
         for arm in s.part_b_arms:
             name = f"b-{arm}-{s.part_b_tokens}tok-seed{seed}"
             folder = out / "runs" / name
-            report["part_b"].append(stages.run(name, lambda: train_and_measure(
-                folder, arm, s.part_b_tokens, seed, s, None if on_step is None else (lambda k: on_step(name, k)))))
+            report["part_b"].append(
+                stages.run(
+                    name,
+                    lambda: train_and_measure(
+                        folder, arm, s.part_b_tokens, seed, s, None if on_step is None else (lambda k: on_step(name, k))
+                    ),
+                )
+            )
             shutil.rmtree(folder, ignore_errors=True)  # its checkpoint; the result is in stages/
             _save(out, report)
     report["complete"] = True
@@ -202,17 +245,29 @@ def _estimate(s: ExperimentSettings, probe_steps: int) -> dict[str, Any]:
     for task in s.part_a_tasks:
         for tokens, batch in zip(s.token_counts, s.part_a_batch_sizes):
             kinds = s.students_at(tokens)
-            runs = train_students(Task(task, tokens, s.heads, s.head_dim), kinds, 0, probe_steps, batch,
-                                  s.part_a_lr, 1, 0)
+            runs = train_students(
+                Task(task, tokens, s.heads, s.head_dim), kinds, 0, probe_steps, batch, s.part_a_lr, 1, 0
+            )
             per_step = sum(r["cpu_seconds_per_step"] for r in runs) + runs[0]["teacher_cpu_seconds_per_step"]
-            rows.append({"part": "A", "what": f"{task} {tokens} tokens ({', '.join(kinds)})",
-                         "seconds_per_step": per_step,
-                         "projected_seconds": per_step * s.part_a_steps * len(s.part_a_seeds)})
+            rows.append(
+                {
+                    "part": "A",
+                    "what": f"{task} {tokens} tokens ({', '.join(kinds)})",
+                    "seconds_per_step": per_step,
+                    "projected_seconds": per_step * s.part_a_steps * len(s.part_a_seeds),
+                }
+            )
     for arm in s.part_b_arms:
         per_step = _denoiser_step_seconds(s, arm, probe_steps)
         forwards = (s.part_b_sample_steps * s.part_b_samples + len(ARMS) * s.part_b_eval_images) / s.part_b_batch_size
-        rows.append({"part": "B", "what": f"denoiser {arm} {s.part_b_tokens} tokens", "seconds_per_step": per_step,
-                     "projected_seconds": per_step * (s.part_b_steps + forwards / 3) * len(s.part_b_seeds)})
+        rows.append(
+            {
+                "part": "B",
+                "what": f"denoiser {arm} {s.part_b_tokens} tokens",
+                "seconds_per_step": per_step,
+                "projected_seconds": per_step * (s.part_b_steps + forwards / 3) * len(s.part_b_seeds),
+            }
+        )
     return {"rows": rows, "total_seconds": sum(r["projected_seconds"] for r in rows)}
 
 
@@ -238,8 +293,12 @@ def _denoiser_step_seconds(s: ExperimentSettings, arm: str, probe_steps: int) ->
 
 def budget_markdown(estimate: dict[str, Any]) -> str:
     lines = ["| part | what | CPU s / step | projected minutes |", "|---|---|---|---|"]
-    lines += [f"| {r['part']} | {r['what']} | {r['seconds_per_step']:.3f} | {r['projected_seconds'] / 60:.1f} |"
-              for r in estimate["rows"]]
-    lines.append(f"\nprojected total: {estimate['total_seconds'] / 60:.0f} minutes (CPU seconds on one torch thread; "
-                 "other work on the machine does not count; see estimate_budget)")
+    lines += [
+        f"| {r['part']} | {r['what']} | {r['seconds_per_step']:.3f} | {r['projected_seconds'] / 60:.1f} |"
+        for r in estimate["rows"]
+    ]
+    lines.append(
+        f"\nprojected total: {estimate['total_seconds'] / 60:.0f} minutes (CPU seconds on one torch thread; "
+        "other work on the machine does not count; see estimate_budget)"
+    )
     return "\n".join(lines) + "\n"

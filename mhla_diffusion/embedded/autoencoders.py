@@ -49,7 +49,9 @@ def tiny_video_vae(seed: int = 0, **overrides) -> "AutoencoderKLWan":  # noqa: F
     """
     from diffusers import AutoencoderKLWan
 
-    config = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True])
+    config = dict(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
     config.update(overrides)
     if len(config["dim_mult"]) != len(config["temperal_downsample"]) + 1:
         raise ValueError("dim_mult needs one more entry than temperal_downsample")
@@ -74,9 +76,14 @@ def tiny_image_vae(seed: int = 0, **overrides) -> "AutoencoderKL":  # noqa: F821
     from diffusers import AutoencoderKL
 
     config = dict(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(16, 32), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-        sample_size=DIGIT_SIZE, scaling_factor=1.0,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=DIGIT_SIZE,
+        scaling_factor=1.0,
     )
     config.update(overrides)
     torch.manual_seed(seed)
@@ -101,7 +108,9 @@ def _decode_video_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     frames = []
     for i in range(z.shape[2]):
         vae._conv_idx = [0]
-        frames.append(vae.decoder(x[:, :, i: i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0))
+        frames.append(
+            vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+        )
     vae.clear_cache()
     return torch.cat(frames, dim=2)
 
@@ -127,9 +136,20 @@ def _reconstruction_loss(recon: torch.Tensor, target: torch.Tensor, foreground_w
     return (error * weight).mean() / weight.mean()
 
 
-def _fit(vae, num_items: int, load: Callable[[np.ndarray, int], torch.Tensor], decode: Callable, steps: int,
-         batch_size: int, lr: float, seed: int, kl_weight: float, foreground_weight: float,
-         progress: LoopProgress | None, name: str) -> list[float]:
+def _fit(
+    vae,
+    num_items: int,
+    load: Callable[[np.ndarray, int], torch.Tensor],
+    decode: Callable,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    kl_weight: float,
+    foreground_weight: float,
+    progress: LoopProgress | None,
+    name: str,
+) -> list[float]:
     """The loop both VAEs share (``load(indices, step)`` gives a batch); returns the (weighted)
     reconstruction loss of every step. Batches, crops and posterior samples are drawn from per-step
     seeds, so a run resumed from a checkpoint equals an uninterrupted one."""
@@ -138,7 +158,8 @@ def _fit(vae, num_items: int, load: Callable[[np.ndarray, int], torch.Tensor], d
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=1e-4)
     warmup = max(1, min(50, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * s / steps)))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * s / steps))
+    )
 
     def loss_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = load(epoch_batch(step, batch_size, num_items, seed), step)
@@ -154,13 +175,14 @@ def _fit(vae, num_items: int, load: Callable[[np.ndarray, int], torch.Tensor], d
 
 
 @torch.no_grad()
-def latent_statistics(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torch.Tensor],
-                      batch_size: int = 32) -> tuple[np.ndarray, np.ndarray, float, float]:
+def latent_statistics(
+    vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torch.Tensor], batch_size: int = 32
+) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Posterior means of uint8 ``pixels`` -> (per-channel mean, per-channel std, overall mean, overall std)."""
     count = 0
     sums = squares = None
     for start in range(0, len(pixels), batch_size):
-        z = vae.encode(to_tensor(pixels[start: start + batch_size])).latent_dist.mean.double()
+        z = vae.encode(to_tensor(pixels[start : start + batch_size])).latent_dist.mean.double()
         z = z.transpose(0, 1).reshape(z.shape[1], -1)  # (C, everything else)
         sums = z.sum(1) if sums is None else sums + z.sum(1)
         squares = z.pow(2).sum(1) if squares is None else squares + z.pow(2).sum(1)
@@ -168,13 +190,24 @@ def latent_statistics(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray],
     mean, second = sums / count, squares / count
     std = (second - mean.pow(2)).clamp_min(0).sqrt()
     total_mean = float(mean.mean())
-    total_std = float((second.mean() - total_mean ** 2) ** 0.5)
+    total_std = float((second.mean() - total_mean**2) ** 0.5)
     return mean.numpy(), std.numpy(), total_mean, total_std
 
 
-def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
-                    kl_weight: float = 1e-4, foreground_weight: float = 10.0, crop_frames: int = 9, crop_size: int = 32,
-                    centre_crops: bool = False, progress: LoopProgress | None = None) -> list[float]:
+def train_video_vae(
+    vae,
+    clips: np.ndarray,
+    steps: int,
+    batch_size: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+    kl_weight: float = 1e-4,
+    foreground_weight: float = 10.0,
+    crop_frames: int = 9,
+    crop_size: int = 32,
+    centre_crops: bool = False,
+    progress: LoopProgress | None = None,
+) -> list[float]:
     """Train an ``AutoencoderKLWan`` on uint8 ``clips`` ``(N, F, H, W, 3)``; returns the per-step reconstruction losses.
 
     Loss: L1 + MSE between the clip and the decoding of a posterior sample, both in ``[-1, 1]``, plus
@@ -195,9 +228,16 @@ def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr:
     frames, height, width = clips.shape[1:4]
     crop_frames, crop_size = min(crop_frames or frames, frames), min(crop_size or height, height, width)
     multiple = geometry.size_multiple[0]
-    if not geometry.valid_frames(crop_frames) or crop_frames > frames or crop_size % multiple or crop_size > min(height, width):
-        raise ValueError(f"crop_frames must be {geometry.frame_rule()} <= {frames} and crop_size a multiple of {multiple} "
-                         f"<= {min(height, width)} ({geometry.describe()})")
+    if (
+        not geometry.valid_frames(crop_frames)
+        or crop_frames > frames
+        or crop_size % multiple
+        or crop_size > min(height, width)
+    ):
+        raise ValueError(
+            f"crop_frames must be {geometry.frame_rule()} <= {frames} and crop_size a multiple of {multiple} "
+            f"<= {min(height, width)} ({geometry.describe()})"
+        )
 
     def corner(window: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
         """Top-left corner of the crop of one clip's frames ``(f, H, W, 3)``."""
@@ -206,31 +246,54 @@ def train_video_vae(vae, clips: np.ndarray, steps: int, batch_size: int = 8, lr:
         ys, xs = np.nonzero((np.abs(window.astype(np.int16) - np.array(BACKGROUND)).max(-1) > 25).any(0))
         cy, cx = (ys.mean(), xs.mean()) if len(ys) else (height / 2, width / 2)
         jy, jx = rng.integers(-4, 5, size=2)
-        return (int(np.clip(round(cy - crop_size / 2) + jy, 0, height - crop_size)),
-                int(np.clip(round(cx - crop_size / 2) + jx, 0, width - crop_size)))
+        return (
+            int(np.clip(round(cy - crop_size / 2) + jy, 0, height - crop_size)),
+            int(np.clip(round(cx - crop_size / 2) + jx, 0, width - crop_size)),
+        )
 
     def load(pick: np.ndarray, step: int) -> torch.Tensor:
         rng = np.random.default_rng([seed, step, 2])
         t = int(rng.integers(0, frames - crop_frames + 1))
         crops = []
         for i in pick:
-            window = clips[i, t: t + crop_frames]
+            window = clips[i, t : t + crop_frames]
             y, x = corner(window, rng)
-            crops.append(window[:, y: y + crop_size, x: x + crop_size])
+            crops.append(window[:, y : y + crop_size, x : x + crop_size])
         return clips_to_tensor(np.ascontiguousarray(np.stack(crops)))
 
     torch.manual_seed(seed)
-    losses = _fit(vae, len(clips), load, lambda z: _decode_video_unclamped(vae, z),
-                  steps, batch_size, lr, seed, kl_weight, foreground_weight, progress, "video VAE")
+    losses = _fit(
+        vae,
+        len(clips),
+        load,
+        lambda z: _decode_video_unclamped(vae, z),
+        steps,
+        batch_size,
+        lr,
+        seed,
+        kl_weight,
+        foreground_weight,
+        progress,
+        "video VAE",
+    )
     mean, std, _, _ = latent_statistics(vae, clips, clips_to_tensor, batch_size=16)
-    vae.register_to_config(latents_mean=[round(float(m), 6) for m in mean],
-                           latents_std=[round(max(float(s), 1e-6), 6) for s in std])
+    vae.register_to_config(
+        latents_mean=[round(float(m), 6) for m in mean], latents_std=[round(max(float(s), 1e-6), 6) for s in std]
+    )
     return losses
 
 
-def train_image_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
-                    kl_weight: float = 1e-4, foreground_weight: float = 0.0,
-                    progress: LoopProgress | None = None) -> list[float]:
+def train_image_vae(
+    vae,
+    images: np.ndarray,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    kl_weight: float = 1e-4,
+    foreground_weight: float = 0.0,
+    progress: LoopProgress | None = None,
+) -> list[float]:
     """Train an ``AutoencoderKL`` on uint8 ``images`` ``(N, H, W, 3)``; returns the per-step reconstruction losses.
 
     Same loss as :func:`train_video_vae`; ``progress``: bar and resumable checkpoint. Afterwards ``vae.config.scaling_factor`` is ``1 / std`` of the
@@ -242,19 +305,33 @@ def train_image_vae(vae, images: np.ndarray, steps: int, batch_size: int = 32, l
         raise ValueError(f"images must be uint8 (N, H, W, 3), got {images.dtype} {images.shape}")
     torch.manual_seed(seed)
     data = images_to_tensor(images)
-    losses = _fit(vae, len(images), lambda pick, step: data[torch.from_numpy(pick)], lambda z: vae.decode(z).sample,
-                  steps, batch_size, lr, seed, kl_weight, foreground_weight, progress, "image VAE")
+    losses = _fit(
+        vae,
+        len(images),
+        lambda pick, step: data[torch.from_numpy(pick)],
+        lambda z: vae.decode(z).sample,
+        steps,
+        batch_size,
+        lr,
+        seed,
+        kl_weight,
+        foreground_weight,
+        progress,
+        "image VAE",
+    )
     _, _, _, std = latent_statistics(vae, images, images_to_tensor, batch_size=256)
     vae.register_to_config(scaling_factor=round(1.0 / max(std, 1e-6), 6))
     return losses
 
 
 @torch.no_grad()
-def _reconstruct(vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torch.Tensor], batch_size: int) -> np.ndarray:
+def _reconstruct(
+    vae, pixels: np.ndarray, to_tensor: Callable[[np.ndarray], torch.Tensor], batch_size: int
+) -> np.ndarray:
     """uint8 channels-last ``pixels`` -> their decoded posterior means, uint8 of the same shape."""
     out = []
     for start in range(0, len(pixels), batch_size):
-        z = vae.encode(to_tensor(pixels[start: start + batch_size])).latent_dist.mean
+        z = vae.encode(to_tensor(pixels[start : start + batch_size])).latent_dist.mean
         out.append(tensor_to_uint8(vae.decode(z).sample))
     return np.concatenate(out) if out else np.zeros_like(pixels)
 
@@ -265,7 +342,7 @@ def psnr(reference: np.ndarray, reconstruction: np.ndarray) -> float:
     if reference.shape != reconstruction.shape:
         raise ValueError(f"shapes differ: {reference.shape} vs {reconstruction.shape}")
     mse = float(np.mean((reference.astype(np.float64) - reconstruction.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0 ** 2 / mse))
+    return float("inf") if mse == 0 else 10.0 * float(np.log10(255.0**2 / mse))
 
 
 def reconstruct_clips(vae, clips: np.ndarray, batch_size: int = 16) -> np.ndarray:

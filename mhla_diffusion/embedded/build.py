@@ -42,18 +42,34 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .locations import embedded_defaults, weight_hashes
-from .autoencoders import (psnr, reconstruct_clips, reconstruct_images, tiny_image_vae, tiny_video_vae, train_image_vae,
-                           train_video_vae)
+from .autoencoders import (
+    psnr,
+    reconstruct_clips,
+    reconstruct_images,
+    tiny_image_vae,
+    tiny_video_vae,
+    train_image_vae,
+    train_video_vae,
+)
 from .digits import DIGIT_SIZE, split_digits, write_digits_folder
 from .image_judge import class_accuracy, train_image_judge
 from .judge_io import load_judge, save_judge
+from .locations import embedded_defaults, weight_hashes
 from .moving_shapes import ATTRIBUTES, generate_clips
-from .reproduction import (ScoreRow, balanced_captions, median_seconds, sample_clips, sample_digits, score_clips,
-                           score_digits, table_markdown, write_table_csv)
+from .reproduction import (
+    ScoreRow,
+    balanced_captions,
+    median_seconds,
+    sample_clips,
+    sample_digits,
+    score_clips,
+    score_digits,
+    table_markdown,
+    write_table_csv,
+)
 from .shapes_dataset import write_shapes_dataset
-from .stages import Stages
 from .side_by_side import draw_side_by_side, side_by_side_samples
+from .stages import Stages
 from .training_loop import LoopProgress
 from .video_judge import prompt_accuracy, train_video_judge
 
@@ -145,11 +161,33 @@ class BuildSettings:
 
     @classmethod
     def smoke(cls) -> "BuildSettings":
-        return cls(train_clips=16, train_digits=20, reference_clips=8, video_judge_steps=2, image_judge_steps=2, vae_clips=8,
-                   video_vae_steps=2, video_vae_batch_size=2, image_vae_steps=2, video_layers=3, image_layers=3, video_teacher_steps=2,
-                   video_student_steps=1, video_transfer_steps=1, video_batch_size=2, image_teacher_steps=2,
-                   image_student_steps=1, image_transfer_steps=1, image_batch_size=4, eval_clips=4, eval_images=6,
-                   eval_batch_size=4, video_sample_steps=2, image_sample_steps=2, checkpoint_every=1)
+        return cls(
+            train_clips=16,
+            train_digits=20,
+            reference_clips=8,
+            video_judge_steps=2,
+            image_judge_steps=2,
+            vae_clips=8,
+            video_vae_steps=2,
+            video_vae_batch_size=2,
+            image_vae_steps=2,
+            video_layers=3,
+            image_layers=3,
+            video_teacher_steps=2,
+            video_student_steps=1,
+            video_transfer_steps=1,
+            video_batch_size=2,
+            image_teacher_steps=2,
+            image_student_steps=1,
+            image_transfer_steps=1,
+            image_batch_size=4,
+            eval_clips=4,
+            eval_images=6,
+            eval_batch_size=4,
+            video_sample_steps=2,
+            image_sample_steps=2,
+            checkpoint_every=1,
+        )
 
 
 # ---------------------------------------------------------------------------- stages
@@ -165,18 +203,30 @@ _ON_STEP: Callable[[str, int], None] | None = None
 def _progress(work: Path, s: BuildSettings, part: str) -> LoopProgress:
     """Bar and checkpoint file of one judge / VAE training inside a stage."""
     hook = _ON_STEP
-    return LoopProgress(checkpoint=work / "checkpoints" / f"{part}.pt", every=s.checkpoint_every, show=True,
-                        on_step=None if hook is None else (lambda step: hook(part, step)))
+    return LoopProgress(
+        checkpoint=work / "checkpoints" / f"{part}.pt",
+        every=s.checkpoint_every,
+        show=True,
+        on_step=None if hook is None else (lambda step: hook(part, step)),
+    )
 
 
 def _data(work: Path, s: BuildSettings) -> dict[str, Any]:
     write_shapes_dataset(work / "data" / "shapes", s.train_clips, seed=DATA_SEED, overwrite=True)
     split = split_digits(seed=s.seed)
     keep = slice(0, s.train_digits)
-    write_digits_folder(work / "data" / "digits", split.train_images[keep], split.train_labels[keep], overwrite=True,
-                        indices=split.train_indices[keep])
-    return {"train_clips": s.train_clips, "train_digits": int(len(split.train_images[keep])),
-            "held_out_digits": int(len(split.test_images))}
+    write_digits_folder(
+        work / "data" / "digits",
+        split.train_images[keep],
+        split.train_labels[keep],
+        overwrite=True,
+        indices=split.train_indices[keep],
+    )
+    return {
+        "train_clips": s.train_clips,
+        "train_digits": int(len(split.train_images[keep])),
+        "held_out_digits": int(len(split.test_images)),
+    }
 
 
 def _judges(work: Path, s: BuildSettings) -> dict[str, Any]:
@@ -184,28 +234,52 @@ def _judges(work: Path, s: BuildSettings) -> dict[str, Any]:
     held_clips, held_labels, _ = generate_clips(s.reference_clips, seed=REFERENCE_SEED)
     video_acc = prompt_accuracy(video, held_clips, held_labels)
     split = split_digits(seed=s.seed)
-    image = train_image_judge(split.train_images, split.train_labels, steps=s.image_judge_steps, seed=s.seed,
-                              progress=_progress(work, s, "image-judge"))
+    image = train_image_judge(
+        split.train_images,
+        split.train_labels,
+        steps=s.image_judge_steps,
+        seed=s.seed,
+        progress=_progress(work, s, "image-judge"),
+    )
     image_acc = class_accuracy(image, split.test_images, split.test_labels)
     save_judge(video, work / "judges" / "video", metadata={"held_out_accuracy": video_acc}, overwrite=True)
     save_judge(image, work / "judges" / "image", metadata={"held_out_accuracy": image_acc}, overwrite=True)
-    return {"video_held_out_accuracy": video_acc, "image_held_out_accuracy": image_acc,
-            "video_held_out_clips": s.reference_clips, "image_held_out_digits": int(len(split.test_images))}
+    return {
+        "video_held_out_accuracy": video_acc,
+        "image_held_out_accuracy": image_acc,
+        "video_held_out_clips": s.reference_clips,
+        "image_held_out_digits": int(len(split.test_images)),
+    }
 
 
 def _autoencoders(work: Path, s: BuildSettings) -> dict[str, Any]:
     clips, _, _ = generate_clips(s.vae_clips, seed=DATA_SEED + 1)
     video_vae = tiny_video_vae(seed=s.seed, **VIDEO_VAE)
-    video_losses = train_video_vae(video_vae, clips, steps=s.video_vae_steps, batch_size=s.video_vae_batch_size,
-                                   seed=s.seed, crop_frames=s.video_vae_crop_frames, crop_size=s.video_vae_crop_size,
-                                   progress=_progress(work, s, "video-vae"))
+    video_losses = train_video_vae(
+        video_vae,
+        clips,
+        steps=s.video_vae_steps,
+        batch_size=s.video_vae_batch_size,
+        seed=s.seed,
+        crop_frames=s.video_vae_crop_frames,
+        crop_size=s.video_vae_crop_size,
+        progress=_progress(work, s, "video-vae"),
+    )
     video_vae.save_pretrained(work / "autoencoders" / "video")
     split = split_digits(seed=s.seed)
     image_vae = tiny_image_vae(seed=s.seed)
-    image_losses = train_image_vae(image_vae, split.train_images[: s.train_digits], steps=s.image_vae_steps,
-                                   seed=s.seed, progress=_progress(work, s, "image-vae"))
+    image_losses = train_image_vae(
+        image_vae,
+        split.train_images[: s.train_digits],
+        steps=s.image_vae_steps,
+        seed=s.seed,
+        progress=_progress(work, s, "image-vae"),
+    )
     image_vae.save_pretrained(work / "autoencoders" / "image")
-    return {"video_final_loss": float(np.mean(video_losses[-20:])), "image_final_loss": float(np.mean(image_losses[-20:]))}
+    return {
+        "video_final_loss": float(np.mean(video_losses[-20:])),
+        "image_final_loss": float(np.mean(image_losses[-20:])),
+    }
 
 
 def _caption_words() -> list[str]:
@@ -213,58 +287,106 @@ def _caption_words() -> list[str]:
 
 
 def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
-    from diffusers import (AutoencoderKL, AutoencoderKLWan, DDIMScheduler, DiTPipeline, UniPCMultistepScheduler,
-                           WanPipeline)
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLWan,
+        DDIMScheduler,
+        DiTPipeline,
+        UniPCMultistepScheduler,
+        WanPipeline,
+    )
 
-    from ..utils.geometry import ImageGeometry
     from ..models.tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
+    from ..utils.geometry import ImageGeometry
 
     vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video")
     tokenizer = tiny_tokenizer(_caption_words())
     text_encoder = tiny_text_encoder(len(tokenizer), seed=s.seed)
     transformer = tiny_wan_transformer(
-        num_layers=s.video_layers, seed=s.seed, patch_size=VIDEO_PATCH, num_attention_heads=s.video_heads, attention_head_dim=32,
-        in_channels=vae.config.z_dim, out_channels=vae.config.z_dim, text_dim=text_encoder.config.d_model,
-        ffn_dim=256, rope_max_seq_len=64,
+        num_layers=s.video_layers,
+        seed=s.seed,
+        patch_size=VIDEO_PATCH,
+        num_attention_heads=s.video_heads,
+        attention_head_dim=32,
+        in_channels=vae.config.z_dim,
+        out_channels=vae.config.z_dim,
+        text_dim=text_encoder.config.d_model,
+        ffn_dim=256,
+        rope_max_seq_len=64,
     )
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                        num_train_timesteps=1000, flow_shift=s.video_flow_shift)
-    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                scheduler=scheduler).save_pretrained(work / "base" / "shapes-t2v")
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=s.video_flow_shift
+    )
+    WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    ).save_pretrained(work / "base" / "shapes-t2v")
 
     image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image")
     latent_side = DIGIT_SIZE // ImageGeometry.from_configs(vae=image_vae.config).vae_scale
     dit = tiny_dit_transformer(
-        num_layers=s.image_layers, seed=s.seed, num_attention_heads=s.image_heads, attention_head_dim=32,
-        in_channels=image_vae.config.latent_channels, out_channels=2 * image_vae.config.latent_channels,
-        sample_size=latent_side, patch_size=1, num_embeds_ada_norm=10,
+        num_layers=s.image_layers,
+        seed=s.seed,
+        num_attention_heads=s.image_heads,
+        attention_head_dim=32,
+        in_channels=image_vae.config.latent_channels,
+        out_channels=2 * image_vae.config.latent_channels,
+        sample_size=latent_side,
+        patch_size=1,
+        num_embeds_ada_norm=10,
     )
-    ddim = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02,
-                         clip_sample=False)
+    ddim = DDIMScheduler(
+        num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02, clip_sample=False
+    )
     id2label = {i: str(i) for i in range(10)}
     pipe = DiTPipeline(transformer=dit, vae=image_vae, scheduler=ddim, id2label=id2label)
     pipe.register_to_config(id2label=id2label)
     pipe.save_pretrained(work / "base" / "digits-c2i")
     count = lambda m: int(sum(p.numel() for p in m.parameters()))  # noqa: E731
-    return {"video_transformer_params": count(transformer), "image_transformer_params": count(dit),
-            "text_encoder_params": count(text_encoder)}
+    return {
+        "video_transformer_params": count(transformer),
+        "image_transformer_params": count(dit),
+        "text_encoder_params": count(text_encoder),
+    }
 
 
-def _run_values(work: Path, s: BuildSettings, run: str, data: str, pretrained: Path, steps: int, lr: float,
-                mhla: dict[str, Any] | None, transfer: int) -> dict[str, Any]:
+def _run_values(
+    work: Path,
+    s: BuildSettings,
+    run: str,
+    data: str,
+    pretrained: Path,
+    steps: int,
+    lr: float,
+    mhla: dict[str, Any] | None,
+    transfer: int,
+) -> dict[str, Any]:
     """Trainer options both tasks share: the run folder, the budget, and softmax (``mhla`` None) or MHLA."""
     from ..finetune.checkpointing import list_checkpoints
 
     folder = work / "runs" / run
     resume = bool(list_checkpoints(folder))  # a run this stage started before it was killed
     values = dict(
-        output_dir=str(folder), overwrite_output_dir=not resume, resume="latest" if resume else None, seed=s.seed,
-        mixed_precision="no", gradient_checkpointing=False, report_to="none", checkpointing_steps=s.checkpoint_every,
-        checkpoints_total_limit=1, save_pipeline=True,
-        max_grad_norm=1.0, lr_scheduler="constant_with_warmup", lr_warmup_steps=min(100, steps // 10),
-        dataloader_num_workers=0, max_train_steps=steps, pretrained_model=str(pretrained),
-        data_dir=str(work / "data" / data), cache_latents=True, cache_dir=str(work / "cache" / data),
-        learning_rate=lr, attention_transfer_steps=transfer,
+        output_dir=str(folder),
+        overwrite_output_dir=not resume,
+        resume="latest" if resume else None,
+        seed=s.seed,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        report_to="none",
+        checkpointing_steps=s.checkpoint_every,
+        checkpoints_total_limit=1,
+        save_pipeline=True,
+        max_grad_norm=1.0,
+        lr_scheduler="constant_with_warmup",
+        lr_warmup_steps=min(100, steps // 10),
+        dataloader_num_workers=0,
+        max_train_steps=steps,
+        pretrained_model=str(pretrained),
+        data_dir=str(work / "data" / data),
+        cache_latents=True,
+        cache_dir=str(work / "cache" / data),
+        learning_rate=lr,
+        attention_transfer_steps=transfer,
     )
     if mhla is None:
         values["attention"] = "softmax"
@@ -273,26 +395,53 @@ def _run_values(work: Path, s: BuildSettings, run: str, data: str, pretrained: P
     return values
 
 
-def _video_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
-                   mhla: dict[str, Any] | None, transfer: int, distillation: float = 0.0,
-                   ema: float = 0.0) -> "WanTrainOptions":  # noqa: F821
+def _video_options(
+    work: Path,
+    s: BuildSettings,
+    name: str,
+    pretrained: Path,
+    steps: int,
+    lr: float,
+    mhla: dict[str, Any] | None,
+    transfer: int,
+    distillation: float = 0.0,
+    ema: float = 0.0,
+) -> "WanTrainOptions":  # noqa: F821
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
     values = _run_values(work, s, f"t2v-{name}", "shapes", pretrained, steps, lr, mhla, transfer)
-    values.update(height=d.height, width=d.width, num_frames=d.num_frames, max_sequence_length=d.max_sequence_length,
-                  caption_dropout=0.1, train_batch_size=s.video_batch_size, flow_shift=s.video_flow_shift,
-                  distillation_weight=distillation, ema_decay=ema, ema_warmup=ema > 0)
+    values.update(
+        height=d.height,
+        width=d.width,
+        num_frames=d.num_frames,
+        max_sequence_length=d.max_sequence_length,
+        caption_dropout=0.1,
+        train_batch_size=s.video_batch_size,
+        flow_shift=s.video_flow_shift,
+        distillation_weight=distillation,
+        ema_decay=ema,
+        ema_warmup=ema > 0,
+    )
     return options_from_dict(WanTrainOptions, values)
 
 
-def _image_options(work: Path, s: BuildSettings, name: str, pretrained: Path, steps: int, lr: float,
-                   mhla: dict[str, Any] | None, transfer: int) -> "DiTTrainOptions":  # noqa: F821
+def _image_options(
+    work: Path,
+    s: BuildSettings,
+    name: str,
+    pretrained: Path,
+    steps: int,
+    lr: float,
+    mhla: dict[str, Any] | None,
+    transfer: int,
+) -> "DiTTrainOptions":  # noqa: F821
     from ..finetune.options import DiTTrainOptions, options_from_dict
 
     values = _run_values(work, s, f"c2i-{name}", "digits", pretrained, steps, lr, mhla, transfer)
-    values.update(resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0,
-                  train_batch_size=s.image_batch_size)
+    values.update(
+        resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0, train_batch_size=s.image_batch_size
+    )
     return options_from_dict(DiTTrainOptions, values)
 
 
@@ -323,10 +472,16 @@ def _teachers(work: Path, s: BuildSettings) -> dict[str, Any]:
     from ..finetune.train_wan import train as train_wan
 
     seconds = {}
-    seconds["t2v-softmax"] = _train_run(work, train_wan, _video_options(work, s, "softmax", work / "base" / "shapes-t2v", s.video_teacher_steps,
-                                               s.teacher_lr, None, 0))
-    seconds["c2i-softmax"] = _train_run(work, train_dit, _image_options(work, s, "softmax", work / "base" / "digits-c2i", s.image_teacher_steps,
-                                               s.teacher_lr, None, 0))
+    seconds["t2v-softmax"] = _train_run(
+        work,
+        train_wan,
+        _video_options(work, s, "softmax", work / "base" / "shapes-t2v", s.video_teacher_steps, s.teacher_lr, None, 0),
+    )
+    seconds["c2i-softmax"] = _train_run(
+        work,
+        train_dit,
+        _image_options(work, s, "softmax", work / "base" / "digits-c2i", s.image_teacher_steps, s.teacher_lr, None, 0),
+    )
     return {"seconds_per_run": seconds, "video_steps": s.video_teacher_steps, "image_steps": s.image_teacher_steps}
 
 
@@ -336,15 +491,43 @@ def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
 
     seconds: dict[str, float | None] = {}
     for name, (_, _, transfer) in STUDENTS.items():
-        seconds[f"t2v-{name}"] = _train_run(work, train_wan, _video_options(
-            work, s, name, work / "runs" / "t2v-softmax" / "pipeline", s.video_student_steps, s.student_lr,
-            _student_mhla(name, tuple(s.video_student_layout), s.video_student_lepe, s.video_student_gate),
-            s.video_transfer_steps if transfer else 0, s.video_student_distillation, s.video_student_ema))
-        seconds[f"c2i-{name}"] = _train_run(work, train_dit, _image_options(
-            work, s, name, work / "runs" / "c2i-softmax" / "pipeline", s.image_student_steps, s.student_lr,
-            _student_mhla(name, IMAGE_LAYOUT), s.image_transfer_steps if transfer else 0))
-    return {"seconds_per_run": seconds, "video_steps": s.video_student_steps, "image_steps": s.image_student_steps,
-            "video_transfer_steps": s.video_transfer_steps, "image_transfer_steps": s.image_transfer_steps}
+        seconds[f"t2v-{name}"] = _train_run(
+            work,
+            train_wan,
+            _video_options(
+                work,
+                s,
+                name,
+                work / "runs" / "t2v-softmax" / "pipeline",
+                s.video_student_steps,
+                s.student_lr,
+                _student_mhla(name, tuple(s.video_student_layout), s.video_student_lepe, s.video_student_gate),
+                s.video_transfer_steps if transfer else 0,
+                s.video_student_distillation,
+                s.video_student_ema,
+            ),
+        )
+        seconds[f"c2i-{name}"] = _train_run(
+            work,
+            train_dit,
+            _image_options(
+                work,
+                s,
+                name,
+                work / "runs" / "c2i-softmax" / "pipeline",
+                s.image_student_steps,
+                s.student_lr,
+                _student_mhla(name, IMAGE_LAYOUT),
+                s.image_transfer_steps if transfer else 0,
+            ),
+        )
+    return {
+        "seconds_per_run": seconds,
+        "video_steps": s.video_student_steps,
+        "image_steps": s.image_student_steps,
+        "video_transfer_steps": s.video_transfer_steps,
+        "image_transfer_steps": s.image_transfer_steps,
+    }
 
 
 def _attention_and_layout(pipe) -> tuple[str, str]:
@@ -363,16 +546,36 @@ def _attention_and_layout(pipe) -> tuple[str, str]:
     return attention, layout
 
 
-def _row(task: str, model: str, scored: tuple[dict[str, float], dict], count: int, attention: str = "-",
-         layout: str = "-", seconds: float | None = None, notes: str = "") -> ScoreRow:
+def _row(
+    task: str,
+    model: str,
+    scored: tuple[dict[str, float], dict],
+    count: int,
+    attention: str = "-",
+    layout: str = "-",
+    seconds: float | None = None,
+    notes: str = "",
+) -> ScoreRow:
     """A table row from ``(accuracy, judge-feature metrics)``."""
     accuracy, metrics = scored
-    return ScoreRow(task, model, attention, layout, accuracy, metrics["fid"], metrics["precision"], metrics["recall"],
-                    seconds, count, notes)
+    return ScoreRow(
+        task,
+        model,
+        attention,
+        layout,
+        accuracy,
+        metrics["fid"],
+        metrics["precision"],
+        metrics["recall"],
+        seconds,
+        count,
+        notes,
+    )
 
 
-def _model_rows(work: Path, task: str, prefix: str, pipeline_cls: type, sample: Callable, score: Callable,
-                count: int) -> list[ScoreRow]:
+def _model_rows(
+    work: Path, task: str, prefix: str, pipeline_cls: type, sample: Callable, score: Callable, count: int
+) -> list[ScoreRow]:
     """One row per trained model (teacher and students): ``sample(pipe) -> (samples, seconds per sample
     of each batch)``, ``score(samples) -> (accuracy, metrics)``."""
     rows = []
@@ -385,11 +588,29 @@ def _model_rows(work: Path, task: str, prefix: str, pipeline_cls: type, sample: 
             accuracy, metrics = score(samples)
             scored.parent.mkdir(parents=True, exist_ok=True)
             attention, layout = _attention_and_layout(pipe)
-            scored.write_text(json.dumps({"accuracy": accuracy, "metrics": metrics, "layout": layout,
-                                          "attention": attention, "seconds": median_seconds(times)}))
+            scored.write_text(
+                json.dumps(
+                    {
+                        "accuracy": accuracy,
+                        "metrics": metrics,
+                        "layout": layout,
+                        "attention": attention,
+                        "seconds": median_seconds(times),
+                    }
+                )
+            )
         saved = json.loads(scored.read_text())
-        rows.append(_row(task, _model_name(name), (saved["accuracy"], saved["metrics"]), count, saved["attention"],
-                         saved["layout"], saved["seconds"]))
+        rows.append(
+            _row(
+                task,
+                _model_name(name),
+                (saved["accuracy"], saved["metrics"]),
+                count,
+                saved["attention"],
+                saved["layout"],
+                saved["seconds"],
+            )
+        )
     return rows
 
 
@@ -422,27 +643,79 @@ def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
         video_through_vae = reconstruct_clips(video_vae, real_clips)
         digits_through_vae = reconstruct_images(image_vae, real_digits)
         rows = [
-            _row("text-to-video", "real clips (held out)", score_video(real_clips, real_labels), s.eval_clips,
-                 notes="the data itself"),
-            _row("text-to-video", "real clips through the VAE", score_video(video_through_vae, real_labels), s.eval_clips,
-                 notes=f"{_VAE_CEILING}; PSNR {psnr(real_clips, video_through_vae):.1f} dB"),
-            *_model_rows(work, "text-to-video", "t2v", MHLAWanPipeline, lambda pipe: sample_clips(
-                pipe, captions, seed=EVAL_SEED, batch_size=s.eval_batch_size, num_frames=d.num_frames, height=d.height,
-                width=d.width, steps=s.video_sample_steps, guidance_scale=s.video_guidance_scale,
-                max_sequence_length=d.max_sequence_length), score_video, s.eval_clips),
-            _row("class-to-image", "real digits (training set)", score_image(real_digits, real_digit_labels),
-                 s.eval_images, notes="the data itself"),
-            _row("class-to-image", "real digits through the VAE", score_image(digits_through_vae, real_digit_labels),
-                 s.eval_images, notes=f"{_VAE_CEILING}; PSNR {psnr(real_digits, digits_through_vae):.1f} dB"),
-            *_model_rows(work, "class-to-image", "c2i", MHLADiTPipeline, lambda pipe: sample_digits(
-                pipe, digit_labels, seed=EVAL_SEED, batch_size=4 * s.eval_batch_size, steps=s.image_sample_steps,
-                guidance_scale=s.image_guidance_scale), score_image, s.eval_images),
+            _row(
+                "text-to-video",
+                "real clips (held out)",
+                score_video(real_clips, real_labels),
+                s.eval_clips,
+                notes="the data itself",
+            ),
+            _row(
+                "text-to-video",
+                "real clips through the VAE",
+                score_video(video_through_vae, real_labels),
+                s.eval_clips,
+                notes=f"{_VAE_CEILING}; PSNR {psnr(real_clips, video_through_vae):.1f} dB",
+            ),
+            *_model_rows(
+                work,
+                "text-to-video",
+                "t2v",
+                MHLAWanPipeline,
+                lambda pipe: sample_clips(
+                    pipe,
+                    captions,
+                    seed=EVAL_SEED,
+                    batch_size=s.eval_batch_size,
+                    num_frames=d.num_frames,
+                    height=d.height,
+                    width=d.width,
+                    steps=s.video_sample_steps,
+                    guidance_scale=s.video_guidance_scale,
+                    max_sequence_length=d.max_sequence_length,
+                ),
+                score_video,
+                s.eval_clips,
+            ),
+            _row(
+                "class-to-image",
+                "real digits (training set)",
+                score_image(real_digits, real_digit_labels),
+                s.eval_images,
+                notes="the data itself",
+            ),
+            _row(
+                "class-to-image",
+                "real digits through the VAE",
+                score_image(digits_through_vae, real_digit_labels),
+                s.eval_images,
+                notes=f"{_VAE_CEILING}; PSNR {psnr(real_digits, digits_through_vae):.1f} dB",
+            ),
+            *_model_rows(
+                work,
+                "class-to-image",
+                "c2i",
+                MHLADiTPipeline,
+                lambda pipe: sample_digits(
+                    pipe,
+                    digit_labels,
+                    seed=EVAL_SEED,
+                    batch_size=4 * s.eval_batch_size,
+                    steps=s.image_sample_steps,
+                    guidance_scale=s.image_guidance_scale,
+                ),
+                score_image,
+                s.eval_images,
+            ),
         ]
     write_table_csv(rows, work / "reproduction.csv")
     (work / "reproduction.md").write_text(table_markdown(rows))
-    clips, verdicts = side_by_side_samples({"MHLA": work / "runs" / "t2v-mhla" / "pipeline",
-                                            "softmax": work / "runs" / "t2v-softmax" / "pipeline"}, work / "judges" / "video",
-                                           steps=s.video_sample_steps, guidance_scale=s.video_guidance_scale)
+    clips, verdicts = side_by_side_samples(
+        {"MHLA": work / "runs" / "t2v-mhla" / "pipeline", "softmax": work / "runs" / "t2v-softmax" / "pipeline"},
+        work / "judges" / "video",
+        steps=s.video_sample_steps,
+        guidance_scale=s.video_guidance_scale,
+    )
     draw_side_by_side(clips, verdicts).save(work / "side-by-side.png")
     return {"rows": [row.as_dict() for row in rows], "verdicts": verdicts}
 
@@ -453,8 +726,12 @@ def _model_name(name: str) -> str:
 
 def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any], figure: Path | None) -> dict[str, Any]:
     output.mkdir(parents=True, exist_ok=True)
-    pairs = {"shapes-t2v-softmax": "t2v-softmax", "shapes-t2v-mhla": "t2v-mhla",
-             "digits-c2i-softmax": "c2i-softmax", "digits-c2i-mhla": "c2i-mhla"}
+    pairs = {
+        "shapes-t2v-softmax": "t2v-softmax",
+        "shapes-t2v-mhla": "t2v-mhla",
+        "digits-c2i-softmax": "c2i-softmax",
+        "digits-c2i-mhla": "c2i-mhla",
+    }
     for target, run in pairs.items():
         _replace_tree(work / "runs" / run / "pipeline", output / target)
     for kind in ("video", "image"):
@@ -465,9 +742,17 @@ def _export(work: Path, output: Path, s: BuildSettings, report: dict[str, Any], 
     if figure is not None:
         figure.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(work / "side-by-side.png", figure)
-    (output / "build_report.json").write_text(json.dumps(
-        {"settings": dataclasses.asdict(s), "stages": report, "sizes_mb": sizes, "weights_sha256": weight_hashes(output)},
-        indent=2))
+    (output / "build_report.json").write_text(
+        json.dumps(
+            {
+                "settings": dataclasses.asdict(s),
+                "stages": report,
+                "sizes_mb": sizes,
+                "weights_sha256": weight_hashes(output),
+            },
+            indent=2,
+        )
+    )
     return {"output": str(output), "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2)}
 
 
@@ -481,9 +766,15 @@ def _folder_mb(folder: Path) -> float:
     return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 2)
 
 
-def build_demo_models(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None = None,
-                      overwrite: bool = False, on_step: Callable[[str, int], None] | None = None,
-                      figure: str | Path | None = None, from_build: str | Path | None = None) -> dict[str, Any]:
+def build_demo_models(
+    work_dir: str | Path,
+    output: str | Path | None,
+    settings: BuildSettings | None = None,
+    overwrite: bool = False,
+    on_step: Callable[[str, int], None] | None = None,
+    figure: str | Path | None = None,
+    from_build: str | Path | None = None,
+) -> dict[str, Any]:
     """Run every stage (resuming a previous run in ``work_dir``, inside the stage it was killed in);
     returns the stage results.
 
@@ -498,19 +789,33 @@ def build_demo_models(work_dir: str | Path, output: str | Path | None, settings:
     global _ON_STEP
     _ON_STEP = on_step
     try:
-        return _build(work_dir, output, settings, overwrite, None if figure is None else Path(figure),
-                      None if from_build is None else Path(from_build))
+        return _build(
+            work_dir,
+            output,
+            settings,
+            overwrite,
+            None if figure is None else Path(figure),
+            None if from_build is None else Path(from_build),
+        )
     finally:
         _ON_STEP = None
 
 
-def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSettings | None,
-           overwrite: bool, figure: Path | None, from_build: Path | None = None) -> dict[str, Any]:
+def _build(
+    work_dir: str | Path,
+    output: str | Path | None,
+    settings: BuildSettings | None,
+    overwrite: bool,
+    figure: Path | None,
+    from_build: Path | None = None,
+) -> dict[str, Any]:
     s = settings or BuildSettings()
     work = Path(work_dir)
     out = Path(output) if output is not None else None
     if out is not None and out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} already holds models; pass --overwrite to replace them or choose another --output")
+        raise FileExistsError(
+            f"{out} already holds models; pass --overwrite to replace them or choose another --output"
+        )
     if from_build is not None:
         _start_from_build(work, from_build, s)
     work.mkdir(parents=True, exist_ok=True)
@@ -542,9 +847,15 @@ def _build(work_dir: str | Path, output: str | Path | None, settings: BuildSetti
 #: the base pipelines only fed the teachers.
 _REUSABLE: dict[str, list[tuple[str, str]]] = {
     "judges": [("judges/video", "judges/video"), ("judges/image", "judges/image")],
-    "autoencoders": [("shapes-t2v-softmax/vae", "autoencoders/video"), ("digits-c2i-softmax/vae", "autoencoders/image")],
+    "autoencoders": [
+        ("shapes-t2v-softmax/vae", "autoencoders/video"),
+        ("digits-c2i-softmax/vae", "autoencoders/image"),
+    ],
     "base": [],
-    "teachers": [("shapes-t2v-softmax", "runs/t2v-softmax/pipeline"), ("digits-c2i-softmax", "runs/c2i-softmax/pipeline")],
+    "teachers": [
+        ("shapes-t2v-softmax", "runs/t2v-softmax/pipeline"),
+        ("digits-c2i-softmax", "runs/c2i-softmax/pipeline"),
+    ],
 }
 
 
@@ -561,26 +872,33 @@ def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
         if reused_from is not None and Path(reused_from).resolve() == source.resolve():
             return
     if work.exists() and any(work.iterdir()):
-        raise FileExistsError(f"--from-build starts a new work dir, but {work} already holds a build; "
-                              "choose an empty --work-dir")
+        raise FileExistsError(
+            f"--from-build starts a new work dir, but {work} already holds a build; choose an empty --work-dir"
+        )
     report_file = source / "build_report.json"
     if not report_file.is_file():
-        raise FileNotFoundError(f"--from-build {source}: no build_report.json there; give the folder a finished "
-                                "build exported to (e.g. mhla_diffusion/embedded/models)")
+        raise FileNotFoundError(
+            f"--from-build {source}: no build_report.json there; give the folder a finished "
+            "build exported to (e.g. mhla_diffusion/embedded/models)"
+        )
     report = json.loads(report_file.read_text())
     before, wanted = report["settings"], dataclasses.asdict(s)
     changed = [k for k in _changed_settings(before, wanted) if _FIRST_STAGE.get(k, "data") in ("data", *_REUSABLE)]
     if changed:
-        raise ValueError(f"--from-build {source}: that build's judges, VAEs or teachers were made with other settings "
-                         f"({_describe_changes(changed, before, wanted)}); "
-                         "only student and evaluation settings may change; run a full build for the others")
+        raise ValueError(
+            f"--from-build {source}: that build's judges, VAEs or teachers were made with other settings "
+            f"({_describe_changes(changed, before, wanted)}); "
+            "only student and evaluation settings may change; run a full build for the others"
+        )
     for pairs in _REUSABLE.values():
         for exported, _ in pairs:
             expected = {k: v for k, v in report["weights_sha256"].items() if k.startswith(exported + "/")}
             found = {f"{exported}/{k}": v for k, v in weight_hashes(source / exported).items()}
             if not expected or found != expected:
-                raise ValueError(f"--from-build {source}: the weights in {source / exported} are not the ones its "
-                                 "build_report.json lists (changed after that build?); use the folder as exported")
+                raise ValueError(
+                    f"--from-build {source}: the weights in {source / exported} are not the ones its "
+                    "build_report.json lists (changed after that build?); use the folder as exported"
+                )
     partial = work.with_name(work.name + ".partial")  # renamed to ``work`` once complete
     if partial.exists():
         shutil.rmtree(partial)
@@ -602,16 +920,48 @@ def _start_from_build(work: Path, source: Path, s: BuildSettings) -> None:
 #: The first stage that uses each setting; the others' default: ``data``.
 _FIRST_STAGE = {
     **dict.fromkeys(["reference_clips", "video_judge_steps", "image_judge_steps"], "judges"),
-    **dict.fromkeys(["vae_clips", "video_vae_steps", "video_vae_batch_size", "video_vae_crop_frames",
-                     "video_vae_crop_size", "image_vae_steps"], "autoencoders"),
+    **dict.fromkeys(
+        [
+            "vae_clips",
+            "video_vae_steps",
+            "video_vae_batch_size",
+            "video_vae_crop_frames",
+            "video_vae_crop_size",
+            "image_vae_steps",
+        ],
+        "autoencoders",
+    ),
     **dict.fromkeys(["video_layers", "video_heads", "image_layers", "image_heads", "video_flow_shift"], "base"),
-    **dict.fromkeys(["video_teacher_steps", "image_teacher_steps", "video_batch_size", "image_batch_size",
-                     "teacher_lr"], "teachers"),
-    **dict.fromkeys(["video_student_steps", "video_transfer_steps", "video_student_layout", "video_student_lepe",
-                     "video_student_gate", "video_student_distillation", "video_student_ema", "image_student_steps",
-                     "image_transfer_steps", "student_lr"], "students"),
-    **dict.fromkeys(["eval_clips", "eval_images", "eval_batch_size", "video_sample_steps", "image_sample_steps",
-                     "video_guidance_scale", "image_guidance_scale"], "evaluate"),
+    **dict.fromkeys(
+        ["video_teacher_steps", "image_teacher_steps", "video_batch_size", "image_batch_size", "teacher_lr"], "teachers"
+    ),
+    **dict.fromkeys(
+        [
+            "video_student_steps",
+            "video_transfer_steps",
+            "video_student_layout",
+            "video_student_lepe",
+            "video_student_gate",
+            "video_student_distillation",
+            "video_student_ema",
+            "image_student_steps",
+            "image_transfer_steps",
+            "student_lr",
+        ],
+        "students",
+    ),
+    **dict.fromkeys(
+        [
+            "eval_clips",
+            "eval_images",
+            "eval_batch_size",
+            "video_sample_steps",
+            "image_sample_steps",
+            "video_guidance_scale",
+            "image_guidance_scale",
+        ],
+        "evaluate",
+    ),
 }
 
 
@@ -624,9 +974,11 @@ def _check_settings_change(work: Path, before: dict[str, Any], after: dict[str, 
         return
     done = [k for k in changed if (work / "stages" / f"{_FIRST_STAGE.get(k, 'data')}.json").is_file()]
     if done:
-        raise ValueError(f"{work} holds a build with other settings ({work / 'settings.json'}): "
-                         f"{_describe_changes(done, before, after)} would change stages that have "
-                         "already finished; use another --work-dir or delete that folder")
+        raise ValueError(
+            f"{work} holds a build with other settings ({work / 'settings.json'}): "
+            f"{_describe_changes(done, before, after)} would change stages that have "
+            "already finished; use another --work-dir or delete that folder"
+        )
     logger.info("settings changed for stages not finished yet: %s", _describe_changes(changed, before, after))
 
 

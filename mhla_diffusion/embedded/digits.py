@@ -65,8 +65,13 @@ def split_digits(seed: int = 0, held_out_fraction: float = 0.2, size: int = DIGI
     return DigitSplit(images[train], labels[train], train, images[test], labels[test], test)
 
 
-def write_digits_folder(folder: str | Path, images: np.ndarray, labels: np.ndarray, overwrite: bool = False,
-                        indices: np.ndarray | None = None) -> Path:
+def write_digits_folder(
+    folder: str | Path,
+    images: np.ndarray,
+    labels: np.ndarray,
+    overwrite: bool = False,
+    indices: np.ndarray | None = None,
+) -> Path:
     """Write uint8 ``images`` ``(n, H, W, 3)`` as ``folder/<label>/<index:04d>.png``; returns ``folder``.
 
     ``indices`` name the files (default ``0..n-1``; pass a split's indices to keep the original ids).

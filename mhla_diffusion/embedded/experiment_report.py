@@ -14,13 +14,23 @@ __all__ = ["FIGURES", "reading_markdown", "summarise", "table_markdown", "write_
 #: Part A comparisons (a, b): a - b seed by seed.
 PART_A_PAIRS = (("mhla", "linear"), ("mhla-per-head", "mhla"), ("softmax", "mhla"))
 #: Part B comparisons (a, b).
-PART_B_PAIRS = (("linear", "softmax"), ("mhla", "softmax"), ("mhla", "linear"), ("linear-lepe", "linear"),
-                ("mhla", "linear-lepe"))
+PART_B_PAIRS = (
+    ("linear", "softmax"),
+    ("mhla", "softmax"),
+    ("mhla", "linear"),
+    ("linear-lepe", "linear"),
+    ("mhla", "linear-lepe"),
+)
 PART_B_METRICS = ("mean_held_out_loss", "asymmetry")
 RANK_MEASURES = ("numerical_rank", "effective_rank", "row_entropy")
 SCORE_NAMES = {"local": "relative error (lower is better)", "recall": "recall accuracy (higher is better)"}
-NAMES = {"linear": "global linear attention", "mhla": "MHLA", "mhla-per-head": "MHLA with per-head mixing",
-         "softmax": "softmax", "linear-lepe": "global linear attention with LePE"}
+NAMES = {
+    "linear": "global linear attention",
+    "mhla": "MHLA",
+    "mhla-per-head": "MHLA with per-head mixing",
+    "softmax": "softmax",
+    "linear-lepe": "global linear attention with LePE",
+}
 FIGURES = ("part-a-score-vs-tokens.png", "part-a-rank-vs-tokens.png", "part-b-paired-differences.png")
 
 
@@ -45,11 +55,21 @@ def summarise(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Intervals per (task, student, N), the rank measures against their bounds, the Part A paired
     comparisons per (task, N), and Part B's intervals per arm and paired comparisons per metric."""
     part_a = _groups(report["part_a"], "task", "student", "tokens")
-    scores = [{"task": t, "student": k, "tokens": n, "score": interval([r["score"] for r in runs])}
-              for (t, k, n), runs in part_a.items()]
-    ranks = [{"task": t, "student": k, "tokens": n, "bound": runs[0]["rank_bound"],
-              **{m: interval([r["rank"][m] for r in runs]) for m in RANK_MEASURES}}
-             for (t, k, n), runs in part_a.items() if runs[0]["rank"] is not None]
+    scores = [
+        {"task": t, "student": k, "tokens": n, "score": interval([r["score"] for r in runs])}
+        for (t, k, n), runs in part_a.items()
+    ]
+    ranks = [
+        {
+            "task": t,
+            "student": k,
+            "tokens": n,
+            "bound": runs[0]["rank_bound"],
+            **{m: interval([r["rank"][m] for r in runs]) for m in RANK_MEASURES},
+        }
+        for (t, k, n), runs in part_a.items()
+        if runs[0]["rank"] is not None
+    ]
     paired_a = []
     for (t, n), _ in _groups(report["part_a"], "task", "tokens").items():
         for a, b in PART_A_PAIRS:
@@ -58,12 +78,22 @@ def summarise(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                 if diff is not None:
                     paired_a.append({"task": t, "tokens": n, "a": a, "b": b, "score": diff})
     part_b = _groups(report["part_b"], "arm")
-    arms = [{"arm": arm, **{m: interval([r[m] for r in runs]) for m in (*PART_B_METRICS, "sample_scale")},
-             "held_out_loss": {t: interval([r["held_out_loss"][t] for r in runs]) for t in runs[0]["held_out_loss"]}}
-            for (arm,), runs in part_b.items()]
-    paired_b = [{"metric": m, "a": a, "b": b, **diff} for m in PART_B_METRICS for a, b in PART_B_PAIRS
-                if (a,) in part_b and (b,) in part_b
-                and (diff := _paired(part_b[a,], part_b[b,], lambda r, m=m: r[m])) is not None]
+    arms = [
+        {
+            "arm": arm,
+            **{m: interval([r[m] for r in runs]) for m in (*PART_B_METRICS, "sample_scale")},
+            "held_out_loss": {t: interval([r["held_out_loss"][t] for r in runs]) for t in runs[0]["held_out_loss"]},
+        }
+        for (arm,), runs in part_b.items()
+    ]
+    paired_b = [
+        {"metric": m, "a": a, "b": b, **diff}
+        for m in PART_B_METRICS
+        for a, b in PART_B_PAIRS
+        if (a,) in part_b
+        and (b,) in part_b
+        and (diff := _paired(part_b[a,], part_b[b,], lambda r, m=m: r[m])) is not None
+    ]
     return {"part_a": scores, "part_a_paired": paired_a, "rank": ranks, "part_b": arms, "part_b_paired": paired_b}
 
 
@@ -98,33 +128,81 @@ def table_markdown(report: dict[str, Any]) -> str:
     """The report's summary as Markdown tables: mean [95 % interval] over seeds, paired differences."""
     summary, s = report["summary"], report["settings"]
     tokens = sorted({row["tokens"] for row in summary["part_a"]})
-    lines = ["**Part A: one attention layer fitted to a fixed teacher** (held-out score; mean [95 % interval] over "
-             f"{len(s['part_a_seeds'])} seeds; {s['part_a_steps']} steps; local: {SCORE_NAMES['local']}; recall: "
-             f"{SCORE_NAMES['recall']})", "", *_header(["task", "attention", *[f"{n} tokens" for n in tokens]])]
+    lines = [
+        "**Part A: one attention layer fitted to a fixed teacher** (held-out score; mean [95 % interval] over "
+        f"{len(s['part_a_seeds'])} seeds; {s['part_a_steps']} steps; local: {SCORE_NAMES['local']}; recall: "
+        f"{SCORE_NAMES['recall']})",
+        "",
+        *_header(["task", "attention", *[f"{n} tokens" for n in tokens]]),
+    ]
     for (task, student), rows in _groups(summary["part_a"], "task", "student").items():
         by_tokens = {r["tokens"]: r["score"] for r in rows}
         lines.append(_row([task, student, *[_cell(by_tokens.get(n)) for n in tokens]]))
-    lines += ["", "**Part A, paired by seed** (same batches; a - b of the score)", "",
-              *_header(["task", "tokens", "a - b", "difference ± SE"])]
-    lines += [_row([d["task"], d["tokens"], f"{d['a']} - {d['b']}", _difference(d["score"])])
-              for d in summary["part_a_paired"]]
-    lines += ["", "**The rank of the N x N attention matrix** (first held-out input, mean over heads; numerical rank: "
-              "singular values above 1e-3 of the largest; bound: d for linear, sum over blocks of min(n_b, d) for MHLA, "
-              "N for softmax)", "",
-              *_header(["task", "attention", "tokens", "numerical rank", "bound", "effective rank", "row entropy (nats)"])]
-    lines += [_row([r["task"], r["student"], r["tokens"], _cell(r["numerical_rank"], 1), r["bound"],
-                    _cell(r["effective_rank"], 1), _cell(r["row_entropy"], 2)]) for r in summary["rank"]]
+    lines += [
+        "",
+        "**Part A, paired by seed** (same batches; a - b of the score)",
+        "",
+        *_header(["task", "tokens", "a - b", "difference ± SE"]),
+    ]
+    lines += [
+        _row([d["task"], d["tokens"], f"{d['a']} - {d['b']}", _difference(d["score"])])
+        for d in summary["part_a_paired"]
+    ]
+    lines += [
+        "",
+        "**The rank of the N x N attention matrix** (first held-out input, mean over heads; numerical rank: "
+        "singular values above 1e-3 of the largest; bound: d for linear, sum over blocks of min(n_b, d) for MHLA, "
+        "N for softmax)",
+        "",
+        *_header(["task", "attention", "tokens", "numerical rank", "bound", "effective rank", "row entropy (nats)"]),
+    ]
+    lines += [
+        _row(
+            [
+                r["task"],
+                r["student"],
+                r["tokens"],
+                _cell(r["numerical_rank"], 1),
+                r["bound"],
+                _cell(r["effective_rank"], 1),
+                _cell(r["row_entropy"], 2),
+            ]
+        )
+        for r in summary["rank"]
+    ]
     timesteps = list(summary["part_b"][0]["held_out_loss"]) if summary["part_b"] else []
-    lines += ["", f"**Part B: DiT denoiser on mirror-symmetric images, {s['part_b_tokens']} tokens** (mean [95 % interval] "
-              f"over {len(s['part_b_seeds'])} seeds; {s['part_b_steps']} steps; asymmetry: 1 - corr(sample, its mirror "
-              "image), 0 = symmetric, about 1 = halves unrelated)", "",
-              *_header(["attention", *[f"loss t={t}" for t in timesteps], "mean loss", "asymmetry", "sample contrast / data's"])]
-    lines += [_row([r["arm"], *[_cell(r["held_out_loss"][t], 4) for t in timesteps], _cell(r["mean_held_out_loss"], 4),
-                    _cell(r["asymmetry"]), _cell(r["sample_scale"], 2)]) for r in summary["part_b"]]
-    lines += ["", "**Part B, paired by seed** (same initial weights, batches, noise and timesteps; a - b)", "",
-              *_header(["measure", "a - b", "per-seed differences", "difference ± SE"])]
-    lines += [_row([d["metric"], f"{d['a']} - {d['b']}", ", ".join(f"{x:+.3g}" for x in d["differences"]),
-                    _difference(d)]) for d in summary["part_b_paired"]]
+    lines += [
+        "",
+        f"**Part B: DiT denoiser on mirror-symmetric images, {s['part_b_tokens']} tokens** (mean [95 % interval] "
+        f"over {len(s['part_b_seeds'])} seeds; {s['part_b_steps']} steps; asymmetry: 1 - corr(sample, its mirror "
+        "image), 0 = symmetric, about 1 = halves unrelated)",
+        "",
+        *_header(
+            ["attention", *[f"loss t={t}" for t in timesteps], "mean loss", "asymmetry", "sample contrast / data's"]
+        ),
+    ]
+    lines += [
+        _row(
+            [
+                r["arm"],
+                *[_cell(r["held_out_loss"][t], 4) for t in timesteps],
+                _cell(r["mean_held_out_loss"], 4),
+                _cell(r["asymmetry"]),
+                _cell(r["sample_scale"], 2),
+            ]
+        )
+        for r in summary["part_b"]
+    ]
+    lines += [
+        "",
+        "**Part B, paired by seed** (same initial weights, batches, noise and timesteps; a - b)",
+        "",
+        *_header(["measure", "a - b", "per-seed differences", "difference ± SE"]),
+    ]
+    lines += [
+        _row([d["metric"], f"{d['a']} - {d['b']}", ", ".join(f"{x:+.3g}" for x in d["differences"]), _difference(d)])
+        for d in summary["part_b_paired"]
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -144,18 +222,28 @@ def reading_markdown(report: dict[str, Any]) -> str:
     summary = report["summary"]
     out = []
     for (task, student), rows in _groups(summary["part_a"], "task", "student").items():
-        cells = "; ".join(f"{_cell(r['score'])} at {r['tokens']} tokens" for r in sorted(rows, key=lambda r: r["tokens"]))
+        cells = "; ".join(
+            f"{_cell(r['score'])} at {r['tokens']} tokens" for r in sorted(rows, key=lambda r: r["tokens"])
+        )
         out.append(f"Part A, {task} teacher, {NAMES[student]}: {SCORE_NAMES[task]} {cells} (mean [95 % interval]).")
     for (task, a, b), diffs in _groups(summary["part_a_paired"], "task", "a", "b").items():
-        parts = "; ".join(f"{d['tokens']} tokens: {_versus(d['score'], task == 'local')}"
-                          for d in sorted(diffs, key=lambda d: d["tokens"]))
-        out.append(f"Part A, {task} teacher, {NAMES[a]} against {NAMES[b]} ({SCORE_NAMES[task]}, paired by seed): {parts}.")
+        parts = "; ".join(
+            f"{d['tokens']} tokens: {_versus(d['score'], task == 'local')}"
+            for d in sorted(diffs, key=lambda d: d["tokens"])
+        )
+        out.append(
+            f"Part A, {task} teacher, {NAMES[a]} against {NAMES[b]} ({SCORE_NAMES[task]}, paired by seed): {parts}."
+        )
     for (task, student), rows in _groups(summary["rank"], "task", "student").items():
         rows = sorted(rows, key=lambda r: r["tokens"])
-        cells = ", ".join(f"{r['numerical_rank']['mean']:.0f} of at most {r['bound']} at {r['tokens']} tokens"
-                          for r in rows)
-        out.append(f"Rank, {task} teacher, {NAMES[student]}: numerical rank {cells}; effective rank "
-                   + ", ".join(f"{r['effective_rank']['mean']:.1f}" for r in rows) + ".")
+        cells = ", ".join(
+            f"{r['numerical_rank']['mean']:.0f} of at most {r['bound']} at {r['tokens']} tokens" for r in rows
+        )
+        out.append(
+            f"Rank, {task} teacher, {NAMES[student]}: numerical rank {cells}; effective rank "
+            + ", ".join(f"{r['effective_rank']['mean']:.1f}" for r in rows)
+            + "."
+        )
     for d in summary["part_b_paired"]:
         measure = "held-out denoising loss" if d["metric"] == "mean_held_out_loss" else "sample asymmetry"
         out.append(f"Part B, {measure}, {NAMES[d['a']]} against {NAMES[d['b']]}: {_versus(d, True)}.")
@@ -175,8 +263,9 @@ def write_figures(report: dict[str, Any], folder: Path) -> list[Path]:
     summary = report["summary"]
     paths = [Path(folder) / name for name in FIGURES]
     _plot_part_a(plt, summary["part_a"], "score", paths[0], lambda task: SCORE_NAMES[task])
-    _plot_part_a(plt, summary["rank"], "numerical_rank", paths[1], lambda task: "numerical rank (dashed: bound)",
-                 bounds=True)
+    _plot_part_a(
+        plt, summary["rank"], "numerical_rank", paths[1], lambda task: "numerical rank (dashed: bound)", bounds=True
+    )
     _plot_part_b(plt, summary["part_b_paired"], paths[2])
     return paths
 
@@ -189,10 +278,14 @@ def _plot_part_a(plt, rows: list[dict[str, Any]], measure: str, path: Path, ylab
             members = sorted(members, key=lambda r: r["tokens"])
             x = [r["tokens"] for r in members]
             mean = [r[measure]["mean"] for r in members]
-            low = [r[measure]["mean"] - (r[measure]["low"] if r[measure]["low"] is not None else r[measure]["mean"])
-                   for r in members]
-            high = [(r[measure]["high"] if r[measure]["high"] is not None else r[measure]["mean"]) - r[measure]["mean"]
-                    for r in members]
+            low = [
+                r[measure]["mean"] - (r[measure]["low"] if r[measure]["low"] is not None else r[measure]["mean"])
+                for r in members
+            ]
+            high = [
+                (r[measure]["high"] if r[measure]["high"] is not None else r[measure]["mean"]) - r[measure]["mean"]
+                for r in members
+            ]
             line = ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=student[0])
             if bounds:
                 ax.plot(x, [r["bound"] for r in members], "--", color=line[0].get_color(), alpha=0.6)
@@ -215,8 +308,14 @@ def _plot_part_b(plt, paired: list[dict[str, Any]], path: Path) -> None:
         diffs = [d for d in paired if d["metric"] == metric]
         for i, d in enumerate(diffs):
             ax.plot([i] * len(d["differences"]), d["differences"], "o", color="0.6", markersize=4)
-            ax.errorbar([i + 0.15], [d["mean"]], yerr=[[2 * (d["se"] or 0)]], fmt="s",
-                        color="C3" if d["called"] else "C0", capsize=4)
+            ax.errorbar(
+                [i + 0.15],
+                [d["mean"]],
+                yerr=[[2 * (d["se"] or 0)]],
+                fmt="s",
+                color="C3" if d["called"] else "C0",
+                capsize=4,
+            )
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(diffs)), [f"{d['a']}\n- {d['b']}" for d in diffs], fontsize=7)
         ax.set_ylabel(f"{metric} difference (a - b)")

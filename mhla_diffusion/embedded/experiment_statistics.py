@@ -37,8 +37,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, float
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     mean = float(d.mean())
     if len(d) < 2:
-        return {"n": len(d), "mean": mean, "se": None, "t": None, "p": None, "called": False,
-                "differences": d.tolist()}
+        return {"n": len(d), "mean": mean, "se": None, "t": None, "p": None, "called": False, "differences": d.tolist()}
     se = float(d.std(ddof=1) / math.sqrt(len(d)))
     if se == 0.0:
         t_stat, p = None, (1.0 if mean == 0.0 else 0.0)  # every seed the same difference (no inf in JSON)
@@ -47,5 +46,12 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, float
 
         t_stat = mean / se
         p: float = float(2 * t.sf(abs(t_stat), len(d) - 1))
-    return {"n": len(d), "mean": mean, "se": se, "t": t_stat, "p": p,
-            "called": bool(abs(mean) > CALL_STANDARD_ERRORS * se), "differences": d.tolist()}
+    return {
+        "n": len(d),
+        "mean": mean,
+        "se": se,
+        "t": t_stat,
+        "p": p,
+        "called": bool(abs(mean) > CALL_STANDARD_ERRORS * se),
+        "differences": d.tolist(),
+    }

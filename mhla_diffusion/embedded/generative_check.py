@@ -56,7 +56,7 @@ def mirror_images(count: int, side: int, generator: torch.Generator) -> torch.Te
     coords = torch.arange(side, dtype=torch.float32)
     dy = coords[None, None, :, None] - centre[..., 0, None, None]
     dx = coords[None, None, None, :] - centre[..., 1, None, None]
-    blobs = (amplitude * torch.exp(-(dy ** 2 + dx ** 2) / (2 * width ** 2))).sum(dim=1, keepdim=True)
+    blobs = (amplitude * torch.exp(-(dy**2 + dx**2) / (2 * width**2))).sum(dim=1, keepdim=True)
     return blobs + blobs.flip(-1)
 
 
@@ -78,7 +78,9 @@ def _median_std(images: torch.Tensor) -> float:
 def sample_scale(samples: torch.Tensor, side: int) -> float:
     """The median per-image standard deviation of ``samples`` over that of held-out data (1: the data's
     contrast; an undertrained model's samples are often far brighter)."""
-    return _median_std(samples) / _median_std(mirror_images(len(samples), side, torch.Generator().manual_seed(EVAL_SEED)))
+    return _median_std(samples) / _median_std(
+        mirror_images(len(samples), side, torch.Generator().manual_seed(EVAL_SEED))
+    )
 
 
 def new_denoiser(arm: str, side: int, layers: int, heads: int, head_dim: int, seed: int):
@@ -86,8 +88,17 @@ def new_denoiser(arm: str, side: int, layers: int, heads: int, head_dim: int, se
     default initialisation (DiT's zero-initialised gates learn slowly at this budget)."""
     from ..finetune.dit_scratch import new_dit_transformer
 
-    config = dict(num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim, in_channels=1,
-                  out_channels=1, sample_size=side, patch_size=1, num_embeds_ada_norm=1, norm_type="ada_norm_zero")
+    config = dict(
+        num_layers=layers,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=1,
+        out_channels=1,
+        sample_size=side,
+        patch_size=1,
+        num_embeds_ada_norm=1,
+        norm_type="ada_norm_zero",
+    )
     return new_dit_transformer(config, seed=seed, mhla=ARMS[arm](side), share=False, dit_init=False)
 
 
@@ -148,8 +159,9 @@ def sample(model, side: int, count: int, steps: int) -> torch.Tensor:
     return x
 
 
-def train_and_measure(folder: Path, arm: str, tokens: int, seed: int, s: Any,
-                      on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+def train_and_measure(
+    folder: Path, arm: str, tokens: int, seed: int, s: Any, on_step: Callable[[int], None] | None = None
+) -> dict[str, Any]:
     """Train one arm for one seed (resuming from ``folder/checkpoint.pt``) and measure it. ``s``: the
     experiment's settings (``part_b_*`` fields)."""
     side = grid_side(tokens)
@@ -160,9 +172,17 @@ def train_and_measure(folder: Path, arm: str, tokens: int, seed: int, s: Any,
     began = time.perf_counter()
     samples = sample(model, side, s.part_b_samples, s.part_b_sample_steps)
     sample_seconds = time.perf_counter() - began
-    return {"arm": arm, "tokens": tokens, "seed": seed, "steps": s.part_b_steps,
-            "parameters": int(sum(p.numel() for p in model.parameters())),
-            "final_train_loss": float(np.mean(log.losses[-50:])), "train_seconds": round(log.seconds, 1),
-            "held_out_loss": losses, "mean_held_out_loss": float(np.mean(list(losses.values()))),
-            "asymmetry": asymmetry(samples), "sample_scale": sample_scale(samples, side),
-            "sample_seconds": round(sample_seconds, 1)}
+    return {
+        "arm": arm,
+        "tokens": tokens,
+        "seed": seed,
+        "steps": s.part_b_steps,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "final_train_loss": float(np.mean(log.losses[-50:])),
+        "train_seconds": round(log.seconds, 1),
+        "held_out_loss": losses,
+        "mean_held_out_loss": float(np.mean(list(losses.values()))),
+        "asymmetry": asymmetry(samples),
+        "sample_scale": sample_scale(samples, side),
+        "sample_seconds": round(sample_seconds, 1),
+    }

@@ -5,7 +5,6 @@ Trained only on real digits (the train side of :func:`~.digits.split_digits`), n
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,14 @@ from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
 from .judge_training import fit_judge
 from .training_loop import LoopProgress, step_generator
 
-__all__ = ["ImageJudge", "class_accuracy", "images_to_tensor", "predict_classes", "tensor_to_uint8", "train_image_judge"]
+__all__ = [
+    "ImageJudge",
+    "class_accuracy",
+    "images_to_tensor",
+    "predict_classes",
+    "tensor_to_uint8",
+    "train_image_judge",
+]
 
 
 def _block(cin: int, cout: int) -> nn.Sequential:
@@ -32,15 +38,18 @@ class ImageJudge(nn.Module):
 
     kind = "image"
 
-    def __init__(self, width: int = 32, embed_dim: int = 64, num_classes: int = NUM_DIGIT_CLASSES,
-                 image_size: int = DIGIT_SIZE):
+    def __init__(
+        self, width: int = 32, embed_dim: int = 64, num_classes: int = NUM_DIGIT_CLASSES, image_size: int = DIGIT_SIZE
+    ):
         super().__init__()
         if image_size % 4:
             raise ValueError(f"image_size must be a multiple of 4, got {image_size}")
         self.config = {"width": width, "embed_dim": embed_dim, "num_classes": num_classes, "image_size": image_size}
         self.trunk = nn.Sequential(
-            _block(3, width), nn.MaxPool2d(2),
-            _block(width, 2 * width), nn.MaxPool2d(2),
+            _block(3, width),
+            nn.MaxPool2d(2),
+            _block(width, 2 * width),
+            nn.MaxPool2d(2),
             _block(2 * width, 2 * width),
         )
         self.project = nn.Sequential(nn.Linear(2 * width * 16, embed_dim), nn.SiLU())
@@ -80,11 +89,13 @@ def tensor_to_uint8(pixels: torch.Tensor) -> np.ndarray:
 def predict_classes(judge: ImageJudge, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
     """uint8 images ``(N, S, S, 3)`` -> predicted classes int64 ``(N,)``."""
     judge.eval()
-    out = [judge(images_to_tensor(images[i: i + batch_size])).argmax(-1) for i in range(0, len(images), batch_size)]
+    out = [judge(images_to_tensor(images[i : i + batch_size])).argmax(-1) for i in range(0, len(images), batch_size)]
     return torch.cat(out).numpy() if out else np.zeros(0, np.int64)
 
 
-def class_accuracy(judge: ImageJudge, images: np.ndarray, labels: np.ndarray | list[int], batch_size: int = 256) -> float:
+def class_accuracy(
+    judge: ImageJudge, images: np.ndarray, labels: np.ndarray | list[int], batch_size: int = 256
+) -> float:
     """Fraction of uint8 ``images`` ``(N, S, S, 3)`` judged to be their ``labels`` ``(N,)``."""
     images, labels = np.asarray(images), np.asarray(labels)
     if len(images) == 0:
@@ -102,12 +113,22 @@ def _shift(batch: torch.Tensor, generator: torch.Generator, max_shift: int) -> t
     padded = F.pad(batch, (max_shift,) * 4, value=-1.0)
     size = batch.shape[-1]
     offsets = torch.randint(0, 2 * max_shift + 1, (len(batch), 2), generator=generator)
-    return torch.stack([p[:, y: y + size, x: x + size] for p, (y, x) in zip(padded, offsets.tolist())])
+    return torch.stack([p[:, y : y + size, x : x + size] for p, (y, x) in zip(padded, offsets.tolist())])
 
 
-def train_image_judge(images: np.ndarray, labels: np.ndarray, steps: int = 300, batch_size: int = 64, lr: float = 3e-3,
-                      seed: int = 0, max_shift: int = 2, width: int = 32, embed_dim: int = 64,
-                      num_classes: int = NUM_DIGIT_CLASSES, progress: LoopProgress | None = None) -> ImageJudge:
+def train_image_judge(
+    images: np.ndarray,
+    labels: np.ndarray,
+    steps: int = 300,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    max_shift: int = 2,
+    width: int = 32,
+    embed_dim: int = 64,
+    num_classes: int = NUM_DIGIT_CLASSES,
+    progress: LoopProgress | None = None,
+) -> ImageJudge:
     """Train an :class:`ImageJudge` on uint8 ``images`` ``(N, S, S, 3)`` and ``labels`` ``(N,)``.
 
     Seeded minibatches with random shifts of up to ``max_shift`` pixels, AdamW with cosine decay.
@@ -122,8 +143,7 @@ def train_image_judge(images: np.ndarray, labels: np.ndarray, steps: int = 300, 
         raise ValueError(f"labels must lie in 0..{num_classes - 1}, got {labels.min()}..{labels.max()}")
     data, targets = images_to_tensor(images), torch.as_tensor(labels, dtype=torch.int64)
     torch.manual_seed(seed)
-    judge = ImageJudge(width=width, embed_dim=embed_dim, num_classes=num_classes,
-                       image_size=images.shape[1])
+    judge = ImageJudge(width=width, embed_dim=embed_dim, num_classes=num_classes, image_size=images.shape[1])
 
     def batch_loss(step: int) -> torch.Tensor:
         generator = step_generator(seed, step)

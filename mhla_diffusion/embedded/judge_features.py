@@ -27,8 +27,14 @@ from .image_judge import ImageJudge
 from .moving_shapes import ATTRIBUTES
 from .video_judge import VideoJudge
 
-__all__ = ["SPATIAL_CHANNELS", "ImageJudgeFeatures", "VideoJudgeFeatures", "clips_to_filmstrips",
-           "filmstrips_to_clips", "judge_features"]
+__all__ = [
+    "SPATIAL_CHANNELS",
+    "ImageJudgeFeatures",
+    "VideoJudgeFeatures",
+    "clips_to_filmstrips",
+    "filmstrips_to_clips",
+    "judge_features",
+]
 
 #: Channels of the last conv map kept for sFID (as Inception keeps 7 of mixed_6/conv's 768).
 SPATIAL_CHANNELS = 8
@@ -76,8 +82,10 @@ class VideoJudgeFeatures(FeatureExtractor):
         check_uint8_images(images)
         f, size = self.judge.config["num_frames"], self.judge.config["frame_size"]
         if tuple(images.shape[2:]) != (f * size, size):
-            raise ValueError(f"the video judge takes filmstrips of {f} frames of {size}x{size}, i.e. images "
-                             f"(N, 3, {f * size}, {size}); got {tuple(images.shape)} (see clips_to_filmstrips)")
+            raise ValueError(
+                f"the video judge takes filmstrips of {f} frames of {size}x{size}, i.e. images "
+                f"(N, 3, {f * size}, {size}); got {tuple(images.shape)} (see clips_to_filmstrips)"
+            )
         n = images.shape[0]
         clips = images.to(self.device).reshape(n, 3, f, size, size).float() / 127.5 - 1.0
         fmap = self.judge.feature_map(clips)
@@ -109,12 +117,16 @@ class ImageJudgeFeatures(FeatureExtractor):
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         fmap = self.judge.feature_map(x / 127.5 - 1.0)
         pooled = self.judge.embed(fmap)
-        return {"pool": pooled, "spatial": spatial_features(fmap, SPATIAL_CHANNELS),
-                "logits_unbiased": _unbiased(self.judge.head, pooled)}
+        return {
+            "pool": pooled,
+            "spatial": spatial_features(fmap, SPATIAL_CHANNELS),
+            "logits_unbiased": _unbiased(self.judge.head, pooled),
+        }
 
 
-def judge_features(judge: VideoJudge | ImageJudge, weights_path: str | None = None,
-                   weights_sha256: str | None = None) -> VideoJudgeFeatures | ImageJudgeFeatures:
+def judge_features(
+    judge: VideoJudge | ImageJudge, weights_path: str | None = None, weights_sha256: str | None = None
+) -> VideoJudgeFeatures | ImageJudgeFeatures:
     """The feature network of either judge."""
     if isinstance(judge, VideoJudge):
         return VideoJudgeFeatures(judge, weights_path, weights_sha256)

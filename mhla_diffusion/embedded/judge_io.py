@@ -21,8 +21,9 @@ CONFIG_NAME = "judge_config.json"
 _KINDS = {"video": VideoJudge, "image": ImageJudge}
 
 
-def save_judge(judge: VideoJudge | ImageJudge, folder: str | Path, metadata: dict[str, Any] | None = None,
-               overwrite: bool = False) -> Path:
+def save_judge(
+    judge: VideoJudge | ImageJudge, folder: str | Path, metadata: dict[str, Any] | None = None, overwrite: bool = False
+) -> Path:
     """Write ``folder/judge.safetensors`` and ``folder/judge_config.json``; returns ``folder``.
 
     ``metadata`` (JSON-ready: e.g. training settings, held-out accuracy) is stored in the config.
@@ -57,7 +58,9 @@ def load_judge(folder: str | Path) -> VideoJudge | ImageJudge:
     judge = _KINDS[config["kind"]](**config["config"])
     missing, unexpected = judge.load_state_dict(read_checkpoint_file(weights_path), strict=False)
     if missing or unexpected:
-        raise ValueError(f"{weights_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"{weights_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     judge.metadata = config.get("metadata", {})
     return judge.eval()
 

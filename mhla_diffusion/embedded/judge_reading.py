@@ -73,9 +73,16 @@ class VideoReading:
 
     def to_json(self) -> dict[str, Any]:
         """The reading for a JSON file."""
-        return {"reading": self.text, "confidence": round(self.confidence, 4),
-                **{name: {"value": self.values[name], "confidence": round(self.confidences[name], 4)} for name in ATTRIBUTES},
-                "requested": self.requested, "matches_prompt": self.matches}
+        return {
+            "reading": self.text,
+            "confidence": round(self.confidence, 4),
+            **{
+                name: {"value": self.values[name], "confidence": round(self.confidences[name], 4)}
+                for name in ATTRIBUTES
+            },
+            "requested": self.requested,
+            "matches_prompt": self.matches,
+        }
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,13 @@ class ImageReading:
         return f"judge: {self.label} (confidence {self.confidence:.2f})"
 
     def to_json(self) -> dict[str, Any]:
-        return {"reading": self.label, "class_id": self.class_id, "confidence": round(self.confidence, 4),
-                "requested_class_id": self.requested_id, "matches_class": self.matches}
+        return {
+            "reading": self.label,
+            "class_id": self.class_id,
+            "confidence": round(self.confidence, 4),
+            "requested_class_id": self.requested_id,
+            "matches_class": self.matches,
+        }
 
 
 class JudgeReader:
@@ -150,8 +162,9 @@ class JudgeReader:
         return readings
 
     @torch.inference_mode()
-    def read_images(self, images: np.ndarray, requested: Sequence[int | None], labels: dict[int, str] | None = None
-                    ) -> list[ImageReading]:
+    def read_images(
+        self, images: np.ndarray, requested: Sequence[int | None], labels: dict[int, str] | None = None
+    ) -> list[ImageReading]:
         """Readings of ``images`` ``(N, H, W, 3)`` (uint8, or floats in [0, 1]) generated for the class ids
         ``requested``; ``labels`` names the classes (default: the id as text)."""
         if self.kind != "image":

@@ -13,8 +13,14 @@ from .training_loop import LoopProgress, run_loop
 __all__ = ["fit_judge"]
 
 
-def fit_judge(judge: nn.Module, steps: int, lr: float, batch_loss: Callable[[int], torch.Tensor],
-              name: str, progress: LoopProgress | None = None) -> nn.Module:
+def fit_judge(
+    judge: nn.Module,
+    steps: int,
+    lr: float,
+    batch_loss: Callable[[int], torch.Tensor],
+    name: str,
+    progress: LoopProgress | None = None,
+) -> nn.Module:
     """Train ``judge`` for ``steps`` steps on ``batch_loss(step)`` (a pure function of ``step`` and the
     judge); returns it in eval mode. ``progress``: bar and checkpoint (:class:`LoopProgress`)."""
     optimizer = torch.optim.AdamW(judge.parameters(), lr=lr, weight_decay=1e-4)

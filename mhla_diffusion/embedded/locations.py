@@ -21,8 +21,16 @@ from typing import Literal
 
 from ..utils.choices import ATTENTIONS, Attention
 
-__all__ = ["EMBEDDED_ROOT", "EmbeddedDefaults", "EmbeddedFolder", "embedded_defaults", "embedded_folder", "embedded_judge", "embedded_model",
-           "weight_hashes"]
+__all__ = [
+    "EMBEDDED_ROOT",
+    "EmbeddedDefaults",
+    "EmbeddedFolder",
+    "embedded_defaults",
+    "embedded_folder",
+    "embedded_judge",
+    "embedded_model",
+    "weight_hashes",
+]
 
 EMBEDDED_ROOT = Path(__file__).resolve().parent / "models"
 
@@ -106,7 +114,7 @@ def embedded_folder(model: str | Path) -> EmbeddedFolder | None:
         return None
     for task, prefix in _FOLDERS.items():
         if path.name.startswith(prefix + "-"):
-            return EmbeddedFolder(task, path.name[len(prefix) + 1:], path.parent)  # type: ignore[arg-type]
+            return EmbeddedFolder(task, path.name[len(prefix) + 1 :], path.parent)  # type: ignore[arg-type]
     return None
 
 
@@ -114,5 +122,7 @@ def weight_hashes(folder: Path) -> dict[str, str]:
     """SHA-256 of every ``.safetensors`` file under ``folder``, by path relative to it (``/``-separated):
     what ties committed models to the build report that made them, and an experiment's results
     to the VAE and judge it used."""
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*.safetensors"))}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*.safetensors"))
+    }

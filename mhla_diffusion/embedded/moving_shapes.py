@@ -101,8 +101,16 @@ def _mask(shape: str, cx: float, cy: float, radius: float, size: int) -> np.ndar
     raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
 
 
-def render_clip(shape: str, colour: str, direction: str, start: tuple[float, float], radius: float, speed: float,
-                num_frames: int = NUM_FRAMES, size: int = FRAME_SIZE) -> tuple[np.ndarray, np.ndarray]:
+def render_clip(
+    shape: str,
+    colour: str,
+    direction: str,
+    start: tuple[float, float],
+    radius: float,
+    speed: float,
+    num_frames: int = NUM_FRAMES,
+    size: int = FRAME_SIZE,
+) -> tuple[np.ndarray, np.ndarray]:
     """Draw a clip -> (uint8 ``(num_frames, size, size, 3)``, centres float ``(num_frames, 2)`` as ``(x, y)``)."""
     caption_for(shape, colour, direction)
     if radius <= 0 or speed < 0:
@@ -151,8 +159,9 @@ def shape_clip(k: int, num_clips: int, seed: int = 0) -> ShapeClip:
     return ShapeClip(frames, caption_for(shape, colour, direction), attributes, labels, centres, radius, speed)
 
 
-def generate_clips(num_clips: int, seed: int = 0, start: int = 0, count: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def generate_clips(
+    num_clips: int, seed: int = 0, start: int = 0, count: int | None = None
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Clips ``start .. start + count - 1`` (default: all) of a ``num_clips`` dataset, batched.
 
     Returns uint8 clips ``(n, NUM_FRAMES, FRAME_SIZE, FRAME_SIZE, 3)``, int64 labels ``(n, 3)`` in
@@ -162,6 +171,10 @@ def generate_clips(num_clips: int, seed: int = 0, start: int = 0, count: int | N
     if count < 0 or start < 0 or start + count > num_clips:
         raise ValueError(f"clips {start}..{start + count - 1} are outside the dataset 0..{num_clips - 1}")
     clips = [shape_clip(k, num_clips, seed) for k in range(start, start + count)]
-    frames = np.stack([c.frames for c in clips]) if clips else np.zeros((0, NUM_FRAMES, FRAME_SIZE, FRAME_SIZE, 3), np.uint8)
-    labels = np.array([[c.labels[name] for name in ATTRIBUTES] for c in clips], dtype=np.int64).reshape(-1, len(ATTRIBUTES))
+    frames = (
+        np.stack([c.frames for c in clips]) if clips else np.zeros((0, NUM_FRAMES, FRAME_SIZE, FRAME_SIZE, 3), np.uint8)
+    )
+    labels = np.array([[c.labels[name] for name in ATTRIBUTES] for c in clips], dtype=np.int64).reshape(
+        -1, len(ATTRIBUTES)
+    )
     return frames, labels, [c.caption for c in clips]

@@ -36,8 +36,16 @@ from ..ops.block_layout import block_plan, num_blocks
 from ..ops.mixing import mixing_init
 from .training_loop import step_generator
 
-__all__ = ["STUDENTS", "TASKS", "AttentionStudent", "Task", "attention_measures", "mhla_layout", "rank_bound",
-           "train_students"]
+__all__ = [
+    "STUDENTS",
+    "TASKS",
+    "AttentionStudent",
+    "Task",
+    "attention_measures",
+    "mhla_layout",
+    "rank_bound",
+    "train_students",
+]
 
 STUDENTS = ("linear", "mhla", "mhla-per-head", "softmax")
 TASKS = ("local", "recall")
@@ -73,8 +81,9 @@ def position_features(side: int) -> torch.Tensor:
     periods = 3.0 * 2.0 ** (torch.arange(POSITION_FREQUENCIES, dtype=torch.float32) * 5 / (POSITION_FREQUENCIES - 1))
     angles = 2 * math.pi * coords[:, None] / periods  # (side, F)
     axis = torch.cat([angles.sin(), angles.cos()], dim=1)  # (side, 2F)
-    return torch.cat([axis[:, None, :].expand(side, side, -1), axis[None, :, :].expand(side, side, -1)],
-                     dim=-1).reshape(side * side, -1)
+    return torch.cat(
+        [axis[:, None, :].expand(side, side, -1), axis[None, :, :].expand(side, side, -1)], dim=-1
+    ).reshape(side * side, -1)
 
 
 @dataclass
@@ -97,11 +106,11 @@ class Task:
         self.heads, self.head_dim = heads, head_dim
         if name == "local":
             g = torch.Generator().manual_seed(TEACHER_SEED)  # one teacher for every grid size and seed
-            scale = CONTENT_DIM ** -0.5
+            scale = CONTENT_DIM**-0.5
             self.teacher = {w: torch.randn(CONTENT_DIM, heads * head_dim, generator=g) * scale for w in "qkv"}
             self.teacher["o"] = torch.randn(heads * head_dim, CONTENT_DIM, generator=g) * (heads * head_dim) ** -0.5
             coords = torch.cartesian_prod(torch.arange(self.side), torch.arange(self.side)).float()
-            self.bias = -torch.cdist(coords, coords) ** 2 / (2 * LOCAL_WIDTH ** 2)
+            self.bias = -(torch.cdist(coords, coords) ** 2) / (2 * LOCAL_WIDTH**2)
 
     @property
     def in_dim(self) -> int:
@@ -143,8 +152,14 @@ class Task:
             kinds[b, where[:pairs]], keys[b, where[:pairs]], values[b, where[:pairs]] = 1, chosen, answer
             kinds[b, where[pairs:]], keys[b, where[pairs:]], values[b, where[pairs:]] = 2, chosen[asked], answer[asked]
         pair = (kinds == 1).float()[..., None]
-        content = torch.cat([F.one_hot(kinds, 3).float(), F.one_hot(keys, RECALL_KEYS).float() * (kinds > 0)[..., None],
-                             F.one_hot(values, RECALL_VALUES).float() * pair], dim=-1)
+        content = torch.cat(
+            [
+                F.one_hot(kinds, 3).float(),
+                F.one_hot(keys, RECALL_KEYS).float() * (kinds > 0)[..., None],
+                F.one_hot(values, RECALL_VALUES).float() * pair,
+            ],
+            dim=-1,
+        )
         return Batch(self._with_positions(content), values, kinds == 2)
 
     def loss(self, prediction: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -201,7 +216,9 @@ class AttentionStudent(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x)
         if self.kind == "softmax":
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(
+                1, 2
+            )
         else:
             out = mhla_attention(q, k, v, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS, plan=self.plan)
         return self.out(out.flatten(2))
@@ -217,8 +234,9 @@ class AttentionStudent(nn.Module):
             return scores.softmax(dim=-1)[0]
         n = x.shape[0]
         identity = torch.eye(n).expand(1, self.heads, n, n).transpose(1, 2)  # values (1, N, H, N)
-        return mhla_attention(q, k, identity, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS,
-                              plan=self.plan)[0].transpose(0, 1)
+        return mhla_attention(
+            q, k, identity, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS, plan=self.plan
+        )[0].transpose(0, 1)
 
 
 def rank_bound(kind: str, tokens: int, head_dim: int) -> int:
@@ -243,12 +261,23 @@ def attention_measures(matrix: torch.Tensor) -> dict[str, float]:
     rows = matrix.double().clamp_min(0)
     rows = rows / rows.sum(dim=-1, keepdim=True)
     entropy = -(rows * rows.clamp_min(1e-300).log()).sum(dim=-1)
-    return {"numerical_rank": int((values > RANK_TOLERANCE * values[0]).sum()),
-            "effective_rank": float(torch.exp(-(p * p.log()).sum())), "row_entropy": float(entropy.mean())}
+    return {
+        "numerical_rank": int((values > RANK_TOLERANCE * values[0]).sum()),
+        "effective_rank": float(torch.exp(-(p * p.log()).sum())),
+        "row_entropy": float(entropy.mean()),
+    }
 
 
-def train_students(task: Task, kinds: list[str], seed: int, steps: int, batch_size: int, lr: float,
-                   eval_size: int, rank_max_tokens: int) -> list[dict[str, Any]]:
+def train_students(
+    task: Task,
+    kinds: list[str],
+    seed: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    eval_size: int,
+    rank_max_tokens: int,
+) -> list[dict[str, Any]]:
     """Fit one student of each of ``kinds`` to ``task`` from ``seed``, in lockstep on the same batches (one
     teacher call per step serves them all). Per student: its held-out score, its CPU seconds per training
     step, and for ``N <= rank_max_tokens`` the measures of each head's attention matrix on the first
@@ -274,19 +303,38 @@ def train_students(task: Task, kinds: list[str], seed: int, steps: int, batch_si
             losses[kind].append(float(loss.detach()))
             cpu[kind] += time.process_time() - began
     held_out = task.held_out(eval_size)
-    return [_measure(task, kind, student, held_out, seed, steps, losses[kind], cpu, rank_max_tokens)
-            for kind, student in students.items()]
+    return [
+        _measure(task, kind, student, held_out, seed, steps, losses[kind], cpu, rank_max_tokens)
+        for kind, student in students.items()
+    ]
 
 
 @torch.no_grad()
-def _measure(task: Task, kind: str, student: AttentionStudent, held_out: Batch, seed: int, steps: int,
-             losses: list[float], cpu: dict[str, float], rank_max_tokens: int) -> dict[str, Any]:
+def _measure(
+    task: Task,
+    kind: str,
+    student: AttentionStudent,
+    held_out: Batch,
+    seed: int,
+    steps: int,
+    losses: list[float],
+    cpu: dict[str, float],
+    rank_max_tokens: int,
+) -> dict[str, Any]:
     result: dict[str, Any] = {
-        "task": task.name, "student": kind, "tokens": task.tokens, "seed": seed, "steps": steps,
-        "score": task.score(student(held_out.x), held_out), "final_loss": float(np.mean(losses[-20:])),
+        "task": task.name,
+        "student": kind,
+        "tokens": task.tokens,
+        "seed": seed,
+        "steps": steps,
+        "score": task.score(student(held_out.x), held_out),
+        "final_loss": float(np.mean(losses[-20:])),
         "cpu_seconds_per_step": round(cpu[kind] / max(steps, 1), 4),
         "teacher_cpu_seconds_per_step": round(cpu["teacher"] / max(steps, 1), 4),
-        "layout": list(student.layout), "rank_bound": rank_bound(kind, task.tokens, task.head_dim), "rank": None}
+        "layout": list(student.layout),
+        "rank_bound": rank_bound(kind, task.tokens, task.head_dim),
+        "rank": None,
+    }
     if task.tokens <= rank_max_tokens:
         heads = [attention_measures(m) for m in student.attention_matrix(held_out.x[0])]
         result["rank"] = {name: float(np.mean([h[name] for h in heads])) for name in heads[0]}

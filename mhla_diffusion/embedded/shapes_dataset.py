@@ -46,7 +46,15 @@ def write_shapes_dataset(folder: str | Path, num_clips: int, seed: int = 0, over
         clip = shape_clip(k, num_clips, seed)
         name = f"clips/clip_{k:05d}.gif"
         iio.imwrite(folder / name, clip.frames, extension=".gif", duration=GIF_FRAME_MS, loop=0)
-        rows.append({"file_name": name, "text": clip.caption, "num_frames": NUM_FRAMES, "height": FRAME_SIZE,
-                     "width": FRAME_SIZE, **clip.attributes})
+        rows.append(
+            {
+                "file_name": name,
+                "text": clip.caption,
+                "num_frames": NUM_FRAMES,
+                "height": FRAME_SIZE,
+                "width": FRAME_SIZE,
+                **clip.attributes,
+            }
+        )
     (folder / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return folder

@@ -27,9 +27,14 @@ FRAMES_SHOWN = tuple(round(i * (NUM_FRAMES - 1) / 4) for i in range(5))
 _SCALE, _GAP, _TEXT = 2, 12, 18
 
 
-def side_by_side_samples(models: dict[str, str | Path], judge: str | Path, prompts: Sequence[str] = FIGURE_PROMPTS,
-                         seed: int = 0, steps: int | None = None,
-                         guidance_scale: float | None = None) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+def side_by_side_samples(
+    models: dict[str, str | Path],
+    judge: str | Path,
+    prompts: Sequence[str] = FIGURE_PROMPTS,
+    seed: int = 0,
+    steps: int | None = None,
+    guidance_scale: float | None = None,
+) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     """Generate one clip per prompt with each model (``{"MHLA": folder, "softmax": folder}``) at the
     embedded defaults' size and ``seed``, with ``steps`` and ``guidance_scale`` (``None``: the embedded
     defaults, what the command line uses); returns ``{model: uint8 clips (P, F, H, W, 3)}`` and one
@@ -46,10 +51,23 @@ def side_by_side_samples(models: dict[str, str | Path], judge: str | Path, promp
         pipe = MHLAWanPipeline.from_pretrained(folder)
         pipe.set_progress_bar_config(disable=True)
         # one call per prompt with generator seed ``seed``: what the command line does for each
-        clips[name] = np.concatenate([sample_clips(
-            pipe, [prompt], seed=seed, batch_size=1, num_frames=d.num_frames, height=d.height, width=d.width,
-            steps=steps, guidance_scale=guidance_scale, max_sequence_length=d.max_sequence_length)[0]
-            for prompt in prompts])
+        clips[name] = np.concatenate(
+            [
+                sample_clips(
+                    pipe,
+                    [prompt],
+                    seed=seed,
+                    batch_size=1,
+                    num_frames=d.num_frames,
+                    height=d.height,
+                    width=d.width,
+                    steps=steps,
+                    guidance_scale=guidance_scale,
+                    max_sequence_length=d.max_sequence_length,
+                )[0]
+                for prompt in prompts
+            ]
+        )
         for verdict, reading in zip(verdicts, reader.read_videos(clips[name], list(prompts))):
             verdict[name] = reading.to_json()
     return clips, verdicts
@@ -77,6 +95,10 @@ def draw_side_by_side(clips: dict[str, np.ndarray], verdicts: list[dict[str, Any
             canvas.paste(strip, (left, top + _TEXT))
             reading = verdict[name]
             mark = "ok" if reading["matches_prompt"] else "WRONG"
-            draw.text((left, top + _TEXT + strip_h + 2), f"judge: {reading['reading']} ({reading['confidence']:.2f}) {mark}",
-                      fill=(0, 110, 0) if reading["matches_prompt"] else (170, 0, 0), font=font)
+            draw.text(
+                (left, top + _TEXT + strip_h + 2),
+                f"judge: {reading['reading']} ({reading['confidence']:.2f}) {mark}",
+                fill=(0, 110, 0) if reading["matches_prompt"] else (170, 0, 0),
+                font=font,
+            )
     return canvas

@@ -48,8 +48,14 @@ class Stages:
         for attempt in attempts:
             if attempt["seconds"] is None:  # killed without warning
                 attempt["seconds"] = round(self._last_write_since(attempt["started"]) - attempt["started"], 1)
-        logger.info("%s %d/%d %s%s ...", self.noun, self.count, self.total, name,
-                    f" (resuming; attempt {len(attempts) + 1})" if attempts else "")
+        logger.info(
+            "%s %d/%d %s%s ...",
+            self.noun,
+            self.count,
+            self.total,
+            name,
+            f" (resuming; attempt {len(attempts) + 1})" if attempts else "",
+        )
         attempt = {"started": time.time(), "seconds": None}
         attempts.append(attempt)
         attempts_file.write_text(json.dumps(attempts))

@@ -65,7 +65,7 @@ def epoch_batch(step: int, batch_size: int, num_items: int, seed: int) -> np.nda
     while len(picks) < batch_size:
         epoch, offset = divmod(start + len(picks), num_items)
         order = np.random.default_rng([seed, epoch]).permutation(num_items)
-        picks.extend(order[offset: offset + batch_size - len(picks)].tolist())
+        picks.extend(order[offset : offset + batch_size - len(picks)].tolist())
     return np.sort(np.asarray(picks, dtype=np.int64))
 
 
@@ -76,9 +76,16 @@ def _save(path: Path, state: dict[str, Any]) -> None:
     os.replace(partial, path)  # a kill while writing leaves the previous checkpoint intact
 
 
-def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
-             model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-             progress: LoopProgress | None = None, clip_norm: float | None = None) -> LoopLog:
+def run_loop(
+    name: str,
+    steps: int,
+    loss_fn: Callable[[int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    progress: LoopProgress | None = None,
+    clip_norm: float | None = None,
+) -> LoopLog:
     """Minimise ``loss_fn(step)`` for ``step`` in ``0 .. steps - 1``: one optimizer step each (gradients
     clipped to ``clip_norm`` when given), then one ``schedule`` step.
 
@@ -93,11 +100,15 @@ def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tupl
     if progress.checkpoint is not None and progress.checkpoint.is_file():
         state = read_checkpoint_file(progress.checkpoint, safe_globals=_NUMPY_FLOATS)  # weights_only; damaged: one line
         if "seconds" not in state:
-            raise ValueError(f"{progress.checkpoint} was written by an older version of this loop (no training time); "
-                             f"delete it to start this {name} run afresh")
+            raise ValueError(
+                f"{progress.checkpoint} was written by an older version of this loop (no training time); "
+                f"delete it to start this {name} run afresh"
+            )
         if state["steps"] != steps or sorted(state["objects"]) != sorted(stateful):
-            raise ValueError(f"{progress.checkpoint} belongs to another {name} run ({state['steps']} steps, parts "
-                             f"{sorted(state['objects'])}); delete it to start this one afresh")
+            raise ValueError(
+                f"{progress.checkpoint} belongs to another {name} run ({state['steps']} steps, parts "
+                f"{sorted(state['objects'])}); delete it to start this one afresh"
+            )
         for key, obj in stateful.items():
             obj.load_state_dict(state["objects"][key])
         start, losses, seconds = state["step"], list(state["losses"]), state["seconds"]
@@ -118,8 +129,16 @@ def run_loop(name: str, steps: int, loss_fn: Callable[[int], torch.Tensor | tupl
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", refresh=False)
         done = step + 1
         if progress.checkpoint is not None and (done % progress.every == 0 or done == steps):
-            _save(progress.checkpoint, {"step": done, "steps": steps, "losses": losses, "seconds": seconds,
-                                        "objects": {key: obj.state_dict() for key, obj in stateful.items()}})
+            _save(
+                progress.checkpoint,
+                {
+                    "step": done,
+                    "steps": steps,
+                    "losses": losses,
+                    "seconds": seconds,
+                    "objects": {key: obj.state_dict() for key, obj in stateful.items()},
+                },
+            )
         if progress.on_step is not None:
             progress.on_step(done)
     bar.close()

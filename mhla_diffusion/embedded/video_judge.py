@@ -14,10 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .judge_training import fit_judge
-from .training_loop import LoopProgress, step_generator
 from .moving_shapes import ATTRIBUTES, FRAME_SIZE, NUM_FRAMES, generate_clips
+from .training_loop import LoopProgress, step_generator
 
-__all__ = ["VideoJudge", "clips_to_tensor", "predict_attributes", "prompt_accuracy", "soften_clips", "train_video_judge"]
+__all__ = [
+    "VideoJudge",
+    "clips_to_tensor",
+    "predict_attributes",
+    "prompt_accuracy",
+    "soften_clips",
+    "train_video_judge",
+]
 
 
 def _block(cin: int, cout: int, stride: tuple[int, int, int]) -> nn.Sequential:
@@ -35,7 +42,9 @@ class VideoJudge(nn.Module):
 
     kind = "video"
 
-    def __init__(self, width: int = 16, embed_dim: int = 64, num_frames: int = NUM_FRAMES, frame_size: int = FRAME_SIZE):
+    def __init__(
+        self, width: int = 16, embed_dim: int = 64, num_frames: int = NUM_FRAMES, frame_size: int = FRAME_SIZE
+    ):
         super().__init__()
         self.config = {"width": width, "embed_dim": embed_dim, "num_frames": num_frames, "frame_size": frame_size}
         self.trunk = nn.Sequential(
@@ -51,7 +60,9 @@ class VideoJudge(nn.Module):
         """``(N, 3, F, H, W)`` -> last conv map ``(N, 4 * width, f, H / 16, W / 16)``."""
         expected = (3, self.config["num_frames"], self.config["frame_size"], self.config["frame_size"])
         if clips.dim() != 5 or tuple(clips.shape[1:]) != expected:
-            raise ValueError(f"the video judge takes clips (N, {', '.join(map(str, expected))}), got {tuple(clips.shape)}")
+            raise ValueError(
+                f"the video judge takes clips (N, {', '.join(map(str, expected))}), got {tuple(clips.shape)}"
+            )
         # Frame differences as 3 extra channels: the sign pattern at the shape's leading and trailing
         # edges gives the direction directly, which a plain 3D conv learns only slowly.
         motion = torch.cat([clips[:, :, 1:] - clips[:, :, :-1], torch.zeros_like(clips[:, :, :1])], dim=2)
@@ -110,13 +121,17 @@ def predict_attributes(judge: VideoJudge, clips: np.ndarray, batch_size: int = 6
     judge.eval()
     predictions = []
     for start in range(0, len(clips), batch_size):
-        logits = judge(clips_to_tensor(clips[start: start + batch_size]))
+        logits = judge(clips_to_tensor(clips[start : start + batch_size]))
         predictions.append(torch.stack([logits[name].argmax(-1) for name in ATTRIBUTES], dim=1))
     return torch.cat(predictions).numpy() if predictions else np.zeros((0, len(ATTRIBUTES)), np.int64)
 
 
-def prompt_accuracy(judge: VideoJudge, clips: np.ndarray, attributes: np.ndarray | Sequence[Mapping[str, str | int]],
-                    batch_size: int = 64) -> dict[str, float]:
+def prompt_accuracy(
+    judge: VideoJudge,
+    clips: np.ndarray,
+    attributes: np.ndarray | Sequence[Mapping[str, str | int]],
+    batch_size: int = 64,
+) -> dict[str, float]:
     """Fraction of ``clips`` whose judged attributes match the prompts' ``attributes``.
 
     ``attributes``: int labels ``(N, 3)`` or one mapping per clip (``{"shape": "circle", ...}``,
@@ -133,8 +148,9 @@ def prompt_accuracy(judge: VideoJudge, clips: np.ndarray, attributes: np.ndarray
     return result
 
 
-def soften_clips(clips: torch.Tensor, blur: torch.Tensor, noise: torch.Tensor,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+def soften_clips(
+    clips: torch.Tensor, blur: torch.Tensor, noise: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Clips ``(N, 3, F, H, W)`` with a per-clip Gaussian blur of std ``blur[i]`` pixels (0: none) and
     Gaussian noise of std ``noise[i]`` (in the ``[-1, 1]`` scale) added, clamped to ``[-1, 1]``."""
     n, c, f, h, w = clips.shape
@@ -153,9 +169,18 @@ def soften_clips(clips: torch.Tensor, blur: torch.Tensor, noise: torch.Tensor,
     return noisy.clamp(-1.0, 1.0)
 
 
-def train_video_judge(steps: int = 600, batch_size: int = 32, lr: float = 3e-3, seed: int = 0, data_seed: int = 1000,
-                      width: int = 16, embed_dim: int = 64, max_blur: float = 1.5, max_noise: float = 0.1,
-                      progress: LoopProgress | None = None) -> VideoJudge:
+def train_video_judge(
+    steps: int = 600,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    data_seed: int = 1000,
+    width: int = 16,
+    embed_dim: int = 64,
+    max_blur: float = 1.5,
+    max_noise: float = 0.1,
+    progress: LoopProgress | None = None,
+) -> VideoJudge:
     """Train a :class:`VideoJudge` on freshly generated clips (every step a new batch of the
     ``(steps * batch_size, data_seed)`` dataset; no clip is seen twice), AdamW with cosine decay.
 

@@ -16,8 +16,10 @@ from ..cli.evaluate import register
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mhla_diffusion.eval",
-                                     description="ADM-style evaluation: FID, sFID, IS, precision/recall; sampling.")
+    parser = argparse.ArgumentParser(
+        prog="python -m mhla_diffusion.eval",
+        description="ADM-style evaluation: FID, sFID, IS, precision/recall; sampling.",
+    )
     register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser))
     args = parser.parse_args(argv)
     try:

@@ -73,7 +73,7 @@ class VideoCLIPScore:
         self.metric.reset()
         tensor = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(self.device)
         for start in range(0, len(tensor), self.frame_batch):
-            chunk = tensor[start:start + self.frame_batch]
+            chunk = tensor[start : start + self.frame_batch]
             self.metric.update(list(chunk), [prompt] * len(chunk))
         return float(self.metric.compute())
 
@@ -85,6 +85,9 @@ class VideoCLIPScore:
         return {"clip_score": float(np.mean(per_video)), "per_video": per_video}
 
     def info(self) -> dict:
-        return {"name": "clip", "model_folder": self.folder,
-                "definition": "torchmetrics CLIPScore (100 * cosine, clipped at 0) over each video's frames, "
-                              "averaged over frames, then over videos"}
+        return {
+            "name": "clip",
+            "model_folder": self.folder,
+            "definition": "torchmetrics CLIPScore (100 * cosine, clipped at 0) over each video's frames, "
+            "averaged over frames, then over videos",
+        }

@@ -55,9 +55,16 @@ class Activations:
     logits: np.ndarray | None = None  # (N, K) float32
 
 
-def _accumulate(source: ImageSource, extractor: FeatureExtractor, metrics: Sequence[Metric], real: bool,
-                batch_size: int, progress: bool, desc: str | None,
-                on_batch: Callable[[np.ndarray], None] | None = None) -> int:
+def _accumulate(
+    source: ImageSource,
+    extractor: FeatureExtractor,
+    metrics: Sequence[Metric],
+    real: bool,
+    batch_size: int,
+    progress: bool,
+    desc: str | None,
+    on_batch: Callable[[np.ndarray], None] | None = None,
+) -> int:
     """Feed every batch's features (one forward) to ``metrics``; the number of images read."""
     count = 0
     for batch, features in source_features(source, extractor, batch_size, progress=progress, desc=desc):
@@ -71,9 +78,17 @@ def _accumulate(source: ImageSource, extractor: FeatureExtractor, metrics: Seque
     return count
 
 
-def compute_activations(source: ImageSource, extractor: FeatureExtractor, batch_size: int = ADM_BATCH_SIZE, *,
-                        keep_pool: bool = True, keep_logits: bool = True, progress: bool = True,
-                        desc: str | None = None, on_batch: Callable[[np.ndarray], None] | None = None) -> Activations:
+def compute_activations(
+    source: ImageSource,
+    extractor: FeatureExtractor,
+    batch_size: int = ADM_BATCH_SIZE,
+    *,
+    keep_pool: bool = True,
+    keep_logits: bool = True,
+    progress: bool = True,
+    desc: str | None = None,
+    on_batch: Callable[[np.ndarray], None] | None = None,
+) -> Activations:
     """Run ``extractor`` over ``source`` in batches of ``batch_size`` (a progress bar over batches),
     accumulating through the metrics of :mod:`.metrics`.
 
@@ -94,10 +109,19 @@ def compute_activations(source: ImageSource, extractor: FeatureExtractor, batch_
     )
 
 
-def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtractor, *,
-             batch_size: int = ADM_BATCH_SIZE, split_size: int = ADM_SPLIT_SIZE, k: int = ADM_K,
-             with_precision_recall: bool = True, pr_block_size: int = 10000, pr_dtype: str = "float32",
-             progress: bool = True) -> dict:
+def evaluate(
+    samples: ImageSource,
+    reference: Reference,
+    extractor: FeatureExtractor,
+    *,
+    batch_size: int = ADM_BATCH_SIZE,
+    split_size: int = ADM_SPLIT_SIZE,
+    k: int = ADM_K,
+    with_precision_recall: bool = True,
+    pr_block_size: int = 10000,
+    pr_dtype: str = "float32",
+    progress: bool = True,
+) -> dict:
     """IS, FID, sFID and (if the reference has images) precision/recall of ``samples``.
 
     Returns a JSON-ready dict: ``metrics`` (``inception_score``, ``fid``, ``sfid``, ``precision``,
@@ -112,8 +136,10 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
         raise ValueError(f"split_size must be >= 1, got {split_size}")
     pr = with_precision_recall and reference.images is not None
     if pr and min(len(samples), len(reference.images)) <= k:
-        raise ValueError(f"precision/recall with k={k} need more than {k} images on each side, got "
-                         f"{len(samples)} samples and {len(reference.images)} reference images (or pass --no-pr)")
+        raise ValueError(
+            f"precision/recall with k={k} need more than {k} images on each side, got "
+            f"{len(samples)} samples and {len(reference.images)} reference images (or pass --no-pr)"
+        )
     warnings: list[str] = []
     started = time.perf_counter()
     if with_precision_recall and reference.images is None:
@@ -146,26 +172,45 @@ def evaluate(samples: ImageSource, reference: Reference, extractor: FeatureExtra
         logger.warning(message)
     return {
         "metrics": metrics,
-        "samples": {"source": samples.name, "count": gen_count, "image_size": list(samples.image_size),
-                    "skipped": list(samples.skipped)},
+        "samples": {
+            "source": samples.name,
+            "count": gen_count,
+            "image_size": list(samples.image_size),
+            "skipped": list(samples.skipped),
+        },
         "reference": {
             "source": reference.name,
-            "statistics": "stored in the file" if len(stored) == 2 else f"computed from {ref_count} images"
-            + (f" (stored: {', '.join(stored)})" if stored else ""),
+            "statistics": "stored in the file"
+            if len(stored) == 2
+            else f"computed from {ref_count} images" + (f" (stored: {', '.join(stored)})" if stored else ""),
             "images": ref_count,
             "skipped": list(reference.images.skipped) if reference.images is not None else [],
         },
-        "settings": {"batch_size": batch_size, "is_split_size": split_size, "pr_k": k,
-                     "precision_recall": pr, "pr_block_size": pr_block_size, "pr_dtype": pr_dtype},
+        "settings": {
+            "batch_size": batch_size,
+            "is_split_size": split_size,
+            "pr_k": k,
+            "precision_recall": pr,
+            "pr_block_size": pr_block_size,
+            "pr_dtype": pr_dtype,
+        },
         "feature_extractor": extractor.info(),
         "warnings": warnings,
         "seconds": round(time.perf_counter() - started, 3),
     }
 
 
-def make_reference(source: ImageSource, extractor: FeatureExtractor, output: str | os.PathLike, *,
-                   pr_images: int = ADM_PR_IMAGES, seed: int = 0, batch_size: int = ADM_BATCH_SIZE,
-                   overwrite: bool = False, progress: bool = True) -> dict:
+def make_reference(
+    source: ImageSource,
+    extractor: FeatureExtractor,
+    output: str | os.PathLike,
+    *,
+    pr_images: int = ADM_PR_IMAGES,
+    seed: int = 0,
+    batch_size: int = ADM_BATCH_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
     """Write an ADM reference ``.npz``: ``mu, sigma, mu_s, sigma_s`` over all of ``source``, and as
     ``arr_0`` a seeded random subset of ``pr_images`` of its images (kept in source order) for P/R.
 
@@ -186,11 +231,19 @@ def make_reference(source: ImageSource, extractor: FeatureExtractor, output: str
 
     def collect(batch: np.ndarray) -> None:
         nonlocal position
-        kept.append(batch[keep[position:position + len(batch)]])
+        kept.append(batch[keep[position : position + len(batch)]])
         position += len(batch)
 
-    activations = compute_activations(source, extractor, batch_size, keep_pool=False, keep_logits=False,
-                                      progress=progress, desc="reference", on_batch=collect)
+    activations = compute_activations(
+        source,
+        extractor,
+        batch_size,
+        keep_pool=False,
+        keep_logits=False,
+        progress=progress,
+        desc="reference",
+        on_batch=collect,
+    )
     images = np.concatenate(kept) if kept else np.zeros((0, *source.image_size, 3), np.uint8)
     with AdmNpzWriter(output, overwrite=overwrite) as writer:
         if len(images):
@@ -200,5 +253,10 @@ def make_reference(source: ImageSource, extractor: FeatureExtractor, output: str
         writer.add_array("sigma", activations.pool_stats.sigma)
         writer.add_array("mu_s", activations.spatial_stats.mu)
         writer.add_array("sigma_s", activations.spatial_stats.sigma)
-    return {"output": str(output), "images": activations.count, "arr_0": int(len(images)),
-            "skipped": list(source.skipped), "feature_extractor": extractor.info()}
+    return {
+        "output": str(output),
+        "images": activations.count,
+        "arr_0": int(len(images)),
+        "skipped": list(source.skipped),
+        "feature_extractor": extractor.info(),
+    }

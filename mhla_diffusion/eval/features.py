@@ -22,8 +22,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-__all__ = ["FEATURE_KEYS", "FeatureExtractor", "TensorFeatures", "as_feature_extractor", "check_uint8_images",
-           "exact_float32", "flatten_spatial", "spatial_features"]
+__all__ = [
+    "FEATURE_KEYS",
+    "FeatureExtractor",
+    "TensorFeatures",
+    "as_feature_extractor",
+    "check_uint8_images",
+    "exact_float32",
+    "flatten_spatial",
+    "spatial_features",
+]
 
 FEATURE_KEYS = ("pool", "spatial", "logits_unbiased")
 
@@ -98,9 +106,11 @@ class TensorFeatures(FeatureExtractor):
             with torch.inference_mode():
                 out = self.module(image)
         except Exception as error:  # noqa: BLE001 -- any failure means the probe size does not fit the module
-            raise ValueError(f"could not find the feature size of {self.name} by a forward of a {input_img_size} "
-                             f"uint8 image ({type(error).__name__}: {error}): give the module a `num_features` "
-                             "attribute or wrap it as TensorFeatures(module, input_img_size=(3, H, W))") from None
+            raise ValueError(
+                f"could not find the feature size of {self.name} by a forward of a {input_img_size} "
+                f"uint8 image ({type(error).__name__}: {error}): give the module a `num_features` "
+                "attribute or wrap it as TensorFeatures(module, input_img_size=(3, H, W))"
+            ) from None
         return self._checked(out, 1).shape[1]
 
     def _checked(self, out: object, count: int) -> torch.Tensor:
@@ -119,15 +129,19 @@ def as_feature_extractor(network: nn.Module) -> FeatureExtractor:
     if isinstance(network, FeatureExtractor):
         return network
     if not isinstance(network, nn.Module):
-        raise TypeError(f"the feature network must be a FeatureExtractor (e.g. InceptionV3Features) or an nn.Module "
-                        f"returning (N, D) features, got {type(network).__name__}")
+        raise TypeError(
+            f"the feature network must be a FeatureExtractor (e.g. InceptionV3Features) or an nn.Module "
+            f"returning (N, D) features, got {type(network).__name__}"
+        )
     return TensorFeatures(network)
 
 
 def check_uint8_images(images: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``images`` is a uint8 tensor of shape ``(N, 3, H, W)``."""
     if not torch.is_tensor(images) or images.dtype != torch.uint8:
-        raise ValueError(f"feature networks take uint8 images with values 0..255, got {getattr(images, 'dtype', type(images))}")
+        raise ValueError(
+            f"feature networks take uint8 images with values 0..255, got {getattr(images, 'dtype', type(images))}"
+        )
     if images.dim() != 4 or images.shape[1] != 3:
         raise ValueError(f"feature networks take RGB images of shape (N, 3, H, W), got {tuple(images.shape)}")
 

@@ -48,7 +48,9 @@ def gaussian_stats(features: np.ndarray) -> GaussianStats:
     return GaussianStats(features.mean(axis=0), np.cov(features, rowvar=False), count=features.shape[0])
 
 
-def gaussian_from_sums(count: int, total: np.ndarray, outer: np.ndarray, shift: np.ndarray | None = None) -> GaussianStats:
+def gaussian_from_sums(
+    count: int, total: np.ndarray, outer: np.ndarray, shift: np.ndarray | None = None
+) -> GaussianStats:
     """Mean and unbiased covariance from ``count`` vectors' float64 ``total = sum(x - shift)`` ``(D,)`` and
     ``outer = sum((x - shift)(x - shift)^T)`` ``(D, D)`` (``shift`` 0 when None). The one formula of the
     accumulated statistics (:class:`RunningGaussian`, the torchmetrics metrics of :mod:`.metrics`)."""
@@ -109,8 +111,10 @@ def psd_sqrt(matrix: np.ndarray) -> np.ndarray:
 def frechet_distance(stats1: GaussianStats, stats2: GaussianStats) -> float:
     """Frechet distance between two Gaussians (symmetric in its arguments)."""
     if stats1.dim != stats2.dim:
-        raise ValueError(f"cannot compare {stats1.dim}-d with {stats2.dim}-d statistics: "
-                         "they come from different feature layers or networks")
+        raise ValueError(
+            f"cannot compare {stats1.dim}-d with {stats2.dim}-d statistics: "
+            "they come from different feature layers or networks"
+        )
     diff = stats1.mu - stats2.mu
     root1 = psd_sqrt(stats1.sigma)
     middle = root1 @ stats2.sigma @ root1

@@ -35,16 +35,24 @@ import torch.nn.functional as F
 from .frechet import GaussianStats, RunningGaussian
 from .inception_weights import sha256_of_file
 
-__all__ = ["FVD_FRAMES", "FVD_SIZE", "I3DFeatures", "fvd_stats", "load_fvd_reference", "preprocess_clips",
-           "save_fvd_reference"]
+__all__ = [
+    "FVD_FRAMES",
+    "FVD_SIZE",
+    "I3DFeatures",
+    "fvd_stats",
+    "load_fvd_reference",
+    "preprocess_clips",
+    "save_fvd_reference",
+]
 
 FVD_FRAMES = 16
 FVD_SIZE = 224
 _KIND = "fvd-i3d"
 
 
-def preprocess_clips(clips: np.ndarray | torch.Tensor, num_frames: int = FVD_FRAMES, size: int = FVD_SIZE
-                     ) -> torch.Tensor:
+def preprocess_clips(
+    clips: np.ndarray | torch.Tensor, num_frames: int = FVD_FRAMES, size: int = FVD_SIZE
+) -> torch.Tensor:
     """uint8 clips ``(N, F, H, W, 3)`` -> float ``(N, 3, num_frames, size, size)`` in ``[-1, 1]``."""
     clips = torch.as_tensor(np.asarray(clips)) if not torch.is_tensor(clips) else clips
     if clips.dtype != torch.uint8 or clips.dim() != 5 or clips.shape[-1] != 3:
@@ -58,7 +66,7 @@ def preprocess_clips(clips: np.ndarray | torch.Tensor, num_frames: int = FVD_FRA
     if target != (h, w):
         frames = F.interpolate(frames, size=target, mode="bilinear", align_corners=False)
     top, left = (target[0] - size) // 2, (target[1] - size) // 2
-    frames = frames[:, :, top:top + size, left:left + size]
+    frames = frames[:, :, top : top + size, left : left + size]
     frames = frames / 127.5 - 1.0
     return frames.reshape(n, num_frames, 3, size, size).permute(0, 2, 1, 3, 4).contiguous()
 
@@ -68,14 +76,20 @@ class I3DFeatures:
 
     name = "i3d-torchscript"
 
-    def __init__(self, weights: str | os.PathLike, device: str | torch.device = "cpu", num_frames: int = FVD_FRAMES,
-                 size: int = FVD_SIZE):
+    def __init__(
+        self,
+        weights: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        num_frames: int = FVD_FRAMES,
+        size: int = FVD_SIZE,
+    ):
         self.weights_path = str(weights)
         try:
             self.model = torch.jit.load(self.weights_path, map_location=device).eval()
         except (RuntimeError, ValueError) as error:
-            raise ValueError(f"{weights} is not a TorchScript file (expected StyleGAN-V's i3d_torchscript.pt): "
-                             f"{error}") from None
+            raise ValueError(
+                f"{weights} is not a TorchScript file (expected StyleGAN-V's i3d_torchscript.pt): {error}"
+            ) from None
         self.weights_sha256 = sha256_of_file(self.weights_path)
         self.device, self.num_frames, self.size = torch.device(device), num_frames, size
 
@@ -84,22 +98,30 @@ class I3DFeatures:
         x = preprocess_clips(clips, self.num_frames, self.size).to(self.device)
         features = self.model(x, rescale=False, resize=False, return_features=True)
         if not torch.is_tensor(features) or features.dim() != 2 or features.shape[0] != x.shape[0]:
-            raise ValueError(f"{self.weights_path} returned {getattr(features, 'shape', type(features))}, not features "
-                             f"(N, D) for {x.shape[0]} clips: is it the FVD I3D TorchScript file?")
+            raise ValueError(
+                f"{self.weights_path} returned {getattr(features, 'shape', type(features))}, not features "
+                f"(N, D) for {x.shape[0]} clips: is it the FVD I3D TorchScript file?"
+            )
         return features.double().cpu().numpy()
 
     def info(self) -> dict:
-        return {"name": self.name, "weights_path": self.weights_path, "weights_sha256": self.weights_sha256,
-                "num_frames": self.num_frames, "size": self.size,
-                "call": "model(x, rescale=False, resize=False, return_features=True), x (N, 3, T, H, W) in [-1, 1]"}
+        return {
+            "name": self.name,
+            "weights_path": self.weights_path,
+            "weights_sha256": self.weights_sha256,
+            "num_frames": self.num_frames,
+            "size": self.size,
+            "call": "model(x, rescale=False, resize=False, return_features=True), x (N, 3, T, H, W) in [-1, 1]",
+        }
 
 
-def fvd_stats(clips: Iterable[np.ndarray], extractor: Callable[[np.ndarray], np.ndarray], batch_size: int = 8
-              ) -> GaussianStats:
+def fvd_stats(
+    clips: Iterable[np.ndarray], extractor: Callable[[np.ndarray], np.ndarray], batch_size: int = 8
+) -> GaussianStats:
     """Mean and covariance of the features of ``clips`` (uint8 ``(F, H, W, 3)`` each, any count >= 2)."""
     running, batch = RunningGaussian(), []
     for clip in clips:
-        batch.append(np.asarray(clip)[:getattr(extractor, "num_frames", FVD_FRAMES)])
+        batch.append(np.asarray(clip)[: getattr(extractor, "num_frames", FVD_FRAMES)])
         if len(batch) == batch_size:
             running.update(extractor(np.stack(batch)))
             batch = []
@@ -118,9 +140,16 @@ def save_fvd_reference(stats: GaussianStats, path: str | os.PathLike, info: dict
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; choose another path or pass --overwrite")
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, mu=stats.mu, sigma=stats.sigma, count=np.int64(stats.count or 0), kind=np.str_(_KIND),
-             num_frames=np.int64(info["num_frames"]), size=np.int64(info["size"]),
-             weights_sha256=np.str_(info.get("weights_sha256") or ""))
+    np.savez(
+        path,
+        mu=stats.mu,
+        sigma=stats.sigma,
+        count=np.int64(stats.count or 0),
+        kind=np.str_(_KIND),
+        num_frames=np.int64(info["num_frames"]),
+        size=np.int64(info["size"]),
+        weights_sha256=np.str_(info.get("weights_sha256") or ""),
+    )
     return path
 
 

@@ -28,7 +28,13 @@ from ..pipelines.outputs import float_to_uint8
 from .npz import check_images_info, iter_npz_batches, npz_array_info, npz_members
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "ArrayImages", "FolderImages", "ImageSource", "NpzImages", "UnsupportedImage", "open_images",
+    "IMAGE_EXTENSIONS",
+    "ArrayImages",
+    "FolderImages",
+    "ImageSource",
+    "NpzImages",
+    "UnsupportedImage",
+    "open_images",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,7 +78,7 @@ class ArrayImages(ImageSource):
 
     def iter_batches(self, batch_size: int) -> Iterator[np.ndarray]:
         for start in range(0, len(self), batch_size):
-            yield self.images[start:start + batch_size]
+            yield self.images[start : start + batch_size]
 
 
 class NpzImages(ImageSource):
@@ -116,8 +122,10 @@ class UnsupportedImage(ValueError):
 
 
 def _unsupported_mode(path: Path, mode: str) -> str:
-    return (f"{path}: pixel mode {mode!r} is not supported for evaluation (supported: 8-bit images, 16-bit "
-            f"greyscale or RGB(A) PNGs, float greyscale in [0, 1]); {_CONVERT_HINT}")
+    return (
+        f"{path}: pixel mode {mode!r} is not supported for evaluation (supported: 8-bit images, 16-bit "
+        f"greyscale or RGB(A) PNGs, float greyscale in [0, 1]); {_CONVERT_HINT}"
+    )
 
 
 def _probe(path: Path) -> tuple[tuple[int, int] | None, str | None, str | None]:
@@ -178,7 +186,8 @@ def _load_rgb(path: Path) -> np.ndarray:
                     f"{path}: float image with values in [{low:g}, {high:g}]"
                     + ("" if finite else " and non-finite values")
                     + "; evaluation only converts float images with values in [0, 1]: rescale it to [0, 1] or "
-                    + _CONVERT_HINT)
+                    + _CONVERT_HINT
+                )
             grey = float_to_uint8(values)
         else:
             raise UnsupportedImage(_unsupported_mode(path, mode))
@@ -205,27 +214,35 @@ class FolderImages(ImageSource):
         self.skip_corrupt = skip_corrupt
         self.workers = max(1, workers)
         files = sorted(
-            p for p in self.path.rglob("*")
-            if p.suffix.lower() in IMAGE_EXTENSIONS and not any(part.startswith(".") for part in p.relative_to(self.path).parts)
+            p
+            for p in self.path.rglob("*")
+            if p.suffix.lower() in IMAGE_EXTENSIONS
+            and not any(part.startswith(".") for part in p.relative_to(self.path).parts)
             and p.is_file()
         )
         if not files:
             raise ValueError(f"{path} holds no image files ({', '.join(sorted(IMAGE_EXTENSIONS))})")
         with ThreadPoolExecutor(self.workers) as pool:
             probes = list(pool.map(_probe, files))
-        unsupported = [f"{self._rel(p)} ({mode})" for p, (_, _, mode) in zip(files, probes)
-                       if mode is not None and mode not in _SUPPORTED_MODES]
+        unsupported = [
+            f"{self._rel(p)} ({mode})"
+            for p, (_, _, mode) in zip(files, probes)
+            if mode is not None and mode not in _SUPPORTED_MODES
+        ]
         if unsupported:
             raise UnsupportedImage(
                 f"{len(unsupported)} of {len(files)} images in {path} have a pixel mode evaluation cannot convert "
                 f"to 8-bit RGB without guessing: {_name_list(unsupported)}. Supported: 8-bit images, 16-bit "
                 f"greyscale or RGB(A) PNGs, float greyscale in [0, 1]; convert them to 8-bit RGB (or greyscale) "
-                "PNGs first")
+                "PNGs first"
+            )
         probes = [(size, reason) for size, reason, _ in probes]
         bad = [f"{self._rel(p)} ({reason})" for p, (_, reason) in zip(files, probes) if reason is not None]
         if bad and not skip_corrupt:
-            raise ValueError(f"{len(bad)} of {len(files)} images in {path} cannot be read: {_name_list(bad)}. "
-                             "Replace or remove them, or pass --skip-corrupt (skip_corrupt=True) to evaluate without them")
+            raise ValueError(
+                f"{len(bad)} of {len(files)} images in {path} cannot be read: {_name_list(bad)}. "
+                "Replace or remove them, or pass --skip-corrupt (skip_corrupt=True) to evaluate without them"
+            )
         self.skipped = [self._rel(p) for p, (_, reason) in zip(files, probes) if reason is not None]
         if self.skipped:
             logger.warning("skipping %d unreadable images in %s: %s", len(bad), path, _name_list(bad))
@@ -235,8 +252,10 @@ class FolderImages(ImageSource):
         sizes = Counter(size for size, _ in probes if size is not None)
         if len(sizes) > 1:
             listed = ", ".join(f"{h}x{w} ({n} images)" for (h, w), n in sizes.most_common(5))
-            raise ValueError(f"images in {path} have different sizes (HxW): {listed}. Evaluation needs one size: "
-                             "resize/center-crop them first (ADM's reference batches are center-cropped squares)")
+            raise ValueError(
+                f"images in {path} have different sizes (HxW): {listed}. Evaluation needs one size: "
+                "resize/center-crop them first (ADM's reference batches are center-cropped squares)"
+            )
         self.image_size = next(iter(sizes))
 
     def _rel(self, path: Path) -> str:
@@ -252,20 +271,24 @@ class FolderImages(ImageSource):
             raise
         except _READ_ERRORS as error:
             if not self.skip_corrupt:
-                raise ValueError(f"cannot decode {path} ({type(error).__name__}: {error}); replace or remove it, "
-                                 "or pass --skip-corrupt (skip_corrupt=True)") from None
+                raise ValueError(
+                    f"cannot decode {path} ({type(error).__name__}: {error}); replace or remove it, "
+                    "or pass --skip-corrupt (skip_corrupt=True)"
+                ) from None
             logger.warning("skipping %s: cannot decode (%s)", path, error)
             self.skipped.append(self._rel(path))
             return None
         if image.shape[:2] != self.image_size:
-            raise ValueError(f"{path} decodes to {image.shape[0]}x{image.shape[1]}, expected "
-                             f"{self.image_size[0]}x{self.image_size[1]}")
+            raise ValueError(
+                f"{path} decodes to {image.shape[0]}x{image.shape[1]}, expected "
+                f"{self.image_size[0]}x{self.image_size[1]}"
+            )
         return image
 
     def iter_batches(self, batch_size: int) -> Iterator[np.ndarray]:
         with ThreadPoolExecutor(self.workers) as pool:
             for start in range(0, len(self.files), batch_size):
-                images = [im for im in pool.map(self._read, self.files[start:start + batch_size]) if im is not None]
+                images = [im for im in pool.map(self._read, self.files[start : start + batch_size]) if im is not None]
                 if images:
                     yield np.stack(images)
 

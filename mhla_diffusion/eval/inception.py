@@ -53,8 +53,10 @@ _POOL_DIM, _NUM_LOGITS, _SPATIAL_SIDE = 2048, 1008, 17
 def _unreadable_reason(data: bytes) -> str:
     """Why ``torch.load(weights_only=True)`` refused ``data``, in words (not torch's message)."""
     if data.startswith(b"PK\x03\x04"):
-        return (f"it is a zip archive ({len(data)} bytes) that torch.load cannot read as a state dict of tensors "
-                "(damaged or incomplete, or holding other Python objects)")
+        return (
+            f"it is a zip archive ({len(data)} bytes) that torch.load cannot read as a state dict of tensors "
+            "(damaged or incomplete, or holding other Python objects)"
+        )
     if data[:1] == b"\x80":
         return f"it is a pickle ({len(data)} bytes) that does not hold only tensors, or is damaged"
     return f"its {len(data)} bytes are neither a PyTorch zip archive nor a pickle"
@@ -74,14 +76,20 @@ def load_inception_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.
             state_dict = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception:  # torch raises several types (UnpicklingError, RuntimeError, EOFError, UnicodeDecodeError, ...)
         # torch's own text suggests weights_only=False (running the file's code): not repeated here.
-        raise ValueError(f"{path} is not a PyTorch weights file: {_unreadable_reason(data)}. Expected the FID "
-                         f"Inception-v3 weights, a state dict of tensors saved with torch.save (.pth): "
-                         f"{_how_to_get_weights()}") from None
-    if not isinstance(state_dict, Mapping) or not state_dict or not all(
-        isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()
+        raise ValueError(
+            f"{path} is not a PyTorch weights file: {_unreadable_reason(data)}. Expected the FID "
+            f"Inception-v3 weights, a state dict of tensors saved with torch.save (.pth): "
+            f"{_how_to_get_weights()}"
+        ) from None
+    if (
+        not isinstance(state_dict, Mapping)
+        or not state_dict
+        or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items())
     ):
-        raise ValueError(f"{path} does not hold a plain state dict of tensors (got {type(state_dict).__name__}); "
-                         f"expected the FID Inception-v3 weights: {_how_to_get_weights()}")
+        raise ValueError(
+            f"{path} does not hold a plain state dict of tensors (got {type(state_dict).__name__}); "
+            f"expected the FID Inception-v3 weights: {_how_to_get_weights()}"
+        )
     return dict(state_dict), sha256
 
 
@@ -101,34 +109,49 @@ class InceptionV3Features(FeatureExtractor):
     spatial_shape = (_SPATIAL_SIDE, _SPATIAL_SIDE, SFID_CHANNELS)
     num_logits = _NUM_LOGITS
 
-    def __init__(self, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu",
-                 internal_dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        weights: str | os.PathLike | None = None,
+        device: str | torch.device = "cpu",
+        internal_dtype: str = "float32",
+    ) -> None:
         super().__init__()
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
         if internal_dtype != "float32":
-            raise ValueError(f"internal_dtype must be 'float32', got {internal_dtype!r}: the Inception network runs in "
-                             "float32 only (torch-fidelity maps 'float64' to float32 internally; ADM uses float32)")
+            raise ValueError(
+                f"internal_dtype must be 'float32', got {internal_dtype!r}: the Inception network runs in "
+                "float32 only (torch-fidelity maps 'float64' to float32 internally; ADM uses float32)"
+            )
         path = resolve_inception_weights(weights)
         state_dict, sha256 = load_inception_state_dict(path)
         logger.info("Inception weights %s sha256=%s", path, sha256)
         if not sha256.startswith(PUBLISHED_SHA256_PREFIX):
-            logger.warning("Inception weights %s: SHA-256 %s does not start with %s (the published file's name suffix); "
-                           "scores may not be comparable with published ones", path, sha256, PUBLISHED_SHA256_PREFIX)
+            logger.warning(
+                "Inception weights %s: SHA-256 %s does not start with %s (the published file's name suffix); "
+                "scores may not be comparable with published ones",
+                path,
+                sha256,
+                PUBLISHED_SHA256_PREFIX,
+            )
         # torch-fidelity loads from the path it is given; handing it the bytes just checked means the
         # file is read once and what was hashed is exactly what is loaded.
         buffer = io.BytesIO()
         torch.save(state_dict, buffer)
         buffer.seek(0)
         try:
-            net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                              feature_extractor_weights_path=buffer,
-                                              feature_extractor_internal_dtype="float32")
+            net = FeatureExtractorInceptionV3(
+                "inception-v3-compat",
+                ["2048", "logits_unbiased"],
+                feature_extractor_weights_path=buffer,
+                feature_extractor_internal_dtype="float32",
+            )
         except RuntimeError as error:  # load_state_dict: missing / unexpected keys, wrong shapes
             details = " ".join(str(error).split())
             details = details if len(details) <= 500 else details[:500] + " ..."
-            raise ValueError(f"{path} is not the FID Inception-v3 weights file ({details}); "
-                             f"expected: {_how_to_get_weights()}") from None
+            raise ValueError(
+                f"{path} is not the FID Inception-v3 weights file ({details}); expected: {_how_to_get_weights()}"
+            ) from None
         self.net = net.to(device)
         self.weights_path = str(path)
         self.weights_sha256 = sha256

@@ -12,8 +12,13 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import log_softmax
 
-__all__ = ["ADM_SPLIT_SIZE", "adjacent_label_agreement", "inception_score", "inception_score_splits",
-           "inception_score_warnings"]
+__all__ = [
+    "ADM_SPLIT_SIZE",
+    "adjacent_label_agreement",
+    "inception_score",
+    "inception_score_splits",
+    "inception_score_warnings",
+]
 
 ADM_SPLIT_SIZE = 5000
 
@@ -27,7 +32,7 @@ def inception_score_splits(logits: np.ndarray, split_size: int = ADM_SPLIT_SIZE)
         raise ValueError(f"split_size must be >= 1, got {split_size}")
     scores = []
     for start in range(0, logits.shape[0], split_size):
-        log_p = log_softmax(logits[start:start + split_size], axis=1)
+        log_p = log_softmax(logits[start : start + split_size], axis=1)
         p = np.exp(log_p)
         with np.errstate(divide="ignore", invalid="ignore"):
             log_p_y = np.log(p.mean(axis=0, keepdims=True))
@@ -53,8 +58,9 @@ def adjacent_label_agreement(labels: np.ndarray) -> tuple[float, float]:
     return observed, chance
 
 
-def inception_score_warnings(count: int, labels: np.ndarray | None = None,
-                             split_size: int = ADM_SPLIT_SIZE) -> list[str]:
+def inception_score_warnings(
+    count: int, labels: np.ndarray | None = None, split_size: int = ADM_SPLIT_SIZE
+) -> list[str]:
     """Why an Inception Score over ``count`` samples (with class ``labels`` if known) is not comparable with
     ADM's numbers (10 splits of 5000): fewer samples than one split, or samples grouped by class (in any
     class order) across more than one split, where each split sees only some classes. Empty if neither.
@@ -64,14 +70,18 @@ def inception_score_warnings(count: int, labels: np.ndarray | None = None,
     """
     warnings = []
     if count < split_size:
-        warnings.append(f"Inception Score over one split of {count} samples (fewer than the split size "
-                        f"{split_size}): not comparable with published numbers (ADM: 50,000 samples in 10 splits of "
-                        "5000); use at least one full split, 50,000 samples to compare with papers")
+        warnings.append(
+            f"Inception Score over one split of {count} samples (fewer than the split size "
+            f"{split_size}): not comparable with published numbers (ADM: 50,000 samples in 10 splits of "
+            "5000); use at least one full split, 50,000 samples to compare with papers"
+        )
     if labels is not None and count > split_size and len(np.unique(labels)) > 1:
         observed, chance = adjacent_label_agreement(labels)
         if observed > chance + 0.5 * (1 - chance):
-            warnings.append(f"samples are grouped by class label ({observed:.0%} of neighbouring samples share a "
-                            f"label, {chance:.1%} expected in random order): each {split_size}-sample Inception Score split "
-                            "then sees only some classes and the score is far lower than for shuffled samples; "
-                            "shuffle them before packing")
+            warnings.append(
+                f"samples are grouped by class label ({observed:.0%} of neighbouring samples share a "
+                f"label, {chance:.1%} expected in random order): each {split_size}-sample Inception Score split "
+                "then sees only some classes and the score is far lower than for shuffled samples; "
+                "shuffle them before packing"
+            )
     return warnings

@@ -46,12 +46,15 @@ def resolve_inception_weights(path: str | os.PathLike | None = None) -> Path:
         path = os.environ.get(INCEPTION_WEIGHTS_ENV) or None
         source = f"${INCEPTION_WEIGHTS_ENV}"
     if path is None:
-        raise FileNotFoundError(f"no Inception weights file was given. FID/sFID/IS/precision-recall need the FID "
-                                f"Inception-v3 weights: {how_to_get_weights()}")
+        raise FileNotFoundError(
+            f"no Inception weights file was given. FID/sFID/IS/precision-recall need the FID "
+            f"Inception-v3 weights: {how_to_get_weights()}"
+        )
     resolved = Path(path).expanduser()
     if not resolved.is_file():
-        raise FileNotFoundError(f"Inception weights file {resolved} (from {source}) does not exist or is not a file: "
-                                f"{how_to_get_weights()}")
+        raise FileNotFoundError(
+            f"Inception weights file {resolved} (from {source}) does not exist or is not a file: {how_to_get_weights()}"
+        )
     return resolved
 
 

@@ -52,8 +52,14 @@ from .inception_score import ADM_SPLIT_SIZE, inception_score
 from .precision_recall import ADM_K, DISTANCE_DTYPES, precision_recall
 from .reference import Reference, load_reference
 
-__all__ = ["ADMFrechetInceptionDistance", "ADMInceptionScore", "ADMPrecisionRecall", "SpatialFID",
-           "extract_features", "source_features"]
+__all__ = [
+    "ADMFrechetInceptionDistance",
+    "ADMInceptionScore",
+    "ADMPrecisionRecall",
+    "SpatialFID",
+    "extract_features",
+    "source_features",
+]
 
 #: ADM's inference batch size for Inception.
 ADM_BATCH_SIZE = 64
@@ -75,8 +81,10 @@ def extract_features(extractor: FeatureExtractor, images: torch.Tensor | np.ndar
         features = extractor(_as_nchw_uint8(images))
     pool, spatial = features["pool"].float(), flatten_spatial(features["spatial"]).float()
     if pool.shape[1] != extractor.pool_dim or spatial.shape[1] != extractor.spatial_dim:
-        raise ValueError(f"{type(extractor).__name__} returned {pool.shape[1]}-d pool / {spatial.shape[1]}-d "
-                         f"spatial features, declared {extractor.pool_dim} / {extractor.spatial_dim}")
+        raise ValueError(
+            f"{type(extractor).__name__} returned {pool.shape[1]}-d pool / {spatial.shape[1]}-d "
+            f"spatial features, declared {extractor.pool_dim} / {extractor.spatial_dim}"
+        )
     return {"pool": pool, "spatial": spatial, "logits_unbiased": features["logits_unbiased"].float()}
 
 
@@ -96,22 +104,34 @@ def shared_features(extractor: FeatureExtractor, images: torch.Tensor | np.ndarr
     x = _as_nchw_uint8(images)
     versions = _weights_versions(network)
     last = _LAST_FEATURES.get(network)
-    if last is not None and last[1] == versions and last[0].shape == x.shape and last[0].device == x.device \
-            and torch.equal(last[0], x):
+    if (
+        last is not None
+        and last[1] == versions
+        and last[0].shape == x.shape
+        and last[0].device == x.device
+        and torch.equal(last[0], x)
+    ):
         return last[2]
     features = extract_features(extractor, x)
     _LAST_FEATURES[network] = (x.clone(), versions, features)
     return features
 
 
-def source_features(source: ImageSource, extractor: FeatureExtractor, batch_size: int = ADM_BATCH_SIZE, *,
-                    progress: bool = False, desc: str | None = None) -> Iterator[tuple[np.ndarray, dict]]:
+def source_features(
+    source: ImageSource,
+    extractor: FeatureExtractor,
+    batch_size: int = ADM_BATCH_SIZE,
+    *,
+    progress: bool = False,
+    desc: str | None = None,
+) -> Iterator[tuple[np.ndarray, dict]]:
     """``(uint8 batch (n, H, W, 3), its features)`` for ``source`` in batches (a progress bar over batches)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     total = -(-len(source) // batch_size)
-    for batch in tqdm(source.iter_batches(batch_size), total=total, desc=desc or source.name, unit="batch",
-                      disable=not progress):
+    for batch in tqdm(
+        source.iter_batches(batch_size), total=total, desc=desc or source.name, unit="batch", disable=not progress
+    ):
         yield batch, extract_features(extractor, batch)
 
 
@@ -143,9 +163,12 @@ class _FrechetMetric(_ADMMetric):
     _feature = "pool"
     _stats_key = "fid"
 
-    def __init__(self, extractor: FeatureExtractor | nn.Module,
-                 reference: Reference | GaussianStats | str | os.PathLike | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        extractor: FeatureExtractor | nn.Module,
+        reference: Reference | GaussianStats | str | os.PathLike | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(extractor, **kwargs)
         dim = self.extractor.pool_dim if self._feature == "pool" else self.extractor.spatial_dim
         for side in ("real", "fake"):
@@ -174,8 +197,10 @@ class _FrechetMetric(_ADMMetric):
         else:
             raise TypeError(f"reference must be a Reference, GaussianStats or a path, got {type(reference).__name__}")
         if stats is not None and stats.dim != dim:
-            raise ValueError(f"reference {self._stats_key} statistics are {stats.dim}-d but the feature network gives "
-                             f"{dim}-d features; they were computed with another network")
+            raise ValueError(
+                f"reference {self._stats_key} statistics are {stats.dim}-d but the feature network gives "
+                f"{dim}-d features; they were computed with another network"
+            )
         return stats
 
     def update(self, images, real: bool = False) -> None:
@@ -192,8 +217,11 @@ class _FrechetMetric(_ADMMetric):
     def stats(self, real: bool = False) -> GaussianStats:
         """Mean and unbiased covariance of the states as they stand (on this process unless inside ``compute``)."""
         side = "real" if real else "fake"
-        return gaussian_from_sums(int(getattr(self, f"{side}_count")), getattr(self, f"{side}_sum").cpu().numpy(),
-                                  getattr(self, f"{side}_outer").cpu().numpy())
+        return gaussian_from_sums(
+            int(getattr(self, f"{side}_count")),
+            getattr(self, f"{side}_sum").cpu().numpy(),
+            getattr(self, f"{side}_outer").cpu().numpy(),
+        )
 
     def compute(self) -> torch.Tensor:
         """The Frechet distance of the samples to the reference (float64 scalar)."""
@@ -267,9 +295,15 @@ class ADMPrecisionRecall(_ADMMetric):
 
     higher_is_better = True
 
-    def __init__(self, extractor: FeatureExtractor | nn.Module,
-                 reference: Reference | np.ndarray | torch.Tensor | str | os.PathLike | None = None,
-                 k: int = ADM_K, block_size: int = 10000, distance_dtype: str = "float32", **kwargs) -> None:
+    def __init__(
+        self,
+        extractor: FeatureExtractor | nn.Module,
+        reference: Reference | np.ndarray | torch.Tensor | str | os.PathLike | None = None,
+        k: int = ADM_K,
+        block_size: int = 10000,
+        distance_dtype: str = "float32",
+        **kwargs,
+    ) -> None:
         super().__init__(extractor, **kwargs)
         if distance_dtype not in DISTANCE_DTYPES:
             raise ValueError(f"distance_dtype must be one of {', '.join(DISTANCE_DTYPES)}, got {distance_dtype!r}")
@@ -284,8 +318,9 @@ class ADMPrecisionRecall(_ADMMetric):
         elif reference is not None:
             reference = torch.as_tensor(np.asarray(reference) if not torch.is_tensor(reference) else reference).float()
             if reference.dim() != 2 or reference.shape[1] != self.extractor.pool_dim:
-                raise ValueError(f"reference features must be (N, {self.extractor.pool_dim}), "
-                                 f"got {tuple(reference.shape)}")
+                raise ValueError(
+                    f"reference features must be (N, {self.extractor.pool_dim}), got {tuple(reference.shape)}"
+                )
         self.reference = reference
 
     def update(self, images, real: bool = False) -> None:
@@ -298,10 +333,20 @@ class ADMPrecisionRecall(_ADMMetric):
         reference = self.reference if self.reference is not None else dim_zero_cat(self.real_pool).cpu()
         samples = dim_zero_cat(self.fake_pool).cpu()
         if min(len(reference), len(samples)) <= self.k:
-            raise ValueError(f"precision/recall with k={self.k} need more than {self.k} images on each side, got "
-                             f"{len(samples)} samples and {len(reference)} reference images")
+            raise ValueError(
+                f"precision/recall with k={self.k} need more than {self.k} images on each side, got "
+                f"{len(samples)} samples and {len(reference)} reference images"
+            )
         with exact_float32():
-            precision, recall = precision_recall(reference, samples, k=self.k, block_size=self.block_size,
-                                                 device=self.extractor.device, distance_dtype=self.distance_dtype)
-        return {"precision": torch.tensor(precision, dtype=torch.float64),
-                "recall": torch.tensor(recall, dtype=torch.float64)}
+            precision, recall = precision_recall(
+                reference,
+                samples,
+                k=self.k,
+                block_size=self.block_size,
+                device=self.extractor.device,
+                distance_dtype=self.distance_dtype,
+            )
+        return {
+            "precision": torch.tensor(precision, dtype=torch.float64),
+            "recall": torch.tensor(recall, dtype=torch.float64),
+        }

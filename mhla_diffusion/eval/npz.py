@@ -77,8 +77,10 @@ def npz_array_info(path: str | os.PathLike, key: str = "arr_0") -> NpzArrayInfo:
 def check_images_info(path: str | os.PathLike, info: NpzArrayInfo) -> None:
     """Raise ``ValueError`` unless ``arr_0`` is uint8 ``(N, H, W, 3)``."""
     if info.dtype != np.uint8:
-        raise ValueError(f"{path}: arr_0 has dtype {info.dtype}; ADM batches hold uint8 images 0..255 "
-                         "(convert with np.clip(np.floor(255 * x + 0.5), 0, 255).astype(np.uint8) for x in [0, 1])")
+        raise ValueError(
+            f"{path}: arr_0 has dtype {info.dtype}; ADM batches hold uint8 images 0..255 "
+            "(convert with np.clip(np.floor(255 * x + 0.5), 0, 255).astype(np.uint8) for x in [0, 1])"
+        )
     if len(info.shape) != 4 or info.shape[3] != 3:
         raise ValueError(f"{path}: arr_0 has shape {info.shape}; ADM batches hold RGB images (N, H, W, 3) (NHWC)")
 
@@ -92,7 +94,9 @@ def iter_npz_batches(path: str | os.PathLike, batch_size: int, key: str = "arr_0
             rows = min(batch_size, shape[0] - start)
             data = handle.read(rows * row_bytes)
             if len(data) != rows * row_bytes:
-                raise ValueError(f"{path}: {key} is truncated ({start + len(data) // max(row_bytes, 1)} of {shape[0]} rows)")
+                raise ValueError(
+                    f"{path}: {key} is truncated ({start + len(data) // max(row_bytes, 1)} of {shape[0]} rows)"
+                )
             yield np.frombuffer(data, dtype=dtype).reshape((rows, *shape[1:]))
 
 
@@ -145,7 +149,11 @@ class AdmNpzWriter:
             raise RuntimeError("arr_0 was already started")
         self.shape = (int(num_images), int(image_size[0]), int(image_size[1]), 3)
         self._member = self._archive.open("arr_0.npy", "w", force_zip64=True)
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False, "shape": self.shape}
+        header = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
         np.lib.format.write_array_header_1_0(self._member, header)
 
     def write_images(self, images: np.ndarray) -> None:
@@ -154,8 +162,10 @@ class AdmNpzWriter:
             raise RuntimeError("call begin_images before write_images (and before add_array)")
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.shape[1:] != self.shape[1:]:
-            raise ValueError(f"expected uint8 images of shape (n, {self.shape[1]}, {self.shape[2]}, 3), "
-                             f"got {images.dtype} {images.shape}")
+            raise ValueError(
+                f"expected uint8 images of shape (n, {self.shape[1]}, {self.shape[2]}, 3), "
+                f"got {images.dtype} {images.shape}"
+            )
         if self.written + images.shape[0] > self.shape[0]:
             raise ValueError(f"more images than the {self.shape[0]} announced")
         self._member.write(np.ascontiguousarray(images).tobytes())

@@ -63,9 +63,14 @@ def _as_tensor(features: np.ndarray | torch.Tensor, device: str | torch.device, 
     return x.to(device=device, dtype=dtype)
 
 
-def manifold_radii(features: np.ndarray | torch.Tensor, k: int = ADM_K, block_size: int = 10000,
-                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                   distance_dtype: str = "float32") -> torch.Tensor:
+def manifold_radii(
+    features: np.ndarray | torch.Tensor,
+    k: int = ADM_K,
+    block_size: int = 10000,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    distance_dtype: str = "float32",
+) -> torch.Tensor:
     """Squared distance from each of ``(N, D)`` features to its k-th nearest neighbour: ``(N,)``."""
     _check_distance_dtype(distance_dtype)
     x = _as_tensor(features, device, dtype)
@@ -73,16 +78,24 @@ def manifold_radii(features: np.ndarray | torch.Tensor, k: int = ADM_K, block_si
         raise ValueError(f"k-NN radii need 1 <= k < N, got k={k} with N={x.shape[0]}")
     radii = torch.empty(x.shape[0], device=x.device, dtype=dtype)
     for start in range(0, x.shape[0], block_size):
-        rows = x[start:start + block_size]
-        distances = torch.cat([_squared_distances(rows, x[c:c + block_size], distance_dtype)
-                               for c in range(0, x.shape[0], block_size)], 1)
-        radii[start:start + block_size] = distances.kthvalue(k + 1, dim=1).values
+        rows = x[start : start + block_size]
+        distances = torch.cat(
+            [_squared_distances(rows, x[c : c + block_size], distance_dtype) for c in range(0, x.shape[0], block_size)],
+            1,
+        )
+        radii[start : start + block_size] = distances.kthvalue(k + 1, dim=1).values
     return radii
 
 
-def precision_recall(reference: np.ndarray | torch.Tensor, samples: np.ndarray | torch.Tensor, k: int = ADM_K,
-                     block_size: int = 10000, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32, distance_dtype: str = "float32") -> tuple[float, float]:
+def precision_recall(
+    reference: np.ndarray | torch.Tensor,
+    samples: np.ndarray | torch.Tensor,
+    k: int = ADM_K,
+    block_size: int = 10000,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    distance_dtype: str = "float32",
+) -> tuple[float, float]:
     """``(precision, recall)`` of ``samples`` ``(M, D)`` against ``reference`` ``(N, D)``.
 
     ``distance_dtype``: ``"float32"`` (default) or ``"float16"`` (ADM's half-precision distances).
@@ -98,7 +111,7 @@ def precision_recall(reference: np.ndarray | torch.Tensor, samples: np.ndarray |
     ref_inside = torch.zeros(ref.shape[0], dtype=torch.bool, device=ref.device)
     for r in range(0, ref.shape[0], block_size):
         for g in range(0, gen.shape[0], block_size):
-            d = _squared_distances(ref[r:r + block_size], gen[g:g + block_size], distance_dtype)  # (ref, gen)
-            gen_inside[g:g + block_size] |= (d <= ref_radii[r:r + block_size, None]).any(0)
-            ref_inside[r:r + block_size] |= (d <= gen_radii[None, g:g + block_size]).any(1)
+            d = _squared_distances(ref[r : r + block_size], gen[g : g + block_size], distance_dtype)  # (ref, gen)
+            gen_inside[g : g + block_size] |= (d <= ref_radii[r : r + block_size, None]).any(0)
+            ref_inside[r : r + block_size] |= (d <= gen_radii[None, g : g + block_size]).any(1)
     return gen_inside.double().mean().item(), ref_inside.double().mean().item()

@@ -44,7 +44,7 @@ def check_reference_dims(reference: Reference, extractor: FeatureExtractor) -> N
     expected = {"fid": extractor.pool_dim, "sfid": extractor.spatial_dim}
     for metric, stats in reference.stats.items():
         if stats.dim != expected[metric]:
-            raise ValueError(f"reference {reference.name}: stored {metric} statistics are {stats.dim}-d but the feature "
-                             f"network gives {expected[metric]}-d features; they were computed with another network")
-
-
+            raise ValueError(
+                f"reference {reference.name}: stored {metric} statistics are {stats.dim}-d but the feature "
+                f"network gives {expected[metric]}-d features; they were computed with another network"
+            )

@@ -127,8 +127,10 @@ def _check_manifest(folder: Path, config: SamplingConfig, is_main: bool) -> None
         diff = {k: (found.get(k), v) for k, v in wanted.items() if found.get(k) != v}
         if diff:
             listed = "; ".join(f"{k}: folder has {a!r}, asked {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"{folder} holds samples made with other settings ({listed}); "
-                             "use another output folder, or the same settings to resume")
+            raise ValueError(
+                f"{folder} holds samples made with other settings ({listed}); "
+                "use another output folder, or the same settings to resume"
+            )
     elif is_main:
         tmp = path.with_name(f".{MANIFEST_NAME}.tmp")
         tmp.write_text(json.dumps(wanted, indent=2) + "\n")
@@ -142,8 +144,15 @@ def process_state() -> Any:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-def sample_for_evaluation(pipe: Any, folder: str | os.PathLike, config: SamplingConfig, *, batch_size: int = 16,
-                          state: Any = None, progress: bool = True) -> dict[str, int]:
+def sample_for_evaluation(
+    pipe: Any,
+    folder: str | os.PathLike,
+    config: SamplingConfig,
+    *,
+    batch_size: int = 16,
+    state: Any = None,
+    progress: bool = True,
+) -> dict[str, int]:
     """Generate this process's missing samples of ``config`` into ``folder``; return counts.
 
     Args:
@@ -171,26 +180,37 @@ def sample_for_evaluation(pipe: Any, folder: str | os.PathLike, config: Sampling
         pipe = pipe.to(state.device)
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=True)
-    batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)]
-    for batch in tqdm(batches, desc=f"sampling (process {state.process_index})", unit="batch",
-                      disable=not (progress and state.is_main_process)):
+    batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)]
+    for batch in tqdm(
+        batches,
+        desc=f"sampling (process {state.process_index})",
+        unit="batch",
+        disable=not (progress and state.is_main_process),
+    ):
         generators = [torch.Generator("cpu").manual_seed(sample_seed(config.seed, i)) for i in batch]
         torch.manual_seed(sample_seed(config.seed, batch[0]))
         with torch.inference_mode():
-            output = pipe(class_labels=labels[batch].tolist(), guidance_scale=config.guidance_scale,
-                          generator=generators, num_inference_steps=config.num_inference_steps, output_type="np")
+            output = pipe(
+                class_labels=labels[batch].tolist(),
+                guidance_scale=config.guidance_scale,
+                generator=generators,
+                num_inference_steps=config.num_inference_steps,
+                output_type="np",
+            )
         images = to_uint8(output.images if hasattr(output, "images") else output[0])
         if images.shape[0] != len(batch) or images.ndim != 4 or images.shape[3] != 3:
-            raise ValueError(f"the pipeline returned images of shape {images.shape} for {len(batch)} labels; "
-                             "expected (n, H, W, 3)")
+            raise ValueError(
+                f"the pipeline returned images of shape {images.shape} for {len(batch)} labels; expected (n, H, W, 3)"
+            )
         for index, image in zip(batch, images):
             _write_png(sample_path(folder, index, config.num_samples), image)
     state.wait_for_everyone()
     return {"owned": len(owned), "existing": len(owned) - len(todo), "generated": len(todo)}
 
 
-def pack_samples(folder: str | os.PathLike, output: str | os.PathLike | None = None, overwrite: bool = False,
-                 progress: bool = True) -> Path:
+def pack_samples(
+    folder: str | os.PathLike, output: str | os.PathLike | None = None, overwrite: bool = False, progress: bool = True
+) -> Path:
     """Stream all samples of ``folder`` (in index order) into an ADM ``.npz`` (``arr_0`` images, ``arr_1`` labels).
 
     ``output`` defaults to ``<folder>.npz`` next to the folder. Every sample must be present.
@@ -207,8 +227,10 @@ def pack_samples(folder: str | os.PathLike, output: str | os.PathLike | None = N
     paths = [sample_path(folder, i, config.num_samples) for i in range(config.num_samples)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
-        raise ValueError(f"{len(missing)} of {config.num_samples} samples are missing in {folder} "
-                         f"(e.g. {', '.join(missing[:5])}); run the sampler again to finish them")
+        raise ValueError(
+            f"{len(missing)} of {config.num_samples} samples are missing in {folder} "
+            f"(e.g. {', '.join(missing[:5])}); run the sampler again to finish them"
+        )
     with Image.open(paths[0]) as first:
         size = (first.height, first.width)
     with AdmNpzWriter(output, overwrite=overwrite) as writer:

@@ -46,22 +46,34 @@ def _reference_stats(ref: Path, i3d: I3DFeatures, batch_size: int, save_ref: Pat
     return stats, described
 
 
-def fvd_of_folders(samples: str | os.PathLike, ref: str | os.PathLike, i3d: I3DFeatures, batch_size: int = 8,
-                   save_ref: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
+def fvd_of_folders(
+    samples: str | os.PathLike,
+    ref: str | os.PathLike,
+    i3d: I3DFeatures,
+    batch_size: int = 8,
+    save_ref: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> dict:
     """``{"fvd", "samples", "reference"}`` of a folder of videos against a folder or ``.npz``."""
     videos = list_videos(samples)
     sample_stats = fvd_stats(iter_videos(videos, i3d.num_frames), i3d, batch_size)
-    ref_stats, reference = _reference_stats(Path(ref), i3d, batch_size, Path(save_ref) if save_ref else None,
-                                            overwrite)
+    ref_stats, reference = _reference_stats(Path(ref), i3d, batch_size, Path(save_ref) if save_ref else None, overwrite)
     if ref_stats.dim != sample_stats.dim:
-        raise ValueError(f"the reference holds {ref_stats.dim}-d features, the I3D file gives {sample_stats.dim}-d: "
-                         "it was computed with another network")
-    return {"fvd": frechet_distance(sample_stats, ref_stats), "samples": {"count": len(videos)},
-            "reference": reference, "feature_dim": sample_stats.dim}
+        raise ValueError(
+            f"the reference holds {ref_stats.dim}-d features, the I3D file gives {sample_stats.dim}-d: "
+            "it was computed with another network"
+        )
+    return {
+        "fvd": frechet_distance(sample_stats, ref_stats),
+        "samples": {"count": len(videos)},
+        "reference": reference,
+        "feature_dim": sample_stats.dim,
+    }
 
 
-def _known_prompts(videos: Sequence[Path], prompts: str | os.PathLike | Sequence[str] | None, required: bool
-                   ) -> list[str] | None:
+def _known_prompts(
+    videos: Sequence[Path], prompts: str | os.PathLike | Sequence[str] | None, required: bool
+) -> list[str] | None:
     """The videos' prompts: given as texts, read from a prompts file or the sidecars; when not ``required``,
     None where they cannot be read (an FVD-only run needs none)."""
     if prompts is not None and not isinstance(prompts, (str, os.PathLike)):
@@ -77,9 +89,17 @@ def _known_prompts(videos: Sequence[Path], prompts: str | os.PathLike | Sequence
         return None
 
 
-def evaluate_videos(samples: str | os.PathLike, ref: str | os.PathLike | None = None, *, i3d: I3DFeatures | None = None,
-                    clip=None, prompts: str | os.PathLike | Sequence[str] | None = None, batch_size: int = 8,
-                    save_ref: str | os.PathLike | None = None, overwrite: bool = False) -> dict:
+def evaluate_videos(
+    samples: str | os.PathLike,
+    ref: str | os.PathLike | None = None,
+    *,
+    i3d: I3DFeatures | None = None,
+    clip=None,
+    prompts: str | os.PathLike | Sequence[str] | None = None,
+    batch_size: int = 8,
+    save_ref: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> dict:
     """FVD (when ``i3d`` and ``ref`` are given) and CLIP score (when ``clip`` is given) of ``samples``.
 
     ``prompts``: a prompts file (one a line, sorted-name order), the texts themselves, or None for the
@@ -92,8 +112,13 @@ def evaluate_videos(samples: str | os.PathLike, ref: str | os.PathLike | None = 
     rows = [{"file": p.name} for p in videos]
     for row, text in zip(rows, texts or []):
         row["prompt"] = text
-    result: dict = {"metrics": {"fvd": None, "clip_score": None}, "samples": {"path": str(samples), "count": len(videos)},
-                    "reference": None, "networks": {}, "per_video": rows}
+    result: dict = {
+        "metrics": {"fvd": None, "clip_score": None},
+        "samples": {"path": str(samples), "count": len(videos)},
+        "reference": None,
+        "networks": {},
+        "per_video": rows,
+    }
     if i3d is not None:
         if ref is None:
             raise ValueError("FVD needs a reference: a folder of videos or an FVD .npz")

@@ -54,20 +54,24 @@ def read_prompts(videos: Sequence[Path], prompts_file: str | os.PathLike | None 
         lines = [line.strip() for line in Path(prompts_file).read_text(encoding="utf-8").splitlines()]
         prompts = [line for line in lines if line]
         if len(prompts) != len(videos):
-            raise ValueError(f"--prompts {prompts_file} has {len(prompts)} prompts for {len(videos)} videos "
-                             "(one a line, in the sorted order of the video file names)")
+            raise ValueError(
+                f"--prompts {prompts_file} has {len(prompts)} prompts for {len(videos)} videos "
+                "(one a line, in the sorted order of the video file names)"
+            )
         return prompts
     prompts = []
     for video in videos:
         sidecar = video.with_suffix(".json")
         if not sidecar.is_file():
-            raise FileNotFoundError(f"{video} has no sidecar {sidecar.name} with its prompt: give --prompts FILE "
-                                    "(one prompt a line, in the sorted order of the video file names)")
+            raise FileNotFoundError(
+                f"{video} has no sidecar {sidecar.name} with its prompt: give --prompts FILE "
+                "(one prompt a line, in the sorted order of the video file names)"
+            )
         try:
             prompt = json.loads(sidecar.read_text(encoding="utf-8")).get("prompt")
         except (json.JSONDecodeError, AttributeError) as error:
             raise ValueError(f"{sidecar} is not a JSON object: {error}") from None
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{sidecar} has no \"prompt\" text")
+            raise ValueError(f'{sidecar} has no "prompt" text')
         prompts.append(prompt)
     return prompts

@@ -41,16 +41,20 @@ CLIP_SUGGESTED_MODEL = "openai/clip-vit-large-patch14"
 
 def how_to_get_i3d_weights() -> str:
     """Where to get the I3D file and how to hand it over (for error messages)."""
-    return (f"download {I3D_WEIGHTS_NAME} (StyleGAN-V's TorchScript Kinetics-400 I3D) from {I3D_WEIGHTS_URL} on a "
-            f"machine with internet, copy it anywhere on this machine and pass --i3d-weights PATH or set "
-            f"{I3D_WEIGHTS_ENV}=PATH")
+    return (
+        f"download {I3D_WEIGHTS_NAME} (StyleGAN-V's TorchScript Kinetics-400 I3D) from {I3D_WEIGHTS_URL} on a "
+        f"machine with internet, copy it anywhere on this machine and pass --i3d-weights PATH or set "
+        f"{I3D_WEIGHTS_ENV}=PATH"
+    )
 
 
 def how_to_get_clip_model() -> str:
     """Where to get a CLIP folder and how to hand it over (for error messages)."""
-    return (f"on a machine with internet save a CLIP model folder, e.g. `huggingface-cli download "
-            f"{CLIP_SUGGESTED_MODEL} --local-dir clip-vit-large-patch14` (config.json, weights, tokenizer and "
-            f"preprocessor_config.json), copy it here and pass --clip-model FOLDER or set {CLIP_MODEL_ENV}=FOLDER")
+    return (
+        f"on a machine with internet save a CLIP model folder, e.g. `huggingface-cli download "
+        f"{CLIP_SUGGESTED_MODEL} --local-dir clip-vit-large-patch14` (config.json, weights, tokenizer and "
+        f"preprocessor_config.json), copy it here and pass --clip-model FOLDER or set {CLIP_MODEL_ENV}=FOLDER"
+    )
 
 
 def _given(path, env: str) -> tuple[str | None, str]:
@@ -63,11 +67,14 @@ def resolve_i3d_weights(path: str | os.PathLike | None = None) -> Path:
     """The I3D file: ``path`` if given, else ``$MHLA_I3D_WEIGHTS``; an existing file or an error."""
     path, source = _given(path, I3D_WEIGHTS_ENV)
     if path is None:
-        raise FileNotFoundError(f"no I3D weights file was given. FVD needs {I3D_WEIGHTS_NAME}: {how_to_get_i3d_weights()}")
+        raise FileNotFoundError(
+            f"no I3D weights file was given. FVD needs {I3D_WEIGHTS_NAME}: {how_to_get_i3d_weights()}"
+        )
     resolved = Path(path).expanduser()
     if not resolved.is_file():
-        raise FileNotFoundError(f"I3D weights file {resolved} (from {source}) does not exist or is not a file: "
-                                f"{how_to_get_i3d_weights()}")
+        raise FileNotFoundError(
+            f"I3D weights file {resolved} (from {source}) does not exist or is not a file: {how_to_get_i3d_weights()}"
+        )
     return resolved
 
 
@@ -75,10 +82,13 @@ def resolve_clip_model(path: str | os.PathLike | None = None) -> Path:
     """The CLIP folder: ``path`` if given, else ``$MHLA_CLIP_MODEL``; a folder with ``config.json`` or an error."""
     path, source = _given(path, CLIP_MODEL_ENV)
     if path is None:
-        raise FileNotFoundError(f"no CLIP model folder was given. The CLIP score needs a local CLIP model: "
-                                f"{how_to_get_clip_model()}")
+        raise FileNotFoundError(
+            f"no CLIP model folder was given. The CLIP score needs a local CLIP model: {how_to_get_clip_model()}"
+        )
     resolved = Path(path).expanduser()
     if not (resolved / "config.json").is_file():
-        raise FileNotFoundError(f"CLIP model folder {resolved} (from {source}) does not exist or has no config.json: "
-                                f"{how_to_get_clip_model()}")
+        raise FileNotFoundError(
+            f"CLIP model folder {resolved} (from {source}) does not exist or has no config.json: "
+            f"{how_to_get_clip_model()}"
+        )
     return resolved

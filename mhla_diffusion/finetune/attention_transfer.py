@@ -57,7 +57,11 @@ class AttentionTransfer:
 
     def parameter_names(self) -> list[str]:
         """Names (in the transformer) of the parameters this stage trains."""
-        names = mhla_processor_parameter_names(self.transformer) if self.params == "mhla" else attention_parameter_names(self.transformer)
+        names = (
+            mhla_processor_parameter_names(self.transformer)
+            if self.params == "mhla"
+            else attention_parameter_names(self.transformer)
+        )
         params = dict(self.transformer.named_parameters())
         conversion = get_mhla_conversion(self.transformer)
         if not conversion.config.learnable_mixing:
@@ -114,4 +118,6 @@ class AttentionTransfer:
 
     def layer_metrics(self) -> dict[str, float]:
         """``{"transfer/<layer>": loss}`` of the last forward pass."""
-        return {f"transfer/{name}": float(self.losses[name].detach()) for name in self.layer_names if name in self.losses}
+        return {
+            f"transfer/{name}": float(self.losses[name].detach()) for name in self.layer_names if name in self.losses
+        }

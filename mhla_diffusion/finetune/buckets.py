@@ -88,7 +88,7 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
             indices = by_bucket[key]
             rng.shuffle(indices)
             for start in range(0, len(indices), self.batch_size):
-                chunk = indices[start: start + self.batch_size]
+                chunk = indices[start : start + self.batch_size]
                 if len(chunk) == self.batch_size or not self.drop_last:
                     batches.append(chunk)
         rng.shuffle(batches)
@@ -103,6 +103,6 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         return self._length
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        mine = self.global_batches(self.epoch)[self.rank:: self.num_replicas]
-        for batch in mine[self.start:]:
+        mine = self.global_batches(self.epoch)[self.rank :: self.num_replicas]
+        for batch in mine[self.start :]:
             yield [(index, self.epoch) for index in batch]

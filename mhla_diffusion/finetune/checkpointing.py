@@ -54,11 +54,24 @@ LOCK_FILE = ".run.lock"
 #: buckets, data and cache settings, seed, batch and accumulation, optimizer and LR schedule: the
 #: checkpoint restores the optimizer's and scheduler's state, so a new learning_rate would not apply)
 #: must equal the recorded run's.
-RESUME_MAY_CHANGE = frozenset({
-    "resume", "overwrite_output_dir", "output_dir", "max_train_steps", "report_to", "tracker_project_name",
-    "checkpointing_steps", "checkpoints_total_limit", "save_pipeline", "dataloader_num_workers", "cache_dir",
-    "gradient_checkpointing", "allow_tf32", "inception_weights",
-})
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "resume",
+        "overwrite_output_dir",
+        "output_dir",
+        "max_train_steps",
+        "report_to",
+        "tracker_project_name",
+        "checkpointing_steps",
+        "checkpoints_total_limit",
+        "save_pipeline",
+        "dataloader_num_workers",
+        "cache_dir",
+        "gradient_checkpointing",
+        "allow_tf32",
+        "inception_weights",
+    }
+)
 RUN_OUTPUTS = ("checkpoints", "final", "final-no-ema", "pipeline", "logs", "validation", RUN_CONFIG)
 _PREFIX = "step-"
 
@@ -95,9 +108,13 @@ def check_run_dir(output_dir: str | Path, resume: str | None, overwrite: bool, i
     is_run = (folder / RUN_CONFIG).is_file()
     if resume is not None:
         if resume != "latest" and not Path(resume).is_dir():
-            raise FileNotFoundError(f"resume checkpoint {resume} does not exist; use `latest` or a checkpoints/step-N folder")
+            raise FileNotFoundError(
+                f"resume checkpoint {resume} does not exist; use `latest` or a checkpoints/step-N folder"
+            )
         if content and not is_run:
-            raise ValueError(f"output_dir {folder} is not a training run folder (no {RUN_CONFIG}); cannot resume into it")
+            raise ValueError(
+                f"output_dir {folder} is not a training run folder (no {RUN_CONFIG}); cannot resume into it"
+            )
         if resume == "latest" and not list_checkpoints(folder) and (folder / "final").exists():
             raise FileExistsError(
                 f"nothing to resume in {folder}: it holds a finished run without checkpoints (checkpointing_steps: 0); "
@@ -243,17 +260,22 @@ class RunLock:
             holder = {}
         host, pid = holder.get("host"), holder.get("pid")
         if host == me["host"] and isinstance(pid, int) and not _alive(pid):
-            logger.warning("taking over the stale run lock %s of process %d on %s (no longer running)", self.path, pid, host)
+            logger.warning(
+                "taking over the stale run lock %s of process %d on %s (no longer running)", self.path, pid, host
+            )
             self.path.unlink(missing_ok=True)
             return
         if host is None or pid is None:  # being written right now, or unreadable
-            raise RuntimeError(f"{self.path.parent} is locked by another run ({self.path} is unreadable): "
-                               f"if no run trains this folder, delete {self.path}")
+            raise RuntimeError(
+                f"{self.path.parent} is locked by another run ({self.path} is unreadable): "
+                f"if no run trains this folder, delete {self.path}"
+            )
         where = "this host" if host == me["host"] else f"host {host}"
         raise RuntimeError(
             f"{self.path.parent} is in use by another training run (process {pid} on {where}, lock {self.path}): "
             f"wait for it to end or stop it (kill -TERM its launcher; a launcher killed with -9 leaves its workers "
-            f"running: stop them, e.g. kill -TERM {pid} and the other ranks), or choose another output_dir" + (f"; if that process is gone, delete {self.path}" if host != me["host"] else "")
+            f"running: stop them, e.g. kill -TERM {pid} and the other ranks), or choose another output_dir"
+            + (f"; if that process is gone, delete {self.path}" if host != me["host"] else "")
         )
 
     def release(self) -> None:
@@ -274,8 +296,8 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in root.iterdir():
-        if path.is_dir() and path.name.startswith(_PREFIX) and path.name[len(_PREFIX):].isdigit():
-            found.append((int(path.name[len(_PREFIX):]), path))
+        if path.is_dir() and path.name.startswith(_PREFIX) and path.name[len(_PREFIX) :].isdigit():
+            found.append((int(path.name[len(_PREFIX) :]), path))
     return sorted(found)
 
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..config import MHLAConfig
-from ..models.conversion import convert_to_mhla
 from ..loaders.weights import load_mhla, load_transformer, read_mhla_config
+from ..models.conversion import convert_to_mhla
 
 __all__ = [
     "load_component",
@@ -93,9 +93,7 @@ def load_mhla_transformer(
     return transformer, "converted"
 
 
-def load_softmax_transformer(
-    source: str, revision: str | None = None, dtype: torch.dtype | None = None
-) -> nn.Module:
+def load_softmax_transformer(source: str, revision: str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """The pipeline's transformer as it is, for ``attention: softmax``; an MHLA transformer is an error."""
     kwargs: dict[str, Any] = {}
     if revision is not None:

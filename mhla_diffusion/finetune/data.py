@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Folder names the Hugging Face ``datasets`` folder builders (imagefolder, videofolder) read as splits.
-SPLIT_FOLDERS = frozenset({"train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval",
-                           "evaluation"})
+SPLIT_FOLDERS = frozenset(
+    {"train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval", "evaluation"}
+)
 
 
 @dataclass
@@ -36,12 +37,18 @@ class DataReport:
         if self.corrupt:
             parts.append(f"{len(self.corrupt)} corrupt skipped (e.g. {self.corrupt[:3]})")
         if self.too_short:
-            parts.append(f"{len(self.too_short)} shorter than the smallest frame bucket skipped (e.g. {self.too_short[:3]})")
+            parts.append(
+                f"{len(self.too_short)} shorter than the smallest frame bucket skipped (e.g. {self.too_short[:3]})"
+            )
         return "; ".join(parts)
 
     def metrics(self) -> dict[str, int]:
-        return {"data/files_found": self.found, "data/files_used": self.used,
-                "data/skipped_corrupt": len(self.corrupt), "data/skipped_too_short": len(self.too_short)}
+        return {
+            "data/files_found": self.found,
+            "data/files_used": self.used,
+            "data/skipped_corrupt": len(self.corrupt),
+            "data/skipped_too_short": len(self.too_short),
+        }
 
     def warn(self) -> None:
         for path in self.corrupt:
@@ -72,8 +79,7 @@ def datasets_root_hint(folder: Path) -> str | None:
     metadata = any((train / name).is_file() for name in ("metadata.jsonl", "metadata.csv"))
     if not metadata and not set(subfolders) <= SPLIT_FOLDERS:
         return None
-    return (f"{folder} looks like a `datasets` folder (split folders {', '.join(subfolders)}): use {train} as "
-            "data_dir")
+    return f"{folder} looks like a `datasets` folder (split folders {', '.join(subfolders)}): use {train} as data_dir"
 
 
 def probe_sharded(
@@ -119,7 +125,7 @@ def load_with_fallback(load: Callable[[int], T], index: int, alternatives: Seque
     except MediaError as err:
         logger.warning("skipping unreadable sample: %s", err)
     start = alternatives.index(index) if index in alternatives else -1
-    for other in list(alternatives[start + 1:]) + list(alternatives[: max(start, 0)]):
+    for other in list(alternatives[start + 1 :]) + list(alternatives[: max(start, 0)]):
         try:
             return load(other)
         except MediaError as err:

@@ -108,10 +108,14 @@ def new_dit_transformer(
     known = set(inspect.signature(DiTTransformer2DModel.__init__).parameters) - {"self"}
     unknown = sorted(set(config) - known)
     if unknown:
-        hints = [f"`{k}`" + (f" (did you mean `{c[0]}`?)" if (c := difflib.get_close_matches(k, known, n=1)) else "")
-                 for k in unknown]
-        raise ValueError(f"model_overrides: {', '.join(hints)} not DiTTransformer2DModel config entries; "
-                         f"known: {', '.join(sorted(known))}")
+        hints = [
+            f"`{k}`" + (f" (did you mean `{c[0]}`?)" if (c := difflib.get_close_matches(k, known, n=1)) else "")
+            for k in unknown
+        ]
+        raise ValueError(
+            f"model_overrides: {', '.join(hints)} not DiTTransformer2DModel config entries; "
+            f"known: {', '.join(sorted(known))}"
+        )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = DiTTransformer2DModel(**config)
@@ -197,4 +201,3 @@ def _zero(linear: nn.Linear) -> None:
     linear.weight.zero_()
     if linear.bias is not None:
         linear.bias.zero_()
-

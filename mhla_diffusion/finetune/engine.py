@@ -44,8 +44,8 @@ from .checkpointing import (
     write_run_config,
 )
 from .options import TrainOptions
-from .trainable import set_trainable
 from .tracking import make_trackers
+from .trainable import set_trainable
 from .validation_fid import ValidationFID, prepare_validation_fid
 
 __all__ = [
@@ -122,7 +122,7 @@ def clean_parameter_name(name: str) -> str:
     """Parameter name without DDP / FSDP / activation-checkpoint wrapper prefixes."""
     for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
-    return name[len("module."):] if name.startswith("module.") else name
+    return name[len("module.") :] if name.startswith("module.") else name
 
 
 def make_accelerator(options: TrainOptions, logging_dir: Path, find_unused_parameters: bool = False):
@@ -141,13 +141,15 @@ def make_accelerator(options: TrainOptions, logging_dir: Path, find_unused_param
     )
 
 
-def _batches(sampler: BucketBatchSampler, dataset: Dataset, collate, workers: int, state: TrainingState,
-             device: torch.device) -> Iterator[dict[str, Any]]:
+def _batches(
+    sampler: BucketBatchSampler, dataset: Dataset, collate, workers: int, state: TrainingState, device: torch.device
+) -> Iterator[dict[str, Any]]:
     """Endless batches from ``state``'s data position, advancing it as batches are consumed."""
     while True:
         sampler.set_epoch(state.epoch, state.batch_in_epoch)
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                            pin_memory=device.type == "cuda")
+        loader = DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda"
+        )
         for batch in loader:
             state.batch_in_epoch += 1
             yield {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -203,12 +205,16 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
     options = task.options
     output_dir = Path(options.output_dir)
     cache_name = "cache" if options.cache_dir is None else ""
-    mode = check_run_dir(output_dir, options.resume, options.overwrite_output_dir, ignore=(cache_name,) if cache_name else ())
+    mode = check_run_dir(
+        output_dir, options.resume, options.overwrite_output_dir, ignore=(cache_name,) if cache_name else ()
+    )
     resume_changes: list[str] = []
     if mode == "resume" and resolve_resume(output_dir, options.resume) is not None:
         resume_changes = check_resume_options(output_dir, options.to_dict())  # before anything is loaded or written
     fid = prepare_validation_fid(options)  # reference and Inception weights checked before any work
-    accelerator = make_accelerator(options, output_dir / "logs", find_unused_parameters=options.attention_transfer_steps > 0)
+    accelerator = make_accelerator(
+        options, output_dir / "logs", find_unused_parameters=options.attention_transfer_steps > 0
+    )
     lock = RunLock(output_dir)
     if accelerator.is_main_process:  # the other processes share the main process's run
         lock.acquire()
@@ -218,8 +224,15 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
         lock.release()
 
 
-def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_changes: list[str],
-           on_step_end: Callable[[int, dict[str, Any]], None] | None, fid: ValidationFID | None = None) -> Path:
+def _train(
+    task: Task,
+    options: TrainOptions,
+    accelerator,
+    mode: str,
+    resume_changes: list[str],
+    on_step_end: Callable[[int, dict[str, Any]], None] | None,
+    fid: ValidationFID | None = None,
+) -> Path:
     from accelerate.utils import DistributedType, set_seed
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel, cast_training_params
@@ -242,7 +255,9 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     if fid is not None and parts.fid_samples is None:
         raise ValueError(f"{type(task).__name__} cannot sample for validation FID: drop validation_fid_reference")
     if parts.ema_decay and sharded_state:
-        raise ValueError("EMA is not supported with FSDP/DeepSpeed (the EMA would hold one shard): use DDP or ema_decay: 0")
+        raise ValueError(
+            "EMA is not supported with FSDP/DeepSpeed (the EMA would hold one shard): use DDP or ema_decay: 0"
+        )
 
     # ---- which parameters train in which stage
     e2e_names = set_trainable(model, options.trainable)
@@ -257,37 +272,55 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     cast_training_params(model, torch.float32)  # trained weights in float32 even when the base is bf16
     if options.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    logger.info("trainable: %s (%d tensors, %.2fM parameters)", options.trainable, len(e2e_names),
-                sum(p.numel() for n, p in model.named_parameters() if n in set(e2e_names)) / 1e6)
+    logger.info(
+        "trainable: %s (%d tensors, %.2fM parameters)",
+        options.trainable,
+        len(e2e_names),
+        sum(p.numel() for n, p in model.named_parameters() if n in set(e2e_names)) / 1e6,
+    )
 
     # ---- prepare: model first (FSDP needs the wrapped parameters for the optimizers)
     prepared = accelerator.prepare(model)
     unwrapped = accelerator.unwrap_model(prepared)
     params = {clean_parameter_name(n): p for n, p in prepared.named_parameters()}
     optimizer = torch.optim.AdamW(
-        [params[n] for n in e2e_names], lr=options.learning_rate, betas=(options.adam_beta1, options.adam_beta2),
-        eps=options.adam_epsilon, weight_decay=options.weight_decay,
+        [params[n] for n in e2e_names],
+        lr=options.learning_rate,
+        betas=(options.adam_beta1, options.adam_beta2),
+        eps=options.adam_epsilon,
+        weight_decay=options.weight_decay,
     )
     # Accelerate steps a prepared scheduler once per process per optimizer step.
     scheduler = get_scheduler(
-        options.lr_scheduler, optimizer, num_warmup_steps=options.lr_warmup_steps * accelerator.num_processes,
+        options.lr_scheduler,
+        optimizer,
+        num_warmup_steps=options.lr_warmup_steps * accelerator.num_processes,
         num_training_steps=options.max_train_steps * accelerator.num_processes,
     )
     optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     transfer_optimizer = None
     if transfer is not None:
         transfer.to(accelerator.device)
-        transfer_optimizer = accelerator.prepare(torch.optim.AdamW(
-            [params[n] for n in transfer_names], lr=options.attention_transfer_lr,
-            betas=(options.adam_beta1, options.adam_beta2), eps=options.adam_epsilon, weight_decay=0.0,
-        ))
+        transfer_optimizer = accelerator.prepare(
+            torch.optim.AdamW(
+                [params[n] for n in transfer_names],
+                lr=options.attention_transfer_lr,
+                betas=(options.adam_beta1, options.adam_beta2),
+                eps=options.adam_epsilon,
+                weight_decay=0.0,
+            )
+        )
     state = TrainingState()
     accelerator.register_for_checkpointing(state)
     ema = None
     if parts.ema_decay:
         ema_params = [params[n] for n in e2e_names]
-        ema = EMAModel(ema_params, decay=parts.ema_decay, min_decay=0.0 if parts.ema_warmup else parts.ema_decay,
-                       use_ema_warmup=parts.ema_warmup)
+        ema = EMAModel(
+            ema_params,
+            decay=parts.ema_decay,
+            min_decay=0.0 if parts.ema_warmup else parts.ema_decay,
+            use_ema_warmup=parts.ema_warmup,
+        )
         accelerator.register_for_checkpointing(ema)
     if options.trainable != "all" and not sharded_state:
         save_trainable_only(accelerator, unwrapped, sorted(union))
@@ -295,8 +328,13 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     resume_from = resolve_resume(output_dir, options.resume)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, state.global_step, state.epoch,
-                    state.batch_in_epoch)
+        logger.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            resume_from,
+            state.global_step,
+            state.epoch,
+            state.batch_in_epoch,
+        )
         if accelerator.is_main_process:
             if resume_changes:
                 logger.info("resuming with changed options: %s", "; ".join(resume_changes))
@@ -308,26 +346,48 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
     accelerator.wait_for_everyone()
     global_batch = options.train_batch_size * layout.data_parallel_size * options.gradient_accumulation_steps
     if layout.context_parallel_degree == 1:
-        logger.info("processes: %d (%s); global batch %d = %d per process x %d processes x %d accumulation steps",
-                    accelerator.num_processes, accelerator.distributed_type, global_batch, options.train_batch_size,
-                    accelerator.num_processes, options.gradient_accumulation_steps)
+        logger.info(
+            "processes: %d (%s); global batch %d = %d per process x %d processes x %d accumulation steps",
+            accelerator.num_processes,
+            accelerator.distributed_type,
+            global_batch,
+            options.train_batch_size,
+            accelerator.num_processes,
+            options.gradient_accumulation_steps,
+        )
     else:
-        logger.info("processes: %d (%s) = %d data-parallel groups x %d context-parallel processes (each clip's tokens "
-                    "split across a group); global batch %d = %d per group x %d groups x %d accumulation steps",
-                    accelerator.num_processes, accelerator.distributed_type, layout.data_parallel_size,
-                    layout.context_parallel_degree, global_batch, options.train_batch_size, layout.data_parallel_size,
-                    options.gradient_accumulation_steps)
+        logger.info(
+            "processes: %d (%s) = %d data-parallel groups x %d context-parallel processes (each clip's tokens "
+            "split across a group); global batch %d = %d per group x %d groups x %d accumulation steps",
+            accelerator.num_processes,
+            accelerator.distributed_type,
+            layout.data_parallel_size,
+            layout.context_parallel_degree,
+            global_batch,
+            options.train_batch_size,
+            layout.data_parallel_size,
+            options.gradient_accumulation_steps,
+        )
 
     accelerator.init_trackers(options.tracker_project_name, config=_flat_config(options.to_dict()))
     if state.global_step == 0:
         accelerator.log({**(parts.data_metrics or {}), "num_processes": accelerator.num_processes}, step=0)
 
-    sampler = BucketBatchSampler(parts.buckets, options.train_batch_size, layout.data_parallel_size,
-                                 layout.data_parallel_rank, options.seed)  # a context-parallel group shares its batches
-    batches = _batches(sampler, parts.dataset, parts.collate_fn, options.dataloader_num_workers, state, accelerator.device)
+    sampler = BucketBatchSampler(
+        parts.buckets, options.train_batch_size, layout.data_parallel_size, layout.data_parallel_rank, options.seed
+    )  # a context-parallel group shares its batches
+    batches = _batches(
+        sampler, parts.dataset, parts.collate_fn, options.dataloader_num_workers, state, accelerator.device
+    )
     transfer_steps, total = options.attention_transfer_steps, options.attention_transfer_steps + options.max_train_steps
-    progress = tqdm(total=total, initial=state.global_step, disable=not accelerator.is_local_main_process,
-                    unit="step", desc=_stage_at(state.global_step, transfer_steps), dynamic_ncols=True)
+    progress = tqdm(
+        total=total,
+        initial=state.global_step,
+        disable=not accelerator.is_local_main_process,
+        unit="step",
+        desc=_stage_at(state.global_step, transfer_steps),
+        dynamic_ncols=True,
+    )
     stage = None
     last_validated = last_fid = -1
     started, started_step = time.perf_counter(), state.global_step
@@ -346,7 +406,9 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         losses, extras = [], {}
         for micro in range(options.gradient_accumulation_steps):
             batch = next(batches)
-            generator = step_generator(options.seed, layout.data_parallel_rank, state.global_step, micro, accelerator.device)
+            generator = step_generator(
+                options.seed, layout.data_parallel_rank, state.global_step, micro, accelerator.device
+            )
             with accelerator.accumulate(prepared):
                 with transfer if stage == "transfer" else nullcontext():
                     loss, metrics = parts.batch_loss(prepared, batch, generator)
@@ -368,9 +430,17 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         if ema is not None and stage == "train":
             ema.step([params[n] for n in e2e_names])
 
-        logs = {"loss" if stage == "train" else "transfer/loss": accelerator.reduce(torch.stack(losses).mean(), "mean").item()}
+        logs = {
+            "loss" if stage == "train" else "transfer/loss": accelerator.reduce(
+                torch.stack(losses).mean(), "mean"
+            ).item()
+        }
         for key, value in extras.items():
-            value = torch.stack(value).mean() if isinstance(value, list) else torch.as_tensor(value, device=accelerator.device)
+            value = (
+                torch.stack(value).mean()
+                if isinstance(value, list)
+                else torch.as_tensor(value, device=accelerator.device)
+            )
             logs[key] = accelerator.reduce(value.float(), "mean").item()
         logs["lr"] = (transfer_optimizer if stage == "transfer" else optimizer).param_groups[0]["lr"]
         logs["epoch"] = state.epoch
@@ -380,9 +450,17 @@ def _train(task: Task, options: TrainOptions, accelerator, mode: str, resume_cha
         progress.update(1)
         progress.set_postfix(loss=f"{next(iter(logs.values())):.4f}", lr=f"{logs['lr']:.2e}")
 
-        if options.checkpointing_steps and state.global_step % options.checkpointing_steps == 0 and state.global_step < total:
+        if (
+            options.checkpointing_steps
+            and state.global_step % options.checkpointing_steps == 0
+            and state.global_step < total
+        ):
             save_checkpoint(accelerator, output_dir, state.global_step, options.checkpoints_total_limit)
-        if parts.validate is not None and options.validation_steps and state.global_step % options.validation_steps == 0:
+        if (
+            parts.validate is not None
+            and options.validation_steps
+            and state.global_step % options.validation_steps == 0
+        ):
             _validate(accelerator, parts, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
             last_validated = state.global_step
         if fid is not None and fid.due(state.global_step):
@@ -410,8 +488,9 @@ def _stage_at(step: int, transfer_steps: int) -> str:
     return "transfer" if step < transfer_steps else "train"
 
 
-def _enter_stage(stage: str, model: nn.Module, union: set[str], transfer_names: list[str], e2e_names: list[str],
-                 checkpointing: bool) -> None:
+def _enter_stage(
+    stage: str, model: nn.Module, union: set[str], transfer_names: list[str], e2e_names: list[str], checkpointing: bool
+) -> None:
     """Freeze what the stage does not train; no activation checkpointing while distilling layer by layer."""
     active = set(transfer_names if stage == "transfer" else e2e_names)
     for name, param in model.named_parameters():
@@ -434,9 +513,13 @@ def _with_ema(ema, params: dict, names: list[str]):
     return stack
 
 
-def _validate(accelerator, parts: TaskParts, unwrapped: nn.Module, ema, names, params, step: int, is_fsdp: bool) -> None:
+def _validate(
+    accelerator, parts: TaskParts, unwrapped: nn.Module, ema, names, params, step: int, is_fsdp: bool
+) -> None:
     if is_fsdp:
-        logger.warning("validation samples are skipped under FSDP (the local model holds shards); sample from a checkpoint")
+        logger.warning(
+            "validation samples are skipped under FSDP (the local model holds shards); sample from a checkpoint"
+        )
         return
     if accelerator.is_main_process:
         was_training = unwrapped.training
@@ -448,12 +531,23 @@ def _validate(accelerator, parts: TaskParts, unwrapped: nn.Module, ema, names, p
     accelerator.wait_for_everyone()
 
 
-def _validation_fid(accelerator, parts: TaskParts, fid: ValidationFID, unwrapped: nn.Module, ema, names, params,
-                    step: int, is_fsdp: bool) -> None:
+def _validation_fid(
+    accelerator,
+    parts: TaskParts,
+    fid: ValidationFID,
+    unwrapped: nn.Module,
+    ema,
+    names,
+    params,
+    step: int,
+    is_fsdp: bool,
+) -> None:
     """FID / sFID of the model (EMA weights when there are) on every process; logged at ``step``."""
     if is_fsdp:
-        logger.warning("validation FID is skipped under FSDP (the local model holds shards); evaluate a checkpoint "
-                       "with `mhla eval-sample` and `mhla eval`")
+        logger.warning(
+            "validation FID is skipped under FSDP (the local model holds shards); evaluate a checkpoint "
+            "with `mhla eval-sample` and `mhla eval`"
+        )
         return
     was_training = unwrapped.training
     unwrapped.eval()
@@ -462,8 +556,14 @@ def _validation_fid(accelerator, parts: TaskParts, fid: ValidationFID, unwrapped
         values = fid.run(accelerator, parts.fid_samples, unwrapped)
     unwrapped.train(was_training)
     if accelerator.is_main_process:
-        logger.info("step %d: FID %.4g, sFID %.4g (%d samples, %.1f s)", step, values["validation/fid"],
-                    values["validation/sfid"], fid.num_samples, time.perf_counter() - started)
+        logger.info(
+            "step %d: FID %.4g, sFID %.4g (%d samples, %.1f s)",
+            step,
+            values["validation/fid"],
+            values["validation/sfid"],
+            fid.num_samples,
+            time.perf_counter() - started,
+        )
     accelerator.log(values, step=step)
     accelerator.wait_for_everyone()
 

@@ -167,8 +167,9 @@ class CachedImageDataset(Dataset):
     flipped image's latents when this epoch's coin (the same as :class:`ClassImageDataset`'s) says so.
     With ``both_views`` (a coin per batch, thrown later), no coin: ``latents`` and ``latents_flipped``."""
 
-    def __init__(self, cache, samples: list[ImageSample], random_flip: bool = True, seed: int = 0,
-                 both_views: bool = False) -> None:
+    def __init__(
+        self, cache, samples: list[ImageSample], random_flip: bool = True, seed: int = 0, both_views: bool = False
+    ) -> None:
         self.cache, self.samples, self.both_views = cache, samples, both_views
         self._coins = ClassImageDataset(samples, resolution=1, random_flip=random_flip and not both_views, seed=seed)
 
@@ -180,8 +181,12 @@ class CachedImageDataset(Dataset):
         sample = self.samples[index]
         entry = self.cache.read("latents", latent_identity(sample))
         if self.both_views:
-            return {"latents": entry["latents"], "latents_flipped": entry["latents_flipped"], "label": sample.label,
-                    "index": index}
+            return {
+                "latents": entry["latents"],
+                "latents_flipped": entry["latents_flipped"],
+                "label": sample.label,
+                "index": index,
+            }
         key = "latents_flipped" if self._coins.flipped(epoch, index) else "latents"
         return {"latents": entry[key], "label": sample.label, "index": index}
 

@@ -40,8 +40,9 @@ def _digest(value: Any) -> str:
 
 
 #: Config keys that record where or with which version a component was saved, not what it computes.
-_SAVE_BOOKKEEPING = frozenset({"_name_or_path", "_diffusers_version", "transformers_version", "is_local",
-                               "local_files_only"})
+_SAVE_BOOKKEEPING = frozenset(
+    {"_name_or_path", "_diffusers_version", "transformers_version", "is_local", "local_files_only"}
+)
 
 
 def encoder_identity(source: str, revision: str | None, components: Sequence[str]) -> dict[str, Any]:
@@ -133,7 +134,9 @@ class LatentCache:
     def read(self, kind: str, identity: Any) -> dict[str, torch.Tensor]:
         path = self.path(kind, identity)
         if not path.is_file():
-            raise FileNotFoundError(f"cache entry {path} is missing: delete {self.folder / _INDEX} to rebuild the cache")
+            raise FileNotFoundError(
+                f"cache entry {path} is missing: delete {self.folder / _INDEX} to rebuild the cache"
+            )
         try:
             return read_checkpoint_file(path)
         except ValueError as error:
@@ -177,14 +180,26 @@ def _atomic_text(path: Path, text: str) -> None:
 
 
 def run_prepass(
-    accelerator, cache: LatentCache, kind: str, identities: Sequence[Any], encode: Callable[[int], dict[str, torch.Tensor]],
+    accelerator,
+    cache: LatentCache,
+    kind: str,
+    identities: Sequence[Any],
+    encode: Callable[[int], dict[str, torch.Tensor]],
     description: str,
 ) -> list[tuple[int, str]]:
     """:func:`fill_entries` on every process, then the failures of all processes (after a barrier)."""
     from accelerate.utils import gather_object
 
-    failures = fill_entries(cache, kind, identities, encode, accelerator.process_index, accelerator.num_processes,
-                            description, show_progress=accelerator.is_local_main_process)
+    failures = fill_entries(
+        cache,
+        kind,
+        identities,
+        encode,
+        accelerator.process_index,
+        accelerator.num_processes,
+        description,
+        show_progress=accelerator.is_local_main_process,
+    )
     if accelerator.num_processes > 1:
         failures = gather_object(failures)
     accelerator.wait_for_everyone()

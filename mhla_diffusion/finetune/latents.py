@@ -51,13 +51,17 @@ def draw_latents(stored: torch.Tensor, channels: int, sampling: str, generator: 
     stored = stored.float()
     if sampling == "presampled":
         if stored.shape[1] != channels:
-            raise ValueError("latent_sampling: presampled needs a cache of drawn latents (built with presampled); "
-                             "use another cache_dir")
+            raise ValueError(
+                "latent_sampling: presampled needs a cache of drawn latents (built with presampled); "
+                "use another cache_dir"
+            )
         return stored
     if stored.shape[1] == channels:
         if sampling == "sample":
-            raise ValueError("the cache holds posterior means only (built with latent_sampling: mode); "
-                             "use latent_sampling: mode or another cache_dir")
+            raise ValueError(
+                "the cache holds posterior means only (built with latent_sampling: mode); "
+                "use latent_sampling: mode or another cache_dir"
+            )
         return stored
     mean, logvar = stored[:, :channels], stored[:, channels:]
     if sampling == "mode":

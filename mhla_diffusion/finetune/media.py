@@ -70,8 +70,20 @@ def probe(path: str | Path) -> MediaInfo:
         return MediaInfo(1, height, width, is_video=False)
     import imageio_ffmpeg
 
-    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-nostdin", "-i", str(path),
-               "-map", "0:v:0", "-c", "copy", "-f", "null", "-"]
+    command = [
+        imageio_ffmpeg.get_ffmpeg_exe(),
+        "-hide_banner",
+        "-nostdin",
+        "-i",
+        str(path),
+        "-map",
+        "0:v:0",
+        "-c",
+        "copy",
+        "-f",
+        "null",
+        "-",
+    ]
     result = subprocess.run(command, capture_output=True)
     log = result.stderr.decode(errors="ignore")
     size, frames = _SIZE.search(log), _FRAMES.findall(log)
@@ -138,7 +150,7 @@ def resize_center_crop(frames: np.ndarray, height: int, width: int) -> torch.Ten
     if (new_h, new_w) != (src_h, src_w):
         video = F.interpolate(video, size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)
     top, left = (new_h - height) // 2, (new_w - width) // 2
-    video = video[..., top: top + height, left: left + width]
+    video = video[..., top : top + height, left : left + width]
     return (video / 127.5 - 1.0).clamp(-1, 1).permute(1, 0, 2, 3).contiguous()
 
 
@@ -156,4 +168,4 @@ def adm_center_crop(image: np.ndarray, size: int) -> np.ndarray:
     pil = pil.resize(tuple(round(x * scale) for x in pil.size), resample=Image.BICUBIC)
     array = np.asarray(pil)
     top, left = (array.shape[0] - size) // 2, (array.shape[1] - size) // 2
-    return array[top: top + size, left: left + size]
+    return array[top : top + size, left : left + size]

@@ -18,8 +18,14 @@ import torch
 import torch.nn.functional as F
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
-__all__ = ["DiffusionObjective", "FlowMatchInputs", "flow_match_inputs", "flow_match_loss", "normal_kl",
-           "discretized_gaussian_log_likelihood"]
+__all__ = [
+    "DiffusionObjective",
+    "FlowMatchInputs",
+    "flow_match_inputs",
+    "flow_match_loss",
+    "normal_kl",
+    "discretized_gaussian_log_likelihood",
+]
 
 
 @dataclass
@@ -122,7 +128,9 @@ class DiffusionObjective:
         values = self._tables[name].to(like.device)[t].to(like.dtype)
         return values.view(-1, *([1] * (like.ndim - 1)))
 
-    def sample_inputs(self, latents: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sample_inputs(
+        self, latents: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Uniform timesteps, noise and ``x_t`` for ``latents`` ``(B, C, H, W)`` -> ``(noisy, timesteps, noise)``."""
         batch = latents.shape[0]
         timesteps = torch.randint(0, self.num_train_timesteps, (batch,), generator=generator, device=latents.device)
@@ -131,7 +139,12 @@ class DiffusionObjective:
         return noisy, timesteps, noise
 
     def loss(
-        self, model_output: torch.Tensor, latents: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor
+        self,
+        model_output: torch.Tensor,
+        latents: torch.Tensor,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        noise: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean loss over the batch and its parts ``{"mse", "vb"}`` (detached, for logging)."""
         model_output = model_output.float()
@@ -142,18 +155,24 @@ class DiffusionObjective:
         parts = {"mse": mse.mean().detach()}
         total = mse
         if self.vb:
-            vb = self.vb_term(prediction.detach(), model_output[:, channels: 2 * channels], latents.float(), noisy.float(), timesteps)
+            vb = self.vb_term(
+                prediction.detach(), model_output[:, channels : 2 * channels], latents.float(), noisy.float(), timesteps
+            )
             parts["vb"] = vb.mean().detach()
             total = total + vb
         return total.mean(), parts
 
-    def vb_term(self, eps: torch.Tensor, var_values: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def vb_term(
+        self, eps: torch.Tensor, var_values: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
         """Per-sample VB term in bits/dim: ``KL(q(x_{t-1}|x_t,x_0) || p(x_{t-1}|x_t))``, decoder NLL at ``t = 0``."""
         min_log = self._at("posterior_log_variance_clipped", t, x_t)
         max_log = self._at("log_betas", t, x_t)
         frac = (var_values + 1.0) / 2.0
         model_log_variance = frac * max_log + (1.0 - frac) * min_log
-        pred_x0 = self._at("sqrt_recip_alphas_cumprod", t, x_t) * x_t - self._at("sqrt_recipm1_alphas_cumprod", t, x_t) * eps
+        pred_x0 = (
+            self._at("sqrt_recip_alphas_cumprod", t, x_t) * x_t - self._at("sqrt_recipm1_alphas_cumprod", t, x_t) * eps
+        )
         coef1, coef2 = self._at("posterior_mean_coef1", t, x_t), self._at("posterior_mean_coef2", t, x_t)
         model_mean = coef1 * pred_x0 + coef2 * x_t
         true_mean = coef1 * x0 + coef2 * x_t

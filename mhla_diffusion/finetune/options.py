@@ -25,11 +25,26 @@ from typing import Any, Sequence, TypeVar
 import yaml
 
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
-from ..utils.options import (add_field_arguments, check_choice, check_choices, coerce, option, parse_text, read_yaml,
-                             unknown_name)
+from ..utils.options import (
+    add_field_arguments,
+    check_choice,
+    check_choices,
+    coerce,
+    option,
+    parse_text,
+    read_yaml,
+    unknown_name,
+)
 
-__all__ = ["DEFAULT_DIT_VAE", "DiTTrainOptions", "TrainOptions", "WanTrainOptions", "load_options", "options_from_dict",
-           "parse_cli"]
+__all__ = [
+    "DEFAULT_DIT_VAE",
+    "DiTTrainOptions",
+    "TrainOptions",
+    "WanTrainOptions",
+    "load_options",
+    "options_from_dict",
+    "parse_cli",
+]
 
 T = TypeVar("T", bound="TrainOptions")
 
@@ -43,15 +58,27 @@ class TrainOptions:
     # --- model
     pretrained_model: str = option("", "Diffusers pipeline folder or hub id (required; DiT: or `model_size` instead)")
     revision: str | None = option(None, "hub revision of pretrained_model")
-    attention: str = option("mhla", "mhla: convert the model, then train; softmax: train the model's own attention as "
-                            "it is", choices=ATTENTIONS)
-    mhla: dict = option(help="MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}; one at a time "
-                        "on the command line as --mhla.KEY VALUE", default_factory=dict)
-    mhla_preset: str | None = option(None, "released-wan / released-dit: MHLAConfig.released_wan() / .released_dit(), "
-                                     "`mhla` overrides its fields", choices=("released-wan", "released-dit"))
+    attention: str = option(
+        "mhla",
+        "mhla: convert the model, then train; softmax: train the model's own attention as it is",
+        choices=ATTENTIONS,
+    )
+    mhla: dict = option(
+        help="MHLAConfig fields, e.g. {layers: hybrid, layout: [3, 5, 10], gate: true}; one at a time "
+        "on the command line as --mhla.KEY VALUE",
+        default_factory=dict,
+    )
+    mhla_preset: str | None = option(
+        None,
+        "released-wan / released-dit: MHLAConfig.released_wan() / .released_dit(), `mhla` overrides its fields",
+        choices=("released-wan", "released-dit"),
+    )
     mhla_weights: str | None = option(None, "start from a save_mhla folder instead of a fresh conversion")
-    trainable: str = option("all", "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention) | "
-                            "lora", choices=("all", "mhla", "attention", "lora"))
+    trainable: str = option(
+        "all",
+        "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention) | lora",
+        choices=("all", "mhla", "attention", "lora"),
+    )
     # --- run folder
     output_dir: str = option("", "the run folder (required); never reused for a new run unless overwrite_output_dir")
     overwrite_output_dir: bool = option(False, "delete output_dir and start a new run there")
@@ -60,11 +87,14 @@ class TrainOptions:
     # --- data
     data_dir: str = option("", "the training data folder (required)")
     cache_latents: bool = option(False, "pre-pass: encode latents (and text) once to disk, then train from the cache")
-    cache_dir: str | None = option(None, "where cache_latents writes (default <output_dir>/cache); share it between "
-                                   "runs with the same data settings")
+    cache_dir: str | None = option(
+        None,
+        "where cache_latents writes (default <output_dir>/cache); share it between runs with the same data settings",
+    )
     cache_dtype: str = option("float32", "dtype of cached tensors", choices=WEIGHT_DTYPES)
-    latent_sampling: str = option("sample", "sample: a posterior sample each step; mode: the posterior mean",
-                                  choices=("sample", "mode"))
+    latent_sampling: str = option(
+        "sample", "sample: a posterior sample each step; mode: the posterior mean", choices=("sample", "mode")
+    )
     dataloader_num_workers: int = option(0, "data loading processes (0: in the training process)")
     # --- optimisation
     learning_rate: float = option(2e-5, "AdamW learning rate of the end-to-end stage")
@@ -78,46 +108,64 @@ class TrainOptions:
     train_batch_size: int = option(4, "samples per process and step")
     gradient_accumulation_steps: int = option(1, "batches accumulated into one optimizer step")
     max_train_steps: int = option(1000, "end-to-end optimizer steps (after the attention-transfer stage)")
-    mixed_precision: str | None = option("bf16", "no | fp16 | bf16 | null (use accelerate's config)",
-                                         choices=("no", "fp16", "bf16"))
-    frozen_dtype: str = option("auto", "dtype of frozen weights; auto: the mixed-precision dtype (float32 under FSDP)",
-                               choices=("auto", *WEIGHT_DTYPES))
+    mixed_precision: str | None = option(
+        "bf16", "no | fp16 | bf16 | null (use accelerate's config)", choices=("no", "fp16", "bf16")
+    )
+    frozen_dtype: str = option(
+        "auto",
+        "dtype of frozen weights; auto: the mixed-precision dtype (float32 under FSDP)",
+        choices=("auto", *WEIGHT_DTYPES),
+    )
     gradient_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
     allow_tf32: bool = option(True, "allow TF32 matrix multiplications on Ampere and later GPUs")
     # --- attention transfer (stage 1, optional)
-    attention_transfer_steps: int = option(0, "steps of the attention-transfer stage before the end-to-end stage; "
-                                           "0 = off")
+    attention_transfer_steps: int = option(
+        0, "steps of the attention-transfer stage before the end-to-end stage; 0 = off"
+    )
     attention_transfer_lr: float = option(1e-3, "learning rate of the attention-transfer stage")
     attention_transfer_params: str = option(
-        "auto", "attention: MHLA and the layer's q/k/v/o and norms | mhla: the new parameters only (far weaker) | "
+        "auto",
+        "attention: MHLA and the layer's q/k/v/o and norms | mhla: the new parameters only (far weaker) | "
         "auto: attention, or mhla when trainable is mhla / lora (whose outputs keep only those)",
-        choices=("auto", "mhla", "attention"))
+        choices=("auto", "mhla", "attention"),
+    )
     attention_transfer_teacher_forcing: bool = option(True, "later layers see the softmax output, not the student's")
     # --- EMA of the trained weights (saved as `final` and in the pipeline; raw weights as `final-no-ema`)
-    ema_decay: float = option(0.0, "EMA decay of the trained weights, in [0, 1); 0 turns EMA off (with EMA the "
-                              "averaged weights are saved as `final`, the raw ones as `final-no-ema`)")
-    ema_warmup: bool = option(False, "false: constant decay from the first step (DiT's reference); true: Diffusers' "
-                              "warmup")
+    ema_decay: float = option(
+        0.0,
+        "EMA decay of the trained weights, in [0, 1); 0 turns EMA off (with EMA the "
+        "averaged weights are saved as `final`, the raw ones as `final-no-ema`)",
+    )
+    ema_warmup: bool = option(
+        False, "false: constant decay from the first step (DiT's reference); true: Diffusers' warmup"
+    )
     # --- checkpoints and outputs
     checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimizer steps")
     checkpoints_total_limit: int | None = option(3, "checkpoints kept (the oldest are deleted); null keeps all")
     save_pipeline: bool = option(False, "also write a full pipeline folder (<output_dir>/pipeline) at the end")
     # --- logging and validation
-    report_to: str = option("auto", "where metrics go: auto (tensorboard if installed, else jsonl) | tensorboard | "
-                            "wandb | jsonl | none", choices=("auto", "tensorboard", "wandb", "jsonl", "none"))
+    report_to: str = option(
+        "auto",
+        "where metrics go: auto (tensorboard if installed, else jsonl) | tensorboard | wandb | jsonl | none",
+        choices=("auto", "tensorboard", "wandb", "jsonl", "none"),
+    )
     tracker_project_name: str = option("mhla-finetune", "project name for the tracker")
-    validation_steps: int = option(0, "sample the validation inputs every N optimizer steps; 0 = only at the end "
-                                   "(when validation inputs are given)")
+    validation_steps: int = option(
+        0,
+        "sample the validation inputs every N optimizer steps; 0 = only at the end (when validation inputs are given)",
+    )
     validation_num_inference_steps: int = option(20, "denoising steps of validation samples")
     validation_guidance_scale: float = option(3.0, "classifier-free guidance scale of validation samples")
     validation_seed: int = option(0, "seed of validation samples")
     # --- validation FID (off unless validation_fid_reference is set; see mhla_diffusion/finetune/validation_fid.py)
-    validation_fid_reference: str | None = option(None, "ADM .npz with mu, sigma, mu_s, sigma_s (`mhla eval-ref`): "
-                                                  "turns validation FID / sFID on")
+    validation_fid_reference: str | None = option(
+        None, "ADM .npz with mu, sigma, mu_s, sigma_s (`mhla eval-ref`): turns validation FID / sFID on"
+    )
     validation_fid_steps: int = option(1000, "FID/sFID every N optimizer steps, and at the end")
     validation_fid_samples: int = option(1000, "FID samples over all processes (Wan: clips, every frame an image)")
-    validation_fid_batch_size: int = option(8, "FID samples per pipeline call per process (DiT; Wan samples clip by "
-                                            "clip)")
+    validation_fid_batch_size: int = option(
+        8, "FID samples per pipeline call per process (DiT; Wan samples clip by clip)"
+    )
     inception_weights: str | None = option(None, "FID Inception-v3 weights file; default $MHLA_INCEPTION_WEIGHTS")
 
     # ------------------------------------------------------------------ checks
@@ -137,13 +185,20 @@ class TrainOptions:
             raise ValueError("`resume` continues the run in output_dir, `overwrite_output_dir` deletes it: choose one")
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("lr_warmup_steps", "attention_transfer_steps", "dataloader_num_workers", "validation_steps",
-                     "checkpointing_steps"):
+        for name in (
+            "lr_warmup_steps",
+            "attention_transfer_steps",
+            "dataloader_num_workers",
+            "validation_steps",
+            "checkpointing_steps",
+        ):
             _at_least(name, getattr(self, name), 0)
         for name in ("validation_fid_steps", "validation_fid_samples", "validation_fid_batch_size"):
             _at_least(name, getattr(self, name), 1)
         if self.inception_weights is not None and not self.validation_fid_reference:
-            raise ValueError("`inception_weights` is used by validation FID: set `validation_fid_reference` too, or drop it")
+            raise ValueError(
+                "`inception_weights` is used by validation FID: set `validation_fid_reference` too, or drop it"
+            )
         if self.checkpoints_total_limit is not None:
             _at_least("checkpoints_total_limit", self.checkpoints_total_limit, 1)
         for name in ("learning_rate", "attention_transfer_lr", "adam_epsilon"):
@@ -177,15 +232,21 @@ class TrainOptions:
         set_options = [name for name in ("mhla", "mhla_preset", "mhla_weights") if getattr(self, name)]
         if set_options:
             names, verb = ", ".join(f"`{n}`" for n in set_options), "are" if len(set_options) > 1 else "is"
-            raise ValueError(f"attention: softmax trains the model without MHLA, but {names} {verb} set: drop "
-                             f"{'them' if len(set_options) > 1 else 'it'}, or use attention: mhla")
+            raise ValueError(
+                f"attention: softmax trains the model without MHLA, but {names} {verb} set: drop "
+                f"{'them' if len(set_options) > 1 else 'it'}, or use attention: mhla"
+            )
         if self.attention_transfer_steps:
-            raise ValueError("attention: softmax has no MHLA layers to distil into: set attention_transfer_steps: 0, "
-                             "or use attention: mhla")
+            raise ValueError(
+                "attention: softmax has no MHLA layers to distil into: set attention_transfer_steps: 0, "
+                "or use attention: mhla"
+            )
         allowed = self._softmax_trainable()
         if self.trainable not in allowed:
-            raise ValueError(f"attention: softmax trains `trainable: {' or '.join(allowed)}` (`{self.trainable}` selects "
-                             "MHLA parameters, which a softmax model does not have)")
+            raise ValueError(
+                f"attention: softmax trains `trainable: {' or '.join(allowed)}` (`{self.trainable}` selects "
+                "MHLA parameters, which a softmax model does not have)"
+            )
 
     def transfer_params(self) -> str:
         """``attention_transfer_params`` with ``auto`` resolved."""
@@ -212,60 +273,78 @@ class WanTrainOptions(TrainOptions):
     height: int = option(480, "training height in pixels (a multiple of the VAE scale x patch size)")
     width: int = option(832, "training width in pixels (a multiple of the VAE scale x patch size)")
     num_frames: int = option(81, "frames per clip: a count the model's VAE accepts (see mhla_diffusion.utils.geometry)")
-    resolution_buckets: list[list[int]] | None = option(None, "[[h, w], ...] sizes videos may train at; default "
-                                                        "[[height, width]]")
-    frame_buckets: list[int] | None = option(None, "frame counts videos may train at (as num_frames); default "
-                                             "[num_frames]")
+    resolution_buckets: list[list[int]] | None = option(
+        None, "[[h, w], ...] sizes videos may train at; default [[height, width]]"
+    )
+    frame_buckets: list[int] | None = option(
+        None, "frame counts videos may train at (as num_frames); default [num_frames]"
+    )
     frame_stride: int = option(1, "take every n-th frame")
-    frame_sampling: str = option("start", "start: the first frames, as the reference | random: a random clip start",
-                                 choices=("start", "random"))
+    frame_sampling: str = option(
+        "start", "start: the first frames, as the reference | random: a random clip start", choices=("start", "random")
+    )
     max_sequence_length: int = option(512, "text tokens of a caption")
     caption_dropout: float = option(0.1, "probability of training on the empty prompt")
     caption_column: str | None = option(None, "metadata column with the caption; default: text, caption or prompt")
-    file_column: str | None = option(None, "metadata column with the file path; default: file_name, video, image or "
-                                     "path")
+    file_column: str | None = option(
+        None, "metadata column with the file path; default: file_name, video, image or path"
+    )
     logit_mean: float = option(0.0, "mean of the logit-normal timestep density")
     logit_std: float = option(1.0, "standard deviation of the logit-normal timestep density, > 0")
     flow_shift: float = option(3.0, "flow-matching timestep shift, > 0")
     lora_rank: int = option(64, "LoRA rank (trainable: lora)")
     lora_alpha: int = option(64, "LoRA alpha (trainable: lora)")
-    lora_target_modules: list[str] = option(help="modules LoRA adapts (trainable: lora)",
-                                            default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
-    text_encoder_dtype: str = option("auto", "dtype of the text encoder; auto: the mixed-precision dtype",
-                                     choices=("auto", *WEIGHT_DTYPES))
-    vae_dtype: str = option("auto", "dtype of the VAE; auto: the mixed-precision dtype",
-                            choices=("auto", *WEIGHT_DTYPES))
-    validation_prompts: list[str] = option(help="prompts sampled at validation (none: no validation samples)",
-                                           default_factory=list)
+    lora_target_modules: list[str] = option(
+        help="modules LoRA adapts (trainable: lora)", default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
+    )
+    text_encoder_dtype: str = option(
+        "auto", "dtype of the text encoder; auto: the mixed-precision dtype", choices=("auto", *WEIGHT_DTYPES)
+    )
+    vae_dtype: str = option(
+        "auto", "dtype of the VAE; auto: the mixed-precision dtype", choices=("auto", *WEIGHT_DTYPES)
+    )
+    validation_prompts: list[str] = option(
+        help="prompts sampled at validation (none: no validation samples)", default_factory=list
+    )
     validation_negative_prompt: str = option("", "negative prompt of validation samples")
     validation_height: int | None = option(None, "height of validation samples; default: height")
     validation_width: int | None = option(None, "width of validation samples; default: width")
     validation_num_frames: int | None = option(None, "frames of validation samples; default: num_frames")
     validation_fps: int = option(16, "frame rate of the saved validation videos")
     context_parallel_degree: int = option(
-        1, "split each clip's tokens across this many processes (sequence parallelism; data parallelism across the "
-        "groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it")
+        1,
+        "split each clip's tokens across this many processes (sequence parallelism; data parallelism across the "
+        "groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it",
+    )
     distillation_weight: float = option(
-        0.0, "w in [0, 1], 0 = off: output distillation of an MHLA student (attention: mhla) from its softmax original "
+        0.0,
+        "w in [0, 1], 0 = off: output distillation of an MHLA student (attention: mhla) from its softmax original "
         "(pretrained_model's own transformer, frozen); the end-to-end loss becomes "
-        "(1 - w) * MSE(prediction, noise - x0) + w * MSE(prediction, the original's prediction for the same input)")
+        "(1 - w) * MSE(prediction, noise - x0) + w * MSE(prediction, the original's prediction for the same input)",
+    )
 
     def validate(self) -> None:
         super().validate()
         if not 0 <= self.distillation_weight <= 1:
             raise ValueError(f"`distillation_weight` must be in [0, 1] (0 = off), got {self.distillation_weight}")
         if self.distillation_weight and self.attention == "softmax":
-            raise ValueError("distillation_weight distils an MHLA student from its softmax original, but attention: "
-                             "softmax trains the original itself: set distillation_weight: 0, or use attention: mhla")
+            raise ValueError(
+                "distillation_weight distils an MHLA student from its softmax original, but attention: "
+                "softmax trains the original itself: set distillation_weight: 0, or use attention: mhla"
+            )
         _at_least("context_parallel_degree", self.context_parallel_degree, 1)
         if self.context_parallel_degree > 1:
             if self.attention_transfer_steps:
-                raise ValueError("attention transfer's per-layer losses are not split across a context-parallel group: "
-                                 "set attention_transfer_steps: 0 with context_parallel_degree > 1 (run a transfer stage "
-                                 "on its own with context_parallel_degree: 1)")
+                raise ValueError(
+                    "attention transfer's per-layer losses are not split across a context-parallel group: "
+                    "set attention_transfer_steps: 0 with context_parallel_degree > 1 (run a transfer stage "
+                    "on its own with context_parallel_degree: 1)"
+                )
             if self.validation_fid_reference:
-                raise ValueError("validation FID samples different clips on every process, which a context-parallel "
-                                 "group can not split: drop validation_fid_reference, or set context_parallel_degree: 1")
+                raise ValueError(
+                    "validation FID samples different clips on every process, which a context-parallel "
+                    "group can not split: drop validation_fid_reference, or set context_parallel_degree: 1"
+                )
         # Frame counts and sizes must also suit the model (frames k * VAE temporal scale + 1, sizes
         # multiples of VAE scale x patch size): the trainer checks them against the model's configs at
         # setup, before any work (mhla_diffusion.utils.geometry.VideoGeometry).
@@ -292,8 +371,10 @@ class WanTrainOptions(TrainOptions):
             raise ValueError("`validation_prompts` has an empty prompt")
         if self.validation_fid_reference:
             if not self.validation_prompts:
-                raise ValueError("validation FID samples clips for the `validation_prompts` (cycled): set "
-                                 "validation_prompts, or drop validation_fid_reference")
+                raise ValueError(
+                    "validation FID samples clips for the `validation_prompts` (cycled): set "
+                    "validation_prompts, or drop validation_fid_reference"
+                )
             if self.validation_fid_samples * (self.validation_num_frames or self.num_frames) < 2:
                 raise ValueError("validation FID needs at least 2 images (frames): raise validation_fid_samples")
 
@@ -335,32 +416,46 @@ class DiTTrainOptions(TrainOptions):
     ema_decay: float = 0.9999
     validation_guidance_scale: float = 4.0
     validation_num_inference_steps: int = 50
-    trainable: str = option("all", "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention); "
-                            "no lora: Diffusers has no LoRA loader for DiTPipeline",
-                            choices=("all", "mhla", "attention"))
-    latent_sampling: str = option("sample", "sample: a posterior sample each step | mode: the posterior mean | "
-                                  "presampled: one posterior sample per image, drawn by the cache pre-pass",
-                                  choices=("sample", "mode", "presampled"))
+    trainable: str = option(
+        "all",
+        "all | mhla (the new MHLA parameters) | attention (MHLA and its self-attention); "
+        "no lora: Diffusers has no LoRA loader for DiTPipeline",
+        choices=("all", "mhla", "attention"),
+    )
+    latent_sampling: str = option(
+        "sample",
+        "sample: a posterior sample each step | mode: the posterior mean | "
+        "presampled: one posterior sample per image, drawn by the cache pre-pass",
+        choices=("sample", "mode", "presampled"),
+    )
     # DiT's own options
     resolution: int = option(256, "image size in pixels (a multiple of the VAE scale x patch size)")
-    class_dropout: float = option(0.1, "probability of replacing the label by the null class (num_classes), for "
-                                  "classifier-free guidance")
+    class_dropout: float = option(
+        0.1, "probability of replacing the label by the null class (num_classes), for classifier-free guidance"
+    )
     random_flip: bool = option(True, "flip images horizontally at random")
-    flip_coin_per_batch: bool = option(False, "with random_flip: one coin per batch (all flipped or none), as released "
-                                       "DiT")
+    flip_coin_per_batch: bool = option(
+        False, "with random_flip: one coin per batch (all flipped or none), as released DiT"
+    )
     clamp_mixing: bool = option(True, "clamp mixing coefficients to [0, 1] after every step, as the reference")
-    learned_sigma_loss: str = option("vb", "vb: MSE + variational bound, as DiT | none; used when the model predicts "
-                                     "sigma", choices=("vb", "none"))
+    learned_sigma_loss: str = option(
+        "vb", "vb: MSE + variational bound, as DiT | none; used when the model predicts sigma", choices=("vb", "none")
+    )
     class_map: dict | None = option(None, "folder name -> class id; default: numeric folder names, else sorted order")
-    validation_classes: list = option(help="class ids (or names of class_map) sampled at validation",
-                                      default_factory=list)
+    validation_classes: list = option(
+        help="class ids (or names of class_map) sampled at validation", default_factory=list
+    )
     # --- a DiT from random initialisation (instead of pretrained_model)
-    model_size: str | None = option(None, "DiT-S/2 .. DiT-XL/8 (the DiT table, "
-                                    "mhla_diffusion/loaders/original_dit.py): train a DiT of that size from random "
-                                    "initialisation")
-    model_overrides: dict = option(help="model_size: DiTTransformer2DModel config over the size's, e.g. "
-                                   "{num_layers: 2}", default_factory=dict)
-    num_classes: int | str = option(1000, "model_size: classes, a count or \"data\" (the data's class count)")
+    model_size: str | None = option(
+        None,
+        "DiT-S/2 .. DiT-XL/8 (the DiT table, "
+        "mhla_diffusion/loaders/original_dit.py): train a DiT of that size from random "
+        "initialisation",
+    )
+    model_overrides: dict = option(
+        help="model_size: DiTTransformer2DModel config over the size's, e.g. {num_layers: 2}", default_factory=dict
+    )
+    num_classes: int | str = option(1000, 'model_size: classes, a count or "data" (the data\'s class count)')
     vae_model: str = option(DEFAULT_DIT_VAE, "model_size: VAE folder, hub id or pipeline folder (its vae/)")
     share_embedder: bool = option(True, "model_size: one timestep + class embedder for all blocks, as DiT")
 
@@ -369,49 +464,69 @@ class DiTTrainOptions(TrainOptions):
 
     def validate(self) -> None:
         if self.model_size is None and not self.pretrained_model:
-            raise ValueError("`pretrained_model` is required (a DiT pipeline folder or hub id), or `model_size` "
-                             "(e.g. DiT-S/2) to train a DiT from random initialisation")
+            raise ValueError(
+                "`pretrained_model` is required (a DiT pipeline folder or hub id), or `model_size` "
+                "(e.g. DiT-S/2) to train a DiT from random initialisation"
+            )
         super().validate()
         _at_least("resolution", self.resolution, 1)  # a multiple of the model's VAE scale x patch: checked at setup
         self._check_model_size()
         if self.flip_coin_per_batch and not self.random_flip:
             raise ValueError("`flip_coin_per_batch` chooses how `random_flip` flips: set random_flip: true, or drop it")
         if self.latent_sampling == "presampled" and not self.cache_latents:
-            raise ValueError("latent_sampling: presampled draws one posterior sample per image in the cache pre-pass: "
-                             "set cache_latents: true")
+            raise ValueError(
+                "latent_sampling: presampled draws one posterior sample per image in the cache pre-pass: "
+                "set cache_latents: true"
+            )
         if not 0 <= self.class_dropout <= 1:
             raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
         if self.validation_fid_reference and self.validation_fid_samples < 2:
-            raise ValueError(f"`validation_fid_samples` must be >= 2 (FID takes a covariance), got {self.validation_fid_samples}")
+            raise ValueError(
+                f"`validation_fid_samples` must be >= 2 (FID takes a covariance), got {self.validation_fid_samples}"
+            )
 
     def _check_model_size(self) -> None:
         """``model_size`` (a DiT from scratch) against the options that need or exclude it."""
         from ..utils.dit_sizes import dit_model_size
 
         if self.model_size is None:
-            set_options = [f"`{name}`" for name, unset in (
-                ("model_overrides", not self.model_overrides), ("num_classes", self.num_classes == 1000),
-                ("vae_model", self.vae_model == DEFAULT_DIT_VAE)) if not unset]
+            set_options = [
+                f"`{name}`"
+                for name, unset in (
+                    ("model_overrides", not self.model_overrides),
+                    ("num_classes", self.num_classes == 1000),
+                    ("vae_model", self.vae_model == DEFAULT_DIT_VAE),
+                )
+                if not unset
+            ]
             if set_options:
                 verb = "describes" if len(set_options) == 1 else "describe"
-                raise ValueError(f"{', '.join(set_options)} {verb} a DiT trained from scratch: set `model_size` "
-                                 "(pretrained_model brings its own model, classes and VAE), or drop them")
+                raise ValueError(
+                    f"{', '.join(set_options)} {verb} a DiT trained from scratch: set `model_size` "
+                    "(pretrained_model brings its own model, classes and VAE), or drop them"
+                )
             return
         if self.pretrained_model:
-            raise ValueError(f"`pretrained_model` and `model_size` are both set: start from {self.pretrained_model} "
-                             f"or train a {self.model_size} from random initialisation, not both")
+            raise ValueError(
+                f"`pretrained_model` and `model_size` are both set: start from {self.pretrained_model} "
+                f"or train a {self.model_size} from random initialisation, not both"
+            )
         dit_model_size(self.model_size)
         if self.mhla_weights is not None:
             raise ValueError("`mhla_weights` loads into a pretrained model: drop it with `model_size`")
         if self.trainable != "all":
-            raise ValueError(f"a model trained from scratch trains every parameter: trainable: all (not {self.trainable})")
+            raise ValueError(
+                f"a model trained from scratch trains every parameter: trainable: all (not {self.trainable})"
+            )
         if self.attention_transfer_steps:
-            raise ValueError("a model trained from scratch has no pretrained softmax attention to distil: "
-                             "set attention_transfer_steps: 0")
+            raise ValueError(
+                "a model trained from scratch has no pretrained softmax attention to distil: "
+                "set attention_transfer_steps: 0"
+            )
         if not self.vae_model:
             raise ValueError("`vae_model` is required with `model_size` (default stabilityai/sd-vae-ft-ema)")
         if isinstance(self.num_classes, str) and self.num_classes != "data":
-            raise ValueError(f"`num_classes` must be a count or \"data\", got {self.num_classes!r}")
+            raise ValueError(f'`num_classes` must be a count or "data", got {self.num_classes!r}')
         if isinstance(self.num_classes, int):
             _at_least("num_classes", self.num_classes, 1)
 
@@ -438,18 +553,25 @@ def _trainer_parser(cls: type[TrainOptions]) -> argparse.ArgumentParser:
 
     script = "train_dit" if issubclass(cls, DiTTrainOptions) else "train_wan"
     parser = _OptionParser(
-        prog=f"python -m mhla_diffusion.finetune.{script}", allow_abbrev=False,
+        prog=f"python -m mhla_diffusion.finetune.{script}",
+        allow_abbrev=False,
         usage="%(prog)s [--config CONFIG.yaml] [--OPTION VALUE ...]",
         description=f"{(cls.__doc__ or '').strip()} Every option can be set in the --config YAML file (without its "
         "--) and overridden here; values are YAML: true, 3, '[480, 832]' (a list also as 480,832). Example configs: "
-        "finetune/configs/.")
+        "finetune/configs/.",
+    )
     parser.add_argument("--config", metavar="CONFIG.yaml", help="YAML file of option: value")
     add_field_arguments(parser.add_argument_group("trainer options"), cls)
     mhla = parser.add_argument_group("MHLA options", "one field of `mhla` each (MHLAConfig; see its docstring)")
     for f in dataclasses.fields(MHLAConfig):
         names = [f"--mhla.{f.name}"] + ([f"--mhla.{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        mhla.add_argument(*names, dest=f"mhla.{f.name}", default=argparse.SUPPRESS, metavar="VALUE",
-                          help=f"MHLAConfig.{f.name} (default: {f.default!r})".replace("%", "%%"))
+        mhla.add_argument(
+            *names,
+            dest=f"mhla.{f.name}",
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"MHLAConfig.{f.name} (default: {f.default!r})".replace("%", "%%"),
+        )
     return parser
 
 
@@ -471,8 +593,9 @@ def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions]) -> tuple[str 
     texts = vars(known)
     config = texts.pop("config")
     hints = typing.get_type_hints(cls)
-    overrides = {name: parse_text(name, text, hints.get(name, Any), where=f"--{name} {text!r}")
-                 for name, text in texts.items()}
+    overrides = {
+        name: parse_text(name, text, hints.get(name, Any), where=f"--{name} {text!r}") for name, text in texts.items()
+    }
     return config, overrides
 
 

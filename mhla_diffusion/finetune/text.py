@@ -24,8 +24,13 @@ def encode_prompts(
     """Unpadded embeddings ``(L_i, D)`` of each prompt (``L_i`` = its tokens, at most ``max_sequence_length``)."""
     cleaned = [prompt_clean(p) for p in prompts]
     tokens = tokenizer(
-        cleaned, padding="max_length", max_length=max_sequence_length, truncation=True,
-        add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
+        cleaned,
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
     )
     device = next(text_encoder.parameters()).device
     mask = tokens.attention_mask.to(device)

@@ -65,8 +65,10 @@ def make_trackers(report_to: str, logging_dir: str | Path, run_name: str) -> lis
         return [JSONLTracker(run_name, logging_dir)]
     available = {"tensorboard": is_tensorboard_available(), "wandb": is_wandb_available()}[report_to]
     if not available:
-        raise ImportError(f"report_to: {report_to}, but {report_to} is not installed (pip install {report_to}), "
-                          "or use report_to: jsonl")
+        raise ImportError(
+            f"report_to: {report_to}, but {report_to} is not installed (pip install {report_to}), "
+            "or use report_to: jsonl"
+        )
     return [report_to]
 
 

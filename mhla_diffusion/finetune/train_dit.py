@@ -25,11 +25,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..loaders.loading import DIT_HUB_ID, check_model_source
+from ..loaders.weights import save_mhla
 from ..models.conversion import get_mhla_conversion
 from ..utils.dit_sizes import dit_transformer_config
 from ..utils.geometry import ImageGeometry, check_layout_fits
-from ..loaders.loading import DIT_HUB_ID, check_model_source
-from ..loaders.weights import save_mhla
 from .components import (
     load_component,
     load_mhla_transformer,
@@ -118,8 +118,10 @@ class DiTTask(Task):
         else:
             check_model_source(o.vae_model, DEFAULT_DIT_VAE, what="vae_model")
             if o.share_embedder and accelerator.distributed_type == DistributedType.FSDP:
-                raise ValueError("share_embedder ties one embedder to every block, which FSDP cannot shard: "
-                                 "use DDP, or share_embedder: false")
+                raise ValueError(
+                    "share_embedder ties one embedder to every block, which FSDP cannot shard: "
+                    "use DDP, or share_embedder: false"
+                )
             self.id2label = None
         if o.cache_latents:
             self.cache = LatentCache(o.resolved_cache_dir(), self._cache_settings())
@@ -150,15 +152,19 @@ class DiTTask(Task):
         if accelerator.is_main_process:
             report.warn()
         if disable_label_dropout(transformer) == 0:
-            raise ValueError("the DiT transformer has no LabelEmbedding: class-conditional training needs num_embeds_ada_norm")
+            raise ValueError(
+                "the DiT transformer has no LabelEmbedding: class-conditional training needs num_embeds_ada_norm"
+            )
 
         scheduler = self._scheduler()
         from diffusers import DDPMScheduler
 
         out_channels = int(transformer.config.out_channels or self.in_channels)
-        self.objective = DiffusionObjective(DDPMScheduler.from_config(scheduler.config),
-                                            learned_sigma=out_channels == 2 * self.in_channels,
-                                            vb=o.learned_sigma_loss == "vb")
+        self.objective = DiffusionObjective(
+            DDPMScheduler.from_config(scheduler.config),
+            learned_sigma=out_channels == 2 * self.in_channels,
+            vb=o.learned_sigma_loss == "vb",
+        )
         per_image_flip = o.random_flip and not o.flip_coin_per_batch  # else one coin per batch in batch_loss
         if o.cache_latents:
             dataset = CachedImageDataset(self.cache, samples, per_image_flip, o.seed, both_views=o.flip_coin_per_batch)
@@ -202,18 +208,29 @@ class DiTTask(Task):
         o = self.options
         num_classes = count_classes(o.data_dir, o.class_map) if o.num_classes == "data" else int(o.num_classes)
         self.vae_scale, channels = self._latent_format()
-        config = dit_transformer_config(o.model_size, sample_size=max(1, o.resolution // self.vae_scale),
-                                        in_channels=channels, num_classes=num_classes, overrides=o.model_overrides)
+        config = dit_transformer_config(
+            o.model_size,
+            sample_size=max(1, o.resolution // self.vae_scale),
+            in_channels=channels,
+            num_classes=num_classes,
+            overrides=o.model_overrides,
+        )
         geometry = ImageGeometry(self.vae_scale, int(config["patch_size"]))
         if o.resolution % geometry.size_multiple:
-            raise ValueError(f"`resolution` {o.resolution} must be a multiple of {geometry.size_multiple} "
-                             f"({geometry.describe()})")
+            raise ValueError(
+                f"`resolution` {o.resolution} must be a multiple of {geometry.size_multiple} ({geometry.describe()})"
+            )
         mhla = None if o.attention == "softmax" else mhla_config_from_options(o.mhla, o.mhla_preset)
         transformer = new_dit_transformer(config, o.seed, mhla, share=o.share_embedder)
         if accelerator.is_main_process:
             params = sum(p.numel() for p in transformer.parameters()) / 1e6
-            logger.info("%s from random initialisation (%.2fM parameters, %d classes, %s attention)", o.model_size,
-                        params, num_classes, o.attention)
+            logger.info(
+                "%s from random initialisation (%.2fM parameters, %d classes, %s attention)",
+                o.model_size,
+                params,
+                num_classes,
+                o.attention,
+            )
             conversion = get_mhla_conversion(transformer)
             if conversion is not None:
                 logger.info("%s", conversion.summary())
@@ -246,8 +263,12 @@ class DiTTask(Task):
             raise ValueError(f"`resolution` {o.resolution} must be a multiple of {step} ({geometry.describe()})")
         conversion = get_mhla_conversion(transformer)
         if conversion is not None:
-            check_layout_fits(geometry.token_grid(o.resolution, o.resolution), conversion.layout,
-                              f"`resolution` {o.resolution}", conversion.config.normalization)
+            check_layout_fits(
+                geometry.token_grid(o.resolution, o.resolution),
+                conversion.layout,
+                f"`resolution` {o.resolution}",
+                conversion.config.normalization,
+            )
         native = int(transformer.config.sample_size) * geometry.vae_scale
         if o.resolution != native:
             logger.warning("training at %d px, the model was built for %d px", o.resolution, native)
@@ -260,9 +281,14 @@ class DiTTask(Task):
             source, subfolder = vae_location(o.vae_model)
             encoder = encoder_identity(source, None, (subfolder or ".",))
         return {
-            "task": "dit", **encoder,
-            "data_dir": str(Path(o.data_dir).resolve()), "resolution": o.resolution, "random_flip": o.random_flip,
-            "class_map": o.class_map, "cache_dtype": o.cache_dtype, "latent_sampling": o.latent_sampling,
+            "task": "dit",
+            **encoder,
+            "data_dir": str(Path(o.data_dir).resolve()),
+            "resolution": o.resolution,
+            "random_flip": o.random_flip,
+            "class_map": o.class_map,
+            "cache_dtype": o.cache_dtype,
+            "latent_sampling": o.latent_sampling,
             "vae_dtype": str(self.vae_dtype),
         }
 
@@ -275,8 +301,14 @@ class DiTTask(Task):
             if cached is not None:
                 logger.info("using the cached index of %d images in %s", len(cached["samples"]), self.cache.folder)
                 return [ImageSample.from_dict(s) for s in cached["samples"]], DataReport.from_dict(cached["report"])
-        samples, report, _ = index_class_folder(o.data_dir, self.num_classes, o.class_map, accelerator.process_index,
-                                                accelerator.num_processes, gather_object)
+        samples, report, _ = index_class_folder(
+            o.data_dir,
+            self.num_classes,
+            o.class_map,
+            accelerator.process_index,
+            accelerator.num_processes,
+            gather_object,
+        )
         return samples, report
 
     def _load_vae(self) -> None:
@@ -289,7 +321,9 @@ class DiTTask(Task):
             self.vae.requires_grad_(False).eval().to(self.device)
             self.latent_shift, self.latent_scale = dit_latent_normalization(self.vae)
 
-    def _fill_cache(self, accelerator, samples: list[ImageSample], report: DataReport) -> tuple[list[ImageSample], DataReport]:
+    def _fill_cache(
+        self, accelerator, samples: list[ImageSample], report: DataReport
+    ) -> tuple[list[ImageSample], DataReport]:
         o = self.options
         if accelerator.is_main_process:
             self.cache.write_settings()
@@ -314,8 +348,9 @@ class DiTTask(Task):
                     out[key] = stored.to(dtype)
                 return out
 
-            failures = run_prepass(accelerator, self.cache, "latents", [latent_identity(s) for s in samples], encode,
-                                   "caching latents")
+            failures = run_prepass(
+                accelerator, self.cache, "latents", [latent_identity(s) for s in samples], encode, "caching latents"
+            )
             if failures:
                 bad = {i for i, _ in failures}
                 report.corrupt.extend(samples[i].key for i in sorted(bad))
@@ -332,7 +367,9 @@ class DiTTask(Task):
             self.vae = None
         return samples, report
 
-    def batch_loss(self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    def batch_loss(
+        self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict]:
         """Epsilon (+ VB) loss of one batch. Random draws: the batch's flip coin (``flip_coin_per_batch``),
         class dropout, latents, timesteps/noise."""
         o = self.options
@@ -380,9 +417,15 @@ class DiTTask(Task):
         from .validation import write_dit_samples
 
         o = self.options
-        write_dit_samples(self._pipeline(model), o.validation_classes, o.output_dir, step,
-                          num_inference_steps=o.validation_num_inference_steps,
-                          guidance_scale=o.validation_guidance_scale, seed=o.validation_seed)
+        write_dit_samples(
+            self._pipeline(model),
+            o.validation_classes,
+            o.output_dir,
+            step,
+            num_inference_steps=o.validation_num_inference_steps,
+            guidance_scale=o.validation_guidance_scale,
+            seed=o.validation_seed,
+        )
 
     def fid_samples(self, model: nn.Module, indices: list[int]):
         """Validation-FID images ``indices`` (uint8 ``(n, H, W, 3)``): classes i.i.d. uniform over the model's
@@ -396,10 +439,15 @@ class DiTTask(Task):
         pipe = self._pipeline(model)
         images = []
         for start in range(0, len(indices), o.validation_fid_batch_size):
-            batch = indices[start:start + o.validation_fid_batch_size]
+            batch = indices[start : start + o.validation_fid_batch_size]
             generators = [torch.Generator("cpu").manual_seed(sample_seed(o.validation_seed, i)) for i in batch]
-            output = pipe(labels[batch].tolist(), guidance_scale=o.validation_guidance_scale, generator=generators,
-                          num_inference_steps=o.validation_num_inference_steps, output_type="np")
+            output = pipe(
+                labels[batch].tolist(),
+                guidance_scale=o.validation_guidance_scale,
+                generator=generators,
+                num_inference_steps=o.validation_num_inference_steps,
+                output_type="np",
+            )
             images.append(to_uint8(output.images))
         return np.concatenate(images)
 

@@ -23,10 +23,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.conversion import get_mhla_conversion
-from ..utils.geometry import VideoGeometry, check_layout_fits
 from ..loaders.loading import WAN_HUB_ID, check_model_source
 from ..loaders.weights import save_mhla
+from ..models.conversion import get_mhla_conversion
+from ..utils.geometry import VideoGeometry, check_layout_fits
 from .components import (
     load_component,
     load_mhla_transformer,
@@ -77,9 +77,13 @@ class WanTask(Task):
         index = pipeline_index(o.pretrained_model, o.revision)
         for name in ("vae", "text_encoder", "tokenizer", "transformer"):
             if not index.get(name) or index[name][0] is None:
-                raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a Wan text-to-video pipeline")
+                raise ValueError(
+                    f"pretrained_model {o.pretrained_model} has no `{name}`: give a Wan text-to-video pipeline"
+                )
         self.device = accelerator.device
-        self.encoder_dtype = {n: resolve_dtype(getattr(o, n), accelerator, wrapped=False) for n in ("vae_dtype", "text_encoder_dtype")}
+        self.encoder_dtype = {
+            n: resolve_dtype(getattr(o, n), accelerator, wrapped=False) for n in ("vae_dtype", "text_encoder_dtype")
+        }
         self.latent_channels = self._latent_channels()
         self._check_sizes()
 
@@ -129,23 +133,39 @@ class WanTask(Task):
             self.cache.check_settings()
             cached = self.cache.read_index()
             if cached is not None:
-                logger.info("using the cached index of %d samples in %s (delete its index.json after changing the data)",
-                            len(cached["samples"]), self.cache.folder)
+                logger.info(
+                    "using the cached index of %d samples in %s (delete its index.json after changing the data)",
+                    len(cached["samples"]),
+                    self.cache.folder,
+                )
                 return [VideoSample.from_dict(s) for s in cached["samples"]], DataReport.from_dict(cached["report"])
         return index_video_folder(
-            o.data_dir, o.bucket_sizes(), o.frame_counts(), o.frame_stride, o.caption_column,
-            accelerator.process_index, accelerator.num_processes, gather_object, file_column=o.file_column,
+            o.data_dir,
+            o.bucket_sizes(),
+            o.frame_counts(),
+            o.frame_stride,
+            o.caption_column,
+            accelerator.process_index,
+            accelerator.num_processes,
+            gather_object,
+            file_column=o.file_column,
         )
 
     def _cache_settings(self) -> dict[str, Any]:
         o = self.options
         return {
-            "task": "wan", **encoder_identity(o.pretrained_model, o.revision, ("vae", "text_encoder", "tokenizer")),
-            "data_dir": str(Path(o.data_dir).resolve()), "resolution_buckets": o.bucket_sizes(),
-            "frame_buckets": o.frame_counts(), "frame_stride": o.frame_stride, "caption_column": o.caption_column,
+            "task": "wan",
+            **encoder_identity(o.pretrained_model, o.revision, ("vae", "text_encoder", "tokenizer")),
+            "data_dir": str(Path(o.data_dir).resolve()),
+            "resolution_buckets": o.bucket_sizes(),
+            "frame_buckets": o.frame_counts(),
+            "frame_stride": o.frame_stride,
+            "caption_column": o.caption_column,
             "file_column": o.file_column,
-            "max_sequence_length": o.max_sequence_length, "cache_dtype": o.cache_dtype,
-            "latent_sampling": o.latent_sampling, "vae_dtype": str(self.encoder_dtype["vae_dtype"]),
+            "max_sequence_length": o.max_sequence_length,
+            "cache_dtype": o.cache_dtype,
+            "latent_sampling": o.latent_sampling,
+            "vae_dtype": str(self.encoder_dtype["vae_dtype"]),
             "text_encoder_dtype": str(self.encoder_dtype["text_encoder_dtype"]),
         }
 
@@ -165,10 +185,14 @@ class WanTask(Task):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
         if o.distillation_weight:
             if how == "saved":
-                raise ValueError(f"distillation_weight distils from the softmax original, but {o.pretrained_model} "
-                                 "holds an MHLA transformer: give the softmax pipeline it was converted from as "
-                                 "pretrained_model (and its MHLA weights as mhla_weights), or set distillation_weight: 0")
-            original = load_softmax_transformer(o.pretrained_model, o.revision, resolve_dtype(o.frozen_dtype, accelerator))
+                raise ValueError(
+                    f"distillation_weight distils from the softmax original, but {o.pretrained_model} "
+                    "holds an MHLA transformer: give the softmax pipeline it was converted from as "
+                    "pretrained_model (and its MHLA weights as mhla_weights), or set distillation_weight: 0"
+                )
+            original = load_softmax_transformer(
+                o.pretrained_model, o.revision, resolve_dtype(o.frozen_dtype, accelerator)
+            )
             self.original = original.eval().requires_grad_(False).to(accelerator.device)
         if accelerator.is_main_process:
             logger.info("%s", get_mhla_conversion(transformer).summary())
@@ -180,8 +204,9 @@ class WanTask(Task):
 
         if getattr(self, "_video_geometry", None) is None:
             o = self.options
-            transformer = WanTransformer3DModel.load_config(o.pretrained_model, subfolder="transformer",
-                                                            revision=o.revision)
+            transformer = WanTransformer3DModel.load_config(
+                o.pretrained_model, subfolder="transformer", revision=o.revision
+            )
             vae = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
             self._video_geometry = VideoGeometry.from_configs(transformer, vae)
         return self._video_geometry
@@ -220,12 +245,21 @@ class WanTask(Task):
         geometry = self._geometry()
         buckets = {s.bucket for s in samples}
         if o.validation_prompts:
-            buckets.add((o.validation_num_frames or o.num_frames, o.validation_height or o.height,
-                         o.validation_width or o.width))
+            buckets.add(
+                (
+                    o.validation_num_frames or o.num_frames,
+                    o.validation_height or o.height,
+                    o.validation_width or o.width,
+                )
+            )
         for bucket in sorted(buckets):
             kind = "images (1 frame)" if bucket[0] == 1 else f"{bucket[0]}-frame clips"
-            check_layout_fits(geometry.token_grid(*bucket), conversion.layout,
-                              f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind})", conversion.config.normalization)
+            check_layout_fits(
+                geometry.token_grid(*bucket),
+                conversion.layout,
+                f"bucket {bucket[0]}x{bucket[1]}x{bucket[2]} ({kind})",
+                conversion.config.normalization,
+            )
 
     def _check_context_parallel(self, samples: list[VideoSample]) -> None:
         """With ``context_parallel_degree`` P, every training bucket's token count must be a multiple of P
@@ -254,19 +288,25 @@ class WanTask(Task):
             self.latent_shift, self.latent_scale = wan_latent_normalization(self.vae, channels)
         if text and self.text_encoder is None:
             self.tokenizer = load_component(o.pretrained_model, "tokenizer", o.revision)
-            self.text_encoder = load_component(o.pretrained_model, "text_encoder", o.revision,
-                                               self.encoder_dtype["text_encoder_dtype"])
+            self.text_encoder = load_component(
+                o.pretrained_model, "text_encoder", o.revision, self.encoder_dtype["text_encoder_dtype"]
+            )
             self.text_encoder.requires_grad_(False).eval().to(self.device)
 
     def _latent_channels(self) -> int:
         from diffusers import AutoencoderKLWan
 
-        return int(AutoencoderKLWan.load_config(self.options.pretrained_model, subfolder="vae",
-                                                revision=self.options.revision)["z_dim"])
+        return int(
+            AutoencoderKLWan.load_config(
+                self.options.pretrained_model, subfolder="vae", revision=self.options.revision
+            )["z_dim"]
+        )
 
     # ------------------------------------------------------------------ latent cache pre-pass
 
-    def _fill_cache(self, accelerator, samples: list[VideoSample], report: DataReport) -> tuple[list[VideoSample], DataReport]:
+    def _fill_cache(
+        self, accelerator, samples: list[VideoSample], report: DataReport
+    ) -> tuple[list[VideoSample], DataReport]:
         o = self.options
         cache = self.cache
         prompts = sorted({s.caption for s in samples} | {"", o.validation_negative_prompt} | set(o.validation_prompts))
@@ -282,12 +322,15 @@ class WanTask(Task):
             pixels = VideoTextDataset(samples, o.frame_stride, "start", o.seed)
 
             def encode_latents(i: int) -> dict[str, torch.Tensor]:
-                params = encode_posterior(self.vae, pixels.load(i, 0)["pixels"][None], self.latent_shift, self.latent_scale)[0]
+                params = encode_posterior(
+                    self.vae, pixels.load(i, 0)["pixels"][None], self.latent_shift, self.latent_scale
+                )[0]
                 stored = params if o.latent_sampling == "sample" else params[: params.shape[0] // 2]
                 return {"latents": stored.to(dtype)}
 
-            failures = run_prepass(accelerator, cache, "latents", [latent_identity(s) for s in samples],
-                                   encode_latents, "caching latents")
+            failures = run_prepass(
+                accelerator, cache, "latents", [latent_identity(s) for s in samples], encode_latents, "caching latents"
+            )
             if failures:
                 bad = {i for i, _ in failures}
                 report.corrupt.extend(samples[i].key for i in sorted(bad))
@@ -296,6 +339,7 @@ class WanTask(Task):
                 if not samples:
                     raise ValueError(f"no usable files left after caching: {report.summary()}")
         if need_prompts:
+
             def encode_prompt(i: int) -> dict[str, torch.Tensor]:
                 embeds = encode_prompts(self.tokenizer, self.text_encoder, [prompts[i]], o.max_sequence_length)[0]
                 return {"prompt_embeds": embeds.to(dtype)}
@@ -328,7 +372,9 @@ class WanTask(Task):
             self._prompt_cache[prompt] = embed.to(self.device)
         return self._prompt_cache[prompt]
 
-    def batch_loss(self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    def batch_loss(
+        self, model: nn.Module, batch: dict[str, Any], generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict]:
         """Flow-matching loss of one batch (with ``distillation_weight``: mixed with the MSE to the softmax original's
         prediction for the same inputs). Random draws in a fixed order: caption dropout, latents, timesteps/noise."""
         o = self.options
@@ -344,17 +390,25 @@ class WanTask(Task):
         latents = draw_latents(stored.to(self.device), self.latent_channels, o.latent_sampling, generator)
         inputs = flow_match_inputs(latents, generator, o.logit_mean, o.logit_std, o.flow_shift)
         text = pad_prompt_embeds([e.to(self.device) for e in embeds], o.max_sequence_length).float()
-        prediction = model(hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text,
-                           return_dict=False)[0]
+        prediction = model(
+            hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text, return_dict=False
+        )[0]
         loss = flow_match_loss(prediction, inputs.target)
         if self.original is None or self.stage == "transfer":  # attention transfer uses only its layer losses
             return loss, {}
         with torch.no_grad():
-            target = self.original(hidden_states=inputs.noisy.to(self.original.dtype), timestep=inputs.timesteps,
-                                   encoder_hidden_states=text.to(self.original.dtype), return_dict=False)[0]
+            target = self.original(
+                hidden_states=inputs.noisy.to(self.original.dtype),
+                timestep=inputs.timesteps,
+                encoder_hidden_states=text.to(self.original.dtype),
+                return_dict=False,
+            )[0]
         distillation = flow_match_loss(prediction, target)
         w = o.distillation_weight
-        return (1 - w) * loss + w * distillation, {"data_loss": loss.detach(), "distillation_loss": distillation.detach()}
+        return (1 - w) * loss + w * distillation, {
+            "data_loss": loss.detach(),
+            "distillation_loss": distillation.detach(),
+        }
 
     # ------------------------------------------------------------------ outputs
 
@@ -376,7 +430,8 @@ class WanTask(Task):
             from peft.utils import get_peft_model_state_dict
 
             WanPipeline.save_lora_weights(  # the adapter metadata keeps lora_alpha (scale alpha / rank) on reload
-                folder, transformer_lora_layers=get_peft_model_state_dict(model),
+                folder,
+                transformer_lora_layers=get_peft_model_state_dict(model),
                 transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
             )
             from ..pipelines.lora import LORA_WEIGHT_NAME, mark_mhla_lora
@@ -391,9 +446,13 @@ class WanTask(Task):
         o = self.options
         self._load_encoders(vae=True, text=with_text)
         scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
-        pipe = MHLAWanPipeline(tokenizer=self.tokenizer if with_text else None,
-                               text_encoder=self.text_encoder if with_text else None,
-                               vae=self.vae, transformer=transformer, scheduler=scheduler)
+        pipe = MHLAWanPipeline(
+            tokenizer=self.tokenizer if with_text else None,
+            text_encoder=self.text_encoder if with_text else None,
+            vae=self.vae,
+            transformer=transformer,
+            scheduler=scheduler,
+        )
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -405,10 +464,19 @@ class WanTask(Task):
         embeds = [pad_prompt_embeds([self._embed(p)], o.max_sequence_length) for p in o.validation_prompts]
         negative = pad_prompt_embeds([self._embed(o.validation_negative_prompt)], o.max_sequence_length)
         write_wan_samples(
-            pipe, o.validation_prompts, embeds, negative, o.output_dir, step,
-            num_frames=o.validation_num_frames or o.num_frames, height=o.validation_height or o.height,
-            width=o.validation_width or o.width, num_inference_steps=o.validation_num_inference_steps,
-            guidance_scale=o.validation_guidance_scale, seed=o.validation_seed, fps=o.validation_fps,
+            pipe,
+            o.validation_prompts,
+            embeds,
+            negative,
+            o.output_dir,
+            step,
+            num_frames=o.validation_num_frames or o.num_frames,
+            height=o.validation_height or o.height,
+            width=o.validation_width or o.width,
+            num_inference_steps=o.validation_num_inference_steps,
+            guidance_scale=o.validation_guidance_scale,
+            seed=o.validation_seed,
+            fps=o.validation_fps,
         )
 
     def fid_samples(self, model: nn.Module, indices: list[int]):
@@ -426,10 +494,15 @@ class WanTask(Task):
             prompt = o.validation_prompts[i % len(o.validation_prompts)]
             embeds = pad_prompt_embeds([self._embed(prompt)], o.max_sequence_length)
             clip = pipe(
-                prompt_embeds=embeds, negative_prompt_embeds=negative, num_frames=o.validation_num_frames or o.num_frames,
-                height=o.validation_height or o.height, width=o.validation_width or o.width,
-                num_inference_steps=o.validation_num_inference_steps, guidance_scale=o.validation_guidance_scale,
-                generator=torch.Generator("cpu").manual_seed(sample_seed(o.validation_seed, i)), output_type="np",
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                num_frames=o.validation_num_frames or o.num_frames,
+                height=o.validation_height or o.height,
+                width=o.validation_width or o.width,
+                num_inference_steps=o.validation_num_inference_steps,
+                guidance_scale=o.validation_guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(sample_seed(o.validation_seed, i)),
+                output_type="np",
             ).frames[0]
             frames.append(to_uint8(np.asarray(clip)))
         return np.concatenate(frames)

@@ -43,11 +43,15 @@ def add_lora(model: nn.Module, rank: int, alpha: int, target_modules: list[str])
         from peft import LoraConfig
     except ImportError:
         raise ImportError("trainable: lora needs peft: pip install peft") from None
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | {name for name, _ in model.named_modules()}
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | {
+        name for name, _ in model.named_modules()
+    }
     unknown = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in present)]
     if unknown:
         raise ValueError(f"lora_target_modules {unknown} match no module of the transformer")
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules)))
+    model.add_adapter(
+        LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(target_modules))
+    )
 
 
 def set_trainable(model: nn.Module, mode: str) -> list[str]:

@@ -43,13 +43,30 @@ def write_wan_samples(
     for prompt, embeds, plan in zip(prompts, prompt_embeds, plans):
         generator = torch.Generator("cpu").manual_seed(seed)
         frames = pipeline(
-            prompt_embeds=embeds, negative_prompt_embeds=negative_embeds, num_frames=num_frames, height=height,
-            width=width, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            generator=generator, output_type="np",
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative_embeds,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            output_type="np",
         ).frames[0]
         written.append(save_video(frames, plan, "mp4", fps))
-        write_settings(plan, _settings(step, prompt=prompt, num_frames=num_frames, height=height, width=width,
-                                       num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed))
+        write_settings(
+            plan,
+            _settings(
+                step,
+                prompt=prompt,
+                num_frames=num_frames,
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                seed=seed,
+            ),
+        )
     return written
 
 
@@ -67,13 +84,27 @@ def write_dit_samples(
     ids = pipeline.class_ids(list(classes))
     stems = [f"{i:02d}-{slugify(str(c))}" for i, c in enumerate(classes)]
     plans = plan_outputs(_folder(output_dir, step), stems, "png", overwrite=True)
-    images = pipeline(ids, guidance_scale=guidance_scale, num_inference_steps=num_inference_steps,
-                      generator=torch.Generator("cpu").manual_seed(seed), output_type="np").images
+    images = pipeline(
+        ids,
+        guidance_scale=guidance_scale,
+        num_inference_steps=num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="np",
+    ).images
     written = []
     for image, plan, label, class_id in zip(images, plans, classes, ids):
         written.append(save_image(image, plan))
-        write_settings(plan, _settings(step, class_label=str(label), class_id=class_id,
-                                       num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed))
+        write_settings(
+            plan,
+            _settings(
+                step,
+                class_label=str(label),
+                class_id=class_id,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                seed=seed,
+            ),
+        )
     return written
 
 

@@ -46,8 +46,10 @@ def _check_reference(path: str) -> dict:
 
     reference = Path(path).expanduser()
     if not reference.is_file():
-        raise FileNotFoundError(f"validation_fid_reference {reference} does not exist or is not a file "
-                                "(make one with `mhla eval-ref IMAGES OUT.npz`)")
+        raise FileNotFoundError(
+            f"validation_fid_reference {reference} does not exist or is not a file "
+            "(make one with `mhla eval-ref IMAGES OUT.npz`)"
+        )
     if reference.suffix != ".npz":
         raise ValueError(f"validation_fid_reference {reference}: expected an ADM .npz with mu, sigma, mu_s, sigma_s")
     try:
@@ -57,13 +59,17 @@ def _check_reference(path: str) -> dict:
         raise ValueError(f"validation_fid_reference {reference} is not a readable ADM .npz: {error}") from None
     missing = [k for k in ("mu", "sigma", "mu_s", "sigma_s") if k not in members]
     if missing or len(stats) < 2:
-        raise ValueError(f"validation_fid_reference {reference} lacks {', '.join(missing) or 'statistics'}: validation "
-                         "FID needs stored statistics (mu, sigma, mu_s, sigma_s); make them with `mhla eval-ref`")
+        raise ValueError(
+            f"validation_fid_reference {reference} lacks {', '.join(missing) or 'statistics'}: validation "
+            "FID needs stored statistics (mu, sigma, mu_s, sigma_s); make them with `mhla eval-ref`"
+        )
     expected = {"fid": InceptionV3Features.pool_dim, "sfid": int(np.prod(InceptionV3Features.spatial_shape))}
     for metric, value in stats.items():
         if value.dim != expected[metric]:
-            raise ValueError(f"validation_fid_reference {reference}: stored {metric} statistics are {value.dim}-d, the "
-                             f"FID Inception network gives {expected[metric]}-d features (another network's file?)")
+            raise ValueError(
+                f"validation_fid_reference {reference}: stored {metric} statistics are {value.dim}-d, the "
+                f"FID Inception network gives {expected[metric]}-d features (another network's file?)"
+            )
     return stats
 
 
@@ -77,8 +83,11 @@ def prepare_validation_fid(options) -> "ValidationFID | None":
     stats = _check_reference(options.validation_fid_reference)
     if not options.inception_weights and not os.environ.get(INCEPTION_WEIGHTS_ENV):
         if os.environ.get("RANK", "0") == "0":  # once per run (the Accelerator does not exist yet)
-            logger.warning("validation FID skipped: no Inception weights (set `inception_weights` or $%s to the FID "
-                           "Inception-v3 weights file, see docs/evaluate.md)", INCEPTION_WEIGHTS_ENV)
+            logger.warning(
+                "validation FID skipped: no Inception weights (set `inception_weights` or $%s to the FID "
+                "Inception-v3 weights file, see docs/evaluate.md)",
+                INCEPTION_WEIGHTS_ENV,
+            )
         return None
     weights = resolve_inception_weights(options.inception_weights or None)  # set but missing: an error
     return ValidationFID(stats, weights, options.validation_fid_samples, options.validation_fid_steps)
@@ -117,11 +126,13 @@ class ValidationFID:
             with torch.no_grad(), accelerator.autocast():
                 images = np.asarray(sampler(model, indices))
             for start in range(0, len(images), 64):  # ADM's Inception batch size
-                features = extract_features(self.extractor, images[start:start + 64])
+                features = extract_features(self.extractor, images[start : start + 64])
                 self.fid.update(features)
                 self.sfid.update(features)
-        values = {"validation/fid": _finite(float(self.fid.compute())),  # collective: every process calls it
-                  "validation/sfid": _finite(float(self.sfid.compute()))}
+        values = {
+            "validation/fid": _finite(float(self.fid.compute())),  # collective: every process calls it
+            "validation/sfid": _finite(float(self.sfid.compute())),
+        }
         self.fid.reset()
         self.sfid.reset()
         return values

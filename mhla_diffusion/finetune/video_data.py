@@ -86,8 +86,10 @@ def _metadata_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | None:
     prompts, videos = folder / "prompts.txt", folder / "videos.txt"
     if prompts.is_file() != videos.is_file():
         have, lack = (prompts, videos) if prompts.is_file() else (videos, prompts)
-        raise ValueError(f"{have} needs {lack.name} beside it (finetrainers layout: line i of prompts.txt captions "
-                         "the file on line i of videos.txt)")
+        raise ValueError(
+            f"{have} needs {lack.name} beside it (finetrainers layout: line i of prompts.txt captions "
+            "the file on line i of videos.txt)"
+        )
     if prompts.is_file():
         captions = [line.strip() for line in prompts.read_text().splitlines()]
         paths = [line.strip() for line in videos.read_text().splitlines()]
@@ -116,13 +118,17 @@ def _saved_dataset_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | Non
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{folder} is a Hugging Face datasets folder (save_to_disk): `pip install datasets` to "
-                         "train on it, or give a metadata.jsonl / metadata.csv") from None
+        raise ValueError(
+            f"{folder} is a Hugging Face datasets folder (save_to_disk): `pip install datasets` to "
+            "train on it, or give a metadata.jsonl / metadata.csv"
+        ) from None
     data = datasets.load_from_disk(str(folder))
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
-            raise ValueError(f"{folder} holds the splits {sorted(data)} but no `train` split: save the training split "
-                             "as `train` (or alone)")
+            raise ValueError(
+                f"{folder} holds the splits {sorted(data)} but no `train` split: save the training split "
+                "as `train` (or alone)"
+            )
         data = data["train"]
     for name, feature in data.features.items():
         if type(feature).__name__ in ("Image", "Video"):  # keep {"path", "bytes"} instead of decoding
@@ -135,14 +141,16 @@ def _saved_dataset_rows(folder: Path) -> tuple[Path, list[dict[str, Any]]] | Non
                     raise ValueError(
                         f"{marker}: column `{key}` holds the media's bytes, not paths of files under {folder}; the "
                         "trainer reads files: write the media out as files under the data folder and store their "
-                        "relative paths (or use a metadata.jsonl)")
+                        "relative paths (or use a metadata.jsonl)"
+                    )
                 row[key] = value["path"]
         rows.append(row)
     return marker, rows
 
 
-def read_captions(folder: Path, files: list[Path], caption_column: str | None = None,
-                  file_column: str | None = None) -> tuple[dict[Path, str], dict[Path, dict]]:
+def read_captions(
+    folder: Path, files: list[Path], caption_column: str | None = None, file_column: str | None = None
+) -> tuple[dict[Path, str], dict[Path, dict]]:
     """Captions of ``files`` (and size hints from metadata). Raises when any file has none.
 
     Returns ``{file: caption}`` and ``{file: {num_frames, height, width}}`` for metadata rows that give all three.
@@ -157,8 +165,10 @@ def read_captions(folder: Path, files: list[Path], caption_column: str | None = 
             file_key = file_column or next((c for c in FILE_COLUMNS if c in row), None)
             if file_key is None or file_key not in row:
                 wanted = file_column or " / ".join(FILE_COLUMNS)
-                raise ValueError(f"{source} row {number} has no file column `{wanted}` (path of the file relative to "
-                                 f"{folder}; set file_column)")
+                raise ValueError(
+                    f"{source} row {number} has no file column `{wanted}` (path of the file relative to "
+                    f"{folder}; set file_column)"
+                )
             column = caption_column or next((c for c in CAPTION_COLUMNS if c in row), None)
             if column is None or column not in row:
                 wanted = caption_column or " / ".join(CAPTION_COLUMNS)
@@ -199,7 +209,8 @@ def list_media(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise FileNotFoundError(f"data_dir {folder} does not exist or is not a folder")
     files = sorted(
-        p for p in folder.rglob("*")
+        p
+        for p in folder.rglob("*")
         if p.is_file() and is_media(p) and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
     if not files:
@@ -246,8 +257,11 @@ def index_video_folder(
             report.too_short.append(key)
             continue
         height, width = nearest_resolution(info.height, info.width, resolution_buckets)
-        samples.append(VideoSample(str(path), key, captions[path], info.num_frames, info.height, info.width,
-                                   (frames, height, width)))
+        samples.append(
+            VideoSample(
+                str(path), key, captions[path], info.num_frames, info.height, info.width, (frames, height, width)
+            )
+        )
     report.used = len(samples)
     if not samples:
         raise ValueError(f"no usable files in {folder}: {report.summary()}")

@@ -43,14 +43,13 @@ import argparse
 import math
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from ..config import MHLAConfig
-from ..utils.dit_sizes import DIT_MODEL_SIZES, DiTModelSize, dit_model_size
 from ..models.conversion import convert_to_mhla
+from ..utils.dit_sizes import DIT_MODEL_SIZES, DiTModelSize, dit_model_size
 from .weight_files import read_state_dict, strip_wrapper_prefix
 from .weights import check_state_dict
 
@@ -89,8 +88,9 @@ def read_dit_checkpoint(path: str | os.PathLike, weights: str | None = None) -> 
     if not path.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")):
         raise ValueError(f"unsupported checkpoint type {path!r}: expected .pt, .pth, .bin, .ckpt or .safetensors")
     # train.py checkpoints also hold their argparse.Namespace; allow that one class, nothing else.
-    return read_state_dict(path, lambda data, where: _chosen_weights(data, weights, where),
-                           safe_globals=[argparse.Namespace])
+    return read_state_dict(
+        path, lambda data, where: _chosen_weights(data, weights, where), safe_globals=[argparse.Namespace]
+    )
 
 
 def select_weights(data: Any, weights: str | None = None, where: str = "the checkpoint") -> dict[str, torch.Tensor]:
@@ -154,10 +154,21 @@ _SOFTMAX_BLOCK_KEYS = [f"attn.{m}.{p}" for m in ("qkv", "proj") for p in ("weigh
 _MHLA_BLOCK_KEYS = [f"attn.{m}.{p}" for m in ("norm", "to_qkv", "lepe", "to_out.0") for p in ("weight", "bias")] + [
     "attn.piece_attn.conv.weight"
 ]
-_TOP_KEYS = [_POS_EMBED] + [
-    f"{m}.{p}" for m in ("x_embedder.proj", "t_embedder.mlp.0", "t_embedder.mlp.2", "final_layer.linear",
-                         "final_layer.adaLN_modulation.1") for p in ("weight", "bias")
-] + ["y_embedder.embedding_table.weight"]
+_TOP_KEYS = (
+    [_POS_EMBED]
+    + [
+        f"{m}.{p}"
+        for m in (
+            "x_embedder.proj",
+            "t_embedder.mlp.0",
+            "t_embedder.mlp.2",
+            "final_layer.linear",
+            "final_layer.adaLN_modulation.1",
+        )
+        for p in ("weight", "bias")
+    ]
+    + ["y_embedder.embedding_table.weight"]
+)
 #: Keys that mark a block as MHLA (the released model's attention).
 _MHLA_MARKERS = re.compile(_B + r"attn\.(?:norm|to_qkv|lepe|piece_attn|to_out)\.")
 
@@ -252,7 +263,9 @@ def rename_original_dit_keys(state_dict: Mapping[str, torch.Tensor], depth: int)
             else:
                 unknown.append(key)
     if unknown:
-        raise ValueError(f"{len(unknown)} keys of the checkpoint match no original DiT or DiT-MHLA key: {sorted(unknown)}")
+        raise ValueError(
+            f"{len(unknown)} keys of the checkpoint match no original DiT or DiT-MHLA key: {sorted(unknown)}"
+        )
     return renamed
 
 
@@ -279,7 +292,9 @@ def original_dit_config(
         final = state_dict["final_layer.linear.weight"]
         table = state_dict["y_embedder.embedding_table.weight"]
     except KeyError as missing:
-        raise ValueError(f"the checkpoint lacks {missing}, which every original DiT has: is it a DiT checkpoint?") from None
+        raise ValueError(
+            f"the checkpoint lacks {missing}, which every original DiT has: is it a DiT checkpoint?"
+        ) from None
     if patch.ndim != 4 or patch.shape[2] != patch.shape[3]:
         raise ValueError(f"x_embedder.proj.weight must be a square-patch conv weight, got {tuple(patch.shape)}")
     hidden, in_channels, patch_size = patch.shape[0], patch.shape[1], patch.shape[2]
@@ -298,7 +313,9 @@ def original_dit_config(
             f"{sample_size} latents = {sample_size * vae_scale_factor} px, not image size {image_size}"
         )
     if final.shape[0] % (patch_size * patch_size):
-        raise ValueError(f"final_layer.linear.weight has {final.shape[0]} rows, not a multiple of patch^2 = {patch_size ** 2}")
+        raise ValueError(
+            f"final_layer.linear.weight has {final.shape[0]} rows, not a multiple of patch^2 = {patch_size**2}"
+        )
     out_channels = final.shape[0] // (patch_size * patch_size)
     heads = _num_heads(depth, hidden, patch_size, model_size, num_heads)
     return dict(
@@ -329,10 +346,16 @@ def _num_heads(depth: int, hidden: int, patch: int, model_size: str | None, num_
     elif num_heads is not None:
         heads = num_heads
     else:
-        fits = {s.num_heads: name for name, s in DIT_MODEL_SIZES.items() if (s.depth, s.hidden_size, s.patch_size) == (depth, hidden, patch)}
+        fits = {
+            s.num_heads: name
+            for name, s in DIT_MODEL_SIZES.items()
+            if (s.depth, s.hidden_size, s.patch_size) == (depth, hidden, patch)
+        }
         if len(fits) != 1:
             which = f"sizes {sorted(fits.values())} fit" if fits else "no DiT size fits"
-            raise ValueError(f"the number of heads is not in the checkpoint ({shape}; {which}): pass num_heads or model_size")
+            raise ValueError(
+                f"the number of heads is not in the checkpoint ({shape}; {which}): pass num_heads or model_size"
+            )
         heads = next(iter(fits))
     if heads < 1 or hidden % heads:
         raise ValueError(f"hidden size {hidden} does not split into {heads} heads")

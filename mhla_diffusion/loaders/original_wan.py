@@ -98,8 +98,18 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _INDEX_SUFFIX = ".safetensors.index.json"
 #: Config fields the tensors' shapes and keys fix (the head split, ``eps`` and ``rope_max_seq_len`` they do not).
 _SHAPE_FIELDS = (
-    "patch_size", "in_channels", "out_channels", "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm",
-    "qk_norm", "image_dim", "added_kv_proj_dim", "pos_embed_seq_len",
+    "patch_size",
+    "in_channels",
+    "out_channels",
+    "text_dim",
+    "freq_dim",
+    "ffn_dim",
+    "num_layers",
+    "cross_attn_norm",
+    "qk_norm",
+    "image_dim",
+    "added_kv_proj_dim",
+    "pos_embed_seq_len",
 )
 
 
@@ -161,7 +171,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 duplicates.append(f"{key} ({file.name})")
             tensors[key] = value
     if duplicates:
-        raise ValueError(f"{len(duplicates)} keys occur in more than one of {[f.name for f in files]}: {sorted(duplicates)}")
+        raise ValueError(
+            f"{len(duplicates)} keys occur in more than one of {[f.name for f in files]}: {sorted(duplicates)}"
+        )
     index = next(iter(sorted(path.glob("*" + _INDEX_SUFFIX))), None) if path.is_dir() else path
     if index is not None and index.name.endswith(_INDEX_SUFFIX):
         listed = set(strip_wrapper_prefix(_index_weight_map(index)))  # the shards' keys lose their prefix too
@@ -255,7 +267,9 @@ def original_wan_config(
             ffn_dim=ffn.shape[0],
             num_layers=1 + max(int(k.split(".")[1]) for k in state_dict if k.startswith("blocks.")),
             cross_attn_norm=_first_block_tensor(state_dict, "norm2.weight") is not None,
-            qk_norm="rms_norm_across_heads" if _first_block_tensor(state_dict, "attn1.norm_q.weight") is not None else None,
+            qk_norm="rms_norm_across_heads"
+            if _first_block_tensor(state_dict, "attn1.norm_q.weight") is not None
+            else None,
             eps=1e-6,
             image_dim=None if image_norm is None else image_norm.shape[0],
             added_kv_proj_dim=None if added_k is None else added_k.shape[1],
@@ -263,7 +277,9 @@ def original_wan_config(
             pos_embed_seq_len=None if pos_embed is None else pos_embed.shape[1],
         )
     except KeyError as missing:
-        raise ValueError(f"the checkpoint lacks {missing}, which every Wan transformer has: is it a Wan checkpoint?") from None
+        raise ValueError(
+            f"the checkpoint lacks {missing}, which every Wan transformer has: is it a Wan checkpoint?"
+        ) from None
     if inner % head_dim:
         raise ValueError(f"inner dim {inner} does not split into heads of {head_dim}; pass attention_head_dim")
     config.update(overrides)
@@ -292,9 +308,14 @@ def _mhla_config(renamed: Mapping[str, torch.Tensor], layout: Sequence[int] | No
             raise ValueError(f"the checkpoint's mixing has {blocks} blocks; pass the block layout it was trained with")
         layout = (3, 5, 10)  # the released layout on the 21x30x50 grid
     if math.prod(layout) != blocks:
-        raise ValueError(f"`layout` {tuple(layout)} has {math.prod(layout)} blocks but the checkpoint's mixing has {blocks}")
+        raise ValueError(
+            f"`layout` {tuple(layout)} has {math.prod(layout)} blocks but the checkpoint's mixing has {blocks}"
+        )
     return MHLAConfig.released_wan(
-        gate=present("gate.weight"), layers=layers, layout=tuple(layout), output_norm=present("out_norm.weight"),
+        gate=present("gate.weight"),
+        layers=layers,
+        layout=tuple(layout),
+        output_norm=present("out_norm.weight"),
         lepe=present("lepe.weight"),
     )
 
@@ -338,17 +359,24 @@ def _model_config(
     if attention_head_dim is not None and attention_head_dim != given_head_dim:
         raise ValueError(f"attention_head_dim {attention_head_dim} contradicts the given config's {given_head_dim}")
     try:
-        inferred = original_wan_config(renamed, attention_head_dim=1)  # the shape fields; the head split is checked below
+        inferred = original_wan_config(
+            renamed, attention_head_dim=1
+        )  # the shape fields; the head split is checked below
     except ValueError:
         return model_config  # the strict key check names what is missing
-    differ = [f"{k}: checkpoint {inferred[k]!r}, config {model_config[k]!r}" for k in _SHAPE_FIELDS
-              if k in model_config and _normalized(model_config[k]) != _normalized(inferred[k])]
+    differ = [
+        f"{k}: checkpoint {inferred[k]!r}, config {model_config[k]!r}"
+        for k in _SHAPE_FIELDS
+        if k in model_config and _normalized(model_config[k]) != _normalized(inferred[k])
+    ]
     heads, width = model_config.get("num_attention_heads"), renamed["patch_embedding.weight"].shape[0]
     if heads is not None and heads * given_head_dim != width:
         differ.append(f"width: checkpoint {width}, config {heads} heads x {given_head_dim}")
     if differ:
-        raise ValueError(f"the checkpoint does not fit the given config ({'; '.join(differ)}); "
-                         "give the config of the model the checkpoint was trained as, or none to infer it")
+        raise ValueError(
+            f"the checkpoint does not fit the given config ({'; '.join(differ)}); "
+            "give the config of the model the checkpoint was trained as, or none to infer it"
+        )
     return model_config
 
 
@@ -370,18 +398,24 @@ def empty_original_wan(
     model_config = _model_config(renamed, config, attention_head_dim, config_overrides)
     transformer = empty_wan_transformer(model_config, mhla_config)
     described_by = "its shapes describe" if config is None else "its shapes and the given config describe"
-    check_state_dict(transformer.state_dict(), dict(renamed), f"the checkpoint does not fit the Wan transformer {described_by}")
+    check_state_dict(
+        transformer.state_dict(), dict(renamed), f"the checkpoint does not fit the Wan transformer {described_by}"
+    )
     return transformer
 
 
-def _cast(renamed: Mapping[str, torch.Tensor], dtype: torch.dtype | None, transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _cast(
+    renamed: Mapping[str, torch.Tensor], dtype: torch.dtype | None, transformer: torch.nn.Module
+) -> dict[str, torch.Tensor]:
     """Floating tensors in the dtype ``from_pretrained(dtype=dtype)`` gives them in ``transformer``
     (:func:`~mhla_diffusion.loaders.weight_files.dtype_on_load`), each converted on its own straight from the
     file; ``None``: unchanged."""
     if dtype is None:
         return dict(renamed)
-    return {key: value.to(dtype_on_load(transformer, key, dtype)) if value.is_floating_point() else value
-            for key, value in renamed.items()}
+    return {
+        key: value.to(dtype_on_load(transformer, key, dtype)) if value.is_floating_point() else value
+        for key, value in renamed.items()
+    }
 
 
 def load_original_wan(

@@ -71,7 +71,6 @@ HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_downl
 WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.")
 
 
-
 def hub_kwargs_of(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The hub download options (``revision``, ``token``, ...) among ``from_pretrained`` keyword arguments."""
     return {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
@@ -90,7 +89,9 @@ def model_shape(transformer: nn.Module) -> dict[str, Any]:
     }
 
 
-def read_mhla_config(source: str | os.PathLike, subfolder: str | None = None, **hub_kwargs: Any) -> dict[str, Any] | None:
+def read_mhla_config(
+    source: str | os.PathLike, subfolder: str | None = None, **hub_kwargs: Any
+) -> dict[str, Any] | None:
     """The ``mhla_config.json`` of a folder or hub repo as a dict (``None`` when there is none).
 
     Cheap: lets callers check the block layout against a requested size before loading any model.
@@ -98,7 +99,9 @@ def read_mhla_config(source: str | os.PathLike, subfolder: str | None = None, **
     return read_meta(source, subfolder, hub_kwargs, required=False)
 
 
-def find_file(source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]) -> Path | None:
+def find_file(
+    source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]
+) -> Path | None:
     """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``."""
     kind = source_kind(source)
     if kind == "folder":
@@ -130,16 +133,21 @@ def read_meta(
         if not required:
             return None
         where = f"{source}/{subfolder}" if subfolder else str(source)
-        raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in {where} (nor an `{MHLA_CONFIG_KEY}` entry in a config.json): "
-                                "point to a folder written by save_mhla or save_pretrained of a converted transformer")
+        raise FileNotFoundError(
+            f"no {MHLA_CONFIG_NAME} in {where} (nor an `{MHLA_CONFIG_KEY}` entry in a config.json): "
+            "point to a folder written by save_mhla or save_pretrained of a converted transformer"
+        )
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path} is not an mhla-diffusion config this version can read (format {meta.get('format')!r})")
+        raise ValueError(
+            f"{path} is not an mhla-diffusion config this version can read (format {meta.get('format')!r})"
+        )
     return meta
 
 
-def _meta_of_model_config(source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]
-                          ) -> dict[str, Any] | None:
+def _meta_of_model_config(
+    source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
     """:func:`read_meta`'s description made from the ``mhla`` entry of a transformer's ``config.json`` (``None``
     without one): the whole transformer, MHLA parameters included, is in the Diffusers weights beside it."""
     path = find_file(source, "config.json", subfolder, hub_kwargs)
@@ -148,15 +156,24 @@ def _meta_of_model_config(source: str | os.PathLike, subfolder: str | None, hub_
     if not isinstance(setting, dict) or family is None:
         return None
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "contents": "transformer", "family": family.name,
-        "transformer_class": family.transformer_class_name, "num_layers": config.get("num_layers"),
-        "heads": config.get("num_attention_heads"), "head_dim": config.get("attention_head_dim"),
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "contents": "transformer",
+        "family": family.name,
+        "transformer_class": family.transformer_class_name,
+        "num_layers": config.get("num_layers"),
+        "heads": config.get("num_attention_heads"),
+        "head_dim": config.get("attention_head_dim"),
         "mhla_config": setting,
     }
 
 
 def weight_files(
-    source: str | os.PathLike, meta: dict[str, Any], subfolder: str | None, variant: str | None, hub_kwargs: dict[str, Any]
+    source: str | os.PathLike,
+    meta: dict[str, Any],
+    subfolder: str | None,
+    variant: str | None,
+    hub_kwargs: dict[str, Any],
 ) -> list[Path]:
     """The safetensors file(s) that hold the MHLA parameters of a saved folder."""
     if meta["contents"] == "mhla":
@@ -197,10 +214,11 @@ def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-
-
 def read_checkpoint_file(
-    path: str | os.PathLike, *, mmap: bool = False, safe_globals: Sequence[type] = (),
+    path: str | os.PathLike,
+    *,
+    mmap: bool = False,
+    safe_globals: Sequence[type] = (),
     keep: Callable[[str], bool] | None = None,
 ) -> Any:
     """What one ``.safetensors`` or ``.pt``-style file holds, or a one-line ``ValueError`` naming the file.
@@ -221,8 +239,11 @@ def read_checkpoint_file(
         with torch.serialization.safe_globals(list(safe_globals)):
             data = torch.load(path, map_location="cpu", mmap=mmap and not legacy, weights_only=True)
     if legacy:
-        warnings.warn(f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
-                      "re-save it with torch.save to import it without a copy in memory", stacklevel=3)
+        warnings.warn(
+            f"{path} is in torch's legacy (non-zip) format, which cannot be memory-mapped: reading it whole; "
+            "re-save it with torch.save to import it without a copy in memory",
+            stacklevel=3,
+        )
     if keep is not None and isinstance(data, dict):
         data = {key: value for key, value in data.items() if keep(key)}
     return data
@@ -245,8 +266,10 @@ def _refusing_unreadable(path: Path) -> Iterator[None]:
         # torch's own message would advise weights_only=False; name the class instead, and load nothing
         unsupported = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
         if unsupported:
-            raise ValueError(f"{path} holds objects other than tensors and plain values ({unsupported.group(1)}), "
-                             "which are not loaded") from None
+            raise ValueError(
+                f"{path} holds objects other than tensors and plain values ({unsupported.group(1)}), "
+                "which are not loaded"
+            ) from None
         raise ValueError(f"{path} is not a readable PyTorch/safetensors checkpoint (corrupt or truncated?)") from None
 
 
@@ -255,12 +278,15 @@ def strip_wrapper_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     state_dict = dict(state_dict)
     for prefix in WRAPPER_PREFIXES:
         if state_dict and all(key.startswith(prefix) for key in state_dict):
-            return strip_wrapper_prefix({key[len(prefix):]: value for key, value in state_dict.items()})
+            return strip_wrapper_prefix({key[len(prefix) :]: value for key, value in state_dict.items()})
     return state_dict
 
 
 def read_state_dict(
-    path: str | os.PathLike, select: Callable[[Any, str], Any] | None = None, *, safe_globals: Sequence[type] = (),
+    path: str | os.PathLike,
+    select: Callable[[Any, str], Any] | None = None,
+    *,
+    safe_globals: Sequence[type] = (),
 ) -> dict[str, torch.Tensor]:
     """The state dict in one checkpoint file, memory-mapped where the format allows (``safe_open``; ``torch.load``
     with ``mmap=True`` and ``weights_only=True``) and without its wrapper prefix (:func:`strip_wrapper_prefix`).
@@ -291,25 +317,35 @@ def check_model_matches(transformer: nn.Module, meta: dict[str, Any]) -> None:
     wrong = {k: (meta[k], have[k]) for k in ("family", "num_layers", "heads", "head_dim") if meta.get(k) != have[k]}
     if wrong:
         details = ", ".join(f"{k}: saved {saved} vs model {model}" for k, (saved, model) in wrong.items())
-        raise ValueError(f"MHLA weights do not fit this transformer ({details}); load them into the model they came from")
+        raise ValueError(
+            f"MHLA weights do not fit this transformer ({details}); load them into the model they came from"
+        )
 
 
 def load_into(transformer: nn.Module, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Build processors from ``meta``, check ``tensors`` against them strictly, then install."""
     if get_mhla_conversion(transformer) is not None:
-        raise ValueError("this transformer is already converted to MHLA; load into an unconverted model or revert_mhla() first")
+        raise ValueError(
+            "this transformer is already converted to MHLA; load into an unconverted model or revert_mhla() first"
+        )
     check_model_matches(transformer, meta)
     config = MHLAConfig.from_dict(meta["mhla_config"])
     context = TokenGridContext()
     # empty processors filled by assignment: the loaded tensors become the parameters (still memory-mapped
     # when the file holds the model's dtype), instead of initialising new ones and copying into them
     resolved, processors = build_mhla_processors(transformer, config, context, empty=True)
-    expected = {f"{name}.processor.{key}": value for name, proc in processors.items() for key, value in proc.state_dict().items()}
+    expected = {
+        f"{name}.processor.{key}": value
+        for name, proc in processors.items()
+        for key, value in proc.state_dict().items()
+    }
     check_state_dict(expected, tensors, "MHLA weights do not match the model")
     layers = dict(self_attention_layers(transformer))
     for name, proc in processors.items():
         prefix, device = f"{name}.processor.", layers[name].to_q.weight.device
-        own = {key: tensors[prefix + key].to(device=device, dtype=value.dtype) for key, value in proc.state_dict().items()}
+        own = {
+            key: tensors[prefix + key].to(device=device, dtype=value.dtype) for key, value in proc.state_dict().items()
+        }
         proc.load_state_dict(own, strict=True, assign=True)
     install_mhla_processors(transformer, resolved, processors, context)
 
@@ -345,13 +381,19 @@ def from_pretrained_keeping_mhla(
     """
     meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
     if meta is not None and meta["contents"] != "transformer":
-        raise ValueError(f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer) "
-                         "(or pipe.load_mhla_weights(folder))")
+        raise ValueError(
+            f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer) "
+            "(or pipe.load_mhla_weights(folder))"
+        )
     if meta is not None:
         kwargs.setdefault(MHLA_CONFIG_KEY, meta["mhla_config"])
     with_info = kwargs.pop("output_loading_info", False)
     model, info = base_from_pretrained(source, subfolder=subfolder, output_loading_info=True, **kwargs)
-    raise_key_mismatch(f"the MHLA parameters in {source} do not match its MHLA setting",
-                       {f"{kind} keys": [key for key in info[f"{kind}_keys"] if ".processor." in key]
-                        for kind in ("missing", "unexpected")})
+    raise_key_mismatch(
+        f"the MHLA parameters in {source} do not match its MHLA setting",
+        {
+            f"{kind} keys": [key for key in info[f"{kind}_keys"] if ".processor." in key]
+            for kind in ("missing", "unexpected")
+        },
+    )
     return (model, info) if with_info else model

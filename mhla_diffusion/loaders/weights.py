@@ -84,7 +84,9 @@ def save_mhla(
     folder = Path(save_directory)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"`save_directory` {folder} exists and is not a folder")
-    planned = ["config.json", DIFFUSERS_WEIGHTS, DIFFUSERS_INDEX] if include_base else [MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME]
+    planned = (
+        ["config.json", DIFFUSERS_WEIGHTS, DIFFUSERS_INDEX] if include_base else [MHLA_CONFIG_NAME, MHLA_WEIGHTS_NAME]
+    )
     existing = [name for name in planned if (folder / name).exists()]
     if existing and not overwrite:
         raise FileExistsError(
@@ -163,7 +165,8 @@ def load_mhla(
             raise FileNotFoundError(
                 f"no MHLA setting in {where} (neither an `mhla` entry in its config.json nor an {MHLA_CONFIG_NAME}): "
                 "it holds no MHLA layers; load a plain Diffusers transformer folder "
-                "(e.g. one `mhla import-dit` wrote for an original DiT) with load_transformer(folder)")
+                "(e.g. one `mhla import-dit` wrote for an original DiT) with load_transformer(folder)"
+            )
         if meta["contents"] != "transformer":
             raise ValueError(
                 f"{source} holds only MHLA parameters: pass the base transformer too, load_mhla(folder, transformer)"
@@ -189,7 +192,9 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
     config_path = find_file(source, "config.json", subfolder, hub_kwargs)
     if config_path is None:
         where = f"{source}/{subfolder}" if subfolder else str(source)
-        raise FileNotFoundError(f"no config.json in {where}: give a Diffusers transformer or pipeline folder (or hub id)")
+        raise FileNotFoundError(
+            f"no config.json in {where}: give a Diffusers transformer or pipeline folder (or hub id)"
+        )
     class_name = json.loads(config_path.read_text()).get("_class_name")
     family = family_for_class_name(class_name)  # hub DiT checkpoints (facebook/DiT-XL-2-256) record a legacy name
     if family is None:

@@ -55,9 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..utils.sequence_split import split_sizes
 from .conversion import _patch_size, model_family, self_attention_layers
 from .processors.base import MHLAProcessor
-from ..utils.sequence_split import split_sizes
 
 __all__ = [
     "ParallelLayout",
@@ -86,7 +86,9 @@ def context_parallel_config(degree: int, *, softmax: str = "ulysses", uneven: bo
     from diffusers import ContextParallelConfig
 
     if not isinstance(degree, int) or degree < 2:
-        raise ValueError(f"the context-parallel degree must be an int >= 2 (1 means no context parallelism), got {degree!r}")
+        raise ValueError(
+            f"the context-parallel degree must be an int >= 2 (1 means no context parallelism), got {degree!r}"
+        )
     if softmax == "ulysses":
         return ContextParallelConfig(ulysses_degree=degree, ulysses_anything=uneven)
     if softmax == "ring":
@@ -185,7 +187,11 @@ def _attention_modules(transformer: nn.Module) -> list[nn.Module]:
 
 def _check_softmax_layers(transformer: nn.Module, config: Any, on_cpu: bool) -> None:
     """Refuse, before any work, a softmax self-attention setup Diffusers can not run across processes."""
-    softmax = [(name, attn) for name, attn in self_attention_layers(transformer) if not isinstance(attn.processor, MHLAProcessor)]
+    softmax = [
+        (name, attn)
+        for name, attn in self_attention_layers(transformer)
+        if not isinstance(attn.processor, MHLAProcessor)
+    ]
     if not softmax:
         return
     names = ", ".join(name for name, _ in softmax[:3]) + (" ..." if len(softmax) > 3 else "")
@@ -241,7 +247,9 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
     if isinstance(config, int):
         config = context_parallel_config(config)
     if not isinstance(config, ContextParallelConfig):
-        raise TypeError(f"`config` must be a diffusers ContextParallelConfig or an int degree, got {type(config).__name__}")
+        raise TypeError(
+            f"`config` must be a diffusers ContextParallelConfig or an int degree, got {type(config).__name__}"
+        )
     degree, world = config.ring_degree * config.ulysses_degree, dist.get_world_size()
     if config.mesh is None and degree != world:
         raise ValueError(
@@ -250,7 +258,9 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
             f"--context-parallel {world} (or a custom DeviceMesh with 'ring' and 'ulysses' dimensions)"
         )
     if getattr(transformer, "_cp_plan", None) is None:
-        raise ValueError(f"{type(transformer).__name__} has no Diffusers context-parallel plan (`_cp_plan`): use a Wan transformer")
+        raise ValueError(
+            f"{type(transformer).__name__} has no Diffusers context-parallel plan (`_cp_plan`): use a Wan transformer"
+        )
     if getattr(transformer, "_parallel_config", None) is not None:
         raise RuntimeError("parallelism is already enabled on this transformer; call disable_context_parallel() first")
     on_cpu = torch.accelerator.device_count() == 0
@@ -277,7 +287,9 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
         apply_context_parallel(transformer, config, transformer._cp_plan)
         if uneven:
             _use_padded_gathers(transformer, config)
-    for processor in getattr(transformer, "_mhla_original_processors", {}).values():  # softmax_attention() swaps them in
+    for processor in getattr(
+        transformer, "_mhla_original_processors", {}
+    ).values():  # softmax_attention() swaps them in
         if hasattr(processor, "_parallel_config"):
             processor._parallel_config = parallel
     handle = transformer.register_forward_pre_hook(
@@ -314,8 +326,10 @@ def describe(transformer: nn.Module) -> str:
     mhla, total = sum(isinstance(attn.processor, MHLAProcessor) for _, attn in layers), len(layers)
     config = transformer._parallel_config.context_parallel_config
     softmax = "ring" if config.ring_degree > 1 else "Ulysses"
-    return (f"context parallelism over {degree} processes ({model_family(transformer)}): {mhla} MHLA layers all-reduce "
-            f"block summaries, {total - mhla} softmax layers use {softmax}")
+    return (
+        f"context parallelism over {degree} processes ({model_family(transformer)}): {mhla} MHLA layers all-reduce "
+        f"block summaries, {total - mhla} softmax layers use {softmax}"
+    )
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -323,7 +337,11 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
     result: tuple[str, Any]
     try:
         dist.init_process_group(  # "cpu:gloo", not "gloo": see enable_context_parallel's uneven-split check
-            "cpu:gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=180)
+            "cpu:gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=180),
         )
         try:
             result = ("ok", fn(*args))
@@ -337,7 +355,13 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
 
 
 #: Modules the fork server of :func:`run_cpu_processes` imports before forking the processes.
-_PRELOAD = ("torch", "torch.distributed", "diffusers", "diffusers.models.transformers.transformer_wan", "mhla_diffusion.models.context_parallel")
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "diffusers",
+    "diffusers.models.transformers.transformer_wan",
+    "mhla_diffusion.models.context_parallel",
+)
 
 
 def run_cpu_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
@@ -372,12 +396,16 @@ def run_cpu_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeo
             processes[rank].terminate()
             processes[rank].join(10)
         if stuck:
-            raise TimeoutError(f"context-parallel processes {stuck} of {world_size} still running after {timeout:.0f} s")
+            raise TimeoutError(
+                f"context-parallel processes {stuck} of {world_size} still running after {timeout:.0f} s"
+            )
         results = []
         for rank in range(world_size):
             path = Path(folder, f"rank{rank}.pkl")
             if not path.exists():
-                raise RuntimeError(f"process {rank} of {world_size} exited (code {processes[rank].exitcode}) without a result")
+                raise RuntimeError(
+                    f"process {rank} of {world_size} exited (code {processes[rank].exitcode}) without a result"
+                )
             results.append(pickle.loads(path.read_bytes()))
     errors = [f"--- rank {rank} ---\n{value}" for rank, (status, value) in enumerate(results) if status == "error"]
     if errors:
@@ -456,8 +484,9 @@ def enable_training_context_parallel(transformer: nn.Module, context_parallel_de
     if context_parallel_degree == 1:
         return layout
     device_type = "cpu" if torch.accelerator.device_count() == 0 else torch._C._get_accelerator().type
-    mesh = init_device_mesh(device_type, (layout.data_parallel_size, 1, context_parallel_degree),
-                            mesh_dim_names=("data", "ring", "ulysses"))
+    mesh = init_device_mesh(
+        device_type, (layout.data_parallel_size, 1, context_parallel_degree), mesh_dim_names=("data", "ring", "ulysses")
+    )
     enable_context_parallel(transformer, ContextParallelConfig(ulysses_degree=context_parallel_degree, mesh=mesh))
     return layout
 

@@ -10,8 +10,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
 from ..config import MHLAConfig
+from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
 from ..utils.geometry import check_equal_blocks
 from .families import family_of
 from .processors.base import MHLAProcessor
@@ -63,10 +63,17 @@ class MHLAConversion:
     def summary(self) -> str:
         """A few human-readable lines."""
         cfg = self.config
-        extras = [name for name, on in (
-            ("input LayerNorm", cfg.input_norm), ("output RMSNorm", cfg.output_norm), ("gate", cfg.gate), ("LePE", cfg.lepe),
-            (f"output dropout {cfg.output_dropout:g}", cfg.output_dropout > 0),
-        ) if on]
+        extras = [
+            name
+            for name, on in (
+                ("input LayerNorm", cfg.input_norm),
+                ("output RMSNorm", cfg.output_norm),
+                ("gate", cfg.gate),
+                ("LePE", cfg.lepe),
+                (f"output dropout {cfg.output_dropout:g}", cfg.output_dropout > 0),
+            )
+            if on
+        ]
         return "\n".join(
             [
                 f"MHLA on {len(self.layer_names)} of {self.num_layers} self-attention layers ({self.family}): "
@@ -131,7 +138,11 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
     if target is not None:
         validate_grid_layout(target, layout)
         if equal_blocks:
-            what = "`target_grid`" if config.target_grid is not None else "the model's token grid (sample_size // patch_size)"
+            what = (
+                "`target_grid`"
+                if config.target_grid is not None
+                else "the model's token grid (sample_size // patch_size)"
+            )
             check_equal_blocks(target, layout, what)
     return layout
 
@@ -299,4 +310,3 @@ def mhla_parameter_names(transformer: nn.Module) -> list[str]:
         return []
     prefixes = tuple(f"{name}.processor." for name in conversion.layer_names)
     return [key for key in transformer.state_dict() if key.startswith(prefixes)]
-

@@ -78,8 +78,10 @@ FAMILIES: dict[str, ModelFamily] = {
         legacy_class_names=(),
         mhla_transformer_path="mhla_diffusion.models.transformers:MHLAWanTransformer3DModel",
         processor_path="mhla_diffusion.models.processors.wan:WanMHLAProcessor",
-        pipeline_paths=("mhla_diffusion.pipelines.wan:MHLAWanPipeline",
-                        "mhla_diffusion.pipelines.wan_i2v:MHLAWanImageToVideoPipeline"),
+        pipeline_paths=(
+            "mhla_diffusion.pipelines.wan:MHLAWanPipeline",
+            "mhla_diffusion.pipelines.wan_i2v:MHLAWanImageToVideoPipeline",
+        ),
         geometry=VideoGeometry,
         grid_axes=("frames", "height", "width"),
         blocks_attribute="blocks",

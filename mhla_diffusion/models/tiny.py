@@ -72,10 +72,13 @@ def tiny_tokenizer(vocabulary: list[str] | None = None, max_length: int = 512) -
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    words = vocabulary or (
-        "a an the red green blue yellow white black circle square triangle moving left right up down "
-        "cat dog bird fish flying running on in of with and video photo"
-    ).split()
+    words = (
+        vocabulary
+        or (
+            "a an the red green blue yellow white black circle square triangle moving left right up down "
+            "cat dog bird fish flying running on in of with and video photo"
+        ).split()
+    )
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -95,9 +98,18 @@ def tiny_text_encoder(vocab_size: int, seed: int = 0) -> "UMT5EncoderModel":  # 
     torch.manual_seed(seed)
     return UMT5EncoderModel(
         UMT5Config(
-            vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            vocab_size=vocab_size,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
         )
     ).eval()
 
@@ -122,8 +134,18 @@ def tiny_wan_vae(version: str = "2.1", seed: int = 0) -> "AutoencoderKLWan":  # 
         return AutoencoderKLWan(base_dim=3, z_dim=16, **common).eval()
     if version == "2.2":
         return AutoencoderKLWan(
-            base_dim=4, decoder_base_dim=6, z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
-            scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48, **common,
+            base_dim=4,
+            decoder_base_dim=6,
+            z_dim=48,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            scale_factor_temporal=4,
+            latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+            **common,
         ).eval()
     raise ValueError(f"unknown Wan VAE version {version!r}: expected '2.1' or '2.2'")
 
@@ -135,10 +157,17 @@ def tiny_clip_vision(seed: int = 0) -> tuple["CLIPVisionModel", "CLIPImageProces
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(seed)
-    encoder = CLIPVisionModel(CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8,
-        projection_dim=16,
-    )).eval()
+    encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            projection_dim=16,
+        )
+    ).eval()
     return encoder, CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
 
 
@@ -202,9 +231,16 @@ def tiny_dit_pipeline(num_layers: int = 2, seed: int = 0) -> "DiTPipeline":  # n
 
     torch.manual_seed(seed)
     vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
     ).eval()
-    scheduler = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02, clip_sample=False)
+    scheduler = DDIMScheduler(
+        num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02, clip_sample=False
+    )
     transformer = tiny_dit_transformer(num_layers=num_layers, seed=seed)
     return DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler, id2label=TINY_ID2LABEL)

@@ -91,8 +91,9 @@ def _with_mhla_parameter(base_init: Callable[..., None]) -> Callable[[Callable[.
     """Give an ``__init__(self, *args, mhla=None, **kwargs)`` the signature of ``base_init`` plus ``mhla``: Diffusers
     reads a model's config keys, and the defaults it records, from its ``__init__`` signature."""
     base = inspect.signature(base_init)
-    mhla = inspect.Parameter(MHLA_CONFIG_KEY, inspect.Parameter.KEYWORD_ONLY, default=None,
-                             annotation="MHLAConfig | dict | None")
+    mhla = inspect.Parameter(
+        MHLA_CONFIG_KEY, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="MHLAConfig | dict | None"
+    )
 
     def with_signature(init: Callable[..., None]) -> Callable[..., None]:
         init.__signature__ = base.replace(parameters=[*base.parameters.values(), mhla])

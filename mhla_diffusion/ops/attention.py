@@ -35,15 +35,28 @@ from typing import Callable, ContextManager, Protocol, Sequence
 
 import torch
 
+from ..utils.geometry import check_equal_blocks
 from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
 from .cpu_memory import retain_freed_memory_on_first_use
-from ..utils.geometry import check_equal_blocks
 
-__all__ = ["HALF_DTYPES", "LocalPlan", "SequenceSplit", "check_feature_arguments", "mhla_attention", "normalization_mode",
-           "validate_attention_inputs", "without_autocast"]
+__all__ = [
+    "HALF_DTYPES",
+    "LocalPlan",
+    "SequenceSplit",
+    "check_feature_arguments",
+    "mhla_attention",
+    "normalization_mode",
+    "validate_attention_inputs",
+    "without_autocast",
+]
 
-_MODES = {True: "denominator", False: "none", "denominator": "denominator", "none": "none",
-          "scalar_mixed_denominator": "scalar_mixed_denominator"}
+_MODES = {
+    True: "denominator",
+    False: "none",
+    "denominator": "denominator",
+    "none": "none",
+    "scalar_mixed_denominator": "scalar_mixed_denominator",
+}
 
 
 def normalization_mode(normalize: bool | str) -> str:
@@ -221,8 +234,14 @@ def mhla_attention(
             h = slice(start, start + heads_per_chunk)
             chunk = lambda x: None if x is None else x[:, :, h]  # noqa: E731
             out[:, :, h] = _mhla_blocks(
-                q[:, :, h], k[:, :, h], v[:, :, h], plan, mixing if mixing.ndim == 2 else mixing[h],
-                chunk(q_rot), chunk(k_rot), **options,
+                q[:, :, h],
+                k[:, :, h],
+                v[:, :, h],
+                plan,
+                mixing if mixing.ndim == 2 else mixing[h],
+                chunk(q_rot),
+                chunk(k_rot),
+                **options,
             )
         return out
 
@@ -236,11 +255,15 @@ def check_feature_arguments(
 ) -> None:
     """Raise ``ValueError`` when the operator's feature-map arguments (see :func:`mhla_attention`) conflict."""
     if feature_eps is None and rotary is not None:
-        raise ValueError("`rotary` applies after the operator's own feature map: pass `feature_eps` with it "
-                         "(or rotate feature-mapped inputs yourself and pass `q_rot` / `k_rot`)")
+        raise ValueError(
+            "`rotary` applies after the operator's own feature map: pass `feature_eps` with it "
+            "(or rotate feature-mapped inputs yourself and pass `q_rot` / `k_rot`)"
+        )
     if feature_eps is not None and (q_rot is not None or k_rot is not None):
-        raise ValueError("with `feature_eps` the operator rotates the features itself: pass `rotary=(cos, sin)` "
-                         "instead of `q_rot` / `k_rot`")
+        raise ValueError(
+            "with `feature_eps` the operator rotates the features itself: pass `rotary=(cos, sin)` "
+            "instead of `q_rot` / `k_rot`"
+        )
     if rotary is not None:
         _check_rotary(rotary, q)
 
@@ -251,8 +274,9 @@ def _check_rotary(rotary: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor) ->
     want = (1, q.shape[1], 1, q.shape[3])
     for name, table in zip(("cos", "sin"), rotary):
         if not isinstance(table, torch.Tensor) or tuple(table.shape) != want:
-            raise ValueError(f"`rotary` {name} must have shape {want} (1, N, 1, D), got "
-                             f"{tuple(getattr(table, 'shape', ()))}")
+            raise ValueError(
+                f"`rotary` {name} must have shape {want} (1, N, 1, D), got {tuple(getattr(table, 'shape', ()))}"
+            )
     if q.shape[3] % 2:
         raise ValueError(f"RoPE rotates channel pairs: the head dim must be even, got {q.shape[3]}")
 
@@ -284,9 +308,9 @@ def _mhla_blocks(
     """
     dtype = torch.promote_types(q.dtype, v.dtype)
     # Without autograd the temporaries can be written in place, which saves memory and passes.
-    inplace = not (torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, q_rot, k_rot, mixing)
-    ))
+    inplace = not (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, q_rot, k_rot, mixing))
+    )
     blocks = _Blocks(plan if split is None else split.plan, dtype, inplace)
     den = normalize != "none"
     tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
@@ -296,8 +320,15 @@ def _mhla_blocks(
     # more value channel (a column of ones), S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j], is mixed with S_j, and
     # q · z̃ comes out of the query product as its last column: no separate passes over the keys and queries
     # for the denominator. Half inputs keep their float32 key sums apart; uneven grids would pay a copy.
-    fold_key_sum = (normalize == "denominator" and tables is None and q_rot is None and k_rot is None
-                    and blocks.write_views and blocks.even and dtype not in HALF_DTYPES)
+    fold_key_sum = (
+        normalize == "denominator"
+        and tables is None
+        and q_rot is None
+        and k_rot is None
+        and blocks.write_views
+        and blocks.even
+        and dtype not in HALF_DTYPES
+    )
     den = den and not fold_key_sum
 
     def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -313,8 +344,12 @@ def _mhla_blocks(
 
     # keys and values first; each step makes its block copies itself and frees them before the next step
     summaries = _Summaries.of(
-        blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True, ones_column=fold_key_sum),
-        mixing, shift, split,
+        blocks,
+        lambda: features(k, k_rot),
+        lambda: blocks.gather(v, zero_padding=True, ones_column=fold_key_sum),
+        mixing,
+        shift,
+        split,
     )
     mode = "folded" if fold_key_sum else normalize
     return _block_output(blocks, summaries, lambda: features(q, q_rot), mode, eps, shift, v.dtype)
@@ -393,8 +428,13 @@ class _Blocks:
         cos, sin, shift_even, shift_odd = tables
         even, odd = relu_x[..., 0::2], relu_x[..., 1::2]
         if not self.write_views:
-            return torch.stack((torch.addcmul(shift_even, even, cos).addcmul(odd, sin, value=-1),
-                                torch.addcmul(shift_odd, odd, cos).addcmul(even, sin)), dim=-1).flatten(-2)
+            return torch.stack(
+                (
+                    torch.addcmul(shift_even, even, cos).addcmul(odd, sin, value=-1),
+                    torch.addcmul(shift_odd, odd, cos).addcmul(even, sin),
+                ),
+                dim=-1,
+            ).flatten(-2)
         out = torch.empty_like(relu_x)
         out_even, out_odd = out[..., 0::2], out[..., 1::2]
         torch.addcmul(shift_even, even, cos, out=out_even).addcmul_(odd, sin, value=-1)
@@ -435,8 +475,11 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``out_dtype``; also on ``meta``, where the traffic is counted), with the small ``b`` rounded to its dtype;
     elsewhere, and under autograd, both are upcast first."""
     compute = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    if a.dtype in HALF_DTYPES and a.device.type in ("cuda", "meta") and not (
-            torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+    if (
+        a.dtype in HALF_DTYPES
+        and a.device.type in ("cuda", "meta")
+        and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+    ):
         lead = a.shape[:-2]
         out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.to(a.dtype).reshape(-1, *b.shape[-2:]), out_dtype=compute)
         return out.view(*lead, *out.shape[-2:])
@@ -464,8 +507,9 @@ class SequenceSplit(Protocol):
     blocks: torch.Tensor
     slot_positions: torch.Tensor  # (M_l, P_l): each local slot's within-block position w in the whole grid
 
-    def complete(self, kv_summary: torch.Tensor, key_sum: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def complete(
+        self, kv_summary: torch.Tensor, key_sum: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Local blocks' partial ``S_j`` ``(B, H, M_l, D, Dv)`` and ``z_j`` -> every block's full ones."""
 
     def complete_scalars(self, scalars: torch.Tensor) -> torch.Tensor:
@@ -482,9 +526,15 @@ class _Summaries:
     mixed: torch.Tensor | None = None  # S̃_o = Σ_j W[o, j] S_j for the query blocks, (B, H, M_q, D, Dv)
 
     @classmethod
-    def of(cls, blocks: _Blocks, key_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
-           values: Callable[[], torch.Tensor], mixing: torch.Tensor, shift: float,
-           split: SequenceSplit | None = None) -> "_Summaries":
+    def of(
+        cls,
+        blocks: _Blocks,
+        key_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+        values: Callable[[], torch.Tensor],
+        mixing: torch.Tensor,
+        shift: float,
+        split: SequenceSplit | None = None,
+    ) -> "_Summaries":
         """``key_features()``: block-major (numerator's rotated key features, denominator's or None), ``shift``
         to be added to the latter; ``values()``: block-major values with zeroed padded slots."""
         k_num, k_den = key_features()

@@ -44,7 +44,9 @@ def _axis_segments(size: int, blocks: int) -> tuple[list[int], list[int]]:
     return starts[:-1], [starts[b + 1] - starts[b] for b in range(blocks)]
 
 
-def token_block_ids(grid: Sequence[int], layout: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+def token_block_ids(
+    grid: Sequence[int], layout: Sequence[int], device: torch.device | str | None = None
+) -> torch.Tensor:
     """Block index of every token, shape ``(N,)`` (int64), tokens in row-major grid order."""
     grid, layout = validate_grid_layout(grid, layout)
     ids = torch.zeros((), dtype=torch.long, device=device)
@@ -102,7 +104,9 @@ def block_plan(grid: Sequence[int], layout: Sequence[int], device: torch.device 
         valid = offset < length
         # Grow the index as (blocks_0, ..., blocks_a, pad_0, ..., pad_a): block axes before slot axes.
         k = token_index.ndim // 2
-        token_index = token_index.unsqueeze(k).unsqueeze(-1) * size + coord.reshape((1,) * k + (blocks,) + (1,) * k + (pad,))
+        token_index = token_index.unsqueeze(k).unsqueeze(-1) * size + coord.reshape(
+            (1,) * k + (blocks,) + (1,) * k + (pad,)
+        )
         slot_valid = slot_valid.unsqueeze(k).unsqueeze(-1) & valid.reshape((1,) * k + (blocks,) + (1,) * k + (pad,))
     m, p = num_blocks(layout), math.prod(pads)
     # The padded slot of every token, by arithmetic alone (no boolean indexing: torch.compile-friendly).

@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..utils.geometry import check_equal_blocks
+from ..utils.sequence_split import split_sizes
 from .attention import (
     _mhla_blocks,
     check_feature_arguments,
@@ -41,8 +43,6 @@ from .attention import (
     without_autocast,
 )
 from .block_layout import BlockPlan, block_plan
-from ..utils.geometry import check_equal_blocks
-from ..utils.sequence_split import split_sizes
 
 __all__ = [
     "LocalBlockPlan",
@@ -231,7 +231,9 @@ def _window_transfers(shard: TokenShard, windows: Sequence[tuple[int, int]]) -> 
 
 
 def _exchange(
-    shard: TokenShard, transfers: list[tuple[int, int, int, int]], send: dict[int, torch.Tensor],
+    shard: TokenShard,
+    transfers: list[tuple[int, int, int, int]],
+    send: dict[int, torch.Tensor],
     receive: dict[int, torch.Tensor],
 ) -> None:
     """Post the sends and receives of ``transfers`` (keyed by transfer index) and wait for them."""
@@ -281,7 +283,8 @@ class _GatherWindow(torch.autograd.Function):
         send = {i: grad[:, a - lo : b - lo] for i, (_, r, a, b) in enumerate(transfers) if r == shard.rank}
         buffers = {
             i: grad.new_empty((grad.shape[0], b - a, *grad.shape[2:]))
-            for i, (s, _, a, b) in enumerate(transfers) if s == shard.rank
+            for i, (s, _, a, b) in enumerate(transfers)
+            if s == shard.rank
         }
         reversed_transfers = [(r, s, a, b) for s, r, a, b in transfers]
         _exchange(shard, reversed_transfers, send, buffers)
@@ -335,7 +338,10 @@ def grid_conv_context_parallel(
     grid = tuple(int(g) for g in grid)
     strides = [math.prod(grid[a + 1 :]) for a in range(len(grid))]
     halo, row = sum(strides), strides[0]
-    windows = [(max(0, lo - halo), min(shard.total, hi + halo)) for lo, hi in (shard.range_of(r) for r in range(shard.world_size))]
+    windows = [
+        (max(0, lo - halo), min(shard.total, hi + halo))
+        for lo, hi in (shard.range_of(r) for r in range(shard.world_size))
+    ]
     lo, hi = windows[shard.rank]
     window = gather_token_window(x, shard, windows)  # (B, hi - lo, C)
     first, last = lo // row, -(-hi // row)  # whole leading-axis slices covering the window
@@ -364,8 +370,9 @@ class _SplitSequence:
     def slot_positions(self) -> torch.Tensor:
         return self.plan.position[self.plan.gather].view(self.plan.num_blocks, self.plan.block_len)
 
-    def complete(self, kv_summary: torch.Tensor, key_sum: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def complete(
+        self, kv_summary: torch.Tensor, key_sum: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, heads, _, d, dv = kv_summary.shape
         compute = torch.promote_types(kv_summary.dtype, torch.float32)
         partial = kv_summary.flatten(-2).to(compute)  # (B, H, M_l, D*Dv)
@@ -444,5 +451,17 @@ def mhla_attention_context_parallel(
         local_plan = local_block_plan(plan, shard.start, shard.stop)
     split = _SplitSequence(shard, plan, local_plan, reduce_dtype)
     with without_autocast(q.device):
-        return _mhla_blocks(q, k, v, plan, mixing, q_rot, k_rot, normalize=normalize, eps=eps,
-                            feature_eps=feature_eps, rotary=rotary, split=split)
+        return _mhla_blocks(
+            q,
+            k,
+            v,
+            plan,
+            mixing,
+            q_rot,
+            k_rot,
+            normalize=normalize,
+            eps=eps,
+            feature_eps=feature_eps,
+            rotary=rotary,
+            split=split,
+        )

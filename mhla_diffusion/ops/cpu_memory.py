@@ -22,8 +22,13 @@ import logging
 import os
 import sys
 
-__all__ = ["KEEP_MALLOC_ENV", "keep_malloc_requested", "malloc_retained", "retain_freed_memory",
-           "retain_freed_memory_on_first_use"]
+__all__ = [
+    "KEEP_MALLOC_ENV",
+    "keep_malloc_requested",
+    "malloc_retained",
+    "retain_freed_memory",
+    "retain_freed_memory_on_first_use",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +87,21 @@ def retain_freed_memory_on_first_use() -> bool:
     if _retained:  # an entry point (or the user) already did it
         return True
     if keep_malloc_requested():
-        logger.info("mhla_diffusion: %s=%s is set, so glibc's malloc settings are left as they are; large freed "
-                    "tensors go back to the system and are page-faulted in again on the next CPU attention call",
-                    KEEP_MALLOC_ENV, os.environ.get(KEEP_MALLOC_ENV))
+        logger.info(
+            "mhla_diffusion: %s=%s is set, so glibc's malloc settings are left as they are; large freed "
+            "tensors go back to the system and are page-faulted in again on the next CPU attention call",
+            KEEP_MALLOC_ENV,
+            os.environ.get(KEEP_MALLOC_ENV),
+        )
         return False
     if retain_freed_memory():
-        logger.info("mhla_diffusion: first MHLA attention call on a CPU in this process: glibc malloc now keeps "
-                    "freed memory for reuse (mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB), because "
-                    "otherwise every large temporary is returned to the system and page-faulted in again, which "
-                    "at video length costs more than the attention's arithmetic. Process-wide; set %s=1 to keep "
-                    "glibc's defaults.", KEEP_MALLOC_ENV)
+        logger.info(
+            "mhla_diffusion: first MHLA attention call on a CPU in this process: glibc malloc now keeps "
+            "freed memory for reuse (mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB), because "
+            "otherwise every large temporary is returned to the system and page-faulted in again, which "
+            "at video length costs more than the attention's arithmetic. Process-wide; set %s=1 to keep "
+            "glibc's defaults.",
+            KEEP_MALLOC_ENV,
+        )
         return True
     return False

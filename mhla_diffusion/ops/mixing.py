@@ -54,7 +54,9 @@ def mixing_init(
     if transform not in MIXING_TRANSFORMS:
         raise ValueError(f"unknown `transform` {transform!r}: choose one of {', '.join(MIXING_TRANSFORMS)}")
     if normalization not in ("column", "row"):
-        raise ValueError(f"unknown `normalization` {normalization!r}: choose 'column' (reference code) or 'row' (paper)")
+        raise ValueError(
+            f"unknown `normalization` {normalization!r}: choose 'column' (reference code) or 'row' (paper)"
+        )
     if exp_sigma <= 0:
         raise ValueError(f"`exp_sigma` must be > 0, got {exp_sigma}")
     dist = block_distances(layout)

@@ -10,9 +10,9 @@ from typing import Sequence
 
 import torch
 
+from ..utils.geometry import check_equal_blocks
 from .attention import normalization_mode, validate_attention_inputs
 from .block_layout import token_block_ids
-from ..utils.geometry import check_equal_blocks
 
 __all__ = ["mhla_attention_reference"]
 

@@ -30,9 +30,27 @@ __all__ = ["TrafficCounter", "count_traffic", "floor_bytes", "tensor_bytes"]
 _OVERWRITE_SELF = {"copy_", "fill_", "zero_"}
 
 #: Ops that allocate or relabel memory without reading or writing tensor data.
-_NO_TRAFFIC = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided",
-               "_unsafe_view", "detach", "alias", "lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride",
-               "sym_numel", "sym_storage_offset", "is_same_size"}
+_NO_TRAFFIC = {
+    "empty",
+    "empty_like",
+    "empty_permuted",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "_unsafe_view",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "lift_fresh_copy",
+    "_local_scalar_dense",
+    "set_",
+    "resize_",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "is_same_size",
+}
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -63,8 +81,11 @@ class TrafficCounter(TorchDispatchMode):
         outs = {id(kwargs[a.name]) for a in func._schema.arguments if a.is_out and a.name in kwargs}
         if name in _OVERWRITE_SELF:
             outs.add(id(args[0]))
-        read = sum(tensor_bytes(t) for t in tree_flatten((args, kwargs))[0]
-                   if isinstance(t, torch.Tensor) and id(t) not in outs)
+        read = sum(
+            tensor_bytes(t)
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and id(t) not in outs
+        )
         written = sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         self.read += read
         self.written += written
@@ -86,8 +107,16 @@ def count_traffic(call: Callable[[], Any]) -> TrafficCounter:
     return counter
 
 
-def floor_bytes(batch: int, tokens: int, heads: int, head_dim: int, value_dim: int, blocks: int,
-                dtype: torch.dtype = torch.bfloat16, summaries: bool = True) -> int:
+def floor_bytes(
+    batch: int,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    value_dim: int,
+    blocks: int,
+    dtype: torch.dtype = torch.bfloat16,
+    summaries: bool = True,
+) -> int:
     """The least traffic of one MHLA call: ``q``, ``k``, ``v`` read and the output written once, in
     ``dtype``, plus (with ``summaries``) the float32 block summaries and key sums written and read once."""
     io = batch * tokens * heads * (2 * head_dim + 2 * value_dim) * dtype.itemsize

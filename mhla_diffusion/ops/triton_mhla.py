@@ -92,13 +92,40 @@ def fused_available(tensor: torch.Tensor) -> bool:
 
 
 def _summaries_kernel(
-    k_ptr, v_ptr, cos_ptr, sin_ptr, gather_ptr, valid_ptr, s_ptr, z_ptr,
-    H, M, P, D, DV,
-    skb, skn, skh, skd, svb, svn, svh, svd, scn, scd, ssn, ssd,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    gather_ptr,
+    valid_ptr,
+    s_ptr,
+    z_ptr,
+    H,
+    M,
+    P,
+    D,
+    DV,
+    skb,
+    skn,
+    skh,
+    skd,
+    svb,
+    svn,
+    svh,
+    svd,
+    scn,
+    scd,
+    ssn,
+    ssd,
     feature_eps,
-    BLOCK_T: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr, STORE_Z: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One block's ``S_m`` (one Dv tile) and ``z_m`` of one (batch, head); see the module docstring."""
     pv = tl.program_id(0)
@@ -164,13 +191,41 @@ def _summaries_kernel(
 
 
 def _output_kernel(
-    q_ptr, cos_ptr, sin_ptr, gather_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
-    H, M, P, D, DV,
-    sqb, sqn, sqh, sqd, sob, son, soh, sod, scn, scd, ssn, ssd,
-    feature_eps, eps,
-    BLOCK_T: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_VALID: tl.constexpr, HAS_ROPE: tl.constexpr, NORMALIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    cos_ptr,
+    sin_ptr,
+    gather_ptr,
+    valid_ptr,
+    s_ptr,
+    z_ptr,
+    o_ptr,
+    H,
+    M,
+    P,
+    D,
+    DV,
+    sqb,
+    sqn,
+    sqh,
+    sqd,
+    sob,
+    son,
+    soh,
+    sod,
+    scn,
+    scd,
+    ssn,
+    ssd,
+    feature_eps,
+    eps,
+    BLOCK_T: tl.constexpr,
+    BLOCK_DH: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Block ``m`` of one (batch, head): ``q̂ S̃_m / (phi(q) · z̃_m + eps)`` at the tokens, slot tile by slot
     tile, with ``S̃_m`` and ``z̃_m`` loaded once."""
@@ -285,8 +340,11 @@ def _tiles(block_len: int, head_dim: int, value_dim: int) -> _Tiles:
     block_dh = _pow2((head_dim + 1) // 2)
     block_dv = min(128, _pow2(value_dim))
     return _Tiles(
-        block_t=min(32, _pow2(block_len)), block_dh=block_dh, block_dv=block_dv,
-        value_tiles=-(-value_dim // block_dv), out_dv=_pow2(value_dim),
+        block_t=min(32, _pow2(block_len)),
+        block_dh=block_dh,
+        block_dv=block_dv,
+        value_tiles=-(-value_dim // block_dv),
+        out_dv=_pow2(value_dim),
         num_warps=8 if block_dh * block_dv >= 64 * 64 else 4,
     )
 
@@ -296,8 +354,14 @@ def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> Non
     if table is None:
         return
     b, n, _, d = q.shape
-    if not isinstance(table, torch.Tensor) or table.ndim != 4 or table.shape[0] != 1 or table.shape[2] != 1 \
-            or table.shape[1] != n or table.shape[3] != d:
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.ndim != 4
+        or table.shape[0] != 1
+        or table.shape[2] != 1
+        or table.shape[1] != n
+        or table.shape[3] != d
+    ):
         raise ValueError(
             f"`{name}` must be Diffusers' RoPE table of shape (1, {n}, 1, {d}) for q {tuple(q.shape)}, "
             f"got {tuple(getattr(table, 'shape', ()))}"
@@ -308,8 +372,12 @@ def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> Non
 
 def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
     """Validate the fused operator's arguments (one-line ``ValueError``s); returns the normalize mode."""
-    if isinstance(plan, BlockPlan) and isinstance(q, torch.Tensor) and q.ndim == 4 \
-            and math.prod(plan.grid) != q.shape[1]:
+    if (
+        isinstance(plan, BlockPlan)
+        and isinstance(q, torch.Tensor)
+        and q.ndim == 4
+        and math.prod(plan.grid) != q.shape[1]
+    ):
         raise ValueError(
             f"`plan` was built for grid {plan.grid} ({math.prod(plan.grid)} tokens) but q has N={q.shape[1]}: "
             f"build it with block_plan(grid, layout, device) for these inputs"
@@ -382,8 +450,9 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tu
     return out[0], out[1]
 
 
-def _mix(mixing: torch.Tensor, summaries: torch.Tensor, key_sums: torch.Tensor | None
-         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mix(
+    mixing: torch.Tensor, summaries: torch.Tensor, key_sums: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The mixing between the kernels, in PyTorch, outside ``torch.autocast``: ``S̃ = W S`` ``(B, H, M, D,
     Dv)`` in the summaries' dtype (half summaries: a half GEMM, float32 accumulation, ``W`` rounded to the
     half type as the eager operator does) and ``z̃ = W z`` ``(B, H, M, D)`` in float32 (``None`` without
@@ -423,17 +492,38 @@ def _fused_forward(
     valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all are valid
     rope = _rope_tables(cos, sin, dtype) if has_rope else (q, q)  # unused pointers without RoPE
     rope_strides = (*rope[0].stride(), *rope[1].stride()) if has_rope else (0, 0, 0, 0)
-    options = dict(BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, HAS_VALID=has_valid, HAS_ROPE=has_rope,
-                   DOT_DTYPE=dot, IEEE=ieee, num_warps=tiles.num_warps)
+    options = dict(
+        BLOCK_T=tiles.block_t,
+        BLOCK_DH=tiles.block_dh,
+        HAS_VALID=has_valid,
+        HAS_ROPE=has_rope,
+        DOT_DTYPE=dot,
+        IEEE=ieee,
+        num_warps=tiles.num_warps,
+    )
 
     summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=dtype)
     key_sums = torch.empty((batch, heads, m, d), device=q.device, dtype=torch.float32) if norm else summaries
     _kernel("_summaries_kernel", interpret)[(tiles.value_tiles, batch * heads, m)](
-        k, v, *rope, gather, valid, summaries, key_sums,
-        heads, m, p, d, dv,
-        *k.stride(), *v.stride(), *rope_strides,
+        k,
+        v,
+        *rope,
+        gather,
+        valid,
+        summaries,
+        key_sums,
+        heads,
+        m,
+        p,
+        d,
+        dv,
+        *k.stride(),
+        *v.stride(),
+        *rope_strides,
         float(feature_eps),
-        BLOCK_DV=tiles.block_dv, STORE_Z=norm, **options,
+        BLOCK_DV=tiles.block_dv,
+        STORE_Z=norm,
+        **options,
     )
 
     mixed, mixed_sums = _mix(mixing, summaries, key_sums if norm else None)
@@ -443,11 +533,26 @@ def _fused_forward(
 
     out = torch.empty((batch, n, heads, dv), device=q.device, dtype=v.dtype)
     _kernel("_output_kernel", interpret)[(batch * heads, m)](
-        q, *rope, gather, valid, mixed, mixed_sums, out,
-        heads, m, p, d, dv,
-        *q.stride(), *out.stride(), *rope_strides,
-        float(feature_eps), float(eps),
-        BLOCK_DV=tiles.out_dv, NORMALIZE=norm, **options,
+        q,
+        *rope,
+        gather,
+        valid,
+        mixed,
+        mixed_sums,
+        out,
+        heads,
+        m,
+        p,
+        d,
+        dv,
+        *q.stride(),
+        *out.stride(),
+        *rope_strides,
+        float(feature_eps),
+        float(eps),
+        BLOCK_DV=tiles.out_dv,
+        NORMALIZE=norm,
+        **options,
     )
     return out
 
@@ -502,8 +607,9 @@ def fused_traffic(
     terms: dict[str, int] = {}
     # PyTorch, once per call: the even channels of the tables in the compute dtype (none when already in it)
     cos = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)
-    terms["RoPE tables to the summaries' dtype (PyTorch)"] = rope * count_traffic(
-        lambda: _rope_tables(cos, cos, compute)).total
+    terms["RoPE tables to the summaries' dtype (PyTorch)"] = (
+        rope * count_traffic(lambda: _rope_tables(cos, cos, compute)).total
+    )
     # _summaries_kernel, grid (value tiles, B*H, M); per program: plan entries, then per real slot k (D
     # channels), the tables (pairs, cos and sin), v (its tile's columns); then S (D x tile) and z (tile 0)
     terms["summaries kernel: plan index"] = tiles.value_tiles * bh * m * index
@@ -550,9 +656,18 @@ def _launch_arguments(q, v, plan, mixing, cos, normalize) -> dict:
     """:func:`fused_traffic`'s arguments for a launch on these inputs."""
     batch, n, heads, d = q.shape
     return dict(
-        batch=batch, tokens=n, heads=heads, head_dim=d, value_dim=v.shape[-1], num_blocks=plan.num_blocks,
-        block_len=plan.block_len, padded=plan.valid is not None, dtype=q.dtype,
-        rope_dtype=None if cos is None else cos.dtype, normalize=normalize, per_head_mixing=mixing.ndim == 3,
+        batch=batch,
+        tokens=n,
+        heads=heads,
+        head_dim=d,
+        value_dim=v.shape[-1],
+        num_blocks=plan.num_blocks,
+        block_len=plan.block_len,
+        padded=plan.valid is not None,
+        dtype=q.dtype,
+        rope_dtype=None if cos is None else cos.dtype,
+        normalize=normalize,
+        per_head_mixing=mixing.ndim == 3,
     )
 
 
@@ -570,7 +685,16 @@ def _eager_forward(
 ) -> torch.Tensor:
     """The same function in differentiable eager PyTorch, O(N): the operator with its own feature map and RoPE."""
     return mhla_attention(
-        q, k, v, plan.grid, plan.layout, mixing, normalize=normalize, eps=eps, plan=plan, feature_eps=feature_eps,
+        q,
+        k,
+        v,
+        plan.grid,
+        plan.layout,
+        mixing,
+        normalize=normalize,
+        eps=eps,
+        plan=plan,
+        feature_eps=feature_eps,
         rotary=None if cos is None else (cos, sin),
     )
 

@@ -36,7 +36,9 @@ def resolve_class_ids(classes: Any, labels: dict[str, int], num_classes: int) ->
     try:
         items = flat_class_labels(classes)
     except TypeError:
-        raise ValueError(f"class labels must be ids or names (a list of them, nested or not), got {classes!r}") from None
+        raise ValueError(
+            f"class labels must be ids or names (a list of them, nested or not), got {classes!r}"
+        ) from None
     if not items:
         raise ValueError("no classes given: pass at least one class id or name")
     ids, unknown = [], []

@@ -61,7 +61,9 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
                 f"{save_directory} holds a DiT with {null} classes (null class {null}): Diffusers' stock DiTPipeline "
                 f"guides with class {STOCK_NULL_CLASS} as the null class, so it runs this folder only with "
                 f"guidance_scale <= 1 (with guidance it {'fails with IndexError' if null < STOCK_NULL_CLASS else 'guides wrongly'}); "
-                "load it with mhla_diffusion.MHLADiTPipeline, which guides with the model's own null class", stacklevel=2)
+                "load it with mhla_diffusion.MHLADiTPipeline, which guides with the model's own null class",
+                stacklevel=2,
+            )
 
     def _with_null_class(self, call: Callable[[], Any], guided: bool) -> Any:
         """Run ``call`` so that the unconditional half of a guided batch gets this model's null class.
@@ -77,7 +79,7 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
             labels = kwargs.get("class_labels")
             if labels is not None:
                 labels = labels.clone()
-                labels[labels.shape[0] // 2:] = null
+                labels[labels.shape[0] // 2 :] = null
                 kwargs["class_labels"] = labels
             return args, kwargs
 
@@ -124,8 +126,10 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         unknown = [name for name in callback_on_step_end_tensor_inputs if name not in self._callback_tensor_inputs]
         if callback_on_step_end is not None and unknown:
-            raise ValueError(f"callback_on_step_end_tensor_inputs {unknown} are not among this pipeline's "
-                             f"{self._callback_tensor_inputs}")
+            raise ValueError(
+                f"callback_on_step_end_tensor_inputs {unknown} are not among this pipeline's "
+                f"{self._callback_tensor_inputs}"
+            )
         self._guidance_scale, self._num_timesteps = guidance_scale, num_inference_steps
         stock_call = lambda: super(MHLADiTPipeline, self).__call__(  # noqa: E731
             labels, guidance_scale, generator, num_inference_steps, output_type, return_dict

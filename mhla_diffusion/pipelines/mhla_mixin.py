@@ -31,10 +31,16 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from ..config import MHLAConfig
-from ..models.conversion import MHLAConversion, get_mhla_conversion, resolve_mhla_config, softmax_attention, sync_mhla_config
-from ..models.conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
 from ..loaders.weight_files import HUB_KWARGS, find_file, hub_kwargs_of
 from ..loaders.weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla
+from ..models.conversion import (
+    MHLAConversion,
+    get_mhla_conversion,
+    resolve_mhla_config,
+    softmax_attention,
+    sync_mhla_config,
+)
+from ..models.conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
 
 __all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
 
@@ -44,9 +50,11 @@ TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
 
 #: ``model_index.json`` key (ignored by Diffusers) that says how to load an MHLA folder with stock loaders.
 LOAD_HINT_KEY = "_mhla_diffusion_load"
-LOAD_HINT = ("the transformer is an mhla_diffusion class: run `import mhla_diffusion` before Diffusers' "
-             "DiffusionPipeline / WanPipeline / WanImageToVideoPipeline / DiTPipeline.from_pretrained, or load with "
-             "mhla_diffusion.MHLAWanPipeline / MHLAWanImageToVideoPipeline / MHLADiTPipeline.from_pretrained")
+LOAD_HINT = (
+    "the transformer is an mhla_diffusion class: run `import mhla_diffusion` before Diffusers' "
+    "DiffusionPipeline / WanPipeline / WanImageToVideoPipeline / DiTPipeline.from_pretrained, or load with "
+    "mhla_diffusion.MHLAWanPipeline / MHLAWanImageToVideoPipeline / MHLADiTPipeline.from_pretrained"
+)
 
 
 class MHLAPipelineMixin:
@@ -118,16 +126,23 @@ class MHLAPipelineMixin:
         """
         unknown = sorted(set(kwargs) - set(HUB_KWARGS))
         if unknown:
-            raise TypeError(f"load_mhla_weights() got unexpected keyword arguments {unknown}; it takes the hub options "
-                            f"{', '.join(HUB_KWARGS)}")
+            raise TypeError(
+                f"load_mhla_weights() got unexpected keyword arguments {unknown}; it takes the hub options "
+                f"{', '.join(HUB_KWARGS)}"
+            )
         if mhla_weights is None and mhla_weights_2 is None:
-            raise ValueError("load_mhla_weights needs `mhla_weights` (or `mhla_weights_2`): a folder written by save_mhla")
-        sources = mhla_weight_sources(None, mhla_weights, mhla_weights_2, transformers=list(self.transformer_components),
-                                      hub_kwargs=kwargs)
+            raise ValueError(
+                "load_mhla_weights needs `mhla_weights` (or `mhla_weights_2`): a folder written by save_mhla"
+            )
+        sources = mhla_weight_sources(
+            None, mhla_weights, mhla_weights_2, transformers=list(self.transformer_components), hub_kwargs=kwargs
+        )
         converted = [name for name in sources if self.mhla_conversions[name] is not None]
         if converted:
-            raise ValueError(f"{' and '.join(converted)} is already converted to MHLA: revert_mhla() it first, or load "
-                             "the weights into a base pipeline")
+            raise ValueError(
+                f"{' and '.join(converted)} is already converted to MHLA: revert_mhla() it first, or load "
+                "the weights into a base pipeline"
+            )
         for name, (source, subfolder) in sources.items():
             load_mhla(source, getattr(self, name), subfolder=subfolder, **kwargs)
         return self.mhla_conversions
@@ -144,15 +159,20 @@ class MHLAPipelineMixin:
         index = json.loads(index_path.read_text())
         index["_class_name"] = self._stock_pipeline_name
         for name, conversion in conversions.items():
-            index[name] = (["mhla_diffusion", self._mhla_transformer_name] if conversion is not None
-                           else ["diffusers", self._stock_transformer_name])
+            index[name] = (
+                ["mhla_diffusion", self._mhla_transformer_name]
+                if conversion is not None
+                else ["diffusers", self._stock_transformer_name]
+            )
         if any(conversion is not None for conversion in conversions.values()):
             index[LOAD_HINT_KEY] = LOAD_HINT
         else:
             index.pop(LOAD_HINT_KEY, None)
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    def save_mhla(self, save_directory: str | os.PathLike, *, include_base: bool = False, overwrite: bool = False) -> Path:
+    def save_mhla(
+        self, save_directory: str | os.PathLike, *, include_base: bool = False, overwrite: bool = False
+    ) -> Path:
         """Save only what MHLA adds (or, with ``include_base``, the whole converted transformers), in the form
         ``from_pretrained(base, mhla_weights=save_directory)`` reads: the folder itself for a one-transformer
         pipeline, ``transformer/`` and ``transformer_2/`` in it for a two-transformer one (each a
@@ -160,14 +180,18 @@ class MHLAPipelineMixin:
         transformers = self.transformer_components
         softmax = [name for name, conversion in self.mhla_conversions.items() if conversion is None]
         if softmax:
-            raise ValueError(f"{' and '.join(softmax)} has no MHLA layers: convert it first (pipe.convert_to_mhla(config))")
+            raise ValueError(
+                f"{' and '.join(softmax)} has no MHLA layers: convert it first (pipe.convert_to_mhla(config))"
+            )
         folder = Path(save_directory)
         if len(transformers) == 1:
             return save_mhla(next(iter(transformers.values())), folder, include_base=include_base, overwrite=overwrite)
         taken = [str(folder / name) for name in transformers if (folder / name / MHLA_CONFIG_NAME).exists()]
         if taken and not overwrite:  # checked for both before either is written
-            raise FileExistsError(f"{', '.join(taken)} already hold MHLA weights; choose another folder or pass "
-                                  "overwrite=True (CLI: --overwrite)")
+            raise FileExistsError(
+                f"{', '.join(taken)} already hold MHLA weights; choose another folder or pass "
+                "overwrite=True (CLI: --overwrite)"
+            )
         for name, transformer in transformers.items():
             save_mhla(transformer, folder / name, include_base=include_base, overwrite=overwrite)
         return folder
@@ -198,11 +222,13 @@ class MHLAPipelineMixin:
         if all(value is not None and value == values[0] for value in values):
             return values[0]
         described = "; ".join(f"{name}: {_describe(conversion)}" for name, conversion in conversions.items())
-        raise ValueError(f"this pipeline's transformers differ in MHLA ({described}): read pipe.mhla_conversions "
-                         "for each one")
+        raise ValueError(
+            f"this pipeline's transformers differ in MHLA ({described}): read pipe.mhla_conversions for each one"
+        )
 
-    def convert_to_mhla(self, config: MHLAConfig | None = None, *, config_2: MHLAConfig | None = None
-                        ) -> dict[str, MHLAConversion]:
+    def convert_to_mhla(
+        self, config: MHLAConfig | None = None, *, config_2: MHLAConfig | None = None
+    ) -> dict[str, MHLAConversion]:
         """Convert the self-attention of every transformer of the pipeline to MHLA, in place.
 
         ``config`` (default :class:`MHLAConfig`) applies to every transformer; ``config_2``, when given, to
@@ -215,8 +241,10 @@ class MHLAPipelineMixin:
         converted = [name for name, conversion in self.mhla_conversions.items() if conversion is not None]
         if converted:
             raise ValueError(f"{' and '.join(converted)} already has MHLA layers: revert_mhla() it first")
-        configs = {name: (config_2 if name == "transformer_2" and config_2 is not None else config) or MHLAConfig()
-                   for name in transformers}
+        configs = {
+            name: (config_2 if name == "transformer_2" and config_2 is not None else config) or MHLAConfig()
+            for name in transformers
+        }
         for name, transformer in transformers.items():
             resolve_mhla_config(transformer, configs[name])  # every config error before any change
         return {name: convert_transformer(transformer, configs[name]) for name, transformer in transformers.items()}
@@ -287,27 +315,36 @@ def mhla_weight_sources(
         if read_mhla_config(mhla_weights, **hub_kwargs) is not None:
             sources["transformer"] = (mhla_weights, None)
         else:
-            sources = {name: (mhla_weights, name) for name in TRANSFORMER_COMPONENTS
-                       if read_mhla_config(mhla_weights, subfolder=name, **hub_kwargs) is not None}
+            sources = {
+                name: (mhla_weights, name)
+                for name in TRANSFORMER_COMPONENTS
+                if read_mhla_config(mhla_weights, subfolder=name, **hub_kwargs) is not None
+            }
             if not sources:
                 raise FileNotFoundError(
                     f"no {MHLA_CONFIG_NAME} in mhla_weights {mhla_weights} (nor in its transformer/ or transformer_2/): "
-                    "give a folder written by save_mhla or `mhla convert --output`")
+                    "give a folder written by save_mhla or `mhla convert --output`"
+                )
     if mhla_weights_2 is not None:
         if "transformer_2" in sources:
             raise ValueError(f"mhla_weights {mhla_weights} already holds transformer_2/: leave out mhla_weights_2")
         if read_mhla_config(mhla_weights_2, **hub_kwargs) is None:
-            raise FileNotFoundError(f"no {MHLA_CONFIG_NAME} in mhla_weights_2 {mhla_weights_2}: give a folder written "
-                                    "by save_mhla or `mhla convert --output`")
+            raise FileNotFoundError(
+                f"no {MHLA_CONFIG_NAME} in mhla_weights_2 {mhla_weights_2}: give a folder written "
+                "by save_mhla or `mhla convert --output`"
+            )
         sources["transformer_2"] = (mhla_weights_2, None)
     absent = [name for name in sources if name not in transformers]
     if absent:
-        raise ValueError(f"MHLA weights for {' and '.join(absent)}, but the pipeline has no {' and '.join(absent)} "
-                         f"(its transformers: {', '.join(transformers) or 'none'})")
+        raise ValueError(
+            f"MHLA weights for {' and '.join(absent)}, but the pipeline has no {' and '.join(absent)} "
+            f"(its transformers: {', '.join(transformers) or 'none'})"
+        )
     left = [name for name in transformers if name not in sources]
     if left:
         raise ValueError(
             f"this pipeline has two transformers ({', '.join(transformers)}), but MHLA weights were given only for "
             f"{', '.join(sources)}: pass mhla_weights_2=<folder> for transformer_2 (CLI: --mhla-weights-2), or "
-            "mhla_weights=<folder with transformer/ and transformer_2/> (what `mhla convert` writes for such a pipeline)")
+            "mhla_weights=<folder with transformer/ and transformer_2/> (what `mhla convert` writes for such a pipeline)"
+        )
     return sources

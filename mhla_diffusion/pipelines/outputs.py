@@ -18,7 +18,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["OutputPlan", "VIDEO_FORMATS", "check_settings", "float_to_uint8", "plan_outputs", "save_image", "save_video", "slugify", "write_settings"]
+__all__ = [
+    "OutputPlan",
+    "VIDEO_FORMATS",
+    "check_settings",
+    "float_to_uint8",
+    "plan_outputs",
+    "save_image",
+    "save_video",
+    "slugify",
+    "write_settings",
+]
 
 #: Video outputs: H.264 mp4, animated gif, or a folder of PNG frames.
 VIDEO_FORMATS = ("mp4", "gif", "frames")
@@ -31,7 +41,9 @@ def slugify(text: str, max_length: int = 40, fallback: str = "prompt") -> str:
     Letters, marks and digits of any script are kept (lower-cased); everything else (spaces, punctuation,
     emoji, symbols) becomes one ``-``. ``fallback`` when nothing is left.
     """
-    kept = "".join(c if unicodedata.category(c)[0] in "LMN" else "-" for c in unicodedata.normalize("NFC", text.lower()))
+    kept = "".join(
+        c if unicodedata.category(c)[0] in "LMN" else "-" for c in unicodedata.normalize("NFC", text.lower())
+    )
     slug = re.sub(r"-+", "-", kept).strip("-")
     return slug[:max_length].rstrip("-") or fallback
 
@@ -44,7 +56,9 @@ class OutputPlan:
     settings: Path
 
 
-def plan_outputs(output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, overwrite: bool = False) -> list[OutputPlan]:
+def plan_outputs(
+    output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, overwrite: bool = False
+) -> list[OutputPlan]:
     """Plan ``output_dir/<stem><suffix>`` + ``<stem>.json`` per stem; refuse clashes and unwritable folders.
 
     ``fmt``: a video format (``mp4``, ``gif``, ``frames`` = folder of PNGs) or ``png`` for images.
@@ -57,7 +71,9 @@ def plan_outputs(output_dir: str | os.PathLike, stems: Sequence[str], fmt: str, 
     plans = [OutputPlan(folder / f"{stem}{_SUFFIXES[fmt]}", folder / f"{stem}.json") for stem in stems]
     existing = [str(p) for plan in plans for p in (plan.media, plan.settings) if p.exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{len(existing)} output(s) already exist, e.g. {existing[:3]}; pass --overwrite or another --output-dir")
+        raise FileExistsError(
+            f"{len(existing)} output(s) already exist, e.g. {existing[:3]}; pass --overwrite or another --output-dir"
+        )
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--output-dir {folder} exists and is not a folder")
     probe = folder
@@ -86,7 +102,9 @@ def _try_writing(folder: Path) -> None:
             pass
     except OSError as error:
         reason = error.strerror or str(error)
-        raise PermissionError(f"cannot write to --output-dir {folder} ({reason}); choose another --output-dir") from None
+        raise PermissionError(
+            f"cannot write to --output-dir {folder} ({reason}); choose another --output-dir"
+        ) from None
     finally:
         for path in created:
             try:
@@ -128,8 +146,16 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
     import imageio
 
     # imageio-ffmpeg ships its own ffmpeg binary; yuv420p keeps the file playable everywhere.
-    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", macro_block_size=1,
-                            ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"]) as writer:
+    with imageio.get_writer(
+        path,
+        format="FFMPEG",
+        mode="I",
+        fps=fps,
+        codec="libx264",
+        macro_block_size=1,
+        ffmpeg_log_level="error",
+        output_params=["-pix_fmt", "yuv420p"],
+    ) as writer:
         for frame in frames:
             writer.append_data(frame)
 

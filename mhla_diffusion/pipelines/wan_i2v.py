@@ -24,8 +24,9 @@ __all__ = ["IMAGE_TEXT_TOKENS", "MHLAWanImageToVideoPipeline", "check_text_token
 IMAGE_TEXT_TOKENS = 512
 
 
-def check_text_tokens(transformer_configs: Iterable[Mapping[str, Any]], length: int,
-                      what: str = "max_sequence_length is") -> None:
+def check_text_tokens(
+    transformer_configs: Iterable[Mapping[str, Any]], length: int, what: str = "max_sequence_length is"
+) -> None:
     """Raise ``ValueError`` when a transformer with image keys / values in its cross-attention (Wan2.1-I2V:
     ``added_kv_proj_dim`` in its config) would get a text of ``length`` tokens other than :data:`IMAGE_TEXT_TOKENS`
     (``what`` names the length in the message)."""
@@ -33,7 +34,8 @@ def check_text_tokens(transformer_configs: Iterable[Mapping[str, Any]], length: 
         raise ValueError(
             f"{what} {length} text tokens, but this image-to-video model (image keys / values in its cross-attention) "
             f"needs {IMAGE_TEXT_TOKENS}: Diffusers' Wan attention reads the last {IMAGE_TEXT_TOKENS} context tokens "
-            f"as text and the ones before as the image; use max_sequence_length={IMAGE_TEXT_TOKENS} (the default)")
+            f"as text and the ones before as the image; use max_sequence_length={IMAGE_TEXT_TOKENS} (the default)"
+        )
 
 
 class MHLAWanImageToVideoPipeline(MHLAWanVideoMixin, WanImageToVideoPipeline):
@@ -59,10 +61,14 @@ class MHLAWanImageToVideoPipeline(MHLAWanVideoMixin, WanImageToVideoPipeline):
         ``max_sequence_length`` (or ``prompt_embeds`` of another length) would silently mix them up."""
         super().check_call(arguments)
         embeds = arguments.get("prompt_embeds")
-        check_text_tokens([t.config for t in self.transformer_components.values()],
-                          embeds.shape[1] if embeds is not None else arguments["max_sequence_length"],
-                          "prompt_embeds have" if embeds is not None else "max_sequence_length is")
+        check_text_tokens(
+            [t.config for t in self.transformer_components.values()],
+            embeds.shape[1] if embeds is not None else arguments["max_sequence_length"],
+            "prompt_embeds have" if embeds is not None else "max_sequence_length is",
+        )
 
-    @functools.wraps(WanImageToVideoPipeline.__call__)  # Diffusers' signature and docs (inspect.signature follows __wrapped__)
+    @functools.wraps(
+        WanImageToVideoPipeline.__call__
+    )  # Diffusers' signature and docs (inspect.signature follows __wrapped__)
     def __call__(self, *args: Any, **kwargs: Any):
         return self.checked_call(args, kwargs)

@@ -52,8 +52,12 @@ class MHLAWanVideoMixin(MHLAPipelineMixin):
         smaller than the layout is otherwise fine: the extra blocks are empty)."""
         for name, conversion in self.mhla_conversions.items():
             if conversion is not None:
-                check_layout_fits(self.token_grid(num_frames, height, width), conversion.layout,
-                                  f"a {num_frames}x{height}x{width} video ({name})", conversion.config.normalization)
+                check_layout_fits(
+                    self.token_grid(num_frames, height, width),
+                    conversion.layout,
+                    f"a {num_frames}x{height}x{width} video ({name})",
+                    conversion.config.normalization,
+                )
 
     def unknown_words(self, prompt: str) -> list[str]:
         """The words (or parts of words, e.g. an emoji or a comma) of ``prompt`` the tokenizer does not know:
@@ -64,8 +68,11 @@ class MHLAWanVideoMixin(MHLAPipelineMixin):
             return []
         try:
             encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-            hits = [prompt[start:end] for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])
-                    if token == unk and end > start]
+            hits = [
+                prompt[start:end]
+                for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"])
+                if token == unk and end > start
+            ]
         except (NotImplementedError, ValueError, TypeError, KeyError):  # a slow tokenizer: word by word
             hits = [word for word in prompt.split() if unk in tokenizer(word, add_special_tokens=False)["input_ids"]]
         return list(dict.fromkeys(hits))
@@ -83,9 +90,12 @@ class MHLAWanVideoMixin(MHLAPipelineMixin):
             check_lora_mark(path, self.mhla_conversions.get(target))
         else:  # a state dict, a hub id or a pickled file: no metadata to read the mark from
             what = "a state dict" if isinstance(source, dict) else str(path or source)
-            warnings.warn(f"load_lora_weights got {what}, which carries no MHLA mark: it is loaded without checking that "
-                          f"it was trained on this pipeline's {target} attention (MHLA or softmax); pass the local "
-                          ".safetensors file (or folder) the trainer wrote to have it checked", stacklevel=2)
+            warnings.warn(
+                f"load_lora_weights got {what}, which carries no MHLA mark: it is loaded without checking that "
+                f"it was trained on this pipeline's {target} attention (MHLA or softmax); pass the local "
+                ".safetensors file (or folder) the trainer wrote to have it checked",
+                stacklevel=2,
+            )
         return super().load_lora_weights(pretrained_model_name_or_path_or_dict, adapter_name=adapter_name, **kwargs)
 
     def check_call(self, arguments: dict[str, Any]) -> None:

@@ -22,13 +22,17 @@ __all__ = ["MODEL_LOGGER", "PIPELINE_LOGGER", "install"]
 MODEL_LOGGER = "diffusers.models.modeling_utils"
 PIPELINE_LOGGER = "diffusers.pipelines.pipeline_utils"
 
-_MODEL_HINT = (" -- these are MHLA layers (the folder's config.json has an `mhla` entry, or it has an "
-               "mhla_config.json): the model was loaded with softmax "
-               "attention instead. Load it with mhla_diffusion.load_mhla(folder) or "
-               "MHLAWanTransformer3DModel / MHLADiTTransformer2DModel.from_pretrained(folder)")
-_PIPELINE_HINT = (" -- mhla_weights / mhla_weights_2 are mhla_diffusion keywords: this pipeline runs softmax "
-                  "attention without them. Load MHLA weights with mhla_diffusion.MHLAWanPipeline / "
-                  "MHLAWanImageToVideoPipeline / MHLADiTPipeline.from_pretrained(base, mhla_weights=...)")
+_MODEL_HINT = (
+    " -- these are MHLA layers (the folder's config.json has an `mhla` entry, or it has an "
+    "mhla_config.json): the model was loaded with softmax "
+    "attention instead. Load it with mhla_diffusion.load_mhla(folder) or "
+    "MHLAWanTransformer3DModel / MHLADiTTransformer2DModel.from_pretrained(folder)"
+)
+_PIPELINE_HINT = (
+    " -- mhla_weights / mhla_weights_2 are mhla_diffusion keywords: this pipeline runs softmax "
+    "attention without them. Load MHLA weights with mhla_diffusion.MHLAWanPipeline / "
+    "MHLAWanImageToVideoPipeline / MHLADiTPipeline.from_pretrained(base, mhla_weights=...)"
+)
 
 
 class _MHLAHint(logging.Filter):
@@ -47,8 +51,10 @@ class _MHLAHint(logging.Filter):
 
 def install() -> None:
     """Add the hints to Diffusers' loggers (once per process)."""
-    for name, hint in ((MODEL_LOGGER, _MHLAHint("Some weights of the model checkpoint", ".processor.", _MODEL_HINT)),
-                       (PIPELINE_LOGGER, _MHLAHint("Keyword arguments", "'mhla_weights", _PIPELINE_HINT))):
+    for name, hint in (
+        (MODEL_LOGGER, _MHLAHint("Some weights of the model checkpoint", ".processor.", _MODEL_HINT)),
+        (PIPELINE_LOGGER, _MHLAHint("Keyword arguments", "'mhla_weights", _PIPELINE_HINT)),
+    ):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _MHLAHint) for f in logger.filters):
             logger.addFilter(hint)

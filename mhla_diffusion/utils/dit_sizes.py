@@ -39,7 +39,12 @@ class DiTModelSize:
 
 def _sizes() -> dict[str, DiTModelSize]:
     sizes = {}
-    for name, depth, hidden, heads in (("S", 12, 384, 6), ("B", 12, 768, 12), ("L", 24, 1024, 16), ("XL", 28, 1152, 16)):
+    for name, depth, hidden, heads in (
+        ("S", 12, 384, 6),
+        ("B", 12, 768, 12),
+        ("L", 24, 1024, 16),
+        ("XL", 28, 1152, 16),
+    ):
         for patch in (2, 4, 8):
             sizes[f"DiT-{name}/{patch}"] = DiTModelSize(depth, hidden, heads, patch)
     sizes["DiT-L/2-half"] = DiTModelSize(12, 1024, 16, 2)

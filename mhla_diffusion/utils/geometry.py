@@ -68,7 +68,9 @@ class VideoGeometry:
     max_tokens_per_axis: int | None = 1024
 
     @classmethod
-    def from_configs(cls, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None) -> "VideoGeometry":
+    def from_configs(
+        cls, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None
+    ) -> "VideoGeometry":
         """From a transformer config and a VAE config (dicts or Diffusers ``FrozenDict``); missing keys keep Wan2.1's."""
         transformer, vae = transformer or {}, vae or {}
         default = cls()
@@ -113,8 +115,10 @@ class VideoGeometry:
 
     def describe(self) -> str:
         """The model's factors, for error messages."""
-        return (f"VAE x{self.vae_scale_temporal} in time and x{self.vae_scale_spatial} in space, "
-                f"patch {'x'.join(map(str, self.patch_size))}")
+        return (
+            f"VAE x{self.vae_scale_temporal} in time and x{self.vae_scale_spatial} in space, "
+            f"patch {'x'.join(map(str, self.patch_size))}"
+        )
 
     def valid_frames(self, num_frames: int) -> bool:
         """``k * temporal + 1`` frames whose latent frames divide by the temporal patch."""
@@ -184,11 +188,19 @@ class VideoGeometry:
             return None
         n = int(self.max_tokens_per_axis)
         pt, ph, pw = self.patch_size
-        return (n * pt - 1) * self.vae_scale_temporal + 1, n * ph * self.vae_scale_spatial, n * pw * self.vae_scale_spatial
+        return (
+            (n * pt - 1) * self.vae_scale_temporal + 1,
+            n * ph * self.vae_scale_spatial,
+            n * pw * self.vae_scale_spatial,
+        )
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
         """Latent (frames, height, width) of a clip (sizes as the VAE floors them)."""
-        return (num_frames - 1) // self.vae_scale_temporal + 1, height // self.vae_scale_spatial, width // self.vae_scale_spatial
+        return (
+            (num_frames - 1) // self.vae_scale_temporal + 1,
+            height // self.vae_scale_spatial,
+            width // self.vae_scale_spatial,
+        )
 
     def token_grid(self, num_frames: int, height: int, width: int, *, strict: bool = True) -> tuple[int, int, int]:
         """Token grid (frames, height, width) the transformer sees for a clip.
@@ -212,7 +224,9 @@ class ImageGeometry:
     patch_size: int = 2
 
     @classmethod
-    def from_configs(cls, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None) -> "ImageGeometry":
+    def from_configs(
+        cls, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None
+    ) -> "ImageGeometry":
         """From a transformer config and a VAE config (Diffusers' ``2 ** (len(block_out_channels) - 1)``)."""
         transformer, vae = transformer or {}, vae or {}
         scale = 2 ** (len(vae["block_out_channels"]) - 1) if "block_out_channels" in vae else cls.vae_scale
@@ -239,8 +253,15 @@ class ImageGeometry:
 
 
 def video_token_grid(
-    num_frames: int, height: int, width: int, patch_size: Sequence[int] = VideoGeometry.patch_size,
-    vae_scale: Sequence[int] = (VideoGeometry.vae_scale_temporal, VideoGeometry.vae_scale_spatial, VideoGeometry.vae_scale_spatial),
+    num_frames: int,
+    height: int,
+    width: int,
+    patch_size: Sequence[int] = VideoGeometry.patch_size,
+    vae_scale: Sequence[int] = (
+        VideoGeometry.vae_scale_temporal,
+        VideoGeometry.vae_scale_spatial,
+        VideoGeometry.vae_scale_spatial,
+    ),
 ) -> tuple[int, int, int]:
     """Token grid (frames, height, width) of a Wan video of ``num_frames`` x ``height`` x ``width`` pixels."""
     if vae_scale[1] != vae_scale[2]:
@@ -305,8 +326,9 @@ def check_layout_fits(
     try:
         grid, layout = validate_grid_layout(grid, layout)
     except ValueError as error:
-        raise ValueError(f"{what} has token grid {tuple(grid)}, which the MHLA block layout {tuple(layout)} "
-                         f"cannot cut: {error}") from None
+        raise ValueError(
+            f"{what} has token grid {tuple(grid)}, which the MHLA block layout {tuple(layout)} cannot cut: {error}"
+        ) from None
     if normalization == "scalar_mixed_denominator":
         check_equal_blocks(grid, layout, f"the token grid of {what}")
 

@@ -60,12 +60,28 @@ PUBLISHED_WAN_SIZES: dict[str, tuple[int, int, int, int]] = {
     "Wan2.2-TI2V-5B": (121, 704, 1280, 24),
 }
 #: Transformer config entries that tell the published Wan models apart (with ``transformer_2``'s presence).
-_IDENTIFYING = ("num_attention_heads", "attention_head_dim", "num_layers", "ffn_dim", "in_channels", "out_channels",
-                "image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+_IDENTIFYING = (
+    "num_attention_heads",
+    "attention_head_dim",
+    "num_layers",
+    "ffn_dim",
+    "in_channels",
+    "out_channels",
+    "image_dim",
+    "added_kv_proj_dim",
+    "pos_embed_seq_len",
+)
 _TWO_TRANSFORMERS = {"Wan2.2-T2V-A14B", "Wan2.2-I2V-A14B"}
 #: Record keys and the type each must have (``num_inference_steps`` is ``steps`` here).
-_VIDEO_KEYS = {"num_frames": int, "height": int, "width": int, "num_inference_steps": int, "guidance_scale": float,
-               "fps": int, "max_sequence_length": int}
+_VIDEO_KEYS = {
+    "num_frames": int,
+    "height": int,
+    "width": int,
+    "num_inference_steps": int,
+    "guidance_scale": float,
+    "fps": int,
+    "max_sequence_length": int,
+}
 _IMAGE_KEYS = {"num_inference_steps": int, "guidance_scale": float}
 
 
@@ -146,8 +162,11 @@ def published_wan_model(model: str | os.PathLike) -> str | None:
     if config is None:
         return None
     two = read_component_config(model, "transformer_2") is not None
-    matches = [name for name, published in WAN_TRANSFORMER_CONFIGS.items()
-               if all(config.get(key) == published.get(key) for key in _IDENTIFYING) and (name in _TWO_TRANSFORMERS) == two]
+    matches = [
+        name
+        for name, published in WAN_TRANSFORMER_CONFIGS.items()
+        if all(config.get(key) == published.get(key) for key in _IDENTIFYING) and (name in _TWO_TRANSFORMERS) == two
+    ]
     sizes = {PUBLISHED_WAN_SIZES[name] for name in matches}
     return matches[0] if len(sizes) == 1 else None
 
@@ -159,8 +178,15 @@ def video_defaults(model: str | os.PathLike) -> VideoDefaults:
     source = "nothing: the model records no size"
     if embedded_folder(model) is not None:
         d = embedded_defaults()
-        values.update(num_frames=d.num_frames, height=d.height, width=d.width, num_inference_steps=d.video_steps,
-                      guidance_scale=d.video_guidance_scale, fps=d.fps, max_sequence_length=d.max_sequence_length)
+        values.update(
+            num_frames=d.num_frames,
+            height=d.height,
+            width=d.width,
+            num_inference_steps=d.video_steps,
+            guidance_scale=d.video_guidance_scale,
+            fps=d.fps,
+            max_sequence_length=d.max_sequence_length,
+        )
         source = "the embedded model's training settings"
     else:
         name = published_wan_model(model)
@@ -172,8 +198,16 @@ def video_defaults(model: str | os.PathLike) -> VideoDefaults:
         values.update(record)
         if set(record) & {"num_frames", "height", "width"}:
             source = f"{RECORD_KEY} in {Path(model, 'model_index.json')}"
-    return VideoDefaults(values.get("num_frames"), values.get("height"), values.get("width"), values["num_inference_steps"],
-                         values["guidance_scale"], values["fps"], values["max_sequence_length"], source)
+    return VideoDefaults(
+        values.get("num_frames"),
+        values.get("height"),
+        values.get("width"),
+        values["num_inference_steps"],
+        values["guidance_scale"],
+        values["fps"],
+        values["max_sequence_length"],
+        source,
+    )
 
 
 def image_defaults(model: str | os.PathLike) -> ImageDefaults:

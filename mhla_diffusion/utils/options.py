@@ -46,8 +46,13 @@ __all__ = [
 _NONE_WORDS = ("none", "null", "~")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: Sequence[Any] | None = None,
-           default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    choices: Sequence[Any] | None = None,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field with its help text and, where they are fixed, its choices (``None`` is always allowed
     for a field whose default is ``None``)."""
     metadata: dict[str, Any] = {"help": help}
@@ -238,5 +243,10 @@ def add_field_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         choices = field_choices(cls, f.name)
         one_of = f"one of {', '.join(map(str, choices))}; " if choices else ""
         default = _default_of(f)
-        parser.add_argument(*names, dest=f.name, default=argparse.SUPPRESS, metavar="VALUE",
-                            help=f"{field_help(cls, f.name)} ({one_of}default: {default!r})".replace("%", "%%"))
+        parser.add_argument(
+            *names,
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"{field_help(cls, f.name)} ({one_of}default: {default!r})".replace("%", "%%"),
+        )

@@ -20,7 +20,9 @@ def split_sizes(total: int, parts: int, even: bool) -> tuple[int, ...]:
     if parts < 1:
         raise ValueError(f"the number of processes must be >= 1, got {parts}")
     if total < parts:
-        raise ValueError(f"cannot split {total} tokens across {parts} processes: every process needs at least one token")
+        raise ValueError(
+            f"cannot split {total} tokens across {parts} processes: every process needs at least one token"
+        )
     if even:
         if total % parts:
             raise ValueError(

@@ -30,9 +30,16 @@ __all__ = [
 ]
 
 
-def _config(heads: int, layers: int, ffn_dim: int, in_channels: int = 16, out_channels: int = 16,
-            image_dim: int | None = None, added_kv_proj_dim: int | None = None,
-            pos_embed_seq_len: int | None = None) -> dict[str, Any]:
+def _config(
+    heads: int,
+    layers: int,
+    ffn_dim: int,
+    in_channels: int = 16,
+    out_channels: int = 16,
+    image_dim: int | None = None,
+    added_kv_proj_dim: int | None = None,
+    pos_embed_seq_len: int | None = None,
+) -> dict[str, Any]:
     """A full ``WanTransformer3DModel`` keyword dict from the values that differ between Wan models."""
     return {
         "patch_size": (1, 2, 2),
@@ -62,17 +69,20 @@ WAN21_T2V_14B: dict[str, Any] = _config(heads=40, layers=40, ffn_dim=13824)
 """Wan2.1-T2V-14B: text-to-video, width 5120 (40 heads), 40 blocks, FFN 13824; ~14.3 B parameters."""
 
 WAN21_I2V_14B_480P: dict[str, Any] = _config(
-    heads=40, layers=40, ffn_dim=13824, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+    heads=40, layers=40, ffn_dim=13824, in_channels=36, image_dim=1280, added_kv_proj_dim=5120
+)
 """Wan2.1-I2V-14B-480P: image-to-video, the T2V-14B body with 36 input channels, a CLIP ViT-H image
 embedder (``image_dim`` 1280, 257 image tokens) and in every block's cross-attention a second
 key/value projection for the image tokens (``added_kv_proj_dim`` 5120)."""
 
 WAN21_I2V_14B_720P: dict[str, Any] = _config(
-    heads=40, layers=40, ffn_dim=13824, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+    heads=40, layers=40, ffn_dim=13824, in_channels=36, image_dim=1280, added_kv_proj_dim=5120
+)
 """Wan2.1-I2V-14B-720P: the same transformer config as the 480P model (trained for 720p)."""
 
 WAN21_FLF2V_14B_720P: dict[str, Any] = _config(
-    heads=40, layers=40, ffn_dim=13824, in_channels=36, image_dim=1280, added_kv_proj_dim=5120, pos_embed_seq_len=514)
+    heads=40, layers=40, ffn_dim=13824, in_channels=36, image_dim=1280, added_kv_proj_dim=5120, pos_embed_seq_len=514
+)
 """Wan2.1-FLF2V-14B-720P: first-last-frame-to-video; as I2V plus a learned position table over the
 2 x 257 image tokens of the first and last frame (``pos_embed_seq_len`` 514)."""
 
@@ -106,9 +116,11 @@ def wan_transformer_config(name: str) -> dict[str, Any]:
     """A copy of the published config ``name`` (e.g. ``"Wan2.1-I2V-14B-480P"``; case and a
     ``Wan-AI/`` prefix or ``-Diffusers`` suffix are ignored); ``ValueError`` lists the known names."""
     key = name.strip()
-    key = key[len("Wan-AI/"):] if key.lower().startswith("wan-ai/") else key
+    key = key[len("Wan-AI/") :] if key.lower().startswith("wan-ai/") else key
     key = key[: -len("-Diffusers")] if key.lower().endswith("-diffusers") else key
     by_lower = {known.lower(): known for known in WAN_TRANSFORMER_CONFIGS}
     if key.lower() not in by_lower:
-        raise ValueError(f"no published Wan transformer config named {name!r}; known: {', '.join(WAN_TRANSFORMER_CONFIGS)}")
+        raise ValueError(
+            f"no published Wan transformer config named {name!r}; known: {', '.join(WAN_TRANSFORMER_CONFIGS)}"
+        )
     return dict(WAN_TRANSFORMER_CONFIGS[by_lower[key.lower()]])

@@ -15,8 +15,10 @@ from .outputs import SessionOutputs
 
 __all__ = ["DESCRIPTION", "build_parser", "main", "prepare_environment", "run", "serve"]
 
-DESCRIPTION = ("Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention. "
-               "Serves on 127.0.0.1; offline (no analytics, no share link).")
+DESCRIPTION = (
+    "Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention. "
+    "Serves on 127.0.0.1; offline (no analytics, no share link)."
+)
 
 
 def prepare_environment(outputs: SessionOutputs) -> None:
@@ -52,8 +54,15 @@ def serve(config: DemoConfig, block: bool = True):
             store.preload()
         demo = build_demo(config, store, outputs)
         demo.launch(
-            server_name=config.host, server_port=config.port, share=False, inbrowser=False, ssr_mode=False,
-            allowed_paths=[str(outputs.root)], prevent_thread_lock=True, quiet=False, css=PAGE_CSS,
+            server_name=config.host,
+            server_port=config.port,
+            share=False,
+            inbrowser=False,
+            ssr_mode=False,
+            allowed_paths=[str(outputs.root)],
+            prevent_thread_lock=True,
+            quiet=False,
+            css=PAGE_CSS,
         )
         if not block:
             finished = True
@@ -73,8 +82,8 @@ def serve(config: DemoConfig, block: bool = True):
 
 def run(args: argparse.Namespace) -> int:
     """Entry of ``mhla web`` and ``python app.py``: check the flags, then serve until stopped."""
-    from ..ops.cpu_memory import retain_freed_memory
     from ..loaders.loading import device_and_dtype
+    from ..ops.cpu_memory import retain_freed_memory
 
     config = config_from_args(args)
     if device_and_dtype(config.device, config.dtype)[0] == "cpu":

@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
-from ..utils.geometry import VideoGeometry
 from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
 from ..utils.choices import WEIGHT_DTYPES
+from ..utils.geometry import VideoGeometry
 from ..utils.model_defaults import RECORD_KEY, image_defaults, video_defaults
 from ..utils.options import argparse_type, parse_text
 from .validation import Limits
@@ -52,13 +52,20 @@ class TaskModels:
 
     def describe(self) -> str:
         """One line for the page (folder names, not whole paths)."""
+
         def short(path: str | Path) -> str:
             return Path(path).name or str(path)
 
-        extra = "".join(f" + {name} {short(value)}" for name, value in
-                        (("MHLA weights", self.mhla_weights), ("transformer", self.transformer)) if value)
-        softmax = {"folder": f"softmax model {short(self.softmax_model or '')}", "base": "softmax: the base model as is",
-                   "same": "softmax: the same weights with the original attention"}[self.softmax_source]
+        extra = "".join(
+            f" + {name} {short(value)}"
+            for name, value in (("MHLA weights", self.mhla_weights), ("transformer", self.transformer))
+            if value
+        )
+        softmax = {
+            "folder": f"softmax model {short(self.softmax_model or '')}",
+            "base": "softmax: the base model as is",
+            "same": "softmax: the same weights with the original attention",
+        }[self.softmax_source]
         return f"{short(self.model)}{extra}; {softmax}"
 
 
@@ -123,52 +130,113 @@ def _env_float(name: str, default: float | None) -> float | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's flags (shared by ``python app.py`` and ``mhla web``)."""
     d = embedded_defaults()
-    for prefix, task, env, example in (("t2v", "text-to-video", "T2V", WAN_HUB_ID), ("c2i", "class-to-image", "C2I", DIT_HUB_ID)):
+    for prefix, task, env, example in (
+        ("t2v", "text-to-video", "T2V", WAN_HUB_ID),
+        ("c2i", "class-to-image", "C2I", DIT_HUB_ID),
+    ):
         group = parser.add_argument_group(f"{task} model (default: the embedded {task} models)")
-        group.add_argument(f"--{prefix}-model", default=_env(f"{env}_MODEL"),
-                           help=f"Diffusers pipeline folder or hub id, e.g. {example} (env {ENV_PREFIX}{env}_MODEL)")
-        group.add_argument(f"--{prefix}-mhla-weights", type=Path, default=_env(f"{env}_MHLA_WEIGHTS"),
-                           help=f"MHLA weights folder (save_mhla / `mhla convert --output`) (env {ENV_PREFIX}{env}_MHLA_WEIGHTS)")
-        group.add_argument(f"--{prefix}-transformer", type=Path, default=_env(f"{env}_TRANSFORMER"),
-                           help=f"converted transformer folder or original-format checkpoint (env {ENV_PREFIX}{env}_TRANSFORMER)")
-        group.add_argument(f"--{prefix}-softmax-model", default=_env(f"{env}_SOFTMAX_MODEL"),
-                           help="pipeline folder for the softmax side of 'compare' (default: see docs/web.md) "
-                           f"(env {ENV_PREFIX}{env}_SOFTMAX_MODEL)")
+        group.add_argument(
+            f"--{prefix}-model",
+            default=_env(f"{env}_MODEL"),
+            help=f"Diffusers pipeline folder or hub id, e.g. {example} (env {ENV_PREFIX}{env}_MODEL)",
+        )
+        group.add_argument(
+            f"--{prefix}-mhla-weights",
+            type=Path,
+            default=_env(f"{env}_MHLA_WEIGHTS"),
+            help=f"MHLA weights folder (save_mhla / `mhla convert --output`) (env {ENV_PREFIX}{env}_MHLA_WEIGHTS)",
+        )
+        group.add_argument(
+            f"--{prefix}-transformer",
+            type=Path,
+            default=_env(f"{env}_TRANSFORMER"),
+            help=f"converted transformer folder or original-format checkpoint (env {ENV_PREFIX}{env}_TRANSFORMER)",
+        )
+        group.add_argument(
+            f"--{prefix}-softmax-model",
+            default=_env(f"{env}_SOFTMAX_MODEL"),
+            help="pipeline folder for the softmax side of 'compare' (default: see docs/web.md) "
+            f"(env {ENV_PREFIX}{env}_SOFTMAX_MODEL)",
+        )
     run = parser.add_argument_group("server and device")
     run.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to serve on (default 127.0.0.1)")
-    run.add_argument("--port", type=INT, default=_env_int("PORT", None), help="port (default: 7860 or the next free one)")
-    run.add_argument("--concurrency", type=INT, default=_env_int("CONCURRENCY", 1),
-                     help="generations run at once, all tabs together (default 1); others wait in the queue")
-    run.add_argument("--max-queue", type=INT, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)")
-    run.add_argument("--device", type=parse_device, default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)")
-    run.add_argument("--dtype", choices=WEIGHT_DTYPES, default=_env("DTYPE"),
-                     help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
-    run.add_argument("--no-preload", dest="preload", action="store_false",
-                     help="load the models on the first request instead of at start")
+    run.add_argument(
+        "--port", type=INT, default=_env_int("PORT", None), help="port (default: 7860 or the next free one)"
+    )
+    run.add_argument(
+        "--concurrency",
+        type=INT,
+        default=_env_int("CONCURRENCY", 1),
+        help="generations run at once, all tabs together (default 1); others wait in the queue",
+    )
+    run.add_argument(
+        "--max-queue", type=INT, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)"
+    )
+    run.add_argument(
+        "--device", type=parse_device, default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)"
+    )
+    run.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default=_env("DTYPE"),
+        help="weights dtype (default: bfloat16 on GPU, float32 on CPU)",
+    )
+    run.add_argument(
+        "--no-preload",
+        dest="preload",
+        action="store_false",
+        help="load the models on the first request instead of at start",
+    )
     form = parser.add_argument_group("form defaults and limits")
     own = "default: the model's own (mhla_diffusion/utils/model_defaults.py); embedded model"
-    form.add_argument("--max-sequence-length", type=INT, default=_env_int("MAX_SEQUENCE_LENGTH", None),
-                      help=f"text tokens of the prompt ({own} {d.max_sequence_length})")
+    form.add_argument(
+        "--max-sequence-length",
+        type=INT,
+        default=_env_int("MAX_SEQUENCE_LENGTH", None),
+        help=f"text tokens of the prompt ({own} {d.max_sequence_length})",
+    )
     form.add_argument("--num-frames", type=INT, default=_env_int("NUM_FRAMES", None), help=f"{own} {d.num_frames}")
     form.add_argument("--height", type=INT, default=_env_int("HEIGHT", None), help=f"{own} {d.height}")
     form.add_argument("--width", type=INT, default=_env_int("WIDTH", None), help=f"{own} {d.width}")
-    form.add_argument("--fps", type=INT, default=_env_int("FPS", None), help=f"frames per second of the videos ({own} {d.fps})")
+    form.add_argument(
+        "--fps", type=INT, default=_env_int("FPS", None), help=f"frames per second of the videos ({own} {d.fps})"
+    )
     form.add_argument("--video-steps", type=INT, default=_env_int("VIDEO_STEPS", None), help=f"{own} {d.video_steps}")
-    form.add_argument("--video-guidance-scale", type=FLOAT, default=_env_float("VIDEO_GUIDANCE_SCALE", None),
-                      help=f"{own} {d.video_guidance_scale}")
+    form.add_argument(
+        "--video-guidance-scale",
+        type=FLOAT,
+        default=_env_float("VIDEO_GUIDANCE_SCALE", None),
+        help=f"{own} {d.video_guidance_scale}",
+    )
     form.add_argument("--image-steps", type=INT, default=_env_int("IMAGE_STEPS", None), help=f"{own} {d.image_steps}")
-    form.add_argument("--image-guidance-scale", type=FLOAT, default=_env_float("IMAGE_GUIDANCE_SCALE", None),
-                      help=f"{own} {d.image_guidance_scale}")
-    form.add_argument("--samples", type=INT, default=_env_int("SAMPLES", UIDefaults.samples),
-                      help=f"samples per click, seeds seed, seed+1, ... (default {UIDefaults.samples}; at most {Limits.max_samples})")
+    form.add_argument(
+        "--image-guidance-scale",
+        type=FLOAT,
+        default=_env_float("IMAGE_GUIDANCE_SCALE", None),
+        help=f"{own} {d.image_guidance_scale}",
+    )
+    form.add_argument(
+        "--samples",
+        type=INT,
+        default=_env_int("SAMPLES", UIDefaults.samples),
+        help=f"samples per click, seeds seed, seed+1, ... (default {UIDefaults.samples}; at most {Limits.max_samples})",
+    )
     form.add_argument("--max-steps", type=INT, default=_env_int("MAX_STEPS", Limits.max_steps), help="default 100")
     form.add_argument("--max-frames", type=INT, default=_env_int("MAX_FRAMES", Limits.max_frames), help="default 81")
-    form.add_argument("--max-size", type=INT, default=_env_int("MAX_SIZE", Limits.max_size), help="largest height/width (default 1024)")
+    form.add_argument(
+        "--max-size",
+        type=INT,
+        default=_env_int("MAX_SIZE", Limits.max_size),
+        help="largest height/width (default 1024)",
+    )
 
 
 def resolve_task_models(
-    task: Literal["text-to-video", "class-to-image"], model: str | None, mhla_weights: Path | None,
-    transformer: Path | None, softmax_model: str | None,
+    task: Literal["text-to-video", "class-to-image"],
+    model: str | None,
+    mhla_weights: Path | None,
+    transformer: Path | None,
+    softmax_model: str | None,
 ) -> TaskModels:
     """Which folders a task uses (see the module docstring); missing local folders are readable errors."""
     flag = "--t2v" if task == "text-to-video" else "--c2i"
@@ -206,8 +274,10 @@ def _check_default_size(model: str, defaults: UIDefaults) -> None:
     except ValueError as error:
         largest = geometry.max_size()
         limit = f"; its largest size is {largest[0]} frames, {largest[1]}x{largest[2]}" if largest else ""
-        raise ValueError(f"the form's default video size --num-frames {defaults.num_frames} --height {defaults.height} "
-                         f"--width {defaults.width} does not suit the text-to-video model{limit}: {error}") from None
+        raise ValueError(
+            f"the form's default video size --num-frames {defaults.num_frames} --height {defaults.height} "
+            f"--width {defaults.width} does not suit the text-to-video model{limit}: {error}"
+        ) from None
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
@@ -215,15 +285,18 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     if args.concurrency < 1 or args.max_queue < 1:
         raise ValueError("--concurrency and --max-queue must be >= 1")
     if args.port is not None and not 1 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} is not a port number: use 1 to 65535 (or leave --port out: 7860 or the "
-                         "next free one)")
+        raise ValueError(
+            f"--port {args.port} is not a port number: use 1 to 65535 (or leave --port out: 7860 or the next free one)"
+        )
     limits = Limits(max_steps=args.max_steps, max_frames=args.max_frames, max_size=args.max_size)
     if not 1 <= args.samples <= limits.max_samples:
         raise ValueError(f"--samples {args.samples} must be from 1 to {limits.max_samples}")
-    video = resolve_task_models("text-to-video", args.t2v_model, args.t2v_mhla_weights, args.t2v_transformer,
-                                args.t2v_softmax_model)
-    image = resolve_task_models("class-to-image", args.c2i_model, args.c2i_mhla_weights, args.c2i_transformer,
-                                args.c2i_softmax_model)
+    video = resolve_task_models(
+        "text-to-video", args.t2v_model, args.t2v_mhla_weights, args.t2v_transformer, args.t2v_softmax_model
+    )
+    image = resolve_task_models(
+        "class-to-image", args.c2i_model, args.c2i_mhla_weights, args.c2i_transformer, args.c2i_softmax_model
+    )
     own_video, own_image = video_defaults(video.model), image_defaults(image.model)
 
     def given(value: Any, default: Any) -> Any:
@@ -231,26 +304,42 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
     missing = [f"--{name.replace('_', '-')}" for name in own_video.missing_size if getattr(args, name) is None]
     if missing:
-        raise ValueError(f"the text-to-video model {video.model} has no default video size (no {RECORD_KEY} in its "
-                         f"model_index.json, not an embedded or published Wan model): give {', '.join(missing)}")
+        raise ValueError(
+            f"the text-to-video model {video.model} has no default video size (no {RECORD_KEY} in its "
+            f"model_index.json, not an embedded or published Wan model): give {', '.join(missing)}"
+        )
     defaults = UIDefaults(
-        num_frames=given(args.num_frames, own_video.num_frames), height=given(args.height, own_video.height),
-        width=given(args.width, own_video.width), fps=given(args.fps, own_video.fps),
+        num_frames=given(args.num_frames, own_video.num_frames),
+        height=given(args.height, own_video.height),
+        width=given(args.width, own_video.width),
+        fps=given(args.fps, own_video.fps),
         video_steps=given(args.video_steps, own_video.steps),
         video_guidance_scale=given(args.video_guidance_scale, own_video.guidance_scale),
         image_steps=given(args.image_steps, own_image.steps),
-        image_guidance_scale=given(args.image_guidance_scale, own_image.guidance_scale), samples=args.samples,
+        image_guidance_scale=given(args.image_guidance_scale, own_image.guidance_scale),
+        samples=args.samples,
     )
     max_sequence_length = given(args.max_sequence_length, own_video.max_sequence_length)
     if defaults.fps < 1 or max_sequence_length < 1:
         raise ValueError("--fps and --max-sequence-length must be >= 1")
-    for flag, value in (("--video-guidance-scale", defaults.video_guidance_scale),
-                        ("--image-guidance-scale", defaults.image_guidance_scale)):
+    for flag, value in (
+        ("--video-guidance-scale", defaults.video_guidance_scale),
+        ("--image-guidance-scale", defaults.image_guidance_scale),
+    ):
         if not math.isfinite(value) or not 0 <= value <= limits.max_guidance:
             raise ValueError(f"{flag} {value} must be a finite number from 0 to {limits.max_guidance:g}")
     _check_default_size(video.model, defaults)
     return DemoConfig(
-        video=video, image=image, defaults=defaults, limits=limits, device=args.device, dtype=args.dtype, host=args.host,
-        port=args.port, concurrency=args.concurrency, max_queue=args.max_queue, preload=args.preload,
+        video=video,
+        image=image,
+        defaults=defaults,
+        limits=limits,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        concurrency=args.concurrency,
+        max_queue=args.max_queue,
+        preload=args.preload,
         max_sequence_length=max_sequence_length,
     )

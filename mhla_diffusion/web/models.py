@@ -119,10 +119,19 @@ class ModelStore:
         device, dtype = self.device_and_dtype
         component_dtypes = {"vae": torch.float32} if task == "text-to-video" else None
         if attention == "mhla":
-            pipe = load_pipeline(cls, models.model, mhla_weights=models.mhla_weights, transformer=models.transformer,
-                                 attention="mhla", dtype=dtype, component_dtypes=component_dtypes)
+            pipe = load_pipeline(
+                cls,
+                models.model,
+                mhla_weights=models.mhla_weights,
+                transformer=models.transformer,
+                attention="mhla",
+                dtype=dtype,
+                component_dtypes=component_dtypes,
+            )
         elif models.softmax_source == "folder":
-            pipe = load_pipeline(cls, models.softmax_model, attention="softmax", dtype=dtype, component_dtypes=component_dtypes)
+            pipe = load_pipeline(
+                cls, models.softmax_model, attention="softmax", dtype=dtype, component_dtypes=component_dtypes
+            )
         elif models.softmax_source == "base":
             mhla_pipe = self.pipeline(task, "mhla")
             components = dict(mhla_pipe.components)
@@ -200,8 +209,7 @@ class ModelStore:
     # ------------------------------------------------------------ generation
 
     @staticmethod
-    def _step_callback(progress: StepProgress | None, total: int, step_ends: list[float],
-                       stop: threading.Event | None):
+    def _step_callback(progress: StepProgress | None, total: int, step_ends: list[float], stop: threading.Event | None):
         """``callback_on_step_end``: timestamps each step's end, reports progress, and stops when ``stop`` is set."""
 
         def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -214,8 +222,13 @@ class ModelStore:
 
         return on_step_end
 
-    def generate_video(self, request: VideoRequest, attention: Attention = "mhla",
-                       progress: StepProgress | None = None, stop: threading.Event | None = None) -> Generated:
+    def generate_video(
+        self,
+        request: VideoRequest,
+        attention: Attention = "mhla",
+        progress: StepProgress | None = None,
+        stop: threading.Event | None = None,
+    ) -> Generated:
         """Generate ``request.samples`` videos (seeds ``request.seeds``) in one batch, and the judge's readings.
 
         A size the MHLA block layout cannot run on is a :class:`DemoInputError`; ``stop`` set during the loop
@@ -235,21 +248,33 @@ class ModelStore:
             started = time.perf_counter()
             with self.attention_context(pipe, attention), torch.inference_mode():
                 frames = pipe(
-                    prompt=request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
-                    height=request.height, width=request.width, num_inference_steps=request.steps,
-                    guidance_scale=request.guidance_scale, num_videos_per_prompt=request.samples,
+                    prompt=request.prompt,
+                    negative_prompt=request.negative_prompt,
+                    num_frames=request.num_frames,
+                    height=request.height,
+                    width=request.width,
+                    num_inference_steps=request.steps,
+                    guidance_scale=request.guidance_scale,
+                    num_videos_per_prompt=request.samples,
                     generator=[torch.Generator("cpu").manual_seed(seed) for seed in request.seeds],
-                    max_sequence_length=self.config.max_sequence_length, output_type="np",
+                    max_sequence_length=self.config.max_sequence_length,
+                    output_type="np",
                     callback_on_step_end=self._step_callback(progress, request.steps, step_ends, stop),
                 ).frames
             seconds = time.perf_counter() - started
             videos = [np.asarray(video) for video in frames]
-            readings, note = self._read(task, videos, lambda reader: reader.read_videos(
-                np.stack(videos), [request.prompt] * len(videos)))
+            readings, note = self._read(
+                task, videos, lambda reader: reader.read_videos(np.stack(videos), [request.prompt] * len(videos))
+            )
             return Generated(videos, request.seeds, seconds, attention, step_ends, readings, note)
 
-    def generate_image(self, request: ImageRequest, attention: Attention = "mhla",
-                       progress: StepProgress | None = None, stop: threading.Event | None = None) -> Generated:
+    def generate_image(
+        self,
+        request: ImageRequest,
+        attention: Attention = "mhla",
+        progress: StepProgress | None = None,
+        stop: threading.Event | None = None,
+    ) -> Generated:
         """Generate ``request.samples`` class-conditional images (seeds ``request.seeds``) in one batch."""
         import torch
 
@@ -260,18 +285,23 @@ class ModelStore:
             started = time.perf_counter()
             with self.attention_context(pipe, attention), torch.inference_mode():
                 images = pipe(
-                    class_labels=[request.class_id] * request.samples, guidance_scale=request.guidance_scale,
+                    class_labels=[request.class_id] * request.samples,
+                    guidance_scale=request.guidance_scale,
                     num_inference_steps=request.steps,
                     generator=[torch.Generator("cpu").manual_seed(seed) for seed in request.seeds],
-                    output_type="np", callback_on_step_end=self._step_callback(progress, request.steps, step_ends, stop),
+                    output_type="np",
+                    callback_on_step_end=self._step_callback(progress, request.steps, step_ends, stop),
                 ).images
             seconds = time.perf_counter() - started
             arrays = [np.asarray(image) for image in images]
-            readings, note = self._read(task, arrays, lambda reader: reader.read_images(
-                np.stack(arrays), [request.class_id] * len(arrays)))
+            readings, note = self._read(
+                task, arrays, lambda reader: reader.read_images(np.stack(arrays), [request.class_id] * len(arrays))
+            )
             return Generated(arrays, request.seeds, seconds, attention, step_ends, readings, note)
 
-    def _read(self, task: str, samples: list[np.ndarray], read: Callable[[Any], list[Any]]) -> tuple[list[Any], str | None]:
+    def _read(
+        self, task: str, samples: list[np.ndarray], read: Callable[[Any], list[Any]]
+    ) -> tuple[list[Any], str | None]:
         """The judge's readings of ``samples`` (``read(reader)``), or ``None`` each with why (``None``: no judge)."""
         reader = self.judge(task)
         if reader is None:

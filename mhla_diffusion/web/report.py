@@ -19,8 +19,10 @@ TITLES = {"mhla": "MHLA (linear attention)", "softmax": "Softmax attention (orig
 
 def unknown_words_note(words: Sequence[str]) -> str:
     """The warning for prompt words the model's tokenizer does not know."""
-    return (f"The model's tokenizer does not know {', '.join(map(repr, words))}: "
-            "the video is generated without {}.".format("it" if len(words) == 1 else "them"))
+    return (
+        f"The model's tokenizer does not know {', '.join(map(repr, words))}: "
+        "the video is generated without {}.".format("it" if len(words) == 1 else "them")
+    )
 
 
 def _verdict(reading: Any) -> str:
@@ -43,8 +45,10 @@ def _timing(results: Sequence[Any], end_to_end: str) -> list[str]:
     """The timing table and, with two results, the softmax / MHLA ratio of the loop and of the whole call
     (``end_to_end``: what the whole call runs, e.g. "text encoder, denoising loop and VAE decode")."""
     lines = ["| attention | denoising loop: median step | end to end | samples |", "|---|---|---|---|"]
-    lines += [f"| {TITLES[r.attention]} | {_duration(r.step_seconds)} | {r.seconds:.2f} s | {len(r.arrays)} |"
-              for r in results]
+    lines += [
+        f"| {TITLES[r.attention]} | {_duration(r.step_seconds)} | {r.seconds:.2f} s | {len(r.arrays)} |"
+        for r in results
+    ]
     if len(results) != 2:
         return lines
     mhla, softmax = results
@@ -52,9 +56,11 @@ def _timing(results: Sequence[Any], end_to_end: str) -> list[str]:
     batch = f"all {samples} samples" if samples > 1 else "the sample"
     lines.append("")
     if mhla.step_seconds and softmax.step_seconds:
-        lines.append(f"Denoising loop: softmax took {softmax.step_seconds / mhla.step_seconds:.2f}x the MHLA time per step "
-                     f"(median of steps 2-{len(mhla.step_ends)}, the first step is the warm-up; a step runs {batch} "
-                     "with classifier-free guidance).  ")
+        lines.append(
+            f"Denoising loop: softmax took {softmax.step_seconds / mhla.step_seconds:.2f}x the MHLA time per step "
+            f"(median of steps 2-{len(mhla.step_ends)}, the first step is the warm-up; a step runs {batch} "
+            "with classifier-free guidance).  "
+        )
     else:
         lines.append("Denoising loop: not timed (the median step needs 2+ steps; the first is the warm-up).  ")
     if mhla.seconds > 0:
@@ -69,17 +75,32 @@ def _judged(results: Sequence[Any]) -> list[str]:
         return ["", f"No judge reading: {notes[0]}."]
     if not any(reading is not None for r in results for reading in r.readings):
         return []
-    lines = ["", "**Judge** (a classifier trained on the data, never on a model's samples; ✓: read as asked)", "",
-             "| seed | " + " | ".join(TITLES[r.attention] for r in results) + " |",
-             "|---|" + "---|" * len(results)]
+    lines = [
+        "",
+        "**Judge** (a classifier trained on the data, never on a model's samples; ✓: read as asked)",
+        "",
+        "| seed | " + " | ".join(TITLES[r.attention] for r in results) + " |",
+        "|---|" + "---|" * len(results),
+    ]
     for index, seed in enumerate(results[0].seeds):
-        cells = [reading.describe().removeprefix("judge: ") + _verdict(reading) for reading in
-                 (r.readings[index] for r in results)]
+        cells = [
+            reading.describe().removeprefix("judge: ") + _verdict(reading)
+            for reading in (r.readings[index] for r in results)
+        ]
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    counts = [(TITLES[r.attention], sum(bool(reading.matches) for reading in r.readings),
-               sum(reading.matches is not None for reading in r.readings)) for r in results]
+    counts = [
+        (
+            TITLES[r.attention],
+            sum(bool(reading.matches) for reading in r.readings),
+            sum(reading.matches is not None for reading in r.readings),
+        )
+        for r in results
+    ]
     if all(asked for _, _, asked in counts):
-        lines += ["", "Read as asked: " + "; ".join(f"{title} {right} of {asked}" for title, right, asked in counts) + "."]
+        lines += [
+            "",
+            "Read as asked: " + "; ".join(f"{title} {right} of {asked}" for title, right, asked in counts) + ".",
+        ]
     return lines
 
 
@@ -93,8 +114,10 @@ def example_prompts() -> list[str]:
     """Prompts that use every word of the embedded text-to-video model: each shape in each colour, the
     directions in turn (12 prompts)."""
     shapes, colours, directions = ATTRIBUTES["shape"], ATTRIBUTES["colour"], ATTRIBUTES["direction"]
-    return [caption_for(shape, colour, directions[index % len(directions)])
-            for index, (shape, colour) in enumerate(itertools.product(shapes, colours))]
+    return [
+        caption_for(shape, colour, directions[index % len(directions)])
+        for index, (shape, colour) in enumerate(itertools.product(shapes, colours))
+    ]
 
 
 def vocabulary_markdown() -> str:
@@ -103,5 +126,7 @@ def vocabulary_markdown() -> str:
     for values in ATTRIBUTES.values():
         count *= len(values)
     words = " · ".join(f"{name}s: {', '.join(values)}" for name, values in ATTRIBUTES.items())
-    return (f"**Words this model knows** ({count} prompts of the form *a &lt;colour&gt; &lt;shape&gt; moving "
-            f"&lt;direction&gt;*): {words}")
+    return (
+        f"**Words this model knows** ({count} prompts of the form *a &lt;colour&gt; &lt;shape&gt; moving "
+        f"&lt;direction&gt;*): {words}"
+    )

@@ -106,9 +106,13 @@ def _runs(compare: bool) -> list[Attention]:
     return list(ATTENTIONS) if compare else ["mhla"]
 
 
-def _run_compared(compare: bool, steps: int, progress: gr.Progress,
-                  generate: Callable[[Attention, Callable[[int, int], None]], Generated],
-                  save: Callable[[Generated], list[Any]]) -> tuple[list[Generated], dict[str, list[Any]]]:
+def _run_compared(
+    compare: bool,
+    steps: int,
+    progress: gr.Progress,
+    generate: Callable[[Attention, Callable[[int, int], None]], Generated],
+    save: Callable[[Generated], list[Any]],
+) -> tuple[list[Generated], dict[str, list[Any]]]:
     """MHLA (and, with ``compare``, softmax) one after the other on one progress bar; the results
     and ``{attention: the saved samples}``."""
     runs = _runs(compare)
@@ -134,8 +138,14 @@ def _galleries(results: list[Generated], paths: dict[str, list[Any]]) -> tuple[l
     galleries = []
     for attention in ATTENTIONS:
         result = by_attention.get(attention)
-        galleries.append([] if result is None else [
-            (str(path), caption(seed, reading)) for path, seed, reading in zip(paths[attention], result.seeds, result.readings)])
+        galleries.append(
+            []
+            if result is None
+            else [
+                (str(path), caption(seed, reading))
+                for path, seed, reading in zip(paths[attention], result.seeds, result.readings)
+            ]
+        )
     return tuple(galleries)
 
 
@@ -178,42 +188,76 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
     embedded_video = embedded_folder(config.video.model) is not None
     stops = _StopFlags()
 
-    def generate_video(prompt: str, negative_prompt: str, seed: float, steps: float, guidance: float,
-                       num_frames: float, height: float, width: float, compare: bool, samples: float,
-                       request: gr.Request, progress: gr.Progress = gr.Progress()):
+    def generate_video(
+        prompt: str,
+        negative_prompt: str,
+        seed: float,
+        steps: float,
+        guidance: float,
+        num_frames: float,
+        height: float,
+        width: float,
+        compare: bool,
+        samples: float,
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),
+    ):
         def work():
-            checked = video_request(prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits,
-                                    geometry, samples)
+            checked = video_request(
+                prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits, geometry, samples
+            )
             stop = stops.start(_session(request))
             unknown = store.unknown_words(checked.prompt)
             if unknown:
                 gr.Warning(unknown_words_note(unknown))
             results, paths = _run_compared(
-                compare, checked.steps, progress,
+                compare,
+                checked.steps,
+                progress,
                 lambda attention, report: store.generate_video(checked, attention, report, stop),
-                lambda result: [outputs.save_video(_session(request), video, result.attention, defaults.fps)
-                                for video in result.arrays])
+                lambda result: [
+                    outputs.save_video(_session(request), video, result.attention, defaults.fps)
+                    for video in result.arrays
+                ],
+            )
             seeds = f"seed {checked.seed}" if checked.samples == 1 else f"seeds {checked.seed}-{checked.seeds[-1]}"
-            what = (f"{checked.num_frames} frames, {checked.height}x{checked.width}, {checked.steps} steps, "
-                    f"guidance {checked.guidance_scale:g}, {seeds}")
+            what = (
+                f"{checked.num_frames} frames, {checked.height}x{checked.width}, {checked.steps} steps, "
+                f"guidance {checked.guidance_scale:g}, {seeds}"
+            )
             text = summary(results, what) + (f"\n\n**Note:** {unknown_words_note(unknown)}" if unknown else "")
             return (*_galleries(results, paths), text)
 
         return _guarded(work)
 
-    def generate_image(class_label: str, seed: float, steps: float, guidance: float, compare: bool, samples: float,
-                       request: gr.Request, progress: gr.Progress = gr.Progress()):
+    def generate_image(
+        class_label: str,
+        seed: float,
+        steps: float,
+        guidance: float,
+        compare: bool,
+        samples: float,
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),
+    ):
         def work():
             labels, num_classes = store.class_labels()
             checked = image_request(class_label, seed, steps, guidance, labels, num_classes, limits, samples)
             stop = stops.start(_session(request))
             results, paths = _run_compared(
-                compare, checked.steps, progress,
+                compare,
+                checked.steps,
+                progress,
                 lambda attention, report: store.generate_image(checked, attention, report, stop),
-                lambda result: [outputs.save_image(_session(request), image, result.attention) for image in result.arrays])
+                lambda result: [
+                    outputs.save_image(_session(request), image, result.attention) for image in result.arrays
+                ],
+            )
             seeds = f"seed {checked.seed}" if checked.samples == 1 else f"seeds {checked.seed}-{checked.seeds[-1]}"
-            what = (f"class {checked.class_label!r} (id {checked.class_id}), {checked.steps} steps, "
-                    f"guidance {checked.guidance_scale:g}, {seeds}")
+            what = (
+                f"class {checked.class_label!r} (id {checked.class_id}), {checked.steps} steps, "
+                f"guidance {checked.guidance_scale:g}, {seeds}"
+            )
             return (*_galleries(results, paths), summary(results, what, "denoising loop and VAE decode"))
 
         return _guarded(work)
@@ -254,73 +298,192 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                         prompt_warning = gr.Markdown(elem_id="t2v-unknown")
                         if embedded_video:
                             gr.Markdown(vocabulary_markdown(), elem_id="t2v-vocabulary")
-                            gr.Examples([[text] for text in example_prompts()], inputs=[prompt],
-                                        label="Example prompts (click one)", examples_per_page=12, elem_id="t2v-examples")
-                        negative = gr.Textbox(label="Negative prompt", value=defaults.negative_prompt, elem_id="t2v-negative")
+                            gr.Examples(
+                                [[text] for text in example_prompts()],
+                                inputs=[prompt],
+                                label="Example prompts (click one)",
+                                examples_per_page=12,
+                                elem_id="t2v-examples",
+                            )
+                        negative = gr.Textbox(
+                            label="Negative prompt", value=defaults.negative_prompt, elem_id="t2v-negative"
+                        )
                         with gr.Row():
-                            seed = _checked(gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED,
-                                                      elem_id="t2v-seed"))
+                            seed = _checked(
+                                gr.Number(
+                                    label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, elem_id="t2v-seed"
+                                )
+                            )
                             dice = gr.Button("Random seed", elem_id="t2v-random-seed", scale=0)
-                            samples = _checked(gr.Slider(1, limits.max_samples, value=defaults.samples, step=1,
-                                                         label="Samples (seeds seed, seed+1, ...)", elem_id="t2v-samples"))
+                            samples = _checked(
+                                gr.Slider(
+                                    1,
+                                    limits.max_samples,
+                                    value=defaults.samples,
+                                    step=1,
+                                    label="Samples (seeds seed, seed+1, ...)",
+                                    elem_id="t2v-samples",
+                                )
+                            )
                         with gr.Row():
-                            frames = _checked(gr.Number(
-                                label=f"Frames ({geometry.frame_rule(examples=False)}, up to {bounds.max_frames})",
-                                value=defaults.num_frames, precision=0, minimum=1, maximum=bounds.max_frames,
-                                elem_id="t2v-frames"))
-                            height = _checked(gr.Number(
-                                label=f"Height (x{geometry.generation_multiple[0]}, up to {bounds.max_height})",
-                                value=defaults.height, precision=0, minimum=bounds.min_height, maximum=bounds.max_height,
-                                step=geometry.generation_multiple[0], elem_id="t2v-height"))
-                            width = _checked(gr.Number(
-                                label=f"Width (x{geometry.generation_multiple[1]}, up to {bounds.max_width})",
-                                value=defaults.width, precision=0, minimum=bounds.min_width, maximum=bounds.max_width,
-                                step=geometry.generation_multiple[1], elem_id="t2v-width"))
-                        steps = _checked(gr.Slider(1, limits.max_steps, value=defaults.video_steps, step=1, label="Steps", elem_id="t2v-steps"))
-                        guidance = _checked(gr.Slider(0, limits.max_guidance, value=defaults.video_guidance_scale, step=0.5,
-                                             label="Guidance scale", elem_id="t2v-guidance"))
-                        compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seeds)", elem_id="t2v-compare")
+                            frames = _checked(
+                                gr.Number(
+                                    label=f"Frames ({geometry.frame_rule(examples=False)}, up to {bounds.max_frames})",
+                                    value=defaults.num_frames,
+                                    precision=0,
+                                    minimum=1,
+                                    maximum=bounds.max_frames,
+                                    elem_id="t2v-frames",
+                                )
+                            )
+                            height = _checked(
+                                gr.Number(
+                                    label=f"Height (x{geometry.generation_multiple[0]}, up to {bounds.max_height})",
+                                    value=defaults.height,
+                                    precision=0,
+                                    minimum=bounds.min_height,
+                                    maximum=bounds.max_height,
+                                    step=geometry.generation_multiple[0],
+                                    elem_id="t2v-height",
+                                )
+                            )
+                            width = _checked(
+                                gr.Number(
+                                    label=f"Width (x{geometry.generation_multiple[1]}, up to {bounds.max_width})",
+                                    value=defaults.width,
+                                    precision=0,
+                                    minimum=bounds.min_width,
+                                    maximum=bounds.max_width,
+                                    step=geometry.generation_multiple[1],
+                                    elem_id="t2v-width",
+                                )
+                            )
+                        steps = _checked(
+                            gr.Slider(
+                                1,
+                                limits.max_steps,
+                                value=defaults.video_steps,
+                                step=1,
+                                label="Steps",
+                                elem_id="t2v-steps",
+                            )
+                        )
+                        guidance = _checked(
+                            gr.Slider(
+                                0,
+                                limits.max_guidance,
+                                value=defaults.video_guidance_scale,
+                                step=0.5,
+                                label="Guidance scale",
+                                elem_id="t2v-guidance",
+                            )
+                        )
+                        compare = gr.Checkbox(
+                            value=True, label="Compare with softmax attention (same seeds)", elem_id="t2v-compare"
+                        )
                         with gr.Row():
                             run_video = gr.Button("Generate videos", variant="primary", elem_id="t2v-generate")
                             stop_video = gr.Button("Stop", variant="stop", elem_id="t2v-stop")
                     with gr.Column(scale=3):
-                        video_mhla = gr.Gallery(label=TITLES["mhla"], elem_id="t2v-mhla", elem_classes=["mhla-samples"],
-                                                height="auto", object_fit="contain")
-                        video_softmax = gr.Gallery(label=TITLES["softmax"], elem_id="t2v-softmax",
-                                                   elem_classes=["mhla-samples"], height="auto", object_fit="contain")
+                        video_mhla = gr.Gallery(
+                            label=TITLES["mhla"],
+                            elem_id="t2v-mhla",
+                            elem_classes=["mhla-samples"],
+                            height="auto",
+                            object_fit="contain",
+                        )
+                        video_softmax = gr.Gallery(
+                            label=TITLES["softmax"],
+                            elem_id="t2v-softmax",
+                            elem_classes=["mhla-samples"],
+                            height="auto",
+                            object_fit="contain",
+                        )
                         video_info = gr.Markdown(elem_id="t2v-summary")
             with gr.Tab("Class to image", id="c2i"):
                 with gr.Row():
                     with gr.Column(scale=2):
-                        label = gr.Dropdown(classes, value=classes[0] if classes else None, allow_custom_value=True,
-                                            label="Class (name or id)", elem_id="c2i-class")
+                        label = gr.Dropdown(
+                            classes,
+                            value=classes[0] if classes else None,
+                            allow_custom_value=True,
+                            label="Class (name or id)",
+                            elem_id="c2i-class",
+                        )
                         with gr.Row():
-                            image_seed = _checked(gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED,
-                                                            elem_id="c2i-seed"))
+                            image_seed = _checked(
+                                gr.Number(
+                                    label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, elem_id="c2i-seed"
+                                )
+                            )
                             image_dice = gr.Button("Random seed", elem_id="c2i-random-seed", scale=0)
-                            image_samples = _checked(gr.Slider(1, limits.max_samples, value=defaults.samples, step=1,
-                                                               label="Samples (seeds seed, seed+1, ...)", elem_id="c2i-samples"))
-                        image_steps = _checked(gr.Slider(1, limits.max_steps, value=defaults.image_steps, step=1, label="Steps",
-                                                elem_id="c2i-steps"))
-                        image_guidance = _checked(gr.Slider(0, limits.max_guidance, value=defaults.image_guidance_scale, step=0.5,
-                                                   label="Guidance scale", elem_id="c2i-guidance"))
-                        image_compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seeds)",
-                                                    elem_id="c2i-compare")
+                            image_samples = _checked(
+                                gr.Slider(
+                                    1,
+                                    limits.max_samples,
+                                    value=defaults.samples,
+                                    step=1,
+                                    label="Samples (seeds seed, seed+1, ...)",
+                                    elem_id="c2i-samples",
+                                )
+                            )
+                        image_steps = _checked(
+                            gr.Slider(
+                                1,
+                                limits.max_steps,
+                                value=defaults.image_steps,
+                                step=1,
+                                label="Steps",
+                                elem_id="c2i-steps",
+                            )
+                        )
+                        image_guidance = _checked(
+                            gr.Slider(
+                                0,
+                                limits.max_guidance,
+                                value=defaults.image_guidance_scale,
+                                step=0.5,
+                                label="Guidance scale",
+                                elem_id="c2i-guidance",
+                            )
+                        )
+                        image_compare = gr.Checkbox(
+                            value=True, label="Compare with softmax attention (same seeds)", elem_id="c2i-compare"
+                        )
                         with gr.Row():
                             run_image = gr.Button("Generate images", variant="primary", elem_id="c2i-generate")
                             stop_image = gr.Button("Stop", variant="stop", elem_id="c2i-stop")
                     with gr.Column(scale=3):
-                        image_mhla = gr.Gallery(label=TITLES["mhla"], elem_id="c2i-mhla", elem_classes=["mhla-samples"],
-                                                height="auto", object_fit="contain")
-                        image_softmax = gr.Gallery(label=TITLES["softmax"], elem_id="c2i-softmax",
-                                                   elem_classes=["mhla-samples"], height="auto", object_fit="contain")
+                        image_mhla = gr.Gallery(
+                            label=TITLES["mhla"],
+                            elem_id="c2i-mhla",
+                            elem_classes=["mhla-samples"],
+                            height="auto",
+                            object_fit="contain",
+                        )
+                        image_softmax = gr.Gallery(
+                            label=TITLES["softmax"],
+                            elem_id="c2i-softmax",
+                            elem_classes=["mhla-samples"],
+                            height="auto",
+                            object_fit="contain",
+                        )
                         image_info = gr.Markdown(elem_id="c2i-summary")
         video_event = run_video.click(
-            generate_video, [prompt, negative, seed, steps, guidance, frames, height, width, compare, samples],
-            [video_mhla, video_softmax, video_info], api_name="generate_video", **events)
+            generate_video,
+            [prompt, negative, seed, steps, guidance, frames, height, width, compare, samples],
+            [video_mhla, video_softmax, video_info],
+            api_name="generate_video",
+            **events,
+        )
         video_event.then(None, js=PLAY_VIDEOS)
-        image_event = run_image.click(generate_image, [label, image_seed, image_steps, image_guidance, image_compare, image_samples],
-                                      [image_mhla, image_softmax, image_info], api_name="generate_image", **events)
+        image_event = run_image.click(
+            generate_image,
+            [label, image_seed, image_steps, image_guidance, image_compare, image_samples],
+            [image_mhla, image_softmax, image_info],
+            api_name="generate_image",
+            **events,
+        )
         stop_video.click(stop, None, None, cancels=[video_event], api_name="stop", **instant)
         stop_image.click(stop, None, None, cancels=[image_event], api_name="stop_image", **instant)
         dice.click(random_seed, [samples], [seed], api_name="random_seed", **instant)

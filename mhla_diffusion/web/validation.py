@@ -10,11 +10,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..utils.geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 from ..pipelines.class_labels import resolve_class_ids
+from ..utils.geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 
-__all__ = ["DemoInputError", "ImageRequest", "Limits", "VideoBounds", "VideoRequest", "image_request", "video_bounds",
-           "video_request"]
+__all__ = [
+    "DemoInputError",
+    "ImageRequest",
+    "Limits",
+    "VideoBounds",
+    "VideoRequest",
+    "image_request",
+    "video_bounds",
+    "video_request",
+]
 
 
 class DemoInputError(ValueError):
@@ -141,14 +149,25 @@ def _common(seed: Any, steps: Any, guidance: Any, samples: Any, limits: Limits) 
     count = _integer(samples, "Samples")
     _in_range(count, 1, limits.max_samples, "Samples")
     if seed_value + count - 1 > MAX_SEED:
-        raise DemoInputError(f"Seed {seed_value} with {count} samples needs seeds up to {seed_value + count - 1}: "
-                             f"the last seed may be at most {MAX_SEED}")
+        raise DemoInputError(
+            f"Seed {seed_value} with {count} samples needs seeds up to {seed_value + count - 1}: "
+            f"the last seed may be at most {MAX_SEED}"
+        )
     return seed_value, step_count, scale, count
 
 
 def video_request(
-    prompt: Any, negative_prompt: Any, seed: Any, steps: Any, guidance: Any, num_frames: Any, height: Any, width: Any,
-    limits: Limits = Limits(), geometry: VideoGeometry = VideoGeometry(), samples: Any = 1,
+    prompt: Any,
+    negative_prompt: Any,
+    seed: Any,
+    steps: Any,
+    guidance: Any,
+    num_frames: Any,
+    height: Any,
+    width: Any,
+    limits: Limits = Limits(),
+    geometry: VideoGeometry = VideoGeometry(),
+    samples: Any = 1,
 ) -> VideoRequest:
     """Check the text-to-video inputs; raise :class:`DemoInputError` on the first problem.
 
@@ -165,8 +184,10 @@ def video_request(
     frames = _integer(num_frames, "Frames")
     if not geometry.valid_frames(frames):
         examples = ", ".join(map(str, geometry.example_frames(5)))
-        raise DemoInputError(f"Frames {frames} is not supported: use {geometry.frame_rule(examples=False)} frames "
-                             f"({examples}, ...; {geometry.describe()})")
+        raise DemoInputError(
+            f"Frames {frames} is not supported: use {geometry.frame_rule(examples=False)} frames "
+            f"({examples}, ...; {geometry.describe()})"
+        )
     if frames > limits.max_frames:
         raise DemoInputError(f"Frames {frames} is too many: at most {limits.max_frames}")
     sizes = {}
@@ -174,7 +195,9 @@ def video_request(
         size = _integer(value, name)
         multiple = geometry.generation_multiple[axis]
         if size % multiple:
-            raise DemoInputError(f"{name} {size} is not supported: use a multiple of {multiple} ({_size_rule(geometry, axis)})")
+            raise DemoInputError(
+                f"{name} {size} is not supported: use a multiple of {multiple} ({_size_rule(geometry, axis)})"
+            )
         _in_range(size, limits.min_size or multiple, limits.max_size, name)
         sizes[name] = size
     try:
@@ -189,13 +212,21 @@ def _size_rule(geometry: VideoGeometry, axis: int) -> str:
     """Why heights (``axis`` 0) or widths (1) must be multiples of what they must: the model's factors."""
     rule = f"VAE x{geometry.vae_scale_spatial} in space, patch {geometry.patch_size[axis + 1]}"
     if geometry.generation_multiple[axis] != geometry.size_multiple[axis]:
-        rule += f": {geometry.size_multiple[axis]}; Diffusers' WanPipeline needs multiples of {WAN_PIPELINE_SIZE_MULTIPLE}"
+        rule += (
+            f": {geometry.size_multiple[axis]}; Diffusers' WanPipeline needs multiples of {WAN_PIPELINE_SIZE_MULTIPLE}"
+        )
     return rule
 
 
 def image_request(
-    class_label: Any, seed: Any, steps: Any, guidance: Any, labels: dict[str, int], num_classes: int,
-    limits: Limits = Limits(), samples: Any = 1,
+    class_label: Any,
+    seed: Any,
+    steps: Any,
+    guidance: Any,
+    labels: dict[str, int],
+    num_classes: int,
+    limits: Limits = Limits(),
+    samples: Any = 1,
 ) -> ImageRequest:
     """Check the class-to-image inputs; ``class_label`` is a name from ``labels`` or an id below ``num_classes``."""
     label = "" if class_label is None else str(class_label).strip()

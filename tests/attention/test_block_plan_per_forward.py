@@ -9,12 +9,19 @@ import pickle
 
 import pytest
 import torch
+
+import mhla_diffusion.models.processors.grid as grid_module
+import mhla_diffusion.ops.attention as attention_module
 from helpers.attention import make_inputs
 from helpers.models import dit_inputs, run, wan_inputs
-
-import mhla_diffusion.ops.attention as attention_module
-import mhla_diffusion.models.processors.grid as grid_module
-from mhla_diffusion import MHLAConfig, block_plan, convert_to_mhla, mhla_attention, mhla_attention_reference, mixing_init
+from mhla_diffusion import (
+    MHLAConfig,
+    block_plan,
+    convert_to_mhla,
+    mhla_attention,
+    mhla_attention_reference,
+    mixing_init,
+)
 from mhla_diffusion.models.processors.grid import TokenGridContext
 
 CASES = [
@@ -87,7 +94,10 @@ def test_one_plan_per_layout_and_device():
 def test_precomputed_plan_gives_identical_output(grid, layout, per_head):
     q, k, v, q_rot, k_rot = make_inputs(grid, seed=sum(grid))
     m = math.prod(layout)
-    mixing = torch.rand((3, m, m) if per_head else (m, m), generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.1
+    mixing = (
+        torch.rand((3, m, m) if per_head else (m, m), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        + 0.1
+    )
     plan = block_plan(grid, layout, device=q.device)
     for rot in ({}, dict(q_rot=q_rot, k_rot=k_rot)):
         for normalize in (True, False):

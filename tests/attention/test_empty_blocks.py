@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import mhla_diffusion.models.processors.grid as grid_module
+import mhla_diffusion.ops.attention as attention_module
 from helpers.attention import make_inputs
 from helpers.models import dit_inputs, run, wan_inputs
-
-import mhla_diffusion.ops.attention as attention_module
-import mhla_diffusion.models.processors.grid as grid_module
 from mhla_diffusion import (
     MHLAConfig,
     block_plan,
@@ -125,8 +125,11 @@ def test_scalar_mixed_denominator_still_refuses_uneven_or_empty_blocks(grid, lay
     q, k, v, _, _ = make_inputs(grid)
     mixing = _mixing(num_blocks(layout), False, "denominator")
     for operator in (mhla_attention, mhla_attention_reference):
-        with pytest.raises(ValueError, match=r"'scalar_mixed_denominator' .* needs equal-size blocks, but the block "
-                                             r"layout .* does not divide the token grid"):
+        with pytest.raises(
+            ValueError,
+            match=r"'scalar_mixed_denominator' .* needs equal-size blocks, but the block "
+            r"layout .* does not divide the token grid",
+        ):
             operator(q, k, v, grid, layout, mixing, normalize="scalar_mixed_denominator")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.attention import make_inputs
 
+from helpers.attention import make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, num_blocks
 from mhla_diffusion.benchmarks.bench import rotary_tables
 from mhla_diffusion.models.processors.base import apply_interleaved_rotary
@@ -27,8 +27,11 @@ def _rotary(n: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def _expected(q, k, v, grid, layout, mixing, rotary, normalize):
     phi_q, phi_k = torch.relu(q) + EPS, torch.relu(k) + EPS
-    rot = {} if rotary is None else dict(q_rot=apply_interleaved_rotary(phi_q, *rotary),
-                                         k_rot=apply_interleaved_rotary(phi_k, *rotary))
+    rot = (
+        {}
+        if rotary is None
+        else dict(q_rot=apply_interleaved_rotary(phi_q, *rotary), k_rot=apply_interleaved_rotary(phi_k, *rotary))
+    )
     return mhla_attention_reference(phi_q, phi_k, v, grid, layout, mixing, normalize=normalize, eps=1e-6, **rot)
 
 
@@ -47,8 +50,9 @@ def test_matches_reference_on_mapped_features(grid, layout, normalize, rope, gra
     rotary = _rotary(q.shape[1], q.shape[3], torch.float64) if rope else None
     want = _expected(q, k, v, grid, layout, mixing, rotary, normalize)
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v, mixing)]
-    got = mhla_attention(*leaves[:3], grid, layout, leaves[3], normalize=normalize, eps=1e-6, feature_eps=EPS,
-                         rotary=rotary)
+    got = mhla_attention(
+        *leaves[:3], grid, layout, leaves[3], normalize=normalize, eps=1e-6, feature_eps=EPS, rotary=rotary
+    )
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     if grad:
         got.square().sum().backward()
@@ -75,10 +79,15 @@ def test_bf16_projections_stay_close_to_the_reference():
     _, _, v, q, k = make_inputs(grid, heads=2, dim=16, value_dim=16, dtype=torch.float32, seed=2)
     rotary = _rotary(q.shape[1], 16, torch.float32)
     mixing = torch.rand(num_blocks(layout), num_blocks(layout)) + 0.1
-    want = _expected(*(t.double() for t in (q, k, v)), grid, layout, mixing.double(),
-                     tuple(t.double() for t in rotary), "denominator")
-    got = mhla_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), grid, layout, mixing, feature_eps=EPS,
-                         rotary=rotary)
+    want = _expected(
+        *(t.double() for t in (q, k, v)),
+        grid,
+        layout,
+        mixing.double(),
+        tuple(t.double() for t in rotary),
+        "denominator",
+    )
+    got = mhla_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), grid, layout, mixing, feature_eps=EPS, rotary=rotary)
     assert got.dtype == torch.bfloat16
     assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
 

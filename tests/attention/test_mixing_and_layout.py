@@ -89,7 +89,9 @@ def brute_force_ids(grid, layout):
     return torch.tensor(ids)
 
 
-@pytest.mark.parametrize("grid,layout", [((7,), (3,)), ((5, 6), (2, 4)), ((3, 5, 7), (2, 2, 3)), ((21, 30, 52), (3, 5, 10))])
+@pytest.mark.parametrize(
+    "grid,layout", [((7,), (3,)), ((5, 6), (2, 4)), ((3, 5, 7), (2, 2, 3)), ((21, 30, 52), (3, 5, 10))]
+)
 def test_token_block_ids_and_plan(grid, layout):
     ids = token_block_ids(grid, layout)
     assert torch.equal(ids, brute_force_ids(grid, layout))
@@ -99,7 +101,9 @@ def test_token_block_ids_and_plan(grid, layout):
     assert torch.equal(plan.gather[plan.scatter], torch.arange(n))
     slot_block = torch.arange(plan.num_blocks * plan.block_len) // plan.block_len
     assert torch.equal(slot_block[plan.scatter], ids)
-    valid = torch.ones(plan.num_blocks * plan.block_len, dtype=torch.bool) if plan.valid is None else plan.valid.flatten()
+    valid = (
+        torch.ones(plan.num_blocks * plan.block_len, dtype=torch.bool) if plan.valid is None else plan.valid.flatten()
+    )
     assert int(valid.sum()) == n
     assert torch.equal(ids[plan.gather], slot_block)  # padded slots repeat a token of the same block
 

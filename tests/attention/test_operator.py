@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from helpers.attention import make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.attention import make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init, num_blocks
 
 CASES = [

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from helpers.attention import make_inputs
 from helpers.models import run, wan_inputs
-
 from mhla_diffusion import MHLAConfig, convert_to_mhla, mhla_attention, mhla_attention_reference, mixing_init
-from mhla_diffusion.ops.context_parallel import TokenShard, mhla_attention_context_parallel
-from mhla_diffusion.models.processors.base import FP32_PARAMETERS, MHLAProcessor
 from mhla_diffusion.loaders.weight_files import dtype_on_load
+from mhla_diffusion.models.processors.base import FP32_PARAMETERS, MHLAProcessor
+from mhla_diffusion.ops.context_parallel import TokenShard, mhla_attention_context_parallel
 
 GRID, LAYOUT = (4, 6, 5), (2, 2, 2)
 
@@ -31,8 +31,17 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_operator_accumulates_in_float32_under_autocast(grid, normalize):
     (q, k, v, q_rot, k_rot), mixing = _inputs(torch.float32, grid)
     kwargs = dict(q_rot=q_rot, k_rot=k_rot, normalize=normalize)
-    want = mhla_attention_reference(q.double(), k.double(), v.double(), grid, LAYOUT, mixing.double(),
-                                    q_rot=q_rot.double(), k_rot=k_rot.double(), normalize=normalize)
+    want = mhla_attention_reference(
+        q.double(),
+        k.double(),
+        v.double(),
+        grid,
+        LAYOUT,
+        mixing.double(),
+        q_rot=q_rot.double(),
+        k_rot=k_rot.double(),
+        normalize=normalize,
+    )
     plain = mhla_attention(q, k, v, grid, LAYOUT, mixing, **kwargs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast = mhla_attention(q, k, v, grid, LAYOUT, mixing, **kwargs)
@@ -100,8 +109,9 @@ def test_a_small_update_to_the_mixing_survives_in_a_bf16_model(tiny_wan):
     tiny_wan.to(torch.bfloat16)
     mixing = tiny_wan.blocks[0].attn1.processor.mixing
     before = mixing.detach().clone()
-    output = tiny_wan(**{k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
-                         for k, v in wan_inputs().items()}).sample
+    output = tiny_wan(
+        **{k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in wan_inputs().items()}
+    ).sample
     output.float().square().mean().backward()
     assert mixing.grad is not None and mixing.grad.dtype == torch.float32
     with torch.no_grad():  # an update far below bf16's resolution at 1.0 (2**-8)

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from helpers.attention import make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.attention import make_inputs
 from mhla_diffusion import auto_layout, block_plan, mhla_attention, mhla_attention_reference, mixing_init, num_blocks
 from mhla_diffusion.utils.geometry import check_equal_blocks
 
@@ -106,7 +106,9 @@ def test_equals_the_paper_denominator_when_mixing_is_diagonal():
     torch.testing.assert_close(released, paper, rtol=1e-12, atol=1e-12)
     # with the real (non-diagonal) init they differ
     init = mixing_init(layout, dtype=torch.float64)
-    differs = mhla_attention(q, k, v, grid, layout, init, normalize=SCALAR) - mhla_attention(q, k, v, grid, layout, init)
+    differs = mhla_attention(q, k, v, grid, layout, init, normalize=SCALAR) - mhla_attention(
+        q, k, v, grid, layout, init
+    )
     assert differs.abs().max() > 1e-3
 
 
@@ -117,7 +119,9 @@ def test_normalize_accepts_names_and_booleans():
     for flag, name in ((True, "denominator"), (False, "none")):
         torch.testing.assert_close(
             mhla_attention(q, k, v, grid, layout, mixing, normalize=flag),
-            mhla_attention(q, k, v, grid, layout, mixing, normalize=name), rtol=0, atol=0,
+            mhla_attention(q, k, v, grid, layout, mixing, normalize=name),
+            rtol=0,
+            atol=0,
         )
     with pytest.raises(ValueError, match="`normalize` must be True"):
         mhla_attention(q, k, v, grid, layout, mixing, normalize="scalar")
@@ -139,7 +143,9 @@ def test_uneven_blocks_are_refused_with_grid_layout_and_fix(fn):
 def test_check_equal_blocks_suggests_dividing_layouts():
     check_equal_blocks((16, 16), (4, 4))
     check_equal_blocks((21, 30, 50), (3, 5, 10))
-    with pytest.raises(ValueError, match=r"does not divide the token grid \(16, 16\).*e\.g\. \(2, 2\).*e\.g\. \(18, 18\)"):
+    with pytest.raises(
+        ValueError, match=r"does not divide the token grid \(16, 16\).*e\.g\. \(2, 2\).*e\.g\. \(18, 18\)"
+    ):
         check_equal_blocks((16, 16), (3, 3))
 
 

@@ -20,10 +20,10 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from mhla_diffusion import mhla_attention_reference, num_blocks
-from mhla_diffusion.ops.block_layout import block_plan
-from mhla_diffusion.ops import triton_mhla
-from mhla_diffusion.ops.triton_mhla import fused_available, mhla_attention_fused
 from mhla_diffusion.models.processors.base import apply_interleaved_rotary
+from mhla_diffusion.ops import triton_mhla
+from mhla_diffusion.ops.block_layout import block_plan
+from mhla_diffusion.ops.triton_mhla import fused_available, mhla_attention_fused
 
 EVEN, UNEVEN, EMPTY = ((4, 4, 6), (2, 2, 3)), ((5, 6, 7), (2, 2, 3)), ((1, 4, 6), (2, 2, 3))
 FP32 = dict(dot_dtype=torch.float32)
@@ -253,11 +253,16 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
     tiles = triton_mhla._tiles(240, 128, 128)
     assert (tiles.block_dh, tiles.block_dv, tiles.value_tiles, tiles.num_warps) == (64, 128, 1, 8)
-    common = dict(BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, HAS_VALID=True, HAS_ROPE=True,
-                  DOT_DTYPE=tl.bfloat16, IEEE=False)
+    common = dict(
+        BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, HAS_VALID=True, HAS_ROPE=True, DOT_DTYPE=tl.bfloat16, IEEE=False
+    )
     pointers = dict(cos_ptr="*bf16", sin_ptr="*bf16", gather_ptr="*i64", valid_ptr="*u8", s_ptr="*bf16", z_ptr="*fp32")
     kernels = [
-        (triton_mhla._summaries_kernel, dict(k_ptr="*bf16", v_ptr="*bf16"), dict(BLOCK_DV=tiles.block_dv, STORE_Z=True)),
+        (
+            triton_mhla._summaries_kernel,
+            dict(k_ptr="*bf16", v_ptr="*bf16"),
+            dict(BLOCK_DV=tiles.block_dv, STORE_Z=True),
+        ),
         (triton_mhla._output_kernel, dict(q_ptr="*bf16", o_ptr="*bf16"), dict(BLOCK_DV=tiles.out_dv, NORMALIZE=True)),
     ]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -269,8 +274,9 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
         if os.path.exists(ptxas):
             ptx = tmp_path / f"{fn.__name__}.ptx"
             ptx.write_text(compiled.asm["ptx"])
-            done = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [ptxas, "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull], capture_output=True, text=True, timeout=120
+            )
             assert done.returncode == 0, done.stderr[-2000:]
             assert re.search(r"(?<!\d)0 bytes spill stores", done.stderr), (fn.__name__, done.stderr)
 
@@ -281,7 +287,6 @@ def test_processors_choose_the_fused_kernel_when_it_is_available(tiny_wan, wan_b
     and the transformer's output is the eager operator's."""
     import mhla_diffusion.models.processors.base as base
     from helpers.models import run
-
     from mhla_diffusion import MHLAConfig, convert_to_mhla
 
     config = MHLAConfig(layout=(2, 2, 3)) if setting == "paper" else MHLAConfig.released_wan(layout=(2, 2, 3))

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from helpers.attention import make_inputs
 
+from helpers.attention import make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init
 from mhla_diffusion.benchmarks.bench import BenchCase, PeakMemory, attention_table
 from mhla_diffusion.cli import main
@@ -38,7 +38,9 @@ def test_head_chunks_equal_one_pass_and_reference(per_head):
         mixing = mixing.expand(5, -1, -1) * torch.linspace(0.5, 1.5, 5, dtype=torch.float64)[:, None, None]
     whole = mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot)
     for chunk in (1, 2, 3):
-        torch.testing.assert_close(mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, heads_per_chunk=chunk), whole)
+        torch.testing.assert_close(
+            mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, heads_per_chunk=chunk), whole
+        )
     torch.testing.assert_close(whole, mhla_attention_reference(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     mhla_attention(*leaves, grid, layout, mixing, heads_per_chunk=2).sum().backward()
@@ -76,7 +78,9 @@ def test_peak_memory_tracker_counts_new_tensors_only():
 
 
 def test_attention_table_reports_ratios():
-    rows = attention_table([BenchCase.of((2, 4, 6)), BenchCase.of((3, 4, 4), (1, 2, 2))], heads=2, head_dim=8, repeats=1)
+    rows = attention_table(
+        [BenchCase.of((2, 4, 6)), BenchCase.of((3, 4, 4), (1, 2, 2))], heads=2, head_dim=8, repeats=1
+    )
     methods = [r["method"] for r in rows]
     assert methods == ["sdpa (native)", "linear", "linear (MHLA, 1 block)", "linear + φ", "mhla + φ", "mhla"] * 2
     mapped, mhla = rows[4], rows[5]
@@ -88,9 +92,34 @@ def test_attention_table_reports_ratios():
 
 def test_bench_command_prints_both_tables(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--case", "2x4x6", "--heads", "2", "--head-dim", "8", "--repeats", "1",
-                 "--block-grid", "2x4x4", "--block-dim", "32", "--block-heads", "2", "--block-ffn", "64",
-                 "--block-text-tokens", "4", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--case",
+                "2x4x6",
+                "--heads",
+                "2",
+                "--head-dim",
+                "8",
+                "--repeats",
+                "1",
+                "--block-grid",
+                "2x4x4",
+                "--block-dim",
+                "32",
+                "--block-heads",
+                "2",
+                "--block-ffn",
+                "64",
+                "--block-text-tokens",
+                "4",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "| 2x4x6 | 48 |" in text and "SDPA / MHLA" in text and "default (sdpa)" in text
     assert out.is_file()
@@ -101,7 +130,6 @@ def test_bench_command_prints_both_tables(tmp_path, capsys):
 @pytest.mark.parametrize("family", ["wan", "dit"])
 def test_converted_models_trace_without_graph_breaks(family, tiny_wan, tiny_dit):
     from helpers.models import dit_inputs, wan_inputs
-
     from mhla_diffusion import MHLAConfig, convert_to_mhla
 
     if family == "wan":

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.models import run, wan_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.models import run, wan_inputs
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.benchmarks.bench import replace_marked_section
 from mhla_diffusion.cli import main
@@ -108,14 +108,38 @@ def test_converted_wan_compiles_with_inductor_and_matches_eager():
 
 def test_bench_writes_json_and_the_speed_page_tables(tmp_path, capsys):
     result_file = tmp_path / "bench.json"
-    tiny = ["--case", "2x4x6", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--block-grid", "2x4x4",
-            "--block-dim", "32", "--block-heads", "2", "--block-ffn", "64", "--block-text-tokens", "4"]
+    tiny = [
+        "--case",
+        "2x4x6",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--block-grid",
+        "2x4x4",
+        "--block-dim",
+        "32",
+        "--block-heads",
+        "2",
+        "--block-ffn",
+        "64",
+        "--block-text-tokens",
+        "4",
+    ]
     assert main(["bench", *tiny, "--device", "cpu", "--transformer-layers", "1", "--output", str(result_file)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(result_file.read_text())
     assert result["device_type"] == "cpu" and "fresh process" in result["device"] and result["spec"]["malloc"] == "auto"
     assert [r["method"] for r in result["attention"]] == [
-        "sdpa (native)", "linear", "linear (MHLA, 1 block)", "linear + φ", "mhla + φ", "mhla"]
+        "sdpa (native)",
+        "linear",
+        "linear (MHLA, 1 block)",
+        "linear + φ",
+        "mhla + φ",
+        "mhla",
+    ]
     assert [r["method"] for r in result["wan_block"]] == ["default (sdpa)", "mhla"]
     transformer = result["wan_transformer"]
     assert [r["method"] for r in transformer] == ["sdpa (native)", "mhla (cross-attention native)"]
@@ -128,7 +152,8 @@ def test_bench_writes_json_and_the_speed_page_tables(tmp_path, capsys):
     assert report == printed.strip()  # the same tables, from the JSON alone
     text = page.read_text()
     assert text.startswith("before\n<!-- mhla-bench:cpu -->\n`mhla bench` on ") and text.endswith(
-        "<!-- /mhla-bench:cpu -->\nafter\n")
+        "<!-- /mhla-bench:cpu -->\nafter\n"
+    )
     assert "no numbers yet" not in text and "| 2x4x4 | 32 | 1x2x2 | 1 | mhla (cross-attention native) |" in text
 
     page.write_text("no markers\n")

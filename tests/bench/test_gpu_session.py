@@ -34,8 +34,13 @@ def smoke(tmp_path_factory):
     """One smoke session through the shell wrapper: (output folder, its stdout, seconds it took)."""
     out = tmp_path_factory.mktemp("gpu_session") / "out"
     started = time.perf_counter()
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--smoke", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--smoke", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done.stdout, time.perf_counter() - started
 
@@ -58,14 +63,24 @@ def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     correctness = stages["correctness"]
     checks = correctness["checks"]
     assert {(c["grid_kind"], c["setting"], c["path"], c["autocast"]) for c in checks} == {
-        (kind, setting, path, autocast) for kind in ("even", "uneven", "empty blocks") for setting in ("paper", "released")
-        for path in ("operator", "processor") for autocast in (False, True)}
+        (kind, setting, path, autocast)
+        for kind in ("even", "uneven", "empty blocks")
+        for setting in ("paper", "released")
+        for path in ("operator", "processor")
+        for autocast in (False, True)
+    }
     assert correctness["failed"] == 0 and all(c["rel_err"] < 1e-2 for c in checks)
 
     timing = stages["timing"]
     methods = {row["method"] for row in timing["rows"]}
-    assert {"MHLA operator, plan per call", "MHLA operator, plan precomputed", "plain linear attention (einsum)",
-            "SDPA flash", "SDPA cudnn", "SDPA efficient"} <= methods
+    assert {
+        "MHLA operator, plan per call",
+        "MHLA operator, plan precomputed",
+        "plain linear attention (einsum)",
+        "SDPA flash",
+        "SDPA cudnn",
+        "SDPA efficient",
+    } <= methods
     assert any(m.startswith("Wan processor path, released") for m in methods)
     assert {row["grid"] for row in timing["rows"]} == {"3x5x10", "3x5x12"}
     timed = [row for row in timing["rows"] if row["median_ms"] is not None]
@@ -75,7 +90,10 @@ def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     assert "aten::" in stages["profile"]["tables"]["Wan processor path, paper"]
     rows = stages["transformer"]["rows"]
     assert [r["method"] for r in rows] == [
-        "sdpa (native)", "mhla paper (cross-attention native)", "mhla released (cross-attention native)"]
+        "sdpa (native)",
+        "mhla paper (cross-attention native)",
+        "mhla released (cross-attention native)",
+    ]
     assert all(r["video_s"] == pytest.approx(100 * r["median_s"]) for r in rows) and rows[-1]["sdpa_over_mhla"] > 0
     compiled = stages["compile"]["rows"]
     assert [r["setting"] for r in compiled] == ["paper", "released"]
@@ -89,9 +107,15 @@ def test_smoke_renders_the_markdown_from_the_json(smoke, gpu_session, tmp_path):
     markdown = gpu_session.render_markdown(session)
     assert (out / "gpu_session.md").read_text().strip() == markdown == stdout.strip()
     assert markdown.startswith("**Smoke run on the CPU")
-    for text in ("SDPA kernels: ", "24 checks pass, 0 fail", "| 3x5x12 | plain linear attention (einsum) |",
-                 "<details><summary>Profile of one call", "| mhla released (cross-attention native) |",
-                 "`torch.compile` (aot_eager)", "CUDA-only, skipped on cpu: the TF32 rows"):
+    for text in (
+        "SDPA kernels: ",
+        "24 checks pass, 0 fail",
+        "| 3x5x12 | plain linear attention (einsum) |",
+        "<details><summary>Profile of one call",
+        "| mhla released (cross-attention native) |",
+        "`torch.compile` (aot_eager)",
+        "CUDA-only, skipped on cpu: the TF32 rows",
+    ):
         assert text in markdown, text
 
     page = tmp_path / "speed.md"
@@ -100,12 +124,15 @@ def test_smoke_renders_the_markdown_from_the_json(smoke, gpu_session, tmp_path):
     assert page.read_text() == f"# T\n<!-- mhla-bench:cuda -->\n{markdown}\n<!-- /mhla-bench:cuda -->\nafter\n"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["{out}", "--smoke", "--write-doc", "{page}"], "--write-doc {page}: expected exactly one section"),
-    (["{out}"], "no CUDA device here: run on a GPU, or with --smoke"),
-    (["{out}", "--smoke", "--stages", "versions,speed"], "--stages: unknown speed"),
-    (["--report", "{out}/gpu_session.json"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["{out}", "--smoke", "--write-doc", "{page}"], "--write-doc {page}: expected exactly one section"),
+        (["{out}"], "no CUDA device here: run on a GPU, or with --smoke"),
+        (["{out}", "--smoke", "--stages", "versions,speed"], "--stages: unknown speed"),
+        (["--report", "{out}/gpu_session.json"], "no such file"),
+    ],
+)
 def test_bad_arguments_are_one_line_and_write_nothing(argv, message, gpu_session, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_session.torch.cuda, "is_available", lambda: False)
     out, page = tmp_path / "out", tmp_path / "speed.md"
@@ -142,8 +169,9 @@ def test_the_gpu_sizes_are_the_issues(gpu_session):
     assert set(full.correctness_grids) == {"even", "uneven", "empty blocks"}
 
 
-def _stand_in_fused(q, k, v, plan, mixing, *, cos=None, sin=None, feature_eps=1e-6, normalize="denominator", eps=1e-6,
-                    dot_dtype=None):
+def _stand_in_fused(
+    q, k, v, plan, mixing, *, cos=None, sin=None, feature_eps=1e-6, normalize="denominator", eps=1e-6, dot_dtype=None
+):
     """The fused kernel's contract (raw q, k; feature map and RoPE inside) computed by the eager operator."""
     import torch.nn.functional as F
 
@@ -152,8 +180,9 @@ def _stand_in_fused(q, k, v, plan, mixing, *, cos=None, sin=None, feature_eps=1e
 
     qf, kf = (F.relu(x.float()) + feature_eps for x in (q, k))
     q_rot, k_rot = (None, None) if cos is None else (apply_interleaved_rotary(x, cos, sin) for x in (qf, kf))
-    return mhla_attention(qf, kf, v, plan.grid, plan.layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=normalize,
-                          eps=eps, plan=plan)
+    return mhla_attention(
+        qf, kf, v, plan.grid, plan.layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=normalize, eps=eps, plan=plan
+    )
 
 
 def test_the_fused_kernel_is_checked_timed_and_profiled_when_it_runs(gpu_session, tmp_path, monkeypatch):
@@ -166,14 +195,16 @@ def test_the_fused_kernel_is_checked_timed_and_profiled_when_it_runs(gpu_session
     # the Wan processor rows keep the eager operator here: the real kernels under the interpreter took ~3 minutes
     # of this test, and tests/attention/test_triton_mhla.py checks the processors' choice of them
     monkeypatch.setattr(processors, "fused_available", lambda tensor: False)
-    session = gpu_session.run_session(tmp_path, smoke=True, budget_s=300, stages=("correctness", "timing", "profile"),
-                                      isolate=False)
+    session = gpu_session.run_session(
+        tmp_path, smoke=True, budget_s=300, stages=("correctness", "timing", "profile"), isolate=False
+    )
     assert [entry["status"] for entry in session["stages"].values()] == ["ok"] * 3
     fused = [c for c in session["stages"]["correctness"]["checks"] if c["path"] == "fused"]
     assert len(fused) == 12 and all(c["ok"] for c in fused)  # 3 grids x 2 settings x autocast off / on
     rows = [r for r in session["stages"]["timing"]["rows"] if r["method"].startswith("fused Triton kernel")]
     assert {(r["grid"], r["method"].split(",")[1].split()[0]) for r in rows} == {
-        (grid, mode) for grid in ("3x5x10", "3x5x12") for mode in ("denominator", "none")}
+        (grid, mode) for grid in ("3x5x10", "3x5x12") for mode in ("denominator", "none")
+    }
     assert all(r["bytes_basis"] == "counted from the launch" and r["median_ms"] > 0 for r in rows)
     timing = session["stages"]["timing"]
     dtype = getattr(torch, timing["dtype"])

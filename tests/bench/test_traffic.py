@@ -125,8 +125,20 @@ def test_fused_count_by_hand():
         "output kernel: RoPE tables": tables,
         "output kernel: output stored": qkvo,
     }
-    float32 = fused_traffic(1, 16, 2, 16, 16, 4, 4, dtype=torch.float32, rope_dtype=None, normalize="none",
-                            padded=True, per_head_mixing=True)
+    float32 = fused_traffic(
+        1,
+        16,
+        2,
+        16,
+        16,
+        4,
+        4,
+        dtype=torch.float32,
+        rope_dtype=None,
+        normalize="none",
+        padded=True,
+        per_head_mixing=True,
+    )
     assert float32["RoPE tables to the summaries' dtype (PyTorch)"] == float32["output kernel: RoPE tables"] == 0
     assert float32["summaries kernel: plan index"] == 2 * 4 * 4 * (8 + 1)  # plan.valid (uint8) too
     assert float32["summaries kernel: S stored"] == 2 * summaries  # float32 summaries
@@ -160,12 +172,26 @@ def test_recording_launches_takes_the_processors_call_on_meta_tensors():
     assert not fused_available(q)  # meta tensors take the eager operator outside a recording
     with recording_launches() as launches:
         assert fused_available(q)
-        row = wan_attention_traffic((3, 4, 5), MHLAConfig.released_wan(layout=(1, 2, 2)), heads=2, head_dim=8,
-                                    fused=True)
+        row = wan_attention_traffic(
+            (3, 4, 5), MHLAConfig.released_wan(layout=(1, 2, 2)), heads=2, head_dim=8, fused=True
+        )
     assert not fused_available(q)
     # the row: the kernels as launched, and the processor's output norm and gate op by op
     assert {"output kernel: q", "mixing (PyTorch): W S, W z", "silu", "linalg_vector_norm"} <= set(row["ops"])
     # 5 columns in blocks of 2: uneven, 3 x 2 x 3 = 18 slots a block
-    assert launches == [dict(batch=1, tokens=60, heads=2, head_dim=8, value_dim=8, num_blocks=4, block_len=18,
-                             padded=True, dtype=torch.bfloat16, rope_dtype=torch.float32, normalize="none",
-                             per_head_mixing=False)]
+    assert launches == [
+        dict(
+            batch=1,
+            tokens=60,
+            heads=2,
+            head_dim=8,
+            value_dim=8,
+            num_blocks=4,
+            block_len=18,
+            padded=True,
+            dtype=torch.bfloat16,
+            rope_dtype=torch.float32,
+            normalize="none",
+            per_head_mixing=False,
+        )
+    ]

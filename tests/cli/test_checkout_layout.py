@@ -41,17 +41,20 @@ def test_packages_import_from_a_checkout_with_pythonpath_dot():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, expected", [
-    ("finetune/train_wan.py", "--config"),
-    ("finetune/train_dit.py", "--config"),
-    ("eval/evaluate.py", "--samples"),
-    ("eval/make_reference.py", "--images"),
-    ("eval/sample.py", "--num-samples"),
-    ("pipelines/text_to_video.py", "--prompt"),
-    ("pipelines/image_to_video.py", "--image"),
-    ("pipelines/class_to_image.py", "--class"),
-    ("benchmarks/gpu_session.py", "--smoke"),
-])
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("finetune/train_wan.py", "--config"),
+        ("finetune/train_dit.py", "--config"),
+        ("eval/evaluate.py", "--samples"),
+        ("eval/make_reference.py", "--images"),
+        ("eval/sample.py", "--num-samples"),
+        ("pipelines/text_to_video.py", "--prompt"),
+        ("pipelines/image_to_video.py", "--image"),
+        ("pipelines/class_to_image.py", "--class"),
+        ("benchmarks/gpu_session.py", "--smoke"),
+    ],
+)
 def test_entry_scripts_run_from_a_checkout(script, expected):
     result = _run_without_install([script, "--help"], [])  # no PYTHONPATH=.: the script finds the checkout itself
     assert result.returncode == 0, result.stderr
@@ -62,8 +65,13 @@ def test_entry_scripts_run_from_a_checkout(script, expected):
 _PATH = re.compile(r"`((?:mhla_diffusion|pipelines|finetune|eval|benchmarks|tests|docs|app\.py|\.ci)(?:/[\w.\-*]+)*/?)")
 
 
-DOCS = ["README.md", "finetune/README.md", "eval/README.md", "pipelines/README.md",
-        *sorted(str(page.relative_to(REPO)) for page in (REPO / "docs").glob("*.md"))]
+DOCS = [
+    "README.md",
+    "finetune/README.md",
+    "eval/README.md",
+    "pipelines/README.md",
+    *sorted(str(page.relative_to(REPO)) for page in (REPO / "docs").glob("*.md")),
+]
 
 
 @pytest.mark.parametrize("doc", DOCS)

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 import torch
-from helpers.models import run, wan_inputs
 
+from helpers.models import run, wan_inputs
 from mhla_diffusion import get_mhla_conversion, load_mhla
 from mhla_diffusion.cli import main
 from mhla_diffusion.models.tiny import tiny_wan_transformer
@@ -16,7 +16,9 @@ from mhla_diffusion.models.tiny import tiny_wan_transformer
 
 def test_convert_tiny_wan_prints_changes_and_saves(tmp_path, capsys):
     out = tmp_path / "mhla"
-    assert main(["convert", "--tiny", "wan", "--layers", "hybrid", "--target-size", "17x64x80", "--output", str(out)]) == 0
+    assert (
+        main(["convert", "--tiny", "wan", "--layers", "hybrid", "--target-size", "17x64x80", "--output", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert "MHLA on 1 of 2 self-attention layers (wan): blocks.1.attn1" in text
     assert "WanAttnProcessor" in text and "WanMHLAProcessor" in text
@@ -53,9 +55,14 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "--target-size" in result.stdout
 
 
-@pytest.mark.parametrize("argv, old, new", [
-    (["demo-models", "--smoke"], "demo-models", "build-embedded"), (["demo", "--port", "7000"], "demo", "web"),
-    (["text-to-video", "--attention", "sdpa"], "sdpa", "softmax")])
+@pytest.mark.parametrize(
+    "argv, old, new",
+    [
+        (["demo-models", "--smoke"], "demo-models", "build-embedded"),
+        (["demo", "--port", "7000"], "demo", "web"),
+        (["text-to-video", "--attention", "sdpa"], "sdpa", "softmax"),
+    ],
+)
 def test_removed_spellings_are_one_line_errors_naming_the_new_one(capsys, argv, old, new):
     """The names kept for one release (`mhla demo-models`, `mhla demo`, `--attention sdpa`) are gone: refused
     while parsing, on one line that lists the new name among the choices."""

@@ -18,10 +18,27 @@ def commands(out) -> dict[str, list[str]]:
     """Every command that takes --device, with the other arguments it needs (the output under ``out``)."""
     return {
         "text-to-video": ["text-to-video", "--prompt", "a cat", "--output-dir", str(out)],
-        "image-to-video": ["image-to-video", "--model", str(out / "model"), "--image", str(out / "cat.png"),
-                           "--prompt", "a cat", "--output-dir", str(out)],
+        "image-to-video": [
+            "image-to-video",
+            "--model",
+            str(out / "model"),
+            "--image",
+            str(out / "cat.png"),
+            "--prompt",
+            "a cat",
+            "--output-dir",
+            str(out),
+        ],
         "class-to-image": ["class-to-image", "--class", "1", "--output-dir", str(out)],
-        "eval": ["eval", "--samples", str(out / "samples"), "--ref", str(out / "ref.npz"), "--output", str(out / "r.json")],
+        "eval": [
+            "eval",
+            "--samples",
+            str(out / "samples"),
+            "--ref",
+            str(out / "ref.npz"),
+            "--output",
+            str(out / "r.json"),
+        ],
         "eval-video": ["eval-video", "--samples", str(out / "samples"), "--output", str(out / "r.json")],
         "bench": ["bench", "--case", "4x4", "--no-block", "--repeats", "1", "--output", str(out / "bench.md")],
         "web": ["web"],
@@ -52,8 +69,10 @@ def test_cuda_on_a_machine_without_it_is_refused_before_anything_loads(tmp_path,
 def test_a_device_string_that_is_none_names_the_valid_forms(tmp_path, capsys, command):
     out = tmp_path / "out"
     err = refused(capsys, [*commands(out)[command], "--device", "tpu9"])
-    assert (f"mhla {command}: error: argument --device: 'tpu9' is not a device: use cpu, cuda, cuda:N (N: the GPU's "
-            "index) or another accelerator's name (mps, xpu, ...)") in err
+    assert (
+        f"mhla {command}: error: argument --device: 'tpu9' is not a device: use cpu, cuda, cuda:N (N: the GPU's "
+        "index) or another accelerator's name (mps, xpu, ...)"
+    ) in err
     assert not out.exists()
 
 
@@ -68,21 +87,27 @@ def test_cpu_and_a_present_gpu_are_accepted(monkeypatch):
         parse_device("cuda:2")
 
 
-@pytest.mark.parametrize("command,name,close", [("build-embedded", "video_teacher_step", "video_teacher_steps"),
-                                                ("reproduce", "part_a_seed", "part_a_seeds")])
+@pytest.mark.parametrize(
+    "command,name,close",
+    [("build-embedded", "video_teacher_step", "video_teacher_steps"), ("reproduce", "part_a_seed", "part_a_seeds")],
+)
 def test_an_unknown_setting_is_one_short_line_with_a_close_name(tmp_path, capsys, command, name, close):
     out, work = tmp_path / "out", tmp_path / "work"
     places = ["--output", str(out)] + (["--work-dir", str(work)] if command == "build-embedded" else [])
     assert main([command, "--set", f"{name}=1", *places]) == 2
-    assert capsys.readouterr().err == (f"mhla {command}: error: unknown setting `{name}` (did you mean `{close}`?); "
-                                       "`--help` lists every setting\n")
+    assert capsys.readouterr().err == (
+        f"mhla {command}: error: unknown setting `{name}` (did you mean `{close}`?); `--help` lists every setting\n"
+    )
     assert not out.exists() and not work.exists()
 
 
 def test_a_setting_with_no_close_name_is_one_short_line(tmp_path, capsys):
     out, work = tmp_path / "out", tmp_path / "work"
     assert main(["build-embedded", "--set", "nonsense=1", "--output", str(out), "--work-dir", str(work)]) == 2
-    assert capsys.readouterr().err == "mhla build-embedded: error: unknown setting `nonsense`; `--help` lists every setting\n"
+    assert (
+        capsys.readouterr().err
+        == "mhla build-embedded: error: unknown setting `nonsense`; `--help` lists every setting\n"
+    )
     assert not out.exists() and not work.exists()
 
 
@@ -91,8 +116,10 @@ def test_help_lists_every_setting(capsys):
     from mhla_diffusion.embedded.attention_experiment import ExperimentSettings
     from mhla_diffusion.embedded.build import BuildSettings
 
-    for command, module, settings in (("build-embedded", "mhla_diffusion.embedded.build", BuildSettings),
-                                      ("reproduce", "mhla_diffusion.embedded.attention_experiment", ExperimentSettings)):
+    for command, module, settings in (
+        ("build-embedded", "mhla_diffusion.embedded.build", BuildSettings),
+        ("reproduce", "mhla_diffusion.embedded.attention_experiment", ExperimentSettings),
+    ):
         names = [f.name for f in dataclasses.fields(settings)]
         assert dataclass_field_names(module, settings.__name__) == names
         with pytest.raises(SystemExit):

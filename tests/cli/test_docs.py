@@ -50,14 +50,20 @@ def test_readme_is_at_most_300_lines():
 def test_readme_test_command_is_the_one_ci_runs():
     readme = README.read_text()
     command = re.search(r"Run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
-    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if "pytest" in line and
-          not line.lstrip().startswith("#")]
+    ci = [
+        line
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if "pytest" in line and not line.lstrip().startswith("#")
+    ]
     assert ci == [command]
 
 
 def test_every_readme_section_links_its_docs_page():
-    unlinked = [heading for heading, body in sections(README.read_text()).items()
-                if heading != "Quick start" and not re.search(r"\]\(docs/[\w\-]+\.md[)#]", body)]
+    unlinked = [
+        heading
+        for heading, body in sections(README.read_text()).items()
+        if heading != "Quick start" and not re.search(r"\]\(docs/[\w\-]+\.md[)#]", body)
+    ]
     assert not unlinked, f"README sections without a link to a docs/ page: {unlinked}"
 
 

@@ -51,7 +51,11 @@ def imports_of(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+            base = (
+                importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                if node.level
+                else node.module
+            )
             for alias in node.names:
                 if f"{base}.{alias.name}" in MODULES:  # a submodule
                     found.add(f"{base}.{alias.name}")
@@ -96,11 +100,15 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = {module: imports_of(module) for module in MODULES}
-    assert graph["mhla_diffusion.cli"] >= {"mhla_diffusion.cli.generate", "mhla_diffusion.cli.arguments"}  # the walk works
+    assert graph["mhla_diffusion.cli"] >= {
+        "mhla_diffusion.cli.generate",
+        "mhla_diffusion.cli.arguments",
+    }  # the walk works
     assert "mhla_diffusion.embedded.locations" in imports_of("mhla_diffusion.cli.generate")  # lazy exports resolve
     found = cycles(graph)
     assert not found, "modules that import each other (directly or through others): " + "; ".join(
-        " <-> ".join(component) for component in found)
+        " <-> ".join(component) for component in found
+    )
 
 
 @pytest.mark.slow
@@ -116,8 +124,10 @@ def test_every_module_imports():
 def test_utils_import_no_torch():
     """``docs/architecture.md``: the rules in ``utils/`` need no torch (the CLI checks sizes before loading it)."""
     modules = sorted(name for name in MODULES if name.startswith("mhla_diffusion.utils."))
-    script = ("import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
-              "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    script = (
+        "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(modules) >= 5 and result.stdout.split("\n")[-2] == "[]", result.stdout

@@ -22,8 +22,22 @@ def _settings(folder, pattern: str = "*.json") -> dict:
 
 
 def test_softmax_on_the_embedded_default_runs_the_softmax_teacher(tmp_path, capsys):
-    assert main(["text-to-video", "--prompt", "a red circle moving left", "--attention", "softmax", "--steps", "2",
-                 "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--prompt",
+                "a red circle moving left",
+                "--attention",
+                "softmax",
+                "--steps",
+                "2",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     teacher = str(embedded_model("text-to-video", "softmax"))
     assert f"embedded softmax teacher {teacher}" in captured.err
@@ -32,7 +46,10 @@ def test_softmax_on_the_embedded_default_runs_the_softmax_teacher(tmp_path, caps
     d = embedded_defaults()
     assert (settings["num_frames"], settings["height"], settings["width"]) == (d.num_frames, d.height, d.width)
     judge = settings["judge"]
-    assert judge["reading"] == f"{judge['colour']['value']} {judge['shape']['value']}, moving {judge['direction']['value']}"
+    assert (
+        judge["reading"]
+        == f"{judge['colour']['value']} {judge['shape']['value']}, moving {judge['direction']['value']}"
+    )
     assert judge["requested"] == {"shape": "circle", "colour": "red", "direction": "left"}
     assert isinstance(judge["matches_prompt"], bool) and 0 < judge["confidence"] <= 1
     assert f"judge: {judge['reading']} (confidence" in captured.out
@@ -54,21 +71,48 @@ def test_class_to_image_softmax_default_runs_the_digits_teacher_and_is_judged(tm
 def test_an_embedded_folder_given_as_model_runs_at_its_trained_size(tmp_path, capsys):
     """`--model <embedded softmax folder>` once fell back to Wan2.1's 81x480x832."""
     teacher = embedded_model("text-to-video", "softmax")
-    assert main(["text-to-video", "--model", str(teacher), "--attention", "softmax", "--prompt", "a blue square moving up",
-                 "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(teacher),
+                "--attention",
+                "softmax",
+                "--prompt",
+                "a blue square moving up",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "embedded softmax teacher" not in capsys.readouterr().err  # the user chose the folder
     settings = _settings(tmp_path)
     d = embedded_defaults()
     assert (settings["num_frames"], settings["height"], settings["width"]) == (d.num_frames, d.height, d.width)
     assert (settings["num_inference_steps"], settings["fps"]) == (d.video_steps, d.fps)
     assert settings["guidance_scale"] == d.video_guidance_scale
-    assert np.stack(list(iio.imiter(settings["output"]))).shape == (
-        d.num_frames, d.height, d.width, 3)
+    assert np.stack(list(iio.imiter(settings["output"]))).shape == (d.num_frames, d.height, d.width, 3)
 
 
 def test_a_clip_of_another_size_is_recorded_as_unread_by_the_judge(tmp_path, capsys):
-    assert main(["text-to-video", "--prompt", "a red circle moving left", "--num-frames", "5", "--steps", "1",
-                 "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--prompt",
+                "a red circle moving left",
+                "--num-frames",
+                "5",
+                "--steps",
+                "1",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     judge = _settings(tmp_path)["judge"]
     assert judge == {"reading": None, "why": "the judge reads 9-frame 48x48 clips, not 5x48x48"}
     assert "no judge reading: the judge reads 9-frame 48x48 clips" in capsys.readouterr().out
@@ -76,8 +120,23 @@ def test_a_clip_of_another_size_is_recorded_as_unread_by_the_judge(tmp_path, cap
 
 def test_a_model_that_records_no_size_needs_one_and_a_recorded_size_is_used(pipeline_dirs, tmp_path, capsys):
     weights = ["--mhla-weights", str(pipeline_dirs["wan_mhla"])]
-    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), *weights, "--prompt", "a cat",
-                 "--height", "32", "--output-dir", str(tmp_path / "none")]) == 2
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(pipeline_dirs["wan"]),
+                *weights,
+                "--prompt",
+                "a cat",
+                "--height",
+                "32",
+                "--output-dir",
+                str(tmp_path / "none"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"{pipeline_dirs['wan']} has no default video size (no {RECORD_KEY} in its model_index.json" in err
     assert "give --num-frames, --width" in err and not (tmp_path / "none").exists()  # refused before any work
@@ -85,22 +144,44 @@ def test_a_model_that_records_no_size_needs_one_and_a_recorded_size_is_used(pipe
     recorded = tmp_path / "wan"
     shutil.copytree(pipeline_dirs["wan"], recorded)
     index = json.loads((recorded / "model_index.json").read_text())
-    index[RECORD_KEY] = {"num_frames": 5, "height": 32, "width": 48, "num_inference_steps": 2, "fps": 4,
-                         "max_sequence_length": 16}
+    index[RECORD_KEY] = {
+        "num_frames": 5,
+        "height": 32,
+        "width": 48,
+        "num_inference_steps": 2,
+        "fps": 4,
+        "max_sequence_length": 16,
+    }
     (recorded / "model_index.json").write_text(json.dumps(index))
-    assert main(["text-to-video", "--model", str(recorded), *weights, "--prompt", "a cat", "--output-dir",
-                 str(tmp_path / "recorded")]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(recorded),
+                *weights,
+                "--prompt",
+                "a cat",
+                "--output-dir",
+                str(tmp_path / "recorded"),
+            ]
+        )
+        == 0
+    )
     settings = _settings(tmp_path / "recorded")
     assert (settings["num_frames"], settings["height"], settings["width"]) == (5, 32, 48)
     assert (settings["num_inference_steps"], settings["fps"], settings["guidance_scale"]) == (2, 4, 5.0)
     assert "judge" not in settings  # not an embedded model: no judge for its samples
 
 
-@pytest.mark.parametrize("record,message", [
-    ({"height": "64"}, f"{RECORD_KEY}.height must be a whole number >= 1, got '64'"),
-    ({"guidance_scale": float("nan")}, f"{RECORD_KEY}.guidance_scale must be a finite number >= 0"),
-    ({"size": 64}, f"{RECORD_KEY} has unknown settings ['size']"),
-])
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"height": "64"}, f"{RECORD_KEY}.height must be a whole number >= 1, got '64'"),
+        ({"guidance_scale": float("nan")}, f"{RECORD_KEY}.guidance_scale must be a finite number >= 0"),
+        ({"size": 64}, f"{RECORD_KEY} has unknown settings ['size']"),
+    ],
+)
 def test_a_bad_record_is_a_readable_error(tmp_path, record, message):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", RECORD_KEY: record}))
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -115,8 +196,10 @@ def _transformer_folder(root, name: str, config: dict, two: bool = False):
 
 
 def test_published_wan_models_get_their_own_size_not_wan21_13b(tmp_path):
-    assert (video_defaults("Wan-AI/Wan2.2-TI2V-5B-Diffusers").num_frames,
-            video_defaults("Wan-AI/Wan2.2-TI2V-5B-Diffusers").height) == (121, 704)
+    assert (
+        video_defaults("Wan-AI/Wan2.2-TI2V-5B-Diffusers").num_frames,
+        video_defaults("Wan-AI/Wan2.2-TI2V-5B-Diffusers").height,
+    ) == (121, 704)
     wan21 = video_defaults("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
     assert (wan21.num_frames, wan21.height, wan21.width, wan21.steps) == (81, 480, 832, 50)
     # local folders under other names, told apart by their transformer configs

@@ -17,8 +17,20 @@ def test_readme_prompts_are_read_as_asked_and_match_the_build(tmp_path):
     assert verdicts[0]["prompt"] == "a red circle moving left"  # the quick start's prompt
     for i, verdict in enumerate(verdicts):
         out = tmp_path / str(i)
-        assert main(["text-to-video", "--prompt", verdict["prompt"], "--seed", str(verdict["seed"]),
-                     "--output-dir", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "text-to-video",
+                    "--prompt",
+                    verdict["prompt"],
+                    "--seed",
+                    str(verdict["seed"]),
+                    "--output-dir",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         (sidecar,) = sorted(out.glob("*.json"))
         judge = json.loads(sidecar.read_text())["judge"]
         assert judge["reading"] == verdict["MHLA"]["reading"]
@@ -27,11 +39,13 @@ def test_readme_prompts_are_read_as_asked_and_match_the_build(tmp_path):
 
 
 def _reading(verdict: dict) -> str:
-    return f"{verdict['reading']} ({verdict['confidence']:.2f}){'' if verdict['matches_prompt'] else ' (not the prompt)'}"
+    return (
+        f"{verdict['reading']} ({verdict['confidence']:.2f}){'' if verdict['matches_prompt'] else ' (not the prompt)'}"
+    )
 
 
 def test_readme_shows_the_builds_verdicts():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     verdicts = json.loads((EMBEDDED_ROOT / "build_report.json").read_text())["stages"]["evaluate"]["verdicts"]
     for v in verdicts:
-        assert f"| \"{v['prompt']}\" | {v['seed']} | {_reading(v['MHLA'])} | {_reading(v['softmax'])} |" in readme
+        assert f'| "{v["prompt"]}" | {v["seed"]} | {_reading(v["MHLA"])} | {_reading(v["softmax"])} |' in readme

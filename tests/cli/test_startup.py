@@ -24,10 +24,22 @@ CASES = [
     ("mhla_diffusion.cli", ["image-to-video", "--prompt", "x"], 2),  # --image and --model are required
     ("mhla_diffusion.cli", ["convert", "--layout", "3xfive"], 2),
     ("mhla_diffusion.cli", ["no-such-command"], 2),
-    *[("mhla_diffusion.cli", [command, "--help"], 0) for command in (
-        "convert", "class-to-image", "image-to-video", "import-wan", "import-dit", "eval", "eval-ref", "eval-sample", "eval-video", "bench",
-        "build-embedded",
-    )],
+    *[
+        ("mhla_diffusion.cli", [command, "--help"], 0)
+        for command in (
+            "convert",
+            "class-to-image",
+            "image-to-video",
+            "import-wan",
+            "import-dit",
+            "eval",
+            "eval-ref",
+            "eval-sample",
+            "eval-video",
+            "bench",
+            "build-embedded",
+        )
+    ],
     ("mhla_diffusion.cli", ["web", "--help"], 0),
     ("mhla_diffusion.eval.__main__", ["--help"], 0),
     ("mhla_diffusion.eval.__main__", ["eval-sample", "--help"], 0),
@@ -46,8 +58,9 @@ print("\\nMODULES " + json.dumps({{"code": code, "modules": sorted(sys.modules)}
 
 def imported_by(module: str, argv: list[str]) -> tuple[int, list[str], str]:
     """Exit code, modules loaded, and stderr of ``module.main(argv)`` in a fresh interpreter."""
-    result = subprocess.run([sys.executable, "-c", SCRIPT.format(module=module, argv=argv)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(module=module, argv=argv)], capture_output=True, text=True, timeout=120
+    )
     assert "MODULES " in result.stdout, result.stderr[-2000:]
     report = json.loads(result.stdout.rsplit("MODULES ", 1)[1])
     return report["code"], report["modules"], result.stderr

@@ -33,5 +33,7 @@ def test_a_damaged_cache_entry_names_the_file_and_the_fix(tmp_path):
     entry.write_bytes(entry.read_bytes()[:30])
     with pytest.raises(ValueError) as error:
         cache.read("latents", {"sample": 0})
-    assert str(error.value) == (f"cache entry {entry} is not a readable PyTorch/safetensors checkpoint (corrupt or "
-                                f"truncated?): delete {tmp_path / 'cache' / 'index.json'} to rebuild the cache")
+    assert str(error.value) == (
+        f"cache entry {entry} is not a readable PyTorch/safetensors checkpoint (corrupt or "
+        f"truncated?): delete {tmp_path / 'cache' / 'index.json'} to rebuild the cache"
+    )

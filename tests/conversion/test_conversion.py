@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-from helpers.models import dit_inputs, run, wan_inputs
 
+from helpers.models import dit_inputs, run, wan_inputs
 from mhla_diffusion import (
     DiTMHLAProcessor,
     MHLAConfig,
@@ -93,8 +93,15 @@ def test_wan_processor_matches_manual_computation(tiny_wan, released):
     k = (F.relu(attn.norm_k(attn.to_k(x))) + eps).unflatten(2, (heads, -1))
     v = attn.to_v(x).unflatten(2, (heads, -1))
     expected = mhla_attention_reference(
-        q.double(), k.double(), v.double(), (3, 5, 7), (2, 2, 3), proc.mixing.double(),
-        q_rot=independent_rope(q, cos, sin), k_rot=independent_rope(k, cos, sin), normalize=not released,
+        q.double(),
+        k.double(),
+        v.double(),
+        (3, 5, 7),
+        (2, 2, 3),
+        proc.mixing.double(),
+        q_rot=independent_rope(q, cos, sin),
+        k_rot=independent_rope(k, cos, sin),
+        normalize=not released,
     )
     if released:
         expected = expected * torch.rsqrt(expected.pow(2).mean(-1, keepdim=True) + 1e-6) * proc.out_norm.weight.double()

@@ -13,8 +13,13 @@ from mhla_diffusion.models.families import FAMILIES, family_for_class_name, fami
 from mhla_diffusion.utils.geometry import ImageGeometry, VideoGeometry
 
 
-@pytest.mark.parametrize("name,base,pipeline,geometry", [("wan", WanTransformer3DModel, WanPipeline, VideoGeometry),
-                                                         ("dit", DiTTransformer2DModel, DiTPipeline, ImageGeometry)])
+@pytest.mark.parametrize(
+    "name,base,pipeline,geometry",
+    [
+        ("wan", WanTransformer3DModel, WanPipeline, VideoGeometry),
+        ("dit", DiTTransformer2DModel, DiTPipeline, ImageGeometry),
+    ],
+)
 def test_each_family_names_its_classes_geometry_and_processor(request, name, base, pipeline, geometry):
     transformer = request.getfixturevalue(f"tiny_{name}")
     family = family_of(transformer)

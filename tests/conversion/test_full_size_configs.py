@@ -18,7 +18,12 @@ from mhla_diffusion.loaders.original_wan import empty_wan_transformer
 from mhla_diffusion.utils.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
 
 #: Published sizes (parameters of the Diffusers transformer, from the models' cards), 0.5 % tolerance.
-PUBLISHED_SIZES = {"Wan2.1-T2V-1.3B": 1.42e9, "Wan2.1-T2V-14B": 14.3e9, "Wan2.2-T2V-A14B": 14.3e9, "Wan2.2-TI2V-5B": 5.0e9}
+PUBLISHED_SIZES = {
+    "Wan2.1-T2V-1.3B": 1.42e9,
+    "Wan2.1-T2V-14B": 14.3e9,
+    "Wan2.2-T2V-A14B": 14.3e9,
+    "Wan2.2-TI2V-5B": 5.0e9,
+}
 
 #: The conversions checked, as functions of the block count: (the MHLAConfig, the layers it converts).
 VARIANTS = {
@@ -81,8 +86,11 @@ def test_mhla_adds_exactly_its_parameters_to_the_published_model(name, t2v_14b_p
     if name in PUBLISHED_SIZES:
         assert base_count == pytest.approx(PUBLISHED_SIZES[name], rel=5e-3)
     if config["num_attention_heads"] == 40:  # the 14B body: image conditioning is all the difference
-        assert base_count - t2v_14b_parameters == image_conditioning_parameters(config) + (
-            config["in_channels"] - 16) * config["num_attention_heads"] * config["attention_head_dim"] * 4  # patch conv
+        assert (
+            base_count - t2v_14b_parameters
+            == image_conditioning_parameters(config)
+            + (config["in_channels"] - 16) * config["num_attention_heads"] * config["attention_head_dim"] * 4
+        )  # patch conv
     if config["added_kv_proj_dim"]:
         assert base[f"blocks.{config['num_layers'] - 1}.attn2.add_k_proj.weight"] == (5120, 5120)
         assert base["condition_embedder.image_embedder.norm1.weight"] == (1280,)
@@ -97,7 +105,9 @@ def test_mhla_adds_exactly_its_parameters_to_the_published_model(name, t2v_14b_p
         assert {key: after[key] for key in base} == base, variant  # nothing removed or reshaped
         new_parameters = {n: p for n, p in model.named_parameters() if ".processor." in n}
         assert all(p.is_meta for p in new_parameters.values()), variant  # nothing allocated
-        assert all(p.requires_grad == mhla_config.learnable_mixing for n, p in new_parameters.items() if n.endswith("mixing"))
+        assert all(
+            p.requires_grad == mhla_config.learnable_mixing for n, p in new_parameters.items() if n.endswith("mixing")
+        )
         new_count = sum(math.prod(shape) for shape in added.values())
         assert conversion.num_new_parameters == new_count, variant
         assert sum(p.numel() for p in model.parameters()) == base_count + new_count, variant

@@ -23,8 +23,15 @@ from mhla_diffusion.utils.geometry import (
 
 def test_defaults_are_wan21_and_missing_config_entries_keep_them():
     wan = VideoGeometry()
-    assert wan == VideoGeometry.from_configs({}, {}) == VideoGeometry.from_configs(None, {"scale_factor_temporal": None})
-    assert (wan.vae_scale_temporal, wan.vae_scale_spatial, wan.patch_size, wan.max_tokens_per_axis) == (4, 8, (1, 2, 2), 1024)
+    assert (
+        wan == VideoGeometry.from_configs({}, {}) == VideoGeometry.from_configs(None, {"scale_factor_temporal": None})
+    )
+    assert (wan.vae_scale_temporal, wan.vae_scale_spatial, wan.patch_size, wan.max_tokens_per_axis) == (
+        4,
+        8,
+        (1, 2, 2),
+        1024,
+    )
     assert wan.token_grid(81, 480, 832) == video_token_grid(81, 480, 832) == (21, 30, 52)
     assert wan.size_multiple == wan.generation_multiple == (16, 16)
     assert wan.max_size() == (4093, 16384, 16384)
@@ -36,8 +43,12 @@ def test_defaults_are_wan21_and_missing_config_entries_keep_them():
 
 
 def _random_geometry(rng: random.Random) -> VideoGeometry:
-    return VideoGeometry(rng.choice([1, 2, 4]), rng.choice([4, 8, 16]),
-                         (rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4])), rng.choice([None, 8, 64]))
+    return VideoGeometry(
+        rng.choice([1, 2, 4]),
+        rng.choice([4, 8, 16]),
+        (rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4])),
+        rng.choice([None, 8, 64]),
+    )
 
 
 def test_random_sizes_follow_the_arithmetic():
@@ -53,9 +64,14 @@ def test_random_sizes_follow_the_arithmetic():
         latent_frames = (frames - 1) // t + 1
         limit = math.inf if g.max_tokens_per_axis is None else g.max_tokens_per_axis
         valid = (
-            frames >= 1 and (frames - 1) % t == 0 and latent_frames % pt == 0 and latent_frames // pt <= limit
-            and all(size >= step and size % step == 0 and size // step <= limit
-                    for size, step in ((height, s * ph), (width, s * pw)))
+            frames >= 1
+            and (frames - 1) % t == 0
+            and latent_frames % pt == 0
+            and latent_frames // pt <= limit
+            and all(
+                size >= step and size % step == 0 and size // step <= limit
+                for size, step in ((height, s * ph), (width, s * pw))
+            )
         )
         if valid:
             valid_draws += 1
@@ -94,22 +110,32 @@ def test_edge_sizes():
 
 
 def test_errors_name_the_models_factors():
-    x4 = VideoGeometry.from_configs({"patch_size": [1, 2, 2], "rope_max_seq_len": 64},
-                                    {"scale_factor_temporal": 4, "scale_factor_spatial": 4})
+    x4 = VideoGeometry.from_configs(
+        {"patch_size": [1, 2, 2], "rope_max_seq_len": 64}, {"scale_factor_temporal": 4, "scale_factor_spatial": 4}
+    )
     assert x4.size_multiple == (8, 8) and x4.max_size() == (253, 512, 512)
     x4.check_size(17, 72, 64)  # 8 px multiples make whole patches ...
-    with pytest.raises(ValueError, match=r"height 72 must be a positive multiple of 16 \(VAE x4 in time and x4 in space, "
-                                         r"patch 1x2x2; Diffusers' WanPipeline needs multiples of 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"height 72 must be a positive multiple of 16 \(VAE x4 in time and x4 in space, "
+        r"patch 1x2x2; Diffusers' WanPipeline needs multiples of 16\)",
+    ):
         x4.check_size(17, 72, 64, generation=True)  # ... but WanPipeline wants 16
     assert x4.generation_multiple == (WAN_PIPELINE_SIZE_MULTIPLE,) * 2
     with pytest.raises(ValueError, match=r"width 60 must be a positive multiple of 8 \(VAE x4 in time and x4 in space"):
         x4.check_size(17, 64, 60)
-    with pytest.raises(ValueError, match=r"width 520 is larger than the model supports: at most 512 \(its position "
-                                         r"encoding holds 64 tokens per axis"):
+    with pytest.raises(
+        ValueError,
+        match=r"width 520 is larger than the model supports: at most 512 \(its position "
+        r"encoding holds 64 tokens per axis",
+    ):
         x4.check_size(17, 64, 520)
     odd = VideoGeometry(vae_scale_temporal=2, vae_scale_spatial=4, patch_size=(2, 1, 1), max_tokens_per_axis=None)
-    with pytest.raises(ValueError, match=r"5 frames is not supported: use 2k\+1 with latent frames divisible by 2 "
-                                         r"\(3, 7, 11, 15, ...\) \(VAE x2 in time and x4 in space, patch 2x1x1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"5 frames is not supported: use 2k\+1 with latent frames divisible by 2 "
+        r"\(3, 7, 11, 15, ...\) \(VAE x2 in time and x4 in space, patch 2x1x1\)",
+    ):
         odd.check_size(5, 4, 4)
     assert odd.token_grid(7, 4, 12) == (2, 1, 3) and odd.generation_multiple == (16, 16)
     with pytest.raises(ValueError, match=r"height 18 must be a positive multiple of 4 \(VAE x2, patch 2\)"):
@@ -144,13 +170,19 @@ def test_grid_against_layout():
     check_layout_fits((1, 2, 2), (2, 2, 2), "a 1x32x32 video")
     with pytest.raises(ValueError, match=r"`layout` \(0, 2\) has fewer than 1 block on axis \[0\]"):
         validate_grid_layout((4, 4), (0, 2))
-    with pytest.raises(ValueError, match=r"an image has token grid \(4, 4\), which the MHLA block layout \(2, 2, 2\) "
-                                         r"cannot cut: `layout` \(2, 2, 2\) has 3 axes"):
+    with pytest.raises(
+        ValueError,
+        match=r"an image has token grid \(4, 4\), which the MHLA block layout \(2, 2, 2\) "
+        r"cannot cut: `layout` \(2, 2, 2\) has 3 axes",
+    ):
         check_layout_fits((4, 4), (2, 2, 2), "an image")
     # the released DiT denominator still needs equal blocks, so no empty ones
     check_layout_fits((4, 4), (2, 2), "an image", "scalar_mixed_denominator")
-    with pytest.raises(ValueError, match=r"needs equal-size blocks, but the block layout \(2, 2, 2\) does not divide "
-                                         r"the token grid of a 1x32x32 video \(1, 2, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs equal-size blocks, but the block layout \(2, 2, 2\) does not divide "
+        r"the token grid of a 1x32x32 video \(1, 2, 2\)",
+    ):
         check_layout_fits((1, 2, 2), (2, 2, 2), "a 1x32x32 video", "scalar_mixed_denominator")
 
 
@@ -166,8 +198,11 @@ def test_max_size_is_the_position_encodings_limit():
     def forward(f: int, h: int, w: int) -> None:
         latent = geometry.latent_shape(f, h, w)
         with torch.no_grad():
-            model(hidden_states=torch.randn(1, 16, *latent), timestep=torch.tensor([500]),
-                  encoder_hidden_states=torch.randn(1, 3, 32))
+            model(
+                hidden_states=torch.randn(1, 16, *latent),
+                timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 3, 32),
+            )
 
     geometry.check_size(frames, height, width)
     forward(frames, height, width)
@@ -198,8 +233,17 @@ def test_token_grid_is_what_mhla_processors_see():
     pipe.transformer.blocks[0].attn1.register_forward_hook(record, with_kwargs=True)
     for frames, height, width in ((9, 32, 32), (8, 32, 48), (13, 48, 16), (1, 16, 16), (6, 64, 32)):
         seen.clear()
-        pipe(prompt="a red circle", num_frames=frames, height=height, width=width, num_inference_steps=1,
-             guidance_scale=1.0, max_sequence_length=8, output_type="latent", generator=torch.Generator().manual_seed(0))
+        pipe(
+            prompt="a red circle",
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=1,
+            guidance_scale=1.0,
+            max_sequence_length=8,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        )
         grid = geometry.token_grid(frames, height, width, strict=False)
         assert seen and all(g == grid and n == math.prod(grid) for g, n in seen), (frames, height, width, seen)
         if geometry.valid_frames(frames):

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 import torch
-from helpers.models import run, wan_inputs
 
+from helpers.models import run, wan_inputs
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer, save_mhla
 from mhla_diffusion.benchmarks.load import LoadCase, in_weight_file_mapping, measure_load, write_weights
-from mhla_diffusion.pipelines import MHLAWanPipeline
 from mhla_diffusion.models.tiny import tiny_wan_transformer
+from mhla_diffusion.pipelines import MHLAWanPipeline
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps (Linux)")
 
@@ -83,9 +83,19 @@ def test_training_a_loaded_model_and_saving_over_its_folder_keeps_the_files_safe
 
 
 SMALL_WAN = dict(  # Wan2.1-1.3B's width with one block: ~0.2 GB in float32, enough to see a copy
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=256, freq_dim=256, ffn_dim=8960, num_layers=1, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=256,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=1,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
 )
 
 

@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 from diffusers import DiTTransformer2DModel
-from helpers.models import run
-from helpers.original_format import outside
-from helpers.original_dit import dit_inputs, original_checkpoint, original_dit_forward, sincos_table
 from safetensors.torch import save_file
 
+from helpers.models import run
+from helpers.original_dit import dit_inputs, original_checkpoint, original_dit_forward, sincos_table
+from helpers.original_format import outside
 from mhla_diffusion import MHLAConfig, MHLADiTTransformer2DModel, get_mhla_conversion, load_mhla, load_transformer
 from mhla_diffusion.cli import main
 from mhla_diffusion.loaders.loading import load_transformer_file
@@ -24,8 +24,9 @@ from mhla_diffusion.loaders.original_wan import read_checkpoint
 
 
 def reference(sd, inputs, heads=4, block_tokens=None):
-    return original_dit_forward(sd, inputs["hidden_states"], inputs["timestep"], inputs["class_labels"],
-                                heads=heads, block_tokens=block_tokens)
+    return original_dit_forward(
+        sd, inputs["hidden_states"], inputs["timestep"], inputs["class_labels"], heads=heads, block_tokens=block_tokens
+    )
 
 
 @pytest.mark.parametrize("latent,learn_sigma", [(8, True), (16, False)])
@@ -51,7 +52,9 @@ def test_released_dit_mhla_matches_the_original_forward(latent, block_tokens, la
     assert conversion.layers == [0, 1] and conversion.layout == layout
     assert conversion.config == MHLAConfig.released_dit(layers=[0, 1], layout=layout)
     inputs = dit_inputs(latent=latent)
-    torch.testing.assert_close(run(model, inputs), reference(sd, inputs, block_tokens=block_tokens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        run(model, inputs), reference(sd, inputs, block_tokens=block_tokens), rtol=1e-5, atol=1e-5
+    )
     model.double()
     inputs = dit_inputs(latent=latent, dtype=torch.float64)
     torch.testing.assert_close(run(model, inputs), reference(sd, inputs, block_tokens=block_tokens), rtol=0, atol=1e-10)
@@ -71,12 +74,21 @@ def test_the_imported_model_is_not_diffusers_default_timestep_embedding():
 def test_train_checkpoint_prefers_ema_and_can_choose(tmp_path):
     ema, weights = original_checkpoint(seed=1), original_checkpoint(seed=2)
     path = tmp_path / "0001000.pt"
-    torch.save({"model": {f"module.{k}": v for k, v in weights.items()}, "ema": ema, "opt": {"state": {}},
-                "args": argparse.Namespace(model="DiT-S/2", lr=1e-4)}, path)
+    torch.save(
+        {
+            "model": {f"module.{k}": v for k, v in weights.items()},
+            "ema": ema,
+            "opt": {"state": {}},
+            "args": argparse.Namespace(model="DiT-S/2", lr=1e-4),
+        },
+        path,
+    )
     assert torch.equal(read_dit_checkpoint(path)["x_embedder.proj.bias"], ema["x_embedder.proj.bias"])
     assert torch.equal(read_dit_checkpoint(path, "model")["x_embedder.proj.bias"], weights["x_embedder.proj.bias"])
     inputs = dit_inputs()
-    torch.testing.assert_close(run(load_original_dit(path, num_heads=4, weights="model"), inputs), reference(weights, inputs))
+    torch.testing.assert_close(
+        run(load_original_dit(path, num_heads=4, weights="model"), inputs), reference(weights, inputs)
+    )
     plain = tmp_path / "plain.pt"
     torch.save(ema, plain)
     with pytest.raises(ValueError, match="plain state dict"):
@@ -182,7 +194,10 @@ def test_import_dit_cli_plain_folder_reloads(tmp_path, capsys):
     for loaded in (load_transformer(out), load_transformer_file(out), MHLADiTTransformer2DModel.from_pretrained(out)):
         torch.testing.assert_close(run(loaded, inputs), expected, rtol=1e-5, atol=1e-5)
     stock = DiTTransformer2DModel.from_pretrained(out)  # loads, but Diffusers ignores timestep_freq_shift
-    assert stock.config.timestep_freq_shift == 0 and stock.transformer_blocks[0].norm1.emb.time_proj.downscale_freq_shift == 1
+    assert (
+        stock.config.timestep_freq_shift == 0
+        and stock.transformer_blocks[0].norm1.emb.time_proj.downscale_freq_shift == 1
+    )
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 2
     assert "not an empty folder" in capsys.readouterr().err
     mhla_checkpoint = tmp_path / "dit_mhla.pt"
@@ -202,8 +217,24 @@ def test_import_dit_then_class_to_image(pipeline_dirs, tmp_path, capsys):
     out = tmp_path / "transformer"
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 0
     capsys.readouterr()
-    assert main(["class-to-image", "--model", str(pipeline_dirs["dit"]), "--transformer", str(out), "--class", "goldfish",
-                 "--steps", "2", "--output-dir", str(tmp_path / "images")]) == 0
+    assert (
+        main(
+            [
+                "class-to-image",
+                "--model",
+                str(pipeline_dirs["dit"]),
+                "--transformer",
+                str(out),
+                "--class",
+                "goldfish",
+                "--steps",
+                "2",
+                "--output-dir",
+                str(tmp_path / "images"),
+            ]
+        )
+        == 0
+    )
     settings = json.loads((tmp_path / "images" / "000-goldfish-seed0-mhla.json").read_text())
     assert settings["transformer"] == str(out) and settings["attention"] == "mhla"
 
@@ -213,8 +244,10 @@ def test_import_dit_of_a_corrupt_file_is_one_line_without_unsafe_advice(tmp_path
     checkpoint, out = tmp_path / name, tmp_path / "transformer"
     checkpoint.write_bytes(random.Random(0).randbytes(4096))  # e.g. a truncated download
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 2
-    assert capsys.readouterr().err == (f"mhla import-dit: error: {checkpoint} is not a readable PyTorch/safetensors "
-                                       "checkpoint (corrupt or truncated?)\n")
+    assert capsys.readouterr().err == (
+        f"mhla import-dit: error: {checkpoint} is not a readable PyTorch/safetensors "
+        "checkpoint (corrupt or truncated?)\n"
+    )
     assert not out.exists()
 
 
@@ -222,6 +255,8 @@ def test_a_checkpoint_with_other_objects_is_refused_naming_them_not_advising_uns
     checkpoint, out = tmp_path / "dit.pt", tmp_path / "transformer"
     torch.save({"model": original_checkpoint(), "args": pathlib.PurePosixPath("not/allowed")}, checkpoint)
     assert main(["import-dit", str(checkpoint), "--output", str(out), "--num-heads", "4"]) == 2
-    assert capsys.readouterr().err == (f"mhla import-dit: error: {checkpoint} holds objects other than tensors and plain "
-                                       "values (pathlib.PurePosixPath), which are not loaded\n")
+    assert capsys.readouterr().err == (
+        f"mhla import-dit: error: {checkpoint} holds objects other than tensors and plain "
+        "values (pathlib.PurePosixPath), which are not loaded\n"
+    )
     assert not out.exists()

@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
-from helpers.models import run, wan_inputs
-from helpers.original_format import i2v_inputs, outside, released_model, to_original
 from safetensors.torch import save_file
 
+from helpers.models import run, wan_inputs
+from helpers.original_format import i2v_inputs, outside, released_model, to_original
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, get_mhla_conversion
 from mhla_diffusion.benchmarks.load import in_weight_file_mapping
-from mhla_diffusion.models.processors.base import kept_in_fp32
 from mhla_diffusion.loaders.original_wan import (
     empty_original_wan,
     empty_wan_transformer,
@@ -23,8 +22,9 @@ from mhla_diffusion.loaders.original_wan import (
     read_checkpoint,
     rename_original_wan_keys,
 )
-from mhla_diffusion.utils.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
+from mhla_diffusion.models.processors.base import kept_in_fp32
 from mhla_diffusion.models.tiny import tiny_wan_transformer
+from mhla_diffusion.utils.wan_configs import WAN_TRANSFORMER_CONFIGS, wan_transformer_config
 
 
 @pytest.mark.parametrize("gate,lepe", [(True, False), (False, False), (True, True)])
@@ -94,8 +94,15 @@ FLF2V = dict(I2V, pos_embed_seq_len=8)
 def test_image_to_video_checkpoint_round_trip(tmp_path, options):
     model = released_model(gate=True, **options)
     original = to_original(model)
-    image_keys = {"img_emb.proj.0.weight", "img_emb.proj.1.weight", "img_emb.proj.3.weight", "img_emb.proj.4.bias",
-                  "blocks.2.cross_attn.k_img.weight", "blocks.2.cross_attn.v_img.bias", "blocks.2.cross_attn.norm_k_img.weight"}
+    image_keys = {
+        "img_emb.proj.0.weight",
+        "img_emb.proj.1.weight",
+        "img_emb.proj.3.weight",
+        "img_emb.proj.4.bias",
+        "blocks.2.cross_attn.k_img.weight",
+        "blocks.2.cross_attn.v_img.bias",
+        "blocks.2.cross_attn.norm_k_img.weight",
+    }
     assert image_keys <= set(original)
     assert ("img_emb.emb_pos" in original) == ("pos_embed_seq_len" in options)
     path = tmp_path / "i2v.safetensors"
@@ -124,7 +131,9 @@ def test_image_to_video_key_problems_are_listed():
     assert "blocks.1.attn2.norm_added_k.weight: saved (25,) vs model (24,)" in message
     assert "condition_embedder.image_embedder.ff.net.0.proj.weight: saved (20, 21) vs model (20, 20)" in message
     unknown = dict(original, **{"blocks.0.cross_attn.q_img.weight": torch.ones(24, 24)})
-    with pytest.raises(ValueError, match=r"no original-Wan \(T2V, I2V\) or MHLA key: \['blocks.0.cross_attn.q_img.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"no original-Wan \(T2V, I2V\) or MHLA key: \['blocks.0.cross_attn.q_img.weight'\]"
+    ):
         load_original_wan(unknown, layout=(2, 2, 3), attention_head_dim=12)
     # image keys in some blocks only: the blocks without them are named, not silently left at their init
     partial = {k: v for k, v in original.items() if not k.startswith("blocks.0.cross_attn.") or "_img" not in k}
@@ -149,8 +158,10 @@ def test_given_config_is_checked_against_the_checkpoint():
 def _shard(original: dict, folder, index: bool = True) -> dict[str, str]:
     """Write ``original`` as two safetensors shards (+ their index); returns the weight map."""
     keys = sorted(original)
-    weight_map = {k: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
-                  for i, k in enumerate(keys)}
+    weight_map = {
+        k: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
+        for i, k in enumerate(keys)
+    }
     for name in set(weight_map.values()):
         save_file({k: original[k] for k in keys if weight_map[k] == name}, folder / name)
     if index:
@@ -226,7 +237,9 @@ def test_import_in_another_dtype_converts_each_tensor_once(tmp_path):
     model = released_model(gate=True)
     path = tmp_path / "ckpt.safetensors"
     save_file(to_original(model), path)
-    imported = load_original_wan(path, layout=(2, 2, 3), attention_head_dim=12, rope_max_seq_len=32, dtype=torch.bfloat16)
+    imported = load_original_wan(
+        path, layout=(2, 2, 3), attention_head_dim=12, rope_max_seq_len=32, dtype=torch.bfloat16
+    )
     keep = imported._keep_in_fp32_modules
     params = dict(imported.named_parameters())
     # as Diffusers' from_pretrained keeps them, and MHLA's mixing and norms (processors.base.FP32_PARAMETERS)
@@ -236,8 +249,9 @@ def test_import_in_another_dtype_converts_each_tensor_once(tmp_path):
     assert {n for n, p in params.items() if p.dtype == torch.float32} == fp32
     assert all(p.dtype == torch.bfloat16 for n, p in params.items() if n not in fp32)
     assert outside({n: params[n] for n in fp32}, path) == []  # unchanged dtype: still the file's data
-    assert outside({"blocks.1.attn1.processor.gate.weight": params["blocks.1.attn1.processor.gate.weight"]},
-                   path)  # converted: a new tensor
+    assert outside(
+        {"blocks.1.attn1.processor.gate.weight": params["blocks.1.attn1.processor.gate.weight"]}, path
+    )  # converted: a new tensor
     # a bfloat16 file imported as stored stays bfloat16 and mapped
     bf16_path = tmp_path / "bf16.safetensors"
     save_file({k: v.to(torch.bfloat16) for k, v in to_original(model).items()}, bf16_path)
@@ -300,6 +314,7 @@ def test_legacy_torch_file_is_read_whole_with_a_warning(tmp_path):
 
 # ---- full-size checkpoints, on the meta device (keys and shapes only, no memory) --------------------------------
 
+
 @pytest.mark.parametrize("name", list(WAN_TRANSFORMER_CONFIGS))
 def test_published_models_import_strictly_at_full_size(name):
     """Each published model's original-format keys and shapes (made on the meta device) map onto exactly the
@@ -309,7 +324,11 @@ def test_published_models_import_strictly_at_full_size(name):
     original = to_original(source)
     assert all(t.is_meta for t in original.values())
     if published["image_dim"]:
-        image_keys = {"img_emb.proj.1.weight", "blocks.39.cross_attn.k_img.weight", "blocks.0.cross_attn.norm_k_img.weight"}
+        image_keys = {
+            "img_emb.proj.1.weight",
+            "blocks.39.cross_attn.k_img.weight",
+            "blocks.0.cross_attn.norm_k_img.weight",
+        }
         assert image_keys <= set(original)
     renamed = rename_original_wan_keys(original)
     assert original_wan_config(renamed) == published
@@ -322,6 +341,7 @@ def test_published_models_import_strictly_at_full_size(name):
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 
+
 def test_import_wan_command_with_config_and_dtype(tmp_path, capsys):
     from mhla_diffusion.cli import main
 
@@ -331,8 +351,23 @@ def test_import_wan_command_with_config_and_dtype(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(model.config, _class_name="WanTransformer3DModel")))
     out = tmp_path / "transformer"
-    assert main(["import-wan", str(checkpoint), "--output", str(out), "--layout", "2x2x3", "--config", str(config),
-                 "--dtype", "bfloat16"]) == 0
+    assert (
+        main(
+            [
+                "import-wan",
+                str(checkpoint),
+                "--output",
+                str(out),
+                "--layout",
+                "2x2x3",
+                "--config",
+                str(config),
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     assert "MHLA on 2 of 3" in capsys.readouterr().out
     reloaded = MHLAWanTransformer3DModel.from_pretrained(out, torch_dtype=torch.bfloat16)
     assert reloaded.config.image_dim == 20 and get_mhla_conversion(reloaded).layers == [1, 2]
@@ -346,17 +381,35 @@ def test_import_wan_command_with_config_and_dtype(tmp_path, capsys):
     torch.testing.assert_close(run(reloaded, inputs).float(), run(model, i2v_inputs(model)), rtol=0.05, atol=0.05)
     # a published config that does not fit, and a name that is none, are refused before anything is written
     for config_spec, message in (
-        ("Wan2.1-I2V-14B-480P", "does not fit the given config (text_dim: checkpoint 32, config 4096; ffn_dim: checkpoint 32, config 13824"),
+        (
+            "Wan2.1-I2V-14B-480P",
+            "does not fit the given config (text_dim: checkpoint 32, config 4096; ffn_dim: checkpoint 32, config 13824",
+        ),
         ("Wan9-T2V", "neither a config.json nor a published config"),
     ):
-        assert main(["import-wan", str(checkpoint), "--output", str(tmp_path / "other"), "--layout", "2x2x3",
-                     "--config", config_spec]) == 2
+        assert (
+            main(
+                [
+                    "import-wan",
+                    str(checkpoint),
+                    "--output",
+                    str(tmp_path / "other"),
+                    "--layout",
+                    "2x2x3",
+                    "--config",
+                    config_spec,
+                ]
+            )
+            == 2
+        )
         assert message in capsys.readouterr().err
         assert not (tmp_path / "other").exists()
 
 
 def test_published_config_names():
-    assert wan_transformer_config("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers") == WAN_TRANSFORMER_CONFIGS["Wan2.1-I2V-14B-720P"]
+    assert (
+        wan_transformer_config("Wan-AI/Wan2.1-I2V-14B-720P-Diffusers") == WAN_TRANSFORMER_CONFIGS["Wan2.1-I2V-14B-720P"]
+    )
     config = wan_transformer_config("wan2.1-t2v-1.3b")
     config["num_layers"] = 1  # a copy: the published dict stays as it is
     assert WAN_TRANSFORMER_CONFIGS["Wan2.1-T2V-1.3B"]["num_layers"] == 30
@@ -371,6 +424,8 @@ def test_import_wan_of_a_corrupt_file_is_one_line_naming_it(tmp_path, capsys, na
     checkpoint, out = tmp_path / name, tmp_path / "transformer"
     checkpoint.write_bytes(random.Random(0).randbytes(4096))  # e.g. a truncated download
     assert main(["import-wan", str(checkpoint), "--output", str(out)]) == 2
-    assert capsys.readouterr().err == (f"mhla import-wan: error: {checkpoint} is not a readable PyTorch/safetensors "
-                                       "checkpoint (corrupt or truncated?)\n")
+    assert capsys.readouterr().err == (
+        f"mhla import-wan: error: {checkpoint} is not a readable PyTorch/safetensors "
+        "checkpoint (corrupt or truncated?)\n"
+    )
     assert not out.exists()

@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import dit_inputs, run
 
+from helpers.models import dit_inputs, run
 from mhla_diffusion import MHLAConfig, convert_to_mhla, get_mhla_conversion, load_mhla, save_mhla
 from mhla_diffusion.cli import main
 from mhla_diffusion.finetune.components import mhla_config_from_options
 from mhla_diffusion.finetune.options import DiTTrainOptions, WanTrainOptions, options_from_dict
-from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel
 from mhla_diffusion.models.tiny import tiny_dit_transformer
+from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel
 
 SCALAR = "scalar_mixed_denominator"
 
@@ -86,11 +86,15 @@ def random_released_params(channels: int, m: int, seed: int = 0) -> dict:
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
     return {
-        "norm.weight": 1 + rnd(channels), "norm.bias": rnd(channels),
-        "to_qkv.weight": rnd(3 * channels, channels), "to_qkv.bias": rnd(3 * channels),
-        "lepe.weight": rnd(channels, 1, 3, 3), "lepe.bias": rnd(channels),
+        "norm.weight": 1 + rnd(channels),
+        "norm.bias": rnd(channels),
+        "to_qkv.weight": rnd(3 * channels, channels),
+        "to_qkv.bias": rnd(3 * channels),
+        "lepe.weight": rnd(channels, 1, 3, 3),
+        "lepe.bias": rnd(channels),
         "piece_attn.conv.weight": torch.rand(m, m, 1, 1, generator=g, dtype=torch.float64),  # in [0, 1] as clamped
-        "to_out.0.weight": rnd(channels, channels), "to_out.0.bias": rnd(channels),
+        "to_out.0.weight": rnd(channels, channels),
+        "to_out.0.bias": rnd(channels),
     }
 
 
@@ -100,8 +104,8 @@ def copy_released_params(attn: torch.nn.Module, params: dict) -> None:
     channels = attn.to_q.in_features
     with torch.no_grad():
         for i, proj in enumerate((attn.to_q, attn.to_k, attn.to_v)):
-            proj.weight.copy_(params["to_qkv.weight"][i * channels:(i + 1) * channels])
-            proj.bias.copy_(params["to_qkv.bias"][i * channels:(i + 1) * channels])
+            proj.weight.copy_(params["to_qkv.weight"][i * channels : (i + 1) * channels])
+            proj.bias.copy_(params["to_qkv.bias"][i * channels : (i + 1) * channels])
         attn.to_out[0].weight.copy_(params["to_out.0.weight"])
         attn.to_out[0].bias.copy_(params["to_out.0.bias"])
         proc.input_norm.weight.copy_(params["norm.weight"])
@@ -157,13 +161,17 @@ def test_conversion_on_dit_xl2_grid_picks_4x4_blocks_and_identity_extras():
     channels = model.transformer_blocks[0].attn1.to_q.in_features
     assert isinstance(proc.input_norm, torch.nn.LayerNorm) and proc.input_norm.eps == 1e-5
     assert proc.input_norm.normalized_shape == (channels,)
-    assert torch.equal(proc.input_norm.weight, torch.ones(channels)) and torch.equal(proc.input_norm.bias, torch.zeros(channels))
+    assert torch.equal(proc.input_norm.weight, torch.ones(channels)) and torch.equal(
+        proc.input_norm.bias, torch.zeros(channels)
+    )
     assert proc.mixing.shape == (16, 16) and proc.mixing.requires_grad
     assert proc.lepe.weight.shape == (channels, 1, 3, 3) and proc.lepe.groups == channels
     assert proc.lepe.weight[:, 0, 1, 1].eq(1).all() and proc.lepe.weight.abs().sum() == channels
     keys = {k for k in model.state_dict() if ".processor." in k}
-    assert keys == {f"transformer_blocks.0.attn1.processor.{name}" for name in
-                    ("mixing", "input_norm.weight", "input_norm.bias", "lepe.weight", "lepe.bias")}
+    assert keys == {
+        f"transformer_blocks.0.attn1.processor.{name}"
+        for name in ("mixing", "input_norm.weight", "input_norm.bias", "lepe.weight", "lepe.bias")
+    }
     assert "input LayerNorm" in conversion.summary() and "output dropout 0.1" in conversion.summary()
 
 
@@ -176,7 +184,9 @@ def test_auto_layout_prefers_layouts_that_divide_the_grid():
 
 def test_conversion_refuses_a_layout_that_does_not_divide_the_grid():
     model = tiny_dit_transformer(num_layers=1, sample_size=16)  # 8x8 token grid
-    with pytest.raises(ValueError, match=r"layout \(3, 2\) does not divide the model's token grid .*\(8, 8\).*e\.g\. \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"layout \(3, 2\) does not divide the model's token grid .*\(8, 8\).*e\.g\. \(2, 2\)"
+    ):
         convert_to_mhla(model, MHLAConfig.released_dit(layout=(3, 2)))
 
 
@@ -275,7 +285,9 @@ def test_save_load_round_trip(tmp_path):
 
 def test_trainer_accepts_the_released_dit_preset():
     required = dict(pretrained_model="model", data_dir="data", output_dir="out")
-    options = options_from_dict(DiTTrainOptions, {**required, "mhla_preset": "released-dit", "mhla": {"layout": [4, 4]}})
+    options = options_from_dict(
+        DiTTrainOptions, {**required, "mhla_preset": "released-dit", "mhla": {"layout": [4, 4]}}
+    )
     assert options.mhla_preset == "released-dit"
     assert mhla_config_from_options(options.mhla, options.mhla_preset) == MHLAConfig.released_dit(layout=(4, 4))
     assert mhla_config_from_options({}, "released-dit") == MHLAConfig.released_dit()

@@ -6,10 +6,18 @@ import json
 
 import pytest
 import torch
-from helpers.models import dit_inputs, run, wan_inputs
 from safetensors.torch import load_file, save_file
 
-from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, convert_to_mhla, get_mhla_conversion, load_mhla, load_transformer, save_mhla
+from helpers.models import dit_inputs, run, wan_inputs
+from mhla_diffusion import (
+    MHLAConfig,
+    MHLAWanTransformer3DModel,
+    convert_to_mhla,
+    get_mhla_conversion,
+    load_mhla,
+    load_transformer,
+    save_mhla,
+)
 from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
 
 

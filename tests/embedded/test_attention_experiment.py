@@ -16,8 +16,15 @@ from mhla_diffusion.embedded.attention_experiment import ExperimentSettings, est
 from mhla_diffusion.embedded.build import settings_with
 from mhla_diffusion.embedded.experiment_statistics import interval, paired_difference
 from mhla_diffusion.embedded.generative_check import ARMS, asymmetry, mirror_images, new_denoiser, sample_scale
-from mhla_diffusion.embedded.operator_experiment import (RECALL_PAIRS, STUDENTS, AttentionStudent, Task,
-                                                         attention_measures, mhla_layout, rank_bound)
+from mhla_diffusion.embedded.operator_experiment import (
+    RECALL_PAIRS,
+    STUDENTS,
+    AttentionStudent,
+    Task,
+    attention_measures,
+    mhla_layout,
+    rank_bound,
+)
 from mhla_diffusion.models.conversion import get_mhla_conversion
 
 
@@ -68,14 +75,23 @@ def test_attention_measures_of_known_matrices():
 def test_interval_and_paired_difference():
     values = [1.0, 2.0, 4.0, 3.0, 5.0]
     low, high = stats.t.interval(0.95, 4, loc=np.mean(values), scale=stats.sem(values))
-    assert interval(values) == pytest.approx({"n": 5, "mean": 3.0, "sd": np.std(values, ddof=1), "low": low, "high": high})
+    assert interval(values) == pytest.approx(
+        {"n": 5, "mean": 3.0, "sd": np.std(values, ddof=1), "low": low, "high": high}
+    )
     a, b = [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.8, 3.9]
     diff = paired_difference(a, b)
     assert diff["p"] == pytest.approx(stats.ttest_rel(a, b).pvalue)
     assert diff["called"] == (abs(diff["mean"]) > 2 * diff["se"])
     assert not paired_difference([1.0, 2.0, 3.0], [1.1, 1.8, 3.05])["called"]  # inside two standard errors
     assert paired_difference([1.0, 2.0], [0.0, 1.0]) | {"differences": None} == {
-        "n": 2, "mean": 1.0, "se": 0.0, "t": None, "p": 0.0, "called": True, "differences": None}
+        "n": 2,
+        "mean": 1.0,
+        "se": 0.0,
+        "t": None,
+        "p": 0.0,
+        "called": True,
+        "differences": None,
+    }
 
 
 def test_recall_queries_ask_for_a_pairs_value():
@@ -105,7 +121,9 @@ def test_local_teacher_ignores_distant_tokens():
 def test_mirror_images_are_symmetric_and_asymmetry_is_scaled_by_the_data():
     images = mirror_images(512, 32, torch.Generator().manual_seed(0))
     assert asymmetry(images) == 0.0
-    assert sample_scale(images, 32) == pytest.approx(1.0, rel=0.1) and sample_scale(3 * images, 32) == pytest.approx(3.0, rel=0.1)
+    assert sample_scale(images, 32) == pytest.approx(1.0, rel=0.1) and sample_scale(3 * images, 32) == pytest.approx(
+        3.0, rel=0.1
+    )
     unrelated = torch.cat([images[:, :, :, :16], images.roll(1, 0)[:, :, :, 16:]], dim=-1)
     assert 0.8 < asymmetry(unrelated) < 1.3
     assert asymmetry(3 * unrelated + 1) == pytest.approx(asymmetry(unrelated))  # whatever the samples' scale
@@ -141,10 +159,12 @@ def test_smoke_run_covers_every_arm(smoke_reproduction):
 
 def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "out"
-    for setting, message in [("part_a_students=linear,bogus", "part_a_students: ['bogus'] not known"),
-                             ("part_a_batch_sizes=2", "one entry per token count"),
-                             ("part_b_seeds=0", "at least two distinct seeds"),
-                             ("token_counts=16,60", "token count 60 is not a square grid")]:
+    for setting, message in [
+        ("part_a_students=linear,bogus", "part_a_students: ['bogus'] not known"),
+        ("part_a_batch_sizes=2", "one entry per token count"),
+        ("part_b_seeds=0", "at least two distinct seeds"),
+        ("token_counts=16,60", "token count 60 is not a square grid"),
+    ]:
         assert main(["reproduce", "--smoke", "--output", str(out), "--set", setting]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -152,9 +172,18 @@ def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_pat
 
 
 def _tiny() -> ExperimentSettings:
-    return settings_with(ExperimentSettings.smoke(), ["token_counts=16", "part_a_batch_sizes=2", "part_a_tasks=local",
-                                                      "part_a_students=linear", "part_b_arms=mhla", "part_b_tokens=16",
-                                                      "part_b_steps=4"])
+    return settings_with(
+        ExperimentSettings.smoke(),
+        [
+            "token_counts=16",
+            "part_a_batch_sizes=2",
+            "part_a_tasks=local",
+            "part_a_students=linear",
+            "part_b_arms=mhla",
+            "part_b_tokens=16",
+            "part_b_steps=4",
+        ],
+    )
 
 
 @pytest.mark.slow  # trains

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from mhla_diffusion.embedded import (generate_clips, latent_statistics, tiny_image_vae, tiny_video_vae, train_image_vae,
-                                 train_video_vae)
+from mhla_diffusion.embedded import (
+    generate_clips,
+    latent_statistics,
+    tiny_image_vae,
+    tiny_video_vae,
+    train_image_vae,
+    train_video_vae,
+)
 from mhla_diffusion.embedded.image_judge import images_to_tensor
 from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE, NUM_FRAMES
 from mhla_diffusion.embedded.video_judge import clips_to_tensor
@@ -56,7 +62,9 @@ def test_video_vae_training_lowers_loss_and_stores_latent_statistics():
         z = vae.encode(pixels).latent_dist.mean
     shape = (1, -1, 1, 1, 1)
     z_model = (z - torch.tensor(vae.config.latents_mean).view(shape)) / torch.tensor(vae.config.latents_std).view(shape)
-    torch.testing.assert_close(z_model.transpose(0, 1).flatten(1).std(1, unbiased=False), torch.ones(16), atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        z_model.transpose(0, 1).flatten(1).std(1, unbiased=False), torch.ones(16), atol=1e-3, rtol=0
+    )
 
 
 def test_video_vae_decodes_inside_wan_pipeline():
@@ -66,8 +74,16 @@ def test_video_vae_decodes_inside_wan_pipeline():
     pipe = type(base)(**{**base.components, "vae": tiny_video_vae()})
     assert pipe.vae_scale_factor_temporal == 4 and pipe.vae_scale_factor_spatial == 8
     pipe.set_progress_bar_config(disable=True)
-    video = pipe("a red circle moving left", num_frames=17, height=64, width=64, num_inference_steps=2,
-                 guidance_scale=1.0, output_type="np", generator=torch.Generator().manual_seed(0)).frames
+    video = pipe(
+        "a red circle moving left",
+        num_frames=17,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
     assert video.shape == (1, 17, 64, 64, 3)
 
 
@@ -95,9 +111,15 @@ def test_image_vae_decodes_inside_dit_pipeline():
     from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
 
     base = tiny_dit_pipeline()
-    pipe = type(base)(transformer=tiny_dit_transformer(sample_size=16, patch_size=2), vae=tiny_image_vae(),
-                      scheduler=base.scheduler)
+    pipe = type(base)(
+        transformer=tiny_dit_transformer(sample_size=16, patch_size=2), vae=tiny_image_vae(), scheduler=base.scheduler
+    )
     pipe.set_progress_bar_config(disable=True)
-    images = pipe(class_labels=[0, 1], num_inference_steps=2, guidance_scale=1.0, output_type="np",
-                  generator=torch.Generator().manual_seed(0)).images
+    images = pipe(
+        class_labels=[0, 1],
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images.shape == (2, 32, 32, 3)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
 from mhla_diffusion.embedded import embedded_judge, embedded_model
+from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
 from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE
 from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
 
@@ -33,6 +33,7 @@ def smoke_build(tmp_path_factory):
             steps[-1].append((name, step))
             if (name, step) == (part, at):
                 raise _Killed
+
         return on_step
 
     for part, at in [("video-vae", 1), ("t2v-softmax", 1)]:
@@ -40,8 +41,13 @@ def smoke_build(tmp_path_factory):
         with pytest.raises(_Killed):
             build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer(part, at))
     steps.append([])
-    report = build_demo_models(root / "work", root / "out", BuildSettings.smoke(), on_step=killer("", 0),
-                               figure=root / "docs" / "side-by-side.png")
+    report = build_demo_models(
+        root / "work",
+        root / "out",
+        BuildSettings.smoke(),
+        on_step=killer("", 0),
+        figure=root / "docs" / "side-by-side.png",
+    )
     return root, report, steps
 
 
@@ -88,7 +94,9 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     assert saved["settings"]["video_teacher_steps"] == BuildSettings.smoke().video_teacher_steps
     from mhla_diffusion.embedded.locations import weight_hashes
 
-    assert saved["weights_sha256"] == weight_hashes(out) and "shapes-t2v-mhla/transformer/" in " ".join(saved["weights_sha256"])
+    assert saved["weights_sha256"] == weight_hashes(out) and "shapes-t2v-mhla/transformer/" in " ".join(
+        saved["weights_sha256"]
+    )
     assert report["total_seconds"] > 0
     from PIL import Image
 
@@ -151,7 +159,9 @@ def test_settings_overrides_are_checked():
 
     changed = settings_with(BuildSettings(), ["video_teacher_steps=6000", "teacher_lr=1e-3", "train_digits=100"])
     assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)
-    with pytest.raises(ValueError, match="unknown setting `video_teacher_step` \\(did you mean `video_teacher_steps`\\?\\)"):
+    with pytest.raises(
+        ValueError, match="unknown setting `video_teacher_step` \\(did you mean `video_teacher_steps`\\?\\)"
+    ):
         settings_with(BuildSettings(), ["video_teacher_step=1"])
     with pytest.raises(ValueError, match="NAME=VALUE"):
         settings_with(BuildSettings(), ["video_teacher_steps"])
@@ -176,17 +186,21 @@ def test_build_from_a_finished_build_trains_only_the_students(smoke_build, tmp_p
     source = root / "out"
     settings = dataclasses.replace(BuildSettings.smoke(), video_student_steps=2)
     steps: list[str] = []
-    report = build_demo_models(tmp_path / "work", tmp_path / "out", settings, from_build=source,
-                               on_step=lambda part, step: steps.append(part))
+    report = build_demo_models(
+        tmp_path / "work", tmp_path / "out", settings, from_build=source, on_step=lambda part, step: steps.append(part)
+    )
     assert set(steps) == {"t2v-mhla", "c2i-mhla"} and steps.count("t2v-mhla") == settings.video_transfer_steps + 2
     for stage in ("judges", "autoencoders", "base", "teachers"):
         assert report[stage] == {**first[stage], "reused_from": str(source)}
     assert "reused_from" not in report["data"] and "reused_from" not in report["students"]
     saved, before = (json.loads((folder / "build_report.json").read_text()) for folder in (tmp_path / "out", source))
-    assert saved["settings"] == dataclasses.asdict(settings) and saved["weights_sha256"] == weight_hashes(tmp_path / "out")
+    assert saved["settings"] == dataclasses.asdict(settings) and saved["weights_sha256"] == weight_hashes(
+        tmp_path / "out"
+    )
 
     def kept(hashes):  # the teachers (with their VAEs) and the judges
         return {k: v for k, v in hashes.items() if "-softmax/" in k or k.startswith("judges/")}
+
     assert kept(saved["weights_sha256"]) == kept(before["weights_sha256"]) and kept(before["weights_sha256"])
     assert saved["weights_sha256"] != before["weights_sha256"]  # the students were trained again
     # the same command again finds every stage finished (a killed build resumes the same way), also with

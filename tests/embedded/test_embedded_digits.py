@@ -27,8 +27,9 @@ def test_split_is_deterministic_stratified_and_disjoint(digit_split):
 def test_folder_reads_back_through_the_dit_data_loader(tmp_path, digit_split):
     split = digit_split
     pick = np.arange(0, 40, 2)
-    folder = write_digits_folder(tmp_path / "digits", split.test_images[pick], split.test_labels[pick],
-                                 indices=split.test_indices[pick])
+    folder = write_digits_folder(
+        tmp_path / "digits", split.test_images[pick], split.test_labels[pick], indices=split.test_indices[pick]
+    )
     samples, report, ids = index_class_folder(folder, num_classes=NUM_DIGIT_CLASSES)
     assert report.used == len(pick)
     assert all(ids[name] == int(name) for name in ids)

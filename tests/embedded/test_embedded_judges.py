@@ -6,9 +6,23 @@ import numpy as np
 import pytest
 import torch
 
-from mhla_diffusion.embedded import (ATTRIBUTES, ImageJudge, VideoJudge, class_accuracy, clips_to_filmstrips,
-                                 filmstrips_to_clips, generate_clips, judge_features, load_judge, load_judge_features,
-                                 prompt_accuracy, save_judge, shape_clip, train_image_judge, train_video_judge)
+from mhla_diffusion.embedded import (
+    ATTRIBUTES,
+    ImageJudge,
+    VideoJudge,
+    class_accuracy,
+    clips_to_filmstrips,
+    filmstrips_to_clips,
+    generate_clips,
+    judge_features,
+    load_judge,
+    load_judge_features,
+    prompt_accuracy,
+    save_judge,
+    shape_clip,
+    train_image_judge,
+    train_video_judge,
+)
 from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE, NUM_FRAMES
 from mhla_diffusion.eval import ArrayImages, Reference, compute_activations, evaluate, frechet_distance
 
@@ -94,14 +108,17 @@ def test_video_judge_features_through_the_evaluator(short_video_judge, held_out_
 
     reds = strips[labels[:, 1] == ATTRIBUTES["colour"].index("red")]
     blues = strips[labels[:, 1] == ATTRIBUTES["colour"].index("blue")]
-    red1, red2, blue = (compute_activations(ArrayImages(x), extractor, 16, progress=False).pool_stats
-                        for x in (reds[:12], reds[12:], blues[:12]))
+    red1, red2, blue = (
+        compute_activations(ArrayImages(x), extractor, 16, progress=False).pool_stats
+        for x in (reds[:12], reds[12:], blues[:12])
+    )
     # the judge has learnt colour: red vs blue is further apart than red vs other red clips
     assert frechet_distance(red1, blue) > 2 * frechet_distance(red1, red2)
     # 12 clips in 32 dimensions: a singular covariance, so the self-distance is 0 up to round-off
     assert abs(frechet_distance(red1, red1)) < 1e-4 * frechet_distance(red1, blue)
-    report = evaluate(ArrayImages(strips), Reference("same", ArrayImages(strips)), extractor, batch_size=32,
-                      progress=False)
+    report = evaluate(
+        ArrayImages(strips), Reference("same", ArrayImages(strips)), extractor, batch_size=32, progress=False
+    )
     assert abs(report["metrics"]["fid"]) < 1e-6 and report["metrics"]["precision"] == report["metrics"]["recall"] == 1.0
 
 
@@ -115,10 +132,16 @@ def test_image_judge_features_through_the_evaluator(digit_split):
     assert out["logits_unbiased"].shape == (64, 10)
     bigger = torch.from_numpy(np.repeat(np.repeat(images[:4], 2, 1), 2, 2)).permute(0, 3, 1, 2)
     assert extractor(bigger)["pool"].shape == (4, 16)  # other sizes are resized
-    report = evaluate(ArrayImages(images), Reference("same", ArrayImages(images)), extractor, batch_size=32,
-                      progress=False)
+    report = evaluate(
+        ArrayImages(images), Reference("same", ArrayImages(images)), extractor, batch_size=32, progress=False
+    )
     assert abs(report["metrics"]["fid"]) < 1e-6
     ones, sevens = split.test_images[split.test_labels == 1], split.test_images[split.test_labels == 7]
-    fid = evaluate(ArrayImages(ones), Reference("sevens", ArrayImages(sevens)), extractor, progress=False,
-                   with_precision_recall=False)["metrics"]["fid"]
+    fid = evaluate(
+        ArrayImages(ones),
+        Reference("sevens", ArrayImages(sevens)),
+        extractor,
+        progress=False,
+        with_precision_recall=False,
+    )["metrics"]["fid"]
     assert fid > 1e-3

@@ -36,9 +36,16 @@ def test_video_model_generates_a_clip(attention):
     pipe = MHLAWanPipeline.from_pretrained(embedded_model("text-to-video", attention))
     assert (pipe.mhla is not None) == (attention == "mhla")
     d = embedded_defaults()
-    frames = pipe("a red circle moving left", num_frames=d.num_frames, height=d.height, width=d.width,
-                  num_inference_steps=2, max_sequence_length=d.max_sequence_length, output_type="np",
-                  generator=torch.Generator().manual_seed(0)).frames
+    frames = pipe(
+        "a red circle moving left",
+        num_frames=d.num_frames,
+        height=d.height,
+        width=d.width,
+        num_inference_steps=2,
+        max_sequence_length=d.max_sequence_length,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
     assert frames.shape == (1, d.num_frames, d.height, d.width, 3) and np.isfinite(frames).all()
 
 
@@ -47,8 +54,12 @@ def test_image_model_generates_digits():
 
     pipe = MHLADiTPipeline.from_pretrained(embedded_model("class-to-image", "mhla"))
     assert pipe.mhla is not None and sorted(pipe.labels) == [str(i) for i in range(10)]
-    images = pipe(class_labels=pipe.get_label_ids(["3", "7"]), num_inference_steps=2, output_type="np",
-                  generator=torch.Generator().manual_seed(0)).images
+    images = pipe(
+        class_labels=pipe.get_label_ids(["3", "7"]),
+        num_inference_steps=2,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images.shape == (2, 32, 32, 3) and np.isfinite(images).all()
 
 
@@ -64,8 +75,10 @@ def test_judges_score_held_out_real_data():
 
 
 def test_cli_defaults_to_the_embedded_model(tmp_path):
-    assert main(["text-to-video", "--prompt", "a blue square moving up", "--steps", "2",
-                 "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(["text-to-video", "--prompt", "a blue square moving up", "--steps", "2", "--output-dir", str(tmp_path)])
+        == 0
+    )
     video = tmp_path / "000-a-blue-square-moving-up-seed0-mhla.mp4"
     d = embedded_defaults()
     assert np.stack(list(iio.imiter(video))).shape == (d.num_frames, d.height, d.width, 3)

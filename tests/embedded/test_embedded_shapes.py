@@ -6,10 +6,22 @@ import json
 
 import numpy as np
 import pytest
-from helpers.shapes import centroids, fill_ratio, shape_mask
 
-from mhla_diffusion.embedded import (ATTRIBUTES, BACKGROUND, COLOURS, DIRECTIONS, FRAME_SIZE, NUM_COMBINATIONS, NUM_FRAMES,
-                                 caption_for, generate_clips, parse_caption, shape_clip, write_shapes_dataset)
+from helpers.shapes import centroids, fill_ratio, shape_mask
+from mhla_diffusion.embedded import (
+    ATTRIBUTES,
+    BACKGROUND,
+    COLOURS,
+    DIRECTIONS,
+    FRAME_SIZE,
+    NUM_COMBINATIONS,
+    NUM_FRAMES,
+    caption_for,
+    generate_clips,
+    parse_caption,
+    shape_clip,
+    write_shapes_dataset,
+)
 from mhla_diffusion.finetune.media import probe
 from mhla_diffusion.finetune.video_data import VideoTextDataset, index_video_folder
 

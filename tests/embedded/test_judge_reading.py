@@ -6,8 +6,14 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from mhla_diffusion.embedded import (JudgeReader, embedded_judge, generate_clips, judge_reading, requested_attributes,
-                                     split_digits)
+from mhla_diffusion.embedded import (
+    JudgeReader,
+    embedded_judge,
+    generate_clips,
+    judge_reading,
+    requested_attributes,
+    split_digits,
+)
 from mhla_diffusion.pipelines.outputs import OutputPlan, save_image, save_video
 
 #: Every level k / 255 and every half-step (k + 0.5) / 255 between them (the last one clamps to 255).
@@ -31,7 +37,11 @@ def test_real_clips_are_read_as_their_captions_with_confidence():
 
 
 def test_requested_attributes_are_the_values_the_prompt_names_once():
-    assert requested_attributes("A Red circle, moving LEFT!") == {"shape": "circle", "colour": "red", "direction": "left"}
+    assert requested_attributes("A Red circle, moving LEFT!") == {
+        "shape": "circle",
+        "colour": "red",
+        "direction": "left",
+    }
     assert requested_attributes("a red or blue circle") == {"shape": "circle"}  # two colours: none asked
 
 
@@ -47,7 +57,6 @@ def test_samples_of_another_size_are_refused_and_digits_are_read():
     assert np.mean([r.matches for r in readings]) >= 0.9
     assert {r.label for r in readings} <= {str(i) for i in range(10)}
     assert image.unreadable((64, 64, 3)) == "the judge reads 32x32 images, not 64x64"
-
 
 
 class _Handed(Exception):

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.reproduce import check_outputs_come_from_report, check_report_is_complete
 
+from helpers.reproduce import check_outputs_come_from_report, check_report_is_complete
 from mhla_diffusion.embedded.attention_experiment import SCHEMA, ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +30,10 @@ def test_committed_results_come_from_the_default_settings():
     path = RESULTS / "report.json"
     report = json.loads(path.read_text()) if path.exists() else {}
     if report.get("schema") != SCHEMA:
-        pytest.skip(f"{RESULTS / 'report.json'} holds no report of schema {SCHEMA!r} yet; "
-                    "commit the full run's folder (`mhla reproduce`, then copy runs/reproduce/ there)")
+        pytest.skip(
+            f"{RESULTS / 'report.json'} holds no report of schema {SCHEMA!r} yet; "
+            "commit the full run's folder (`mhla reproduce`, then copy runs/reproduce/ there)"
+        )
     s = ExperimentSettings()
     check_report_is_complete(report, s)
     check_outputs_come_from_report(RESULTS)

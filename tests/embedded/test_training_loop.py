@@ -22,6 +22,7 @@ def _stop_at(step: int):
     def hook(done: int) -> None:
         if done == step:
             raise _Stop
+
     return hook
 
 
@@ -91,7 +92,9 @@ def test_video_vae_and_judge_resume_bit_identically(tmp_path):
 
     def vae_run(progress):
         vae = tiny_video_vae(seed=1, dim_mult=[1, 2, 4], temperal_downsample=[True, True], z_dim=4)
-        losses = train_video_vae(vae, clips, steps=4, batch_size=2, seed=0, crop_frames=5, crop_size=24, progress=progress)
+        losses = train_video_vae(
+            vae, clips, steps=4, batch_size=2, seed=0, crop_frames=5, crop_size=24, progress=progress
+        )
         return vae, losses
 
     plain, plain_losses = vae_run(None)
@@ -107,10 +110,24 @@ def test_video_vae_and_judge_resume_bit_identically(tmp_path):
     images, labels = split.train_images[:64], split.train_labels[:64]
     judge = train_image_judge(images, labels, steps=4, batch_size=16, width=8, embed_dim=16)
     with pytest.raises(_Stop):
-        train_image_judge(images, labels, steps=4, batch_size=16, width=8, embed_dim=16,
-                          progress=LoopProgress(tmp_path / "judge.pt", every=1, on_step=_stop_at(3)))
-    again = train_image_judge(images, labels, steps=4, batch_size=16, width=8, embed_dim=16,
-                              progress=LoopProgress(tmp_path / "judge.pt", every=1))
+        train_image_judge(
+            images,
+            labels,
+            steps=4,
+            batch_size=16,
+            width=8,
+            embed_dim=16,
+            progress=LoopProgress(tmp_path / "judge.pt", every=1, on_step=_stop_at(3)),
+        )
+    again = train_image_judge(
+        images,
+        labels,
+        steps=4,
+        batch_size=16,
+        width=8,
+        embed_dim=16,
+        progress=LoopProgress(tmp_path / "judge.pt", every=1),
+    )
     for a, b in zip(judge.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
 

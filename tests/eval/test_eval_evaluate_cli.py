@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from helpers.features import StandInFeatures
 from helpers.media import random_images, smooth_images, write_folder
-
-from mhla_diffusion.eval import ArrayImages, Reference, evaluate, load_reference, make_reference
 from mhla_diffusion.cli import evaluate as eval_cli
+from mhla_diffusion.eval import ArrayImages, Reference, evaluate, load_reference, make_reference
 from mhla_diffusion.eval.frechet import frechet_distance, gaussian_stats
 from mhla_diffusion.eval.inception import INCEPTION_WEIGHTS_ENV
 from mhla_diffusion.eval.inception_score import inception_score
@@ -22,16 +22,20 @@ from mhla_diffusion.eval.npz import AdmNpzWriter
 def features_of(net: StandInFeatures, images: np.ndarray) -> dict[str, np.ndarray]:
     with torch.no_grad():
         out = net(torch.from_numpy(images).permute(0, 3, 1, 2))
-    return {"pool": out["pool"].double().numpy(), "spatial": out["spatial"].reshape(len(images), -1).double().numpy(),
-            "logits": out["logits_unbiased"].double().numpy()}
+    return {
+        "pool": out["pool"].double().numpy(),
+        "spatial": out["spatial"].reshape(len(images), -1).double().numpy(),
+        "logits": out["logits_unbiased"].double().numpy(),
+    }
 
 
 def test_identical_sets_score_zero_distance_and_full_coverage(standin):
     # More images than sFID dimensions (112): with rank-deficient covariances the round-off of the zero
     # eigenvalues enters through their square roots (~1e-7 here), as it does for scipy's sqrtm.
     images = smooth_images(130, seed=0)
-    result = evaluate(ArrayImages(images), Reference("same", ArrayImages(images.copy())), standin, batch_size=32,
-                      progress=False)
+    result = evaluate(
+        ArrayImages(images), Reference("same", ArrayImages(images.copy())), standin, batch_size=32, progress=False
+    )
     m = result["metrics"]
     assert abs(m["fid"]) < 1e-9 and abs(m["sfid"]) < 1e-7
     assert (m["precision"], m["recall"]) == (1.0, 1.0)
@@ -41,13 +45,15 @@ def test_identical_sets_score_zero_distance_and_full_coverage(standin):
 def test_metrics_equal_an_independent_adm_style_computation(standin):
     """np.cov statistics of the features of each whole set, ADM's way, against the streamed pipeline."""
     gen, ref = smooth_images(45, seed=1), random_images(50, seed=2)
-    result = evaluate(ArrayImages(gen), Reference("ref", ArrayImages(ref)), standin, batch_size=7, split_size=20,
-                      progress=False)
+    result = evaluate(
+        ArrayImages(gen), Reference("ref", ArrayImages(ref)), standin, batch_size=7, split_size=20, progress=False
+    )
     fg, fr = features_of(standin, gen), features_of(standin, ref)
     m = result["metrics"]
     assert m["fid"] == pytest.approx(frechet_distance(gaussian_stats(fg["pool"]), gaussian_stats(fr["pool"])), rel=1e-6)
-    assert m["sfid"] == pytest.approx(frechet_distance(gaussian_stats(fg["spatial"]), gaussian_stats(fr["spatial"])),
-                                      rel=1e-6)
+    assert m["sfid"] == pytest.approx(
+        frechet_distance(gaussian_stats(fg["spatial"]), gaussian_stats(fr["spatial"])), rel=1e-6
+    )
     assert m["inception_score"] == pytest.approx(inception_score(fg["logits"], split_size=20), rel=1e-6)
     assert m["fid"] > 0.1 and 0 <= m["precision"] < 1
 
@@ -56,18 +62,22 @@ def test_reference_file_round_trip_gives_the_same_distances(standin, tmp_path):
     gen, ref = smooth_images(30, seed=3), random_images(36, seed=4)
     write_folder(tmp_path / "ref_images", ref)
     ref_npz = tmp_path / "ref.npz"
-    summary = make_reference(load_reference(tmp_path / "ref_images").images, standin, ref_npz, pr_images=10,
-                             batch_size=8, progress=False)
+    summary = make_reference(
+        load_reference(tmp_path / "ref_images").images, standin, ref_npz, pr_images=10, batch_size=8, progress=False
+    )
     assert summary["images"] == 36 and summary["arr_0"] == 10
     with np.load(ref_npz) as data:
-        assert data["arr_0"].shape == (10, 16, 16, 3) and data["mu"].shape == (16,) and data["sigma_s"].shape == (112, 112)
+        assert (
+            data["arr_0"].shape == (10, 16, 16, 3) and data["mu"].shape == (16,) and data["sigma_s"].shape == (112, 112)
+        )
         subset = data["arr_0"]
     assert all(any((img == r).all() for r in ref) for img in subset)  # the subset holds reference images
 
     # the same batch size as the file's: a CPU's convolution kernels may round a feature differently in another
     # batch size (FIDs 1.3e-9 apart relative, measured on an AMD EPYC), which is not what this test is about
-    from_folder = evaluate(ArrayImages(gen), load_reference(tmp_path / "ref_images"), standin, batch_size=8,
-                           progress=False)
+    from_folder = evaluate(
+        ArrayImages(gen), load_reference(tmp_path / "ref_images"), standin, batch_size=8, progress=False
+    )
     from_file = evaluate(ArrayImages(gen), load_reference(ref_npz), standin, batch_size=8, progress=False)
     assert from_file["reference"]["statistics"] == "stored in the file"
     for key in ("fid", "sfid", "inception_score"):
@@ -106,8 +116,13 @@ def test_class_sorted_samples_are_flagged(standin, tmp_path):
         writer.begin_images(12, (16, 16))
         writer.write_images(smooth_images(12))
         writer.add_array("arr_1", np.repeat([0, 1, 2], 4))
-    result = evaluate(load_reference(path).images, Reference("ref", ArrayImages(random_images(12))), standin,
-                      split_size=4, progress=False)
+    result = evaluate(
+        load_reference(path).images,
+        Reference("ref", ArrayImages(random_images(12))),
+        standin,
+        split_size=4,
+        progress=False,
+    )
     assert any("grouped by class label" in w for w in result["warnings"])
 
 
@@ -134,15 +149,28 @@ def cli_setup(tmp_path, monkeypatch):
 
 def test_eval_command_prints_a_table_and_writes_json(cli_setup, tmp_path, capsys):
     samples, ref, weights = cli_setup
-    args = parse(["eval", "--samples", str(samples), "--ref", str(ref), "--inception-weights", str(weights),
-                  "--batch-size", "8", "--quiet"])
+    args = parse(
+        [
+            "eval",
+            "--samples",
+            str(samples),
+            "--ref",
+            str(ref),
+            "--inception-weights",
+            str(weights),
+            "--batch-size",
+            "8",
+            "--quiet",
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     for label in ("Inception Score", "FID", "sFID", "Precision", "Recall", "samples: 24"):
         assert label in out
     report = json.loads((tmp_path / "samples_eval.json").read_text())
-    direct = evaluate(load_reference(samples).images, load_reference(ref), StandInFeatures(), batch_size=8,
-                      progress=False)
+    direct = evaluate(
+        load_reference(samples).images, load_reference(ref), StandInFeatures(), batch_size=8, progress=False
+    )
     for key, value in direct["metrics"].items():
         assert report["metrics"][key] == pytest.approx(value, rel=1e-9)
         assert f"{value:.4f}" in out
@@ -150,8 +178,22 @@ def test_eval_command_prints_a_table_and_writes_json(cli_setup, tmp_path, capsys
 
     with pytest.raises(FileExistsError, match="--overwrite"):
         args.func(args)
-    again = parse(["eval", "--samples", str(samples), "--ref", str(ref), "--inception-weights", str(weights),
-                   "--quiet", "--overwrite", "--no-pr", "--output", str(tmp_path / "out" / "m.json")])
+    again = parse(
+        [
+            "eval",
+            "--samples",
+            str(samples),
+            "--ref",
+            str(ref),
+            "--inception-weights",
+            str(weights),
+            "--quiet",
+            "--overwrite",
+            "--no-pr",
+            "--output",
+            str(tmp_path / "out" / "m.json"),
+        ]
+    )
     assert again.func(again) == 0
     assert json.loads((tmp_path / "out" / "m.json").read_text())["metrics"]["precision"] is None
 
@@ -183,8 +225,20 @@ def test_eval_command_corrupt_reference_images(cli_setup, tmp_path, capsys):
 def test_eval_ref_command_writes_a_reference_and_refuses_to_overwrite(cli_setup, tmp_path, capsys):
     _, ref, weights = cli_setup
     out = tmp_path / "my_ref.npz"
-    args = parse(["eval-ref", "--images", str(ref), "--output", str(out), "--inception-weights", str(weights),
-                  "--pr-images", "5", "--quiet"])
+    args = parse(
+        [
+            "eval-ref",
+            "--images",
+            str(ref),
+            "--output",
+            str(out),
+            "--inception-weights",
+            str(weights),
+            "--pr-images",
+            "5",
+            "--quiet",
+        ]
+    )
     assert args.func(args) == 0
     assert "over 30 images, 5 images as arr_0" in capsys.readouterr().out
     reference = load_reference(out)
@@ -195,7 +249,9 @@ def test_eval_ref_command_writes_a_reference_and_refuses_to_overwrite(cli_setup,
 
 def test_eval_command_rejects_missing_inputs(cli_setup, tmp_path):
     _, ref, weights = cli_setup
-    args = parse(["eval", "--samples", str(tmp_path / "nope.npz"), "--ref", str(ref), "--inception-weights", str(weights)])
+    args = parse(
+        ["eval", "--samples", str(tmp_path / "nope.npz"), "--ref", str(ref), "--inception-weights", str(weights)]
+    )
     with pytest.raises(FileNotFoundError, match="--samples .*nope.npz does not exist"):
         args.func(args)
     with pytest.raises(SystemExit):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.features import PoolOnly
-from helpers.media import random_images, smooth_images
 from torch_fidelity.interpolate_compat_tensorflow import interpolate_bilinear_2d_like_tensorflow1x
 
+from helpers.features import PoolOnly
+from helpers.media import random_images, smooth_images
 from mhla_diffusion.eval import ArrayImages, Reference, evaluate
 from mhla_diffusion.eval.features import flatten_spatial, spatial_features
 
@@ -43,8 +43,9 @@ def tf1_legacy_resize(image: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
 @pytest.mark.parametrize("size_in, size_out", [((2, 2), (4, 4)), ((5, 7), (11, 3)), ((8, 8), (3, 3)), ((6, 5), (6, 5))])
 def test_resize_is_tf1_legacy_bilinear(size_in, size_out):
     image = np.random.default_rng(0).uniform(0, 255, size=size_in)
-    got = interpolate_bilinear_2d_like_tensorflow1x(torch.from_numpy(image)[None, None], size=size_out,
-                                                    align_corners=False)[0, 0].numpy()
+    got = interpolate_bilinear_2d_like_tensorflow1x(
+        torch.from_numpy(image)[None, None], size=size_out, align_corners=False
+    )[0, 0].numpy()
     # torch-fidelity (like TF) computes the source coordinates in float32: agreement to float32 precision.
     np.testing.assert_allclose(got, tf1_legacy_resize(image, *size_out), rtol=1e-6, atol=1e-4)
     if size_in == size_out:
@@ -84,7 +85,13 @@ def test_fid_agrees_with_torchmetrics_given_the_same_features(standin):
     metric.update(torch.from_numpy(fake).permute(0, 3, 1, 2), real=False)
     expected = metric.compute().item()
 
-    result = evaluate(ArrayImages(fake), Reference("real", ArrayImages(real)), standin, batch_size=16,
-                      with_precision_recall=False, progress=False)
+    result = evaluate(
+        ArrayImages(fake),
+        Reference("real", ArrayImages(real)),
+        standin,
+        batch_size=16,
+        with_precision_recall=False,
+        progress=False,
+    )
     assert expected > 0.01
     assert result["metrics"]["fid"] == pytest.approx(expected, rel=1e-5)

@@ -45,7 +45,9 @@ def test_commuting_full_covariances_closed_form():
     expected = 1.0 + ((np.sqrt(a) - np.sqrt(b)) ** 2).sum()
     mu2 = np.zeros(12)
     mu2[3] = 1.0
-    assert frechet_distance(GaussianStats(np.zeros(12), s1), GaussianStats(mu2, s2)) == pytest.approx(expected, rel=1e-10)
+    assert frechet_distance(GaussianStats(np.zeros(12), s1), GaussianStats(mu2, s2)) == pytest.approx(
+        expected, rel=1e-10
+    )
 
 
 def test_matches_adm_sqrtm_form_and_is_symmetric():

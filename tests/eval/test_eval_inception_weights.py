@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import torch
-from helpers.features import inception_template_state_dict
 
+from helpers.features import inception_template_state_dict
 from mhla_diffusion.eval.inception import (
     INCEPTION_WEIGHTS_ENV,
     InceptionV3Features,
@@ -30,7 +30,12 @@ def test_missing_weights_error_names_the_file_and_where_to_put_it(monkeypatch):
     with pytest.raises(FileNotFoundError) as error:
         InceptionV3Features()
     message = str(error.value)
-    for needed in ("weights-inception-2015-12-05-6726825d.pth", "--inception-weights", INCEPTION_WEIGHTS_ENV, "https://"):
+    for needed in (
+        "weights-inception-2015-12-05-6726825d.pth",
+        "--inception-weights",
+        INCEPTION_WEIGHTS_ENV,
+        "https://",
+    ):
         assert needed in message
 
 
@@ -88,8 +93,12 @@ def test_random_weights_give_adm_feature_shapes_and_log_the_sha256(random_weight
     torch.testing.assert_close(features["spatial"], mixed_6d[0][:, :7].permute(0, 2, 3, 1))
     assert (features["spatial"] >= 0).all()
     pool = features["pool"].double()
-    torch.testing.assert_close(features["logits_unbiased"].double(), pool @ net.net.fc.weight.double().T,
-                               rtol=1e-4, atol=1e-6 * pool.abs().max().item())
+    torch.testing.assert_close(
+        features["logits_unbiased"].double(),
+        pool @ net.net.fc.weight.double().T,
+        rtol=1e-4,
+        atol=1e-6 * pool.abs().max().item(),
+    )
     assert not net.train().training
 
 

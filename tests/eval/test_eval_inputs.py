@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.media import random_images, write_folder
 from PIL import Image
 
+from helpers.media import random_images, write_folder
 from mhla_diffusion.eval.frechet import GaussianStats
 from mhla_diffusion.eval.images import ArrayImages, FolderImages, NpzImages, open_images
 from mhla_diffusion.eval.npz import AdmNpzWriter, iter_npz_batches, npz_array_info, read_npz_stats

@@ -42,7 +42,9 @@ def test_soft_two_class_closed_form():
 def test_consecutive_splits_without_shuffling():
     """ADM splits in order: class-sorted samples give one class per split (IS 1), interleaved ones IS = K."""
     sorted_labels = np.repeat([0, 1], 6)
-    np.testing.assert_allclose(inception_score_splits(one_hot_logits(sorted_labels), split_size=6), [1.0, 1.0], atol=1e-9)
+    np.testing.assert_allclose(
+        inception_score_splits(one_hot_logits(sorted_labels), split_size=6), [1.0, 1.0], atol=1e-9
+    )
     interleaved = np.tile([0, 1], 6)
     np.testing.assert_allclose(inception_score_splits(one_hot_logits(interleaved), split_size=6), [2.0, 2.0], rtol=1e-9)
     assert inception_score(one_hot_logits(sorted_labels), split_size=12) == pytest.approx(2.0, rel=1e-9)

@@ -11,10 +11,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers.features import StandInFeatures
-from helpers.media import random_images, smooth_images, write_folder
 from PIL import Image
 
+from helpers.features import StandInFeatures
+from helpers.media import random_images, smooth_images, write_folder
 from mhla_diffusion.cli import evaluate as eval_cli
 from mhla_diffusion.eval import ArrayImages, FolderImages, Reference, evaluate
 from mhla_diffusion.eval.inception import InceptionV3Features, load_inception_state_dict
@@ -41,6 +41,7 @@ def read_all(source) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------- pixel formats
+
 
 def test_16_bit_greyscale_png_is_scaled_not_clipped(tmp_path):
     values = np.linspace(0, 65535, 16 * 16).round().astype(np.uint16).reshape(16, 16)
@@ -78,8 +79,12 @@ def write_png16(path, samples: np.ndarray) -> None:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 16, 2 if channels == 3 else 6, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"".join(lines)))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"".join(lines)))
+        + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("channels", [3, 4])
@@ -126,14 +131,25 @@ def test_eval_ref_refuses_an_unconvertible_image(tmp_path, weights_and_standin):
     folder = tmp_path / "imgs"
     write_folder(folder, random_images(4, 16))
     Image.fromarray(np.full((16, 16), -1.0, np.float32)).save(folder / "neg.tif")
-    args = parse(["eval-ref", "--images", str(folder), "--output", str(tmp_path / "ref.npz"),
-                  "--inception-weights", str(weights_and_standin), "--quiet"])
+    args = parse(
+        [
+            "eval-ref",
+            "--images",
+            str(folder),
+            "--output",
+            str(tmp_path / "ref.npz"),
+            "--inception-weights",
+            str(weights_and_standin),
+            "--quiet",
+        ]
+    )
     with pytest.raises(ValueError, match=r"neg\.tif: float image"):
         args.func(args)
     assert not (tmp_path / "ref.npz").exists()
 
 
 # -------------------------------------------------------------------------------- Inception dtype
+
 
 def test_float64_inception_is_refused_because_torch_fidelity_runs_float32(tmp_path):
     from torch_fidelity.helpers import text_to_dtype
@@ -146,30 +162,32 @@ def test_float64_inception_is_refused_because_torch_fidelity_runs_float32(tmp_pa
 
 # ------------------------------------------------------------------------- Inception Score warnings
 
+
 def test_fewer_samples_than_one_split_are_flagged(standin):
-    result = evaluate(ArrayImages(smooth_images(12)), Reference("ref", ArrayImages(random_images(12))), standin,
-                      progress=False)
+    result = evaluate(
+        ArrayImages(smooth_images(12)), Reference("ref", ArrayImages(random_images(12))), standin, progress=False
+    )
     assert any("Inception Score over one split of 12 samples" in w for w in result["warnings"]), result["warnings"]
 
 
 def test_class_grouping_is_flagged_in_any_class_order_only_with_several_splits(standin):
     reference = Reference("ref", ArrayImages(random_images(12)))
     grouped = np.repeat([2, 0, 1], 8)  # grouped by class, classes not in sorted order
-    result = evaluate(ArrayImages(smooth_images(24), labels=grouped), reference, standin, split_size=6,
-                      progress=False)
+    result = evaluate(ArrayImages(smooth_images(24), labels=grouped), reference, standin, split_size=6, progress=False)
     assert any("grouped by class label" in w for w in result["warnings"]), result["warnings"]
     # One split: order cannot change the score, so no grouping warning (even sorted).
-    one_split = evaluate(ArrayImages(smooth_images(24), labels=np.sort(grouped)), reference, standin,
-                         split_size=24, progress=False)
+    one_split = evaluate(
+        ArrayImages(smooth_images(24), labels=np.sort(grouped)), reference, standin, split_size=24, progress=False
+    )
     assert not any("class label" in w for w in one_split["warnings"]), one_split["warnings"]
     # Random order over several splits: no warning.
     shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(4), 6))
-    mixed = evaluate(ArrayImages(smooth_images(24), labels=shuffled), reference, standin, split_size=6,
-                     progress=False)
+    mixed = evaluate(ArrayImages(smooth_images(24), labels=shuffled), reference, standin, split_size=6, progress=False)
     assert not any("class label" in w for w in mixed["warnings"]), mixed["warnings"]
 
 
 # ---------------------------------------------------------------- precision/recall float16 (ADM)
+
 
 def adm_float16_distances(u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """ADM's block in plain numpy: float16 values, float32 accumulation, ``max((|u|^2 - 2 u.v) + |v|^2, 0)``."""
@@ -201,7 +219,8 @@ def test_float16_precision_recall_matches_numpy_adm_reference_and_differs_from_f
     ref, gen = pr_features()
     np.testing.assert_array_equal(
         _squared_distances(torch.from_numpy(ref), torch.from_numpy(gen), "float16").numpy(),
-        adm_float16_distances(ref, gen).astype(np.float32))
+        adm_float16_distances(ref, gen).astype(np.float32),
+    )
     half = precision_recall(ref, gen, distance_dtype="float16")
     full = precision_recall(ref, gen)
     assert half == numpy_precision_recall(ref, gen)
@@ -223,8 +242,22 @@ def test_eval_command_pr_dtype_float16(tmp_path, weights_and_standin, capsys):
     np.savez(samples, smooth_images(24, seed=6))
     write_folder(tmp_path / "ref", random_images(30, seed=7))
     out = tmp_path / "out.json"
-    args = parse(["eval", "--samples", str(samples), "--ref", str(tmp_path / "ref"), "--inception-weights",
-                  str(weights_and_standin), "--pr-dtype", "float16", "--output", str(out), "--quiet"])
+    args = parse(
+        [
+            "eval",
+            "--samples",
+            str(samples),
+            "--ref",
+            str(tmp_path / "ref"),
+            "--inception-weights",
+            str(weights_and_standin),
+            "--pr-dtype",
+            "float16",
+            "--output",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert args.func(args) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["pr_dtype"] == "float16" and report["metrics"]["precision"] is not None
@@ -233,6 +266,7 @@ def test_eval_command_pr_dtype_float16(tmp_path, weights_and_standin, capsys):
 
 
 # ------------------------------------------------------------------------------ weights file errors
+
 
 @pytest.mark.parametrize("head", [b"", b"\x80", b"PK\x03\x04", b"<html>"])
 def test_random_bytes_as_weights_say_not_a_weights_file_without_torch_hints(tmp_path, head):

@@ -36,8 +36,9 @@ CONFIG = SamplingConfig(num_samples=7, num_classes=5, num_inference_steps=2, gui
 
 def process(rank: int = 0, world: int = 1) -> SimpleNamespace:
     """What the sampler reads from accelerate's PartialState, for process ``rank`` of ``world``."""
-    return SimpleNamespace(process_index=rank, num_processes=world, is_main_process=rank == 0, device=None,
-                           wait_for_everyone=lambda: None)
+    return SimpleNamespace(
+        process_index=rank, num_processes=world, is_main_process=rank == 0, device=None, wait_for_everyone=lambda: None
+    )
 
 
 class KilledAfter:
@@ -129,8 +130,10 @@ def test_deleted_samples_are_regenerated_identically(pipe, uninterrupted, tmp_pa
 
 def test_processes_split_the_work_and_agree_with_one_process(pipe, uninterrupted, tmp_path):
     folder = tmp_path / "sharded"
-    done = [sample_for_evaluation(pipe, folder, CONFIG, batch_size=2, state=process(rank, 3), progress=False)
-            for rank in range(3)]
+    done = [
+        sample_for_evaluation(pipe, folder, CONFIG, batch_size=2, state=process(rank, 3), progress=False)
+        for rank in range(3)
+    ]
     assert [d["generated"] for d in done] == [3, 2, 2]
     for name, image in pixels(uninterrupted).items():
         np.testing.assert_array_equal(pixels(folder)[name], image)
@@ -178,8 +181,20 @@ def test_eval_sample_command_with_mhla_weights(pipe, uninterrupted, tmp_path, ca
                 param.add_(0.5)
     save_mhla(mhla, tmp_path / "mhla")
 
-    base = ["eval-sample", "--pipeline", str(tmp_path / "pipeline"), "--num-samples", "7", "--num-classes", "5",
-            "--num-inference-steps", "2", "--batch-size", "4", "--quiet"]
+    base = [
+        "eval-sample",
+        "--pipeline",
+        str(tmp_path / "pipeline"),
+        "--num-samples",
+        "7",
+        "--num-classes",
+        "5",
+        "--num-inference-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--quiet",
+    ]
     args = parse(base + ["--output-dir", str(tmp_path / "softmax")])
     assert args.func(args) == 0
     with np.load(tmp_path / "softmax.npz") as data:
@@ -204,9 +219,28 @@ def test_two_real_processes_share_the_samples_and_resume(pipe, uninterrupted, tm
     """torchrun (what `accelerate launch --multi_gpu` runs) with 2 CPU processes on the gloo backend."""
     pipe.save_pretrained(tmp_path / "pipeline")
     out = tmp_path / "samples"
-    command = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "mhla_diffusion.eval", "eval-sample",
-               "--pipeline", str(tmp_path / "pipeline"), "--output-dir", str(out), "--num-samples", "7",
-               "--num-classes", "5", "--num-inference-steps", "2", "--batch-size", "2", "--quiet"]
+    command = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "mhla_diffusion.eval",
+        "eval-sample",
+        "--pipeline",
+        str(tmp_path / "pipeline"),
+        "--output-dir",
+        str(out),
+        "--num-samples",
+        "7",
+        "--num-classes",
+        "5",
+        "--num-inference-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--quiet",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     sample_path(out, 4, 7).parent.mkdir(parents=True)
     config = dataclasses.replace(CONFIG, pipeline=str((tmp_path / "pipeline").resolve()))

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.features import StandInFeatures
-from helpers.media import random_images, smooth_images
 from torchmetrics import Metric
 
+from helpers.features import StandInFeatures
+from helpers.media import random_images, smooth_images
 from mhla_diffusion.eval import (
     ADMFrechetInceptionDistance,
     ADMInceptionScore,
@@ -51,8 +51,9 @@ def test_metrics_equal_evaluate_with_an_adm_reference_file(standin, tmp_path):
     samples, ref_images = samples_and_reference()
     ref_path = tmp_path / "ref.npz"
     make_reference(ArrayImages(ref_images), standin, ref_path, pr_images=len(ref_images), batch_size=8, progress=False)
-    expected = evaluate(ArrayImages(samples), load_reference(ref_path), standin, batch_size=32, split_size=100,
-                        progress=False)["metrics"]
+    expected = evaluate(
+        ArrayImages(samples), load_reference(ref_path), standin, batch_size=32, split_size=100, progress=False
+    )["metrics"]
 
     fid = ADMFrechetInceptionDistance(standin, reference=ref_path)
     sfid = SpatialFID(standin, reference=load_reference(ref_path))
@@ -60,7 +61,7 @@ def test_metrics_equal_evaluate_with_an_adm_reference_file(standin, tmp_path):
     pr = ADMPrecisionRecall(standin, reference=ref_path)
     assert all(isinstance(m, Metric) for m in (fid, sfid, inception, pr))
     for start in range(0, len(samples), 32):  # evaluate's batches; NHWC arrays and NCHW tensors
-        batch = samples[start:start + 32]
+        batch = samples[start : start + 32]
         for metric in (fid, sfid, inception, pr):
             metric.update(batch if start % 64 else torch.from_numpy(batch).permute(0, 3, 1, 2))
     assert_close(fid.compute(), expected["fid"])
@@ -73,22 +74,30 @@ def test_metrics_equal_evaluate_with_an_adm_reference_file(standin, tmp_path):
 
 def test_real_updates_equal_evaluate_with_reference_images_and_batches_do_not_matter(standin):
     samples, ref_images = samples_and_reference()
-    expected = evaluate(ArrayImages(samples), Reference("images", ArrayImages(ref_images)), standin, batch_size=6,
-                        split_size=1000, progress=False)["metrics"]
+    expected = evaluate(
+        ArrayImages(samples),
+        Reference("images", ArrayImages(ref_images)),
+        standin,
+        batch_size=6,
+        split_size=1000,
+        progress=False,
+    )["metrics"]
     fid, sfid, pr = ADMFrechetInceptionDistance(standin), SpatialFID(standin), ADMPrecisionRecall(standin)
     for metric in (fid, sfid, pr):
         for start in range(0, len(samples), 6):
-            metric.update(samples[start:start + 6])
+            metric.update(samples[start : start + 6])
         for start in range(0, len(ref_images), 6):
-            metric.update(ref_images[start:start + 6], real=True)
+            metric.update(ref_images[start : start + 6], real=True)
     assert_close(fid.compute(), expected["fid"])
     assert_close(sfid.compute(), expected["sfid"])
-    assert {k: float(v) for k, v in pr.compute().items()} == {"precision": expected["precision"],
-                                                               "recall": expected["recall"]}
+    assert {k: float(v) for k, v in pr.compute().items()} == {
+        "precision": expected["precision"],
+        "recall": expected["recall"],
+    }
     other = ADMFrechetInceptionDistance(standin)  # other batch sizes: the same up to float64 round-off
     for images, real in ((samples, False), (ref_images, True)):
         for start in range(0, len(images), 11):
-            other.update(images[start:start + 11], real=real)
+            other.update(images[start : start + 11], real=real)
     assert_close(other.compute(), expected["fid"])
     # a Reference with images but no stored statistics is run through the network once
     from_images = ADMFrechetInceptionDistance(standin, reference=Reference("images", ArrayImages(ref_images)))
@@ -99,7 +108,9 @@ def test_real_updates_equal_evaluate_with_reference_images_and_batches_do_not_ma
 def test_reset_keeps_reference_statistics_and_real_updates_are_refused(standin, tmp_path):
     samples, ref_images = samples_and_reference()
     ref_path = tmp_path / "stats.npz"
-    make_reference(ArrayImages(ref_images), standin, ref_path, pr_images=0, progress=False)  # mu/sigma/mu_s/sigma_s only
+    make_reference(
+        ArrayImages(ref_images), standin, ref_path, pr_images=0, progress=False
+    )  # mu/sigma/mu_s/sigma_s only
     fid = ADMFrechetInceptionDistance(standin, reference=ref_path)
     fid.update(samples[:10])
     first = fid.compute()
@@ -124,6 +135,7 @@ def test_bad_inputs(standin):
         fid.update(np.zeros((2, 8, 8, 4), np.uint8))
     with pytest.raises(ValueError, match="another network"):
         from mhla_diffusion.eval import GaussianStats
+
         SpatialFID(standin, reference=GaussianStats(np.zeros(3), np.eye(3)))
     with pytest.raises(TypeError, match=r"FeatureExtractor .* or an nn.Module"):
         ADMInceptionScore(lambda images: images)
@@ -186,8 +198,14 @@ def test_a_metric_collection_runs_the_shared_feature_network_once_per_update(sta
     samples, _ = samples_and_reference()
     separate = {"fid": ADMFrechetInceptionDistance(StandInFeatures()), "is": ADMInceptionScore(StandInFeatures(), 50)}
     calls = count_forwards(standin)
-    collection = MetricCollection({"fid": ADMFrechetInceptionDistance(standin), "sfid": SpatialFID(standin),
-                                   "is": ADMInceptionScore(standin, split_size=50), "pr": ADMPrecisionRecall(standin, k=2)})
+    collection = MetricCollection(
+        {
+            "fid": ADMFrechetInceptionDistance(standin),
+            "sfid": SpatialFID(standin),
+            "is": ADMInceptionScore(standin, split_size=50),
+            "pr": ADMPrecisionRecall(standin, k=2),
+        }
+    )
     for batch in (samples[:20], samples[20:50]):
         collection.update(batch)
         collection.update(batch, real=True)  # the same pixels as reference images: no new forward
@@ -264,11 +282,24 @@ def test_two_gloo_processes_equal_one_process_over_the_union(standin, tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "result.json"
     port = free_port()
-    env_base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "WORLD_SIZE": "2", "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    runs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(data), str(out)],
-                             env={**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    env_base = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "worker.py"), str(data), str(out)],
+            env={**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [run.communicate(timeout=240) for run in runs]
     for run, (stdout, stderr) in zip(runs, outputs):
         assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]

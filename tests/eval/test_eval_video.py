@@ -31,8 +31,9 @@ class TinyI3D(nn.Module):
         torch.manual_seed(0)
         self.project = nn.Linear(3 * 4 * 8 * 8, 6)
 
-    def forward(self, x: torch.Tensor, rescale: bool = False, resize: bool = False,
-                return_features: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rescale: bool = False, resize: bool = False, return_features: bool = False
+    ) -> torch.Tensor:
         if rescale or resize or not return_features:
             raise RuntimeError("eval-video must call rescale=False, resize=False, return_features=True")
         if x.shape[1] != 3 or x.shape[2] != 16 or x.shape[3] != 224 or x.shape[4] != 224:
@@ -58,16 +59,31 @@ def _clip_folder(folder: Path) -> Path:
     (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
     (folder / "merges.txt").write_text("#version: 0.2\n")
     tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
-    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                                 crop_size={"height": 32, "width": 32}),
-                              tokenizer=tokenizer)
+    processor = CLIPProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer,
+    )
     torch.manual_seed(0)
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokens), hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1),
-        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
+        text_config=dict(
+            vocab_size=len(tokens),
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
         projection_dim=16,
     )
     out = folder / "clip"
@@ -90,13 +106,15 @@ def _clip(k: int, count: int, seed: int, num_frames: int) -> tuple[np.ndarray, s
     middle = (FRAME_SIZE - 1) / 2
     start = (middle - dx * (num_frames - 1) / 2, middle - dy * (num_frames - 1) / 2)  # 1 px a frame through the middle
     a = clip.attributes
-    frames, _ = render_clip(a["shape"], a["colour"], a["direction"], start=start, radius=8.0, speed=1.0,
-                            num_frames=num_frames)
+    frames, _ = render_clip(
+        a["shape"], a["colour"], a["direction"], start=start, radius=8.0, speed=1.0, num_frames=num_frames
+    )
     return frames, clip.caption
 
 
-def _write_videos(folder: Path, count: int, seed: int, sidecars: bool = True, num_frames: int = FVD_FRAMES + 1
-                  ) -> list[str]:
+def _write_videos(
+    folder: Path, count: int, seed: int, sidecars: bool = True, num_frames: int = FVD_FRAMES + 1
+) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     captions = []
     for index in range(count):
@@ -138,9 +156,25 @@ def test_mp4_round_trip(videos):
 
 def test_fvd_and_clip_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys):
     output, ref_npz = tmp_path / "result.json", tmp_path / "ref.npz"
-    code = main(["eval-video", "--samples", str(videos), "--ref", str(videos), "--i3d-weights", str(i3d_file),
-                 "--clip-model", str(clip_folder), "--save-ref", str(ref_npz), "--output", str(output),
-                 "--device", "cpu"])
+    code = main(
+        [
+            "eval-video",
+            "--samples",
+            str(videos),
+            "--ref",
+            str(videos),
+            "--i3d-weights",
+            str(i3d_file),
+            "--clip-model",
+            str(clip_folder),
+            "--save-ref",
+            str(ref_npz),
+            "--output",
+            str(output),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     result = json.loads(output.read_text())
     assert abs(result["metrics"]["fvd"]) < 1e-6  # a set against itself
@@ -149,8 +183,23 @@ def test_fvd_and_clip_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys
     assert [row["file"] for row in result["per_video"]] == [f"{i:03d}.mp4" for i in range(4)]
     assert all("prompt" in row and "clip_score" in row for row in result["per_video"])
     # The saved reference gives the same FVD without reading the reference videos again.
-    code = main(["eval-video", "--samples", str(videos), "--ref", str(ref_npz), "--i3d-weights", str(i3d_file),
-                 "--metrics", "fvd", "--output", str(tmp_path / "again.json"), "--device", "cpu"])
+    code = main(
+        [
+            "eval-video",
+            "--samples",
+            str(videos),
+            "--ref",
+            str(ref_npz),
+            "--i3d-weights",
+            str(i3d_file),
+            "--metrics",
+            "fvd",
+            "--output",
+            str(tmp_path / "again.json"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["reference"]["statistics"] == "npz" and abs(again["metrics"]["fvd"]) < 1e-6
@@ -160,13 +209,43 @@ def test_fvd_and_clip_end_to_end(videos, i3d_file, clip_folder, tmp_path, capsys
 
 def test_judge_metrics_of_the_embedded_models_clips(judge_videos, videos, tmp_path, capsys):
     output = tmp_path / "judge.json"
-    assert main(["eval-video", "--samples", str(judge_videos), "--ref", str(judge_videos), "--judge", "embedded",
-                 "--metrics", "judge", "--output", str(output)]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "eval-video",
+                "--samples",
+                str(judge_videos),
+                "--ref",
+                str(judge_videos),
+                "--judge",
+                "embedded",
+                "--metrics",
+                "judge",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     judge = json.loads(output.read_text())["judge"]
     assert set(judge["accuracy"]) == {"shape", "colour", "direction", "all"} and np.isfinite(judge["fid"])
     assert judge["accuracy"]["all"] >= 0.75  # real clips: the judge reads nearly all of them
-    assert main(["eval-video", "--samples", str(videos), "--judge", "embedded", "--metrics", "judge",
-                 "--output", str(tmp_path / "fvd-length.json")]) == 2  # FVD-length clips are not the judge's
+    assert (
+        main(
+            [
+                "eval-video",
+                "--samples",
+                str(videos),
+                "--judge",
+                "embedded",
+                "--metrics",
+                "judge",
+                "--output",
+                str(tmp_path / "fvd-length.json"),
+            ]
+        )
+        == 2
+    )  # FVD-length clips are not the judge's
     assert f"the embedded video judge takes clips of {NUM_FRAMES} frames" in capsys.readouterr().err
 
 
@@ -174,8 +253,22 @@ def test_judge_on_three_clips_says_why_precision_recall_are_missing_and_warns(tm
     folder = tmp_path / "three"
     captions = _write_videos(folder, 3, seed=7, num_frames=NUM_FRAMES)
     output = tmp_path / "judge.json"
-    assert main(["eval-video", "--samples", str(folder), "--judge", "embedded", "--metrics", "judge",
-                 "--output", str(output)]) == 0
+    assert (
+        main(
+            [
+                "eval-video",
+                "--samples",
+                str(folder),
+                "--judge",
+                "embedded",
+                "--metrics",
+                "judge",
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     result = json.loads(output.read_text())
     judge = result["judge"]
@@ -204,10 +297,44 @@ def test_prompts_file_replaces_sidecars(tmp_path, clip_folder):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(captions) + "\n")
     output = tmp_path / "out.json"
-    assert main(["eval-video", "--samples", str(folder), "--metrics", "clip", "--clip-model", str(clip_folder),
-                 "--output", str(output), "--device", "cpu"]) == 2  # no sidecars, no --prompts
-    assert main(["eval-video", "--samples", str(folder), "--metrics", "clip", "--clip-model", str(clip_folder),
-                 "--prompts", str(prompts), "--output", str(output), "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "eval-video",
+                "--samples",
+                str(folder),
+                "--metrics",
+                "clip",
+                "--clip-model",
+                str(clip_folder),
+                "--output",
+                str(output),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )  # no sidecars, no --prompts
+    assert (
+        main(
+            [
+                "eval-video",
+                "--samples",
+                str(folder),
+                "--metrics",
+                "clip",
+                "--clip-model",
+                str(clip_folder),
+                "--prompts",
+                str(prompts),
+                "--output",
+                str(output),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert [row["prompt"] for row in json.loads(output.read_text())["per_video"]] == captions
 
 
@@ -215,11 +342,27 @@ def test_missing_networks_name_the_file_and_option(videos, tmp_path, monkeypatch
     monkeypatch.delenv("MHLA_I3D_WEIGHTS", raising=False)
     monkeypatch.delenv("MHLA_CLIP_MODEL", raising=False)
     out = str(tmp_path / "x.json")
-    assert main(["eval-video", "--samples", str(videos), "--ref", str(videos), "--metrics", "fvd", "--output", out]) == 2
+    assert (
+        main(["eval-video", "--samples", str(videos), "--ref", str(videos), "--metrics", "fvd", "--output", out]) == 2
+    )
     err = capsys.readouterr().err
     assert "i3d_torchscript.pt" in err and "--i3d-weights" in err and "MHLA_I3D_WEIGHTS" in err
-    assert main(["eval-video", "--samples", str(videos), "--metrics", "clip", "--clip-model", str(tmp_path / "none"),
-                 "--output", out]) == 2
+    assert (
+        main(
+            [
+                "eval-video",
+                "--samples",
+                str(videos),
+                "--metrics",
+                "clip",
+                "--clip-model",
+                str(tmp_path / "none"),
+                "--output",
+                out,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--clip-model" in err and "does not exist" in err
     assert main(["eval-video", "--samples", str(videos), "--metrics", "fvd", "--output", out]) == 2

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers.media import make_image_classes, make_video_set
 
 

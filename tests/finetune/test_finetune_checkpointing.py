@@ -83,12 +83,19 @@ def test_cpu_copy_rebuilds_mhla_and_lora(tmp_path):
             if "lora_B" in name or ".processor." in name:
                 p.add_(0.1)
     # FSDP-style names: a wrapper prefix on the root and on the wrapped block
-    wrapped_names = {"_fsdp_wrapped_module." + k.replace("blocks.0.", "blocks.0._fsdp_wrapped_module.", 1): v
-                     for k, v in model.state_dict().items()}
+    wrapped_names = {
+        "_fsdp_wrapped_module." + k.replace("blocks.0.", "blocks.0._fsdp_wrapped_module.", 1): v
+        for k, v in model.state_dict().items()
+    }
     copy = _cpu_copy(model, wrapped_names)
-    assert clean_parameter_name("module._fsdp_wrapped_module.blocks.0.attn1.to_q.weight") == "blocks.0.attn1.to_q.weight"
-    inputs = dict(hidden_states=torch.randn(1, 16, 3, 4, 4), timestep=torch.tensor([10]),
-                  encoder_hidden_states=torch.randn(1, 5, 32))
+    assert (
+        clean_parameter_name("module._fsdp_wrapped_module.blocks.0.attn1.to_q.weight") == "blocks.0.attn1.to_q.weight"
+    )
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 3, 4, 4),
+        timestep=torch.tensor([10]),
+        encoder_hidden_states=torch.randn(1, 5, 32),
+    )
     with torch.no_grad():
         torch.testing.assert_close(copy.eval()(**inputs).sample, model.eval()(**inputs).sample)
 

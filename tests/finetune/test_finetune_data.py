@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from helpers.media import write_image, write_video
 
+from helpers.media import write_image, write_video
 from mhla_diffusion.finetune.buckets import BucketBatchSampler, frame_bucket, nearest_resolution
 from mhla_diffusion.finetune.image_data import ClassImageDataset, index_class_folder
 from mhla_diffusion.finetune.media import MediaError, probe, resize_center_crop
@@ -48,8 +48,9 @@ def test_captions_from_sidecars_jsonl_and_csv(tmp_path):
 
 def test_metadata_sizes_skip_probing(tmp_path):
     (tmp_path / "a.mp4").write_bytes(b"unreadable, but described by metadata")
-    (tmp_path / "metadata.jsonl").write_text(json.dumps(
-        {"file_name": "a.mp4", "prompt": "x", "num_frames": 30, "height": 48, "width": 32}))
+    (tmp_path / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "a.mp4", "prompt": "x", "num_frames": 30, "height": 48, "width": 32})
+    )
     samples, _ = index_video_folder(tmp_path, BUCKETS, [9, 17])
     assert samples[0].bucket == (17, 48, 32)
 

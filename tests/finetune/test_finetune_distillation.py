@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers.finetune import metrics, wan_options
 
+from helpers.finetune import metrics, wan_options
 from mhla_diffusion import load_mhla
 from mhla_diffusion.finetune import train_wan
 from mhla_diffusion.pipelines import MHLAWanPipeline
@@ -50,14 +50,22 @@ def test_distillation_mixes_the_data_loss_with_the_error_to_the_softmax_original
 
 
 @pytest.mark.slow
-def test_a_distilled_run_logs_both_losses_and_skips_the_original_in_transfer(tmp_path, pipeline_dirs, video_set,
-                                                                              monkeypatch):
+def test_a_distilled_run_logs_both_losses_and_skips_the_original_in_transfer(
+    tmp_path, pipeline_dirs, video_set, monkeypatch
+):
     stages = []  # the task's stage at every batch_loss call: the engine must tell it when transfer ends
     batch_loss = train_wan.WanTask.batch_loss
-    monkeypatch.setattr(train_wan.WanTask, "batch_loss",
-                        lambda self, *args: (stages.append(self.stage), batch_loss(self, *args))[1])
-    options = wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", max_train_steps=3, distillation_weight=0.5,
-                          attention_transfer_steps=2)
+    monkeypatch.setattr(
+        train_wan.WanTask, "batch_loss", lambda self, *args: (stages.append(self.stage), batch_loss(self, *args))[1]
+    )
+    options = wan_options(
+        pipeline_dirs["wan"],
+        video_set,
+        tmp_path / "run",
+        max_train_steps=3,
+        distillation_weight=0.5,
+        attention_transfer_steps=2,
+    )
     train_wan.train(options)
     assert stages == ["transfer", "transfer", "train", "train", "train"]
     rows = [r for r in metrics(tmp_path / "run") if "loss" in r]
@@ -68,8 +76,9 @@ def test_a_distilled_run_logs_both_losses_and_skips_the_original_in_transfer(tmp
 
 @pytest.mark.slow
 def test_ema_weights_are_the_final_model_and_the_pipeline(tmp_path, pipeline_dirs, video_set):
-    options = wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", max_train_steps=3, ema_decay=0.5,
-                          save_pipeline=True)
+    options = wan_options(
+        pipeline_dirs["wan"], video_set, tmp_path / "run", max_train_steps=3, ema_decay=0.5, save_pipeline=True
+    )
     train_wan.train(options)
     final, raw = load_mhla(tmp_path / "run" / "final"), load_mhla(tmp_path / "run" / "final-no-ema")
     pipe = MHLAWanPipeline.from_pretrained(tmp_path / "run" / "pipeline")
@@ -78,11 +87,14 @@ def test_ema_weights_are_the_final_model_and_the_pipeline(tmp_path, pipeline_dir
     assert all(torch.equal(final_state[k], pipe_state[k]) for k in final_state)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(distillation_weight=1.5), "`distillation_weight` must be in [0, 1]"),
-    (dict(distillation_weight=0.5, attention="softmax", mhla={}), "attention: softmax trains the original itself"),
-    (dict(ema_decay=1.0), "`ema_decay` must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(distillation_weight=1.5), "`distillation_weight` must be in [0, 1]"),
+        (dict(distillation_weight=0.5, attention="softmax", mhla={}), "attention: softmax trains the original itself"),
+        (dict(ema_decay=1.0), "`ema_decay` must be in [0, 1)"),
+    ],
+)
 def test_bad_distillation_and_ema_options_are_refused(tmp_path, pipeline_dirs, video_set, overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", **overrides)

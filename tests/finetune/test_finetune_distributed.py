@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers.finetune import metrics, subprocess_env
 
+from helpers.finetune import metrics, subprocess_env
 from mhla_diffusion.pipelines import MHLAWanPipeline
 
 #: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
@@ -28,20 +28,57 @@ def _free_port() -> int:
 def test_two_process_run_with_cache_prepass(tmp_path, pipeline_dirs, video_set):
     output, cache = tmp_path / "run", tmp_path / "cache"
     config = tmp_path / "wan.yaml"
-    config.write_text(yaml.safe_dump(dict(
-        pretrained_model=str(pipeline_dirs["wan"]), data_dir=str(video_set), output_dir=str(output), height=32,
-        width=32, num_frames=9, mhla={"layout": [1, 2, 2]}, mixed_precision="no", train_batch_size=2,
-        max_train_steps=4, learning_rate=1e-3, lr_warmup_steps=0, checkpointing_steps=2, max_sequence_length=16,
-        report_to="jsonl", trainable="lora", lora_rank=4, cache_latents=True, cache_dir=str(cache),
-        validation_prompts=["a green square moving up"], validation_num_inference_steps=2, attention_transfer_steps=2,
-    )))
+    config.write_text(
+        yaml.safe_dump(
+            dict(
+                pretrained_model=str(pipeline_dirs["wan"]),
+                data_dir=str(video_set),
+                output_dir=str(output),
+                height=32,
+                width=32,
+                num_frames=9,
+                mhla={"layout": [1, 2, 2]},
+                mixed_precision="no",
+                train_batch_size=2,
+                max_train_steps=4,
+                learning_rate=1e-3,
+                lr_warmup_steps=0,
+                checkpointing_steps=2,
+                max_sequence_length=16,
+                report_to="jsonl",
+                trainable="lora",
+                lora_rank=4,
+                cache_latents=True,
+                cache_dir=str(cache),
+                validation_prompts=["a green square moving up"],
+                validation_num_inference_steps=2,
+                attention_transfer_steps=2,
+            )
+        )
+    )
     # Accelerate's --cpu launcher starts one process; two CPU processes go through torchrun
     # (--multi_gpu) with ACCELERATE_USE_CPU, which gives MULTI_CPU with the gloo backend.
     env = dict(subprocess_env(), ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf"))
     command = [
-        sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), "-m", "mhla_diffusion.finetune.train_wan", "--config", str(config),
+        sys.executable,
+        "-m",
+        "accelerate.commands.accelerate_cli",
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "mhla_diffusion.finetune.train_wan",
+        "--config",
+        str(config),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -60,6 +97,14 @@ def test_two_process_run_with_cache_prepass(tmp_path, pipeline_dirs, video_set):
 
     pipe = MHLAWanPipeline.from_pretrained(pipeline_dirs["wan"], mhla_weights=output / "final")
     pipe.load_lora_weights(output / "final")
-    frames = pipe(prompt="a red square", height=32, width=32, num_frames=5, num_inference_steps=2,
-                  max_sequence_length=16, output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
+    frames = pipe(
+        prompt="a red square",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        max_sequence_length=16,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    ).frames[0]
     assert frames.shape == (5, 32, 32, 3)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.finetune import DiTEvaluator, dit_options, metrics
 from safetensors.torch import load_file
 
+from helpers.finetune import DiTEvaluator, dit_options, metrics
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer
 from mhla_diffusion.finetune import train_dit
 from mhla_diffusion.pipelines import MHLADiTPipeline
@@ -24,8 +24,17 @@ def test_dit_learns_and_outputs_load_with_the_pipelines(tmp_path, pipeline_dirs,
     start = load_transformer(str(base))
     convert_to_mhla(start, MHLAConfig())
     before = evaluate(start)
-    options = dit_options(base, image_classes, tmp_path / "run", max_train_steps=30, ema_decay=0.9, cache_latents=True,
-                          save_pipeline=True, validation_classes=[0, "goldfish"], validation_num_inference_steps=2)
+    options = dit_options(
+        base,
+        image_classes,
+        tmp_path / "run",
+        max_train_steps=30,
+        ema_decay=0.9,
+        cache_latents=True,
+        save_pipeline=True,
+        validation_classes=[0, "goldfish"],
+        validation_num_inference_steps=2,
+    )
     final = train_dit.train(options)
     raw, averaged = load_mhla(tmp_path / "run" / "final-no-ema"), load_mhla(final)
     after = evaluate(raw)
@@ -48,8 +57,14 @@ def test_dit_learns_and_outputs_load_with_the_pipelines(tmp_path, pipeline_dirs,
 @pytest.mark.slow
 def test_dit_resume_with_ema_equals_uninterrupted(tmp_path, pipeline_dirs, image_classes):
     base = pipeline_dirs["dit"]
-    common = dict(max_train_steps=5, checkpointing_steps=2, ema_decay=0.8, class_dropout=0.5, train_batch_size=3,
-                  mhla={"lepe": True})
+    common = dict(
+        max_train_steps=5,
+        checkpointing_steps=2,
+        ema_decay=0.8,
+        class_dropout=0.5,
+        train_batch_size=3,
+        mhla={"lepe": True},
+    )
     train_dit.train(dit_options(base, image_classes, tmp_path / "a", **common))
 
     def crash(step, logs):

@@ -10,18 +10,18 @@ import math
 
 import pytest
 import torch
-from helpers.finetune import TINY_DIT_OVERRIDES, dit_scratch_options, metrics
 from safetensors.torch import load_file
 
+from helpers.finetune import TINY_DIT_OVERRIDES, dit_scratch_options, metrics
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.finetune import train_dit
 from mhla_diffusion.finetune.dit_scratch import has_shared_embedder, new_dit_transformer, unshared_embedders
-from mhla_diffusion.utils.dit_sizes import DIT_MODEL_SIZES, dit_model_size, dit_transformer_config
 from mhla_diffusion.finetune.image_data import ClassImageDataset, ImageSample, batch_view, latent_identity
 from mhla_diffusion.finetune.latent_cache import LatentCache
 from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
-from mhla_diffusion.pipelines import MHLADiTPipeline
 from mhla_diffusion.models.tiny import tiny_dit_transformer
+from mhla_diffusion.pipelines import MHLADiTPipeline
+from mhla_diffusion.utils.dit_sizes import DIT_MODEL_SIZES, dit_model_size, dit_transformer_config
 
 
 class Interrupted(Exception):
@@ -34,8 +34,18 @@ def test_size_table():
     assert sizes["DiT-S/2"] == (12, 384, 6, 2) and sizes["DiT-B/4"] == (12, 768, 12, 4)
     assert sizes["DiT-L/8"] == (24, 1024, 16, 8) and sizes["DiT-XL/8"] == (28, 1152, 16, 8)
     config = dit_transformer_config("DiT-XL/2", sample_size=256 // 8)  # facebook/DiT-XL-2-256's shape
-    assert (config["num_layers"], config["num_attention_heads"], config["attention_head_dim"], config["patch_size"]) == (28, 16, 72, 2)
-    assert (config["in_channels"], config["out_channels"], config["num_embeds_ada_norm"], config["sample_size"]) == (4, 8, 1000, 32)
+    assert (
+        config["num_layers"],
+        config["num_attention_heads"],
+        config["attention_head_dim"],
+        config["patch_size"],
+    ) == (28, 16, 72, 2)
+    assert (config["in_channels"], config["out_channels"], config["num_embeds_ada_norm"], config["sample_size"]) == (
+        4,
+        8,
+        1000,
+        32,
+    )
     assert config["norm_eps"] == 1e-6 and config["norm_type"] == "ada_norm_zero"
     small = dit_transformer_config("DiT-S/4", sample_size=32, num_classes=10, overrides={"num_layers": 2})
     assert (small["num_layers"], small["patch_size"], small["num_embeds_ada_norm"]) == (2, 4, 10)
@@ -93,7 +103,9 @@ def test_dit_initialisation():
     other = new_dit_transformer(config, seed=1, mhla=mhla)
     state, same, different = model.state_dict(), again.state_dict(), other.state_dict()
     assert all(torch.equal(state[k], same[k]) for k in state)
-    assert not torch.equal(state["transformer_blocks.0.attn1.to_q.weight"], different["transformer_blocks.0.attn1.to_q.weight"])
+    assert not torch.equal(
+        state["transformer_blocks.0.attn1.to_q.weight"], different["transformer_blocks.0.attn1.to_q.weight"]
+    )
 
     with unshared_embedders(model):  # saved as Diffusers' per-block copies, equal values
         assert not has_shared_embedder(model)
@@ -108,8 +120,9 @@ ATTENTIONS = {
     "linear": dict(mhla={"layout": [1, 1]}),  # global linear attention: one block
     "mhla": dict(vae="pipeline"),  # the VAE from a pipeline folder (its vae/)
     "mhla_lepe_gate": dict(mhla={"lepe": True, "gate": True}, cache_latents=True),
-    "released_dit": dict(mhla_preset="released-dit", cache_latents=True, latent_sampling="presampled",
-                         flip_coin_per_batch=True),
+    "released_dit": dict(
+        mhla_preset="released-dit", cache_latents=True, latent_sampling="presampled", flip_coin_per_batch=True
+    ),
 }
 
 
@@ -118,8 +131,9 @@ ATTENTIONS = {
 def test_from_scratch_trains_and_saves_a_pipeline(tmp_path, pipeline_dirs, image_classes, name):
     extra = dict(ATTENTIONS[name])
     vae = pipeline_dirs["dit"] if extra.pop("vae", None) == "pipeline" else pipeline_dirs["dit"] / "vae"
-    options = dit_scratch_options(vae, image_classes, tmp_path / "run", num_classes="data", save_pipeline=True,
-                                  ema_decay=0.9, **extra)
+    options = dit_scratch_options(
+        vae, image_classes, tmp_path / "run", num_classes="data", save_pipeline=True, ema_decay=0.9, **extra
+    )
     train_dit.train(options)
     rows = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) and {"mse", "vb"} <= set(r) for r in rows)
@@ -134,13 +148,18 @@ def test_from_scratch_trains_and_saves_a_pipeline(tmp_path, pipeline_dirs, image
     if name == "softmax":
         assert pipe.mhla is None
     else:
-        expected = {"linear": dict(layout=(1, 1)), "mhla": dict(layout=(2, 2), lepe=False, gate=False),
-                    "mhla_lepe_gate": dict(lepe=True, gate=True),
-                    "released_dit": dict(normalization="scalar_mixed_denominator", input_norm=True, lepe=True)}[name]
+        expected = {
+            "linear": dict(layout=(1, 1)),
+            "mhla": dict(layout=(2, 2), lepe=False, gate=False),
+            "mhla_lepe_gate": dict(lepe=True, gate=True),
+            "released_dit": dict(normalization="scalar_mixed_denominator", input_norm=True, lepe=True),
+        }[name]
         assert {k: getattr(pipe.mhla.config, k) for k in expected} == expected
     assert pipe.transformer.proj_out_2.weight.abs().sum() > 0  # trained away from its zero init
     blocks = pipe.transformer.transformer_blocks  # the shared embedder, saved as equal per-block copies
-    assert torch.equal(blocks[0].norm1.emb.timestep_embedder.linear_1.weight, blocks[1].norm1.emb.timestep_embedder.linear_1.weight)
+    assert torch.equal(
+        blocks[0].norm1.emb.timestep_embedder.linear_1.weight, blocks[1].norm1.emb.timestep_embedder.linear_1.weight
+    )
     images = pipe([0, "2"], num_inference_steps=2, output_type="np").images
     assert images.shape == (2, 16, 16, 3) and torch.isfinite(torch.as_tensor(images)).all()
 
@@ -148,8 +167,14 @@ def test_from_scratch_trains_and_saves_a_pipeline(tmp_path, pipeline_dirs, image
 @pytest.mark.slow
 def test_from_scratch_resume_equals_uninterrupted(tmp_path, pipeline_dirs, image_classes):
     vae = pipeline_dirs["dit"] / "vae"
-    common = dict(max_train_steps=5, checkpointing_steps=2, ema_decay=0.8, train_batch_size=3, learning_rate=1e-2,
-                  mhla={"gate": True})
+    common = dict(
+        max_train_steps=5,
+        checkpointing_steps=2,
+        ema_decay=0.8,
+        train_batch_size=3,
+        learning_rate=1e-2,
+        mhla={"gate": True},
+    )
     train_dit.train(dit_scratch_options(vae, image_classes, tmp_path / "a", **common))
 
     def crash(step, logs):
@@ -253,8 +278,11 @@ def test_flip_coin_per_batch(tmp_path, pipeline_dirs, image_classes, monkeypatch
         ({"model_size": "DiT-M/2"}, "unknown DiT model size 'DiT-M/2'"),
         ({"trainable": "mhla"}, "trains every parameter: trainable: all"),
         ({"attention_transfer_steps": 5}, "no pretrained softmax attention to distil"),
-        ({"num_classes": "all"}, "`num_classes` must be a count or \"data\""),
-        ({"model_size": None, "pretrained_model": "p"}, "`model_overrides`, `vae_model` describe a DiT trained from scratch"),
+        ({"num_classes": "all"}, '`num_classes` must be a count or "data"'),
+        (
+            {"model_size": None, "pretrained_model": "p"},
+            "`model_overrides`, `vae_model` describe a DiT trained from scratch",
+        ),
         ({"random_flip": False, "flip_coin_per_batch": True}, "set random_flip: true"),
         ({"latent_sampling": "presampled"}, "set cache_latents: true"),
     ],

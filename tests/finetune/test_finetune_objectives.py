@@ -21,7 +21,9 @@ def test_flow_matching_follows_the_reference_formula():
     shifted = 3 * sigma / (1 + 2 * sigma)
     noise = torch.randn(x0.shape, generator=g2)
     torch.testing.assert_close(inputs.sigmas, shifted)
-    torch.testing.assert_close(inputs.noisy, (1 - shifted.view(-1, 1, 1, 1, 1)) * x0 + shifted.view(-1, 1, 1, 1, 1) * noise)
+    torch.testing.assert_close(
+        inputs.noisy, (1 - shifted.view(-1, 1, 1, 1, 1)) * x0 + shifted.view(-1, 1, 1, 1, 1) * noise
+    )
     torch.testing.assert_close(inputs.target, noise - x0)
     assert inputs.timesteps.dtype == torch.int64 and torch.equal(inputs.timesteps, (shifted * 1000).long())
     # shift 3 pushes sigma up: the median of logit-normal(0, 1) is 0.5 -> 0.75
@@ -69,7 +71,8 @@ def test_vb_gradient_reaches_only_the_variance_channels():
 def test_normal_kl_matches_torch_distributions():
     m1, m2, lv1, lv2 = torch.randn(4, 10).unbind(0)
     expected = torch.distributions.kl_divergence(
-        torch.distributions.Normal(m1, (0.5 * lv1).exp()), torch.distributions.Normal(m2, (0.5 * lv2).exp()))
+        torch.distributions.Normal(m1, (0.5 * lv1).exp()), torch.distributions.Normal(m2, (0.5 * lv2).exp())
+    )
     torch.testing.assert_close(normal_kl(m1, lv1, m2, lv2), expected)
 
 

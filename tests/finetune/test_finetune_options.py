@@ -14,12 +14,34 @@ REQUIRED = dict(pretrained_model="model", data_dir="data", output_dir="out")
 
 def test_yaml_then_cli_overrides(tmp_path):
     config = tmp_path / "wan.yaml"
-    config.write_text(yaml.safe_dump({**REQUIRED, "max_train_steps": 10, "mhla": {"layers": "hybrid", "gate": True},
-                                      "resolution_buckets": [[480, 832], [480, 480]]}))
-    options = load_options(WanTrainOptions, [
-        "--config", str(config), "--max-train-steps", "25", "--learning_rate=1e-4", "--mhla.layout", "[3, 5, 10]",
-        "--gradient_checkpointing", "false", "--validation_prompts", '["a cat", "a dog"]', "--mixed_precision", "no",
-    ])
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **REQUIRED,
+                "max_train_steps": 10,
+                "mhla": {"layers": "hybrid", "gate": True},
+                "resolution_buckets": [[480, 832], [480, 480]],
+            }
+        )
+    )
+    options = load_options(
+        WanTrainOptions,
+        [
+            "--config",
+            str(config),
+            "--max-train-steps",
+            "25",
+            "--learning_rate=1e-4",
+            "--mhla.layout",
+            "[3, 5, 10]",
+            "--gradient_checkpointing",
+            "false",
+            "--validation_prompts",
+            '["a cat", "a dog"]',
+            "--mixed_precision",
+            "no",
+        ],
+    )
     assert options.mixed_precision == "no"  # not YAML's boolean false
     assert options.max_train_steps == 25 and options.learning_rate == 1e-4
     assert options.mhla == {"layers": "hybrid", "gate": True, "layout": [3, 5, 10]}
@@ -30,7 +52,13 @@ def test_yaml_then_cli_overrides(tmp_path):
 
 def test_reference_recipe_defaults():
     wan = options_from_dict(WanTrainOptions, REQUIRED)
-    assert (wan.learning_rate, wan.adam_beta1, wan.adam_beta2, wan.adam_epsilon, wan.weight_decay) == (2e-5, 0.9, 0.999, 1e-10, 0.0)
+    assert (wan.learning_rate, wan.adam_beta1, wan.adam_beta2, wan.adam_epsilon, wan.weight_decay) == (
+        2e-5,
+        0.9,
+        0.999,
+        1e-10,
+        0.0,
+    )
     assert (wan.lr_scheduler, wan.max_grad_norm, wan.mixed_precision) == ("constant_with_warmup", 0.1, "bf16")
     assert (wan.logit_mean, wan.logit_std, wan.flow_shift, wan.caption_dropout) == (0.0, 1.0, 3.0, 0.1)
     assert wan.gradient_checkpointing and wan.num_frames == 81 and wan.train_batch_size == 4
@@ -91,11 +119,18 @@ def test_cli_needs_values_and_a_real_config(tmp_path):
         load_options(WanTrainOptions, ["--config", str(tmp_path / "missing.yaml")])
 
 
-@pytest.mark.parametrize("name", [
-    "wan2.1_t2v_1.3b_mhla.yaml", "wan2.1_t2v_1.3b_mhla_released.yaml", "dit_xl2_256_mhla.yaml",
-    *(f"dit_s2_256_from_scratch_{attention}.yaml" for attention in ("softmax", "mhla", "linear", "mhla_lepe_gate",
-                                                                    "released_dit")),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "wan2.1_t2v_1.3b_mhla.yaml",
+        "wan2.1_t2v_1.3b_mhla_released.yaml",
+        "dit_xl2_256_mhla.yaml",
+        *(
+            f"dit_s2_256_from_scratch_{attention}.yaml"
+            for attention in ("softmax", "mhla", "linear", "mhla_lepe_gate", "released_dit")
+        ),
+    ],
+)
 def test_example_configs_are_valid(name):
     from pathlib import Path
 
@@ -103,9 +138,18 @@ def test_example_configs_are_valid(name):
     cls = DiTTrainOptions if name.startswith("dit") else WanTrainOptions
     options = load_options(cls, ["--config", str(path)])
     if "from_scratch" in name:  # the released DiT recipe from random initialisation
-        assert (options.model_size, options.pretrained_model, options.vae_model) == ("DiT-S/2", "", "stabilityai/sd-vae-ft-ema")
-        assert (options.learning_rate, options.lr_scheduler, options.lr_warmup_steps, options.weight_decay,
-                options.max_grad_norm) == (1e-4, "constant", 0, 0.0, 0.0)
+        assert (options.model_size, options.pretrained_model, options.vae_model) == (
+            "DiT-S/2",
+            "",
+            "stabilityai/sd-vae-ft-ema",
+        )
+        assert (
+            options.learning_rate,
+            options.lr_scheduler,
+            options.lr_warmup_steps,
+            options.weight_decay,
+            options.max_grad_norm,
+        ) == (1e-4, "constant", 0, 0.0, 0.0)
         assert (options.ema_decay, options.class_dropout, options.train_batch_size * 8) == (0.9999, 0.1, 256)
         assert options.flip_coin_per_batch and options.cache_latents and options.latent_sampling == "presampled"
         assert options.clamp_mixing
@@ -137,6 +181,9 @@ def test_command_line_names_and_values_are_checked_before_anything_loads():
         load_options(WanTrainOptions, ["--learnin_rate", "1e-4"])
     with pytest.raises(ValueError, match="`gradient_checkpointing` must be true or false, got 'no'"):
         load_options(WanTrainOptions, ["--gradient_checkpointing", "no"])
-    options = load_options(WanTrainOptions, [f"--{k}={v}" for k, v in REQUIRED.items()]
-                           + ["--lora_target_modules", "to_q,to_k", "--revision", "010", "--resume", "none"])
+    options = load_options(
+        WanTrainOptions,
+        [f"--{k}={v}" for k, v in REQUIRED.items()]
+        + ["--lora_target_modules", "to_q,to_k", "--revision", "010", "--resume", "none"],
+    )
     assert options.lora_target_modules == ["to_q", "to_k"] and options.revision == "010" and options.resume is None

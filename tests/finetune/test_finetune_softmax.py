@@ -8,10 +8,10 @@ import logging
 
 import pytest
 import torch
-from helpers.finetune import dit_options, metrics, wan_options
-from helpers.media import make_digit_classes
 from safetensors.torch import load_file
 
+from helpers.finetune import dit_options, metrics, wan_options
+from helpers.media import make_digit_classes
 from mhla_diffusion import get_mhla_conversion, load_transformer
 from mhla_diffusion.finetune import train_dit, train_wan
 from mhla_diffusion.finetune.engine import _cpu_copy
@@ -56,10 +56,19 @@ def test_wan_softmax_teacher_then_mhla_student(tmp_path, wan_patch1, video_set):
     from diffusers import WanPipeline, WanTransformer3DModel
 
     teacher = tmp_path / "teacher"
-    final = train_wan.train(wan_options(
-        wan_patch1, video_set, teacher, attention="softmax", mhla={}, max_train_steps=3, save_pipeline=True,
-        validation_prompts=["a red square moving left"], validation_num_inference_steps=2,
-    ))
+    final = train_wan.train(
+        wan_options(
+            wan_patch1,
+            video_set,
+            teacher,
+            attention="softmax",
+            mhla={},
+            max_train_steps=3,
+            save_pipeline=True,
+            validation_prompts=["a red square moving left"],
+            validation_num_inference_steps=2,
+        )
+    )
     assert (final / "config.json").is_file() and not (final / "mhla_config.json").exists()
     stock = WanPipeline.from_pretrained(teacher / "pipeline")
     assert type(stock.transformer) is WanTransformer3DModel and get_mhla_conversion(stock.transformer) is None
@@ -71,8 +80,11 @@ def test_wan_softmax_teacher_then_mhla_student(tmp_path, wan_patch1, video_set):
 
     # the MHLA fine-tune starts from the teacher's pipeline folder, with attention transfer
     student = tmp_path / "student"
-    train_wan.train(wan_options(teacher / "pipeline", video_set, student, attention_transfer_steps=2, max_train_steps=2,
-                                save_pipeline=True))
+    train_wan.train(
+        wan_options(
+            teacher / "pipeline", video_set, student, attention_transfer_steps=2, max_train_steps=2, save_pipeline=True
+        )
+    )
     assert any("transfer/loss" in row for row in metrics(student))
     converted = MHLAWanPipeline.from_pretrained(student / "pipeline")
     assert converted.mhla is not None and converted.mhla.layout == (1, 2, 2)
@@ -88,8 +100,20 @@ def test_wan_softmax_lora_and_size_checks(tmp_path, pipeline_dirs, wan_patch1, v
     from diffusers import WanPipeline
 
     run = tmp_path / "lora"
-    final = train_wan.train(wan_options(wan_patch1, video_set, run, attention="softmax", mhla={}, trainable="lora",
-                                        lora_rank=4, lora_alpha=4, max_train_steps=2, save_pipeline=True))
+    final = train_wan.train(
+        wan_options(
+            wan_patch1,
+            video_set,
+            run,
+            attention="softmax",
+            mhla={},
+            trainable="lora",
+            lora_rank=4,
+            lora_alpha=4,
+            max_train_steps=2,
+            save_pipeline=True,
+        )
+    )
     assert sorted(p.name for p in final.iterdir()) == ["pytorch_lora_weights.safetensors"]
     base = WanPipeline.from_pretrained(wan_patch1)
     base.load_lora_weights(final)
@@ -100,8 +124,11 @@ def test_wan_softmax_lora_and_size_checks(tmp_path, pipeline_dirs, wan_patch1, v
     # sizes are checked against the VAE scale x patch: 40 px is fine with patch 1, not with patch 2
     task = train_wan.WanTask(wan_options(wan_patch1, video_set, tmp_path / "a", resolution_buckets=[[32, 40]]))
     task._check_sizes()
-    with pytest.raises(ValueError, match=r"32x40 .*width 40 must be a positive multiple of 16 \(VAE x4 in time and x8 "
-                                         r"in space, patch 1x2x2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"32x40 .*width 40 must be a positive multiple of 16 \(VAE x4 in time and x8 "
+        r"in space, patch 1x2x2\)",
+    ):
         train_wan.train(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "b", resolution_buckets=[[32, 40]]))
     assert not (tmp_path / "b").exists()
 
@@ -110,16 +137,22 @@ def test_wan_frame_counts_and_validation_sizes_follow_the_model(tmp_path, pipeli
     """The options take any positive sizes; the trainer judges them with the model's geometry, before any work.
     Validation sizes are also what Diffusers' WanPipeline takes (multiples of 16, even with patch 1)."""
     options = wan_options(wan_patch1, video_set, tmp_path / "a", num_frames=80, frame_buckets=[9])  # options take it
-    with pytest.raises(ValueError, match=r"80 frames is not supported: use 4k\+1 \(1, 5, 9, 13, ...\) \(VAE x4 in time"):
+    with pytest.raises(
+        ValueError, match=r"80 frames is not supported: use 4k\+1 \(1, 5, 9, 13, ...\) \(VAE x4 in time"
+    ):
         train_wan.WanTask(options)._check_sizes()
     validation = dict(validation_prompts=["a cat"], validation_height=32)
-    train_wan.WanTask(wan_options(wan_patch1, video_set, tmp_path / "b", validation_width=48, **validation))._check_sizes()
+    train_wan.WanTask(
+        wan_options(wan_patch1, video_set, tmp_path / "b", validation_width=48, **validation)
+    )._check_sizes()
     for model in (wan_patch1, pipeline_dirs["wan"]):
         task = train_wan.WanTask(wan_options(model, video_set, tmp_path / "c", validation_width=40, **validation))
         with pytest.raises(ValueError, match=r"validation size 32x40 .*width 40 must be a positive multiple of 16"):
             task._check_sizes()
     # sizes past the position encoding (tiny Wan: 32 RoPE positions per axis -> at most 512 px)
-    task = train_wan.WanTask(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "d", resolution_buckets=[[32, 528]]))
+    task = train_wan.WanTask(
+        wan_options(pipeline_dirs["wan"], video_set, tmp_path / "d", resolution_buckets=[[32, 528]])
+    )
     with pytest.raises(ValueError, match="width 528 is larger than the model supports: at most 512"):
         task._check_sizes()
 
@@ -129,10 +162,18 @@ def test_dit_softmax_teacher_resumes_and_seeds_an_mhla_student(tmp_path, digits)
     from diffusers import DiTPipeline, DiTTransformer2DModel
 
     base, data = digits
-    common = dict(attention="softmax", resolution=32, random_flip=False, max_train_steps=4, checkpointing_steps=2,
-                  ema_decay=0.8, save_pipeline=True)
-    final = train_dit.train(dit_options(base, data, tmp_path / "a", validation_classes=["7"],
-                                        validation_num_inference_steps=2, **common))
+    common = dict(
+        attention="softmax",
+        resolution=32,
+        random_flip=False,
+        max_train_steps=4,
+        checkpointing_steps=2,
+        ema_decay=0.8,
+        save_pipeline=True,
+    )
+    final = train_dit.train(
+        dit_options(base, data, tmp_path / "a", validation_classes=["7"], validation_num_inference_steps=2, **common)
+    )
 
     def crash(step, logs):
         if step == 3:
@@ -162,8 +203,18 @@ def test_dit_softmax_teacher_resumes_and_seeds_an_mhla_student(tmp_path, digits)
     assert list((tmp_path / "a" / "validation" / "step-00000004").glob("*.png"))
 
     student = tmp_path / "student"
-    train_dit.train(dit_options(tmp_path / "a" / "pipeline", data, student, resolution=32, random_flip=False,
-                                attention_transfer_steps=2, max_train_steps=2, save_pipeline=True))
+    train_dit.train(
+        dit_options(
+            tmp_path / "a" / "pipeline",
+            data,
+            student,
+            resolution=32,
+            random_flip=False,
+            attention_transfer_steps=2,
+            max_train_steps=2,
+            save_pipeline=True,
+        )
+    )
     converted = MHLADiTPipeline.from_pretrained(student / "pipeline")
     assert converted.mhla is not None and converted.labels["7"] == 7
     assert any("transfer/loss" in row for row in metrics(student))
@@ -176,13 +227,44 @@ def test_trainers_run_back_to_back_in_one_process(tmp_path, digits):
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     base, data = digits
-    args = ["--pretrained_model", str(base), "--data_dir", str(data), "--attention", "softmax", "--resolution", "32",
-            "--max_train_steps", "1", "--train_batch_size", "2", "--report_to", "none", "--checkpointing_steps", "0",
-            "--ema_decay", "0", "--random_flip", "false"]
+    args = [
+        "--pretrained_model",
+        str(base),
+        "--data_dir",
+        str(data),
+        "--attention",
+        "softmax",
+        "--resolution",
+        "32",
+        "--max_train_steps",
+        "1",
+        "--train_batch_size",
+        "2",
+        "--report_to",
+        "none",
+        "--checkpointing_steps",
+        "0",
+        "--ema_decay",
+        "0",
+        "--random_flip",
+        "false",
+    ]
     assert train_dit.main([*args, "--output_dir", str(tmp_path / "a"), "--mixed_precision", "no"]) == 0
     handlers = list(logging.getLogger().handlers)
     assert not AcceleratorState._shared_state and not PartialState._shared_state and not GradientState._shared_state
-    assert train_dit.main([*args, "--output_dir", str(tmp_path / "b"), "--mixed_precision", "bf16",
-                           "--gradient_accumulation_steps", "2"]) == 0
+    assert (
+        train_dit.main(
+            [
+                *args,
+                "--output_dir",
+                str(tmp_path / "b"),
+                "--mixed_precision",
+                "bf16",
+                "--gradient_accumulation_steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert logging.getLogger().handlers == handlers
     assert (tmp_path / "b" / "final" / "config.json").is_file()

@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
+
 from helpers.finetune import WanEvaluator, attention_reliant_wan, base_wan_transformer, metrics, wan_options
 from helpers.media import one_colour_clips
-
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer, softmax_attention
 from mhla_diffusion.finetune import train_wan
 from mhla_diffusion.finetune.attention_transfer import AttentionTransfer
@@ -20,8 +20,11 @@ SIZE = 64  # 64x64 px -> 4x4 tokens per latent frame
 
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 16, 3, 8, 8, generator=g), timestep=torch.tensor([700]),
-                encoder_hidden_states=torch.randn(1, 5, 32, generator=g))
+    return dict(
+        hidden_states=torch.randn(1, 16, 3, 8, 8, generator=g),
+        timestep=torch.tensor([700]),
+        encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+    )
 
 
 @pytest.mark.parametrize("params", ["mhla", "attention"])
@@ -44,7 +47,11 @@ def test_layer_losses_and_teacher_forcing(params):
     assert free.losses["blocks.0.attn1"] == transfer.losses["blocks.0.attn1"]  # same input to the first layer
     names = transfer.parameter_names()
     assert all(".processor." in n for n in names) == (params == "mhla")
-    assert "blocks.0.attn1.to_q.weight" in names if params == "attention" else "blocks.0.attn1.processor.gate.weight" in names
+    assert (
+        "blocks.0.attn1.to_q.weight" in names
+        if params == "attention"
+        else "blocks.0.attn1.processor.gate.weight" in names
+    )
     with pytest.raises(RuntimeError, match="no distillation loss"):
         AttentionTransfer(transformer, params).loss()
 
@@ -75,17 +82,34 @@ def test_transfer_stage_lowers_the_end_to_end_loss(tmp_path):
     converted = evaluate(base_wan_transformer(pretrained))
     assert converted > 1.3 * softmax, (softmax, converted)  # the conversion hurts: there is something to recover
 
-    common = dict(height=SIZE, width=SIZE, trainable="all", caption_dropout=0.0, cache_latents=True,
-                  cache_dir=str(tmp_path / "cache"))
+    common = dict(
+        height=SIZE,
+        width=SIZE,
+        trainable="all",
+        caption_dropout=0.0,
+        cache_latents=True,
+        cache_dir=str(tmp_path / "cache"),
+    )
     transfer_steps, e2e_steps = 40, 5
-    with_transfer = train_wan.train(wan_options(
-        pretrained, data, tmp_path / "transfer", max_train_steps=e2e_steps, attention_transfer_steps=transfer_steps,
-        attention_transfer_lr=1e-2, **common))
+    with_transfer = train_wan.train(
+        wan_options(
+            pretrained,
+            data,
+            tmp_path / "transfer",
+            max_train_steps=e2e_steps,
+            attention_transfer_steps=transfer_steps,
+            attention_transfer_lr=1e-2,
+            **common,
+        )
+    )
     plain = train_wan.train(wan_options(pretrained, data, tmp_path / "plain", max_train_steps=e2e_steps, **common))
-    plain_long = train_wan.train(wan_options(pretrained, data, tmp_path / "long", max_train_steps=e2e_steps + transfer_steps,
-                                             **common))
-    losses = {name: evaluate(load_mhla(folder)) for name, folder in
-              (("transfer", with_transfer), ("plain", plain), ("long", plain_long))}
+    plain_long = train_wan.train(
+        wan_options(pretrained, data, tmp_path / "long", max_train_steps=e2e_steps + transfer_steps, **common)
+    )
+    losses = {
+        name: evaluate(load_mhla(folder))
+        for name, folder in (("transfer", with_transfer), ("plain", plain), ("long", plain_long))
+    }
     assert losses["transfer"] < 0.85 * losses["plain"], losses  # equal end-to-end steps
     assert losses["transfer"] < 0.85 * losses["long"], losses  # equal total steps
 

@@ -13,9 +13,9 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from helpers.features import StandInFeatures, inception_template_state_dict
 from helpers.finetune import dit_options, metrics
-
 from mhla_diffusion.eval.evaluate import make_reference
 from mhla_diffusion.eval.images import ArrayImages
 from mhla_diffusion.eval.inception_weights import INCEPTION_WEIGHTS_ENV
@@ -50,13 +50,23 @@ def inception(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_dit_logs_validation_fid_at_the_configured_steps_and_the_end(tmp_path, pipeline_dirs, image_classes,
-                                                                       inception, monkeypatch):
+def test_dit_logs_validation_fid_at_the_configured_steps_and_the_end(
+    tmp_path, pipeline_dirs, image_classes, inception, monkeypatch
+):
     weights, reference = inception
     monkeypatch.delenv(INCEPTION_WEIGHTS_ENV, raising=False)
-    options = dit_options(pipeline_dirs["dit"], image_classes, tmp_path / "run", max_train_steps=3,
-                          validation_fid_reference=str(reference), validation_fid_steps=2, validation_fid_samples=3,
-                          validation_fid_batch_size=2, validation_num_inference_steps=2, inception_weights=str(weights))
+    options = dit_options(
+        pipeline_dirs["dit"],
+        image_classes,
+        tmp_path / "run",
+        max_train_steps=3,
+        validation_fid_reference=str(reference),
+        validation_fid_steps=2,
+        validation_fid_samples=3,
+        validation_fid_batch_size=2,
+        validation_num_inference_steps=2,
+        inception_weights=str(weights),
+    )
     train_dit.train(options)
     rows = metrics(tmp_path / "run")
     fid_rows = [r for r in rows if "validation/fid" in r]
@@ -68,12 +78,20 @@ def test_dit_logs_validation_fid_at_the_configured_steps_and_the_end(tmp_path, p
 
 
 @pytest.mark.slow
-def test_without_inception_weights_validation_fid_is_skipped_with_one_line(tmp_path, pipeline_dirs, image_classes,
-                                                                            inception, monkeypatch, caplog):
+def test_without_inception_weights_validation_fid_is_skipped_with_one_line(
+    tmp_path, pipeline_dirs, image_classes, inception, monkeypatch, caplog
+):
     _, reference = inception
     monkeypatch.delenv(INCEPTION_WEIGHTS_ENV, raising=False)
-    options = dit_options(pipeline_dirs["dit"], image_classes, tmp_path / "run", max_train_steps=1,
-                          validation_fid_reference=str(reference), validation_fid_steps=1, validation_fid_samples=2)
+    options = dit_options(
+        pipeline_dirs["dit"],
+        image_classes,
+        tmp_path / "run",
+        max_train_steps=1,
+        validation_fid_reference=str(reference),
+        validation_fid_steps=1,
+        validation_fid_samples=2,
+    )
     with caplog.at_level(logging.WARNING, logger="mhla_diffusion.finetune.validation_fid"):
         train_dit.train(options)
     skipped = [r.getMessage() for r in caplog.records if "validation FID skipped" in r.getMessage()]
@@ -82,16 +100,24 @@ def test_without_inception_weights_validation_fid_is_skipped_with_one_line(tmp_p
     assert not [r for r in metrics(tmp_path / "run") if "validation/fid" in r]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(validation_fid_steps=0), "`validation_fid_steps` must be >= 1"),
-    (dict(validation_fid_samples=0), "`validation_fid_samples` must be >= 1"),
-    (dict(validation_fid_samples=1), "`validation_fid_samples` must be >= 2"),
-    (dict(validation_fid_batch_size=0), "`validation_fid_batch_size` must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(validation_fid_steps=0), "`validation_fid_steps` must be >= 1"),
+        (dict(validation_fid_samples=0), "`validation_fid_samples` must be >= 1"),
+        (dict(validation_fid_samples=1), "`validation_fid_samples` must be >= 2"),
+        (dict(validation_fid_batch_size=0), "`validation_fid_batch_size` must be >= 1"),
+    ],
+)
 def test_bad_numbers_are_refused(tmp_path, pipeline_dirs, image_classes, inception, overrides, message):
     with pytest.raises(ValueError, match=message):
-        dit_options(pipeline_dirs["dit"], image_classes, tmp_path / "run", validation_fid_reference=str(inception[1]),
-                    **overrides)
+        dit_options(
+            pipeline_dirs["dit"],
+            image_classes,
+            tmp_path / "run",
+            validation_fid_reference=str(inception[1]),
+            **overrides,
+        )
 
 
 def test_inception_weights_without_a_reference_is_refused(tmp_path, pipeline_dirs, image_classes, inception):
@@ -115,26 +141,61 @@ def _refused(tmp_path, pipeline_dirs, image_classes, error, match, **overrides):
 
 def test_missing_or_non_adm_reference_is_refused_before_any_work(tmp_path, pipeline_dirs, image_classes, inception):
     weights = str(inception[0])
-    _refused(tmp_path, pipeline_dirs, image_classes, FileNotFoundError, "does not exist",
-             validation_fid_reference=str(tmp_path / "nowhere.npz"), inception_weights=weights)
+    _refused(
+        tmp_path,
+        pipeline_dirs,
+        image_classes,
+        FileNotFoundError,
+        "does not exist",
+        validation_fid_reference=str(tmp_path / "nowhere.npz"),
+        inception_weights=weights,
+    )
     images_only = tmp_path / "images.npz"
     np.savez(images_only, arr_0=np.zeros((2, 4, 4, 3), np.uint8))
-    _refused(tmp_path, pipeline_dirs, image_classes, ValueError, "lacks mu, sigma, mu_s, sigma_s",
-             validation_fid_reference=str(images_only), inception_weights=weights)
+    _refused(
+        tmp_path,
+        pipeline_dirs,
+        image_classes,
+        ValueError,
+        "lacks mu, sigma, mu_s, sigma_s",
+        validation_fid_reference=str(images_only),
+        inception_weights=weights,
+    )
     not_npz = tmp_path / "reference.txt"
     not_npz.write_text("x")
-    _refused(tmp_path, pipeline_dirs, image_classes, ValueError, "expected an ADM .npz",
-             validation_fid_reference=str(not_npz), inception_weights=weights)
+    _refused(
+        tmp_path,
+        pipeline_dirs,
+        image_classes,
+        ValueError,
+        "expected an ADM .npz",
+        validation_fid_reference=str(not_npz),
+        inception_weights=weights,
+    )
 
 
-def test_an_explicit_weights_path_that_is_missing_is_an_error(tmp_path, pipeline_dirs, image_classes, inception,
-                                                              monkeypatch):
+def test_an_explicit_weights_path_that_is_missing_is_an_error(
+    tmp_path, pipeline_dirs, image_classes, inception, monkeypatch
+):
     monkeypatch.delenv(INCEPTION_WEIGHTS_ENV, raising=False)
-    _refused(tmp_path, pipeline_dirs, image_classes, FileNotFoundError, "nowhere.pth",
-             validation_fid_reference=str(inception[1]), inception_weights=str(tmp_path / "nowhere.pth"))
+    _refused(
+        tmp_path,
+        pipeline_dirs,
+        image_classes,
+        FileNotFoundError,
+        "nowhere.pth",
+        validation_fid_reference=str(inception[1]),
+        inception_weights=str(tmp_path / "nowhere.pth"),
+    )
     monkeypatch.setenv(INCEPTION_WEIGHTS_ENV, str(tmp_path / "also-nowhere.pth"))
-    _refused(tmp_path, pipeline_dirs, image_classes, FileNotFoundError, "also-nowhere.pth",
-             validation_fid_reference=str(inception[1]))
+    _refused(
+        tmp_path,
+        pipeline_dirs,
+        image_classes,
+        FileNotFoundError,
+        "also-nowhere.pth",
+        validation_fid_reference=str(inception[1]),
+    )
 
 
 class _StandInWithWeights(StandInFeatures):
@@ -145,7 +206,6 @@ class _StandInWithWeights(StandInFeatures):
 @pytest.mark.slow
 def test_wan_per_frame_fid_counts_every_frame_of_every_clip(tmp_path, pipeline_dirs, video_set, inception, monkeypatch):
     from helpers.finetune import wan_options
-
     from mhla_diffusion.finetune import train_wan
 
     shapes = []
@@ -163,10 +223,18 @@ def test_wan_per_frame_fid_counts_every_frame_of_every_clip(tmp_path, pipeline_d
     weights, reference = inception[0], tmp_path / "standin-reference.npz"
     images = np.random.default_rng(1).integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
     make_reference(ArrayImages(images), StandInFeatures(), reference, pr_images=0, progress=False)
-    options = wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", max_train_steps=1,
-                          validation_prompts=["a red ball", "a blue cube"], validation_num_frames=5,
-                          validation_num_inference_steps=2, validation_fid_reference=str(reference),
-                          validation_fid_samples=2, inception_weights=str(weights))
+    options = wan_options(
+        pipeline_dirs["wan"],
+        video_set,
+        tmp_path / "run",
+        max_train_steps=1,
+        validation_prompts=["a red ball", "a blue cube"],
+        validation_num_frames=5,
+        validation_num_inference_steps=2,
+        validation_fid_reference=str(reference),
+        validation_fid_samples=2,
+        inception_weights=str(weights),
+    )
     train_wan.train(options)
     assert shapes == [([0, 1], (2 * 5, 32, 32, 3))]  # 2 clips x 5 frames, each frame one image
     (row,) = [r for r in metrics(tmp_path / "run") if "validation/fid" in r]

@@ -9,10 +9,10 @@ import shutil
 import imageio.v3 as iio
 import pytest
 import torch
-from helpers.finetune import WanEvaluator, base_wan_transformer, metrics, wan_options
-from helpers.media import make_video_set, write_image, write_video
 from safetensors.torch import load_file
 
+from helpers.finetune import WanEvaluator, base_wan_transformer, metrics, wan_options
+from helpers.media import make_video_set, write_image, write_video
 from mhla_diffusion import load_mhla
 from mhla_diffusion.finetune import train_wan
 from mhla_diffusion.finetune.checkpointing import list_checkpoints
@@ -28,8 +28,15 @@ def test_loss_decreases_and_outputs_load_with_the_pipelines(tmp_path, pipeline_d
     base = pipeline_dirs["wan"]
     evaluate = WanEvaluator(base, video_set)
     before = evaluate(base_wan_transformer(base))
-    options = wan_options(base, video_set, tmp_path / "run", max_train_steps=30, save_pipeline=True,
-                          validation_prompts=["a red square moving left"], validation_num_inference_steps=2)
+    options = wan_options(
+        base,
+        video_set,
+        tmp_path / "run",
+        max_train_steps=30,
+        save_pipeline=True,
+        validation_prompts=["a red square moving left"],
+        validation_num_inference_steps=2,
+    )
     final = train_wan.train(options)
 
     trained = load_mhla(final)
@@ -48,8 +55,10 @@ def test_loss_decreases_and_outputs_load_with_the_pipelines(tmp_path, pipeline_d
     x = torch.randn(1, 16, 3, 4, 4)
     text = torch.randn(1, 16, 32)
     with torch.no_grad():
-        torch.testing.assert_close(pipe.transformer(hidden_states=x, timestep=torch.tensor([300]), encoder_hidden_states=text).sample,
-                                   trained(hidden_states=x, timestep=torch.tensor([300]), encoder_hidden_states=text).sample)
+        torch.testing.assert_close(
+            pipe.transformer(hidden_states=x, timestep=torch.tensor([300]), encoder_hidden_states=text).sample,
+            trained(hidden_states=x, timestep=torch.tensor([300]), encoder_hidden_states=text).sample,
+        )
     video = tmp_path / "run" / "validation" / "step-00000030" / "00-a-red-square-moving-left.mp4"
     assert iio.imread(video).shape == (9, 32, 32, 3)
 
@@ -63,9 +72,18 @@ def _final_tensors(folder):
 @pytest.mark.slow
 def test_interrupted_and_resumed_lora_run_equals_uninterrupted(tmp_path, pipeline_dirs, video_set):
     base = pipeline_dirs["wan"]
-    common = dict(trainable="lora", lora_rank=4, lora_alpha=8, gradient_accumulation_steps=2, caption_dropout=0.5,
-                  max_train_steps=6, checkpointing_steps=2, cache_latents=True, cache_dir=str(tmp_path / "cache"),
-                  mhla={"layout": [1, 2, 2], "gate": True})
+    common = dict(
+        trainable="lora",
+        lora_rank=4,
+        lora_alpha=8,
+        gradient_accumulation_steps=2,
+        caption_dropout=0.5,
+        max_train_steps=6,
+        checkpointing_steps=2,
+        cache_latents=True,
+        cache_dir=str(tmp_path / "cache"),
+        mhla={"layout": [1, 2, 2], "gate": True},
+    )
     straight = train_wan.train(wan_options(base, video_set, tmp_path / "straight", **common))
 
     def crash(step, logs):
@@ -77,7 +95,12 @@ def test_interrupted_and_resumed_lora_run_equals_uninterrupted(tmp_path, pipelin
     assert [s for s, _ in list_checkpoints(tmp_path / "resumed")] == [2, 4]
     assert not (tmp_path / "resumed" / "final").exists()
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints" / "step-00000004").iterdir()) == [
-        "custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl", "scheduler.bin", "trainable_weights.safetensors"]
+        "custom_checkpoint_0.pkl",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "scheduler.bin",
+        "trainable_weights.safetensors",
+    ]
     resumed = train_wan.train(wan_options(base, video_set, tmp_path / "resumed", resume="latest", **common))
 
     a, b = _final_tensors(straight), _final_tensors(resumed)
@@ -132,8 +155,17 @@ def test_latent_cache_matches_online_encoding_and_is_reused(tmp_path, pipeline_d
     shutil.rmtree(data)
     train_wan.train(wan_options(base, data, tmp_path / "again", cache_latents=True, cache_dir=str(cache), **common))
     with pytest.raises(ValueError, match="built with other settings .*max_sequence_length"):
-        train_wan.train(wan_options(base, data, tmp_path / "other", cache_latents=True, cache_dir=str(cache),
-                                    max_sequence_length=8, **common))
+        train_wan.train(
+            wan_options(
+                base,
+                data,
+                tmp_path / "other",
+                cache_latents=True,
+                cache_dir=str(cache),
+                max_sequence_length=8,
+                **common,
+            )
+        )
 
 
 @pytest.mark.slow
@@ -148,9 +180,21 @@ def test_images_and_videos_of_several_sizes_train_in_buckets(tmp_path, pipeline_
         (data / f"{stem}.txt").write_text(f"a {stem} thing")
     shapes = []
     real = train_wan.flow_match_inputs
-    monkeypatch.setattr(train_wan, "flow_match_inputs", lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k))
-    options = wan_options(pipeline_dirs["wan"], data, tmp_path / "run", resolution_buckets=[[32, 32], [32, 48], [48, 32]],
-                          frame_buckets=[5, 9], train_batch_size=1, max_train_steps=4, trainable="attention")
+    monkeypatch.setattr(
+        train_wan,
+        "flow_match_inputs",
+        lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k),
+    )
+    options = wan_options(
+        pipeline_dirs["wan"],
+        data,
+        tmp_path / "run",
+        resolution_buckets=[[32, 32], [32, 48], [48, 32]],
+        frame_buckets=[5, 9],
+        train_batch_size=1,
+        max_train_steps=4,
+        trainable="attention",
+    )
     train_wan.train(options)
     assert sorted(shapes) == sorted([(1, 16, 3, 4, 6), (1, 16, 3, 6, 4), (1, 16, 2, 4, 4), (1, 16, 1, 4, 4)])
 
@@ -171,19 +215,25 @@ def test_run_folders_are_never_reused_by_accident(tmp_path, pipeline_dirs, video
         train_wan.train(wan_options(base, video_set, run, trainable="mhla", max_train_steps=2))
     with pytest.raises(FileExistsError, match="nothing to resume"):  # finished, but without checkpoints
         train_wan.train(wan_options(base, video_set, run, trainable="mhla", max_train_steps=3, resume="latest"))
-    train_wan.train(wan_options(base, video_set, run, trainable="mhla", max_train_steps=2, overwrite_output_dir=True,
-                                checkpointing_steps=5))
+    train_wan.train(
+        wan_options(
+            base, video_set, run, trainable="mhla", max_train_steps=2, overwrite_output_dir=True, checkpointing_steps=5
+        )
+    )
     assert [s for s, _ in list_checkpoints(run)] == [2]  # the end of a run is always checkpointed
     # extend the finished run from its last checkpoint up to step 3
-    train_wan.train(wan_options(base, video_set, run, trainable="mhla", max_train_steps=3, resume="latest",
-                                checkpointing_steps=5))
+    train_wan.train(
+        wan_options(base, video_set, run, trainable="mhla", max_train_steps=3, resume="latest", checkpointing_steps=5)
+    )
     assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3]
     train_wan.train(wan_options(base, video_set, run, trainable="mhla", max_train_steps=1, overwrite_output_dir=True))
     assert [r["step"] for r in metrics(run) if "loss" in r] == [1] and not list_checkpoints(run)
 
 
 def test_bad_inputs_fail_before_any_model_is_loaded(tmp_path, pipeline_dirs, video_set, monkeypatch, capsys):
-    monkeypatch.setattr(train_wan, "load_mhla_transformer", lambda *a, **k: pytest.fail("model loaded before the data check"))
+    monkeypatch.setattr(
+        train_wan, "load_mhla_transformer", lambda *a, **k: pytest.fail("model loaded before the data check")
+    )
     data = tmp_path / "data"
     make_video_set(data, with_image=False)
     (data / "clip3.txt").unlink()
@@ -192,8 +242,24 @@ def test_bad_inputs_fail_before_any_model_is_loaded(tmp_path, pipeline_dirs, vid
         train_wan.train(wan_options(base, data, tmp_path / "run"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    code = train_wan.main(["--pretrained_model", str(base), "--data_dir", str(empty), "--output_dir", str(tmp_path / "r2"),
-                           "--mixed_precision", "no", "--height", "32", "--width", "32", "--num_frames", "9"])
+    code = train_wan.main(
+        [
+            "--pretrained_model",
+            str(base),
+            "--data_dir",
+            str(empty),
+            "--output_dir",
+            str(tmp_path / "r2"),
+            "--mixed_precision",
+            "no",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num_frames",
+            "9",
+        ]
+    )
     assert code == 2 and "error: no videos or images found" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="pretrained_model .*no-model not found"):
         train_wan.train(wan_options(tmp_path / "no-model", video_set, tmp_path / "r3"))
@@ -212,9 +278,22 @@ def test_images_train_under_an_auto_layout_with_more_frame_blocks(tmp_path, pipe
         (data / f"{stem}.txt").write_text(f"a {stem} thing")
     shapes = []
     real = train_wan.flow_match_inputs
-    monkeypatch.setattr(train_wan, "flow_match_inputs", lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k))
-    final = train_wan.train(wan_options(pipeline_dirs["wan"], data, tmp_path / "run", mhla={"layout": "auto"},
-                                        train_batch_size=1, max_train_steps=3, trainable="mhla"))
+    monkeypatch.setattr(
+        train_wan,
+        "flow_match_inputs",
+        lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k),
+    )
+    final = train_wan.train(
+        wan_options(
+            pipeline_dirs["wan"],
+            data,
+            tmp_path / "run",
+            mhla={"layout": "auto"},
+            train_batch_size=1,
+            max_train_steps=3,
+            trainable="mhla",
+        )
+    )
     layout = json.loads((final / "mhla_config.json").read_text())["mhla_config"]["layout"]
     assert layout[0] > 1  # more frame blocks than an image's single latent frame
     assert sorted(shapes) == [(1, 16, 1, 4, 4), (1, 16, 1, 4, 4), (1, 16, 3, 4, 4)]

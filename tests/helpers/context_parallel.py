@@ -27,7 +27,9 @@ from mhla_diffusion.ops.context_parallel import (
 #: divide (tensor_split rule), uneven and empty blocks, every normalisation, RoPE'd numerators, per-head mixing.
 OPERATOR_CASES: dict[str, dict[str, Any]] = {
     "uneven blocks, denominator, rope": dict(grid=(5, 5, 7), layout=(2, 3, 2), normalize="denominator", rope=True),
-    "no denominator, per-head mixing": dict(grid=(5, 5, 7), layout=(3, 2, 2), normalize="none", rope=True, per_head=True),
+    "no denominator, per-head mixing": dict(
+        grid=(5, 5, 7), layout=(3, 2, 2), normalize="none", rope=True, per_head=True
+    ),
     "scalar-mixed denominator": dict(grid=(5, 3, 3), layout=(5, 1, 3), normalize="scalar_mixed_denominator"),
     "empty blocks": dict(grid=(1, 6, 7), layout=(2, 2, 3), normalize="denominator", rope=True),
     "image grid": dict(grid=(7, 9), layout=(3, 3), normalize="denominator"),
@@ -49,8 +51,17 @@ def _summed(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def operator_case(grid: tuple[int, ...], layout: tuple[int, ...], normalize: str, rope: bool = False,
-                  per_head: bool = False, batch: int = 2, heads: int = 3, dim: int = 4, dim_v: int = 5) -> dict[str, tuple[float, float]]:
+def operator_case(
+    grid: tuple[int, ...],
+    layout: tuple[int, ...],
+    normalize: str,
+    rope: bool = False,
+    per_head: bool = False,
+    batch: int = 2,
+    heads: int = 3,
+    dim: int = 4,
+    dim_v: int = 5,
+) -> dict[str, tuple[float, float]]:
     """Forward and gradients of the context-parallel operator against :func:`mhla_attention` on the whole grid."""
     n, m = math.prod(grid), math.prod(layout)
     g = torch.Generator().manual_seed(7)
@@ -67,16 +78,35 @@ def operator_case(grid: tuple[int, ...], layout: tuple[int, ...], normalize: str
 
     ref = {name: t.clone().requires_grad_() for name, t in full.items()}
     ref_mixing = mixing.clone().requires_grad_()
-    ref_out = mhla_attention(ref["q"], ref["k"], ref["v"], grid, layout, ref_mixing, q_rot=ref.get("q_rot"),
-                             k_rot=ref.get("k_rot"), normalize=normalize)
+    ref_out = mhla_attention(
+        ref["q"],
+        ref["k"],
+        ref["v"],
+        grid,
+        layout,
+        ref_mixing,
+        q_rot=ref.get("q_rot"),
+        k_rot=ref.get("k_rot"),
+        normalize=normalize,
+    )
     (ref_out * weights).sum().backward()
 
     shard = TokenShard.split(n, even=False)
     own = slice(shard.start, shard.stop)
     local = {name: t[:, own].clone().requires_grad_() for name, t in full.items()}
     local_mixing = mixing.clone().requires_grad_()
-    out = mhla_attention_context_parallel(local["q"], local["k"], local["v"], grid, layout, local_mixing, shard,
-                                          q_rot=local.get("q_rot"), k_rot=local.get("k_rot"), normalize=normalize)
+    out = mhla_attention_context_parallel(
+        local["q"],
+        local["k"],
+        local["v"],
+        grid,
+        layout,
+        local_mixing,
+        shard,
+        q_rot=local.get("q_rot"),
+        k_rot=local.get("k_rot"),
+        normalize=normalize,
+    )
     (out * weights[:, own]).sum().backward()
 
     diffs = {"output": _compare(out, ref_out[:, own])}
@@ -136,13 +166,21 @@ def operator_suite() -> dict[str, dict[str, tuple[float, float]]]:
 #: case compares the forward only.
 TRANSFORMER_CASES: dict[str, dict[str, Any]] = {
     "released Wan extras + LePE, uneven split, gradients": dict(
-        mhla=dict(layout=(2, 2, 2), normalization="none", output_norm=True, gate=True, lepe=True), split="uneven", grads=True),
+        mhla=dict(layout=(2, 2, 2), normalization="none", output_norm=True, gate=True, lepe=True),
+        split="uneven",
+        grads=True,
+    ),
     "denominator + gate + LePE, even split, gradients": dict(
-        mhla=dict(layout=(1, 2, 3), normalization="denominator", gate=True, lepe=True), split="even", grads=True),
+        mhla=dict(layout=(1, 2, 3), normalization="denominator", gate=True, lepe=True), split="even", grads=True
+    ),
     "hybrid with Ulysses softmax layers, even split, gradients": dict(
-        mhla=dict(layers="hybrid", layout=(1, 2, 3), normalization="none", output_norm=True), split="even", grads=True),
+        mhla=dict(layers="hybrid", layout=(1, 2, 3), normalization="none", output_norm=True), split="even", grads=True
+    ),
     "hybrid with Ulysses-anything softmax layers, uneven split": dict(
-        mhla=dict(layers="hybrid", layout=(2, 2, 2), normalization="denominator", lepe=True), split="uneven", grads=False),
+        mhla=dict(layers="hybrid", layout=(2, 2, 2), normalization="denominator", lepe=True),
+        split="uneven",
+        grads=False,
+    ),
 }
 
 
@@ -176,7 +214,11 @@ def transformer_case(mhla: dict[str, Any], split: str, grads: bool) -> dict[str,
     """
     from helpers.models import wan_inputs
     from mhla_diffusion.config import MHLAConfig
-    from mhla_diffusion.models.context_parallel import context_parallel_config, disable_context_parallel, enable_context_parallel
+    from mhla_diffusion.models.context_parallel import (
+        context_parallel_config,
+        disable_context_parallel,
+        enable_context_parallel,
+    )
     from mhla_diffusion.models.conversion import convert_to_mhla
     from mhla_diffusion.models.tiny import tiny_wan_transformer
 
@@ -212,8 +254,11 @@ def transformer_case(mhla: dict[str, Any], split: str, grads: bool) -> dict[str,
     compared = {"output": _compare(out, ref)}
     for name in sorted(set(ref_grads) & set(local_grads)):
         compared[f"grad {name}"] = _compare(_summed(local_grads[name]), ref_grads[name])
-    return {"tokens": math.prod(grid), "gradients in one run only": sorted(set(ref_grads) ^ set(local_grads)),
-            "compared": compared}
+    return {
+        "tokens": math.prod(grid),
+        "gradients in one run only": sorted(set(ref_grads) ^ set(local_grads)),
+        "compared": compared,
+    }
 
 
 def transformer_suite() -> dict[str, dict[str, Any]]:
@@ -225,7 +270,11 @@ def refusals() -> dict[str, str]:
     """The messages of the set-ups context parallelism refuses (``"no error"`` where none was raised)."""
     from helpers.models import wan_inputs
     from mhla_diffusion.config import MHLAConfig
-    from mhla_diffusion.models.context_parallel import context_parallel_config, disable_context_parallel, enable_context_parallel
+    from mhla_diffusion.models.context_parallel import (
+        context_parallel_config,
+        disable_context_parallel,
+        enable_context_parallel,
+    )
     from mhla_diffusion.models.conversion import convert_to_mhla
     from mhla_diffusion.models.tiny import tiny_wan_transformer
 
@@ -242,12 +291,17 @@ def refusals() -> dict[str, str]:
             messages[name] = str(error)
 
     attempt("degree is not the world size", lambda: enable_context_parallel(model, world + 1))
-    attempt("ring softmax layers on CPU", lambda: enable_context_parallel(model, context_parallel_config(world, softmax="ring")))
+    attempt(
+        "ring softmax layers on CPU",
+        lambda: enable_context_parallel(model, context_parallel_config(world, softmax="ring")),
+    )
     enable_context_parallel(model, world)
     attempt("enabled twice", lambda: enable_context_parallel(model, world))
     grid = case_grid("uneven", world)
-    attempt("uneven token count, even split",
-            lambda: model(**wan_inputs(frames=grid[0], height=grid[1], width=grid[2]), return_dict=False))
+    attempt(
+        "uneven token count, even split",
+        lambda: model(**wan_inputs(frames=grid[0], height=grid[1], width=grid[2]), return_dict=False),
+    )
     disable_context_parallel(model)
     return messages
 
@@ -261,8 +315,9 @@ def wan_family_runs(wan_family_dirs: dict[str, Any]) -> dict[str, tuple[float, f
 
     results = {}
     for variant, image_to_video in RUNS:
-        pipe = pipeline_class(image_to_video).from_pretrained(wan_family_dirs[variant],
-                                                              mhla_weights=wan_family_dirs[f"{variant}-mhla"])
+        pipe = pipeline_class(image_to_video).from_pretrained(
+            wan_family_dirs[variant], mhla_weights=wan_family_dirs[f"{variant}-mhla"]
+        )
         args = call_args(variant, image_to_video)
         ref = pipe(**args, generator=seeded(0)).frames[0]
         names = enable_pipeline_context_parallel(pipe, dist.get_world_size())
@@ -270,12 +325,16 @@ def wan_family_runs(wan_family_dirs: dict[str, Any]) -> dict[str, tuple[float, f
         for name in names:
             disable_context_parallel(getattr(pipe, name))
         results[f"{variant} {'image' if image_to_video else 'text'}-to-video ({len(names)} transformers)"] = _compare(
-            torch.as_tensor(split), torch.as_tensor(ref))
+            torch.as_tensor(split), torch.as_tensor(ref)
+        )
     return results
 
 
-def parallel_suite(pipeline_dirs: dict[str, Any] | None = None, output_dir: str | None = None,
-                   wan_family_dirs: dict[str, Any] | None = None) -> dict[str, Any]:
+def parallel_suite(
+    pipeline_dirs: dict[str, Any] | None = None,
+    output_dir: str | None = None,
+    wan_family_dirs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Everything the context-parallel tests compare, in one start of the processes (with ``pipeline_dirs``
     and ``output_dir``, the pipeline and command-line runs; with ``wan_family_dirs``, the Wan family's)."""
     results = {"operator": operator_suite(), "transformer": transformer_suite(), "refusals": refusals()}
@@ -289,8 +348,22 @@ def parallel_suite(pipeline_dirs: dict[str, Any] | None = None, output_dir: str 
 # ----------------------------------------------------------------------------- pipeline and command line
 
 #: The command-line video of the context-parallel tests: grid 3x2x3 (18 tokens) under the (2, 2, 2) layout.
-CLI_VIDEO = ["--num-frames", "9", "--height", "32", "--width", "48", "--steps", "2", "--max-sequence-length", "16",
-             "--prompt", "a red circle moving left", "--format", "frames"]
+CLI_VIDEO = [
+    "--num-frames",
+    "9",
+    "--height",
+    "32",
+    "--width",
+    "48",
+    "--steps",
+    "2",
+    "--max-sequence-length",
+    "16",
+    "--prompt",
+    "a red circle moving left",
+    "--format",
+    "frames",
+]
 
 
 def pipeline_run(pipeline_dirs: dict[str, Any], output_dir: str) -> dict[str, Any]:
@@ -323,11 +396,13 @@ def pipeline_run(pipeline_dirs: dict[str, Any], output_dir: str) -> dict[str, An
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))  # what torchrun sets
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        results["exit code"] = main([*model, *CLI_VIDEO, "--output-dir", str(out / "split"),
-                                     "--context-parallel", str(world)])
+        results["exit code"] = main(
+            [*model, *CLI_VIDEO, "--output-dir", str(out / "split"), "--context-parallel", str(world)]
+        )
     results["printed"] = printed.getvalue()
-    results["mismatched degree"] = main([*model, *CLI_VIDEO, "--output-dir", str(out / "bad"),
-                                         "--context-parallel", str(world + 1)])
+    results["mismatched degree"] = main(
+        [*model, *CLI_VIDEO, "--output-dir", str(out / "bad"), "--context-parallel", str(world + 1)]
+    )
     return results
 
 
@@ -347,7 +422,9 @@ def training_gradients(context_parallel_degree: int = 2) -> dict[str, Any]:
     from mhla_diffusion.models.tiny import tiny_wan_transformer
 
     model = tiny_wan_transformer(num_layers=3, num_attention_heads=context_parallel_degree)
-    convert_to_mhla(model, MHLAConfig(layers="hybrid", layout=(1, 2, 3), normalization="none", output_norm=True, gate=True))
+    convert_to_mhla(
+        model, MHLAConfig(layers="hybrid", layout=(1, 2, 3), normalization="none", output_norm=True, gate=True)
+    )
     _randomise_mhla(model)
     groups = dist.get_world_size() // context_parallel_degree
     batches = [wan_inputs(frames=2, height=5, width=7, batch=1, seed=10 + g) for g in range(groups)]
@@ -363,7 +440,11 @@ def training_gradients(context_parallel_degree: int = 2) -> dict[str, Any]:
     group = layout.data_parallel_rank
     out = ddp(**batches[group], return_dict=False)[0]
     ((out * weights[group]).sum() * layout.loss_scale).backward()
-    compared = {f"grad {name}": _compare(p.grad, ref[name]) for name, p in model.named_parameters() if p.grad is not None}
-    return {"layout": (layout.data_parallel_size, layout.data_parallel_rank, layout.context_parallel_degree),
-            "missing": sorted(set(ref) - {n for n, p in model.named_parameters() if p.grad is not None}),
-            "compared": compared}
+    compared = {
+        f"grad {name}": _compare(p.grad, ref[name]) for name, p in model.named_parameters() if p.grad is not None
+    }
+    return {
+        "layout": (layout.data_parallel_size, layout.data_parallel_rank, layout.context_parallel_degree),
+        "missing": sorted(set(ref) - {n for n, p in model.named_parameters() if p.grad is not None}),
+        "compared": compared,
+    }

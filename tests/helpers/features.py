@@ -69,7 +69,9 @@ def inception_template_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     from torch_fidelity import feature_extractor_inceptionv3 as module
 
     torch.manual_seed(seed)
-    with mock.patch.object(module, "load_state_dict_from_url", lambda *a, **k: {}), \
-            mock.patch.object(module.FeatureExtractorInceptionV3, "load_state_dict", lambda self, *a, **k: None):
+    with (
+        mock.patch.object(module, "load_state_dict_from_url", lambda *a, **k: {}),
+        mock.patch.object(module.FeatureExtractorInceptionV3, "load_state_dict", lambda self, *a, **k: None),
+    ):
         net = module.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
     return {k: v.clone() for k, v in net.state_dict().items()}

@@ -15,9 +15,21 @@ def wan_options(pretrained: Path, data: Path, output: Path, **overrides):
     from mhla_diffusion.finetune.options import WanTrainOptions, options_from_dict
 
     values = dict(
-        pretrained_model=str(pretrained), data_dir=str(data), output_dir=str(output), height=32, width=32,
-        num_frames=9, mhla={"layout": [1, 2, 2]}, mixed_precision="no", train_batch_size=2, max_train_steps=4,
-        learning_rate=1e-3, lr_warmup_steps=0, checkpointing_steps=0, max_sequence_length=16, report_to="jsonl",
+        pretrained_model=str(pretrained),
+        data_dir=str(data),
+        output_dir=str(output),
+        height=32,
+        width=32,
+        num_frames=9,
+        mhla={"layout": [1, 2, 2]},
+        mixed_precision="no",
+        train_batch_size=2,
+        max_train_steps=4,
+        learning_rate=1e-3,
+        lr_warmup_steps=0,
+        checkpointing_steps=0,
+        max_sequence_length=16,
+        report_to="jsonl",
     )
     values.update(overrides)
     return options_from_dict(WanTrainOptions, values)
@@ -28,9 +40,17 @@ def dit_options(pretrained: Path, data: Path, output: Path, **overrides):
     from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
 
     values = dict(
-        pretrained_model=str(pretrained), data_dir=str(data), output_dir=str(output), resolution=16,
-        mixed_precision="no", train_batch_size=4, max_train_steps=4, learning_rate=1e-3, checkpointing_steps=0,
-        report_to="jsonl", ema_decay=0.0,
+        pretrained_model=str(pretrained),
+        data_dir=str(data),
+        output_dir=str(output),
+        resolution=16,
+        mixed_precision="no",
+        train_batch_size=4,
+        max_train_steps=4,
+        learning_rate=1e-3,
+        checkpointing_steps=0,
+        report_to="jsonl",
+        ema_decay=0.0,
     )
     values.update(overrides)
     return options_from_dict(DiTTrainOptions, values)
@@ -46,9 +66,19 @@ def dit_scratch_options(vae: Path, data: Path, output: Path, **overrides):
     from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
 
     values = dict(
-        model_size="DiT-S/2", model_overrides=dict(TINY_DIT_OVERRIDES), vae_model=str(vae), data_dir=str(data),
-        output_dir=str(output), resolution=16, mixed_precision="no", train_batch_size=4, max_train_steps=3,
-        learning_rate=1e-3, checkpointing_steps=0, report_to="jsonl", ema_decay=0.0,
+        model_size="DiT-S/2",
+        model_overrides=dict(TINY_DIT_OVERRIDES),
+        vae_model=str(vae),
+        data_dir=str(data),
+        output_dir=str(output),
+        resolution=16,
+        mixed_precision="no",
+        train_batch_size=4,
+        max_train_steps=3,
+        learning_rate=1e-3,
+        checkpointing_steps=0,
+        report_to="jsonl",
+        ema_decay=0.0,
     )
     values.update(overrides)
     return options_from_dict(DiTTrainOptions, values)
@@ -108,7 +138,9 @@ class WanEvaluator:
             generator = torch.Generator().manual_seed(1000 + i)
             for _ in range(self.draws):
                 inputs = flow_match_inputs(latents, generator)
-                out = transformer(hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text).sample
+                out = transformer(
+                    hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text
+                ).sample
                 losses.append(flow_match_loss(out, inputs.target).item())
         return float(np.mean(losses))
 
@@ -128,8 +160,10 @@ class DiTEvaluator:
         samples, _, _ = index_class_folder(data, num_classes=1000)
         dataset = ClassImageDataset(samples, resolution=16, random_flip=False)
         shift, scale = dit_latent_normalization(vae)
-        self.items = [(encode_posterior(vae, dataset.load(i, 0)["pixels"][None], shift, scale)[:, :4],
-                       torch.tensor([s.label])) for i, s in enumerate(samples)]
+        self.items = [
+            (encode_posterior(vae, dataset.load(i, 0)["pixels"][None], shift, scale)[:, :4], torch.tensor([s.label]))
+            for i, s in enumerate(samples)
+        ]
         scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=1e-4, beta_end=0.02)
         self.objective = DiffusionObjective(scheduler, learned_sigma=True, vb=False)
         self.draws = draws

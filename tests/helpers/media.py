@@ -11,7 +11,9 @@ from PIL import Image
 COLORS = {"red": (230, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 230), "yellow": (230, 220, 40)}
 
 
-def write_video(path: Path, frames: int, height: int, width: int, color=(230, 30, 30), direction: str = "right") -> Path:
+def write_video(
+    path: Path, frames: int, height: int, width: int, color=(230, 30, 30), direction: str = "right"
+) -> Path:
     """An mp4 of a coloured square moving across a dark background (H.264, 8 fps)."""
     import imageio
 
@@ -21,10 +23,18 @@ def write_video(path: Path, frames: int, height: int, width: int, color=(230, 30
         size = max(4, min(height, width) // 3)
         x = (2 + 2 * t) % (width - size) if direction == "right" else (width - size - 2 - 2 * t) % (width - size)
         top = (height - size) // 2
-        image[top: top + size, x: x + size] = color
+        image[top : top + size, x : x + size] = color
         images.append(image)
-    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=8, codec="libx264", macro_block_size=1,
-                            ffmpeg_log_level="error", output_params=["-pix_fmt", "yuv420p"]) as writer:
+    with imageio.get_writer(
+        path,
+        format="FFMPEG",
+        mode="I",
+        fps=8,
+        codec="libx264",
+        macro_block_size=1,
+        ffmpeg_log_level="error",
+        output_params=["-pix_fmt", "yuv420p"],
+    ) as writer:
         for image in images:
             writer.append_data(image)
     return path
@@ -33,7 +43,7 @@ def write_video(path: Path, frames: int, height: int, width: int, color=(230, 30
 def write_image(path: Path, height: int, width: int, color=(200, 200, 200)) -> Path:
     """A PNG (or any PIL format by suffix) of a ``color`` square on a dark background."""
     image = np.full((height, width, 3), 20, np.uint8)
-    image[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = color
+    image[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = color
     Image.fromarray(image).save(path)
     return path
 
@@ -84,7 +94,7 @@ def make_digit_classes(folder: Path, classes: int = 10, per_class: int = 2, size
         for i in range(per_class):
             image = rng.integers(0, 40, (size, size, 3), dtype=np.uint8)
             row = label * size // classes
-            image[row: row + max(1, size // classes)] = 220
+            image[row : row + max(1, size // classes)] = 220
             Image.fromarray(image).save(folder / str(label) / f"{i}.png")
     return folder
 

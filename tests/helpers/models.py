@@ -33,8 +33,14 @@ def run(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
 
 #: Small, fast text-to-video call arguments for the tiny Wan pipeline.
 WAN_CALL = dict(
-    prompt="a red circle moving left", negative_prompt="blue", height=32, width=32, num_frames=9,
-    num_inference_steps=2, max_sequence_length=16, output_type="np",
+    prompt="a red circle moving left",
+    negative_prompt="blue",
+    height=32,
+    width=32,
+    num_frames=9,
+    num_inference_steps=2,
+    max_sequence_length=16,
+    output_type="np",
 )
 
 

@@ -34,7 +34,9 @@ def sincos_table(hidden: int, side: int) -> torch.Tensor:
     """
     quarter = hidden // 4
     omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
-    rows, cols = torch.meshgrid(torch.arange(side, dtype=torch.float64), torch.arange(side, dtype=torch.float64), indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(side, dtype=torch.float64), torch.arange(side, dtype=torch.float64), indexing="ij"
+    )
 
     def encode(pos: torch.Tensor) -> torch.Tensor:
         angles = pos.reshape(-1, 1) * omega
@@ -84,39 +86,51 @@ def original_checkpoint(
     }
     for i in range(depth):
         b = f"blocks.{i}."
-        sd.update({
-            b + "adaLN_modulation.1.weight": rand(6 * hidden, hidden, scale=0.05),
-            b + "adaLN_modulation.1.bias": rand(6 * hidden, scale=0.3),
-            b + "mlp.fc1.weight": rand(4 * hidden, hidden),
-            b + "mlp.fc1.bias": rand(4 * hidden),
-            b + "mlp.fc2.weight": rand(hidden, 4 * hidden),
-            b + "mlp.fc2.bias": rand(hidden),
-        })
+        sd.update(
+            {
+                b + "adaLN_modulation.1.weight": rand(6 * hidden, hidden, scale=0.05),
+                b + "adaLN_modulation.1.bias": rand(6 * hidden, scale=0.3),
+                b + "mlp.fc1.weight": rand(4 * hidden, hidden),
+                b + "mlp.fc1.bias": rand(4 * hidden),
+                b + "mlp.fc2.weight": rand(hidden, 4 * hidden),
+                b + "mlp.fc2.bias": rand(hidden),
+            }
+        )
         if block_tokens is None:
-            sd.update({
-                b + "attn.qkv.weight": rand(3 * hidden, hidden),
-                b + "attn.qkv.bias": rand(3 * hidden),
-                b + "attn.proj.weight": rand(hidden, hidden),
-                b + "attn.proj.bias": rand(hidden),
-            })
+            sd.update(
+                {
+                    b + "attn.qkv.weight": rand(3 * hidden, hidden),
+                    b + "attn.qkv.bias": rand(3 * hidden),
+                    b + "attn.proj.weight": rand(hidden, hidden),
+                    b + "attn.proj.bias": rand(hidden),
+                }
+            )
         else:
             blocks = side * side // block_tokens
-            sd.update({
-                b + "attn.norm.weight": 1 + rand(hidden, scale=0.2),
-                b + "attn.norm.bias": rand(hidden, scale=0.2),
-                b + "attn.to_qkv.weight": rand(3 * hidden, hidden),
-                b + "attn.to_qkv.bias": rand(3 * hidden),
-                b + "attn.lepe.weight": rand(hidden, 1, 3, 3, scale=0.3),
-                b + "attn.lepe.bias": rand(hidden, scale=0.2),
-                b + "attn.piece_attn.conv.weight": torch.rand(blocks, blocks, 1, 1, generator=g),
-                b + "attn.to_out.0.weight": rand(hidden, hidden),
-                b + "attn.to_out.0.bias": rand(hidden),
-            })
+            sd.update(
+                {
+                    b + "attn.norm.weight": 1 + rand(hidden, scale=0.2),
+                    b + "attn.norm.bias": rand(hidden, scale=0.2),
+                    b + "attn.to_qkv.weight": rand(3 * hidden, hidden),
+                    b + "attn.to_qkv.bias": rand(3 * hidden),
+                    b + "attn.lepe.weight": rand(hidden, 1, 3, 3, scale=0.3),
+                    b + "attn.lepe.bias": rand(hidden, scale=0.2),
+                    b + "attn.piece_attn.conv.weight": torch.rand(blocks, blocks, 1, 1, generator=g),
+                    b + "attn.to_out.0.weight": rand(hidden, hidden),
+                    b + "attn.to_out.0.bias": rand(hidden),
+                }
+            )
     return sd
 
 
-def dit_inputs(batch: int = 3, latent: int = 8, in_channels: int = 4, num_classes: int = 10, seed: int = 1,
-               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def dit_inputs(
+    batch: int = 3,
+    latent: int = 8,
+    in_channels: int = 4,
+    num_classes: int = 10,
+    seed: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Random latents, timesteps in ``[0, 1000)`` and labels (the null label ``num_classes`` included)."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, num_classes, (batch,), generator=g)
@@ -168,7 +182,9 @@ def _softmax_attention(x: torch.Tensor, sd: dict, prefix: str, heads: int) -> to
     return _linear(out, sd, prefix + "proj")
 
 
-def _mhla4dit_attention(x: torch.Tensor, sd: dict, prefix: str, heads: int, side: int, order: torch.Tensor) -> torch.Tensor:
+def _mhla4dit_attention(
+    x: torch.Tensor, sd: dict, prefix: str, heads: int, side: int, order: torch.Tensor
+) -> torch.Tensor:
     """``MHLA4DiT`` on block-major tokens ``x`` ``(B, N, C)``."""
     batch, n, channels = x.shape
     mixing = sd[prefix + "piece_attn.conv.weight"][:, :, 0, 0].to(x.dtype)  # W[o, j]
@@ -198,8 +214,15 @@ def _mhla4dit_attention(x: torch.Tensor, sd: dict, prefix: str, heads: int, side
     return _linear(out + lepe, sd, prefix + "to_out.0")
 
 
-def original_dit_forward(sd: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, *,
-                         heads: int, block_tokens: int | None = None) -> torch.Tensor:
+def original_dit_forward(
+    sd: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    t: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    heads: int,
+    block_tokens: int | None = None,
+) -> torch.Tensor:
     """The original DiT (or, with ``block_tokens``, released DiT-MHLA) output for latents ``x`` ``(B, C, H, W)``.
 
     Computes in the dtype of ``x`` (the weights are cast to it); the timestep sinusoid in float32.
@@ -221,7 +244,8 @@ def original_dit_forward(sd: dict[str, torch.Tensor], x: torch.Tensor, t: torch.
     for i in range(depth):
         b = f"blocks.{i}."
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _linear(
-            F.silu(c), sd, b + "adaLN_modulation.1").chunk(6, dim=1)
+            F.silu(c), sd, b + "adaLN_modulation.1"
+        ).chunk(6, dim=1)
         h = _modulate(F.layer_norm(tokens, (hidden,), eps=1e-6), shift_msa, scale_msa)
         if block_tokens is None:
             attn = _softmax_attention(h, sd, b + "attn.", heads)

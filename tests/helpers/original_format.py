@@ -91,4 +91,6 @@ def outside(tensors: dict[str, torch.Tensor], path) -> list[str]:
     from mhla_diffusion.benchmarks.load import in_weight_file_mapping
 
     names = sorted(tensors)
-    return [name for name, inside in zip(names, in_weight_file_mapping((tensors[n] for n in names), [path])) if not inside]
+    return [
+        name for name, inside in zip(names, in_weight_file_mapping((tensors[n] for n in names), [path])) if not inside
+    ]

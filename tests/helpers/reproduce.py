@@ -16,8 +16,13 @@ def check_report_is_complete(report: dict, settings: ExperimentSettings) -> None
     s = settings
     assert report["settings"] == dataclasses.asdict(s)
     assert report.get("complete") is True
-    expected_a = {(task, kind, tokens, seed) for task in s.part_a_tasks for tokens in s.token_counts
-                  for kind in s.students_at(tokens) for seed in s.part_a_seeds}
+    expected_a = {
+        (task, kind, tokens, seed)
+        for task in s.part_a_tasks
+        for tokens in s.token_counts
+        for kind in s.students_at(tokens)
+        for seed in s.part_a_seeds
+    }
     assert sorted((r["task"], r["student"], r["tokens"], r["seed"]) for r in report["part_a"]) == sorted(expected_a)
     expected_b = {(arm, seed) for arm in s.part_b_arms for seed in s.part_b_seeds}
     assert sorted((r["arm"], r["seed"]) for r in report["part_b"]) == sorted(expected_b)

@@ -14,8 +14,13 @@ VARIANTS = ("wan2.1-i2v", "wan2.2-ti2v", "wan2.2-a14b-t2v", "wan2.2-a14b-i2v")
 #: Two-transformer variants (Wan2.2-A14B).
 TWO_TRANSFORMERS = ("wan2.2-a14b-t2v", "wan2.2-a14b-i2v")
 #: (variant, image-to-video) runs: TI2V-5B's one folder does both tasks.
-RUNS = (("wan2.1-i2v", True), ("wan2.2-ti2v", False), ("wan2.2-ti2v", True), ("wan2.2-a14b-t2v", False),
-        ("wan2.2-a14b-i2v", True))
+RUNS = (
+    ("wan2.1-i2v", True),
+    ("wan2.2-ti2v", False),
+    ("wan2.2-ti2v", True),
+    ("wan2.2-a14b-t2v", False),
+    ("wan2.2-a14b-i2v", True),
+)
 #: The layout every transformer of the fixture folders is converted with.
 LAYOUT = (2, 2, 2)
 
@@ -52,8 +57,16 @@ def text_tokens(variant: str) -> int:
 def call_args(variant: str, image_to_video: bool, seed: int = 0) -> dict:
     """Small, fast call arguments (9 frames, 2 steps, numpy output) for a tiny pipeline of ``variant``."""
     size = side(variant)
-    args = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=9, height=size, width=size,
-                num_inference_steps=2, max_sequence_length=text_tokens(variant), output_type="np")
+    args = dict(
+        prompt="a red circle moving left",
+        negative_prompt="blue",
+        num_frames=9,
+        height=size,
+        width=size,
+        num_inference_steps=2,
+        max_sequence_length=text_tokens(variant),
+        output_type="np",
+    )
     if image_to_video:
         args["image"] = first_frame(size, seed)
     return args

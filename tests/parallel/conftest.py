@@ -7,10 +7,9 @@ Starting processes costs far more than the tiny computations, so each group size
 from __future__ import annotations
 
 import pytest
+
 from helpers.context_parallel import parallel_suite
-
 from mhla_diffusion.models.context_parallel import run_cpu_processes
-
 
 #: The group size that also runs the tiny pipeline and the command line (``text-to-video --context-parallel``).
 PIPELINE_WORLD_SIZE = 2
@@ -29,7 +28,9 @@ def parallel_results(pipeline_dirs, parallel_output_dir, wan_family_dirs):
 
     def results(world_size: int) -> list:
         if world_size not in cache:
-            extra = (pipeline_dirs, str(parallel_output_dir), wan_family_dirs) if world_size == PIPELINE_WORLD_SIZE else ()
+            extra = (
+                (pipeline_dirs, str(parallel_output_dir), wan_family_dirs) if world_size == PIPELINE_WORLD_SIZE else ()
+            )
             cache[world_size] = run_cpu_processes(parallel_suite, world_size, *extra, timeout=300)
         return cache[world_size]
 

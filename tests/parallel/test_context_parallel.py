@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+
 from helpers.context_parallel import LEPE_GRIDS, OPERATOR_CASES, TRANSFORMER_CASES, training_gradients
 from helpers.finetune import wan_options
-
 from mhla_diffusion.models.context_parallel import enable_context_parallel, run_cpu_processes, training_layout
-from mhla_diffusion.utils.sequence_split import split_sizes
 from mhla_diffusion.models.tiny import tiny_wan_transformer
+from mhla_diffusion.utils.sequence_split import split_sizes
 
 TOLERANCE = 1e-5
 WORLD_SIZES = [2, 3]
@@ -49,7 +49,9 @@ def test_tiny_wan_matches_one_process(parallel_results, world_size, case):
         assert result["gradients in one run only"] == []
         if TRANSFORMER_CASES[case]["grads"]:
             grads = [name for name in result["compared"] if name.startswith("grad ")]
-            assert any(".processor.mixing" in name for name in grads) and any("patch_embedding" in name for name in grads)
+            assert any(".processor.mixing" in name for name in grads) and any(
+                "patch_embedding" in name for name in grads
+            )
         assert_close(result["compared"], f"rank {rank} of {world_size}, {case}")
 
 
@@ -59,7 +61,10 @@ def test_refusals_name_the_problem_and_the_fix(parallel_results, world_size):
     messages = parallel_results(world_size)[0]["refusals"]
     assert "must equal the number of processes" in messages["degree is not the world size"]
     assert f"--nproc_per_node {world_size + 1}" in messages["degree is not the world size"]
-    assert "ring attention" in messages["ring softmax layers on CPU"] and "ulysses_degree" in messages["ring softmax layers on CPU"]
+    assert (
+        "ring attention" in messages["ring softmax layers on CPU"]
+        and "ulysses_degree" in messages["ring softmax layers on CPU"]
+    )
     assert "already enabled" in messages["enabled twice"]
     uneven = messages["uneven token count, even split"]
     assert "do not split evenly" in uneven and "ulysses_anything=True" in uneven
@@ -101,7 +106,10 @@ def test_tiny_pipeline_and_command_line_make_the_one_process_video(parallel_resu
     assert len(one) == len(split) == 1 and one[0].name == split[0].name
     settings = json.loads(split[0].read_text())
     assert settings["context_parallel"] == 2 and json.loads(one[0].read_text())["context_parallel"] == 1
-    frames = [np.stack([iio.imread(f) for f in sorted(path.with_suffix("").glob("*.png"))]).astype(int) for path in (one[0], split[0])]
+    frames = [
+        np.stack([iio.imread(f) for f in sorted(path.with_suffix("").glob("*.png"))]).astype(int)
+        for path in (one[0], split[0])
+    ]
     assert frames[0].shape == frames[1].shape == (9, 32, 48, 3)
     assert np.abs(frames[0] - frames[1]).max() <= 1  # uint8 frames of float results equal within 1e-5
 
@@ -138,12 +146,15 @@ def test_wan_family_pipelines_make_the_one_process_video(parallel_results):
         assert_close(runs, f"rank {rank} of 2")
 
 
-@pytest.mark.parametrize("world, flags, message", [
-    (None, ["--context-parallel", "2"], "one process was launched (no torchrun)"),
-    ("3", ["--context-parallel", "2"], "needs 2 processes but 3 were launched"),
-    ("2", [], "pass --context-parallel 2"),
-    ("2", ["--context-parallel", "2", "--height", "48", "--width", "48"], "27 tokens do not split evenly"),
-])
+@pytest.mark.parametrize(
+    "world, flags, message",
+    [
+        (None, ["--context-parallel", "2"], "one process was launched (no torchrun)"),
+        ("3", ["--context-parallel", "2"], "needs 2 processes but 3 were launched"),
+        ("2", [], "pass --context-parallel 2"),
+        ("2", ["--context-parallel", "2", "--height", "48", "--width", "48"], "27 tokens do not split evenly"),
+    ],
+)
 def test_command_line_refuses_before_loading(pipeline_dirs, tmp_path, monkeypatch, capsys, world, flags, message):
     """Degree against the launch (WORLD_SIZE) and the video's token count against the split, checked on every
     process before anything loads (no process group is started: none exists in this test process)."""
@@ -153,7 +164,20 @@ def test_command_line_refuses_before_loading(pipeline_dirs, tmp_path, monkeypatc
     if world is not None:
         monkeypatch.setenv("WORLD_SIZE", world)
     size = ["--num-frames", "9", "--height", "32", "--width", "48"]
-    code = main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--mhla-weights", str(pipeline_dirs["wan_mhla"]),
-                 "--prompt", "a red circle", "--output-dir", str(tmp_path), *size, *flags])
+    code = main(
+        [
+            "text-to-video",
+            "--model",
+            str(pipeline_dirs["wan"]),
+            "--mhla-weights",
+            str(pipeline_dirs["wan_mhla"]),
+            "--prompt",
+            "a red circle",
+            "--output-dir",
+            str(tmp_path),
+            *size,
+            *flags,
+        ]
+    )
     assert code == 2 and message in capsys.readouterr().err
     assert not dist.is_initialized() and not list(tmp_path.iterdir())

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.models import WAN_CALL, dit_inputs, run, seeded, wan_inputs
 from mhla_diffusion import MHLAConfig, convert_to_mhla, get_mhla_conversion, revert_mhla
 from mhla_diffusion.embedded.locations import embedded_model
 from mhla_diffusion.loaders.weights import write_mhla_config
@@ -25,8 +26,6 @@ from mhla_diffusion.models.processors.base import FP32_PARAMETERS
 from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer, tiny_wan_pipeline, tiny_wan_transformer
 from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
 from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
-
-from helpers.models import WAN_CALL, dit_inputs, run, seeded, wan_inputs
 
 CLASSES = {"wan": MHLAWanTransformer3DModel, "dit": MHLADiTTransformer2DModel}
 #: ``save_pretrained`` keyword arguments of each format Diffusers writes (and ``from_pretrained``'s ``variant``).
@@ -64,8 +63,9 @@ def _assert_same_model(loaded: torch.nn.Module, model: torch.nn.Module, family: 
     assert type(loaded) is CLASSES[family]
     assert get_mhla_conversion(loaded).config == get_mhla_conversion(model).config
     expected = model.state_dict()
-    assert {key: torch.equal(value, expected[key]) for key, value in loaded.state_dict().items()} == \
-        {key: True for key in expected}
+    assert {key: torch.equal(value, expected[key]) for key, value in loaded.state_dict().items()} == {
+        key: True for key in expected
+    }
     assert torch.equal(run(loaded, _inputs(family)), run(model, _inputs(family)))
 
 
@@ -133,7 +133,9 @@ def test_mhla_parameters_missing_from_the_checkpoint_are_an_error(tmp_path):
     tensors = load_file(weights)
     del tensors["blocks.1.attn1.processor.mixing"]
     save_file(tensors, weights)
-    with pytest.raises(ValueError, match=r"do not match its MHLA setting: missing keys \['blocks.1.attn1.processor.mixing'\]"):
+    with pytest.raises(
+        ValueError, match=r"do not match its MHLA setting: missing keys \['blocks.1.attn1.processor.mixing'\]"
+    ):
         MHLAWanTransformer3DModel.from_pretrained(tmp_path)
 
 
@@ -145,8 +147,10 @@ def test_loading_in_half_precision_keeps_the_float32_parameters(family, tmp_path
     loaded = CLASSES[family].from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
     assert set(FP32_PARAMETERS) <= set(loaded._keep_in_fp32_modules)
     kept = {name: p.dtype for name, p in loaded.named_parameters() if ".processor." in name}
-    assert kept and all(dtype == (torch.float32 if name.split(".")[4] in FP32_PARAMETERS else torch.bfloat16)
-                        for name, dtype in kept.items()), kept
+    assert kept and all(
+        dtype == (torch.float32 if name.split(".")[4] in FP32_PARAMETERS else torch.bfloat16)
+        for name, dtype in kept.items()
+    ), kept
     assert loaded.dtype == torch.bfloat16
 
 
@@ -234,8 +238,14 @@ def test_the_dit_pipeline_keeps_diffusers_callback_contract():
         return {"latents": torch.zeros_like(kwargs["latents"])} if i == p.num_timesteps - 1 else kwargs
 
     assert pipe._callback_tensor_inputs == ["latents"]
-    pipe(class_labels=[1], num_inference_steps=3, guidance_scale=2.0, callback_on_step_end=callback,
-         callback_on_step_end_tensor_inputs=pipe._callback_tensor_inputs, output_type="np")
+    pipe(
+        class_labels=[1],
+        num_inference_steps=3,
+        guidance_scale=2.0,
+        callback_on_step_end=callback,
+        callback_on_step_end_tensor_inputs=pipe._callback_tensor_inputs,
+        output_type="np",
+    )
     assert seen == [(0, 3, 2.0, True, ["latents"]), (1, 3, 3.0, True, ["latents"]), (2, 3, 4.0, True, ["latents"])]
     assert pipe.guidance_scale == 2.0 + pipe.num_timesteps
     with pytest.raises(ValueError, match=r"\['prompt_embeds'\] are not among this pipeline's \['latents'\]"):

@@ -16,15 +16,14 @@ import torch
 from diffusers import AutoModel, DiffusionPipeline, DiTPipeline
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from mhla_diffusion import MHLAConfig, get_mhla_conversion, load_mhla, load_transformer
-from mhla_diffusion.cli import main
-from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
-from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
-from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
-
 from helpers.models import WAN_CALL, seeded
 from helpers.original_dit import original_checkpoint
 from helpers.wan_family import call_args
+from mhla_diffusion import get_mhla_conversion, load_mhla, load_transformer
+from mhla_diffusion.cli import main
+from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
+from mhla_diffusion.models.transformers import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
+from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
 
 
 @pytest.fixture
@@ -130,14 +129,19 @@ def test_a_pickled_save_reloads_with_mhla(kind, pipeline_dirs, tmp_path):
 def _tiny_wan_lora(pipe) -> dict[str, torch.Tensor]:
     """A rank-1 LoRA state dict (Diffusers' key names) on block 0's self-attention query."""
     to_q = pipe.transformer.blocks[0].attn1.to_q
-    return {"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(1, to_q.in_features),
-            "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(to_q.out_features, 1)}
+    return {
+        "transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(1, to_q.in_features),
+        "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(to_q.out_features, 1),
+    }
 
 
 def test_a_lora_state_dict_is_loaded_with_a_warning_that_it_was_not_checked(pipeline_dirs):
     pipe = MHLAWanPipeline.from_pretrained(pipeline_dirs["wan"])
-    with pytest.warns(UserWarning, match=r"load_lora_weights got a state dict, which carries no MHLA mark: .* pass "
-                                         r"the local \.safetensors file"):
+    with pytest.warns(
+        UserWarning,
+        match=r"load_lora_weights got a state dict, which carries no MHLA mark: .* pass "
+        r"the local \.safetensors file",
+    ):
         pipe.load_lora_weights(_tiny_wan_lora(pipe))
 
 
@@ -145,10 +149,32 @@ def test_a14b_settings_name_the_weights_folder_of_each_transformer(wan_family_di
     variant = "wan2.2-a14b-t2v"
     weights = wan_family_dirs[f"{variant}-mhla"]
     args = call_args(variant, False)
-    assert main(["text-to-video", "--model", str(wan_family_dirs[variant]), "--mhla-weights", str(weights),
-                 "--prompt", "x", "--num-frames", str(args["num_frames"]), "--height", str(args["height"]),
-                 "--width", str(args["width"]), "--steps", "1", "--max-sequence-length", "16",
-                 "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(wan_family_dirs[variant]),
+                "--mhla-weights",
+                str(weights),
+                "--prompt",
+                "x",
+                "--num-frames",
+                str(args["num_frames"]),
+                "--height",
+                str(args["height"]),
+                "--width",
+                str(args["width"]),
+                "--steps",
+                "1",
+                "--max-sequence-length",
+                "16",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     settings = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert settings["mhla_weights"] == str(weights)
     assert settings["mhla_weights_2"] == str(weights / "transformer_2")
@@ -162,8 +188,11 @@ def test_an_imported_dit_folder_loads_quietly_and_load_mhla_names_the_loader(tmp
     for loaded in (load_transformer(out), MHLADiTTransformer2DModel.from_pretrained(out)):
         assert loaded.transformer_blocks[0].norm1.emb.time_proj.downscale_freq_shift == 0  # applied
     assert not [m for m in diffusers_log if "timestep_freq_shift" in m]
-    with pytest.raises(FileNotFoundError, match=r"holds no MHLA layers; load a plain Diffusers transformer folder .* "
-                                                r"with load_transformer\(folder\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"holds no MHLA layers; load a plain Diffusers transformer folder .* "
+        r"with load_transformer\(folder\)",
+    ):
         load_mhla(out)
 
 
@@ -176,14 +205,20 @@ def test_a_saved_dit_folder_reloads_without_an_id2label_warning(pipeline_dirs, t
 
 def test_a_dit_with_its_own_class_count_warns_on_save_that_stock_dit_needs_no_guidance(tmp_path):
     stock = tiny_dit_pipeline()
-    pipe = MHLADiTPipeline(transformer=tiny_dit_transformer(num_embeds_ada_norm=2), vae=stock.vae,
-                           scheduler=stock.scheduler)
-    with pytest.warns(UserWarning, match=r"DiT with 2 classes .* stock DiTPipeline guides with class 1000 .* only with "
-                                         r"guidance_scale <= 1 \(with guidance it fails with IndexError\); load it "
-                                         r"with mhla_diffusion.MHLADiTPipeline"):
+    pipe = MHLADiTPipeline(
+        transformer=tiny_dit_transformer(num_embeds_ada_norm=2), vae=stock.vae, scheduler=stock.scheduler
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"DiT with 2 classes .* stock DiTPipeline guides with class 1000 .* only with "
+        r"guidance_scale <= 1 \(with guidance it fails with IndexError\); load it "
+        r"with mhla_diffusion.MHLADiTPipeline",
+    ):
         pipe.save_pretrained(tmp_path / "two")
     reloaded = DiTPipeline.from_pretrained(tmp_path / "two")
-    reloaded(class_labels=[1], guidance_scale=1.0, num_inference_steps=1, output_type="np")  # what docs/generate.md says
+    reloaded(
+        class_labels=[1], guidance_scale=1.0, num_inference_steps=1, output_type="np"
+    )  # what docs/generate.md says
     with pytest.raises(IndexError):
         reloaded(class_labels=[1], num_inference_steps=1, output_type="np")
     MHLADiTPipeline.from_pretrained(tmp_path / "two")(class_labels=[1], num_inference_steps=1, output_type="np")

@@ -23,7 +23,6 @@ def test_uint8_passes_through_unchanged():
     assert float_to_uint8(image) is image
 
 
-
 def test_decoded_pixels_in_minus_one_to_one_round_by_the_same_rule():
     """The embedded models' decoder output (float32 in [-1, 1]) near every half-step: the bytes are the rule
     applied to the exact value of each pixel, not to a float32 product rounded onto a tie."""

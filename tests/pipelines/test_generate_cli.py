@@ -7,17 +7,28 @@ import json
 import imageio.v3 as iio
 import numpy as np
 import pytest
-from helpers.original_format import released_model, to_original
 from safetensors.torch import save_file
 
+from helpers.original_format import released_model, to_original
 from mhla_diffusion.cli import main
 
 VIDEO = ["--num-frames", "9", "--height", "32", "--width", "48", "--steps", "2", "--max-sequence-length", "16"]
 
 
 def t2v(dirs, out, *extra):
-    return main(["text-to-video", "--model", str(dirs["wan"]), "--mhla-weights", str(dirs["wan_mhla"]),
-                 "--output-dir", str(out), *VIDEO, *extra])
+    return main(
+        [
+            "text-to-video",
+            "--model",
+            str(dirs["wan"]),
+            "--mhla-weights",
+            str(dirs["wan_mhla"]),
+            "--output-dir",
+            str(out),
+            *VIDEO,
+            *extra,
+        ]
+    )
 
 
 def test_text_to_video_writes_decodable_video_and_settings(pipeline_dirs, tmp_path, capsys):
@@ -90,22 +101,61 @@ def test_more_bad_input(pipeline_dirs, tmp_path, capsys):
     blocker.write_text("not a folder")
     assert t2v(pipeline_dirs, blocker / "sub", "--prompt", "x") == 2
     assert "is a file" in capsys.readouterr().err
-    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--prompt", "x", *VIDEO,
-                 "--output-dir", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(pipeline_dirs["wan"]),
+                "--prompt",
+                "x",
+                *VIDEO,
+                "--output-dir",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "--attention mhla, but the model has no MHLA layers" in capsys.readouterr().err
 
 
 def test_frame_count_is_rounded_with_a_warning(pipeline_dirs, tmp_path, capsys):
     args = [a if a != "9" else "11" for a in VIDEO]
-    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--mhla-weights", str(pipeline_dirs["wan_mhla"]),
-                 "--prompt", "x", "--output-dir", str(tmp_path), "--format", "gif", *args]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(pipeline_dirs["wan"]),
+                "--mhla-weights",
+                str(pipeline_dirs["wan_mhla"]),
+                "--prompt",
+                "x",
+                "--output-dir",
+                str(tmp_path),
+                "--format",
+                "gif",
+                *args,
+            ]
+        )
+        == 0
+    )
     assert "generating 9 frames" in capsys.readouterr().err
     assert json.loads((tmp_path / "000-x-seed0-mhla.json").read_text())["num_frames"] == 9
 
 
 def test_class_to_image(pipeline_dirs, tmp_path, capsys):
-    base = ["class-to-image", "--model", str(pipeline_dirs["dit"]), "--mhla-weights", str(pipeline_dirs["dit_mhla"]),
-            "--steps", "3", "--output-dir", str(tmp_path)]
+    base = [
+        "class-to-image",
+        "--model",
+        str(pipeline_dirs["dit"]),
+        "--mhla-weights",
+        str(pipeline_dirs["dit_mhla"]),
+        "--steps",
+        "3",
+        "--output-dir",
+        str(tmp_path),
+    ]
     assert main([*base, "--class", "goldfish,3", "--class", "hammerhead"]) == 0
     image = iio.imread(tmp_path / "000-goldfish-seed0-mhla.png")
     assert image.shape == (16, 16, 3)
@@ -122,12 +172,32 @@ def test_import_wan_then_generate(pipeline_dirs, tmp_path, capsys):
     checkpoint = tmp_path / "released.safetensors"
     save_file(to_original(released_model(gate=True)), checkpoint)
     out = tmp_path / "transformer"
-    assert main(["import-wan", str(checkpoint), "--output", str(out), "--layout", "2x2x3", "--attention-head-dim", "12"]) == 0
+    assert (
+        main(["import-wan", str(checkpoint), "--output", str(out), "--layout", "2x2x3", "--attention-head-dim", "12"])
+        == 0
+    )
     assert "MHLA on 2 of 3" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["mhla"]["layout"] == [2, 2, 3]
     # the imported transformer replaces the pipeline's (its text_dim and channels match the tiny pipeline)
-    assert main(["text-to-video", "--model", str(pipeline_dirs["wan"]), "--transformer", str(out), "--prompt", "x",
-                 "--output-dir", str(tmp_path / "videos"), "--format", "gif", *VIDEO]) == 0
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--model",
+                str(pipeline_dirs["wan"]),
+                "--transformer",
+                str(out),
+                "--prompt",
+                "x",
+                "--output-dir",
+                str(tmp_path / "videos"),
+                "--format",
+                "gif",
+                *VIDEO,
+            ]
+        )
+        == 0
+    )
     settings = json.loads((tmp_path / "videos" / "000-x-seed0-mhla.json").read_text())
     assert settings["transformer"] == str(out) and settings["mhla_layers"] == [1, 2]
     assert settings["block_layout"] == [2, 2, 3]

@@ -13,8 +13,8 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     WanPipeline,
 )
-from helpers.models import WAN_CALL, seeded
 
+from helpers.models import WAN_CALL, seeded
 from mhla_diffusion import MHLADiTTransformer2DModel, MHLAWanTransformer3DModel
 from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
 
@@ -96,8 +96,13 @@ def test_dit_pipeline_names_callback_and_reload(pipeline_dirs, tmp_path):
     with pytest.raises(ValueError, match="out of range"):
         pipe([1000])
     seen = []
-    images = pipe(["goldfish", 2], num_inference_steps=3, output_type="np", generator=seeded(),
-                  callback_on_step_end=lambda p, i, t, d: seen.append(i) or d).images
+    images = pipe(
+        ["goldfish", 2],
+        num_inference_steps=3,
+        output_type="np",
+        generator=seeded(),
+        callback_on_step_end=lambda p, i, t, d: seen.append(i) or d,
+    ).images
     assert images.shape == (2, 16, 16, 3) and seen == [0, 1, 2]
     plain = pipe(["goldfish", 2], num_inference_steps=3, output_type="np", generator=seeded()).images
     assert np.array_equal(images, plain)

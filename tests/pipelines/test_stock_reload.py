@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 
 import mhla_diffusion
+from helpers.finetune import subprocess_env
 from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
 from mhla_diffusion.pipelines.mhla_mixin import LOAD_HINT_KEY
-
-from helpers.finetune import subprocess_env
 
 # Loads the folder with the stock DiffusionPipeline before and after `import mhla_diffusion`; prints JSON.
 _SCRIPT = textwrap.dedent("""
@@ -50,8 +49,9 @@ def _stock_load(folder) -> dict:
     # The subprocess imports the same mhla_diffusion as this process (whatever the installed copy points at).
     root = str(Path(mhla_diffusion.__file__).resolve().parents[1])
     env = dict(subprocess_env(), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(folder)], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(folder)], capture_output=True, text=True, env=env, cwd=root, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(result["package"]).resolve().is_relative_to(root), result["package"]

@@ -11,15 +11,24 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, WanImageToVideoPipeline, WanPipeline
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-from helpers.models import seeded
-from helpers.wan_family import LAYOUT, RUNS, TWO_TRANSFORMERS, VARIANTS, call_args, first_frame, is_image_to_video, pipeline_class
 
+from helpers.models import seeded
+from helpers.wan_family import (
+    LAYOUT,
+    RUNS,
+    TWO_TRANSFORMERS,
+    VARIANTS,
+    call_args,
+    first_frame,
+    is_image_to_video,
+    pipeline_class,
+)
 from mhla_diffusion import MHLAConfig, MHLAWanTransformer3DModel, get_mhla_conversion, revert_mhla
 from mhla_diffusion.models.conversion import mhla_parameter_names
-from mhla_diffusion.utils.geometry import VideoGeometry
-from mhla_diffusion.pipelines import MHLAWanImageToVideoPipeline, MHLAWanPipeline
 from mhla_diffusion.models.processors import WanMHLAProcessor
 from mhla_diffusion.models.tiny import tiny_wan_pipeline
+from mhla_diffusion.pipelines import MHLAWanImageToVideoPipeline, MHLAWanPipeline
+from mhla_diffusion.utils.geometry import VideoGeometry
 
 
 def load(dirs, variant: str, image_to_video: bool, mhla: bool = True, **kwargs):
@@ -41,8 +50,11 @@ def test_mhla_and_softmax_generate_deterministically_and_differ(wan_family_dirs,
     mhla_a, mhla_b = generate(pipe, variant, image_to_video), generate(pipe, variant, image_to_video)
     grids = {name: t.blocks[0].attn1.processor.grid_context.grid for name, t in pipe.transformer_components.items()}
     with pipe.softmax_attention():
-        assert not any(isinstance(block.attn1.processor, WanMHLAProcessor)
-                       for t in pipe.transformer_components.values() for block in t.blocks)
+        assert not any(
+            isinstance(block.attn1.processor, WanMHLAProcessor)
+            for t in pipe.transformer_components.values()
+            for block in t.blocks
+        )
         softmax_a, softmax_b = generate(pipe, variant, image_to_video), generate(pipe, variant, image_to_video)
     size = call_args(variant, image_to_video)["height"]
     assert mhla_a.shape == (1, 9, size, size, 3)
@@ -64,8 +76,9 @@ def test_save_pretrained_reloads_bit_exact_with_mhla(wan_family_dirs, tmp_path, 
     pipe = load(wan_family_dirs, variant, image_to_video)
     # prompt embeddings instead of text: Diffusers 0.42's own WanImageToVideoPipeline needs `ftfy` for text
     call = {k: v for k, v in call_args(variant, image_to_video).items() if k not in ("prompt", "negative_prompt")}
-    embeds, negative = pipe.encode_prompt("a red circle moving left", "blue",
-                                          max_sequence_length=call["max_sequence_length"])
+    embeds, negative = pipe.encode_prompt(
+        "a red circle moving left", "blue", max_sequence_length=call["max_sequence_length"]
+    )
     call.update(prompt_embeds=embeds, negative_prompt_embeds=negative)
     expected = pipe(**call, generator=seeded()).frames
     pipe.save_pretrained(tmp_path / "saved")
@@ -84,8 +97,12 @@ def test_save_pretrained_reloads_bit_exact_with_mhla(wan_family_dirs, tmp_path, 
             transformer = getattr(reloaded, name)
             assert isinstance(transformer, MHLAWanTransformer3DModel), (cls, name)
             assert get_mhla_conversion(transformer).layout == LAYOUT
-            torch.testing.assert_close(transformer.blocks[0].attn1.processor.mixing,
-                                       getattr(pipe, name).blocks[0].attn1.processor.mixing, rtol=0, atol=0)
+            torch.testing.assert_close(
+                transformer.blocks[0].attn1.processor.mixing,
+                getattr(pipe, name).blocks[0].attn1.processor.mixing,
+                rtol=0,
+                atol=0,
+            )
         assert np.array_equal(reloaded(**call, generator=seeded()).frames, expected), cls
 
 
@@ -123,11 +140,16 @@ def test_two_transformers_take_mhla_weights_in_either_form(wan_family_dirs, vari
     folder = wan_family_dirs[f"{variant}-mhla"]
     one_folder = load(wan_family_dirs, variant, image_to_video)
     two_folders = pipeline_class(image_to_video).from_pretrained(
-        wan_family_dirs[variant], mhla_weights=folder / "transformer", mhla_weights_2=folder / "transformer_2")
+        wan_family_dirs[variant], mhla_weights=folder / "transformer", mhla_weights_2=folder / "transformer_2"
+    )
     two_folders.set_progress_bar_config(disable=True)
     for name in ("transformer", "transformer_2"):
-        torch.testing.assert_close(getattr(two_folders, name).blocks[0].attn1.processor.mixing,
-                                   getattr(one_folder, name).blocks[0].attn1.processor.mixing, rtol=0, atol=0)
+        torch.testing.assert_close(
+            getattr(two_folders, name).blocks[0].attn1.processor.mixing,
+            getattr(one_folder, name).blocks[0].attn1.processor.mixing,
+            rtol=0,
+            atol=0,
+        )
     mixing = [t.blocks[0].attn1.processor.mixing for t in one_folder.transformer_components.values()]
     assert not torch.equal(mixing[0], mixing[1])  # x1.5 and x0.5: each got its own weights
     assert np.array_equal(generate(one_folder, variant, image_to_video), generate(two_folders, variant, image_to_video))
@@ -144,9 +166,11 @@ def test_mhla_weights_that_miss_a_transformer_are_refused_before_loading(wan_fam
     with pytest.raises(ValueError, match=r"already holds transformer_2/: leave out mhla_weights_2"):
         MHLAWanPipeline.from_pretrained(a14b, mhla_weights=mhla, mhla_weights_2=mhla / "transformer_2")
     with pytest.raises(ValueError, match=r"MHLA weights for transformer_2, but the pipeline has no transformer_2"):
-        MHLAWanImageToVideoPipeline.from_pretrained(wan_family_dirs["wan2.1-i2v"],
-                                                    mhla_weights=wan_family_dirs["wan2.1-i2v-mhla"],
-                                                    mhla_weights_2=mhla / "transformer_2")
+        MHLAWanImageToVideoPipeline.from_pretrained(
+            wan_family_dirs["wan2.1-i2v"],
+            mhla_weights=wan_family_dirs["wan2.1-i2v-mhla"],
+            mhla_weights_2=mhla / "transformer_2",
+        )
     with pytest.raises(FileNotFoundError, match=r"no mhla_config.json in mhla_weights .* \(nor in its transformer/"):
         MHLAWanPipeline.from_pretrained(a14b, mhla_weights=a14b)
 
@@ -159,12 +183,16 @@ def test_two_transformers_with_their_own_configs_and_the_boundary(wan_family_dir
     assert pipe.mhla is None
     conversions = pipe.convert_to_mhla(MHLAConfig(layout=LAYOUT), config_2=MHLAConfig(layout=(1, 2, 2), layers=[1]))
     assert conversions["transformer"].layout == LAYOUT and conversions["transformer_2"].layers == [1]
-    with pytest.raises(ValueError, match=r"transformers differ in MHLA .*transformer_2: MHLA on layers \[1\], layout 1x2x2"):
+    with pytest.raises(
+        ValueError, match=r"transformers differ in MHLA .*transformer_2: MHLA on layers \[1\], layout 1x2x2"
+    ):
         pipe.mhla
     # boundary_ratio 0.875: step t=999 runs `transformer`, t=750 `transformer_2` (twice each: with and without the prompt)
     calls = []
-    handles = [t.register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
-               for name, t in pipe.transformer_components.items()]
+    handles = [
+        t.register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
+        for name, t in pipe.transformer_components.items()
+    ]
     frames = generate(pipe, "wan2.2-a14b-t2v", False)
     assert pipe.scheduler.timesteps.tolist() == [999, 750]
     assert calls == ["transformer", "transformer", "transformer_2", "transformer_2"]
@@ -179,7 +207,9 @@ def test_two_transformers_with_their_own_configs_and_the_boundary(wan_family_dir
     reloaded = MHLAWanPipeline.from_pretrained(tmp_path / "saved")
     reloaded.set_progress_bar_config(disable=True)
     assert {name: (c.layers, c.layout) for name, c in reloaded.mhla_conversions.items()} == {
-        "transformer": ([0, 1], LAYOUT), "transformer_2": ([1], (1, 2, 2))}
+        "transformer": ([0, 1], LAYOUT),
+        "transformer_2": ([1], (1, 2, 2)),
+    }
     assert reloaded.config.boundary_ratio == 0.875
     assert np.array_equal(generate(reloaded, "wan2.2-a14b-t2v", False), frames)
     pipe.save_mhla(tmp_path / "mhla")  # transformer/ and transformer_2/, each with its own config
@@ -204,7 +234,9 @@ def test_ti2v_geometry_comes_from_the_wan22_vae(wan_family_dirs):
     assert geometry.token_grid(121, 704, 1280, strict=False) == (31, 22, 40)  # its native 720p clip
     pipe = load(wan_family_dirs, "wan2.2-ti2v", False)
     assert pipe.geometry == geometry and pipe.config.expand_timesteps
-    with pytest.raises(ValueError, match=r"height 48 must be a positive multiple of 32 \(VAE x4 in time and x16 in space"):
+    with pytest.raises(
+        ValueError, match=r"height 48 must be a positive multiple of 32 \(VAE x4 in time and x16 in space"
+    ):
         generate(pipe, "wan2.2-ti2v", False, height=48)
     with pytest.raises(ValueError, match="width 1056 is larger than the model supports: at most 1024"):
         generate(pipe, "wan2.2-ti2v", False, width=1056)  # 32 RoPE positions x 32 px
@@ -213,8 +245,9 @@ def test_ti2v_geometry_comes_from_the_wan22_vae(wan_family_dirs):
 def test_a_pipeline_holding_only_transformer_2(wan_family_dirs):
     """Diffusers lets either transformer of a two-transformer pipeline be left out: sizes and MHLA follow the other."""
     folder = wan_family_dirs["wan2.2-a14b-t2v"]
-    pipe = MHLAWanPipeline.from_pretrained(folder, transformer=None,
-                                           mhla_weights_2=wan_family_dirs["wan2.2-a14b-t2v-mhla"] / "transformer_2")
+    pipe = MHLAWanPipeline.from_pretrained(
+        folder, transformer=None, mhla_weights_2=wan_family_dirs["wan2.2-a14b-t2v-mhla"] / "transformer_2"
+    )
     assert pipe.transformer is None and list(pipe.transformer_components) == ["transformer_2"]
     assert pipe.mhla.layout == LAYOUT
     assert pipe.geometry == VideoGeometry.from_folder(folder) and pipe.token_grid(9, 32, 32) == (3, 2, 2)

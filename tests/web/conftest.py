@@ -16,6 +16,7 @@ import time
 import urllib.request
 
 import pytest
+
 from helpers.web import FRAMES, REPO, SIZE, STEPS, DemoServer, free_port
 
 
@@ -26,12 +27,23 @@ def _running_demo(root, argv: list[str]):
     (root / "tmp").mkdir()
     port = free_port()
     log = root / "server.log"
-    env = {**os.environ, "TMPDIR": str(root / "tmp"), "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TMPDIR": str(root / "tmp"),
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("GRADIO_TEMP_DIR", None)
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *argv], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(port), *argv],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     server = DemoServer(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 120
     try:
@@ -66,10 +78,28 @@ def demo_server(pipeline_dirs, tmp_path_factory):
     argv = []
     if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
         argv = [
-            "--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"]),
-            "--c2i-model", str(pipeline_dirs["dit"]), "--c2i-mhla-weights", str(pipeline_dirs["dit_mhla"]),
-            "--num-frames", str(FRAMES), "--height", str(SIZE), "--width", str(SIZE),
-            "--video-steps", str(STEPS), "--image-steps", str(STEPS), "--max-steps", "50", "--samples", "1",
+            "--t2v-model",
+            str(pipeline_dirs["wan"]),
+            "--t2v-mhla-weights",
+            str(pipeline_dirs["wan_mhla"]),
+            "--c2i-model",
+            str(pipeline_dirs["dit"]),
+            "--c2i-mhla-weights",
+            str(pipeline_dirs["dit_mhla"]),
+            "--num-frames",
+            str(FRAMES),
+            "--height",
+            str(SIZE),
+            "--width",
+            str(SIZE),
+            "--video-steps",
+            str(STEPS),
+            "--image-steps",
+            str(STEPS),
+            "--max-steps",
+            "50",
+            "--samples",
+            "1",
         ]
     with _running_demo(tmp_path_factory.mktemp("webdemo"), argv) as server:
         yield server

@@ -13,7 +13,9 @@ from mhla_diffusion.web.app import build_parser
 from mhla_diffusion.web.config import config_from_args, resolve_task_models
 from mhla_diffusion.web.outputs import SessionOutputs
 
-GOOD_VIDEO = dict(prompt=" a cat ", negative_prompt=None, seed=3.0, steps=20, guidance=5, num_frames=17, height=64, width=96)
+GOOD_VIDEO = dict(
+    prompt=" a cat ", negative_prompt=None, seed=3.0, steps=20, guidance=5, num_frames=17, height=64, width=96
+)
 
 
 def test_video_request_accepts_and_normalises():
@@ -22,22 +24,25 @@ def test_video_request_accepts_and_normalises():
     assert (request.height, request.width, request.steps, request.guidance_scale) == (64, 96, 20, 5.0)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(prompt="   "), "prompt is empty"),
-    (dict(prompt=None), "prompt is empty"),
-    (dict(height=50), "Height 50 is not supported: use a multiple of 16"),
-    (dict(width=2048), "Width 2048 is out of range"),
-    (dict(width=0), "Width 0 is out of range"),
-    (dict(steps=0), "Steps 0 is out of range"),
-    (dict(steps=101), "Steps 101 is out of range"),
-    (dict(steps=2.5), "Steps must be a whole number"),
-    (dict(steps=None), "Steps is missing"),
-    (dict(num_frames=16), "use 4k+1 frames"),
-    (dict(num_frames=85), "Frames 85 is too many"),
-    (dict(seed=-1), "Seed -1 is out of range"),
-    (dict(guidance=float("nan")), "Guidance scale must be a finite number"),
-    (dict(guidance=50), "Guidance scale 50 is out of range"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(prompt="   "), "prompt is empty"),
+        (dict(prompt=None), "prompt is empty"),
+        (dict(height=50), "Height 50 is not supported: use a multiple of 16"),
+        (dict(width=2048), "Width 2048 is out of range"),
+        (dict(width=0), "Width 0 is out of range"),
+        (dict(steps=0), "Steps 0 is out of range"),
+        (dict(steps=101), "Steps 101 is out of range"),
+        (dict(steps=2.5), "Steps must be a whole number"),
+        (dict(steps=None), "Steps is missing"),
+        (dict(num_frames=16), "use 4k+1 frames"),
+        (dict(num_frames=85), "Frames 85 is too many"),
+        (dict(seed=-1), "Seed -1 is out of range"),
+        (dict(guidance=float("nan")), "Guidance scale must be a finite number"),
+        (dict(guidance=50), "Guidance scale 50 is out of range"),
+    ],
+)
 def test_video_request_errors_are_readable(change, message):
     with pytest.raises(DemoInputError, match=message.replace("+", r"\+")):
         video_request(**{**GOOD_VIDEO, **change})
@@ -54,12 +59,18 @@ def test_video_request_follows_the_models_geometry(pipeline_dirs):
     # a VAE that is 4x in space: 8 px would make whole patches, but Diffusers' WanPipeline takes multiples of 16
     x4 = VideoGeometry(vae_scale_spatial=4, max_tokens_per_axis=64)
     assert video_request(**GOOD_VIDEO, geometry=x4).height == 64
-    with pytest.raises(DemoInputError, match=r"Height 72 .*multiple of 16 \(VAE x4 in space, patch 2: 8; Diffusers' WanPipeline"):
+    with pytest.raises(
+        DemoInputError, match=r"Height 72 .*multiple of 16 \(VAE x4 in space, patch 2: 8; Diffusers' WanPipeline"
+    ):
         video_request(**{**GOOD_VIDEO, "height": 72}, geometry=x4)
-    with pytest.raises(DemoInputError, match=r"Width 528 is larger than the model supports: at most 512 .*64 tokens per axis"):
+    with pytest.raises(
+        DemoInputError, match=r"Width 528 is larger than the model supports: at most 512 .*64 tokens per axis"
+    ):
         video_request(**{**GOOD_VIDEO, "width": 528}, geometry=x4)
     # a VAE that compresses time 2x: 2k+1 frames, named with the model's factors
-    assert video_request(**{**GOOD_VIDEO, "num_frames": 7}, geometry=VideoGeometry(vae_scale_temporal=2)).num_frames == 7
+    assert (
+        video_request(**{**GOOD_VIDEO, "num_frames": 7}, geometry=VideoGeometry(vae_scale_temporal=2)).num_frames == 7
+    )
     with pytest.raises(DemoInputError, match=r"Frames 6 .*use 2k\+1 frames \(1, 3, 5, 7, 9, ...; VAE x2 in time"):
         video_request(**{**GOOD_VIDEO, "num_frames": 6}, geometry=VideoGeometry(vae_scale_temporal=2))
     # read from a pipeline folder: the tiny Wan's RoPE holds 32 positions per axis (512 px)
@@ -75,8 +86,12 @@ def test_image_request_by_name_or_id():
     assert image_request("goldfish", 0, 10, 4.0, LABELS, 1000).class_id == 1
     assert image_request(" 7 ", 0, 10, 4.0, LABELS, 1000).class_id == 7
     assert image_request("Tinca tinca", 0, 10, 4.0, LABELS, 1000).class_label == "Tinca tinca"
-    for bad, message in (("zebra", "Unknown class 'zebra'.*names such as tench"), ("1000", "id from 0 to 999"),
-                         ("", "No class given"), ("-1", "Unknown class")):
+    for bad, message in (
+        ("zebra", "Unknown class 'zebra'.*names such as tench"),
+        ("1000", "id from 0 to 999"),
+        ("", "No class given"),
+        ("-1", "Unknown class"),
+    ):
         with pytest.raises(DemoInputError, match=message):
             image_request(bad, 0, 10, 4.0, LABELS, 1000)
 
@@ -85,13 +100,29 @@ def test_flags_and_environment(pipeline_dirs, monkeypatch):
     monkeypatch.setenv("MHLA_DEMO_C2I_MODEL", str(pipeline_dirs["dit"]))
     monkeypatch.setenv("MHLA_DEMO_CONCURRENCY", "2")
     monkeypatch.setenv("MHLA_DEMO_HEIGHT", "32")
-    args = build_parser().parse_args(["--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights",
-                                      str(pipeline_dirs["wan_mhla"]), "--num-frames", "9", "--width", "48",
-                                      "--max-steps", "30"])
+    args = build_parser().parse_args(
+        [
+            "--t2v-model",
+            str(pipeline_dirs["wan"]),
+            "--t2v-mhla-weights",
+            str(pipeline_dirs["wan_mhla"]),
+            "--num-frames",
+            "9",
+            "--width",
+            "48",
+            "--max-steps",
+            "30",
+        ]
+    )
     config = config_from_args(args)
     assert config.video.softmax_source == "base" and config.video.mhla_weights == pipeline_dirs["wan_mhla"]
     assert config.image.model == str(pipeline_dirs["dit"]) and config.image.softmax_source == "same"
-    assert (config.concurrency, config.host, config.defaults.num_frames, config.limits.max_steps) == (2, "127.0.0.1", 9, 30)
+    assert (config.concurrency, config.host, config.defaults.num_frames, config.limits.max_steps) == (
+        2,
+        "127.0.0.1",
+        9,
+        30,
+    )
     assert (config.defaults.height, config.defaults.width) == (32, 48)
 
 
@@ -104,9 +135,16 @@ def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
 
     d = embedded_defaults()
     config = config_from_args(build_parser().parse_args([]))  # the embedded models
-    assert (config.defaults.num_frames, config.defaults.height, config.defaults.width) == (d.num_frames, d.height, d.width)
+    assert (config.defaults.num_frames, config.defaults.height, config.defaults.width) == (
+        d.num_frames,
+        d.height,
+        d.width,
+    )
     assert (config.defaults.video_steps, config.defaults.image_steps, config.defaults.fps) == (
-        d.video_steps, d.image_steps, d.fps)
+        d.video_steps,
+        d.image_steps,
+        d.fps,
+    )
     assert config.max_sequence_length == d.max_sequence_length
     # a model that records no size: the demo asks for one (it used to start at the embedded model's 64x64)
     tiny = ["--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"])]
@@ -115,7 +153,13 @@ def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
     recorded = tmp_path / "wan"
     shutil.copytree(pipeline_dirs["wan"], recorded)
     index = json.loads((recorded / "model_index.json").read_text())
-    index[RECORD_KEY] = {"num_frames": 5, "height": 32, "width": 48, "num_inference_steps": 3, "max_sequence_length": 16}
+    index[RECORD_KEY] = {
+        "num_frames": 5,
+        "height": 32,
+        "width": 48,
+        "num_inference_steps": 3,
+        "max_sequence_length": 16,
+    }
     (recorded / "model_index.json").write_text(json.dumps(index))
     config = config_from_args(build_parser().parse_args(["--t2v-model", str(recorded), *tiny[2:]]))
     assert (config.defaults.num_frames, config.defaults.height, config.defaults.width) == (5, 32, 48)
@@ -129,8 +173,11 @@ def test_samples_and_the_models_size_bounds():
     from mhla_diffusion.web.validation import VideoBounds, video_bounds
 
     assert video_request(**GOOD_VIDEO, samples=3).seeds == [3, 4, 5]
-    for samples, message in ((0, "Samples 0 is out of range: use 1 to 8"), (9, "Samples 9 is out of range"),
-                             (2.5, "Samples must be a whole number")):
+    for samples, message in (
+        (0, "Samples 0 is out of range: use 1 to 8"),
+        (9, "Samples 9 is out of range"),
+        (2.5, "Samples must be a whole number"),
+    ):
         with pytest.raises(DemoInputError, match=message):
             video_request(**GOOD_VIDEO, samples=samples)
     with pytest.raises(DemoInputError, match=f"Seed {MAX_SEED} with 2 samples needs seeds up to {MAX_SEED + 1}"):
@@ -191,13 +238,18 @@ def test_softmax_sources_agree(pipeline_dirs, tmp_path):
     video = resolve_task_models("text-to-video", str(pipeline_dirs["wan"]), pipeline_dirs["wan_mhla"], None, None)
     request = image_request("goldfish", 0, 2, 4.0, LABELS, 1000)
     images, steps = {}, []
-    for source, task in (("same", (str(saved), None, None, None)), ("base", (dit, weights, None, None)),
-                         ("folder", (str(saved), None, None, dit))):
+    for source, task in (
+        ("same", (str(saved), None, None, None)),
+        ("base", (dit, weights, None, None)),
+        ("folder", (str(saved), None, None, dit)),
+    ):
         models = resolve_task_models("class-to-image", *task)
         assert models.softmax_source == source
         store = ModelStore(DemoConfig(video=video, image=models, defaults=None, device="cpu"))
         assert store.class_choices() == ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead"]
-        images[source] = store.generate_image(request, "softmax", progress=lambda step, total: steps.append((step, total)))
+        images[source] = store.generate_image(
+            request, "softmax", progress=lambda step, total: steps.append((step, total))
+        )
         mhla = store.generate_image(request, "mhla")
         assert not np.allclose(mhla.arrays[0], images[source].arrays[0])
     assert steps[:2] == [(1, 2), (2, 2)]

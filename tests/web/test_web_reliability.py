@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from helpers.web import FRAMES, SIZE, STEPS
 
 pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
@@ -21,8 +22,11 @@ def _config(*argv: str):
 
 def test_a_default_size_the_model_cannot_take_is_refused_before_loading():
     # the embedded text-to-video model's position table holds 64 tokens per axis of 4 px: 256 px at most
-    with pytest.raises(ValueError, match=r"largest size is 127 frames, 256x256: height 1024 is larger than the "
-                                         r"model supports: at most 256"):
+    with pytest.raises(
+        ValueError,
+        match=r"largest size is 127 frames, 256x256: height 1024 is larger than the "
+        r"model supports: at most 256",
+    ):
         _config("--height", "1024")
     assert _config("--height", "256").defaults.height == 256
 
@@ -59,8 +63,10 @@ def test_a_port_out_of_range_is_refused_before_anything_starts(capsys, monkeypat
 
     monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("the demo started"))
     assert main(["web", "--port", port]) == 2
-    assert capsys.readouterr().err == (f"mhla web: error: --port {port} is not a port number: use 1 to 65535 (or leave "
-                                       "--port out: 7860 or the next free one)\n")
+    assert capsys.readouterr().err == (
+        f"mhla web: error: --port {port} is not a port number: use 1 to 65535 (or leave "
+        "--port out: 7860 or the next free one)\n"
+    )
 
 
 # ---------------------------------------------------------------- through the running server
@@ -85,7 +91,9 @@ def test_numbers_typed_as_text_get_the_pages_message_and_no_traceback(client, de
 
     with urllib.request.urlopen(demo_server.url + "/config", timeout=5) as response:
         types = {component["type"] for component in json.load(response)["components"]}
-    assert {"number", "slider"} <= types and not any(t.startswith("checked") for t in types), types  # Gradio's own widgets
+    assert {"number", "slider"} <= types and not any(t.startswith("checked") for t in types), (
+        types
+    )  # Gradio's own widgets
     import mhla_diffusion.web
 
     assert not list(Path(mhla_diffusion.web.__file__).parent.glob("*.pyi"))  # Gradio writes stubs for subclasses
@@ -104,16 +112,18 @@ def test_numbers_typed_as_text_get_the_pages_message_and_no_traceback(client, de
     new_log = demo_server.log_text()[log_before:]
     assert "Traceback" not in new_log, new_log
     # numbers as text that are numbers are taken
-    mhla, _, summary = client.predict("a cat", "", "3", str(STEPS), "5", str(FRAMES), str(SIZE), str(SIZE), False,
-                                      api_name="/generate_video")
+    mhla, _, summary = client.predict(
+        "a cat", "", "3", str(STEPS), "5", str(FRAMES), str(SIZE), str(SIZE), False, api_name="/generate_video"
+    )
     assert "seed 3" in summary
 
 
 @pytest.mark.slow
 def test_words_the_tokenizer_does_not_know_are_named_in_the_page(client):
     # the tiny pipeline's word-level tokenizer knows "a", "red", "circle", not "zebra" or an emoji
-    _, _, summary = client.predict("a red zebra circle \U0001F993", "", 0, 1, 5.0, FRAMES, SIZE, SIZE, False,
-                                   api_name="/generate_video")
-    assert "does not know 'zebra', '\U0001F993'" in summary and "generated without them" in summary
+    _, _, summary = client.predict(
+        "a red zebra circle \U0001f993", "", 0, 1, 5.0, FRAMES, SIZE, SIZE, False, api_name="/generate_video"
+    )
+    assert "does not know 'zebra', '\U0001f993'" in summary and "generated without them" in summary
     _, _, summary = client.predict("a red circle", "", 0, 1, 5.0, FRAMES, SIZE, SIZE, False, api_name="/generate_video")
     assert "does not know" not in summary

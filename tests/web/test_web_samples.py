@@ -12,6 +12,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+
 from helpers.web import BROWSER_ARGS, FRAMES, SIZE, STEPS, chromium, gallery
 
 pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
@@ -43,15 +44,17 @@ def _components(server) -> dict[str, dict]:
 
 
 def test_several_samples_each_from_its_own_seed(client):
-    mhla, softmax, summary = client.predict("a red circle", "", 3, STEPS, 5.0, FRAMES, SIZE, SIZE, False, 2,
-                                            api_name="/generate_video")
+    mhla, softmax, summary = client.predict(
+        "a red circle", "", 3, STEPS, 5.0, FRAMES, SIZE, SIZE, False, 2, api_name="/generate_video"
+    )
     samples = gallery(mhla)
     assert [text for _, text in samples] == ["seed 3", "seed 4"] and softmax == []
     assert "seeds 3-4" in summary and "| 2 |" in summary
     batch = [_frames(path) for path, _ in samples]
     assert np.abs(batch[0] - batch[1]).mean() > 1  # two seeds, two videos
-    (alone,) = gallery(client.predict("a red circle", "", 4, STEPS, 5.0, FRAMES, SIZE, SIZE, False, 1,
-                                      api_name="/generate_video")[0])
+    (alone,) = gallery(
+        client.predict("a red circle", "", 4, STEPS, 5.0, FRAMES, SIZE, SIZE, False, 1, api_name="/generate_video")[0]
+    )
     assert np.abs(_frames(alone[0]) - batch[1]).mean() < 1.0  # the batch's second sample is what seed 4 gives alone
 
 
@@ -92,18 +95,22 @@ def test_stop_ends_a_running_generation_and_the_next_one_runs(client, demo_serve
 
 def test_embedded_samples_carry_the_judges_reading(embedded_client):
     d = embedded_defaults()
-    mhla, softmax, summary = embedded_client.predict("a red circle moving left", "", 0, 2, 5.0, d.num_frames, d.height,
-                                                     d.width, True, 2,
-                                                     api_name="/generate_video")
-    reading = r"seed \d · judge: (red|green|blue|yellow) (circle|square|triangle), moving (left|right|up|down) " \
-              r"\(confidence [01]\.\d\d: shape [01]\.\d\d, colour [01]\.\d\d, direction [01]\.\d\d\)( ✓| ✗)"
+    mhla, softmax, summary = embedded_client.predict(
+        "a red circle moving left", "", 0, 2, 5.0, d.num_frames, d.height, d.width, True, 2, api_name="/generate_video"
+    )
+    reading = (
+        r"seed \d · judge: (red|green|blue|yellow) (circle|square|triangle), moving (left|right|up|down) "
+        r"\(confidence [01]\.\d\d: shape [01]\.\d\d, colour [01]\.\d\d, direction [01]\.\d\d\)( ✓| ✗)"
+    )
     for value in (mhla, softmax):
         samples = gallery(value)
         assert len(samples) == 2 and all(re.fullmatch(reading, text) for _, text in samples), samples
     assert "**Judge**" in summary and re.search(r"Read as asked: MHLA \(linear attention\) \d of 2; Softmax", summary)
     images, _, image_summary = embedded_client.predict("3", 5, 2, 4.0, False, 2, api_name="/generate_image")
     assert [text.split(" · ")[0] for _, text in gallery(images)] == ["seed 5", "seed 6"]
-    assert all(re.fullmatch(r"seed \d · judge: \d \(confidence [01]\.\d\d\)( ✓| ✗)", text) for _, text in gallery(images))
+    assert all(
+        re.fullmatch(r"seed \d · judge: \d \(confidence [01]\.\d\d\)( ✓| ✗)", text) for _, text in gallery(images)
+    )
     assert "Read as asked: MHLA (linear attention)" in image_summary
 
 
@@ -119,8 +126,9 @@ def test_embedded_page_shows_the_vocabulary_and_the_models_size_limits(embedded_
     assert components["t2v-height"]["props"]["maximum"] == components["t2v-width"]["props"]["maximum"] == 256
     d = embedded_defaults()
     with pytest.raises(AppError, match="greater than maximum value 256"):
-        embedded_client.predict("a red circle moving left", "", 0, 2, 5.0, d.num_frames, 272, d.width, False, 1,
-                                api_name="/generate_video")
+        embedded_client.predict(
+            "a red circle moving left", "", 0, 2, 5.0, d.num_frames, 272, d.width, False, 1, api_name="/generate_video"
+        )
 
 
 def test_the_tiny_models_page_has_no_vocabulary(demo_server):
@@ -149,10 +157,14 @@ def test_samples_show_at_256_px_while_the_files_stay_native(embedded_server):
             prompt.fill("a red zebra moving left")
             page.locator("#t2v-unknown").get_by_text("does not know 'zebra'").wait_for(timeout=30_000)
             page.locator("#t2v-examples").get_by_text(example_prompts()[5], exact=True).click()
-            page.wait_for_function("(text) => document.querySelector('#t2v-prompt textarea').value === text",
-                                   arg=example_prompts()[5], timeout=10_000)
-            page.wait_for_function("() => !document.querySelector('#t2v-unknown').innerText.includes('zebra')",
-                                   timeout=10_000)
+            page.wait_for_function(
+                "(text) => document.querySelector('#t2v-prompt textarea').value === text",
+                arg=example_prompts()[5],
+                timeout=10_000,
+            )
+            page.wait_for_function(
+                "() => !document.querySelector('#t2v-unknown').innerText.includes('zebra')", timeout=10_000
+            )
             seed = page.locator("#t2v-seed input")
             assert seed.input_value() == "0"
             page.locator("#t2v-random-seed").click()
@@ -162,8 +174,11 @@ def test_samples_show_at_256_px_while_the_files_stay_native(embedded_server):
             page.get_by_role("tab", name="Class to image").click()
             page.locator("#c2i-generate").click()
             page.locator("#c2i-summary").get_by_text("Read as asked:").wait_for(timeout=60_000)
-            page.wait_for_function("() => [...document.querySelectorAll('#c2i-mhla img')].every((i) => i.complete)"
-                                   " && document.querySelectorAll('#c2i-mhla img').length === 2", timeout=10_000)
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('#c2i-mhla img')].every((i) => i.complete)"
+                " && document.querySelectorAll('#c2i-mhla img').length === 2",
+                timeout=10_000,
+            )
             shown = page.evaluate(SHOWN, "#c2i-mhla img")
             for image in shown:  # 32x32 PNGs (what the download button fetches) drawn at 256 px, pixels kept square
                 assert image["natural"] == [32, 32] and image["rendering"] == "pixelated", shown

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from helpers.web import BROWSER_ARGS, FRAMES, REPO, SIZE, STEPS, chromium, gallery
 
 #: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
@@ -41,7 +42,8 @@ def _video_shape(path: Path) -> tuple[int, int, int]:
 
 def test_video_with_softmax_comparison(client):
     mhla, softmax, summary = client.predict(
-        "a red circle moving left", "", 3, STEPS, 5.0, FRAMES, SIZE, SIZE, True, api_name="/generate_video")
+        "a red circle moving left", "", 3, STEPS, 5.0, FRAMES, SIZE, SIZE, True, api_name="/generate_video"
+    )
     for value in (mhla, softmax):
         path = _path(value)
         assert path.suffix == ".mp4" and path.read_bytes()[4:8] == b"ftyp"
@@ -54,7 +56,8 @@ def test_video_with_softmax_comparison(client):
 
 def test_video_without_comparison(client):
     mhla, softmax, summary = client.predict(
-        "a blue square moving up", "red", 0, 1, 0.0, 5, 48, SIZE, False, api_name="/generate_video")
+        "a blue square moving up", "red", 0, 1, 0.0, 5, 48, SIZE, False, api_name="/generate_video"
+    )
     assert _video_shape(_path(mhla)) == (5, 48, SIZE)
     assert softmax == [] and "Softmax" not in summary
     assert "n/a (needs 2+ steps)" in summary  # one step: no loop time after the warm-up step
@@ -85,7 +88,10 @@ BAD_VIDEO = [
     (("a cat", "", 0, 999, 5.0, FRAMES, SIZE, SIZE, False), "greater than maximum value 50"),
     (("a cat", "", 0, STEPS, 5.0, 10, SIZE, SIZE, False), "4k+1"),
 ]
-BAD_IMAGE = [(("zebra", 0, STEPS, 4.0, False), "Unknown class 'zebra'"), (("5000", 0, STEPS, 4.0, False), "Unknown class")]
+BAD_IMAGE = [
+    (("zebra", 0, STEPS, 4.0, False), "Unknown class 'zebra'"),
+    (("5000", 0, STEPS, 4.0, False), "Unknown class"),
+]
 
 
 def test_bad_input_is_a_readable_error_and_the_server_keeps_serving(client):

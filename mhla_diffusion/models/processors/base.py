@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...config import MHLAConfig
 from ...ops.attention import HALF_DTYPES, mhla_attention
 from ...ops.block_layout import num_blocks
-from ...config import MHLAConfig
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
-from ...utils.geometry import check_equal_blocks
 from ...ops.mixing import mixing_init
 from ...ops.triton_mhla import fused_available, mhla_attention_fused
+from ...utils.geometry import check_equal_blocks
 from .grid import TokenGridContext
 
 __all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "head_rms_norm", "kept_in_fp32"]
@@ -143,8 +143,11 @@ class MHLAProcessor(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # Every cast (model.to(dtype), .bfloat16(), .half(), Diffusers' from_pretrained) comes through here:
         # FP32_PARAMETERS keep their float32 values and follow only the move to another device.
-        kept = {name: param.data for name, param in self.named_parameters()
-                if name.split(".")[0] in FP32_PARAMETERS and param.dtype not in HALF_DTYPES}
+        kept = {
+            name: param.data
+            for name, param in self.named_parameters()
+            if name.split(".")[0] in FP32_PARAMETERS and param.dtype not in HALF_DTYPES
+        }
         super()._apply(fn, recurse)
         for name, param in self.named_parameters():
             if name.split(".")[0] in FP32_PARAMETERS and param.dtype in HALF_DTYPES:
@@ -164,8 +167,10 @@ class MHLAProcessor(nn.Module):
     def extra_repr(self) -> str:
         mode = {"none": "no denominator"}.get(self.normalization, self.normalization)
         dropout = f", output dropout {self.output_dropout}" if self.output_dropout else ""
-        return (f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, "
-                f"{mode}{dropout}")
+        return (
+            f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, "
+            f"{mode}{dropout}"
+        )
 
     def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The attention's input through ``input_norm`` (if any), before the q/k/v projections."""
@@ -173,7 +178,9 @@ class MHLAProcessor(nn.Module):
             return hidden_states
         norm = self.input_norm  # in at least float32, as the output RMSNorm
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        out = F.layer_norm(hidden_states.to(compute), norm.normalized_shape, norm.weight.to(compute), norm.bias.to(compute), norm.eps)
+        out = F.layer_norm(
+            hidden_states.to(compute), norm.normalized_shape, norm.weight.to(compute), norm.bias.to(compute), norm.eps
+        )
         return out.to(hidden_states.dtype)
 
     def drop_output(self, out: torch.Tensor) -> torch.Tensor:
@@ -204,16 +211,24 @@ class MHLAProcessor(nn.Module):
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
         if shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
             out = mhla_attention_fused(  # Triton on CUDA (MHLA_FUSED=0 turns it off): one read of q, k, v
-                q, k, v, plan, self.mixing, cos=None if rotary_emb is None else rotary_emb[0],
-                sin=None if rotary_emb is None else rotary_emb[1], feature_eps=self.eps,
-                normalize=self.normalization, eps=self.eps,
+                q,
+                k,
+                v,
+                plan,
+                self.mixing,
+                cos=None if rotary_emb is None else rotary_emb[0],
+                sin=None if rotary_emb is None else rotary_emb[1],
+                feature_eps=self.eps,
+                normalize=self.normalization,
+                eps=self.eps,
             )
         elif shard is None:
             out = mhla_attention(q, k, v, grid, self.layout, self.mixing, **features)
         else:  # partial block summaries, one all-reduce over the context-parallel group, local queries
             local_plan = self.grid_context.local_plan(self.layout, q.device, shard.start, shard.stop)
-            out = mhla_attention_context_parallel(q, k, v, grid, self.layout, self.mixing, shard, local_plan=local_plan,
-                                                  **features)
+            out = mhla_attention_context_parallel(
+                q, k, v, grid, self.layout, self.mixing, shard, local_plan=local_plan, **features
+            )
         if self.out_norm is not None:
             out = head_rms_norm(out.to(v.dtype), self.out_norm.weight, self.out_norm.eps)
         out = out.flatten(2)
