@@ -314,7 +314,7 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     src = torch.randn(2**30, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_s = _median_event_seconds(lambda: dst.copy_(src), device)
-    del src, dst
+    src = dst = None  # 4 GiB freed before the matmul's operands
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
     matmul_s = _median_event_seconds(lambda: a @ b, device)
     return {"copy_gb_per_s": 2 * 2**31 / copy_s / 1e9, "bf16_matmul_tflop_per_s": 2 * 8192**3 / matmul_s / 1e12}
@@ -610,7 +610,7 @@ def stage_timing(ctx: StageContext) -> None:
             if status != "ok":
                 errors[name] = status
                 continue
-            calls[name] = lambda kernel=kernel: run_sdpa(kernel, *heads_first)
+            calls[name] = lambda kernel=kernel, inputs=heads_first: run_sdpa(kernel, *inputs)
             bytes_of[name], basis[name] = 4 * unit, "q, k, v, out once"
         if run_fused:
             fused_calls = _fused_calls(fused, grid, sizes, device, dtype)
@@ -702,7 +702,8 @@ def profile_table(call: Callable[[], object], device: torch.device, rows: int = 
 
 
 def stage_profile(ctx: StageContext) -> None:
-    """The profiler's table of one Wan processor call (paper setting) on the first timing grid, and of the fused kernel."""
+    """The profiler's table of one Wan processor call (paper setting) on the first timing grid, and of the fused
+    kernel."""
     sizes, grid = ctx.sizes, ctx.sizes.timing_grids[0]
     config = settings(sizes.layout)["paper"]
     _, call = wan_self_attention(
@@ -889,7 +890,8 @@ def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...]
             session["stages"][stage.name] = {
                 "status": "skipped",
                 "notes": [
-                    f"skipped: {left:.0f} s of the session's {budget_s:.0f} s were left, the stage needs about {stage.needs_s} s"
+                    f"skipped: {left:.0f} s of the session's {budget_s:.0f} s were left, "
+                    f"the stage needs about {stage.needs_s} s"
                 ],
             }
             save_session(out, session)
@@ -975,7 +977,8 @@ def render_markdown(session: dict[str, Any]) -> str:
     gpu = versions.get("gpu") or {}
     where = gpu.get("name") or versions.get("cpu") or session.get("device", "?")
     head = (
-        f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: torch {v.get('torch', session.get('torch', '?'))}, "
+        f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: "
+        f"torch {v.get('torch', session.get('torch', '?'))}, "
         f"CUDA {v.get('cuda')}, Triton {v.get('triton')}, Diffusers {v.get('diffusers')}"
         + (f", commit {v['commit']}" if v.get("commit") else "")
         + "."

@@ -33,13 +33,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # before torch (subprocesses inherit it).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.register_assert_rewrite("helpers")  # before any helper module is imported: their asserts explain failures too
 
-from helpers.models import dit_inputs, wan_inputs
-from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
+from helpers.models import dit_inputs, wan_inputs  # noqa: E402
+from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -30,7 +30,7 @@ import time
 import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,6 +41,9 @@ from ..ops.attention import mhla_attention
 from ..ops.block_layout import auto_layout, num_blocks, validate_grid_layout
 from ..ops.mixing import mixing_init
 from ..utils.geometry import VideoGeometry
+
+if TYPE_CHECKING:
+    from ..models.processors.wan import WanMHLAProcessor
 
 __all__ = [
     "ATTENTION_COLUMNS",

@@ -406,7 +406,6 @@ class DiTTask(Task):
     def _pipeline(self, transformer: nn.Module):
         from ..pipelines import MHLADiTPipeline
 
-        o = self.options
         self._load_vae()
         scheduler = self._scheduler()
         pipe = MHLADiTPipeline(transformer=transformer, vae=self.vae, scheduler=scheduler, id2label=self.id2label)

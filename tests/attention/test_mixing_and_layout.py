@@ -83,8 +83,8 @@ def brute_force_ids(grid, layout):
     ids = []
     for coords in torch.cartesian_prod(*[torch.arange(g) for g in grid]).reshape(-1, len(grid)).tolist():
         block = 0
-        for c, g, l in zip(coords, grid, layout):
-            block = block * l + (c * l) // g
+        for c, g, blocks in zip(coords, grid, layout):
+            block = block * blocks + (c * blocks) // g
         ids.append(block)
     return torch.tensor(ids)
 
