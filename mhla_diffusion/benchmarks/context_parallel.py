@@ -243,7 +243,8 @@ def _format(counts: dict[str, Any], processes: int, height: int, width: int) -> 
         f"Per step = {LAYERS} layers x {FORWARDS_PER_STEP} forwards (CFG) + {FORWARDS_PER_STEP} output gathers; "
         "hybrid = 20 MHLA + 10 Ulysses layers. MB = 10^6 bytes; in / out = handed to / returned by the collectives.",
         "",
-        "| frames | tokens | method | per layer in (MB) | per layer out (MB) | per step in (MB) | per step out (MB) | collectives |",
+        "| frames | tokens | method | per layer in (MB) | per layer out (MB) | per step in (MB) | per step out (MB) "
+        "| collectives |",
         "|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for frames, row in counts.items():
@@ -303,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
             f"Wall time of one forward, {args.time_layers}-block Wan-shaped MHLA transformer (8 heads x 48, FFN 1024, "
             f"fp32, layout {'x'.join(map(str, LAYOUT))}) on the {args.time_frames}x{args.height}x{args.width} grid "
-            f"{'x'.join(map(str, grid))} ({math.prod(grid):,} tokens), one CPU thread per process, median of {args.repeats}:",
+            f"{'x'.join(map(str, grid))} ({math.prod(grid):,} tokens), one CPU thread per process, "
+            f"median of {args.repeats}:",
             "",
             "| processes | seconds | largest output difference vs 1 process |",
             "|---:|---:|---:|",

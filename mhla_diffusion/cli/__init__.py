@@ -17,7 +17,8 @@
 
 :mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.import_wan`,
 :mod:`.import_dit`, :mod:`.evaluate`, :mod:`.evaluate_video`, :mod:`.bench`, :mod:`.build_embedded`,
-:mod:`.reproduce` and :mod:`.web` each parse their command and print its results; :mod:`.arguments` holds what they parse alike. They
+:mod:`.reproduce` and :mod:`.web` each parse their command and print its results; :mod:`.arguments` holds what
+they parse alike. They
 import only the standard library at module level: a command's arguments are added when it is used,
 and torch, Diffusers and the library load inside the command's ``run`` function, after parsing, so
 ``mhla --help`` and argument errors are immediate.

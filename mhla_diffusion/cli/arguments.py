@@ -130,7 +130,7 @@ def finite_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """A seed from 0 to :data:`mhla_diffusion.utils.geometry.MAX_SEED` (an ``argparse`` type; the web demo's rule too)."""
+    """A seed from 0 to :data:`mhla_diffusion.utils.geometry.MAX_SEED` (``argparse`` type; the web demo's rule too)."""
     value = _number(text, int)
     if value is None or not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"expected a whole number from 0 to {MAX_SEED}, got {text!r}")

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "reproduce",
         configure,
-        help="compare softmax, global linear attention and MHLA: operator fits, attention rank, a paired generative check",
+        help="compare softmax, global linear attention and MHLA: operator fits, attention rank, a paired generative "
+        "check",
         description="Part A: one attention layer (global linear, MHLA, MHLA with per-head mixing, softmax) fitted to a "
         "local softmax teacher and to associative recall on grids of 64 to 4,096 tokens, over 5 seeds: held-out "
         "error with 95 % intervals, and the rank of each learned N x N attention matrix beside its bound. Part B: a "

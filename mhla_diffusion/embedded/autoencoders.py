@@ -4,7 +4,8 @@
   compression by default (8x spatial, 4x temporal: a 17x64x64 clip -> latents ``(z_dim, 5, 8, 8)``; the
   build compresses less, ``build.VIDEO_VAE``) for the moving-shapes clips; training stores the per-channel
   mean / std of the posterior means as ``latents_mean`` / ``latents_std``, which ``WanPipeline`` decodes
-  with (``z * std + mean``) and the Wan trainer encodes with (``(z - mean) / std``, :mod:`mhla_diffusion.finetune.latents`).
+  with (``z * std + mean``) and the Wan trainer encodes with (``(z - mean) / std``,
+  :mod:`mhla_diffusion.finetune.latents`).
 * :func:`tiny_image_vae` / :func:`train_image_vae`: a Diffusers ``AutoencoderKL`` with 2x
   downsampling for the 32x32 digits (latents ``(4, 16, 16)``); training stores
   ``scaling_factor = 1 / std`` of the posterior means, which ``DiTPipeline`` decodes with
@@ -296,7 +297,8 @@ def train_image_vae(
 ) -> list[float]:
     """Train an ``AutoencoderKL`` on uint8 ``images`` ``(N, H, W, 3)``; returns the per-step reconstruction losses.
 
-    Same loss as :func:`train_video_vae`; ``progress``: bar and resumable checkpoint. Afterwards ``vae.config.scaling_factor`` is ``1 / std`` of the
+    Same loss as :func:`train_video_vae`; ``progress``: bar and resumable checkpoint. Afterwards
+    ``vae.config.scaling_factor`` is ``1 / std`` of the
     posterior means over ``images`` (all channels together) and ``shift_factor`` stays unset: ``DiTPipeline``
     decodes ``z / scaling_factor`` and applies no shift.
     """

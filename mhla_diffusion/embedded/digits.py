@@ -2,7 +2,8 @@
 
 Real data that ships with scikit-learn (nothing is downloaded), upsampled bicubically to RGB
 ``size`` x ``size`` (white digit on black), split deterministically into train / held-out per class,
-and written as the DiT trainer's image folder ``folder/<class>/<index>.png`` (:mod:`mhla_diffusion.finetune.image_data`).
+and written as the DiT trainer's image folder ``folder/<class>/<index>.png``
+(:mod:`mhla_diffusion.finetune.image_data`).
 """
 
 from __future__ import annotations

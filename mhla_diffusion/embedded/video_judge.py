@@ -35,7 +35,8 @@ def _block(cin: int, cout: int, stride: tuple[int, int, int]) -> nn.Sequential:
 class VideoJudge(nn.Module):
     """uint8-derived clips ``(N, 3, F, H, W)`` in ``[-1, 1]`` -> per-attribute logits.
 
-    Input: the clip and its frame differences (6 channels). Trunk: four 3D conv blocks (H -> H/16 pixels, F -> ceil(F/4) frames); no
+    Input: the clip and its frame differences (6 channels). Trunk: four 3D conv blocks (H -> H/16 pixels,
+    F -> ceil(F/4) frames); no
     normalisation layers, so train and eval mode compute the same thing. ``embed`` takes the mean and maximum of the
     last map over time and space and projects it to ``embed_dim`` (the pool features); one linear head per attribute.
     """

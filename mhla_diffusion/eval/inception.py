@@ -162,7 +162,10 @@ class InceptionV3Features(FeatureExtractor):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """uint8 ``(N, 3, H, W)`` -> ``{"pool": (N, 2048), "spatial": (N, 17, 17, 7), "logits_unbiased": (N, 1008)}``."""
+        """uint8 ``(N, 3, H, W)`` -> features.
+
+        ``{"pool": (N, 2048), "spatial": (N, 17, 17, 7), "logits_unbiased": (N, 1008)}``.
+        """
         check_uint8_images(images)
         self._mixed_6_conv.clear()
         pool, logits = self.net(images.to(self.device))

@@ -9,7 +9,8 @@ Trainers (``python finetune/train_wan.py``, ``accelerate launch finetune/train_w
 
 Modules: ``options`` (YAML + CLI options), ``media`` / ``buckets`` / ``data`` / ``video_data`` /
 ``image_data`` (data), ``latents`` / ``text`` / ``latent_cache`` (encoders and the cache pre-pass),
-``objectives`` (losses), ``dit_scratch`` (a DiT from random initialisation; sizes in :mod:`mhla_diffusion.utils.dit_sizes`), ``trainable`` (what trains, LoRA), ``attention_transfer`` (stage 1),
+``objectives`` (losses), ``dit_scratch`` (a DiT from random initialisation; sizes in
+:mod:`mhla_diffusion.utils.dit_sizes`), ``trainable`` (what trains, LoRA), ``attention_transfer`` (stage 1),
 ``checkpointing`` (run folders, atomic checkpoints), ``tracking`` / ``validation`` (logs, samples),
 ``engine`` (the shared loop). The runnable scripts and example configs are in the repository's
 ``finetune/`` folder (``finetune/README.md``).

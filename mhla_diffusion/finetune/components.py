@@ -103,7 +103,8 @@ def load_softmax_transformer(source: str, revision: str | None = None, dtype: to
     if saved is not None:
         where = f"{source}/{subfolder}" if subfolder else source
         raise ValueError(
-            f"attention: softmax, but {where} holds an MHLA transformer (an MHLA setting in its config): start from a softmax "
+            f"attention: softmax, but {where} holds an MHLA transformer (an MHLA setting in its config): "
+            "start from a softmax "
             "pipeline (e.g. the base model or a softmax run's <output_dir>/pipeline), or use attention: mhla"
         )
     if dtype is not None:

@@ -36,7 +36,7 @@ def dit_latent_normalization(vae: nn.Module) -> tuple[torch.Tensor, torch.Tensor
 
 @torch.no_grad()
 def encode_posterior(vae: nn.Module, pixels: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``pixels`` in ``[-1, 1]`` (Wan ``(B, 3, F, H, W)``, DiT ``(B, 3, H, W)``) -> params ``(B, 2C, ...)`` (float32)."""
+    """``pixels`` in ``[-1, 1]`` (Wan ``(B, 3, F, H, W)``, DiT ``(B, 3, H, W)``) -> float32 params ``(B, 2C, ...)``."""
     weight = next(vae.parameters())
     posterior = vae.encode(pixels.to(weight.device, weight.dtype)).latent_dist
     mean, logvar = posterior.mean.float(), posterior.logvar.float()

@@ -1,7 +1,8 @@
 """Training objectives: Wan's flow matching and DiT's epsilon prediction (+ variational bound).
 
 Flow matching (MHLA reference, ``predict_flow_v`` / ``linear_flow``):
-``u ~ sigmoid(N(mean, std))``, ``sigma = floor(1000 u) / 1000``, shifted ``s = shift * sigma / (1 + (shift - 1) sigma)``,
+``u ~ sigmoid(N(mean, std))``, ``sigma = floor(1000 u) / 1000``,
+shifted ``s = shift * sigma / (1 + (shift - 1) sigma)``,
 ``x_t = (1 - s) x0 + s * noise``, target ``noise - x0``, timestep ``int(1000 s)``, plain MSE.
 
 DiT (ADM ``GaussianDiffusion`` with learned range variance, ``loss_type=MSE``): ``x_t`` from Diffusers'

@@ -274,8 +274,9 @@ class WanTask(Task):
             if tokens % degree:
                 raise ValueError(
                     f"context_parallel_degree {degree}: bucket {bucket[0]}x{bucket[1]}x{bucket[2]} has {tokens} tokens "
-                    f"(grid {'x'.join(map(str, grid))}), not a multiple of {degree}, so its tokens can not be split evenly "
-                    "across the processes: choose frame_buckets / resolution_buckets whose token counts are multiples "
+                    f"(grid {'x'.join(map(str, grid))}), not a multiple of {degree}, so its tokens can not be split "
+                    "evenly across the processes: "
+                    "choose frame_buckets / resolution_buckets whose token counts are multiples "
                     f"of {degree}, or another context_parallel_degree"
                 )
 

@@ -8,7 +8,8 @@ Every process samples its share (sample ``i`` belongs to process ``i % num_proce
 images into the torchmetrics :class:`~mhla_diffusion.eval.metrics.ADMFrechetInceptionDistance` /
 :class:`~mhla_diffusion.eval.metrics.SpatialFID`, whose float64 feature sums are reduced across the
 processes on ``compute()`` (the same numbers as one process over all the images). DiT: class labels
-i.i.d. uniform over the model's classes; Wan: the validation prompts cycled, and **every frame of every clip is one image** (per-frame FID, so
+i.i.d. uniform over the model's classes; Wan: the validation prompts cycled, and
+**every frame of every clip is one image** (per-frame FID, so
 ``N`` clips of ``F`` frames give ``N * F`` images; the reference should hold frames or images of the
 same kind).
 

@@ -7,7 +7,8 @@ relative to the folder: ``file_name``/``video``/``image``/``path`` or the one na
 ``num_frames``/``height``/``width`` skip probing), from finetrainers' ``prompts.txt`` +
 ``videos.txt`` (line i of one captions line i of the other), from a Hugging Face ``datasets``
 folder saved with ``save_to_disk`` in the data folder (same columns; paths relative to the folder;
-needs ``datasets`` installed), or from a sidecar ``<name>.txt`` beside each file. Images are one-frame videos. Each file goes to the
+needs ``datasets`` installed), or from a sidecar ``<name>.txt`` beside each file.
+Images are one-frame videos. Each file goes to the
 resolution bucket of nearest aspect ratio and the largest frame bucket it can fill.
 """
 
@@ -182,8 +183,8 @@ def read_captions(
                 hints[path] = {k: int(row[k]) for k in ("num_frames", "height", "width")}
         if missing_files:
             raise FileNotFoundError(
-                f"{source} lists {len(missing_files)} files that do not exist (e.g. {missing_files[:3]}); fix the paths "
-                f"(relative to {folder}) or remove those rows"
+                f"{source} lists {len(missing_files)} files that do not exist (e.g. {missing_files[:3]}); "
+                f"fix the paths (relative to {folder}) or remove those rows"
             )
     for path in files:
         if captions.get(path.resolve()):
@@ -215,7 +216,8 @@ def list_media(folder: Path) -> list[Path]:
     )
     if not files:
         raise ValueError(
-            f"no videos or images found in {folder} (looked for {', '.join(sorted({'.mp4', '.webm', '.mov', '.png', '.jpg'}))} ...)"
+            f"no videos or images found in {folder} "
+            f"(looked for {', '.join(sorted({'.mp4', '.webm', '.mov', '.png', '.jpg'}))} ...)"
         )
     return files
 

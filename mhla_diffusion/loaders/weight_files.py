@@ -202,7 +202,7 @@ def weight_files(
 
 
 def _pickle_names(name: str) -> str:
-    """Diffusers' name for ``name`` when saved with ``safe_serialization=False`` (``.bin`` instead of ``.safetensors``)."""
+    """Diffusers' name for ``name`` when saved with ``safe_serialization=False`` (``.bin``, not ``.safetensors``)."""
     return name.replace(".safetensors", ".bin")
 
 
@@ -223,7 +223,8 @@ def read_checkpoint_file(
 ) -> Any:
     """What one ``.safetensors`` or ``.pt``-style file holds, or a one-line ``ValueError`` naming the file.
 
-    ``.safetensors``: its tensors. Any other file: ``torch.load`` with ``weights_only=True`` (``safe_globals`` names the only classes allowed besides tensors and plain values),
+    ``.safetensors``: its tensors. Any other file: ``torch.load`` with ``weights_only=True`` (``safe_globals`` names
+    the only classes allowed besides tensors and plain values),
     memory-mapped with ``mmap`` where the file's format allows it (a legacy non-zip file is read whole, with a
     warning). A file of another kind, corrupt or truncated, is refused as such; objects other than tensors and
     plain values are refused and never loaded. ``keep``: when given, only the entries of a state dict whose

@@ -206,7 +206,8 @@ def _check_softmax_layers(transformer: nn.Module, config: Any, on_cpu: bool) -> 
         raise ValueError(
             f"Ulysses attention for the softmax layers ({names}) splits their {heads} heads across "
             f"{config.ulysses_degree} processes, which needs heads % {config.ulysses_degree} == 0: use "
-            "ContextParallelConfig(ulysses_anything=True) (--context-parallel-uneven), or a degree that divides the heads"
+            "ContextParallelConfig(ulysses_anything=True) (--context-parallel-uneven), "
+            "or a degree that divides the heads"
         )
 
 
@@ -242,7 +243,8 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "context parallelism needs torch.distributed initialised first: launch with "
-            "`torchrun --nproc_per_node P ...` and call torch.distributed.init_process_group() (backend nccl on GPUs, gloo on CPU)"
+            "`torchrun --nproc_per_node P ...` and call torch.distributed.init_process_group() "
+            "(backend nccl on GPUs, gloo on CPU)"
         )
     if isinstance(config, int):
         config = context_parallel_config(config)
@@ -253,8 +255,8 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
     degree, world = config.ring_degree * config.ulysses_degree, dist.get_world_size()
     if config.mesh is None and degree != world:
         raise ValueError(
-            f"context-parallel degree {degree} (ring {config.ring_degree} x ulysses {config.ulysses_degree}) must equal "
-            f"the number of processes ({world}): launch with torchrun --nproc_per_node {degree}, or pass "
+            f"context-parallel degree {degree} (ring {config.ring_degree} x ulysses {config.ulysses_degree}) "
+            f"must equal the number of processes ({world}): launch with torchrun --nproc_per_node {degree}, or pass "
             f"--context-parallel {world} (or a custom DeviceMesh with 'ring' and 'ulysses' dimensions)"
         )
     if getattr(transformer, "_cp_plan", None) is None:

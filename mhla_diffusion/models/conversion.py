@@ -80,7 +80,8 @@ class MHLAConversion:
                 + ", ".join(self.layer_names),
                 f"block layout {'x'.join(map(str, self.layout))} = {self.num_blocks} blocks, "
                 f"mixing init '{cfg.transform}' ({cfg.mixing_normalization}), "
-                f"{'per-head' if cfg.per_head_mixing else 'shared'} {'learnable' if cfg.learnable_mixing else 'frozen'} mixing",
+                f"{'per-head' if cfg.per_head_mixing else 'shared'} "
+                f"{'learnable' if cfg.learnable_mixing else 'frozen'} mixing",
                 f"normalisation: {cfg.normalization}; extras: {', '.join(extras) or 'none'}",
                 f"new parameters: {self.num_new_parameters:,}",
             ]
@@ -129,7 +130,8 @@ def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ..
         if target is None:
             raise ValueError(
                 "`layout='auto'` needs `target_grid` for Wan: the token grid of the video size you will generate, "
-                "e.g. MHLAConfig(target_grid=video_token_grid(81, 480, 832)) -> (21, 30, 52); or give an explicit layout"
+                "e.g. MHLAConfig(target_grid=video_token_grid(81, 480, 832)) -> (21, 30, 52); "
+                "or give an explicit layout"
             )
         return auto_layout(target, equal_blocks=equal_blocks)
     layout = tuple(config.layout)

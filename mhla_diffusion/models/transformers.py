@@ -109,7 +109,10 @@ def _init_mhla(model: Any, mhla: MHLAConfig | dict | None) -> None:
 
 
 class _MHLAConfigLoading:
-    """``from_pretrained`` / ``save_pretrained`` of the MHLA transformer classes (mixed in before the Diffusers class)."""
+    """``from_pretrained`` / ``save_pretrained`` of the MHLA transformer classes.
+
+    Mixed in before the Diffusers class.
+    """
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:

@@ -131,7 +131,8 @@ def _check_plan(
         )
     if math.prod(grid) != num_tokens:
         raise ValueError(
-            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: the grid's product must equal N"
+            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: "
+            "the grid's product must equal N"
         )
     if plan.device != device:
         raise ValueError(f"`plan` is on {plan.device} but the inputs are on {device}: build it on the inputs' device")

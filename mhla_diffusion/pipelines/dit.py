@@ -60,7 +60,8 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
             warnings.warn(
                 f"{save_directory} holds a DiT with {null} classes (null class {null}): Diffusers' stock DiTPipeline "
                 f"guides with class {STOCK_NULL_CLASS} as the null class, so it runs this folder only with "
-                f"guidance_scale <= 1 (with guidance it {'fails with IndexError' if null < STOCK_NULL_CLASS else 'guides wrongly'}); "
+                "guidance_scale <= 1 "
+                f"(with guidance it {'fails with IndexError' if null < STOCK_NULL_CLASS else 'guides wrongly'}); "
                 "load it with mhla_diffusion.MHLADiTPipeline, which guides with the model's own null class",
                 stacklevel=2,
             )

@@ -73,7 +73,8 @@ def check_lora_mark(path: str | os.PathLike, conversion: MHLAConversion | None) 
     layers, layout = mark.get("mhla_layers"), mark.get("layout")
     if conversion is None:
         raise ValueError(
-            f"{path} is a LoRA trained on MHLA layers ({len(layers or [])} layers, layout {layout}), but this pipeline's "
+            f"{path} is a LoRA trained on MHLA layers ({len(layers or [])} layers, layout {layout}), "
+            "but this pipeline's "
             "transformer uses softmax attention: load the MHLA weights first (MHLAWanPipeline.from_pretrained(base, "
             "mhla_weights=<the run's final folder>)); loaded into softmax attention its output would be off"
         )

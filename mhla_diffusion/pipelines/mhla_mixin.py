@@ -322,7 +322,8 @@ def mhla_weight_sources(
             }
             if not sources:
                 raise FileNotFoundError(
-                    f"no {MHLA_CONFIG_NAME} in mhla_weights {mhla_weights} (nor in its transformer/ or transformer_2/): "
+                    f"no {MHLA_CONFIG_NAME} in mhla_weights {mhla_weights} "
+                    "(nor in its transformer/ or transformer_2/): "
                     "give a folder written by save_mhla or `mhla convert --output`"
                 )
     if mhla_weights_2 is not None:
@@ -345,6 +346,7 @@ def mhla_weight_sources(
         raise ValueError(
             f"this pipeline has two transformers ({', '.join(transformers)}), but MHLA weights were given only for "
             f"{', '.join(sources)}: pass mhla_weights_2=<folder> for transformer_2 (CLI: --mhla-weights-2), or "
-            "mhla_weights=<folder with transformer/ and transformer_2/> (what `mhla convert` writes for such a pipeline)"
+            "mhla_weights=<folder with transformer/ and transformer_2/> "
+            "(what `mhla convert` writes for such a pipeline)"
         )
     return sources

@@ -71,7 +71,10 @@ class VideoGeometry:
     def from_configs(
         cls, transformer: Mapping[str, Any] | None = None, vae: Mapping[str, Any] | None = None
     ) -> "VideoGeometry":
-        """From a transformer config and a VAE config (dicts or Diffusers ``FrozenDict``); missing keys keep Wan2.1's."""
+        """From a transformer config and a VAE config (dicts or Diffusers ``FrozenDict``).
+
+        Missing keys keep Wan2.1's.
+        """
         transformer, vae = transformer or {}, vae or {}
         default = cls()
         return cls(  # a missing or null entry keeps the default, as WanPipeline does
@@ -302,14 +305,16 @@ def validate_grid_layout(
         raise ValueError(f"`grid` must have 1 to 3 positive sizes, got {grid}")
     if len(layout) != len(grid):
         raise ValueError(
-            f"`layout` {layout} has {len(layout)} axes but `grid` {grid} has {len(grid)}: give one block count per grid axis"
+            f"`layout` {layout} has {len(layout)} axes but `grid` {grid} has {len(grid)}: "
+            "give one block count per grid axis"
         )
     bad = [a for a, b in enumerate(layout) if b < 1]
     if bad:
         raise ValueError(f"`layout` {layout} has fewer than 1 block on axis {bad}: each axis needs at least 1 block")
     if num_tokens is not None and math.prod(grid) != num_tokens:
         raise ValueError(
-            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: the grid's product must equal N"
+            f"`grid` {grid} has {math.prod(grid)} tokens but the inputs have N={num_tokens}: "
+            "the grid's product must equal N"
         )
     return grid, layout
 

@@ -192,7 +192,7 @@ class ModelStore:
             return rule(holder, prompt)
 
     def judge(self, task: str) -> Any:
-        """The judge that reads ``task``'s samples (a ``JudgeReader``) when its model is an embedded model, else ``None``."""
+        """The ``JudgeReader`` for ``task``'s samples when its model is an embedded model, else ``None``."""
         from ..embedded.locations import embedded_folder
 
         with self._locks[task]:

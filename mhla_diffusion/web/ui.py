@@ -287,7 +287,8 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
             "# Multi-Head Linear Attention for diffusion\n"
             "MHLA replaces softmax self-attention with linear attention over token blocks (cost O(N) in the "
             "number of tokens). Tick *compare* to run the same seeds with the original softmax attention. Samples are "
-            f"shown at {DISPLAY_PX} px (nearest neighbour); the gallery's download button gives the files at their own size.\n\n"
+            f"shown at {DISPLAY_PX} px (nearest neighbour); "
+            "the gallery's download button gives the files at their own size.\n\n"
             f"Text-to-video: `{config.video.describe()}`  \nClass-to-image: `{config.image.describe()}`"
         )
         with gr.Tabs():

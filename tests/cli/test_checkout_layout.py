@@ -30,7 +30,8 @@ def test_packages_import_from_a_checkout_with_pythonpath_dot():
         "import mhla_diffusion.finetune, mhla_diffusion.pipelines, mhla_diffusion.eval, mhla_diffusion.web, "
         "mhla_diffusion.embedded, mhla_diffusion.cli\n"
         "import mhla_diffusion.finetune.train_wan, mhla_diffusion.pipelines.wan, mhla_diffusion.eval.evaluate\n"
-        "import sys; print('editable-finder' if any('editable' in type(f).__module__ for f in sys.meta_path) else 'plain')\n"
+        "import sys; print('editable-finder' if any('editable' in type(f).__module__ "
+        "for f in sys.meta_path) else 'plain')\n"
         "print(mhla_diffusion.finetune.__file__)"
     )
     result = _run_without_install(["-c", code], [REPO])

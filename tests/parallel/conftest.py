@@ -23,7 +23,10 @@ def parallel_output_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def parallel_results(pipeline_dirs, parallel_output_dir, wan_family_dirs):
-    """``parallel_results(P)``: every rank's results of :func:`parallel_suite` on ``P`` processes (run once per ``P``)."""
+    """``parallel_results(P)``: every rank's results of :func:`parallel_suite` on ``P`` processes.
+
+    Run once per ``P``.
+    """
     cache: dict[int, list] = {}
 
     def results(world_size: int) -> list:

@@ -42,7 +42,10 @@ def diffusers_log():
 
 
 def _mhla_folder(kind: str, pipeline_dirs, tmp_path, **save_kwargs):
-    """A pipeline folder saved by our pipeline with MHLA (converted in place, as `from_pretrained(mhla_weights=)` does)."""
+    """A pipeline folder saved by our pipeline with MHLA.
+
+    Converted in place, as `from_pretrained(mhla_weights=)` does.
+    """
     cls = MHLAWanPipeline if kind == "wan" else MHLADiTPipeline
     pipe = cls.from_pretrained(pipeline_dirs[kind], mhla_weights=pipeline_dirs[f"{kind}_mhla"])
     pipe.save_pretrained(tmp_path / "saved", **save_kwargs)

@@ -187,7 +187,8 @@ def test_two_transformers_with_their_own_configs_and_the_boundary(wan_family_dir
         ValueError, match=r"transformers differ in MHLA .*transformer_2: MHLA on layers \[1\], layout 1x2x2"
     ):
         pipe.mhla
-    # boundary_ratio 0.875: step t=999 runs `transformer`, t=750 `transformer_2` (twice each: with and without the prompt)
+    # boundary_ratio 0.875: step t=999 runs `transformer`, t=750 `transformer_2`
+    # (twice each: with and without the prompt)
     calls = []
     handles = [
         t.register_forward_pre_hook(lambda module, args, name=name: calls.append(name))

@@ -247,7 +247,8 @@ class MHLAProcessor(nn.Module):
         shard = TokenShard.from_parallel_config(self._parallel_config, total)
         if shard is not None and shard.num_local != num_tokens:
             raise RuntimeError(
-                f"context-parallel MHLA on rank {shard.rank} of {shard.world_size}: expected tokens {shard.start}..{shard.stop - 1} "
+                f"context-parallel MHLA on rank {shard.rank} of {shard.world_size}: "
+                f"expected tokens {shard.start}..{shard.stop - 1} "
                 f"({shard.num_local}) of the {total}-token grid {self.grid_context.grid} but got {num_tokens}; the "
                 "sequence must be split by Diffusers' context-parallel hooks (enable_context_parallel), in rank order"
             )
