@@ -25,6 +25,7 @@ __all__ = [
     "WAN_480P",
     "add_command",
     "add_model_arguments",
+    "add_settings_option",
     "dataclass_field_names",
     "finite_float",
     "non_negative_int",
@@ -181,6 +182,20 @@ def dataclass_field_names(module: str, class_name: str) -> list[str]:
     tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
     body = next(node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
     return [node.target.id for node in body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
+
+
+def add_settings_option(p: argparse.ArgumentParser, module: str, class_name: str, what: str, example: str) -> None:
+    """``--set NAME=VALUE`` (repeatable, into ``overrides``) for the fields of the settings dataclass
+    ``class_name`` in ``module``, which the help lists."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"change one {what}, e.g. {example} (repeatable). The settings (the fields of {module}.{class_name}): "
+        + ", ".join(dataclass_field_names(module, class_name)),
+    )
 
 
 # ---------------------------------------------------------------------------------- subcommands

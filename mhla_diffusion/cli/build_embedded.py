@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from ..embedded.locations import EMBEDDED_ROOT
-from .arguments import add_command, dataclass_field_names
+from .arguments import add_command, add_settings_option
 
 __all__ = ["DEFAULT_WORK_DIR", "register"]
 
@@ -59,15 +59,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "build_report.json and models, e.g. mhla_diffusion/embedded/models): only the data, the students "
         "and the evaluation run (for new student or evaluation settings)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="change one build setting, e.g. --set video_teacher_steps=6000 (repeatable). The settings (the "
-        "fields of mhla_diffusion.embedded.build.BuildSettings): "
-        + ", ".join(dataclass_field_names("mhla_diffusion.embedded.build", "BuildSettings")),
+    add_settings_option(
+        p, "mhla_diffusion.embedded.build", "BuildSettings", "build setting", "--set video_teacher_steps=6000"
     )
     p.set_defaults(func=run)
 

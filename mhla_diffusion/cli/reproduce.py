@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import add_command, dataclass_field_names
+from .arguments import add_command, add_settings_option
 
 __all__ = ["DEFAULT_OUTPUT", "register"]
 
@@ -45,15 +45,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="time a few training steps of every arm at every token count, print the projected minutes "
         "of the whole run and exit (writes nothing)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="change one setting, e.g. --set part_a_seeds=0,1,2 --set part_b_steps=300 (repeatable). "
-        "The settings (the fields of mhla_diffusion.embedded.attention_experiment.ExperimentSettings): "
-        + ", ".join(dataclass_field_names("mhla_diffusion.embedded.attention_experiment", "ExperimentSettings")),
+    add_settings_option(
+        p,
+        "mhla_diffusion.embedded.attention_experiment",
+        "ExperimentSettings",
+        "setting",
+        "--set part_a_seeds=0,1,2 --set part_b_steps=300",
     )
     p.set_defaults(func=run)
 
