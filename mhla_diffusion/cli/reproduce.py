@@ -24,8 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "local softmax teacher and to associative recall on grids of 64 to 4,096 tokens, over 5 seeds: held-out "
         "error with 95 % intervals, and the rank of each learned N x N attention matrix beside its bound. Part B: a "
         "small DiT denoiser trained from scratch on mirror-symmetric 1,024-token images with softmax, linear, MHLA "
-        "and linear + LePE, over 4 seeds: held-out denoising loss and sample asymmetry, paired by seed. About 150 "
-        "minutes on 2 CPU cores with the machine to itself; resumable. Writes report.json (after every unit), "
+        "and linear + LePE, over 4 seeds: held-out denoising loss and sample asymmetry, paired by seed. About an "
+        "hour on 2 CPU cores with the machine to itself; resumable. Writes report.json (after every unit), "
         "table.md, reading.md and three figures to --output.",
     )
 

@@ -46,7 +46,8 @@ class ExperimentSettings:
     """Every setting of one experiment (defaults: the committed report; :meth:`smoke`: the tests).
 
     The step counts are set so that the whole run fits in 150 minutes on 2 CPU cores with the machine to
-    itself, with a margin: ``mhla reproduce --budget`` (:func:`estimate_budget`, one-thread CPU seconds,
+    itself, with a margin (the committed run took 54 minutes): ``mhla reproduce --budget``
+    (:func:`estimate_budget`, one-thread CPU seconds,
     measured on a machine shared with four other jobs) projected about 33 minutes for Part A at 600 steps
     and 67 for Part B at 900 steps, 100 in all; it prints the estimate for any settings."""
 

@@ -90,8 +90,15 @@ def test_links_lead_to_files_and_headings_that_exist(doc):
 
 
 def test_readme_speed_rows_are_the_measured_ones():
-    """The README's speed table is copied from the `mhla bench` section that docs/speed.md holds."""
+    """The README's speed tables are copied from docs/speed.md: the timings from the `mhla bench` section, the
+    bytes moved from the `mhla bench --traffic` table (which tests/bench/test_traffic.py checks against the
+    command's output)."""
     page = (REPO / "docs" / "speed.md").read_text()
     measured = re.search(r"<!-- mhla-bench:cpu -->\n(.*?)<!-- /mhla-bench:cpu -->", page, re.DOTALL).group(1)
-    rows = [line for line in sections(README.read_text())["Speed"].splitlines() if line.startswith("|")]
-    assert len(rows) >= 3 and [row for row in rows if row not in measured.splitlines()] == []
+    traffic = page.split("## Memory traffic", 1)[1].split("\n## ", 1)[0]
+    tables = [t for t in sections(README.read_text())["Speed"].split("\n\n") if t.startswith("|")]
+    timing = [t.splitlines() for t in tables if "| median ms |" in t.splitlines()[0]]
+    moved = [t.splitlines() for t in tables if "| x floor |" in t.splitlines()[0]]
+    assert len(timing) == 1 and len(moved) == 1
+    assert len(timing[0]) >= 3 and [row for row in timing[0] if row not in measured.splitlines()] == []
+    assert len(moved[0]) >= 3 and [row for row in moved[0] if row not in traffic.splitlines()] == []
