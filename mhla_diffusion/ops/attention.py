@@ -28,6 +28,7 @@ divides the grid), so that position ``w`` exists in every block. Extra cost O(N 
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -318,19 +319,18 @@ def _mhla_blocks(
     # with RoPE the feature map's shift is folded into the rotation and the sums: φ itself is never stored
     shift = 0.0 if tables is None else float(feature_eps)
     # One feature tensor per side (no rotation) and the paper's denominator: the key sum rides along as one
-    # more value channel (a column of ones), S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j], is mixed with S_j, and
-    # q · z̃ comes out of the query product as its last column: no separate passes over the keys and queries
-    # for the denominator. Half inputs keep their float32 key sums apart; uneven grids would pay a copy.
-    fold_key_sum = (
+    # more value channel (see _folded_blocks). Half inputs keep their float32 key sums apart; uneven grids
+    # would pay a copy.
+    if (
         normalize == "denominator"
         and tables is None
         and q_rot is None
         and k_rot is None
-        and blocks.write_views
-        and blocks.even
+        and split is None
+        and blocks.write_through
         and dtype not in HALF_DTYPES
-    )
-    den = den and not fold_key_sum
+    ):
+        return _folded_blocks(q, k, v, blocks, mixing, eps, feature_eps)
 
     def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Block-major (numerator features, denominator features or None) of one of q, k."""
@@ -347,13 +347,80 @@ def _mhla_blocks(
     summaries = _Summaries.of(
         blocks,
         lambda: features(k, k_rot),
-        lambda: blocks.gather(v, zero_padding=True, ones_column=fold_key_sum),
+        lambda: blocks.gather(v, zero_padding=True),
         mixing,
         shift,
         split,
     )
-    mode = "folded" if fold_key_sum else normalize
-    return _block_output(blocks, summaries, lambda: features(q, q_rot), mode, eps, shift, v.dtype)
+    return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+
+
+#: On a CPU, the folded path regroups this many bytes of keys (or queries) at a time: a share of the last-level
+#: cache, so that each block copy is read back by its product from cache rather than from memory.
+CPU_CHUNK_BYTES = 4 << 20
+
+
+def _folded_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: "_Blocks",
+    mixing: torch.Tensor,
+    eps: float,
+    feature_eps: float | None,
+) -> torch.Tensor:
+    """The paper's operator on an even grid without rotation, with the key sums folded into the summaries.
+
+    Every block's key sum rides in its summary as one more value channel (a column of ones):
+    ``S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j]``; one bmm mixes both, and ``q · z̃`` comes out of the query
+    product as its last channel, so no pass over keys or queries is spent on the denominator.
+
+    The blocks are processed in chunks of whole blocks (the leading ``(B, H, L_1, ..)`` indices of the block
+    view), each regrouped into one reused buffer and multiplied at once: one chunk on accelerators, chunks of
+    about :data:`CPU_CHUNK_BYTES` on a CPU. ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q``
+    and ``k`` in the regrouping pass. Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
+    """
+    batch, _, heads, d = q.shape
+    dv = v.shape[-1]
+    plan, dtype = blocks.plan, blocks.dtype
+    p = plan.block_len
+    limit = CPU_CHUNK_BYTES if q.device.type == "cpu" else None
+    lead = [batch, heads, *plan.layout]  # the block view's leading dims; a chunk fixes the first `level`
+    level = 0
+    while limit is not None and level < len(lead) and math.prod(lead[level:]) * p * (d + 1) * dtype.itemsize > limit:
+        level += 1
+    chunks = list(itertools.product(*(range(n) for n in lead[:level])))
+    m_chunk = math.prod(lead[level:])  # blocks of (batch, head) pairs in one chunk
+    k_view, v_view, q_view = (blocks.block_view(x) for x in (k, v, q))  # (B, H, L.., P.., d), no copy
+
+    def regroup(view: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """One chunk of ``q`` or ``k`` (a block view), feature-mapped when asked, into ``into``."""
+        if feature_eps is None:
+            return into.copy_(view)
+        return torch.clamp_min(view, 0, out=into).add_(feature_eps)
+
+    buffer = torch.empty(k_view.shape[level:], dtype=dtype, device=q.device)  # keys, later queries
+    values = torch.empty((*v_view.shape[level:-1], dv + 1), dtype=dtype, device=q.device)
+    values[..., -1] = 1
+    summaries = torch.empty((*lead[:level], m_chunk, d, dv + 1), dtype=dtype, device=q.device)  # [S_j | z_j]
+    for index in chunks:
+        keys = regroup(k_view[index], buffer).view(m_chunk, p, d)
+        values[..., :-1].copy_(v_view[index])
+        torch.bmm(keys.transpose(1, 2), values.view(m_chunk, p, dv + 1), out=summaries[index])
+    rows = mixing.expand(batch, heads, *mixing.shape[-2:]).reshape(batch * heads, *mixing.shape[-2:])
+    mixed = _Summaries(rows).mix(summaries.view(batch, heads, plan.num_blocks, d, dv + 1))
+    mixed = mixed.view(summaries.shape)  # [S̃_o | z̃_o]
+    del values, summaries
+    result = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    target = blocks.block_view(result)
+    out = torch.empty((m_chunk, p, dv + 1), dtype=dtype, device=q.device)
+    for index in chunks:
+        queries = regroup(q_view[index], buffer).view(m_chunk, p, d)
+        torch.bmm(queries, mixed[index].view(m_chunk, d, dv + 1), out=out)
+        numerator = out.view(*target.shape[level:-1], dv + 1)
+        # q · z̃ (the last channel) + eps divides the rest, written straight into token order
+        torch.div(numerator[..., :-1], numerator[..., -1:].add_(eps), out=target[index])
+    return result
 
 
 #: The half-precision floating dtypes (16-bit).
@@ -391,16 +458,10 @@ class _Blocks:
     def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return (x.shape[0], x.shape[2], self.plan.num_blocks, self.plan.block_len, x.shape[3])
 
-    def gather(self, x: torch.Tensor, zero_padding: bool = False, ones_column: bool = False) -> torch.Tensor:
-        """``x`` in block-major order, a new contiguous tensor; padded slots zeroed with ``zero_padding``.
-        With ``ones_column`` (even grids), ``(B, H, M, P, d + 1)``: ``x`` and a last channel of ones."""
+    def gather(self, x: torch.Tensor, zero_padding: bool = False) -> torch.Tensor:
+        """``x`` in block-major order, a new contiguous tensor; padded slots zeroed with ``zero_padding``."""
         if self.even:  # one pass: read through the strided view, write block-major in `dtype`
             view = self.block_view(x)
-            if ones_column:
-                wide = torch.empty((*view.shape[:-1], view.shape[-1] + 1), dtype=self.dtype, device=x.device)
-                wide[..., :-1].copy_(view)
-                wide[..., -1] = 1
-                return wide.view(*self._shape(x)[:-1], -1)
             return torch.empty(view.shape, dtype=self.dtype, device=x.device).copy_(view).view(self._shape(x))
         xb = x.transpose(1, 2).index_select(2, self.plan.gather).view(self._shape(x)).to(self.dtype)
         if zero_padding and self.plan.valid is not None:
@@ -576,18 +637,15 @@ def _block_output(
 
     ``query_features()``: block-major (numerator's rotated query features ``(B, H, M, P, D)``, denominator's
     or None), ``shift`` to be added to the latter (the feature map's ``eps`` when they are ``ReLU(q)``, else
-    0). ``normalize`` ``"folded"``: the summaries carry the key sums as their last value channel, so the
-    product's last channel is the denominator. Returns ``(B, N, H, Dv)`` in ``out_dtype``.
+    0). Returns ``(B, N, H, Dv)`` in ``out_dtype``.
     """
     q_num, q_den = query_features()
-    out = q_num @ summaries.mixed  # (B, H, M, P, Dv), or (.., Dv + 1) folded
+    out = q_num @ summaries.mixed  # (B, H, M, P, Dv)
     del q_num
     summaries.mixed = None  # freed before the denominator and the way back to token order
     denominator = None
     key_sum = summaries.key_sum
-    if normalize == "folded":  # q_(o,w) · z̃_o is the last channel
-        out, denominator = out[..., :-1], out[..., -1:].add_(eps)
-    elif normalize == "denominator":
+    if normalize == "denominator":
         mixed_sum = summaries.mix(key_sum)  # z̃_o: (B, H, M, D)
         denominator = _matmul(q_den, mixed_sum.unsqueeze(-1))  # q_(o,w) · z̃_o: (B, H, M, P, 1)
         denominator = denominator + (shift * mixed_sum.sum(-1) + eps)[..., None, None]

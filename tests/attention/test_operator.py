@@ -43,6 +43,27 @@ def test_matches_reference(grid, layout, normalize, rotated, per_head):
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 600, 5000, 1 << 30])
+@pytest.mark.parametrize("grid,layout", [((4, 6), (2, 3)), ((2, 4, 6), (2, 2, 3))])
+@pytest.mark.parametrize("feature_eps", [None, 1e-3])
+def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feature_eps):
+    """The folded path on a CPU regroups whole blocks a cache-sized chunk at a time: from one block per
+    chunk (1 byte) through chunks of a few blocks, a head or a batch entry, to one chunk (1 GiB)."""
+    import mhla_diffusion.ops.attention as attention
+
+    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
+    q, k, v, _, _ = make_inputs(grid, seed=3)
+    if feature_eps is not None:  # raw projections
+        q, k = q - 0.5, k - 0.5
+    m = num_blocks(layout)
+    mixing = torch.rand((3, m, m), generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.1
+    fast = mhla_attention(q, k, v, grid, layout, mixing, feature_eps=feature_eps)
+    if feature_eps is not None:
+        q, k = q.relu() + feature_eps, k.relu() + feature_eps
+    slow = mhla_attention_reference(q, k, v, grid, layout, mixing)
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
+
+
 def test_uneven_blocks_follow_floor_rule():
     """A hand-checked 1-D case: grid 5 cut into 2 blocks -> tokens {0,1,2} and {3,4}."""
     q = torch.ones(1, 5, 1, 1, dtype=torch.float64)
