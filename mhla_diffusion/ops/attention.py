@@ -407,8 +407,7 @@ def _folded_blocks(
         keys = regroup(k_view[index], buffer).view(m_chunk, p, d)
         values[..., :-1].copy_(v_view[index])
         torch.bmm(keys.transpose(1, 2), values.view(m_chunk, p, dv + 1), out=summaries[index])
-    rows = mixing.expand(batch, heads, *mixing.shape[-2:]).reshape(batch * heads, *mixing.shape[-2:])
-    mixed = _Summaries(rows).mix(summaries.view(batch, heads, plan.num_blocks, d, dv + 1))
+    mixed = _Summaries.mixing_rows(mixing, batch, heads).mix(summaries.view(batch, heads, plan.num_blocks, d, dv + 1))
     mixed = mixed.view(summaries.shape)  # [S̃_o | z̃_o]
     del values, summaries
     result = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -611,10 +610,22 @@ class _Summaries:
         if split is not None:  # every block's sums from every process; the local query blocks' rows of W
             kv_summary, key_sum = split.complete(kv_summary, key_sum)
             rows = mixing.index_select(-2, split.blocks)
-        m_q, m = rows.shape[-2:]
-        summaries = cls(rows.expand(batch, heads, m_q, m).reshape(batch * heads, m_q, m), key_sum, split)
+        summaries = cls.mixing_rows(rows, batch, heads, key_sum, split)
         summaries.mixed = summaries.mix(kv_summary)
         return summaries
+
+    @classmethod
+    def mixing_rows(
+        cls,
+        rows: torch.Tensor,
+        batch: int,
+        heads: int,
+        key_sum: torch.Tensor | None = None,
+        split: SequenceSplit | None = None,
+    ) -> "_Summaries":
+        """Summaries (not yet mixed) that mix with ``rows`` of W, ``(M_q, M)`` or per-head ``(H, M_q, M)``."""
+        m_q, m = rows.shape[-2:]
+        return cls(rows.expand(batch, heads, m_q, m).reshape(batch * heads, m_q, m), key_sum, split)
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         """``Σ_j W[o, j] x_j`` for every query block ``o``, ``x`` ``(B, H, M, ...)`` -> ``(B, H, M_q, ...)``:
