@@ -355,8 +355,8 @@ def _mhla_blocks(
     return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
 
 
-#: On a CPU, the folded path regroups this many bytes of keys (or queries) at a time: a share of the last-level
-#: cache, so that each block copy is read back by its product from cache rather than from memory.
+#: On a CPU, the folded path regroups about this many bytes of keys (or queries) at a time: a share of the
+#: last-level cache, so that each block copy is read back by its product from cache rather than from memory.
 CPU_CHUNK_BYTES = 4 << 20
 
 
@@ -372,54 +372,88 @@ def _folded_blocks(
     """The paper's operator on an even grid without rotation, with the key sums folded into the summaries.
 
     Every block's key sum rides in its summary as one more value channel (a column of ones):
-    ``S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j]``; one bmm mixes both, and ``q · z̃`` comes out of the query
+    ``S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j]``; one product mixes both, and ``q · z̃`` comes out of the query
     product as its last channel, so no pass over keys or queries is spent on the denominator.
 
-    The blocks are processed in chunks of whole blocks (the leading ``(B, H, L_1, ..)`` indices of the block
-    view), each regrouped into one reused buffer and multiplied at once: one chunk on accelerators, chunks of
-    about :data:`CPU_CHUNK_BYTES` on a CPU. ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q``
-    and ``k`` in the regrouping pass. Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
+    Blocks are regrouped with every token's heads kept together (``(C, P, H, d)`` for a chunk of ``C``
+    blocks), so a regroup copies runs of whole token rows rather than one head's ``d`` values at a time, and
+    each head's block is still a plain strided matrix (row stride ``H * d``) for the products. The chunks are
+    whole blocks (the leading ``(B, L_1, ..)`` indices of :meth:`_Blocks.heads_last_view`), each regrouped
+    into one reused buffer: one chunk on accelerators, chunks of about :data:`CPU_CHUNK_BYTES` on a CPU.
+    ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping pass.
+    Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
     """
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
-    plan, dtype = blocks.plan, blocks.dtype
+    plan, dtype, device = blocks.plan, blocks.dtype, q.device
     p = plan.block_len
-    limit = CPU_CHUNK_BYTES if q.device.type == "cpu" else None
-    lead = [batch, heads, *plan.layout]  # the block view's leading dims; a chunk fixes the first `level`
+    limit = CPU_CHUNK_BYTES if device.type == "cpu" else None
+    lead = [batch, *plan.layout]  # the view's leading dims; a chunk fixes the first `level` of them
     level = 0
-    while limit is not None and level < len(lead) and math.prod(lead[level:]) * p * (d + 1) * dtype.itemsize > limit:
+    while limit is not None and level < len(lead) and math.prod(lead[level:]) * p * heads * d * dtype.itemsize > limit:
         level += 1
     chunks = list(itertools.product(*(range(n) for n in lead[:level])))
-    m_chunk = math.prod(lead[level:])  # blocks of (batch, head) pairs in one chunk
-    k_view, v_view, q_view = (blocks.block_view(x) for x in (k, v, q))  # (B, H, L.., P.., d), no copy
+    c = math.prod(lead[level:])  # blocks in one chunk
+    k_view, v_view, q_view = (blocks.heads_last_view(x) for x in (k, v, q))  # (B, L.., P.., H, d), no copy
 
     def regroup(view: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """One chunk of ``q`` or ``k`` (a block view), feature-mapped when asked, into ``into``."""
+        """One chunk of ``q`` or ``k`` into ``into`` ``(C, P, H, d)``, feature-mapped when asked."""
+        target = into.view(view.shape)
         if feature_eps is None:
-            return into.copy_(view)
-        return torch.clamp_min(view, 0, out=into).add_(feature_eps)
+            target.copy_(view)
+        else:
+            torch.clamp_min(view, 0, out=target).add_(feature_eps)
+        return into
 
-    buffer = torch.empty(k_view.shape[level:], dtype=dtype, device=q.device)  # keys, later queries
-    values = torch.empty((*v_view.shape[level:-1], dv + 1), dtype=dtype, device=q.device)
+    buffer = torch.empty((c, p, heads, d), dtype=dtype, device=device)  # keys, later queries
+    values = torch.empty((c, p, heads, dv + 1), dtype=dtype, device=device)
     values[..., -1] = 1
-    summaries = torch.empty((*lead[:level], m_chunk, d, dv + 1), dtype=dtype, device=q.device)  # [S_j | z_j]
+    summaries = torch.empty((*lead, heads, d, dv + 1), dtype=dtype, device=device)  # [S_j | z_j]
     for index in chunks:
-        keys = regroup(k_view[index], buffer).view(m_chunk, p, d)
-        values[..., :-1].copy_(v_view[index])
-        torch.bmm(keys.transpose(1, 2), values.view(m_chunk, p, dv + 1), out=summaries[index])
-    mixed = _Summaries.mixing_rows(mixing, batch, heads).mix(summaries.view(batch, heads, plan.num_blocks, d, dv + 1))
+        keys = regroup(k_view[index], buffer)
+        values[..., :-1].view(v_view.shape[level:]).copy_(v_view[index])
+        _blocks_by_heads_bmm(
+            keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3), summaries[index].view(c, heads, d, dv + 1)
+        )
+    del values
+    mixed = _mix_heads_last(mixing.to(dtype), summaries.view(batch, plan.num_blocks, heads, d * (dv + 1)))
     mixed = mixed.view(summaries.shape)  # [S̃_o | z̃_o]
-    del values, summaries
-    result = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    target = blocks.block_view(result)
-    out = torch.empty((m_chunk, p, dv + 1), dtype=dtype, device=q.device)
+    del summaries
+    result = torch.empty(v.shape, dtype=v.dtype, device=device)
+    target = blocks.heads_last_view(result)
+    out = torch.empty((c, heads, p, dv + 1), dtype=dtype, device=device)
     for index in chunks:
-        queries = regroup(q_view[index], buffer).view(m_chunk, p, d)
-        torch.bmm(queries, mixed[index].view(m_chunk, d, dv + 1), out=out)
-        numerator = out.view(*target.shape[level:-1], dv + 1)
+        queries = regroup(q_view[index], buffer)
+        _blocks_by_heads_bmm(queries.permute(0, 2, 1, 3), mixed[index].view(c, heads, d, dv + 1), out)
+        numerator = out.permute(0, 2, 1, 3).view(*target.shape[level:-1], dv + 1)
         # q · z̃ (the last channel) + eps divides the rest, written straight into token order
         torch.div(numerator[..., :-1], numerator[..., -1:].add_(eps), out=target[index])
     return result
+
+
+def _blocks_by_heads_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[c, h] = a[c, h] @ b[c, h]`` for ``(C, H, ...)`` operands whose (block, head) pairs are not one
+    strided batch (the heads sit inside each token's row): one bmm per block, or per head when the blocks
+    outnumber the heads."""
+    if a.shape[0] <= a.shape[1]:
+        for i in range(a.shape[0]):
+            torch.bmm(a[i], b[i], out=out[i])
+    else:
+        for h in range(a.shape[1]):
+            torch.bmm(a[:, h], b[:, h], out=out[:, h])
+
+
+def _mix_heads_last(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``Σ_j W[o, j] x_j`` for every query block ``o``: ``x`` ``(B, M, H, X)`` -> ``(B, M_q, H, X)``, with W
+    ``(M_q, M)`` shared by the heads (one product over all heads' columns) or per-head ``(H, M_q, M)``."""
+    batch, _, heads, width = x.shape
+    if mixing.dim() == 2:
+        return torch.matmul(mixing, x.view(batch, x.shape[1], heads * width)).view(batch, -1, heads, width)
+    rows = mixing.expand(heads, *mixing.shape[-2:])
+    out = torch.empty((batch, rows.shape[1], heads, width), dtype=x.dtype, device=x.device)
+    for i in range(batch):
+        torch.bmm(rows, x[i].transpose(0, 1), out=out[i].transpose(0, 1))
+    return out
 
 
 #: The half-precision floating dtypes (16-bit).
@@ -453,6 +487,14 @@ class _Blocks:
         y = x.view(x.shape[0], *split, x.shape[2], x.shape[3])
         order = [0, 2 * axes + 1, *range(1, 2 * axes, 2), *range(2, 2 * axes + 1, 2), 2 * axes + 2]
         return y.permute(order)
+
+    def heads_last_view(self, x: torch.Tensor) -> torch.Tensor:
+        """Even grids: ``x`` ``(B, N, H, d)`` seen as ``(B, L_1, .., L_a, P_1, .., P_a, H, d)`` without a copy:
+        :meth:`block_view` with each token's heads kept together."""
+        axes = len(self.pads)
+        split = [size for pair in zip(self.plan.layout, self.pads) for size in pair]
+        y = x.view(x.shape[0], *split, x.shape[2], x.shape[3])
+        return y.permute([0, *range(1, 2 * axes, 2), *range(2, 2 * axes + 1, 2), 2 * axes + 1, 2 * axes + 2])
 
     def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return (x.shape[0], x.shape[2], self.plan.num_blocks, self.plan.block_len, x.shape[3])
