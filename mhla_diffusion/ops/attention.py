@@ -375,29 +375,33 @@ def _folded_blocks(
     ``S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j]``; one product mixes both, and ``q · z̃`` comes out of the query
     product as its last channel, so no pass over keys or queries is spent on the denominator.
 
-    Blocks are regrouped with every token's heads kept together (``(C, P, H, d)`` for a chunk of ``C``
-    blocks), so a regroup copies runs of whole token rows rather than one head's ``d`` values at a time, and
-    each head's block is still a plain strided matrix (row stride ``H * d``) for the products. The chunks are
-    whole blocks (the leading ``(B, L_1, ..)`` indices of :meth:`_Blocks.heads_last_view`), each regrouped
-    into one reused buffer: one chunk on accelerators, chunks of about :data:`CPU_CHUNK_BYTES` on a CPU.
+    Blocks are regrouped with every token's heads kept together (``(C, T, H, d)`` for a chunk of ``C``
+    blocks of ``T`` tokens), so a regroup copies runs of whole token rows rather than one head's ``d`` values
+    at a time, and each head's block is still a plain strided matrix (row stride ``H * d``) for the products.
+    A chunk fixes leading indices of :meth:`_Blocks.heads_last_view` ``(B, L.., P.., H, d)``: whole blocks,
+    or the part of one block (its summary accumulated over the parts) where a block alone is larger. Each
+    is regrouped into one reused buffer: one chunk on accelerators, about :data:`CPU_CHUNK_BYTES` on a CPU.
     ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping pass.
     Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
     """
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
     plan, dtype, device = blocks.plan, blocks.dtype, q.device
-    p = plan.block_len
+    axes = len(plan.layout)
+    # the view's leading dims (B, L.., P..); a chunk fixes the first `level` of them: whole blocks while
+    # `level` <= 1 + axes, else a part of one block, whose summary is then accumulated over the parts
+    lead = [batch, *plan.layout, *blocks.pads]
     limit = CPU_CHUNK_BYTES if device.type == "cpu" else None
-    lead = [batch, *plan.layout]  # the view's leading dims; a chunk fixes the first `level` of them
     level = 0
-    while limit is not None and level < len(lead) and math.prod(lead[level:]) * p * heads * d * dtype.itemsize > limit:
+    while limit is not None and level < len(lead) and math.prod(lead[level:]) * heads * d * dtype.itemsize > limit:
         level += 1
     chunks = list(itertools.product(*(range(n) for n in lead[:level])))
-    c = math.prod(lead[level:])  # blocks in one chunk
+    c = math.prod(lead[min(level, 1 + axes) : 1 + axes])  # blocks in one chunk
+    t = math.prod(lead[max(level, 1 + axes) :])  # tokens of each of them
     k_view, v_view, q_view = (blocks.heads_last_view(x) for x in (k, v, q))  # (B, L.., P.., H, d), no copy
 
     def regroup(view: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """One chunk of ``q`` or ``k`` into ``into`` ``(C, P, H, d)``, feature-mapped when asked."""
+        """One chunk of ``q`` or ``k`` into ``into`` ``(C, T, H, d)``, feature-mapped when asked."""
         target = into.view(view.shape)
         if feature_eps is None:
             target.copy_(view)
@@ -405,15 +409,19 @@ def _folded_blocks(
             torch.clamp_min(view, 0, out=target).add_(feature_eps)
         return into
 
-    buffer = torch.empty((c, p, heads, d), dtype=dtype, device=device)  # keys, later queries
-    values = torch.empty((c, p, heads, dv + 1), dtype=dtype, device=device)
+    buffer = torch.empty((c, t, heads, d), dtype=dtype, device=device)  # keys, later queries
+    values = torch.empty((c, t, heads, dv + 1), dtype=dtype, device=device)
     values[..., -1] = 1
-    summaries = torch.empty((*lead, heads, d, dv + 1), dtype=dtype, device=device)  # [S_j | z_j]
+    summaries = torch.empty((*lead[: 1 + axes], heads, d, dv + 1), dtype=dtype, device=device)  # [S_j | z_j]
     for index in chunks:
         keys = regroup(k_view[index], buffer)
         values[..., :-1].view(v_view.shape[level:]).copy_(v_view[index])
+        first_part = not any(index[1 + axes :])
         _blocks_by_heads_bmm(
-            keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3), summaries[index].view(c, heads, d, dv + 1)
+            keys.permute(0, 2, 3, 1),
+            values.permute(0, 2, 1, 3),
+            summaries[index[: 1 + axes]].view(c, heads, d, dv + 1),
+            accumulate=not first_part,
         )
     del values
     mixed = _mix_heads_last(mixing.to(dtype), summaries.view(batch, plan.num_blocks, heads, d * (dv + 1)))
@@ -421,26 +429,28 @@ def _folded_blocks(
     del summaries
     result = torch.empty(v.shape, dtype=v.dtype, device=device)
     target = blocks.heads_last_view(result)
-    out = torch.empty((c, heads, p, dv + 1), dtype=dtype, device=device)
+    out = torch.empty((c, heads, t, dv + 1), dtype=dtype, device=device)
     for index in chunks:
         queries = regroup(q_view[index], buffer)
-        _blocks_by_heads_bmm(queries.permute(0, 2, 1, 3), mixed[index].view(c, heads, d, dv + 1), out)
+        _blocks_by_heads_bmm(queries.permute(0, 2, 1, 3), mixed[index[: 1 + axes]].view(c, heads, d, dv + 1), out)
         numerator = out.permute(0, 2, 1, 3).view(*target.shape[level:-1], dv + 1)
         # q · z̃ (the last channel) + eps divides the rest, written straight into token order
         torch.div(numerator[..., :-1], numerator[..., -1:].add_(eps), out=target[index])
     return result
 
 
-def _blocks_by_heads_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[c, h] = a[c, h] @ b[c, h]`` for ``(C, H, ...)`` operands whose (block, head) pairs are not one
-    strided batch (the heads sit inside each token's row): one bmm per block, or per head when the blocks
-    outnumber the heads."""
-    if a.shape[0] <= a.shape[1]:
-        for i in range(a.shape[0]):
-            torch.bmm(a[i], b[i], out=out[i])
-    else:
-        for h in range(a.shape[1]):
-            torch.bmm(a[:, h], b[:, h], out=out[:, h])
+def _blocks_by_heads_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    """``out[c, h] = a[c, h] @ b[c, h]`` (``+=`` with ``accumulate``) for ``(C, H, ...)`` operands whose
+    (block, head) pairs are not one strided batch (the heads sit inside each token's row): one bmm per
+    block, or per head when the blocks outnumber the heads."""
+    pairs = [(a[i], b[i], out[i]) for i in range(a.shape[0])] if a.shape[0] <= a.shape[1] else None
+    if pairs is None:
+        pairs = [(a[:, h], b[:, h], out[:, h]) for h in range(a.shape[1])]
+    for x, y, o in pairs:
+        if accumulate:
+            o.baddbmm_(x, y)
+        else:
+            torch.bmm(x, y, out=o)
 
 
 def _mix_heads_last(mixing: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

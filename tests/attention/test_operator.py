@@ -43,12 +43,13 @@ def test_matches_reference(grid, layout, normalize, rotated, per_head):
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 600, 5000, 1 << 30])
+@pytest.mark.parametrize("chunk_bytes", [1, 200, 600, 5000, 1 << 30])
 @pytest.mark.parametrize("grid,layout", [((4, 6), (2, 3)), ((2, 4, 6), (2, 2, 3))])
 @pytest.mark.parametrize("feature_eps", [None, 1e-3])
 def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feature_eps):
-    """The folded path on a CPU regroups whole blocks a cache-sized chunk at a time: from one block per
-    chunk (1 byte) through chunks of a few blocks, a head or a batch entry, to one chunk (1 GiB)."""
+    """The folded path on a CPU regroups a cache-sized chunk at a time: one token of all heads (1 byte),
+    part of a block (200 bytes: two tokens, the block's summary accumulated over its parts), one block (600),
+    several blocks (5000: more blocks than heads, one product per head) and everything at once (1 GiB)."""
     import mhla_diffusion.ops.attention as attention
 
     monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
