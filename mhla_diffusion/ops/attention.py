@@ -474,7 +474,8 @@ def _padded_rows(lead: Sequence[int], row: Sequence[int], dtype: torch.dtype, de
 
     The per-head matrices cut out of it have the row stride ``prod(row)`` plus the pad; without it, when
     ``prod(row)`` bytes is a multiple of a large power of two (12 heads x 128 x 4 bytes = 6 KiB), their rows
-    fall into a few cache sets and evict each other inside the products (measured: about 15 % slower).
+    fall into a few cache sets and evict each other inside the products (at 21x30x50 with huge pages, where the
+    placement is fixed, the operator took 280-289 ms without the pad and 227-233 ms with it).
     """
     width = math.prod(row)
     flat = torch.empty((*lead, width + 64 // dtype.itemsize), dtype=dtype, device=device)
