@@ -359,6 +359,10 @@ def _mhla_blocks(
 #: last-level cache, so that each block copy is read back by its product from cache rather than from memory.
 CPU_CHUNK_BYTES = 4 << 20
 
+#: ... but a block larger than that is cut into parts of at least this many tokens: the products over a
+#: part are as long as the part, and short ones run far below the machine's rate.
+CPU_MIN_PART_TOKENS = 256
+
 
 def _folded_blocks(
     q: torch.Tensor,
@@ -380,7 +384,8 @@ def _folded_blocks(
     at a time, and each head's block is still a plain strided matrix (row stride ``H * d``) for the products.
     A chunk fixes leading indices of :meth:`_Blocks.heads_last_view` ``(B, L.., P.., H, d)``: whole blocks,
     or the part of one block (its summary accumulated over the parts) where a block alone is larger. Each
-    is regrouped into one reused buffer: one chunk on accelerators, about :data:`CPU_CHUNK_BYTES` on a CPU.
+    is regrouped into one reused buffer: one chunk on accelerators, about :data:`CPU_CHUNK_BYTES` on a CPU
+    (parts of at least :data:`CPU_MIN_PART_TOKENS` tokens where the grid allows).
     ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping pass.
     Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
     """
@@ -394,6 +399,8 @@ def _folded_blocks(
     limit = CPU_CHUNK_BYTES if device.type == "cpu" else None
     level = 0
     while limit is not None and level < len(lead) and math.prod(lead[level:]) * heads * d * dtype.itemsize > limit:
+        if level >= 1 + axes and math.prod(lead[level + 1 :]) < CPU_MIN_PART_TOKENS:
+            break  # a part of one block, and a finer cut would make it too short
         level += 1
     chunks = list(itertools.product(*(range(n) for n in lead[:level])))
     c = math.prod(lead[min(level, 1 + axes) : 1 + axes])  # blocks in one chunk

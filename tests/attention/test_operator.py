@@ -53,6 +53,7 @@ def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feat
     import mhla_diffusion.ops.attention as attention
 
     monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(attention, "CPU_MIN_PART_TOKENS", 1)  # let these tiny grids be cut as finely as asked
     q, k, v, _, _ = make_inputs(grid, seed=3)
     if feature_eps is not None:  # raw projections
         q, k = q - 0.5, k - 0.5
@@ -63,6 +64,26 @@ def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feat
         q, k = q.relu() + feature_eps, k.relu() + feature_eps
     slow = mhla_attention_reference(q, k, v, grid, layout, mixing)
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
+
+
+def test_cpu_parts_keep_a_minimum_length(monkeypatch):
+    """A block larger than the chunk is cut no finer than CPU_MIN_PART_TOKENS allows: one block of 4x6
+    tokens with a 1-byte chunk and a 2-token minimum is cut into its 4 rows of 6, not into 24 single tokens."""
+    import mhla_diffusion.ops.attention as attention
+
+    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(attention, "CPU_MIN_PART_TOKENS", 2)
+    products = []
+    counted = attention._blocks_by_heads_bmm
+    monkeypatch.setattr(
+        attention, "_blocks_by_heads_bmm", lambda *a, **kw: products.append(a[0].shape) or counted(*a, **kw)
+    )
+    q, k, v, _, _ = make_inputs((4, 6), seed=4)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    fast = mhla_attention(q, k, v, (4, 6), (1, 1), one)
+    torch.testing.assert_close(fast, mhla_attention_reference(q, k, v, (4, 6), (1, 1), one), rtol=1e-10, atol=1e-10)
+    # 2 batch entries x 4 rows, for the keys and again for the queries; each product over 6 tokens
+    assert len(products) == 16 and all(shape[-1] == 6 or shape[-2] == 6 for shape in products)
 
 
 def test_uneven_blocks_follow_floor_rule():

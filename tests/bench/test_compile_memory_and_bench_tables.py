@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,17 @@ def test_peak_memory_tracker_counts_new_tensors_only():
         del y, view
         w = z * 3  # y freed: peak stays 8000
     assert memory.peak == 8000 and w.numel() == 1000
+
+
+def test_peak_memory_tracker_counts_memory_reused_at_a_freed_address():
+    """New memory at the address of a freed tensor counts with its own size, not the freed one's (the freed
+    tensor's entry is pruned only after each op). Tensors over one numpy buffer give both the same address."""
+    buffer = np.zeros(1000, dtype=np.float32)
+    memory = PeakMemory()
+    made = [torch.from_numpy(buffer[:10])]
+    memory.__torch_dispatch__(made.pop, ())  # an op that made 40 bytes, freed once it returns
+    memory.__torch_dispatch__(lambda: torch.from_numpy(buffer), ())  # then 4000 at the same address
+    assert memory.peak == 4000
 
 
 def test_attention_table_reports_ratios():
