@@ -130,17 +130,16 @@ class PeakMemory(TorchDispatchMode):
         inputs = {
             t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
+        # forget what was freed since the last op first: new memory may sit at a freed tensor's address
+        self._live = {k: (n, refs) for k, (n, refs) in self._live.items() if any(r() is not None for r in refs)}
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
                 key = storage.data_ptr()
-                entry = self._live.get(key)
-                if entry is not None and any(r() is not None for r in entry[1]):  # a view of tracked memory
-                    entry[1].append(weakref.ref(tensor))
+                if key in self._live:
+                    self._live[key][1].append(weakref.ref(tensor))
                 elif key not in inputs and storage.nbytes():  # a view of untracked memory is not new memory
-                    # new memory, possibly at the address of a freed tensor whose entry is not pruned yet
                     self._live[key] = (storage.nbytes(), [weakref.ref(tensor)])
-        self._live = {k: (n, refs) for k, (n, refs) in self._live.items() if any(r() is not None for r in refs)}
         self.peak = max(self.peak, sum(n for n, _ in self._live.values()))
         return out
 

@@ -681,22 +681,10 @@ class _Summaries:
         if split is not None:  # every block's sums from every process; the local query blocks' rows of W
             kv_summary, key_sum = split.complete(kv_summary, key_sum)
             rows = mixing.index_select(-2, split.blocks)
-        summaries = cls.mixing_rows(rows, batch, heads, key_sum, split)
+        m_q, m = rows.shape[-2:]
+        summaries = cls(rows.expand(batch, heads, m_q, m).reshape(batch * heads, m_q, m), key_sum, split)
         summaries.mixed = summaries.mix(kv_summary)
         return summaries
-
-    @classmethod
-    def mixing_rows(
-        cls,
-        rows: torch.Tensor,
-        batch: int,
-        heads: int,
-        key_sum: torch.Tensor | None = None,
-        split: SequenceSplit | None = None,
-    ) -> "_Summaries":
-        """Summaries (not yet mixed) that mix with ``rows`` of W, ``(M_q, M)`` or per-head ``(H, M_q, M)``."""
-        m_q, m = rows.shape[-2:]
-        return cls(rows.expand(batch, heads, m_q, m).reshape(batch * heads, m_q, m), key_sum, split)
 
     def mix(self, x: torch.Tensor) -> torch.Tensor:
         """``Σ_j W[o, j] x_j`` for every query block ``o``, ``x`` ``(B, H, M, ...)`` -> ``(B, H, M_q, ...)``:
