@@ -155,11 +155,18 @@ def time_calls(
     warmup: int,
     device: torch.device,
     log: Callable[[str], None] = lambda _: None,
+    quick_seconds: float = 1.0,
+    quick_passes: int = 1,
 ) -> dict[str, tuple[float, int]]:
     """Median time in seconds and peak extra memory of one run, for each of ``fns``.
 
     The methods are interleaved -- every round runs each once -- so that a slow spell of a shared
     machine falls on all of them rather than on one; ``warmup`` untimed runs of each come first.
+    Each round starts one method later than the previous one, so that no method always runs first
+    (e.g. right after a long SDPA call). A method whose first timed run took under ``quick_seconds``
+    runs ``quick_passes`` times per round, in interleaved passes over the quick methods: the spells
+    of a shared machine last seconds (its memory bandwidth varies about 2x from one to the next), so
+    one sample per round of a long table would leave a quick method's median to a few spells.
     On CUDA a run is timed by CUDA events around it (device time, no host synchronisation inside the
     timed region); elsewhere by the wall clock.
     """
@@ -167,6 +174,7 @@ def time_calls(
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     peaks: dict[str, int] = {}
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     with torch.no_grad():
         for name, fn in fns.items():
             log(f"{name} ...")
@@ -176,9 +184,13 @@ def time_calls(
             with PeakMemory(device) as memory:
                 fn()
             peaks[name] = memory.peak
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                times[name].append(_cuda_event_seconds(fn, device) if cuda else _wall_seconds(fn))
+        for round_ in range(repeats):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for pass_ in range(max(1, quick_passes)):
+                for name in order:
+                    if pass_ == 0 or times[name][0] < quick_seconds:
+                        fn = fns[name]
+                        times[name].append(_cuda_event_seconds(fn, device) if cuda else _wall_seconds(fn))
     return {name: (statistics.median(times[name]), peaks[name]) for name in fns}
 
 
@@ -244,11 +256,13 @@ def attention_table(
     sdpa_backends: Sequence[str] | None = None,
     sdpa_max_tokens: int | None = None,
     log: Callable[[str], None] = lambda _: None,
+    quick_passes: int = 5,
 ) -> list[dict]:
     """Time SDPA, global linear attention (:func:`plain_linear_attention`, and the MHLA operator with one
     block) and MHLA on the same random inputs for every case, on feature-mapped ``q, k`` and (rows ``+ φ``)
     from raw projections with the feature map included; ``mhla_over_linear`` is MHLA's time over the plain
-    linear attention's on the same inputs (on the ``mhla`` and ``mhla + φ`` rows)."""
+    linear attention's on the same inputs (on the ``mhla`` and ``mhla + φ`` rows). ``repeats`` rounds; a method
+    under a second per call runs ``quick_passes`` times per round (see :func:`time_calls`)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     device = torch.device(device)
@@ -293,7 +307,9 @@ def attention_table(
         )
         methods.append(("mhla", lambda: mhla_attention(q, k, v, case.grid, case.layout, mixing)))
         grid = "x".join(map(str, case.grid))
-        timings = time_calls(dict(methods), repeats, warmup, device, lambda text: log(f"  {grid} {text}"))
+        timings = time_calls(
+            dict(methods), repeats, warmup, device, lambda text: log(f"  {grid} {text}"), quick_passes=quick_passes
+        )
         linear, mhla = timings["linear"][0], timings["mhla"][0]
         sdpa = min((t for n, (t, _) in timings.items() if n.startswith("sdpa")), default=None)
         for name, (seconds, peak) in timings.items():
@@ -549,6 +565,7 @@ class BenchSpec:
     dtype: str = "float32"
     device: str = "cpu"
     repeats: int = 3
+    quick_passes: int = 5
     warmup: int = 1
     sdpa_backends: list[str] | None = None
     sdpa_max_tokens: int | None = None
@@ -570,6 +587,7 @@ class BenchSpec:
         data["cases"] = [(tuple(grid), tuple_or_none(layout)) for grid, layout in data["cases"]]
         data["block_grid"] = tuple_or_none(data.get("block_grid"))
         data["block_layout"] = tuple_or_none(data.get("block_layout"))
+        data.setdefault("quick_passes", 1)  # runs saved before the option timed every method once per round
         return cls(**data)
 
     def to_json(self) -> dict[str, Any]:
@@ -622,6 +640,7 @@ def measure(
         spec.sdpa_backends,
         spec.sdpa_max_tokens,
         log,
+        spec.quick_passes,
     )
     block_rows, transformer_rows = [], []
     if spec.block_grid is not None:
@@ -692,6 +711,14 @@ def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _samples(spec: dict[str, Any]) -> str:
+    """How many runs each median of a saved spec covers."""
+    passes = spec.get("quick_passes", 1)
+    if passes <= 1:
+        return f"median of {spec['repeats']}"
+    return f"median of {spec['repeats']} rounds ({spec['repeats'] * passes} runs for operators under 1 s per call)"
+
+
 def report_markdown(result: dict[str, Any]) -> str:
     """The tables of a :func:`measure` result (or its saved JSON) as Markdown, with a header line."""
     missing = {"spec", "device", "device_type", "dtype", "torch", "attention"} - set(result)
@@ -699,7 +726,7 @@ def report_markdown(result: dict[str, Any]) -> str:
         raise ValueError(f"not a result of `mhla bench --output` (missing {sorted(missing)}); measure again")
     spec = result["spec"]
     lines = [
-        f"`mhla bench` on {result['device']}, {result['dtype']}, torch {result['torch']}, median of {spec['repeats']}.",
+        f"`mhla bench` on {result['device']}, {result['dtype']}, torch {result['torch']}, {_samples(spec)}.",
         "",
         f"Attention operator, B=1, H={spec['heads']}, D={spec['head_dim']}:",
         "",

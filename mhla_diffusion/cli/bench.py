@@ -42,7 +42,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--heads", type=int, default=12, help="attention heads (default 12, Wan2.1-1.3B)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is shown")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement; the median is shown")
+    p.add_argument(
+        "--quick-passes",
+        type=int,
+        default=5,
+        help="runs per round of an operator under 1 s per call, interleaved with the others (default 5)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing the operators (default 1)")
     p.add_argument("--device", type=parse_device, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="default float32 on CPU, bfloat16 on GPU")
@@ -174,8 +180,8 @@ def _measure(args: argparse.Namespace) -> dict:
         if len(args.block_grid) != 3:
             raise ValueError("--block-grid must be frames x height x width, e.g. 21x30x50")
         validate_grid_layout(args.block_grid, args.block_layout or (1, 1, 1))
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.quick_passes < 1 or args.warmup < 0:
+        raise ValueError("--repeats and --quick-passes must be >= 1 and --warmup >= 0")
     if (args.transformer_layers or 0) < 0 or (args.threads is not None and args.threads < 1):
         raise ValueError("--transformer-layers must be >= 0 and --threads >= 1")
     if args.output is not None and args.output.exists():
@@ -189,6 +195,7 @@ def _measure(args: argparse.Namespace) -> dict:
         dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
         device=str(device),
         repeats=args.repeats,
+        quick_passes=args.quick_passes,
         warmup=args.warmup,
         sdpa_backends=args.sdpa_backend,
         sdpa_max_tokens=args.sdpa_max_tokens,

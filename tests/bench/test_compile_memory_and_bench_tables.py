@@ -11,7 +11,14 @@ import torch
 
 from helpers.attention import make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init
-from mhla_diffusion.benchmarks.bench import BenchCase, PeakMemory, attention_table
+from mhla_diffusion.benchmarks.bench import (
+    BenchCase,
+    BenchSpec,
+    PeakMemory,
+    attention_table,
+    report_markdown,
+    time_calls,
+)
 from mhla_diffusion.cli import main
 
 
@@ -87,6 +94,35 @@ def test_peak_memory_tracker_counts_memory_reused_at_a_freed_address():
     memory.__torch_dispatch__(made.pop, ())  # an op that made 40 bytes, freed once it returns
     memory.__torch_dispatch__(lambda: torch.from_numpy(buffer), ())  # then 4000 at the same address
     assert memory.peak == 4000
+
+
+def test_rounds_rotate_the_order_and_repeat_quick_methods(monkeypatch):
+    import mhla_diffusion.benchmarks.bench as bench
+
+    calls = []
+    durations = {"slow": 5.0, "a": 0.1, "b": 0.2}
+    monkeypatch.setattr(bench, "_wall_seconds", lambda fn: fn())  # a "run" returns its duration untimed
+    fns = {name: (lambda name=name: calls.append(name) or durations[name]) for name in durations}
+    timings = time_calls(fns, repeats=3, warmup=1, device=torch.device("cpu"), quick_seconds=1.0, quick_passes=2)
+    timed = calls[6:]  # after one warm-up and one memory-tracked run of each
+    rounds = [timed[:5], timed[5:10], timed[10:]]
+    # every round starts one method later; the quick methods run once more per round, interleaved
+    assert rounds == [
+        ["slow", "a", "b", "a", "b"],
+        ["a", "b", "slow", "a", "b"],
+        ["b", "slow", "a", "b", "a"],
+    ]
+    assert timings["slow"][0] == 5.0 and timings["a"][0] == 0.1
+    assert time_calls({"x": fns["a"]}, 2, 0, torch.device("cpu"))["x"][0] == 0.1 and calls[-2:] == ["a", "a"]
+
+
+def test_report_header_says_how_many_runs_a_median_covers():
+    spec = BenchSpec(cases=[((2, 4, 6), None)], repeats=3, quick_passes=5).to_json()
+    result = {"spec": spec, "device": "cpu", "device_type": "cpu", "dtype": "float32", "torch": "x", "attention": []}
+    assert "median of 3 rounds (15 runs for operators under 1 s per call)" in report_markdown(result)
+    del spec["quick_passes"]  # a run saved before the option: one run per round
+    assert "torch x, median of 3." in report_markdown(result)
+    assert BenchSpec.from_json(spec).quick_passes == 1
 
 
 def test_attention_table_reports_ratios():
