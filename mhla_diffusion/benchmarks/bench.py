@@ -164,9 +164,9 @@ def time_calls(
     machine falls on all of them rather than on one; ``warmup`` untimed runs of each come first.
     Each round starts one method later than the previous one, so that no method always runs first
     (e.g. right after a long SDPA call). A method whose first timed run took under ``quick_seconds``
-    runs ``quick_passes`` times per round, in interleaved passes over the quick methods: the spells
-    of a shared machine last seconds (its memory bandwidth varies about 2x from one to the next), so
-    one sample per round of a long table would leave a quick method's median to a few spells.
+    runs ``quick_passes`` times per round, in interleaved passes over the quick methods: the slow and
+    fast spells of a shared machine last seconds, and one sample per round of a table with a long SDPA
+    call would leave a quick method's median to a few of them.
     On CUDA a run is timed by CUDA events around it (device time, no host synchronisation inside the
     timed region); elsewhere by the wall clock.
     """

@@ -32,7 +32,7 @@ import itertools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Protocol, Sequence
+from typing import Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 
@@ -319,15 +319,16 @@ def _mhla_blocks(
     # with RoPE the feature map's shift is folded into the rotation and the sums: φ itself is never stored
     shift = 0.0 if tables is None else float(feature_eps)
     # One feature tensor per side (no rotation) and the paper's denominator: the key sum rides along as one
-    # more value channel (see _folded_blocks). Half inputs keep their float32 key sums apart; uneven grids
-    # would pay a copy.
+    # more value channel (see _folded_blocks). Half inputs keep their float32 key sums apart. Uneven grids
+    # take it on a CPU only: its per-chunk index lists are built on the host (a sync on accelerators).
     if (
         normalize == "denominator"
         and tables is None
         and q_rot is None
         and k_rot is None
         and split is None
-        and blocks.write_through
+        and blocks.write_views
+        and (blocks.even or q.device.type == "cpu")
         and dtype not in HALF_DTYPES
     ):
         return _folded_blocks(q, k, v, blocks, mixing, eps, feature_eps)
@@ -373,78 +374,182 @@ def _folded_blocks(
     eps: float,
     feature_eps: float | None,
 ) -> torch.Tensor:
-    """The paper's operator on an even grid without rotation, with the key sums folded into the summaries.
+    """The paper's operator without rotation, with the key sums folded into the summaries.
 
     Every block's key sum rides in its summary as one more value channel (a column of ones):
     ``S'_j = φ(K_j)ᵀ [V_j | 1] = [S_j | z_j]``; one product mixes both, and ``q · z̃`` comes out of the query
     product as its last channel, so no pass over keys or queries is spent on the denominator.
 
-    Blocks are regrouped with every token's heads kept together (``(C, T, H, d)`` for a chunk of ``C``
-    blocks of ``T`` tokens), so a regroup copies runs of whole token rows rather than one head's ``d`` values
-    at a time, and each head's block is still a plain strided matrix (row stride ``H * d``) for the products.
-    A chunk fixes leading indices of :meth:`_Blocks.heads_last_view` ``(B, L.., P.., H, d)``: whole blocks,
-    or the part of one block (its summary accumulated over the parts) where a block alone is larger. Each
-    is regrouped into one reused buffer: one chunk on accelerators, about :data:`CPU_CHUNK_BYTES` on a CPU
-    (parts of at least :data:`CPU_MIN_PART_TOKENS` tokens where the grid allows).
-    ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping pass.
-    Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
+    Blocks are regrouped a chunk at a time (:class:`_EvenChunks` or :class:`_GatheredChunks`) into reused
+    buffers of ``C`` blocks of up to ``T`` tokens, every token's heads kept together, so a regroup copies
+    whole token rows and each head's block is still a plain strided matrix (row stride ``H * d``) for the
+    products. ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping
+    pass. Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
     """
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
-    plan, dtype, device = blocks.plan, blocks.dtype, q.device
-    axes = len(plan.layout)
-    # the view's leading dims (B, L.., P..); a chunk fixes the first `level` of them: whole blocks while
-    # `level` <= 1 + axes, else a part of one block, whose summary is then accumulated over the parts
-    lead = [batch, *plan.layout, *blocks.pads]
-    limit = CPU_CHUNK_BYTES if device.type == "cpu" else None
-    level = 0
-    while limit is not None and level < len(lead) and math.prod(lead[level:]) * heads * d * dtype.itemsize > limit:
-        if level >= 1 + axes and math.prod(lead[level + 1 :]) < CPU_MIN_PART_TOKENS:
-            break  # a part of one block, and a finer cut would make it too short
-        level += 1
-    chunks = list(itertools.product(*(range(n) for n in lead[:level])))
-    c = math.prod(lead[min(level, 1 + axes) : 1 + axes])  # blocks in one chunk
-    t = math.prod(lead[max(level, 1 + axes) :])  # tokens of each of them
-    k_view, v_view, q_view = (blocks.heads_last_view(x) for x in (k, v, q))  # (B, L.., P.., H, d), no copy
-
-    def regroup(view: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """One chunk of ``q`` or ``k`` into ``into`` ``(C, T, H, d)``, feature-mapped when asked."""
-        target = into.view(view.shape)  # splits C and T into the view's dims
-        if feature_eps is None:
-            target.copy_(view)
-        else:
-            torch.clamp_min(view, 0, out=target).add_(feature_eps)
-        return into
-
+    dtype, device = blocks.dtype, q.device
+    chunks = (_EvenChunks if blocks.even else _GatheredChunks)(blocks, batch, heads * d * dtype.itemsize, device)
+    c, t = chunks.blocks, chunks.tokens
     buffer = _padded_rows((c, t), (heads, d), dtype, device)  # keys, later queries
     values = _padded_rows((c, t), (heads, dv + 1), dtype, device)
     values[..., -1] = 1
-    summaries = _padded_rows((batch, plan.num_blocks), (heads, d, dv + 1), dtype, device)  # [S_j | z_j]
-    by_block = summaries.unflatten(1, plan.layout)  # (B, L.., H, d, Dv + 1)
-    for index in chunks:
-        keys = regroup(k_view[index], buffer)
-        values[..., :-1].view(v_view.shape[level:]).copy_(v_view[index])
-        first_part = not any(index[1 + axes :])
-        _blocks_by_heads_bmm(
-            keys.permute(0, 2, 3, 1),
-            values.permute(0, 2, 1, 3),
-            by_block[index[: 1 + axes]].view(c, heads, d, dv + 1),
-            accumulate=not first_part,
-        )
+    summaries = _padded_rows((batch, blocks.plan.num_blocks), (heads, d, dv + 1), dtype, device)  # [S_j | z_j]
+    for chunk in chunks:
+        keys = chunks.read(k, chunk, buffer, feature_eps)
+        chunks.read(v, chunk, values[..., :-1])
+        chunks.summarise(chunk, keys, values, summaries)
     del values
-    mixed = _mix_heads_last(mixing.to(dtype), summaries.flatten(-2))
-    mixed = mixed.unflatten(1, plan.layout).unflatten(-1, (d, dv + 1))  # [S̃_o | z̃_o], (B, L.., H, d, Dv + 1)
-    del summaries, by_block
+    mixed = _mix_heads_last(mixing.to(dtype), summaries.flatten(-2)).unflatten(-1, (d, dv + 1))  # [S̃_o | z̃_o]
+    del summaries
     result = torch.empty(v.shape, dtype=v.dtype, device=device)
-    target = blocks.heads_last_view(result)
     out = torch.empty((c, heads, t, dv + 1), dtype=dtype, device=device)
-    for index in chunks:
-        queries = regroup(q_view[index], buffer)
-        _blocks_by_heads_bmm(queries.permute(0, 2, 1, 3), mixed[index[: 1 + axes]].view(c, heads, d, dv + 1), out)
-        numerator = out.permute(0, 2, 1, 3).view(*target.shape[level:-1], dv + 1)
-        # q · z̃ (the last channel) + eps divides the rest, written straight into token order
-        torch.div(numerator[..., :-1], numerator[..., -1:].add_(eps), out=target[index])
+    for chunk in chunks:
+        queries = chunks.read(q, chunk, buffer, feature_eps)
+        chunks.output(chunk, queries, mixed, out, result, eps)
     return result
+
+
+class _EvenChunks:
+    """The folded path's chunks on a grid that the layout divides: index tuples into the strided view
+    :meth:`_Blocks.heads_last_view` ``(B, L.., P.., H, d)`` of token order, fixing its first ``level`` dims.
+
+    While ``level <= 1 + axes`` a chunk holds whole blocks; deeper, it is the part of one block, whose summary
+    is then accumulated over the parts. A chunk is everything on accelerators, about :data:`CPU_CHUNK_BYTES`
+    on a CPU (parts of at least :data:`CPU_MIN_PART_TOKENS` tokens where the grid allows).
+    """
+
+    def __init__(self, blocks: "_Blocks", batch: int, row_bytes: int, device: torch.device) -> None:
+        self.view, self.layout, self.axes = blocks.heads_last_view, blocks.plan.layout, len(blocks.plan.layout)
+        lead = [batch, *self.layout, *blocks.pads]
+        limit = CPU_CHUNK_BYTES if device.type == "cpu" else None
+        level = 0
+        while limit is not None and level < len(lead) and math.prod(lead[level:]) * row_bytes > limit:
+            if level >= 1 + self.axes and math.prod(lead[level + 1 :]) < CPU_MIN_PART_TOKENS:
+                break  # a part of one block, and a finer cut would make it too short
+            level += 1
+        self.level = level
+        self.blocks = math.prod(lead[min(level, 1 + self.axes) : 1 + self.axes])
+        self.tokens = math.prod(lead[max(level, 1 + self.axes) :])
+        self._chunks = list(itertools.product(*(range(n) for n in lead[:level])))
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return iter(self._chunks)
+
+    def read(
+        self, x: torch.Tensor, chunk: tuple[int, ...], into: torch.Tensor, feature_eps: float | None = None
+    ) -> torch.Tensor:
+        """The chunk's tokens of ``x`` ``(B, N, H, d)`` copied into ``into`` ``(C, T, H, d)`` (returned),
+        feature-mapped with ``feature_eps``."""
+        source = self.view(x)[chunk]
+        target = into.view(source.shape)  # splits C and T into the view's dims
+        if feature_eps is None:
+            target.copy_(source)
+        else:
+            torch.clamp_min(source, 0, out=target).add_(feature_eps)
+        return into
+
+    def _blocks_of(self, x: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
+        """The chunk's blocks of ``x`` ``(B, M, H, ...)`` as ``(C, H, ...)``."""
+        return x.unflatten(1, self.layout)[chunk[: 1 + self.axes]].view(self.blocks, *x.shape[2:])
+
+    def summarise(
+        self, chunk: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor, summaries: torch.Tensor
+    ) -> None:
+        """``[S_j | z_j]`` of the chunk's blocks into ``summaries`` ``(B, M, H, d, Dv + 1)``, added to the earlier
+        parts' where the chunk is a later part of its block."""
+        out = self._blocks_of(summaries, chunk)
+        later_part = any(chunk[1 + self.axes :])
+        _blocks_by_heads_bmm(keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3), out, accumulate=later_part)
+
+    def output(
+        self,
+        chunk: tuple[int, ...],
+        queries: torch.Tensor,
+        mixed: torch.Tensor,
+        out: torch.Tensor,
+        result: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """The chunk's queries against their blocks' ``[S̃_o | z̃_o]`` (in ``out`` ``(C, H, T, Dv + 1)``), the
+        numerator divided by ``q · z̃ + eps`` straight into token order in ``result`` ``(B, N, H, Dv)``."""
+        _blocks_by_heads_bmm(queries.permute(0, 2, 1, 3), self._blocks_of(mixed, chunk), out)
+        target = self.view(result)
+        numerator = out.permute(0, 2, 1, 3).view(*target.shape[self.level : -1], out.shape[-1])
+        torch.div(numerator[..., :-1], numerator[..., -1:].add_(eps), out=target[chunk])
+
+
+class _GatheredChunks:
+    """The folded path's chunks on a grid that the layout does not divide (CPU only): runs of about
+    :data:`CPU_CHUNK_BYTES` of whole blocks, whose tokens are read by index and packed one block after the
+    other, each block as long as its own tokens (no padded slot is read or multiplied).
+    """
+
+    def __init__(self, blocks: "_Blocks", batch: int, row_bytes: int, device: torch.device) -> None:
+        plan = blocks.plan
+        p = plan.block_len
+        self.blocks, self.tokens = max(1, min(plan.num_blocks, CPU_CHUNK_BYTES // (p * row_bytes))), p
+        self._runs = []  # (first block, [(row offset, length) per block], tokens, their (block, row) in `out`)
+        for first in range(0, plan.num_blocks, self.blocks):
+            end = min(first + self.blocks, plan.num_blocks)
+            valid = plan.valid[first:end]  # (C, P)
+            lengths = valid.sum(1).tolist()
+            offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+            kept = valid.reshape(-1).nonzero().squeeze(1)  # block-major, so the tokens come packed
+            block = torch.repeat_interleave(torch.arange(len(lengths), device=device), valid.sum(1))
+            where = (block, torch.arange(len(kept), device=device) - torch.tensor(offsets, device=device)[block])
+            self._runs.append((first, list(zip(offsets, lengths)), plan.gather[first * p + kept], where))
+        self._chunks = [(b, run) for b in range(batch) for run in range(len(self._runs))]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._chunks)
+
+    def read(
+        self, x: torch.Tensor, chunk: tuple[int, int], into: torch.Tensor, feature_eps: float | None = None
+    ) -> torch.Tensor:
+        """The chunk's tokens of ``x`` ``(B, N, H, d)`` packed into the first rows of ``into`` ``(C, T, H, d)``,
+        feature-mapped with ``feature_eps``; returns those rows ``(R, H, d)``."""
+        b, run = chunk
+        tokens = self._runs[run][2]
+        rows = into.flatten(0, 1)[: len(tokens)]
+        if x.dtype == rows.dtype:
+            torch.index_select(x[b], 0, tokens, out=rows)
+        else:  # computed in a wider dtype than this input's
+            rows.copy_(x[b].index_select(0, tokens))
+        if feature_eps is not None:
+            rows.clamp_min_(0).add_(feature_eps)
+        return rows
+
+    def summarise(
+        self, chunk: tuple[int, int], keys: torch.Tensor, values: torch.Tensor, summaries: torch.Tensor
+    ) -> None:
+        """``[S_j | z_j]`` of the chunk's blocks into ``summaries`` ``(B, M, H, d, Dv + 1)`` (zero for an empty
+        block); ``keys`` are the packed rows of :meth:`read`, ``values`` the buffer they were packed into."""
+        b, run = chunk
+        first, spans = self._runs[run][:2]
+        values = values.flatten(0, 1)
+        for j, (start, length) in enumerate(spans, first):
+            rows = slice(start, start + length)
+            torch.bmm(keys[rows].permute(1, 2, 0), values[rows].permute(1, 0, 2), out=summaries[b, j])
+
+    def output(
+        self,
+        chunk: tuple[int, int],
+        queries: torch.Tensor,
+        mixed: torch.Tensor,
+        out: torch.Tensor,
+        result: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """The chunk's queries against their blocks' ``[S̃_o | z̃_o]`` (block ``i`` in ``out[i]`` ``(H, T, Dv + 1)``),
+        the numerator divided by ``q · z̃ + eps`` and written to the tokens' rows of ``result`` ``(B, N, H, Dv)``."""
+        b, run = chunk
+        first, spans, tokens, (block, slot) = self._runs[run]
+        for i, (start, length) in enumerate(spans):
+            if length:
+                torch.bmm(queries[start : start + length].permute(1, 0, 2), mixed[b, first + i], out=out[i, :, :length])
+        rows = out[block, :, slot]  # (R, H, Dv + 1), a new tensor in token-list order
+        result[b].index_copy_(0, tokens, rows[..., :-1].div_(rows[..., -1:].add_(eps)).to(result.dtype))
 
 
 def _blocks_by_heads_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:

@@ -44,16 +44,23 @@ def test_matches_reference(grid, layout, normalize, rotated, per_head):
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 600, 5000, 1 << 30])
-@pytest.mark.parametrize("grid,layout", [((4, 6), (2, 3)), ((2, 4, 6), (2, 2, 3))])
+@pytest.mark.parametrize(
+    "grid,layout",
+    [((4, 6), (2, 3)), ((2, 4, 6), (2, 2, 3)), ((5, 7), (2, 3)), ((3, 4, 7), (2, 3, 2)), ((2, 5), (3, 2))],
+)
 @pytest.mark.parametrize("feature_eps", [None, 1e-3])
 def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feature_eps):
     """The folded path on a CPU regroups a cache-sized chunk at a time: one token of all heads (1 byte),
     part of a block (200 bytes: two tokens, the block's summary accumulated over its parts), one block (600),
-    several blocks (5000: more blocks than heads, one product per head) and everything at once (1 GiB)."""
+    several blocks (5000: more blocks than heads, one product per head) and everything at once (1 GiB).
+    On grids that the layout does not divide (the last three, the last with an empty block) a chunk is a run
+    of whole blocks read by index, with their padded slots."""
     import mhla_diffusion.ops.attention as attention
 
     monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(attention, "CPU_MIN_PART_TOKENS", 1)  # let these tiny grids be cut as finely as asked
+    folded = []
+    monkeypatch.setattr(attention, "_folded_blocks", lambda *a, f=attention._folded_blocks: folded.append(1) or f(*a))
     q, k, v, _, _ = make_inputs(grid, seed=3)
     if feature_eps is not None:  # raw projections
         q, k = q - 0.5, k - 0.5
@@ -64,6 +71,17 @@ def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feat
         q, k = q.relu() + feature_eps, k.relu() + feature_eps
     slow = mhla_attention_reference(q, k, v, grid, layout, mixing)
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
+    assert folded == [1]
+
+
+def test_cpu_uneven_blocks_return_the_values_dtype():
+    """float64 features with float32 values on an uneven grid: computed in float64, returned in float32."""
+    q, k, v, _, _ = make_inputs((5, 7), seed=5)
+    mixing = mixing_init((2, 3))
+    fast = mhla_attention(q, k, v.float(), (5, 7), (2, 3), mixing)
+    assert fast.dtype == torch.float32
+    slow = mhla_attention_reference(q, k, v, (5, 7), (2, 3), mixing).float()
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
 
 
 def test_cpu_parts_keep_a_minimum_length(monkeypatch):
