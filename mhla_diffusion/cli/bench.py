@@ -10,8 +10,9 @@ from .arguments import add_command, parse_device, parse_sizes
 
 __all__ = ["DEFAULT_CASES", "parse_case", "register"]
 
-#: Default cases: GRID (auto layout) or GRID:LAYOUT. The 195-block layout shows why M must stay near sqrt(N).
-DEFAULT_CASES = ("5x16x16", "9x20x26", "9x20x26:3x5x13", "9x30x50", "21x30x50:3x5x10")
+#: Default cases: GRID (auto layout) or GRID:LAYOUT. The 195-block layout shows why M must stay near sqrt(N);
+#: 21x30x52 is Wan2.1's default 480x832 video, whose blocks differ in size.
+DEFAULT_CASES = ("5x16x16", "9x20x26", "9x20x26:3x5x13", "9x30x50", "21x30x50:3x5x10", "21x30x52:3x5x10")
 
 
 def parse_case(text: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
