@@ -480,25 +480,24 @@ class _EvenChunks:
 
 
 class _GatheredChunks:
-    """The folded path's chunks on a grid that the layout does not divide (CPU only): runs of about
-    :data:`CPU_CHUNK_BYTES` of whole blocks, whose tokens are read by index and packed one block after the
-    other, each block as long as its own tokens (no padded slot is read or multiplied).
+    """The folded path's chunks on a grid that the layout does not divide (CPU only): runs of whole blocks,
+    about :data:`CPU_CHUNK_BYTES` of slots each, whose tokens are read by index and packed one block after
+    the other, each block as long as its own tokens (no padded slot is read, multiplied or stored). A chunk's
+    buffers are ``(1, R, ...)``: its ``R`` packed token rows.
     """
 
     def __init__(self, blocks: "_Blocks", batch: int, row_bytes: int, device: torch.device) -> None:
         plan = blocks.plan
         p = plan.block_len
-        self.blocks, self.tokens = max(1, min(plan.num_blocks, CPU_CHUNK_BYTES // (p * row_bytes))), p
-        self._runs = []  # (first block, [(row offset, length) per block], tokens, their (block, row) in `out`)
-        for first in range(0, plan.num_blocks, self.blocks):
-            end = min(first + self.blocks, plan.num_blocks)
-            valid = plan.valid[first:end]  # (C, P)
+        per_run = max(1, min(plan.num_blocks, CPU_CHUNK_BYTES // (p * row_bytes)))
+        self._runs = []  # (first block, [(first row, rows) per block], the tokens of those rows)
+        for first in range(0, plan.num_blocks, per_run):
+            valid = plan.valid[first : first + per_run]  # (C, P)
             lengths = valid.sum(1).tolist()
-            offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+            starts = [sum(lengths[:i]) for i in range(len(lengths))]
             kept = valid.reshape(-1).nonzero().squeeze(1)  # block-major, so the tokens come packed
-            block = torch.repeat_interleave(torch.arange(len(lengths), device=device), valid.sum(1))
-            where = (block, torch.arange(len(kept), device=device) - torch.tensor(offsets, device=device)[block])
-            self._runs.append((first, list(zip(offsets, lengths)), plan.gather[first * p + kept], where))
+            self._runs.append((first, list(zip(starts, lengths)), plan.gather[first * p + kept]))
+        self.blocks, self.tokens = 1, max(len(tokens) for _, _, tokens in self._runs)
         self._chunks = [(b, run) for b in range(batch) for run in range(len(self._runs))]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
@@ -507,11 +506,11 @@ class _GatheredChunks:
     def read(
         self, x: torch.Tensor, chunk: tuple[int, int], into: torch.Tensor, feature_eps: float | None = None
     ) -> torch.Tensor:
-        """The chunk's tokens of ``x`` ``(B, N, H, d)`` packed into the first rows of ``into`` ``(C, T, H, d)``,
-        feature-mapped with ``feature_eps``; returns those rows ``(R, H, d)``."""
+        """The chunk's tokens of ``x`` ``(B, N, H, d)`` packed into the first rows of ``into`` ``(1, R, H, d)``,
+        feature-mapped with ``feature_eps``; returns those rows ``(R_chunk, H, d)``."""
         b, run = chunk
         tokens = self._runs[run][2]
-        rows = into.flatten(0, 1)[: len(tokens)]
+        rows = into[0, : len(tokens)]
         if x.dtype == rows.dtype:
             torch.index_select(x[b], 0, tokens, out=rows)
         else:  # computed in a wider dtype than this input's
@@ -527,10 +526,9 @@ class _GatheredChunks:
         block); ``keys`` are the packed rows of :meth:`read`, ``values`` the buffer they were packed into."""
         b, run = chunk
         first, spans = self._runs[run][:2]
-        values = values.flatten(0, 1)
         for j, (start, length) in enumerate(spans, first):
             rows = slice(start, start + length)
-            torch.bmm(keys[rows].permute(1, 2, 0), values[rows].permute(1, 0, 2), out=summaries[b, j])
+            torch.bmm(keys[rows].permute(1, 2, 0), values[0, rows].permute(1, 0, 2), out=summaries[b, j])
 
     def output(
         self,
@@ -541,15 +539,16 @@ class _GatheredChunks:
         result: torch.Tensor,
         eps: float,
     ) -> None:
-        """The chunk's queries against their blocks' ``[S̃_o | z̃_o]`` (block ``i`` in ``out[i]`` ``(H, T, Dv + 1)``),
-        the numerator divided by ``q · z̃ + eps`` and written to the tokens' rows of ``result`` ``(B, N, H, Dv)``."""
+        """The chunk's queries against their blocks' ``[S̃_o | z̃_o]`` (in ``out`` ``(1, H, R, Dv + 1)``, packed
+        as the queries), the numerator divided by ``q · z̃ + eps`` into the tokens' rows of ``result``."""
         b, run = chunk
-        first, spans, tokens, (block, slot) = self._runs[run]
-        for i, (start, length) in enumerate(spans):
-            if length:
-                torch.bmm(queries[start : start + length].permute(1, 0, 2), mixed[b, first + i], out=out[i, :, :length])
-        rows = out[block, :, slot]  # (R, H, Dv + 1), a new tensor in token-list order
-        result[b].index_copy_(0, tokens, rows[..., :-1].div_(rows[..., -1:].add_(eps)).to(result.dtype))
+        first, spans, tokens = self._runs[run]
+        for j, (start, length) in enumerate(spans, first):
+            if length:  # an empty block has no query
+                rows = slice(start, start + length)
+                torch.bmm(queries[rows].permute(1, 0, 2), mixed[b, j], out=out[0, :, rows])
+        numerator = out[0, :, : len(tokens)].transpose(0, 1)  # (R_chunk, H, Dv + 1)
+        result[b].index_copy_(0, tokens, numerator[..., :-1].div_(numerator[..., -1:].add_(eps)).to(result.dtype))
 
 
 def _blocks_by_heads_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
