@@ -149,13 +149,17 @@ def time_call(fn: Callable[[], object], repeats: int, warmup: int, device: torch
     return time_calls({"fn": fn}, repeats, warmup, device)["fn"]
 
 
+#: A method faster than this per call is "quick": :func:`time_calls` can run it several times per round.
+QUICK_SECONDS = 1.0
+
+
 def time_calls(
     fns: dict[str, Callable[[], object]],
     repeats: int,
     warmup: int,
     device: torch.device,
     log: Callable[[str], None] = lambda _: None,
-    quick_seconds: float = 1.0,
+    quick_seconds: float = QUICK_SECONDS,
     quick_passes: int = 1,
 ) -> dict[str, tuple[float, int]]:
     """Median time in seconds and peak extra memory of one run, for each of ``fns``.
@@ -262,7 +266,7 @@ def attention_table(
     block) and MHLA on the same random inputs for every case, on feature-mapped ``q, k`` and (rows ``+ φ``)
     from raw projections with the feature map included; ``mhla_over_linear`` is MHLA's time over the plain
     linear attention's on the same inputs (on the ``mhla`` and ``mhla + φ`` rows). ``repeats`` rounds; a method
-    under a second per call runs ``quick_passes`` times per round (see :func:`time_calls`)."""
+    under :data:`QUICK_SECONDS` per call runs ``quick_passes`` times per round (see :func:`time_calls`)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     device = torch.device(device)
@@ -716,7 +720,8 @@ def _samples(spec: dict[str, Any]) -> str:
     passes = spec.get("quick_passes", 1)
     if passes <= 1:
         return f"median of {spec['repeats']}"
-    return f"median of {spec['repeats']} rounds ({spec['repeats'] * passes} runs for operators under 1 s per call)"
+    runs = spec["repeats"] * passes
+    return f"median of {spec['repeats']} rounds ({runs} runs for operators under {QUICK_SECONDS:g} s per call)"
 
 
 def report_markdown(result: dict[str, Any]) -> str:

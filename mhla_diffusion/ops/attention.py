@@ -494,7 +494,7 @@ class _GatheredChunks:
         for first in range(0, plan.num_blocks, per_run):
             valid = plan.valid[first : first + per_run]  # (C, P)
             lengths = valid.sum(1).tolist()
-            starts = [sum(lengths[:i]) for i in range(len(lengths))]
+            starts = [0, *itertools.accumulate(lengths)][:-1]
             kept = valid.reshape(-1).nonzero().squeeze(1)  # block-major, so the tokens come packed
             self._runs.append((first, list(zip(starts, lengths)), plan.gather[first * p + kept]))
         self.blocks, self.tokens = 1, max(len(tokens) for _, _, tokens in self._runs)
