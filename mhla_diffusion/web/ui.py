@@ -31,7 +31,7 @@ from .config import DemoConfig
 from .models import Generated, GenerationStopped, ModelStore
 from .outputs import SessionOutputs
 from .report import TITLES, caption, example_prompts, summary, unknown_words_note, vocabulary_markdown
-from .validation import DemoInputError, image_request, video_bounds, video_request
+from .validation import DemoInputError, Limits, image_request, video_bounds, video_request
 
 __all__ = ["PAGE_CSS", "build_demo"]
 
@@ -180,6 +180,71 @@ def _random_seed(samples: Any = 1) -> int:
     return random.SystemRandom().randint(0, MAX_SEED - count + 1)
 
 
+def _seed_row(tab: str, samples: int, limits: Limits) -> tuple[Any, Any, Any]:
+    """A tab's seed box, its random-seed button and the samples slider, in one row (``tab``: the elem_id prefix)."""
+    with gr.Row():
+        seed = _checked(
+            gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, elem_id=f"{tab}-seed")
+        )
+        dice = gr.Button("Random seed", elem_id=f"{tab}-random-seed", scale=0)
+        count = _checked(
+            gr.Slider(
+                1,
+                limits.max_samples,
+                value=samples,
+                step=1,
+                label="Samples (seeds seed, seed+1, ...)",
+                elem_id=f"{tab}-samples",
+            )
+        )
+    return seed, dice, count
+
+
+def _size_box(axis: str, value: int, minimum: int, maximum: int, multiple: int) -> Any:
+    """The video form's ``axis`` ("height" or "width") box: multiples of ``multiple`` up to ``maximum`` pixels."""
+    return _checked(
+        gr.Number(
+            label=f"{axis.capitalize()} (x{multiple}, up to {maximum})",
+            value=value,
+            precision=0,
+            minimum=minimum,
+            maximum=maximum,
+            step=multiple,
+            elem_id=f"t2v-{axis}",
+        )
+    )
+
+
+def _run_controls(tab: str, what: str, steps: int, guidance: float, limits: Limits) -> tuple[Any, ...]:
+    """A tab's steps and guidance sliders, its compare box and its generate and stop buttons, in that order."""
+    steps_slider = _checked(gr.Slider(1, limits.max_steps, value=steps, step=1, label="Steps", elem_id=f"{tab}-steps"))
+    guidance_slider = _checked(
+        gr.Slider(0, limits.max_guidance, value=guidance, step=0.5, label="Guidance scale", elem_id=f"{tab}-guidance")
+    )
+    compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seeds)", elem_id=f"{tab}-compare")
+    with gr.Row():
+        run = gr.Button(f"Generate {what}", variant="primary", elem_id=f"{tab}-generate")
+        stop = gr.Button("Stop", variant="stop", elem_id=f"{tab}-stop")
+    return steps_slider, guidance_slider, compare, run, stop
+
+
+def _results_column(tab: str) -> tuple[Any, Any, Any]:
+    """A tab's output column: the MHLA gallery, the softmax gallery and the summary under them."""
+    with gr.Column(scale=3):
+        galleries = [
+            gr.Gallery(
+                label=TITLES[attention],
+                elem_id=f"{tab}-{attention}",
+                elem_classes=["mhla-samples"],
+                height="auto",
+                object_fit="contain",
+            )
+            for attention in ATTENTIONS
+        ]
+        info = gr.Markdown(elem_id=f"{tab}-summary")
+    return (*galleries, info)
+
+
 def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -> gr.Blocks:
     """The Blocks app (not launched; launch it with ``css=PAGE_CSS``)."""
     defaults, limits = config.defaults, config.limits
@@ -309,23 +374,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                         negative = gr.Textbox(
                             label="Negative prompt", value=defaults.negative_prompt, elem_id="t2v-negative"
                         )
-                        with gr.Row():
-                            seed = _checked(
-                                gr.Number(
-                                    label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, elem_id="t2v-seed"
-                                )
-                            )
-                            dice = gr.Button("Random seed", elem_id="t2v-random-seed", scale=0)
-                            samples = _checked(
-                                gr.Slider(
-                                    1,
-                                    limits.max_samples,
-                                    value=defaults.samples,
-                                    step=1,
-                                    label="Samples (seeds seed, seed+1, ...)",
-                                    elem_id="t2v-samples",
-                                )
-                            )
+                        seed, dice, samples = _seed_row("t2v", defaults.samples, limits)
                         with gr.Row():
                             frames = _checked(
                                 gr.Number(
@@ -337,70 +386,24 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                                     elem_id="t2v-frames",
                                 )
                             )
-                            height = _checked(
-                                gr.Number(
-                                    label=f"Height (x{geometry.generation_multiple[0]}, up to {bounds.max_height})",
-                                    value=defaults.height,
-                                    precision=0,
-                                    minimum=bounds.min_height,
-                                    maximum=bounds.max_height,
-                                    step=geometry.generation_multiple[0],
-                                    elem_id="t2v-height",
-                                )
+                            height = _size_box(
+                                "height",
+                                defaults.height,
+                                bounds.min_height,
+                                bounds.max_height,
+                                geometry.generation_multiple[0],
                             )
-                            width = _checked(
-                                gr.Number(
-                                    label=f"Width (x{geometry.generation_multiple[1]}, up to {bounds.max_width})",
-                                    value=defaults.width,
-                                    precision=0,
-                                    minimum=bounds.min_width,
-                                    maximum=bounds.max_width,
-                                    step=geometry.generation_multiple[1],
-                                    elem_id="t2v-width",
-                                )
+                            width = _size_box(
+                                "width",
+                                defaults.width,
+                                bounds.min_width,
+                                bounds.max_width,
+                                geometry.generation_multiple[1],
                             )
-                        steps = _checked(
-                            gr.Slider(
-                                1,
-                                limits.max_steps,
-                                value=defaults.video_steps,
-                                step=1,
-                                label="Steps",
-                                elem_id="t2v-steps",
-                            )
+                        steps, guidance, compare, run_video, stop_video = _run_controls(
+                            "t2v", "videos", defaults.video_steps, defaults.video_guidance_scale, limits
                         )
-                        guidance = _checked(
-                            gr.Slider(
-                                0,
-                                limits.max_guidance,
-                                value=defaults.video_guidance_scale,
-                                step=0.5,
-                                label="Guidance scale",
-                                elem_id="t2v-guidance",
-                            )
-                        )
-                        compare = gr.Checkbox(
-                            value=True, label="Compare with softmax attention (same seeds)", elem_id="t2v-compare"
-                        )
-                        with gr.Row():
-                            run_video = gr.Button("Generate videos", variant="primary", elem_id="t2v-generate")
-                            stop_video = gr.Button("Stop", variant="stop", elem_id="t2v-stop")
-                    with gr.Column(scale=3):
-                        video_mhla = gr.Gallery(
-                            label=TITLES["mhla"],
-                            elem_id="t2v-mhla",
-                            elem_classes=["mhla-samples"],
-                            height="auto",
-                            object_fit="contain",
-                        )
-                        video_softmax = gr.Gallery(
-                            label=TITLES["softmax"],
-                            elem_id="t2v-softmax",
-                            elem_classes=["mhla-samples"],
-                            height="auto",
-                            object_fit="contain",
-                        )
-                        video_info = gr.Markdown(elem_id="t2v-summary")
+                    video_mhla, video_softmax, video_info = _results_column("t2v")
             with gr.Tab("Class to image", id="c2i"):
                 with gr.Row():
                     with gr.Column(scale=2):
@@ -411,65 +414,11 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                             label="Class (name or id)",
                             elem_id="c2i-class",
                         )
-                        with gr.Row():
-                            image_seed = _checked(
-                                gr.Number(
-                                    label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, elem_id="c2i-seed"
-                                )
-                            )
-                            image_dice = gr.Button("Random seed", elem_id="c2i-random-seed", scale=0)
-                            image_samples = _checked(
-                                gr.Slider(
-                                    1,
-                                    limits.max_samples,
-                                    value=defaults.samples,
-                                    step=1,
-                                    label="Samples (seeds seed, seed+1, ...)",
-                                    elem_id="c2i-samples",
-                                )
-                            )
-                        image_steps = _checked(
-                            gr.Slider(
-                                1,
-                                limits.max_steps,
-                                value=defaults.image_steps,
-                                step=1,
-                                label="Steps",
-                                elem_id="c2i-steps",
-                            )
+                        image_seed, image_dice, image_samples = _seed_row("c2i", defaults.samples, limits)
+                        image_steps, image_guidance, image_compare, run_image, stop_image = _run_controls(
+                            "c2i", "images", defaults.image_steps, defaults.image_guidance_scale, limits
                         )
-                        image_guidance = _checked(
-                            gr.Slider(
-                                0,
-                                limits.max_guidance,
-                                value=defaults.image_guidance_scale,
-                                step=0.5,
-                                label="Guidance scale",
-                                elem_id="c2i-guidance",
-                            )
-                        )
-                        image_compare = gr.Checkbox(
-                            value=True, label="Compare with softmax attention (same seeds)", elem_id="c2i-compare"
-                        )
-                        with gr.Row():
-                            run_image = gr.Button("Generate images", variant="primary", elem_id="c2i-generate")
-                            stop_image = gr.Button("Stop", variant="stop", elem_id="c2i-stop")
-                    with gr.Column(scale=3):
-                        image_mhla = gr.Gallery(
-                            label=TITLES["mhla"],
-                            elem_id="c2i-mhla",
-                            elem_classes=["mhla-samples"],
-                            height="auto",
-                            object_fit="contain",
-                        )
-                        image_softmax = gr.Gallery(
-                            label=TITLES["softmax"],
-                            elem_id="c2i-softmax",
-                            elem_classes=["mhla-samples"],
-                            height="auto",
-                            object_fit="contain",
-                        )
-                        image_info = gr.Markdown(elem_id="c2i-summary")
+                    image_mhla, image_softmax, image_info = _results_column("c2i")
         video_event = run_video.click(
             generate_video,
             [prompt, negative, seed, steps, guidance, frames, height, width, compare, samples],
