@@ -37,6 +37,7 @@ __all__ = [
     "check_run_dir",
     "list_checkpoints",
     "prepare_run_dir",
+    "recover_checkpoints",
     "resolve_resume",
     "save_checkpoint",
     "save_trainable_only",
@@ -74,6 +75,7 @@ RESUME_MAY_CHANGE = frozenset(
 )
 RUN_OUTPUTS = ("checkpoints", "final", "final-no-ema", "pipeline", "logs", "validation", RUN_CONFIG)
 _PREFIX = "step-"
+_TMP, _OLD, _PRUNED = ".tmp-", ".old-", ".pruned-"  # leftovers of a cut save (recover_checkpoints)
 
 
 @dataclass
@@ -314,11 +316,22 @@ def resolve_resume(output_dir: str | Path, resume: str | None) -> Path | None:
     return Path(resume)
 
 
+def _step_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
 def save_checkpoint(accelerator, output_dir: str | Path, step: int, total_limit: int | None) -> Path:
-    """Write the Accelerate state atomically as ``checkpoints/step-{step:08d}`` and prune old ones."""
+    """Write the Accelerate state atomically as ``checkpoints/step-{step:08d}`` and prune old ones.
+
+    Every move tolerates what a kill at any earlier moment of this or an earlier save can leave
+    (see :func:`recover_checkpoints`): the state is written to ``.tmp-step-N``; a step saved again
+    moves its old folder to ``.old-step-N`` (replacing a leftover of that name) before the new one
+    takes its name; pruned checkpoints are renamed to ``.pruned-step-N`` before they are deleted, so
+    a half-deleted checkpoint never looks complete.
+    """
     root = Path(output_dir) / "checkpoints"
-    final = root / f"{_PREFIX}{step:08d}"
-    temporary = root / f".tmp-{_PREFIX}{step:08d}"
+    final = root / _step_name(step)
+    temporary = root / f"{_TMP}{final.name}"
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
@@ -326,18 +339,61 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, total_limit:
     accelerator.save_state(str(temporary))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        stale = root / f"{_OLD}{final.name}"
         if final.exists():  # re-saving a step after resuming from an older checkpoint
-            stale = root / f".old-{final.name}"
+            shutil.rmtree(stale, ignore_errors=True)  # a leftover of an earlier cut re-save
             os.replace(final, stale)
-            os.replace(temporary, final)
-            shutil.rmtree(stale)
-        else:
-            os.replace(temporary, final)
+        os.replace(temporary, final)
+        shutil.rmtree(stale, ignore_errors=True)
         if total_limit is not None:
             for _, old in list_checkpoints(output_dir)[:-total_limit]:
-                shutil.rmtree(old)
+                _delete_checkpoint(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _delete_checkpoint(folder: Path) -> None:
+    """Rename, then delete: a kill during the delete leaves ``.pruned-step-N``, never a partial ``step-N``."""
+    doomed = folder.with_name(f"{_PRUNED}{folder.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
+
+
+def recover_checkpoints(output_dir: str | Path) -> list[str]:
+    """Set ``<output_dir>/checkpoints`` right after a kill during :func:`save_checkpoint` (main process,
+    holding the run lock, before a resume picks its checkpoint). Returns the actions, each logged in one line.
+
+    * ``.old-step-N`` without ``step-N`` (cut between the two renames of a re-save) is renamed back: it
+      is the complete earlier save of that step;
+    * ``.old-step-N`` beside ``step-N`` (cut during the delete) is removed;
+    * ``.tmp-step-N`` (a save that never completed) and ``.pruned-step-N`` (a cut prune) are removed.
+    """
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    actions = []
+    for path in sorted(root.iterdir()):
+        if not path.is_dir() or not path.name.startswith(_OLD):
+            continue
+        final = root / path.name[len(_OLD) :]
+        if final.exists():
+            shutil.rmtree(path)
+            actions.append(f"removed {path} (a leftover of re-saving {final.name}, which is complete)")
+        else:
+            os.replace(path, final)
+            actions.append(f"restored {final} from {path.name} (a re-save of that step was cut between its renames)")
+    leftovers = ((_TMP, "a checkpoint save that never completed"), (_PRUNED, "a cut prune of an old checkpoint"))
+    for prefix, why in leftovers:
+        for path in sorted(root.glob(f"{prefix}*")):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            actions.append(f"removed {path} ({why})")
+    for action in actions:
+        logger.warning("checkpoints: %s", action)
+    return actions
 
 
 def save_trainable_only(accelerator, model: torch.nn.Module, names: list[str]) -> None:

@@ -37,12 +37,14 @@ from .checkpointing import (
     check_resume_options,
     check_run_dir,
     prepare_run_dir,
+    recover_checkpoints,
     resolve_resume,
     save_checkpoint,
     save_trainable_only,
     truncate_metrics,
     write_run_config,
 )
+from .latent_cache import remove_leftovers
 from .options import TrainOptions
 from .tracking import make_trackers
 from .trainable import set_trainable
@@ -209,7 +211,7 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
         output_dir, options.resume, options.overwrite_output_dir, ignore=(cache_name,) if cache_name else ()
     )
     resume_changes: list[str] = []
-    if mode == "resume" and resolve_resume(output_dir, options.resume) is not None:
+    if mode == "resume" and (resolve_resume(output_dir, options.resume) is not None or _has_leftovers(output_dir)):
         resume_changes = check_resume_options(output_dir, options.to_dict())  # before anything is loaded or written
     fid = prepare_validation_fid(options)  # reference and Inception weights checked before any work
     accelerator = make_accelerator(
@@ -219,9 +221,20 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
     if accelerator.is_main_process:  # the other processes share the main process's run
         lock.acquire()
     try:
+        if accelerator.is_main_process:  # under the lock: no live run's save is in flight
+            if mode == "resume":
+                recover_checkpoints(output_dir)
+            if getattr(options, "cache_latents", False):
+                remove_leftovers(options.resolved_cache_dir())
+        accelerator.wait_for_everyone()
         return _train(task, options, accelerator, mode, resume_changes, on_step_end, fid)
     finally:
         lock.release()
+
+
+def _has_leftovers(output_dir: Path) -> bool:
+    """Whether a cut checkpoint save left a folder that :func:`recover_checkpoints` may restore."""
+    return any((output_dir / "checkpoints").glob(".old-step-*"))
 
 
 def _train(

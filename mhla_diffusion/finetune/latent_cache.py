@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..loaders.weight_files import read_checkpoint_file
 
-__all__ = ["LatentCache", "encoder_identity", "fill_entries", "run_prepass"]
+__all__ = ["LatentCache", "encoder_identity", "fill_entries", "remove_leftovers", "run_prepass"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class LatentCache:
     def write(self, kind: str, identity: Any, tensors: dict[str, torch.Tensor]) -> None:
         path = self.path(kind, identity)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary = _temporary_name(path)
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(temporary))
         os.replace(temporary, path)
 
@@ -173,8 +173,36 @@ def fill_entries(
     return failures
 
 
+def _temporary_name(path: Path) -> Path:
+    """Where ``path`` is written before its rename: ``.<name>.<pid>.tmp`` beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove_leftovers(folder: str | Path) -> list[str]:
+    """Delete the temporary files that writers killed before their rename left in a cache ``folder``
+    (main process, before a run reads or fills the cache); returns the actions, each logged in one line.
+
+    Nothing reads these files. Only those whose writer (the PID in the name) no longer runs on this host
+    are removed, so a live run that shares the cache keeps writing.
+    """
+    from .checkpointing import _alive
+
+    actions = []
+    root = Path(folder)
+    if not root.is_dir():
+        return actions
+    for path in sorted(root.rglob(".*.tmp")):
+        pid = path.name[: -len(".tmp")].rsplit(".", 1)[-1]
+        if path.is_file() and pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            actions.append(f"removed {path} (a cache entry whose writer was stopped before it completed)")
+    for action in actions:
+        logger.warning("latent cache: %s", action)
+    return actions
+
+
 def _atomic_text(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = _temporary_name(path)
     temporary.write_text(text)
     os.replace(temporary, path)
 

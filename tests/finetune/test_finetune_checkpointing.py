@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -105,3 +107,78 @@ def test_step_generators_depend_on_seed_process_step_and_micro_batch():
     assert torch.equal(draw(1, 0, 5, 0), draw(1, 0, 5, 0))
     others = [draw(2, 0, 5, 0), draw(1, 1, 5, 0), draw(1, 0, 6, 0), draw(1, 0, 5, 1)]
     assert all(not torch.equal(draw(1, 0, 5, 0), other) for other in others)
+
+
+def _plant(root, name: str, content: str = "weights") -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "model.safetensors").write_text(content)
+
+
+@pytest.mark.parametrize(
+    "leftovers, kept",
+    [
+        ((".old-step-00000004",), {".old-step-00000004": "step-00000004"}),  # cut between the renames
+        ((".old-step-00000004", "step-00000004"), {"step-00000004": "step-00000004"}),  # cut during the delete
+        ((".tmp-step-00000004",), {}),  # cut while writing
+        ((".old-step-00000004", ".tmp-step-00000004"), {".old-step-00000004": "step-00000004"}),
+        ((".pruned-step-00000002",), {}),  # cut while pruning
+    ],
+)
+def test_recovery_and_resave_tolerate_every_leftover(tmp_path, leftovers, kept):
+    from mhla_diffusion.finetune.checkpointing import recover_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for name in leftovers:
+        _plant(root, name, content=name)
+    actions = recover_checkpoints(tmp_path)
+    assert len(actions) == sum(name.startswith(".") for name in leftovers)
+    assert sorted(p.name for p in root.iterdir()) == sorted(kept.values())
+    for planted, now in kept.items():
+        assert (root / now / "model.safetensors").read_text() == planted  # the complete save is the one kept
+    assert recover_checkpoints(tmp_path) == []
+
+    for name in leftovers:  # the same leftovers planted again: a re-save goes through without recovery
+        if not (root / name).exists():
+            _plant(root, name, content=name)
+    save_checkpoint(FakeAccelerator(), tmp_path, 4, total_limit=None)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4]
+    assert sorted(p.name for p in root.iterdir()) == sorted(["step-00000004"] + [n for n in leftovers if "pruned" in n])
+
+
+def test_pruning_never_leaves_a_partial_checkpoint(tmp_path, monkeypatch):
+    import shutil
+
+    for step in (2, 4):
+        save_checkpoint(FakeAccelerator(), tmp_path, step, total_limit=None)
+    real_rmtree = shutil.rmtree
+
+    def cut(path, *args, **kwargs):
+        if "pruned" in str(path) and not kwargs.get("ignore_errors"):
+            (path / "model.safetensors").unlink()  # half deleted, then killed
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", cut)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(FakeAccelerator(), tmp_path, 6, total_limit=2)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]  # the half-deleted step 2 is not listed
+
+
+def test_cache_leftovers_of_stopped_writers_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from mhla_diffusion.finetune.latent_cache import remove_leftovers
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(finished.stdout)
+    entry = tmp_path / "latents" / "ab"
+    entry.mkdir(parents=True)
+    (entry / "abc.safetensors").write_text("complete")
+    (entry / f".abd.safetensors.{dead}.tmp").write_text("half")
+    live = entry / f".abe.safetensors.{os.getpid()}.tmp"  # a run that shares the cache is still writing it
+    live.write_text("being written")
+    (tmp_path / f".index.json.{dead}.tmp").write_text("{")
+    assert len(remove_leftovers(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(["abc.safetensors", live.name])
