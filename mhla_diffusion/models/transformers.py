@@ -16,6 +16,7 @@ softmax attention.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import re
@@ -124,6 +125,21 @@ class _MHLAConfigLoading:
         """Diffusers' ``save_pretrained``, with the ``mhla`` entry first brought up to date (processors set by hand)."""
         sync_mhla_config(self)
         super().save_pretrained(save_directory, **kwargs)
+
+    def to_json_string(self) -> str:
+        """The config as Diffusers writes it, with the stock class's name as ``_class_name``.
+
+        Every MHLA transformer folder then reads alike, whichever class saved it (this one, or a converted
+        ``WanTransformer3DModel``): our loaders rebuild MHLA from the ``mhla`` entry, and Diffusers'
+        ``AutoModel.from_pretrained(folder)``, which looks ``_class_name`` up in the ``diffusers`` module only,
+        loads the stock class with softmax attention and a warning naming our loader (instead of failing
+        with "`diffusers` has no class MHLAWanTransformer3DModel"). A pipeline folder's ``model_index.json``
+        still names this class, so ``AutoModel.from_pretrained(pipeline_folder, subfolder="transformer")``
+        loads MHLA once ``import mhla_diffusion`` has run.
+        """
+        config = json.loads(super().to_json_string())
+        config["_class_name"] = next(c for c in type(self).__mro__ if c.__module__.startswith("diffusers.")).__name__
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 class MHLAWanTransformer3DModel(_MHLAConfigLoading, WanTransformer3DModel):

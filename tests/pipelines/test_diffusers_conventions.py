@@ -73,14 +73,26 @@ def test_from_pipe_keeps_and_type_checks_the_mhla_transformer(kind, pipeline_dir
     assert other not in cls._get_signature_types()["transformer"]  # still type-checked
 
 
-def test_automodel_of_an_mhla_transformer_folder_says_it_loaded_softmax(pipeline_dirs, tmp_path, diffusers_log):
-    """Diffusers' AutoModel cannot be hooked: it loads softmax, and its warning now says so and names the loader."""
-    _, folder = _mhla_folder("wan", pipeline_dirs, tmp_path)
+@pytest.mark.parametrize("kind", ["wan", "dit"])
+@pytest.mark.parametrize("saved_by", ["converted in place", "reloaded MHLA class"])
+def test_automodel_reads_every_mhla_folder_alike(kind, saved_by, pipeline_dirs, tmp_path, diffusers_log):
+    """Diffusers' AutoModel looks a transformer folder's class up in `diffusers` only: it loads softmax, and its
+    warning says so and names the loader, whether the folder was saved by a converted stock transformer or by
+    our MHLA class (a pipeline loaded from an MHLA folder). Through the pipeline folder's model_index.json
+    (`subfolder="transformer"`) it finds our class and loads MHLA."""
+    pipe, folder = _mhla_folder(kind, pipeline_dirs, tmp_path)
+    if saved_by == "reloaded MHLA class":
+        cls = MHLAWanPipeline if kind == "wan" else MHLADiTPipeline
+        pipe = cls.from_pretrained(folder)
+        assert type(pipe.transformer).__name__.startswith("MHLA")
+        folder = tmp_path / "resaved"
+        pipe.save_pretrained(folder)
     model = AutoModel.from_pretrained(str(folder / "transformer"))
     assert get_mhla_conversion(model) is None
     warning = next(m for m in diffusers_log if "were not used" in m)
     assert "loaded with softmax attention" in warning and "load_mhla(folder)" in warning
-    assert get_mhla_conversion(load_mhla(folder / "transformer")) is not None  # the call it names
+    assert get_mhla_conversion(load_mhla(folder / "transformer")) == pipe.mhla  # the call it names
+    assert get_mhla_conversion(AutoModel.from_pretrained(str(folder), subfolder="transformer")) == pipe.mhla
 
 
 def test_diffusion_pipeline_ignoring_mhla_weights_names_our_pipelines(pipeline_dirs, diffusers_log):
