@@ -44,6 +44,7 @@ from .checkpointing import (
     truncate_metrics,
     write_run_config,
 )
+from .interrupt import StopRequest, TrainingInterrupted
 from .latent_cache import remove_leftovers
 from .options import TrainOptions
 from .tracking import make_trackers
@@ -405,82 +406,94 @@ def _train(
     last_validated = last_fid = -1
     started, started_step = time.perf_counter(), state.global_step
 
-    while state.global_step < total:
-        wanted = _stage_at(state.global_step, transfer_steps)
-        if wanted != stage:
-            stage = wanted
-            _enter_stage(stage, unwrapped, union, transfer_names, e2e_names, options.gradient_checkpointing)
-            progress.set_description(stage, refresh=False)  # one bar: relabelled at its next step, not redrawn
-            if parts.enter_stage is not None:
-                parts.enter_stage(stage)
-            if stage == "train" and transfer_steps and state.global_step == transfer_steps and ema is not None:
-                ema.shadow_params = [p.clone().detach() for p in (params[n] for n in e2e_names)]
-        stage_optimizer = transfer_optimizer if stage == "transfer" else optimizer
-        losses, extras = [], {}
-        for micro in range(options.gradient_accumulation_steps):
-            batch = next(batches)
-            generator = step_generator(
-                options.seed, layout.data_parallel_rank, state.global_step, micro, accelerator.device
-            )
-            with accelerator.accumulate(prepared):
-                with transfer if stage == "transfer" else nullcontext():
-                    loss, metrics = parts.batch_loss(prepared, batch, generator)
-                    if stage == "transfer":  # the output is the softmax model's here: only the layer losses count
-                        metrics, loss = transfer.layer_metrics(), transfer.loss()
-                accelerator.backward(loss * layout.loss_scale if layout.context_parallel_degree > 1 else loss)
-                if accelerator.sync_gradients and options.max_grad_norm > 0:
-                    extras["grad_norm"] = accelerator.clip_grad_norm_(prepared.parameters(), options.max_grad_norm)
-                stage_optimizer.step()
-                if stage == "train":
-                    scheduler.step()
-                stage_optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-            for key, value in metrics.items():
-                extras.setdefault(key, []).append(torch.as_tensor(value, device=accelerator.device).float())
-        state.global_step += 1
-        if parts.after_optimizer_step is not None:
-            parts.after_optimizer_step(unwrapped)
-        if ema is not None and stage == "train":
-            ema.step([params[n] for n in e2e_names])
+    with StopRequest() as stop:  # SIGINT / SIGTERM: finish the step, save, exit (docs/finetune.md)
+        while state.global_step < total:
+            wanted = _stage_at(state.global_step, transfer_steps)
+            if wanted != stage:
+                stage = wanted
+                _enter_stage(stage, unwrapped, union, transfer_names, e2e_names, options.gradient_checkpointing)
+                progress.set_description(stage, refresh=False)  # one bar: relabelled at its next step, not redrawn
+                if parts.enter_stage is not None:
+                    parts.enter_stage(stage)
+                if stage == "train" and transfer_steps and state.global_step == transfer_steps and ema is not None:
+                    ema.shadow_params = [p.clone().detach() for p in (params[n] for n in e2e_names)]
+            stage_optimizer = transfer_optimizer if stage == "transfer" else optimizer
+            losses, extras = [], {}
+            for micro in range(options.gradient_accumulation_steps):
+                batch = next(batches)
+                generator = step_generator(
+                    options.seed, layout.data_parallel_rank, state.global_step, micro, accelerator.device
+                )
+                with accelerator.accumulate(prepared):
+                    with transfer if stage == "transfer" else nullcontext():
+                        loss, metrics = parts.batch_loss(prepared, batch, generator)
+                        if stage == "transfer":  # the output is the softmax model's here: only the layer losses count
+                            metrics, loss = transfer.layer_metrics(), transfer.loss()
+                    accelerator.backward(loss * layout.loss_scale if layout.context_parallel_degree > 1 else loss)
+                    if accelerator.sync_gradients and options.max_grad_norm > 0:
+                        extras["grad_norm"] = accelerator.clip_grad_norm_(prepared.parameters(), options.max_grad_norm)
+                    stage_optimizer.step()
+                    if stage == "train":
+                        scheduler.step()
+                    stage_optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+                for key, value in metrics.items():
+                    extras.setdefault(key, []).append(torch.as_tensor(value, device=accelerator.device).float())
+            state.global_step += 1
+            if parts.after_optimizer_step is not None:
+                parts.after_optimizer_step(unwrapped)
+            if ema is not None and stage == "train":
+                ema.step([params[n] for n in e2e_names])
 
-        logs = {
-            "loss" if stage == "train" else "transfer/loss": accelerator.reduce(
-                torch.stack(losses).mean(), "mean"
-            ).item()
-        }
-        for key, value in extras.items():
-            value = (
-                torch.stack(value).mean()
-                if isinstance(value, list)
-                else torch.as_tensor(value, device=accelerator.device)
-            )
-            logs[key] = accelerator.reduce(value.float(), "mean").item()
-        logs["lr"] = (transfer_optimizer if stage == "transfer" else optimizer).param_groups[0]["lr"]
-        logs["epoch"] = state.epoch
-        elapsed = time.perf_counter() - started
-        logs["steps_per_s"] = (state.global_step - started_step) / elapsed if elapsed > 0 else math.nan
-        accelerator.log(logs, step=state.global_step)
-        progress.update(1)
-        progress.set_postfix(loss=f"{next(iter(logs.values())):.4f}", lr=f"{logs['lr']:.2e}")
+            logs = {
+                "loss" if stage == "train" else "transfer/loss": accelerator.reduce(
+                    torch.stack(losses).mean(), "mean"
+                ).item()
+            }
+            for key, value in extras.items():
+                value = (
+                    torch.stack(value).mean()
+                    if isinstance(value, list)
+                    else torch.as_tensor(value, device=accelerator.device)
+                )
+                logs[key] = accelerator.reduce(value.float(), "mean").item()
+            logs["lr"] = (transfer_optimizer if stage == "transfer" else optimizer).param_groups[0]["lr"]
+            logs["epoch"] = state.epoch
+            elapsed = time.perf_counter() - started
+            logs["steps_per_s"] = (state.global_step - started_step) / elapsed if elapsed > 0 else math.nan
+            accelerator.log(logs, step=state.global_step)
+            progress.update(1)
+            progress.set_postfix(loss=f"{next(iter(logs.values())):.4f}", lr=f"{logs['lr']:.2e}")
 
-        if (
-            options.checkpointing_steps
-            and state.global_step % options.checkpointing_steps == 0
-            and state.global_step < total
-        ):
-            save_checkpoint(accelerator, output_dir, state.global_step, options.checkpoints_total_limit)
-        if (
-            parts.validate is not None
-            and options.validation_steps
-            and state.global_step % options.validation_steps == 0
-        ):
-            _validate(accelerator, parts, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
-            last_validated = state.global_step
-        if fid is not None and fid.due(state.global_step):
-            _validation_fid(accelerator, parts, fid, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
-            last_fid = state.global_step
-        if on_step_end is not None:
-            on_step_end(state.global_step, logs)
+            checkpoint = None
+            if (
+                options.checkpointing_steps
+                and state.global_step % options.checkpointing_steps == 0
+                and state.global_step < total
+            ):
+                checkpoint = save_checkpoint(
+                    accelerator, output_dir, state.global_step, options.checkpoints_total_limit
+                )
+            if (
+                parts.validate is not None
+                and options.validation_steps
+                and state.global_step % options.validation_steps == 0
+            ):
+                _validate(accelerator, parts, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
+                last_validated = state.global_step
+            if fid is not None and fid.due(state.global_step):
+                _validation_fid(accelerator, parts, fid, unwrapped, ema, e2e_names, params, state.global_step, is_fsdp)
+                last_fid = state.global_step
+            if on_step_end is not None:
+                on_step_end(state.global_step, logs)
+            stop.step = state.global_step
+            if state.global_step < total and (signum := stop.requested(accelerator)):
+                progress.close()
+                if checkpoint is None:
+                    checkpoint = save_checkpoint(
+                        accelerator, output_dir, state.global_step, options.checkpoints_total_limit
+                    )
+                raise TrainingInterrupted(signum, state.global_step, checkpoint)
     progress.close()
 
     # ---- final outputs

@@ -12,6 +12,11 @@ __all__ = ["run_main"]
 #: Errors that mean "fix your config / data", printed as one line instead of a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, ImportError)
 
+_INTERRUPTED_OUTSIDE_STEPS = (
+    "SIGINT: interrupted outside the training steps (while loading, caching or writing the final outputs); "
+    "nothing was saved since the last checkpoint: --resume latest continues from it"
+)
+
 
 def run_main(train: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> int:
     """Configure logging, run ``train(argv)``; return 0, or 2 after printing a user error."""
@@ -26,6 +31,10 @@ def run_main(train: Callable[[Sequence[str] | None], Any], argv: Sequence[str] |
         train(argv)
     except SystemExit:
         raise
+    except KeyboardInterrupt as stop:  # a TrainingInterrupted from the loop, or Ctrl-C outside the steps
+        if rank == 0:
+            print(str(stop) or _INTERRUPTED_OUTSIDE_STEPS, file=sys.stderr)
+        return getattr(stop, "exit_code", 130)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
