@@ -9,6 +9,12 @@ generic words that Diffusers offers no hook to change:
 * ``DiffusionPipeline`` / ``WanPipeline`` / ``DiTPipeline.from_pretrained(base, mhla_weights=...)`` ignores the
   keyword ("Keyword arguments {'mhla_weights': ...} are not expected by WanPipeline and will be ignored.").
 
+A third drops the MHLA transformer: the stock ``WanPipeline`` / ``DiTPipeline.from_pipe(mhla_pipe)``. Diffusers'
+``from_pipe`` keeps a model component only when its type is exactly one the new pipeline's ``__init__``
+annotation lists (no subclass passes), so the MHLA transformer class our pipelines load from an MHLA folder
+is left out ("component transformer is not switched over ..."): the new ``WanPipeline``'s first call
+fails, ``DiTPipeline.from_pipe`` raises that its transformer is missing.
+
 :func:`install` (run by ``import mhla_diffusion``; logging only, no torch) adds a :class:`logging.Filter` to
 the two Diffusers loggers that writes what happened and the call to use at the end of those warnings.
 """
@@ -34,6 +40,13 @@ _PIPELINE_HINT = (
     "MHLAWanImageToVideoPipeline / MHLADiTPipeline.from_pretrained(base, mhla_weights=...)"
 )
 
+_FROM_PIPE_HINT = (
+    " -- this is an MHLA transformer: Diffusers' from_pipe keeps a model only when its type is exactly one the "
+    "new pipeline lists, so the stock WanPipeline / WanImageToVideoPipeline / DiTPipeline.from_pipe drops it: the new "
+    "pipeline gets no transformer. Use mhla_diffusion's MHLAWanPipeline / MHLAWanImageToVideoPipeline / "
+    "MHLADiTPipeline.from_pipe(pipe), or pass it: from_pipe(pipe, transformer=pipe.transformer)"
+)
+
 
 class _MHLAHint(logging.Filter):
     """Appends ``hint`` to a record whose message starts with ``start`` and contains ``marker``."""
@@ -54,7 +67,8 @@ def install() -> None:
     for name, hint in (
         (MODEL_LOGGER, _MHLAHint("Some weights of the model checkpoint", ".processor.", _MODEL_HINT)),
         (PIPELINE_LOGGER, _MHLAHint("Keyword arguments", "'mhla_weights", _PIPELINE_HINT)),
+        (PIPELINE_LOGGER, _MHLAHint("component transformer", "mhla_diffusion.", _FROM_PIPE_HINT)),
     ):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _MHLAHint) for f in logger.filters):
+        if not any(isinstance(f, _MHLAHint) and f.hint == hint.hint for f in logger.filters):
             logger.addFilter(hint)

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoModel, DiffusionPipeline, DiTPipeline
+from diffusers import AutoModel, DiffusionPipeline, DiTPipeline, WanPipeline
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from helpers.models import WAN_CALL, seeded
@@ -71,6 +71,29 @@ def test_from_pipe_keeps_and_type_checks_the_mhla_transformer(kind, pipeline_dir
     other = MHLADiTTransformer2DModel if kind == "wan" else MHLAWanTransformer3DModel
     assert mhla_class in cls._get_signature_types()["transformer"]
     assert other not in cls._get_signature_types()["transformer"]  # still type-checked
+
+
+@pytest.mark.parametrize("kind", ["wan", "dit"])
+def test_stock_from_pipe_says_it_drops_the_mhla_transformer_and_takes_it_passed(
+    kind, pipeline_dirs, tmp_path, diffusers_log
+):
+    """Diffusers' from_pipe keeps a model component only of exactly a listed type: the stock pipeline cannot keep
+    our MHLA transformer class. Its warning says so and names the two calls that work; both keep MHLA."""
+    _, folder = _mhla_folder(kind, pipeline_dirs, tmp_path)
+    cls = MHLAWanPipeline if kind == "wan" else MHLADiTPipeline
+    stock = WanPipeline if kind == "wan" else DiTPipeline
+    loaded = cls.from_pretrained(folder)
+    if kind == "wan":
+        assert stock.from_pipe(loaded).transformer is None
+    else:
+        with pytest.raises(ValueError, match="expected"):  # DiTPipeline's transformer is not optional
+            stock.from_pipe(loaded)
+    warning = next(m for m in diffusers_log if m.startswith("component transformer is not switched over"))
+    assert "Diffusers' from_pipe keeps a model only when its type is exactly one" in warning
+    assert f"{cls.__name__}" in warning and "from_pipe(pipe, transformer=pipe.transformer)" in warning
+    passed = stock.from_pipe(loaded, transformer=loaded.transformer)
+    assert passed.transformer is loaded.transformer and get_mhla_conversion(passed.transformer) == loaded.mhla
+    np.testing.assert_array_equal(_generate(passed, kind), _generate(loaded, kind))
 
 
 @pytest.mark.parametrize("kind", ["wan", "dit"])
