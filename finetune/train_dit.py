@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works without installing
 
-from mhla_diffusion.finetune.train_dit import main  # noqa: E402
+from mhla_diffusion.finetune.entry import main  # noqa: E402  (torch loads after the options are checked)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("dit"))

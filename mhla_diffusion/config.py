@@ -1,4 +1,5 @@
-"""``MHLAConfig``: the one object that holds every MHLA option."""
+"""``MHLAConfig``: the one object that holds every MHLA option (torch-free: the trainers check it before loading
+torch)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from .ops.mixing import MIXING_TRANSFORMS
+from .utils.choices import MIXING_TRANSFORMS
 from .utils.geometry import check_equal_blocks
 
 __all__ = ["MHLAConfig", "NORMALIZATIONS"]

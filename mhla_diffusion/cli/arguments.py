@@ -1,7 +1,8 @@
 """What several ``mhla`` commands parse alike: sizes, layers, counts, devices, the model options, and
 subcommand parsers that add their arguments only when they are used.
 
-Numbers are read by the option layer (:mod:`mhla_diffusion.utils.options`), the choice lists are
+Numbers and lists are read by the option layer (:mod:`mhla_diffusion.utils.options`, whose one list rule takes
+``1,2,4``, ``3x5x10`` and ``[1, 2, 4]``), the choice lists are
 :mod:`mhla_diffusion.utils.choices`. Standard library and torch-free modules only, so parsing never waits
 for torch or Diffusers; only a given ``--device`` imports torch (:func:`parse_device` asks it what this
 machine has).
@@ -14,7 +15,7 @@ import ast
 import importlib.util
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Literal, Sequence
 
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
 from ..utils.geometry import MAX_SEED
@@ -31,6 +32,8 @@ __all__ = [
     "non_negative_int",
     "parse_device",
     "parse_layers",
+    "parse_layout",
+    "parse_names",
     "parse_sizes",
     "positive_int",
     "seed",
@@ -43,12 +46,19 @@ WAN_480P = (81, 480, 832)
 # ---------------------------------------------------------------------------------- value parsers
 
 
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``3x5x10`` (or ``3,5,10``) -> ``(3, 5, 10)``; positive ints only (an ``argparse`` type)."""
+def _by_option_layer(text: str, hint: Any) -> Any:
+    """``text`` read by the option layer as ``hint`` (its list rule: ``1,2,4``, ``3x5x10``, ``[1, 2, 4]``), an
+    ``argparse`` type error otherwise."""
     try:
-        values = tuple(int(v) for v in text.strip().replace(",", "x").split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected sizes like 3x5x10, got {text!r}") from None
+        return parse_text(None, text, hint, where=repr(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``3x5x10`` (or ``3,5,10``, ``[3, 5, 10]``: the option layer's list rule) -> ``(3, 5, 10)``; positive ints
+    only (an ``argparse`` type)."""
+    values = _by_option_layer(text, tuple[int, ...])
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
     return values
@@ -56,14 +66,25 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 def parse_layers(text: str) -> str | list[int]:
     """``all``, ``hybrid`` or layer indices ``1,2,4`` (an ``argparse`` type)."""
-    if text in ("all", "hybrid"):
-        return text
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers takes 'all', 'hybrid' or indices like 1,2,4; got {text!r}"
-        ) from None
+    return _by_option_layer(text, Literal["all", "hybrid"] | list[int])
+
+
+def parse_layout(text: str) -> str | tuple[int, ...]:
+    """``auto`` or blocks per axis such as ``3x5x10`` (an ``argparse`` type)."""
+    return "auto" if text.strip() == "auto" else parse_sizes(text)
+
+
+def parse_names(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """An ``argparse`` type: names from ``choices`` by the list rule (``fvd,clip``), each once, in order."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(_by_option_layer(text, list[str])))
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (comma-separated), got {text!r}")
+        return names
+
+    return parse
 
 
 def parse_device(text: str) -> str:

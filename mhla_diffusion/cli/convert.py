@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..models.families import FAMILIES, family_named
 from ..utils.geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
-from .arguments import WAN_480P, add_command, parse_layers, parse_sizes
+from .arguments import WAN_480P, add_command, parse_layers, parse_layout, parse_sizes
 
 __all__ = ["register"]
 
@@ -25,11 +25,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "A pipeline folder with two transformers (Wan2.2-A14B: transformer, transformer_2) converts both with "
         "the same options and saves them to --output/transformer and --output/transformer_2.",
     )
-
-
-def parse_layout(text: str) -> str | tuple[int, ...]:
-    """``auto`` or blocks per axis such as ``3x5x10`` (an ``argparse`` type)."""
-    return "auto" if text == "auto" else parse_sizes(text)
 
 
 def _probability(text: str) -> float:

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import add_command, parse_device, positive_int
+from .arguments import add_command, parse_device, parse_names, positive_int
 
 __all__ = ["METRICS", "register", "run_eval_video"]
 
@@ -35,14 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "you supply), CLIP score of the videos' prompts (a local CLIP folder), and for the embedded moving-shapes "
         "models the judge's per-attribute accuracy and judge FID. Nothing is downloaded.",
     )
-
-
-def _metrics(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [name for name in names if name not in METRICS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(METRICS)} (comma-separated), got {text!r}")
-    return names
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -64,7 +56,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--judge", choices=("embedded",), help="also score with the embedded moving-shapes video judge")
     p.add_argument(
         "--metrics",
-        type=_metrics,
+        type=parse_names(METRICS),
         help="comma-separated subset of fvd, clip, judge (default: fvd,clip, plus judge with --judge)",
     )
     p.add_argument("--save-ref", type=Path, help="write the I3D statistics of a --ref folder to this .npz")

@@ -487,9 +487,10 @@ def run_class_to_image(args: argparse.Namespace) -> int:
     from ..loaders.loading import local_labels
     from ..pipelines.class_labels import resolve_class_ids
     from ..pipelines.outputs import plan_outputs, save_image, slugify, write_settings
+    from ..utils.options import list_items
 
     _apply_defaults(args, "class-to-image")  # the model folder exists from here on
-    classes = [c.strip() for item in args.classes for c in item.split(",") if c.strip()]
+    classes = [c for item in args.classes for c in list_items(item)]  # the option layer's list rule
     if not classes:
         raise ValueError("give at least one --class (an id such as 207 or a name such as 'golden retriever')")
     if args.steps < 1 or args.guidance_scale < 0:

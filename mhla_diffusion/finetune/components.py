@@ -20,6 +20,7 @@ from torch import nn
 from ..config import MHLAConfig
 from ..loaders.weights import load_mhla, load_transformer, read_mhla_config
 from ..models.conversion import convert_to_mhla
+from .options import mhla_config_from_options  # torch-free: the options check it first
 
 __all__ = [
     "load_component",
@@ -55,15 +56,6 @@ def load_component(source: str, name: str, revision: str | None = None, dtype: t
     if dtype is not None and isinstance(cls, type) and issubclass(cls, nn.Module):
         kwargs["dtype"] = dtype
     return cls.from_pretrained(source, **kwargs)
-
-
-def mhla_config_from_options(mhla: dict[str, Any], preset: str | None) -> MHLAConfig:
-    """:class:`MHLAConfig` from the options' ``mhla`` mapping (and ``mhla_preset``)."""
-    if preset == "released-wan":
-        return MHLAConfig.released_wan(**mhla)
-    if preset == "released-dit":
-        return MHLAConfig.released_dit(**mhla)
-    return MHLAConfig.from_dict(mhla)
 
 
 def load_mhla_transformer(

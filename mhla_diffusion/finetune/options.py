@@ -8,9 +8,12 @@ command line:
 
     python -m mhla_diffusion.finetune.train_wan --config wan.yaml --max_train_steps 2000 --mhla.layers hybrid
 
-Keys may be spelled with ``_`` or ``-``; nested ``mhla`` options use a dot. Command-line values are read as
-YAML (``true``, ``3``, ``[480, 832]``; :func:`~mhla_diffusion.utils.options.parse_text`), then checked against
-the field's type like the file's (:func:`~mhla_diffusion.utils.options.coerce`).
+Keys may be spelled with ``_`` or ``-``; nested ``mhla`` options use a dot and have the type of their
+:class:`~mhla_diffusion.MHLAConfig` field. Command-line values are read as YAML (``true``, ``3``;
+:func:`~mhla_diffusion.utils.options.parse_text`), lists by the option layer's one list rule (``1,6,6``,
+``3x5x10`` or ``[1, 6, 6]``; sizes ``480x832,720x1280``), then checked against the field's type like the file's
+(:func:`~mhla_diffusion.utils.options.coerce`). Every option, the ``mhla`` ones included, is checked here, before
+the trainer imports torch.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from typing import Any, Sequence, TypeVar
 
 import yaml
 
+from ..config import MHLAConfig
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
 from ..utils.options import (
     add_field_arguments,
     check_choice,
     check_choices,
     coerce,
+    describe,
     option,
     parse_text,
     read_yaml,
@@ -42,11 +47,15 @@ __all__ = [
     "TrainOptions",
     "WanTrainOptions",
     "load_options",
+    "mhla_config_from_options",
     "options_from_dict",
     "parse_cli",
 ]
 
 T = TypeVar("T", bound="TrainOptions")
+
+#: The type of each ``mhla.KEY`` option: the :class:`~mhla_diffusion.MHLAConfig` field's annotation.
+MHLA_HINTS = typing.get_type_hints(MHLAConfig)
 
 DEFAULT_DIT_VAE = "stabilityai/sd-vae-ft-ema"  # the released DiT recipe's VAE (a model_size run's default vae_model)
 
@@ -183,6 +192,8 @@ class TrainOptions:
             raise ValueError("`mhla_weights` brings its own MHLA config: drop `mhla` / `mhla_preset`")
         if self.resume is not None and self.overwrite_output_dir:
             raise ValueError("`resume` continues the run in output_dir, `overwrite_output_dir` deletes it: choose one")
+        if self.attention == "mhla" and self.mhla_weights is None:
+            self.mhla_config()  # MHLAConfig's own checks (layout, layers, ...), before any model loads
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
             _at_least(name, getattr(self, name), 1)
         for name in (
@@ -217,9 +228,17 @@ class TrainOptions:
                 "saves only MHLA (and LoRA) weights, so they would be lost: use attention_transfer_params: mhla, or "
                 "trainable: attention / all"
             )
-        from diffusers.optimization import SchedulerType
+        from diffusers.optimization import SchedulerType  # last: every other check runs without torch
 
         check_choice("lr_scheduler", self.lr_scheduler, [s.value for s in SchedulerType])
+
+    def mhla_config(self) -> MHLAConfig:
+        """The :class:`~mhla_diffusion.MHLAConfig` of ``mhla`` and ``mhla_preset``; ``ValueError`` naming the
+        ``mhla`` field that MHLAConfig refuses."""
+        try:
+            return mhla_config_from_options(self.mhla, self.mhla_preset)
+        except ValueError as error:
+            raise ValueError(f"mhla: {error}") from None
 
     def _required_options(self) -> Sequence[str]:
         return ("pretrained_model", "output_dir", "data_dir")
@@ -534,6 +553,15 @@ class DiTTrainOptions(TrainOptions):
         return ("all",)
 
 
+def mhla_config_from_options(mhla: dict[str, Any], preset: str | None) -> MHLAConfig:
+    """:class:`MHLAConfig` from the options' ``mhla`` mapping (and ``mhla_preset``)."""
+    if preset == "released-wan":
+        return MHLAConfig.released_wan(**mhla)
+    if preset == "released-dit":
+        return MHLAConfig.released_dit(**mhla)
+    return MHLAConfig.from_dict(mhla)
+
+
 # ---------------------------------------------------------------------- parsing
 
 
@@ -549,16 +577,14 @@ class _OptionParser(argparse.ArgumentParser):
 
 def _trainer_parser(cls: type[TrainOptions]) -> argparse.ArgumentParser:
     """``--config``, one option per field of ``cls`` and one per :class:`~mhla_diffusion.MHLAConfig` field."""
-    from ..config import MHLAConfig
-
     script = "train_dit" if issubclass(cls, DiTTrainOptions) else "train_wan"
     parser = _OptionParser(
         prog=f"python -m mhla_diffusion.finetune.{script}",
         allow_abbrev=False,
         usage="%(prog)s [--config CONFIG.yaml] [--OPTION VALUE ...]",
         description=f"{(cls.__doc__ or '').strip()} Every option can be set in the --config YAML file (without its "
-        "--) and overridden here; values are YAML: true, 3, '[480, 832]' (a list also as 480,832). Example configs: "
-        "finetune/configs/.",
+        "--) and overridden here; values are YAML (true, 3), a list is written 1,6,6 or [1, 6, 6] (a list of "
+        "numbers also 3x5x10; sizes 480x832,720x1280). Example configs: finetune/configs/.",
     )
     parser.add_argument("--config", metavar="CONFIG.yaml", help="YAML file of option: value")
     add_field_arguments(parser.add_argument_group("trainer options"), cls)
@@ -570,7 +596,7 @@ def _trainer_parser(cls: type[TrainOptions]) -> argparse.ArgumentParser:
             dest=f"mhla.{f.name}",
             default=argparse.SUPPRESS,
             metavar="VALUE",
-            help=f"MHLAConfig.{f.name} (default: {f.default!r})".replace("%", "%%"),
+            help=f"MHLAConfig.{f.name}: {describe(MHLA_HINTS[f.name])} (default: {f.default!r})".replace("%", "%%"),
         )
     return parser
 
@@ -592,7 +618,7 @@ def parse_cli(argv: Sequence[str] | None, cls: type[TrainOptions]) -> tuple[str 
         raise unknown_name("option", name, names, name.replace("-", "_"))
     texts = vars(known)
     config = texts.pop("config")
-    hints = typing.get_type_hints(cls)
+    hints = {**typing.get_type_hints(cls), **{f"mhla.{k}": v for k, v in MHLA_HINTS.items()}}
     overrides = {
         name: parse_text(name, text, hints.get(name, Any), where=f"--{name} {text!r}") for name, text in texts.items()
     }
@@ -613,8 +639,13 @@ def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
         if key not in names:
             raise unknown_name("option", raw_key, names, key)
         kwargs[key] = coerce(key, value, hints[key])
+    mhla = {**kwargs.get("mhla", {}), **mhla}
+    for key in mhla:  # the MHLA fields' types (a YAML file's `layout: 1,6,6` by the list rule too)
+        if key not in MHLA_HINTS:
+            raise unknown_name("option", f"mhla.{key}", [f"mhla.{k}" for k in MHLA_HINTS])
+        mhla[key] = coerce(f"mhla.{key}", mhla[key], MHLA_HINTS[key])
     if mhla:
-        kwargs["mhla"] = {**kwargs.get("mhla", {}), **mhla}
+        kwargs["mhla"] = mhla
     options = cls(**kwargs)
     options.validate()
     return options

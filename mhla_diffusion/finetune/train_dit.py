@@ -56,7 +56,7 @@ from .image_data import (
 from .latent_cache import LatentCache, encoder_identity, run_prepass
 from .latents import dit_latent_normalization, draw_latents, encode_posterior, presample
 from .objectives import DiffusionObjective
-from .options import DEFAULT_DIT_VAE, DiTTrainOptions, load_options
+from .options import DEFAULT_DIT_VAE, DiTTrainOptions
 
 __all__ = ["DiTTask", "clamp_mixing", "disable_label_dropout", "folder_labels", "main", "train"]
 
@@ -463,9 +463,9 @@ def train(options: DiTTrainOptions, on_step_end=None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .entry import run_main
+    from .entry import main as trainer_main
 
-    return run_main(lambda args: train(load_options(DiTTrainOptions, args)), argv)
+    return trainer_main("dit", argv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from .engine import Task, TaskParts, resolve_dtype, run_task
 from .latent_cache import LatentCache, encoder_identity, run_prepass
 from .latents import draw_latents, encode_posterior, wan_latent_normalization
 from .objectives import flow_match_inputs, flow_match_loss
-from .options import WanTrainOptions, load_options
+from .options import WanTrainOptions
 from .text import encode_prompts, pad_prompt_embeds
 from .trainable import add_lora
 from .video_data import (
@@ -527,9 +527,9 @@ def train(options: WanTrainOptions, on_step_end=None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .entry import run_main
+    from .entry import main as trainer_main
 
-    return run_main(lambda args: train(load_options(WanTrainOptions, args)), argv)
+    return trainer_main("wan", argv)
 
 
 if __name__ == "__main__":

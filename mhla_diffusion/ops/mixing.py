@@ -14,9 +14,9 @@ from typing import Literal, Sequence
 
 import torch
 
-__all__ = ["MIXING_TRANSFORMS", "block_distances", "mixing_init"]
+from ..utils.choices import MIXING_TRANSFORMS
 
-MIXING_TRANSFORMS = ("linear", "cos", "exp", "gaussian", "local")
+__all__ = ["MIXING_TRANSFORMS", "block_distances", "mixing_init"]
 
 
 def block_distances(layout: Sequence[int]) -> torch.Tensor:

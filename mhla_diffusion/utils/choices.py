@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
-__all__ = ["ATTENTIONS", "Attention", "WEIGHT_DTYPES"]
+__all__ = ["ATTENTIONS", "Attention", "MIXING_TRANSFORMS", "WEIGHT_DTYPES"]
 
 #: The self-attention a model runs: its MHLA layers, or the original softmax attention with the same weights.
 Attention = Literal["mhla", "softmax"]
@@ -16,3 +16,6 @@ Attention = Literal["mhla", "softmax"]
 ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
 #: Weights dtypes a user may ask for by name.
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+#: The mixing initialisations of :class:`~mhla_diffusion.MHLAConfig` (``transform``; see
+#: :func:`~mhla_diffusion.ops.mixing.mixing_init`).
+MIXING_TRANSFORMS = ("linear", "cos", "exp", "gaussian", "local")

@@ -10,6 +10,12 @@ annotation is the type a value must have. From that one definition:
   field's help, choices and default in ``--help``;
 * :func:`check_choices` checks the fields that name their choices.
 
+**The list rule** (every list value, wherever it is written: a command-line option, ``--set NAME=VALUE``, an
+environment variable, a string in a YAML file): items separated by commas, ``1,6,6`` or ``to_q,to_k``, or a
+YAML list, ``[1, 6, 6]``; one item alone is a one-item list. A list of whole numbers may also join its items with
+``x``, the way sizes are written (``3x5x10`` is ``3,5,10``), so a list of sizes is ``480x832,720x1280``
+(YAML ``[[480, 832], [720, 1280]]``). :func:`list_items` splits the text, :func:`coerce` applies the rule.
+
 The help text sits in ``Field.metadata["help"]``, the key ``transformers.HfArgumentParser`` reads. The values
 themselves are not parsed with ``HfArgumentParser``: the trainers take YAML-typed values on the command line
 (``--resolution_buckets '[[480, 832]]'``), nested ``--mhla.KEY`` options, ``int | str`` unions and strict
@@ -21,8 +27,10 @@ Standard library and PyYAML only: ``mhla --help`` imports this module.
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Callable, Iterable, Sequence
@@ -35,8 +43,10 @@ __all__ = [
     "check_choice",
     "check_choices",
     "coerce",
+    "describe",
     "field_choices",
     "field_help",
+    "list_items",
     "option",
     "parse_text",
     "read_yaml",
@@ -106,25 +116,76 @@ def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
+def _list_item(hint: Any) -> Any | None:
+    """The item type of a list-like ``hint`` (``list[int]``, ``tuple[int, ...]``, ``Sequence[int]``: ``int``;
+    bare ``list``: ``Any``), or ``None`` when ``hint`` is not a list."""
+    if hint in (list, tuple):
+        return Any
+    if typing.get_origin(hint) in (list, tuple, collections.abc.Sequence):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return args[0] if args else Any
+    return None
+
+
+def describe(hint: Any) -> str:
+    """What a value of type ``hint`` looks like, for error messages: "an integer", "a list of integers such as
+    1,2,3", "'auto'", "true or false"."""
+    if _is_union(hint):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        words = " or ".join(describe(m) for m in members)
+        return f"{words} or none" if type(None) in typing.get_args(hint) else words
+    if typing.get_origin(hint) is typing.Literal:
+        return " or ".join(repr(v) for v in typing.get_args(hint))
+    item = _list_item(hint)
+    if item is not None:
+        if item is int:
+            return "a list of integers such as 3,5,10 (or 3x5x10)"
+        if _list_item(item) is not None:
+            return "a list of sizes such as 480x832,720x1280 (YAML: [[480, 832], [720, 1280]])"
+        return "a list such as a,b (or YAML [a, b])"
+    if origin_is_dict(hint):
+        return "a mapping (YAML: {key: value})"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, "a value")
+
+
+def origin_is_dict(hint: Any) -> bool:
+    return hint is dict or typing.get_origin(hint) is dict
+
+
+def list_items(text: str, numbers: bool = False) -> list[str]:
+    """The items of a list written as text, by the list rule (module docstring): ``"a, b,c"`` ->
+    ``["a", "b", "c"]``; with ``numbers``, ``x`` separates items too (``"3x5x10"`` -> ``["3", "5", "10"]``).
+    Empty items are dropped."""
+    parts = re.split(r"[,x]", text) if numbers else text.split(",")
+    return [part.strip() for part in parts if part.strip()]
+
+
 def coerce(name: str | None, value: Any, hint: Any) -> Any:
     """``value`` checked against the type annotation ``hint``; ``ValueError`` naming ``name`` otherwise.
 
     Ints are accepted for floats; a string that reads as a number for a float (YAML 1.1 reads ``1e-4``, with no
-    dot, as a string); YAML's ``false`` for a string field is ``"no"`` (``mixed_precision: no``)."""
+    dot, as a string); YAML's ``false`` for a string field is ``"no"`` (``mixed_precision: no``); a list field
+    takes a list, or text by the list rule (module docstring); a ``Literal`` field one of its values. The error
+    says what the field takes (:func:`describe`) and what it got."""
     if _is_union(hint):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return coerce(name, value, arg)
-            except ValueError as error:
-                errors.append(str(error))
-        raise ValueError(errors[0])
-    origin = typing.get_origin(hint)
+            except ValueError:
+                pass
+        raise ValueError(f"{_subject(name)} {describe(hint)}, got {value!r}")
     if hint is Any:
         return value
+    if typing.get_origin(hint) is typing.Literal:
+        if value in typing.get_args(hint) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{_subject(name)} {describe(hint)}, got {value!r}")
+    item = _list_item(hint)
+    if item is not None:
+        return _coerce_list(name, value, hint, item)
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -148,22 +209,38 @@ def coerce(name: str | None, value: Any, hint: Any) -> Any:
         if isinstance(value, (str, int, float)):
             return str(value)
         raise ValueError(f"{_subject(name)} a string, got {value!r}")
-    if origin is list or hint is list:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{_subject(name)} a list (YAML: [a, b]), got {value!r}")
-        (item,) = typing.get_args(hint) or (Any,)
-        return [coerce(name, v, item) for v in value]
-    if origin is dict or hint is dict:
+    if origin_is_dict(hint):
         if not isinstance(value, dict):
-            raise ValueError(f"{_subject(name)} a mapping (YAML: {{key: value}}), got {value!r}")
+            raise ValueError(f"{_subject(name)} {describe(hint)}, got {value!r}")
         return dict(value)
     return value
 
 
-def _accepts(hint: Any, kind: type) -> bool:
-    """Whether ``hint`` (or a member of its union) is ``kind`` or ``kind[...]``."""
+def _coerce_list(name: str | None, value: Any, hint: Any, item: Any) -> list | tuple:
+    """A list field's value: a list or tuple as it is, text (or one number) split by the list rule; each item
+    checked against ``item``. A ``tuple[...]`` hint gives a tuple."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, list, tuple)):
+        raise ValueError(f"{_subject(name)} {describe(hint)}, got {value!r}")
+    try:
+        if not isinstance(value, (list, tuple)):
+            texts = list_items(str(value), numbers=item is int)
+            if _list_item(item) is not None and not all("x" in t for t in texts):  # sizes: 480x832,720x1280
+                raise ValueError("each item of a list of lists is written with x")
+            value = texts if item is str or _list_item(item) is not None else [_item(t, item) for t in texts]
+        items = [coerce(None, v, item) for v in value]
+    except ValueError:
+        raise ValueError(f"{_subject(name)} {describe(hint)}, got {value!r}") from None
+    return tuple(items) if typing.get_origin(hint) is tuple or hint is tuple else items
+
+
+def _item(text: str, hint: Any) -> Any:
+    return parse_text(None, text, hint, where=repr(text))
+
+
+def _accepts_list(hint: Any) -> bool:
+    """Whether ``hint`` (or a member of its union) is a list type."""
     members = typing.get_args(hint) if _is_union(hint) else (hint,)
-    return any(m is kind or typing.get_origin(m) is kind for m in members)
+    return any(_list_item(m) is not None for m in members)
 
 
 def _only_str(hint: Any) -> bool:
@@ -175,19 +252,24 @@ def parse_text(name: str | None, text: str, hint: Any, where: str | None = None)
     """A value written as text (command line, ``--set``, environment) read as YAML, then :func:`coerce`.
 
     Booleans are ``true`` or ``false`` only (YAML 1.1's ``yes``/``no``/``on``/``off`` stay words: a string
-    field keeps them as written); a list field also takes comma-separated values (``0,1,2``); a field that
-    may be ``None`` takes ``none`` or ``null``. ``where`` names the text in a YAML syntax error (default
-    ``name``)."""
+    field keeps them as written); a list field takes the list rule (module docstring: ``0,1,2``, ``3x5x10``,
+    ``[0, 1, 2]``); a field that may be ``None`` takes ``none`` or ``null``. ``where`` names the text in a YAML
+    syntax error (default ``name``)."""
     stripped = text.strip()
     if type(None) in typing.get_args(hint) and stripped.lower() in _NONE_WORDS:
         return None
-    value: Any = "" if stripped == "" else read_yaml(text, where or str(name))
+    if _accepts_list(hint) and not stripped.startswith("["):
+        value: Any = text  # the list rule splits it (coerce); YAML would read 3x5x10 or 0x10 as one scalar
+        if _is_union(hint):  # another member (`auto`, `hybrid`) may take the text as it reads
+            value = read_yaml(text, where or str(name)) if stripped else ""
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = text
+    else:
+        value = "" if stripped == "" else read_yaml(text, where or str(name))
     if isinstance(value, bool) and stripped.lower() not in ("true", "false"):
         value = text
     if _only_str(hint) and isinstance(value, (bool, int, float)):
         value = text  # a string field keeps `010`, `1e-4` or `no` as written
-    if _accepts(hint, list) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        value = [parse_text(name, part, Any, where) for part in text.split(",") if part.strip()]
     return coerce(name, value, hint)
 
 

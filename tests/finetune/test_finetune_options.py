@@ -187,3 +187,63 @@ def test_command_line_names_and_values_are_checked_before_anything_loads():
         + ["--lora_target_modules", "to_q,to_k", "--revision", "010", "--resume", "none"],
     )
     assert options.lora_target_modules == ["to_q", "to_k"] and options.revision == "010" and options.resume is None
+
+
+@pytest.mark.parametrize("text", ["1,6,6", "1, 6, 6", "1x6x6", "[1, 6, 6]"])
+def test_mhla_list_options_take_the_one_list_rule(text):
+    """`--mhla.layout 1,6,6` is a list like `--frame_buckets 9,17` (issue 44: it stayed the string '1,6,6')."""
+    options = load_options(WanTrainOptions, [*(f"--{k}={v}" for k, v in REQUIRED.items()), "--mhla.layout", text])
+    assert options.mhla == {"layout": [1, 6, 6]}
+    assert options.mhla_config().layout == (1, 6, 6)
+    layers = load_options(WanTrainOptions, [*(f"--{k}={v}" for k, v in REQUIRED.items()), "--mhla.layers", "1,2"])
+    assert layers.mhla == {"layers": [1, 2]}
+    from_file = options_from_dict(WanTrainOptions, {**REQUIRED, "mhla": {"layout": "1,6,6", "target_grid": "3x6x6"}})
+    assert from_file.mhla == {"layout": [1, 6, 6], "target_grid": [3, 6, 6]}  # a YAML string by the same rule
+
+
+def test_list_options_read_alike_everywhere():
+    """Every list field takes commas, brackets and (numbers) x; a list of sizes is 480x832,720x1280."""
+    args = [f"--{k}={v}" for k, v in REQUIRED.items()]
+    buckets = load_options(
+        WanTrainOptions, [*args, "--resolution_buckets", "480x832,720x1280", "--frame_buckets", "9x17"]
+    )
+    assert buckets.bucket_sizes() == [(480, 832), (720, 1280)] and buckets.frame_counts() == [9, 17]
+    assert load_options(WanTrainOptions, [*args, "--resolution_buckets", "[[480, 832]]"]).bucket_sizes() == [(480, 832)]
+    with pytest.raises(ValueError, match=r"`resolution_buckets` must be a list of sizes such as 480x832,720x1280"):
+        load_options(WanTrainOptions, [*args, "--resolution_buckets", "480,832"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mhla.layout", "1,a,6"], "`mhla.layout` must be a list of integers such as 3,5,10 (or 3x5x10) or 'auto'"),
+        (["--mhla.layout", "0,6,6"], "mhla: `layout` must have 1 to 3 positive entries"),
+        (["--mhla.transform", "spline"], "mhla: unknown `transform` 'spline'"),
+        (["--mhla.layers", "some"], "`mhla.layers` must be 'all' or 'hybrid' or a list of integers"),
+    ],
+)
+def test_mhla_option_errors_are_one_line_before_torch(argv, message):
+    """The trainer's entry point refuses a bad MHLA option in one line, without importing torch (it took ~18 s
+    and then failed inside MHLAConfig)."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\nfrom mhla_diffusion.finetune.entry import main\n"
+        f"code = main('wan', {[*(f'--{k}={v}' for k, v in REQUIRED.items()), *argv]!r})\n"
+        "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert json.loads(result.stdout.splitlines()[-1]) == {"code": 2, "torch": False}, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_errors_under_accelerate_launch_say_how_to_drop_the_launcher_traceback(monkeypatch, capsys):
+    from mhla_diffusion.finetune.entry import main
+
+    for name in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND"):
+        monkeypatch.setenv(name, "no")
+    assert main("wan", ["--mhla.layout", "1,a,6"]) == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "`mhla.layout` must be" in line and "`accelerate launch -q`" in line

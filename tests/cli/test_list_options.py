@@ -1,0 +1,44 @@
+"""One list rule for every list option (issue 44): commas, YAML brackets, and for numbers ``x`` too."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mhla_diffusion.cli.arguments import parse_layers, parse_layout, parse_names, parse_sizes
+
+
+@pytest.mark.parametrize("text", ["3x5x10", "3,5,10", "3, 5, 10", "[3, 5, 10]"])
+def test_sizes_take_every_list_spelling(text):
+    assert parse_sizes(text) == (3, 5, 10)
+    assert parse_layout(text) == (3, 5, 10)
+
+
+def test_layers_layouts_and_names_take_the_same_rule():
+    assert parse_layers("1,2,4") == parse_layers("[1, 2, 4]") == parse_layers("1, 2, 4") == [1, 2, 4]
+    assert parse_layers("hybrid") == "hybrid" and parse_layout("auto") == "auto"
+    metrics = parse_names(("fvd", "clip", "judge"))
+    assert metrics("clip,judge") == metrics("[clip, judge]") == metrics("clip, judge, clip") == ("clip", "judge")
+
+
+@pytest.mark.parametrize(
+    "parse, text, message",
+    [
+        (parse_sizes, "3xfive", "expected a list of integers such as 3,5,10 (or 3x5x10), got '3xfive'"),
+        (parse_sizes, "3x0", "sizes must be positive"),
+        (parse_layers, "some", "expected 'all' or 'hybrid' or a list of integers"),
+        (parse_names(("fvd", "clip")), "fvd,is", "choose from fvd, clip (comma-separated)"),
+    ],
+)
+def test_a_bad_list_names_what_the_option_takes(parse, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse(text)
+
+
+def test_settings_lists_take_the_same_rule():
+    """`mhla build-embedded --set video_student_layout=1x4x4` reads like the trainers' `--mhla.layout 1x4x4`."""
+    from mhla_diffusion.embedded.build import BuildSettings, settings_with
+
+    for text in ("1x4x4", "1,4,4", "[1, 4, 4]"):
+        assert settings_with(BuildSettings(), [f"video_student_layout={text}"]).video_student_layout == [1, 4, 4]
