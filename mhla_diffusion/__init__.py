@@ -12,7 +12,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "mhla_attention": ".ops.attention",
-    "mhla_attention_reference": ".ops.naive",
+    **dict.fromkeys(["mhla_attention_reference", "mhla_causal_attention_reference"], ".ops.naive"),
+    **dict.fromkeys(
+        ["CausalMHLAState", "causal_mixing_init", "causal_mixing_matrix", "mhla_causal_attention", "mhla_causal_step"],
+        ".ops.causal",
+    ),
     **dict.fromkeys(["auto_layout", "block_plan", "num_blocks", "token_block_ids"], ".ops.block_layout"),
     "MHLAConfig": ".config",
     "retain_freed_memory": ".ops.cpu_memory",

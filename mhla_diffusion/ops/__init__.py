@@ -1,7 +1,9 @@
 """The MHLA operator: one implementation of block regrouping, summaries, mixing and output.
 
 - :mod:`~mhla_diffusion.ops.attention`: ``mhla_attention``, the O(N) operator (CPU and eager GPU).
-- :mod:`~mhla_diffusion.ops.naive`: the O(N^2) definition the fast paths are tested against.
+- :mod:`~mhla_diffusion.ops.causal`: block-causal MHLA (``mhla_causal_attention`` over a whole clip,
+  ``mhla_causal_step`` chunk by chunk with a carried ``CausalMHLAState``), on the same block math.
+- :mod:`~mhla_diffusion.ops.naive`: the O(N^2) definitions the fast paths are tested against.
 - :mod:`~mhla_diffusion.ops.triton_mhla`: the fused Triton forward (CUDA).
 - :mod:`~mhla_diffusion.ops.context_parallel`: the split-sequence hook (partial summaries all-reduced).
 - :mod:`~mhla_diffusion.ops.block_layout`, :mod:`~mhla_diffusion.ops.mixing`: blocks of the token grid

@@ -78,13 +78,16 @@ def validate_attention_inputs(
     v: torch.Tensor,
     grid: Sequence[int],
     layout: Sequence[int],
-    mixing: torch.Tensor,
+    mixing: torch.Tensor | None,
     q_rot: torch.Tensor | None,
     k_rot: torch.Tensor | None,
     plan: BlockPlan | None = None,
     num_tokens: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check the operator's arguments; raise ``ValueError`` naming the first bad one.
+
+    ``mixing=None`` skips the check of the mixing's shape, for callers whose mixing has another form
+    (:mod:`~mhla_diffusion.ops.causal`) and who check it themselves.
 
     With a ``plan`` (built by :func:`~mhla_diffusion.ops.block_layout.block_plan`, which validated its
     grid and layout), grid and layout are only compared with the plan's, not validated again.
@@ -107,6 +110,8 @@ def validate_attention_inputs(
     else:
         grid, layout = _check_plan(plan, grid, layout, num_tokens, q.device)
     m, heads = num_blocks(layout), q.shape[2]
+    if mixing is None:  # checked by the caller (the causal operator's mixing has its own shape)
+        return grid, layout
     if not isinstance(mixing, torch.Tensor) or mixing.shape not in ((m, m), (heads, m, m)):
         raise ValueError(
             f"`mixing` must have shape ({m}, {m}) or per-head ({heads}, {m}, {m}) for layout {layout} "
@@ -334,15 +339,7 @@ def _mhla_blocks(
         return _folded_blocks(q, k, v, blocks, mixing, eps, feature_eps)
 
     def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block-major (numerator features, denominator features or None) of one of q, k."""
-        if feature_eps is None:
-            num = blocks.gather(x if x_rot is None else x_rot)
-            return num, ((num if x_rot is None else blocks.gather(x)) if den else None)
-        relu_x = blocks.relu(x)
-        if tables is None:  # φ(x) = ReLU(x) + feature_eps serves numerator and denominator alike
-            phi = relu_x.add_(feature_eps) if inplace else relu_x + feature_eps
-            return phi, (phi if den else None)
-        return blocks.rotate(relu_x, tables), (relu_x if den else None)
+        return blocks.features(x, x_rot, feature_eps, tables, den)
 
     # keys and values first; each step makes its block copies itself and frees them before the next step
     summaries = _Summaries.of(
@@ -658,6 +655,28 @@ class _Blocks:
         cos, sin = (self.gather(table[..., 0::2]) for table in rotary)
         return cos, sin, feature_eps * (cos - sin), feature_eps * (sin + cos)
 
+    def features(
+        self,
+        x: torch.Tensor,
+        x_rot: torch.Tensor | None,
+        feature_eps: float | None,
+        tables: tuple[torch.Tensor, ...] | None,
+        den: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block-major (numerator features, denominator features or None without ``den``) of one of q, k.
+
+        Without ``feature_eps``, ``x`` (and ``x_rot``) are features already; with it, ``x`` is the raw projection,
+        mapped to ``ReLU(x) + feature_eps`` and, with RoPE ``tables`` (:meth:`rotary_tables`), rotated for the
+        numerator; the denominator then gets ``ReLU(x)``, its shift ``feature_eps`` being added to the sums."""
+        if feature_eps is None:
+            num = self.gather(x if x_rot is None else x_rot)
+            return num, ((num if x_rot is None else self.gather(x)) if den else None)
+        relu_x = self.relu(x)
+        if tables is None:  # φ(x) = ReLU(x) + feature_eps serves numerator and denominator alike
+            phi = relu_x.add_(feature_eps) if self.inplace else relu_x + feature_eps
+            return phi, (phi if den else None)
+        return self.rotate(relu_x, tables), (relu_x if den else None)
+
     def rotate(self, relu_x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``RoPE(ReLU(x) + feature_eps)`` from block-major ``relu_x`` and :meth:`rotary_tables`: channel pairs
         ``(2i, 2i+1)`` rotate by the token's angle ``i``; the rotated shift is added in the same passes."""
@@ -752,6 +771,27 @@ class SequenceSplit(Protocol):
         """Local slots' ``q_(j,w) · z_j`` ``(B, H, M_l, P_l)`` -> every block's and position's ``(B, H, M, P)``."""
 
 
+def block_sums(
+    blocks: _Blocks,
+    key_features: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    values: Callable[[], torch.Tensor],
+    shift: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every block's key-value summary ``S_j`` ``(B, H, M, D, Dv)`` and key sum ``z_j`` ``(B, H, M, D)`` (``None``
+    without denominator features), unmixed.
+
+    ``key_features()``: block-major (numerator's rotated key features, denominator's or None), ``shift`` to be
+    added to the latter; ``values()``: block-major values with zeroed padded slots.
+    """
+    k_num, k_den = key_features()
+    # S_j: (B, H, M, D, Dv). Products of half inputs accumulate in float32 inside the GEMM and are stored
+    # in the inputs' dtype, as S̃ must meet the half queries in it anyway: the summaries cost no casts.
+    kv_summary = k_num.transpose(-1, -2) @ values()
+    del k_num
+    key_sum = None if k_den is None else blocks.key_sum(k_den, shift)
+    return kv_summary, key_sum
+
+
 @dataclass
 class _Summaries:
     """What the keys and values of every block leave for the query blocks (block-major, ``(B, H, M, ...)``)."""
@@ -773,14 +813,8 @@ class _Summaries:
     ) -> "_Summaries":
         """``key_features()``: block-major (numerator's rotated key features, denominator's or None), ``shift``
         to be added to the latter; ``values()``: block-major values with zeroed padded slots."""
-        k_num, k_den = key_features()
-        batch, heads = k_num.shape[:2]
-        # S_j: (B, H, M, D, Dv). Products of half inputs accumulate in float32 inside the GEMM and are stored
-        # in the inputs' dtype, as S̃ must meet the half queries in it anyway: the summaries cost no casts.
-        kv_summary = k_num.transpose(-1, -2) @ values()
-        del k_num
-        key_sum = None if k_den is None else blocks.key_sum(k_den, shift)
-        del k_den
+        kv_summary, key_sum = block_sums(blocks, key_features, values, shift)
+        batch, heads = kv_summary.shape[:2]
         rows = mixing
         if split is not None:  # every block's sums from every process; the local query blocks' rows of W
             kv_summary, key_sum = split.complete(kv_summary, key_sum)

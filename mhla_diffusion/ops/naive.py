@@ -1,4 +1,4 @@
-"""Plain O(N^2) MHLA, the obviously-correct definition the fast operator is tested against.
+"""Plain O(N^2) MHLA, the obviously-correct definitions the fast operators are tested against.
 
 It forms the full token-pair weight matrix ``W[b(t), b(s)]`` and the full score matrix, so use it
 only on small inputs (tests, debugging).
@@ -6,6 +6,7 @@ only on small inputs (tests, debugging).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -13,8 +14,9 @@ import torch
 from ..utils.geometry import check_equal_blocks
 from .attention import normalization_mode, validate_attention_inputs
 from .block_layout import token_block_ids
+from .causal import check_causal_arguments
 
-__all__ = ["mhla_attention_reference"]
+__all__ = ["mhla_attention_reference", "mhla_causal_attention_reference"]
 
 
 def mhla_attention_reference(
@@ -49,11 +51,69 @@ def mhla_attention_reference(
     normalize = normalization_mode(normalize)
     if normalize == "scalar_mixed_denominator":
         check_equal_blocks(grid, layout)
+    block = token_block_ids(grid, layout, device=q.device)
+    pair_weight = mixing[..., block[:, None], block[None, :]]  # (N, N) or (H, N, N)
+    return _pair_attention(q, k, v, pair_weight, q_rot, k_rot, normalize, eps, grid, layout)
+
+
+def mhla_causal_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: Sequence[int],
+    layout: Sequence[int],
+    mixing: torch.Tensor,
+    *,
+    decay: torch.Tensor | float | None = None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
+    normalize: bool | str = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Same contract as :func:`~mhla_diffusion.ops.causal.mhla_causal_attention`, computed token pair by token pair.
+
+    The token pair ``(t, s)`` gets the weight, from the temporal block rows ``r(t)``, ``r(s)`` (block index over
+    ``S``, the blocks per row) and the spatial places ``p(t)``, ``p(s)`` (block index modulo ``S``) of its tokens,
+    with ``Δ = r(t) - r(s)`` and ``K = mixing.shape[-3] - 2``::
+
+        0                                       Δ < 0 (a later row)
+        mixing[Δ, p(t), p(s)]                   0 <= Δ <= K
+        γ^(Δ - K - 1) mixing[K + 1, p(t), p(s)] Δ > K        (γ = ``decay``, 1 when None)
+
+    and then ``out_t = Σ_s w_ts (q̂_t · k̂_s) v_s / (Σ_s w_ts (q_t · k_s) + eps)`` as in
+    :func:`mhla_attention_reference`. Shapes: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)`` -> ``(B, N, H, Dv)``.
+    """
+    grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot)
+    window, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize)
+    per_row = math.prod(layout[1:])
+    block = token_block_ids(grid, layout, device=q.device)
+    row, place = block // per_row, block % per_row
+    delta = row[:, None] - row[None, :]  # (N, N)
+    pair_weight = mixing[..., delta.clamp(0, window + 1), place[:, None], place[None, :]]  # (N, N) or (H, N, N)
+    if decay is not None:
+        gamma = torch.as_tensor(decay, dtype=mixing.dtype, device=q.device)
+        pair_weight = pair_weight * gamma[..., None, None] ** (delta - window - 1).clamp(min=0).to(mixing.dtype)
+    pair_weight = torch.where(delta >= 0, pair_weight, 0.0)
+    return _pair_attention(q, k, v, pair_weight, q_rot, k_rot, normalize, eps, grid, layout)
+
+
+def _pair_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pair_weight: torch.Tensor,
+    q_rot: torch.Tensor | None,
+    k_rot: torch.Tensor | None,
+    normalize: str,
+    eps: float,
+    grid: tuple[int, ...],
+    layout: tuple[int, ...],
+) -> torch.Tensor:
+    """The references' arithmetic from the token-pair weights ``pair_weight`` ``(N, N)`` or ``(H, N, N)``."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     q_hat = (q if q_rot is None else q_rot).to(dtype)
     k_hat = (k if k_rot is None else k_rot).to(dtype)
-    block = token_block_ids(grid, layout, device=q.device)
-    pair_weight = mixing.to(dtype)[..., block[:, None], block[None, :]]  # (N, N) or (H, N, N)
+    pair_weight = pair_weight.to(dtype)
     if pair_weight.ndim == 2:
         pair_weight = pair_weight.unsqueeze(0)
 

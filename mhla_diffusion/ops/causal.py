@@ -1,0 +1,411 @@
+"""Block-causal MHLA: attention that runs forwards in time, so video can be generated chunk by chunk.
+
+The first grid axis is time. A layout ``(R, L_1, .., L_a)`` cuts the grid into ``R`` *temporal block rows* of
+``S = L_1 * .. * L_a`` blocks each; blocks are numbered row-major (as in
+:mod:`~mhla_diffusion.ops.block_layout`), so block ``m`` is spatial place ``s = m % S`` of row ``r = m // S``.
+
+Visibility and mixing. Query block ``(r, s)`` mixes key block ``(r', s')`` only when ``r' <= r`` (every block of
+its own row and of earlier rows), with a weight that depends on the temporal offset ``Δ = r - r'`` and on the
+two spatial places alone::
+
+    W[(r, s), (r', s')] = A_Δ[s, s']                          for Δ = 0 .. K
+                        = γ^(Δ - K - 1) A_fold[s, s']          for Δ > K
+                        = 0                                    for Δ < 0
+
+``mixing`` holds ``A_0 .. A_K, A_fold`` as one ``(K + 2, S, S)`` tensor (or ``(H, K + 2, S, S)``, one per head);
+``K`` is the *window*. ``decay`` is ``γ`` (``None``: ``γ = 1``, the older rows are summed). The output is the
+present operator's (:mod:`~mhla_diffusion.ops.attention`) with this ``W`` as its mixing::
+
+    out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps),   S̃_o = Σ_j W[o, j] S_j,   z̃_o = Σ_j W[o, j] z_j
+
+Since ``W`` is the same for a video of any length, every row older than the window reaches a query through one
+*folded* summary per spatial place, ``F_r[s'] = Σ_{r' <= r-K-1} γ^(r-K-1-r') S_(r', s')``, which obeys
+``F_(r+1) = γ F_r + S_(r-K)``. The streaming state (:class:`CausalMHLAState`) is therefore ``K + 1`` rows of
+per-block summaries and key sums -- the fold and the ``K`` most recent rows -- whatever the length.
+
+Two ways to run it, equal to each other:
+
+* :func:`mhla_causal_attention`: one pass over a whole clip (training). It builds the ``(M, M)`` block-causal
+  matrix ``W`` (:func:`causal_mixing_matrix`) and runs the present operator with it, so it shares every path of
+  :func:`~mhla_diffusion.ops.attention.mhla_attention` (feature map, RoPE, uneven and empty blocks, half
+  precision) and its cost.
+* :func:`mhla_causal_step`: one *chunk* -- whole temporal block rows -- given the state carried from the chunks
+  before it; returns the chunk's output and the new state. Nothing is changed in place, so a pipeline can denoise
+  a chunk many times against the same state and advance the state once, with the finished chunk.
+
+A chunk's rows are cut by the floor rule of the chunk's own grid. Running chunk by chunk equals one pass when
+they are the rows the whole clip's layout cuts, which holds whenever every row has the same number of frames (a
+chunk of ``c`` rows then has ``c`` times that many frames): the streaming case.
+
+The released DiT denominator (``scalar_mixed_denominator``) is not available here: it needs the queries of every
+key block, which a stream no longer has.
+
+The O(N^2) definition of all this is :func:`~mhla_diffusion.ops.naive.mhla_causal_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from .attention import (
+    _block_output,
+    _Blocks,
+    _Summaries,
+    block_sums,
+    check_feature_arguments,
+    mhla_attention,
+    normalization_mode,
+    validate_attention_inputs,
+    without_autocast,
+)
+from .block_layout import BlockPlan, block_plan
+from .mixing import mixing_init
+
+__all__ = [
+    "CAUSAL_FOLDS",
+    "CausalMHLAState",
+    "causal_mixing_init",
+    "causal_mixing_matrix",
+    "check_causal_arguments",
+    "mhla_causal_attention",
+    "mhla_causal_step",
+]
+
+#: How the rows older than the window are folded into one summary: ``"sum"`` (``γ = 1``) or ``"decay"``
+#: (a learnable ``γ`` in ``[0, 1]`` per head, passed to the operators as ``decay``).
+CAUSAL_FOLDS = ("sum", "decay")
+
+
+def causal_mixing_init(
+    spatial_layout: Sequence[int],
+    window: int,
+    transform: str = "linear",
+    *,
+    normalization: Literal["column", "row"] = "column",
+    exp_sigma: float = 3.0,
+    local_threshold: float = 1.5,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Initial causal mixing, shape ``(window + 2, S, S)``: ``[Δ]`` for the offsets ``Δ = 0 .. window``, then the fold.
+
+    The weights favour near blocks as :func:`~mhla_diffusion.ops.mixing.mixing_init` does: they are its weights on
+    the layout ``(window + 2, *spatial_layout)`` seen from a block of the last row, so ``A_Δ[s, s']`` decreases
+    with the distance ``sqrt(Δ^2 + d(s, s')^2)`` in block units, and the fold is weighted as the row just past
+    the window (``Δ = window + 1``). ``spatial_layout`` is the layout without its first (time) axis; ``()`` for
+    a grid that has only a time axis (``S = 1``). Other arguments as for ``mixing_init``.
+    """
+    window = _check_window(window)
+    spatial = tuple(int(b) for b in spatial_layout)
+    full = mixing_init(
+        (window + 2, *spatial),
+        transform,
+        normalization=normalization,
+        exp_sigma=exp_sigma,
+        local_threshold=local_threshold,
+        dtype=dtype,
+    )
+    s = math.prod(spatial)
+    # the last row's query blocks against key row j = window + 1 - Δ, reordered by Δ
+    return full[-s:].view(s, window + 2, s).flip(1).transpose(0, 1).contiguous()
+
+
+def causal_mixing_matrix(mixing: torch.Tensor, rows: int, decay: torch.Tensor | float | None = None) -> torch.Tensor:
+    """The block-causal ``(M, M)`` mixing ``W`` of ``rows`` temporal block rows (``M = rows * S``) from the causal
+    ``mixing`` ``(K + 2, S, S)``; ``(H, M, M)`` when ``mixing`` is per head ``(H, K + 2, S, S)`` or ``decay`` is
+    ``(H,)``. Row ``o`` holds query block ``o``'s weights (see the module docstring); differentiable in both."""
+    if mixing.ndim not in (3, 4):
+        raise ValueError(f"`mixing` must be (K + 2, S, S) or per-head (H, K + 2, S, S), got {tuple(mixing.shape)}")
+    r = torch.arange(int(rows), device=mixing.device)
+    return _row_weights(mixing, decay, r[:, None] - r[None, :])
+
+
+def _row_weights(mixing: torch.Tensor, decay: torch.Tensor | float | None, deltas: torch.Tensor) -> torch.Tensor:
+    """Block weights of query rows against key rows with temporal offsets ``deltas`` ``(R_q, R_k)`` (negative: not
+    visible): ``(..., R_q * S, R_k * S)``, ``...`` the heads of ``mixing`` or ``decay`` if any."""
+    window = mixing.shape[-3] - 2
+    s = mixing.shape[-1]
+    blocks = mixing[..., deltas.clamp(0, window + 1), :, :]  # (..., R_q, R_k, S, S)
+    visible = deltas >= 0
+    if decay is None:
+        factor = visible.to(mixing.dtype)
+    else:
+        gamma = torch.as_tensor(decay, dtype=mixing.dtype, device=mixing.device)
+        exponent = (deltas - window - 1).clamp(min=0).to(mixing.dtype)
+        factor = torch.where(visible, gamma[..., None, None] ** exponent, 0.0)  # (..., R_q, R_k)
+    blocks = blocks * factor[..., None, None]
+    rows_q, rows_k = deltas.shape
+    return blocks.transpose(-3, -2).reshape(*blocks.shape[:-4], rows_q * s, rows_k * s)
+
+
+@dataclass
+class CausalMHLAState:
+    """What a stream of block-causal MHLA carries from one chunk to the next; the same size for any length.
+
+    Attributes:
+        summaries: ``(B, H, K + 1, S, D, Dv)``: row ``0`` is the folded summary ``F`` of every row older than the
+            window, rows ``1 .. K`` the key-value summaries ``S_(r, s)`` of the ``K`` most recent temporal block
+            rows, oldest first (zero where the stream has fewer rows).
+        key_sums: ``(B, H, K + 1, S, D)``: the same for the key sums ``z``; ``None`` without a denominator.
+        rows: temporal block rows consumed so far (the next chunk's first row).
+
+    Both tensors are kept in at least float32 (float64 for float64 inputs), whatever the inputs' precision, as
+    they accumulate over the whole stream.
+    """
+
+    summaries: torch.Tensor
+    key_sums: torch.Tensor | None
+    rows: int = 0
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        heads: int,
+        window: int,
+        blocks_per_row: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        key_sums: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> "CausalMHLAState":
+        """The state before the first chunk: all summaries zero, ``rows = 0``."""
+        lead = (batch, heads, _check_window(window) + 1, blocks_per_row)
+        return cls(
+            torch.zeros((*lead, head_dim, value_dim), dtype=dtype, device=device),
+            torch.zeros((*lead, head_dim), dtype=dtype, device=device) if key_sums else None,
+        )
+
+    @property
+    def window(self) -> int:
+        """``K``: rows mixed one by one before the fold."""
+        return self.summaries.shape[2] - 1
+
+    @property
+    def blocks_per_row(self) -> int:
+        """``S``: blocks per temporal row."""
+        return self.summaries.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.summaries, self.key_sums) if t is not None)
+
+
+def check_causal_arguments(
+    mixing: torch.Tensor,
+    layout: Sequence[int],
+    heads: int,
+    decay: torch.Tensor | float | None,
+    normalize: bool | str,
+) -> tuple[int, str]:
+    """Check the causal operators' own arguments (``layout`` already validated); return ``(K, normalize mode)``.
+
+    Raises ``ValueError`` naming the first bad one.
+    """
+    s = math.prod(layout[1:])
+    if not isinstance(mixing, torch.Tensor) or mixing.ndim not in (3, 4) or mixing.shape[-2:] != (s, s):
+        raise ValueError(
+            f"`mixing` must be the causal (K + 2, {s}, {s}) or per-head ({heads}, K + 2, {s}, {s}) for layout "
+            f"{tuple(layout)} ({s} blocks per temporal row), got {tuple(getattr(mixing, 'shape', ()))}; "
+            "see causal_mixing_init"
+        )
+    if mixing.ndim == 4 and mixing.shape[0] != heads:
+        raise ValueError(f"per-head `mixing` {tuple(mixing.shape)} must have {heads} heads first")
+    if mixing.shape[-3] < 2:
+        raise ValueError(f"`mixing` {tuple(mixing.shape)} needs K + 2 >= 2 matrices: the offsets 0 .. K and the fold")
+    if decay is not None:
+        if isinstance(decay, torch.Tensor):
+            if decay.shape not in ((), (heads,)) or not decay.is_floating_point():
+                raise ValueError(f"`decay` must be a float tensor of shape () or ({heads},), got {decay}")
+        elif isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
+            raise ValueError(f"`decay` must be in [0, 1] (None: sum the older rows), got {decay!r}")
+    mode = normalization_mode(normalize)
+    if mode == "scalar_mixed_denominator":
+        raise ValueError(
+            "causal MHLA has no 'scalar_mixed_denominator' (released DiT): it needs the queries of every key block, "
+            "which a stream does not keep; use normalize=True (the paper's denominator) or False"
+        )
+    return mixing.shape[-3] - 2, mode
+
+
+def mhla_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: Sequence[int],
+    layout: Sequence[int],
+    mixing: torch.Tensor,
+    *,
+    decay: torch.Tensor | float | None = None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
+    normalize: bool | str = True,
+    eps: float = 1e-6,
+    heads_per_chunk: int | None = None,
+    plan: BlockPlan | None = None,
+    feature_eps: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Block-causal MHLA in one pass over a whole clip (see the module docstring).
+
+    Args:
+        q, k, v, grid, q_rot, k_rot, eps, heads_per_chunk, plan, feature_eps, rotary: as for
+            :func:`~mhla_diffusion.ops.attention.mhla_attention`: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)``.
+        layout: blocks per grid axis; the first axis is time, its ``R`` blocks the temporal block rows.
+        mixing: ``(K + 2, S, S)`` or per-head ``(H, K + 2, S, S)``: ``A_0 .. A_K``, then ``A_fold``
+            (:func:`causal_mixing_init`).
+        decay: ``γ`` of the fold, a float in ``[0, 1]`` or a tensor ``()`` / ``(H,)`` (differentiable; its values
+            are not checked, keep them in ``[0, 1]``, e.g. a sigmoid); ``None``: the older rows are summed.
+        normalize: ``True`` (paper denominator) or ``False``.
+
+    Returns:
+        ``(B, N, H, Dv)`` in ``v``'s dtype, equal to running :func:`mhla_causal_step` over the clip's rows.
+    """
+    grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot, plan)
+    _, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize)
+    weights = causal_mixing_matrix(mixing, layout[0], decay)
+    return mhla_attention(
+        q,
+        k,
+        v,
+        grid,
+        layout,
+        weights,
+        q_rot=q_rot,
+        k_rot=k_rot,
+        normalize=normalize,
+        eps=eps,
+        heads_per_chunk=heads_per_chunk,
+        plan=plan,
+        feature_eps=feature_eps,
+        rotary=rotary,
+    )
+
+
+def mhla_causal_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: Sequence[int],
+    layout: Sequence[int],
+    mixing: torch.Tensor,
+    state: CausalMHLAState | None = None,
+    *,
+    decay: torch.Tensor | float | None = None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
+    normalize: bool | str = True,
+    eps: float = 1e-6,
+    plan: BlockPlan | None = None,
+    feature_eps: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, CausalMHLAState]:
+    """Block-causal MHLA of one chunk, given the state of the chunks before it.
+
+    A *chunk* is whole temporal block rows: the tokens ``(B, N_c, H, D)`` of the chunk's grid ``grid`` (frames of
+    the chunk, then the spatial axes), cut by ``layout`` ``(R_c, L_1, .., L_a)`` into ``R_c`` rows of the same
+    ``S`` spatial blocks as every other chunk of the stream. Chunks may hold different numbers of rows.
+
+    Args:
+        q, k, v, q_rot, k_rot, eps, plan, feature_eps, rotary: as for
+            :func:`~mhla_diffusion.ops.attention.mhla_attention`, for the chunk's tokens (``rotary``: the tables
+            of the chunk's positions, ``(1, N_c, 1, D)``).
+        grid, layout: the chunk's token grid and its block layout (first axis: time).
+        mixing, decay, normalize: as for :func:`mhla_causal_attention`; the same on every step of a stream.
+        state: what the earlier chunks left (:class:`CausalMHLAState`); ``None`` at the start of a stream.
+
+    Returns:
+        ``(out, new_state)``: the chunk's output ``(B, N_c, H, Dv)`` in ``v``'s dtype, and the state after it
+        (``rows`` advanced by ``R_c``). ``state`` is not modified. Differentiable through ``state`` too.
+    """
+    grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot, plan)
+    batch, _, heads, head_dim = q.shape
+    window, normalize = check_causal_arguments(mixing, layout, heads, decay, normalize)
+    check_feature_arguments(q, q_rot, k_rot, feature_eps, rotary)
+    den = normalize != "none"
+    rows, s = layout[0], math.prod(layout[1:])
+    dtype = torch.promote_types(q.dtype, v.dtype)
+    state_dtype = torch.promote_types(dtype, torch.float32)
+    if state is None:
+        state = CausalMHLAState.empty(
+            batch, heads, window, s, head_dim, v.shape[-1], key_sums=den, dtype=state_dtype, device=q.device
+        )
+    else:
+        _check_state(state, (batch, heads, window + 1, s, head_dim, v.shape[-1]), den, q.device)
+    if plan is None:
+        plan = block_plan(grid, layout, device=q.device)
+
+    with without_autocast(q.device):
+        carried = (q, k, v, q_rot, k_rot, mixing, decay, state.summaries, state.key_sums)
+        inplace = not (
+            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in carried)
+        )
+        blocks = _Blocks(plan, dtype, inplace)
+        tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
+        shift = 0.0 if tables is None else float(feature_eps)  # see _mhla_blocks
+
+        def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return blocks.features(x, x_rot, feature_eps, tables, den)
+
+        kv, key_sum = block_sums(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True), shift)
+        # Rows e = 0 .. K + R_c: the fold (standing for row r0 - K - 1 and all before it, weighted from there),
+        # the K carried rows, the chunk's rows. Chunk row i sees row e at offset i + K + 1 - e.
+        history = _extend(state.summaries, kv, rows, s)  # (B, H, E, S, D, Dv)
+        history_sums = None if key_sum is None else _extend(state.key_sums, key_sum, rows, s)
+        i = torch.arange(rows, device=q.device)
+        e = torch.arange(window + 1 + rows, device=q.device)
+        weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :]).to(state_dtype)
+        weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
+        summaries = _Summaries(weights, None if history_sums is None else history_sums.flatten(2, 3))
+        summaries.mixed = summaries.mix(history.flatten(2, 3)).to(dtype)
+        out = _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+
+        # The next chunk's first row r0 + R_c sees row e at offset R_c + K + 1 - e: rows e <= R_c fold into the new
+        # fold with γ^(R_c - e), and the last K rows are carried one by one.
+        gamma = torch.ones((), dtype=state_dtype, device=q.device) if decay is None else decay
+        fold = torch.as_tensor(gamma, dtype=state_dtype, device=q.device)[..., None] ** (rows - e[: rows + 1])
+        fold = fold.expand(heads, rows + 1)  # (H, R_c + 1)
+
+        def advance(x: torch.Tensor) -> torch.Tensor:
+            folded = torch.einsum("he,bhe...->bh...", fold, x[:, :, : rows + 1])
+            return torch.cat([folded.unsqueeze(2), x[:, :, rows + 1 :]], dim=2)
+
+        new_state = CausalMHLAState(
+            advance(history), None if history_sums is None else advance(history_sums), state.rows + rows
+        )
+    return out, new_state
+
+
+def _extend(carried: torch.Tensor, chunk: torch.Tensor, rows: int, s: int) -> torch.Tensor:
+    """The state's rows ``(B, H, K + 1, S, ...)`` followed by the chunk's blocks ``(B, H, R_c * S, ...)``, by row."""
+    chunk = chunk.to(carried.dtype).unflatten(2, (rows, s))
+    return torch.cat([carried, chunk], dim=2)
+
+
+def _check_state(state: CausalMHLAState, shape: tuple[int, ...], den: bool, device: torch.device) -> None:
+    if not isinstance(state, CausalMHLAState):
+        raise ValueError(f"`state` must be a CausalMHLAState (or None to start a stream), got {type(state).__name__}")
+    if tuple(state.summaries.shape) != shape:
+        raise ValueError(
+            f"`state` summaries {tuple(state.summaries.shape)} do not fit this chunk and mixing, which need "
+            f"(B, H, K + 1, S, D, Dv) = {shape}: carry the state of the same stream (batch, heads, window, layout)"
+        )
+    if (state.key_sums is not None) != den:
+        raise ValueError(
+            "`state` was made " + ("without" if den else "with") + " a denominator's key sums, but this call has "
+            f"normalize={'True' if den else 'False'}: use the same normalize on every step of a stream"
+        )
+    if state.summaries.device != device:
+        raise ValueError(f"`state` is on {state.summaries.device} but the inputs are on {device}")
+
+
+def _check_window(window: int) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"the causal window K must be an int >= 0 (rows mixed one by one), got {window!r}")
+    return window
