@@ -249,6 +249,37 @@ def feature_map(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.relu(x).add_(eps)
 
 
+def _dims(shape: Sequence[int]) -> str:
+    """``(21, 30, 52)`` -> ``"21x30x52"``: how the tables write grids and layouts."""
+    return "x".join(map(str, shape))
+
+
+def _timing_rows(
+    timings: dict[str, tuple[float, int]],
+    grid: Sequence[int],
+    layout: str,
+    counts: dict[str, int] | None = None,
+    milliseconds: bool = False,
+) -> list[dict[str, Any]]:
+    """One table row per method of ``timings`` (:func:`time_calls`' name -> (median seconds, peak extra
+    bytes)), in its order: ``grid``, ``tokens``, ``layout``, the ``counts`` columns (blocks, layers),
+    ``method``, ``median_ms`` (``milliseconds``) or ``median_s``, ``peak_extra_mb``. Tables add their
+    own columns after these."""
+    median = "median_ms" if milliseconds else "median_s"
+    return [
+        {
+            "grid": _dims(grid),
+            "tokens": math.prod(grid),
+            "layout": layout,
+            **(counts or {}),
+            "method": name,
+            median: seconds * 1e3 if milliseconds else seconds,
+            "peak_extra_mb": peak / 2**20,
+        }
+        for name, (seconds, peak) in timings.items()
+    ]
+
+
 def attention_table(
     cases: Sequence[BenchCase],
     heads: int = 12,
@@ -310,25 +341,17 @@ def attention_table(
             ("mhla + φ", lambda: mhla_attention(q_raw, k_raw, v, case.grid, case.layout, mixing, feature_eps=eps))
         )
         methods.append(("mhla", lambda: mhla_attention(q, k, v, case.grid, case.layout, mixing)))
-        grid = "x".join(map(str, case.grid))
+        grid = _dims(case.grid)
         timings = time_calls(
             dict(methods), repeats, warmup, device, lambda text: log(f"  {grid} {text}"), quick_passes=quick_passes
         )
         linear, mhla = timings["linear"][0], timings["mhla"][0]
         sdpa = min((t for n, (t, _) in timings.items() if n.startswith("sdpa")), default=None)
-        for name, (seconds, peak) in timings.items():
-            rows.append(
-                {
-                    "grid": "x".join(map(str, case.grid)),
-                    "tokens": case.tokens,
-                    "layout": "x".join(map(str, case.layout)) + (" (auto)" if case.auto else ""),
-                    "blocks": num_blocks(case.layout),
-                    "method": name,
-                    "median_ms": seconds * 1e3,
-                    "peak_extra_mb": peak / 2**20,
-                    "extra_vs_io": peak / io_bytes,
-                }
-            )
+        layout = _dims(case.layout) + (" (auto)" if case.auto else "")
+        case_rows = _timing_rows(timings, case.grid, layout, {"blocks": num_blocks(case.layout)}, milliseconds=True)
+        for row, (_, peak) in zip(case_rows, timings.values()):
+            row["extra_vs_io"] = peak / io_bytes
+        rows.extend(case_rows)
         rows[-2].update(mhla_over_linear=timings["mhla + φ"][0] / timings["linear + φ"][0])
         rows[-1].update(sdpa_over_mhla=None if sdpa is None else sdpa / mhla, mhla_over_linear=mhla / linear)
     return rows
@@ -381,17 +404,7 @@ def wan_block_table(
 
     methods = {"default (sdpa)": with_processor(default_processor), "mhla": with_processor(mhla_processor)}
     timings = time_calls(methods, repeats, warmup, device, lambda text: log(f"  Wan block {text}"))
-    rows = [
-        {
-            "grid": "x".join(map(str, grid)),
-            "tokens": tokens,
-            "layout": "x".join(map(str, layout)),
-            "method": name,
-            "median_s": seconds,
-            "peak_extra_mb": peak / 2**20,
-        }
-        for name, (seconds, peak) in timings.items()
-    ]
+    rows = _timing_rows(timings, grid, _dims(layout))
     rows[-1]["sdpa_over_mhla"] = timings["default (sdpa)"][0] / timings["mhla"][0]
     return rows
 
@@ -410,10 +423,10 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
     return "\n".join(lines)
 
 
+#: The first columns of every timing table (:func:`_timing_rows`): the case.
+_CASE_COLUMNS = (("grid", "grid", ""), ("tokens", "N", ",d"), ("layout", "layout", ""))
 ATTENTION_COLUMNS = (
-    ("grid", "grid", ""),
-    ("tokens", "N", ",d"),
-    ("layout", "layout", ""),
+    *_CASE_COLUMNS,
     ("blocks", "M", "d"),
     ("method", "method", ""),
     ("median_ms", "median ms", ".1f"),
@@ -423,9 +436,7 @@ ATTENTION_COLUMNS = (
     ("mhla_over_linear", "MHLA / linear", ".2f"),
 )
 BLOCK_COLUMNS = (
-    ("grid", "grid", ""),
-    ("tokens", "N", ",d"),
-    ("layout", "layout", ""),
+    *_CASE_COLUMNS,
     ("method", "self-attention", ""),
     ("median_s", "median s", ".2f"),
     ("peak_extra_mb", "peak extra MiB", ".0f"),
@@ -447,9 +458,7 @@ def _cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> to
 
 
 TRANSFORMER_COLUMNS = (
-    ("grid", "grid", ""),
-    ("tokens", "N", ",d"),
-    ("layout", "layout", ""),
+    *_CASE_COLUMNS,
     ("layers", "blocks", "d"),
     ("method", "self-attention", ""),
     ("median_s", "median s", ".3f"),
@@ -534,22 +543,12 @@ def wan_transformer_table(
         methods[setting] = forward(backends[-1], stock=False)
         timings.update(time_calls(methods, repeats, warmup, device, lambda text: log(f"{label} {text}")))
     stock = [name for name in timings if name.startswith("sdpa (")]
-    rows = [
-        {
-            "grid": "x".join(map(str, grid)),
-            "tokens": math.prod(grid),
-            "layout": "x".join(map(str, layout)),
-            "layers": layers,
-            "method": name if name in stock else f"{name} (cross-attention {backends[-1]})",
-            "median_s": seconds,
-            "peak_extra_mb": peak / 2**20,
-            "weights_mb": weights / 2**20,
-        }
-        for name, (seconds, peak) in timings.items()
-    ]
+    rows = _timing_rows(timings, grid, _dims(layout), {"layers": layers})
     fastest_stock = min(timings[name][0] for name in stock)
     for row, (name, (seconds, _)) in zip(rows, timings.items()):
+        row["weights_mb"] = weights / 2**20
         if name not in stock:
+            row["method"] = f"{name} (cross-attention {backends[-1]})"
             row["sdpa_over_mhla"] = fastest_stock / seconds
     return rows
 
@@ -902,9 +901,9 @@ def wan_attention_traffic(
     floor = floor_bytes(batch, n, heads, head_dim, head_dim, blocks, dtype)
     busiest = sorted(items.items(), key=lambda item: -item[1][1])[: 8 if not fused else None]
     return {
-        "grid": "x".join(map(str, grid)),
+        "grid": _dims(grid),
         "tokens": n,
-        "layout": "x".join(map(str, layout)),
+        "layout": _dims(layout),
         "blocks": blocks,
         "dtype": str(dtype).removeprefix("torch."),
         "gigabytes": total / 1e9,
