@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import signal
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -151,13 +152,23 @@ def _batches(
     while True:
         sampler.set_epoch(state.epoch, state.batch_in_epoch)
         loader = DataLoader(
-            dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda"
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            worker_init_fn=_ignore_sigint if workers else None,
         )
         for batch in loader:
             state.batch_in_epoch += 1
             yield {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         state.epoch += 1
         state.batch_in_epoch = 0
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Data workers share the terminal's Ctrl-C; the main process decides when to stop (:class:`StopRequest`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _cpu_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:

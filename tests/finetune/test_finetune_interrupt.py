@@ -35,16 +35,22 @@ def test_second_sigint_stops_at_once_and_sigterm_never_does():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
-def _interrupt(command: list[str], output: Path, signum: int, env: dict) -> subprocess.CompletedProcess:
-    """Start ``command``, send ``signum`` once the run has logged a few steps, and wait for it."""
-    process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _interrupt(command: list[str], output: Path, group: bool, env: dict) -> subprocess.CompletedProcess:
+    """Start ``command`` in its own process group; once the run has logged a few steps send SIGINT to the
+    group (as a terminal's Ctrl-C) or to the started process alone; wait for it."""
+    process = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
         if (output / "logs").is_dir() and sum("loss" in row for row in metrics(output)) >= 3:
             break
         time.sleep(0.02)
     assert process.poll() is None, process.communicate()
-    process.send_signal(signum)
+    if group:
+        os.killpg(process.pid, signal.SIGINT)
+    else:
+        process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
@@ -56,7 +62,7 @@ def test_sigint_and_sigterm_save_a_checkpoint_that_resumes_exactly(tmp_path, pip
     expected = load_file(str(tmp_path / "reference" / "final" / "diffusion_pytorch_model.safetensors"))
     env = dict(subprocess_env(), ACCELERATE_USE_CPU="1", HF_HOME=str(tmp_path / "hf"))
     plain = [sys.executable, "finetune/train_dit.py"]
-    # Ctrl-C to `accelerate launch`: its launcher sends SIGTERM to the worker, which saves before it exits
+    # SIGINT to `accelerate launch` alone: the launcher stops its worker with SIGTERM
     launcher = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--num_processes", "1"]
     launcher += ["--mixed_precision", "no", "--dynamo_backend", "no", "finetune/train_dit.py"]
     for name, command, signum, code in (
@@ -65,8 +71,10 @@ def test_sigint_and_sigterm_save_a_checkpoint_that_resumes_exactly(tmp_path, pip
     ):
         output = tmp_path / name
         config = tmp_path / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(dit_options(base, image_classes, output, **COMMON).to_dict()))
-        result = _interrupt([*command, "--config", str(config)], output, signal.SIGINT, env)
+        workers = 1 if name == "sigint" else 0  # data workers get the terminal's Ctrl-C too
+        options = dit_options(base, image_classes, output, dataloader_num_workers=workers, **COMMON)
+        config.write_text(yaml.safe_dump(options.to_dict()))
+        result = _interrupt([*command, "--config", str(config)], output, name == "sigint", env)
         saved = sorted((output / "checkpoints").glob("step-*"))
         assert len(saved) == 1, (name, result.stderr[-3000:])
         step = int(saved[0].name.split("-")[1])
@@ -77,7 +85,7 @@ def test_sigint_and_sigterm_save_a_checkpoint_that_resumes_exactly(tmp_path, pip
                 result.stderr.strip().splitlines()[-1] == f"SIGINT: saved {saved[0].name}; resume with --resume latest"
             )
             assert "Traceback" not in result.stderr
-        else:  # the launcher exits 130 itself; its worker got SIGTERM
+        else:  # the launcher exits 130 itself
             assert result.returncode == 130, result.stderr[-3000:]
             assert f"SIGTERM: saved {saved[0].name}; resume with --resume latest" in result.stderr
         assert not (output / "final").exists()
