@@ -349,21 +349,24 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     }
 
 
-def _run_values(
-    work: Path,
-    s: BuildSettings,
-    run: str,
-    data: str,
-    pretrained: Path,
-    steps: int,
-    lr: float,
-    mhla: dict[str, Any] | None,
-    transfer: int,
-) -> dict[str, Any]:
-    """Trainer options both tasks share: the run folder, the budget, and softmax (``mhla`` None) or MHLA."""
+@dataclass(frozen=True)
+class _Run:
+    """One trainer run of a stage: its name (``softmax`` or a :data:`STUDENTS` key), the pipeline it starts
+    from, its steps and learning rate, softmax (``mhla`` None) or the MHLA options, and its attention-transfer steps."""
+
+    name: str
+    pretrained: Path
+    steps: int
+    lr: float
+    mhla: dict[str, Any] | None = None
+    transfer: int = 0
+
+
+def _run_values(work: Path, s: BuildSettings, task: str, data: str, run: _Run) -> dict[str, Any]:
+    """Trainer options both tasks share: the run folder ``runs/{task}-{run.name}``, the budget, and softmax or MHLA."""
     from ..finetune.checkpointing import list_checkpoints
 
-    folder = work / "runs" / run
+    folder = work / "runs" / f"{task}-{run.name}"
     resume = bool(list_checkpoints(folder))  # a run this stage started before it was killed
     values = dict(
         output_dir=str(folder),
@@ -378,39 +381,30 @@ def _run_values(
         save_pipeline=True,
         max_grad_norm=1.0,
         lr_scheduler="constant_with_warmup",
-        lr_warmup_steps=min(100, steps // 10),
+        lr_warmup_steps=min(100, run.steps // 10),
         dataloader_num_workers=0,
-        max_train_steps=steps,
-        pretrained_model=str(pretrained),
+        max_train_steps=run.steps,
+        pretrained_model=str(run.pretrained),
         data_dir=str(work / "data" / data),
         cache_latents=True,
         cache_dir=str(work / "cache" / data),
-        learning_rate=lr,
-        attention_transfer_steps=transfer,
+        learning_rate=run.lr,
+        attention_transfer_steps=run.transfer,
     )
-    if mhla is None:
+    if run.mhla is None:
         values["attention"] = "softmax"
     else:
-        values["mhla"] = mhla
+        values["mhla"] = run.mhla
     return values
 
 
 def _video_options(
-    work: Path,
-    s: BuildSettings,
-    name: str,
-    pretrained: Path,
-    steps: int,
-    lr: float,
-    mhla: dict[str, Any] | None,
-    transfer: int,
-    distillation: float = 0.0,
-    ema: float = 0.0,
+    work: Path, s: BuildSettings, run: _Run, distillation: float = 0.0, ema: float = 0.0
 ) -> "WanTrainOptions":  # noqa: F821
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
-    values = _run_values(work, s, f"t2v-{name}", "shapes", pretrained, steps, lr, mhla, transfer)
+    values = _run_values(work, s, "t2v", "shapes", run)
     values.update(
         height=d.height,
         width=d.width,
@@ -426,19 +420,10 @@ def _video_options(
     return options_from_dict(WanTrainOptions, values)
 
 
-def _image_options(
-    work: Path,
-    s: BuildSettings,
-    name: str,
-    pretrained: Path,
-    steps: int,
-    lr: float,
-    mhla: dict[str, Any] | None,
-    transfer: int,
-) -> "DiTTrainOptions":  # noqa: F821
+def _image_options(work: Path, s: BuildSettings, run: _Run) -> "DiTTrainOptions":  # noqa: F821
     from ..finetune.options import DiTTrainOptions, options_from_dict
 
-    values = _run_values(work, s, f"c2i-{name}", "digits", pretrained, steps, lr, mhla, transfer)
+    values = _run_values(work, s, "c2i", "digits", run)
     values.update(
         resolution=32, random_flip=False, class_dropout=0.1, ema_decay=0.0, train_batch_size=s.image_batch_size
     )
@@ -475,12 +460,12 @@ def _teachers(work: Path, s: BuildSettings) -> dict[str, Any]:
     seconds["t2v-softmax"] = _train_run(
         work,
         train_wan,
-        _video_options(work, s, "softmax", work / "base" / "shapes-t2v", s.video_teacher_steps, s.teacher_lr, None, 0),
+        _video_options(work, s, _Run("softmax", work / "base" / "shapes-t2v", s.video_teacher_steps, s.teacher_lr)),
     )
     seconds["c2i-softmax"] = _train_run(
         work,
         train_dit,
-        _image_options(work, s, "softmax", work / "base" / "digits-c2i", s.image_teacher_steps, s.teacher_lr, None, 0),
+        _image_options(work, s, _Run("softmax", work / "base" / "digits-c2i", s.image_teacher_steps, s.teacher_lr)),
     )
     return {"seconds_per_run": seconds, "video_steps": s.video_teacher_steps, "image_steps": s.image_teacher_steps}
 
@@ -497,12 +482,14 @@ def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
             _video_options(
                 work,
                 s,
-                name,
-                work / "runs" / "t2v-softmax" / "pipeline",
-                s.video_student_steps,
-                s.student_lr,
-                _student_mhla(name, tuple(s.video_student_layout), s.video_student_lepe, s.video_student_gate),
-                s.video_transfer_steps if transfer else 0,
+                _Run(
+                    name,
+                    work / "runs" / "t2v-softmax" / "pipeline",
+                    s.video_student_steps,
+                    s.student_lr,
+                    _student_mhla(name, tuple(s.video_student_layout), s.video_student_lepe, s.video_student_gate),
+                    s.video_transfer_steps if transfer else 0,
+                ),
                 s.video_student_distillation,
                 s.video_student_ema,
             ),
@@ -513,12 +500,14 @@ def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
             _image_options(
                 work,
                 s,
-                name,
-                work / "runs" / "c2i-softmax" / "pipeline",
-                s.image_student_steps,
-                s.student_lr,
-                _student_mhla(name, IMAGE_LAYOUT),
-                s.image_transfer_steps if transfer else 0,
+                _Run(
+                    name,
+                    work / "runs" / "c2i-softmax" / "pipeline",
+                    s.image_student_steps,
+                    s.student_lr,
+                    _student_mhla(name, IMAGE_LAYOUT),
+                    s.image_transfer_steps if transfer else 0,
+                ),
             ),
         )
     return {
