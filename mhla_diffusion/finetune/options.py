@@ -164,7 +164,11 @@ class TrainOptions:
         "sample the validation inputs every N optimizer steps; 0 = only at the end (when validation inputs are given)",
     )
     validation_num_inference_steps: int = option(20, "denoising steps of validation samples")
-    validation_guidance_scale: float = option(3.0, "classifier-free guidance scale of validation samples")
+    validation_guidance_scale: float | None = option(
+        None,
+        "classifier-free guidance scale of validation samples, recorded as the saved pipeline's default; "
+        "default: pretrained_model's own (the embedded video model's 2.0; a recorded one; else Diffusers' 5.0)",
+    )
     validation_seed: int = option(0, "seed of validation samples")
     # --- validation FID (off unless validation_fid_reference is set; see mhla_diffusion/finetune/validation_fid.py)
     validation_fid_reference: str | None = option(

@@ -451,9 +451,19 @@ class DiTTask(Task):
         return np.concatenate(images)
 
     def save_pipeline(self, model: nn.Module) -> None:
-        folder = Path(self.options.output_dir) / "pipeline"
+        """``<output_dir>/pipeline``, recording as its generation defaults the guidance of the validation samples and
+        the steps of ``pretrained_model`` (Diffusers' 50 for a DiT trained from scratch)."""
+        from ..utils.model_defaults import image_defaults
+
+        o = self.options
+        folder = Path(o.output_dir) / "pipeline"
         with unshared_embedders(model):
-            self._pipeline(model).save_pretrained(folder)
+            pipe = self._pipeline(model)
+            pipe.record_generation_defaults(
+                guidance_scale=o.validation_guidance_scale,
+                num_inference_steps=image_defaults(o.pretrained_model).steps,
+            )
+            pipe.save_pretrained(folder)
         logger.info("saved pipeline %s", folder)
 
 

@@ -441,12 +441,35 @@ class WanTask(Task):
         logger.info("saved %s", folder)
         return folder
 
+    def generation_defaults(self) -> dict[str, Any]:
+        """What the saved pipeline generates by default (its ``_mhla_generation_defaults``): the frames, size and text
+        length it trained at, the guidance of its validation samples (``validation_guidance_scale``, by default
+        ``pretrained_model``'s own), and the steps and frame rate of ``pretrained_model``, which training leaves as
+        they were. The flow shift it trained with goes into its scheduler (:meth:`_pipeline`)."""
+        from ..utils.model_defaults import video_defaults
+
+        o = self.options
+        start = video_defaults(o.pretrained_model)
+        guidance = o.validation_guidance_scale
+        return {
+            "num_frames": o.num_frames,
+            "height": o.height,
+            "width": o.width,
+            "max_sequence_length": o.max_sequence_length,
+            "guidance_scale": start.guidance_scale if guidance is None else guidance,
+            "num_inference_steps": start.steps,
+            "fps": start.fps,
+        }
+
     def _pipeline(self, transformer: nn.Module, with_text: bool):
         from ..pipelines import MHLAWanPipeline
 
         o = self.options
         self._load_encoders(vae=True, text=with_text)
         scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        shift = next((key for key in ("flow_shift", "shift") if key in scheduler.config), None)
+        if shift is not None:  # validation samples and the saved pipeline use the shift it trained with
+            scheduler = type(scheduler).from_config(scheduler.config, **{shift: o.flow_shift})
         pipe = MHLAWanPipeline(
             tokenizer=self.tokenizer if with_text else None,
             text_encoder=self.text_encoder if with_text else None,
@@ -475,7 +498,7 @@ class WanTask(Task):
             height=o.validation_height or o.height,
             width=o.validation_width or o.width,
             num_inference_steps=o.validation_num_inference_steps,
-            guidance_scale=o.validation_guidance_scale,
+            guidance_scale=self.generation_defaults()["guidance_scale"],
             seed=o.validation_seed,
             fps=o.validation_fps,
         )
@@ -501,7 +524,7 @@ class WanTask(Task):
                 height=o.validation_height or o.height,
                 width=o.validation_width or o.width,
                 num_inference_steps=o.validation_num_inference_steps,
-                guidance_scale=o.validation_guidance_scale,
+                guidance_scale=self.generation_defaults()["guidance_scale"],
                 generator=torch.Generator("cpu").manual_seed(sample_seed(o.validation_seed, i)),
                 output_type="np",
             ).frames[0]
@@ -510,14 +533,17 @@ class WanTask(Task):
 
     def save_pipeline(self, model: nn.Module) -> None:
         """``<output_dir>/pipeline``: a full MHLAWanPipeline folder (LoRA fused into the base weights); a
-        plain WanPipeline folder for ``attention: softmax``."""
+        plain WanPipeline folder for ``attention: softmax``. Either records its :meth:`generation_defaults`, so
+        ``mhla text-to-video --model <output_dir>/pipeline`` needs no size."""
         transformer = model
         if self.options.trainable == "lora":
             transformer = copy.deepcopy(model)
             transformer.fuse_lora()
             transformer.unload_lora()
         folder = Path(self.options.output_dir) / "pipeline"
-        self._pipeline(transformer, with_text=True).save_pretrained(folder)
+        pipe = self._pipeline(transformer, with_text=True)
+        pipe.record_generation_defaults(**self.generation_defaults())
+        pipe.save_pretrained(folder)
         logger.info("saved pipeline %s", folder)
 
 

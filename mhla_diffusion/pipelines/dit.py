@@ -38,6 +38,7 @@ class MHLADiTPipeline(MHLAPipelineMixin, DiTPipeline):
     _stock_pipeline_name = "DiTPipeline"
     _stock_transformer_name = "DiTTransformer2DModel"
     _mhla_transformer_name = "MHLADiTTransformer2DModel"
+    _generates_video = False
 
     def __init__(
         self,

@@ -18,6 +18,10 @@
   (Diffusers ignores keys starting with ``_``).
 * ``softmax_attention()`` runs the same loaded model (every transformer) with its original softmax
   self-attention; ``mhla`` / ``mhla_conversions`` say what MHLA changed.
+* ``record_generation_defaults(height=..., guidance_scale=...)`` records what the pipeline generates by
+  default (the trainers record the settings they trained with); ``save_pretrained`` writes it into
+  ``model_index.json`` (:data:`~mhla_diffusion.utils.model_defaults.RECORD_KEY`), where the command line and the
+  web demo read it, and ``from_pretrained`` reads it back, so a load and save keeps it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..models.conversion import (
     sync_mhla_config,
 )
 from ..models.conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
+from ..utils.model_defaults import RECORD_KEY, checked_record
 
 __all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
 
@@ -66,6 +71,8 @@ class MHLAPipelineMixin:
     #: Stock and MHLA-preserving transformer class names, for ``model_index.json``.
     _stock_transformer_name: str = ""
     _mhla_transformer_name: str = ""
+    #: Which generation defaults the pipeline records (Wan: video sizes and text length; DiT: steps and guidance).
+    _generates_video: bool = True
 
     @classmethod
     def _get_signature_types(cls) -> dict[str, tuple]:
@@ -101,7 +108,18 @@ class MHLAPipelineMixin:
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         if sources or sources is None:  # None: the pipeline's model_index.json could not be read before loading
             pipe.load_mhla_weights(mhla_weights, mhla_weights_2)
+        recorded = (_read_index(pretrained_model_name_or_path, kwargs) or {}).get(RECORD_KEY)
+        if recorded is not None:  # Diffusers drops private model_index.json keys on loading
+            pipe.record_generation_defaults(**recorded)
         return pipe
+
+    def record_generation_defaults(self, **settings: Any) -> None:
+        """Record what this pipeline generates by default, for ``save_pretrained`` to write into ``model_index.json``
+        (see :mod:`mhla_diffusion.utils.model_defaults`): Wan pipelines any of ``num_frames``, ``height``,
+        ``width``, ``num_inference_steps``, ``guidance_scale``, ``fps``, ``max_sequence_length``; DiT
+        ``num_inference_steps`` and ``guidance_scale``. Merged into what is recorded already; checked here."""
+        record = {**(self.config.get(RECORD_KEY) or {}), **settings}
+        self.register_to_config(**{RECORD_KEY: checked_record(record, self._generates_video, type(self).__name__)})
 
     def load_mhla_weights(
         self,
@@ -265,14 +283,20 @@ def _describe(conversion: MHLAConversion | None) -> str:
     return f"MHLA on layers {conversion.layers}, layout {'x'.join(map(str, conversion.layout))}"
 
 
+def _read_index(source: str | os.PathLike, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``model_index.json`` of a pipeline folder or hub repo (``kwargs``: ``from_pretrained``'s); ``None`` when
+    it cannot be read."""
+    try:
+        path = find_file(source, "model_index.json", None, hub_kwargs_of(kwargs))
+        return json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+
+
 def _declared_transformers(source: str | os.PathLike, kwargs: dict[str, Any]) -> list[str] | None:
     """The transformer components a pipeline folder (or hub repo) will load with: those its ``model_index.json``
     declares, or that ``kwargs`` (``from_pretrained``'s) pass in. ``None`` when the index cannot be read."""
-    try:
-        path = find_file(source, "model_index.json", None, hub_kwargs_of(kwargs))
-        index = json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return None
+    index = _read_index(source, kwargs)
     if index is None:
         return None
     present = []

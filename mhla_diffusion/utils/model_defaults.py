@@ -7,7 +7,9 @@ comes from the first of these that has it:
 1. **the pipeline folder's own record**: the ``_mhla_generation_defaults`` entry of its
    ``model_index.json`` (:data:`RECORD_KEY`), e.g. ``{"num_frames": 17, "height": 64, "width": 64,
    "num_inference_steps": 20, "guidance_scale": 5.0, "fps": 8, "max_sequence_length": 16}``
-   (video) or ``{"num_inference_steps": 25, "guidance_scale": 4.0}`` (class-to-image); any subset;
+   (video) or ``{"num_inference_steps": 25, "guidance_scale": 4.0}`` (class-to-image); any subset. The
+   trainers' ``save_pipeline`` writes the settings a run trained with (``record_generation_defaults`` of
+   :class:`~mhla_diffusion.pipelines.mhla_mixin.MHLAPipelineMixin`);
 2. **an embedded demonstration model** (:func:`mhla_diffusion.embedded.locations.embedded_folder`):
    the settings ``mhla build-embedded`` trains it with (:class:`~mhla_diffusion.embedded.locations.EmbeddedDefaults`,
    which the build reads too);
@@ -28,7 +30,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..embedded.locations import embedded_defaults, embedded_folder
 from .geometry import read_component_config
@@ -39,6 +41,7 @@ __all__ = [
     "RECORD_KEY",
     "ImageDefaults",
     "VideoDefaults",
+    "checked_record",
     "image_defaults",
     "published_wan_model",
     "video_defaults",
@@ -116,28 +119,33 @@ class ImageDefaults:
     source: str
 
 
-def _read_record(model: str | os.PathLike, keys: Mapping[str, type]) -> dict[str, Any]:
-    """The checked ``_mhla_generation_defaults`` record of a local pipeline folder (``{}`` when it has none)."""
-    index = Path(model, "model_index.json")
-    try:
-        record = json.loads(index.read_text()).get(RECORD_KEY)
-    except (OSError, ValueError, AttributeError):
-        return {}
-    if record is None:
-        return {}
+def checked_record(record: Any, video: bool, where: str) -> dict[str, Any]:
+    """A ``_mhla_generation_defaults`` record checked and typed (``video``: a Wan pipeline's keys, else DiT's);
+    a ``ValueError`` names ``where`` it came from and the bad setting."""
+    keys = _VIDEO_KEYS if video else _IMAGE_KEYS
     if not isinstance(record, dict):
-        raise ValueError(f"{index}: {RECORD_KEY} must be an object of settings, got {record!r}")
+        raise ValueError(f"{where}: {RECORD_KEY} must be an object of settings, got {record!r}")
     unknown = sorted(set(record) - set(keys))
     if unknown:
-        raise ValueError(f"{index}: {RECORD_KEY} has unknown settings {unknown}; known: {', '.join(keys)}")
+        raise ValueError(f"{where}: {RECORD_KEY} has unknown settings {unknown}; known: {', '.join(keys)}")
     for name, value in record.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         whole = number and keys[name] is int and float(value).is_integer() and value >= 1
         finite = number and keys[name] is float and math.isfinite(value) and value >= 0
         if not (whole or finite):
             what = "a whole number >= 1" if keys[name] is int else "a finite number >= 0"
-            raise ValueError(f"{index}: {RECORD_KEY}.{name} must be {what}, got {value!r}")
+            raise ValueError(f"{where}: {RECORD_KEY}.{name} must be {what}, got {value!r}")
     return {name: keys[name](value) for name, value in record.items()}
+
+
+def _read_record(model: str | os.PathLike, video: bool) -> dict[str, Any]:
+    """The checked ``_mhla_generation_defaults`` record of a local pipeline folder (``{}`` when it has none)."""
+    index = Path(model, "model_index.json")
+    try:
+        record = json.loads(index.read_text()).get(RECORD_KEY)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {} if record is None else checked_record(record, video, str(index))
 
 
 def _model_name_in(text: str) -> str | None:
@@ -173,7 +181,7 @@ def published_wan_model(model: str | os.PathLike) -> str | None:
 
 def video_defaults(model: str | os.PathLike) -> VideoDefaults:
     """The defaults of the Wan video pipeline ``model`` (a folder or a hub id); see the module docstring."""
-    record = _read_record(model, _VIDEO_KEYS) if os.path.isdir(model) else {}
+    record = _read_record(model, video=True) if os.path.isdir(model) else {}
     values: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 5.0, "fps": 16, "max_sequence_length": 512}
     source = "nothing: the model records no size"
     if embedded_folder(model) is not None:
@@ -212,7 +220,7 @@ def video_defaults(model: str | os.PathLike) -> VideoDefaults:
 
 def image_defaults(model: str | os.PathLike) -> ImageDefaults:
     """The defaults of the DiT class-to-image pipeline ``model`` (a folder or a hub id); see the module docstring."""
-    record = _read_record(model, _IMAGE_KEYS) if os.path.isdir(model) else {}
+    record = _read_record(model, video=False) if os.path.isdir(model) else {}
     values: dict[str, Any] = {"num_inference_steps": 50, "guidance_scale": 4.0}
     source = "DiTPipeline's defaults"
     if embedded_folder(model) is not None:
