@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ..models.families import FAMILIES, family_named
 from ..utils.geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
@@ -120,27 +121,15 @@ def _convert_config(
     until a model is loaded), which turn ``--target-size`` (and Wan's 480p default) into a token grid."""
     from ..config import MHLAConfig
 
+    rules = None if family is None else _RULES[family]
     if geometry is None and family is not None:
         geometry = family_named(family).geometry()
-    if family == "wan":  # any size: the position bound is for generation, not for choosing a layout
-
-        def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
-            scale = (geometry.vae_scale_temporal, geometry.vae_scale_spatial, geometry.vae_scale_spatial)
-            return video_token_grid(*size, patch_size=geometry.patch_size, vae_scale=scale)
-    else:
-
-        def size_to_grid(size: Sequence[int]) -> tuple[int, ...]:
-            return image_token_grid(*size, patch_size=geometry.patch_size, vae_scale=geometry.vae_scale)
-
+    if rules is not None and args.preset in rules.refused_presets:
+        raise ValueError(rules.refused_presets[args.preset])
     options: dict = {}
     if args.preset.startswith("released-wan"):
         options.update(MHLAConfig.released_wan(gate=args.preset == "released-wan").to_dict())
     if args.preset == "released-dit":
-        if family == "wan":
-            raise ValueError(
-                "--preset released-dit is the released DiT-MHLA setting, for DiT models; "
-                "use --preset released-wan (or paper) for Wan"
-            )
         options.update(MHLAConfig.released_dit().to_dict())
     if args.layers is not None:
         options["layers"] = args.layers
@@ -148,18 +137,18 @@ def _convert_config(
         options["layout"] = args.layout
     if args.target_grid is not None:
         options["target_grid"] = args.target_grid
-    if args.target_size is not None and family is not None:
+    if args.target_size is not None and rules is not None:
         size = "x".join(map(str, args.target_size))
-        if family == "wan" and len(args.target_size) != 3:
-            raise ValueError(f"--target-size for Wan is FRAMESxHEIGHTxWIDTH, e.g. {'x'.join(map(str, WAN_480P))}")
-        if family == "dit" and len(args.target_size) != 2:
-            raise ValueError("--target-size for DiT is HEIGHTxWIDTH, e.g. 256x256")
+        if len(args.target_size) != len(rules.size_example):
+            example = "x".join(map(str, rules.size_example))
+            raise ValueError(f"--target-size for {family_named(family).label} is {rules.size_format}, e.g. {example}")
         try:
-            options["target_grid"] = size_to_grid(args.target_size)
+            options["target_grid"] = rules.token_grid(geometry, args.target_size)
         except ValueError as error:
             raise ValueError(f"--target-size {size}: {error}") from None
-    if family == "wan" and options.get("layout", "auto") == "auto" and "target_grid" not in options:
-        options["target_grid"] = size_to_grid(WAN_480P)
+    default_size = None if rules is None else rules.default_size
+    if default_size is not None and options.get("layout", "auto") == "auto" and "target_grid" not in options:
+        options["target_grid"] = rules.token_grid(geometry, default_size)
     if options.get("target_grid") is not None and "layout" not in options:
         options["layout"] = "auto"
     for name in (
@@ -180,43 +169,115 @@ def _convert_config(
     return MHLAConfig(**options)
 
 
-def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks: bool = False):
-    """A small random input for the before/after check (fixed seed), with a token grid >= the layout
-    (a multiple of it with ``equal_blocks``, which the scalar-mixed denominator needs)."""
+def _video_grid(geometry: VideoGeometry, size: Sequence[int]) -> tuple[int, ...]:
+    """Wan's token grid of a FRAMESxHEIGHTxWIDTH size: any size (the position bound is for generation, not
+    for choosing a layout)."""
+    scale = (geometry.vae_scale_temporal, geometry.vae_scale_spatial, geometry.vae_scale_spatial)
+    return video_token_grid(*size, patch_size=geometry.patch_size, vae_scale=scale)
+
+
+def _image_grid(geometry: ImageGeometry, size: Sequence[int]) -> tuple[int, ...]:
+    """DiT's token grid of a HEIGHTxWIDTH size."""
+    return image_token_grid(*size, patch_size=geometry.patch_size, vae_scale=geometry.vae_scale)
+
+
+def _wan_inputs(cfg, layout: Sequence[int], equal_blocks: bool, g) -> tuple[Any, dict[str, Any]]:
+    """Random Wan latents ``(1, C, F, H, W)`` of a 3x8x10 token grid (or the layout's, when larger) and the
+    forward's other arguments: text embeddings, and image embeddings for an image-to-video transformer."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    cfg = transformer.config
-    dtype = next(transformer.parameters()).dtype
-    device = next(transformer.parameters()).device
-    if family == "wan":
-        pt, ph, pw = cfg.patch_size
-        f, h, w = (max(n, b) for n, b in zip((3, 8, 10), layout))
-        if equal_blocks:
-            f, h, w = (-(-n // b) * b for n, b in zip((f, h, w), layout))
-        latents = torch.randn(1, cfg.in_channels, f * pt, h * ph, w * pw, generator=g)
-        if cfg.image_dim is None:
-            text = torch.randn(1, 8, cfg.text_dim, generator=g)
-            kwargs = dict(timestep=torch.tensor([500]), encoder_hidden_states=text.to(device, dtype))
-        else:  # Wan2.1-I2V: image tokens too, and the 512 text tokens Diffusers' cross-attention expects after them
-            from ..pipelines.wan_i2v import IMAGE_TEXT_TOKENS
+    pt, ph, pw = cfg.patch_size
+    f, h, w = (max(n, b) for n, b in zip((3, 8, 10), layout))
+    if equal_blocks:
+        f, h, w = (-(-n // b) * b for n, b in zip((f, h, w), layout))
+    latents = torch.randn(1, cfg.in_channels, f * pt, h * ph, w * pw, generator=g)
+    if cfg.image_dim is None:
+        text = torch.randn(1, 8, cfg.text_dim, generator=g)
+        return latents, dict(timestep=torch.tensor([500]), encoder_hidden_states=text)
+    # Wan2.1-I2V: image tokens too, and the 512 text tokens Diffusers' cross-attention expects after them
+    from ..pipelines.wan_i2v import IMAGE_TEXT_TOKENS
 
-            text = torch.randn(1, IMAGE_TEXT_TOKENS, cfg.text_dim, generator=g)
-            pairs = cfg.pos_embed_seq_len  # FLF2V: first and last frame, one learned position per token
-            image = torch.randn(*((2, pairs // 2) if pairs else (1, 4)), cfg.image_dim, generator=g)
-            kwargs = dict(
-                timestep=torch.tensor([500]),
-                encoder_hidden_states=text.to(device, dtype),
-                encoder_hidden_states_image=image.to(device, dtype),
-            )
-    else:
-        side, patch = cfg.sample_size, cfg.patch_size
-        h = w = side
-        if equal_blocks and any((side // patch) % b for b in layout):
-            h, w = ((-(-(side // patch) // b) * b) * patch for b in layout)
-        latents = torch.randn(1, cfg.in_channels, h, w, generator=g)
-        kwargs = dict(timestep=torch.tensor([500]), class_labels=torch.tensor([1]))
-    return latents.to(device, dtype), {k: v.to(device) for k, v in kwargs.items()}
+    text = torch.randn(1, IMAGE_TEXT_TOKENS, cfg.text_dim, generator=g)
+    pairs = cfg.pos_embed_seq_len  # FLF2V: first and last frame, one learned position per token
+    image = torch.randn(*((2, pairs // 2) if pairs else (1, 4)), cfg.image_dim, generator=g)
+    return latents, dict(timestep=torch.tensor([500]), encoder_hidden_states=text, encoder_hidden_states_image=image)
+
+
+def _dit_inputs(cfg, layout: Sequence[int], equal_blocks: bool, g) -> tuple[Any, dict[str, Any]]:
+    """Random DiT latents ``(1, C, H, W)`` at the model's sample size (a multiple of the layout's blocks with
+    ``equal_blocks``) and the forward's timestep and class label."""
+    import torch
+
+    side, patch = cfg.sample_size, cfg.patch_size
+    h = w = side
+    if equal_blocks and any((side // patch) % b for b in layout):
+        h, w = ((-(-(side // patch) // b) * b) * patch for b in layout)
+    latents = torch.randn(1, cfg.in_channels, h, w, generator=g)
+    return latents, dict(timestep=torch.tensor([500]), class_labels=torch.tensor([1]))
+
+
+@dataclass(frozen=True)
+class _FamilyRules:
+    """What ``mhla convert`` does per model family (:data:`~mhla_diffusion.models.families.FAMILIES`)."""
+
+    #: How ``--target-size`` is written for the family, and an example size.
+    size_format: str
+    size_example: tuple[int, ...]
+    #: Pixel size -> token grid, with the model's geometry.
+    token_grid: Callable[[Any, Sequence[int]], tuple[int, ...]]
+    #: The size the auto layout is chosen for when neither a size nor a grid is given (``None``: the model's grid).
+    default_size: tuple[int, ...] | None
+    #: ``(transformer config, layout, equal_blocks, generator)`` -> (latents, forward kwargs) of the before/after check.
+    random_inputs: Callable[..., tuple[Any, dict[str, Any]]]
+    #: ``--preset`` values refused for the family, with their messages.
+    refused_presets: dict[str, str]
+    #: Printed when a transformer folder has no ``vae/config.json`` beside it and a size becomes tokens.
+    without_vae: str | None
+
+
+_RULES: dict[str, _FamilyRules] = {
+    "wan": _FamilyRules(
+        size_format="FRAMESxHEIGHTxWIDTH",
+        size_example=WAN_480P,
+        token_grid=_video_grid,
+        default_size=WAN_480P,
+        random_inputs=_wan_inputs,
+        refused_presets={
+            "released-dit": "--preset released-dit is the released DiT-MHLA setting, for DiT models; "
+            "use --preset released-wan (or paper) for Wan"
+        },
+        without_vae="note: no vae/config.json beside the transformer: sizes become tokens with Wan2.1's VAE factors "
+        "(x4 in time, x8 in space); for Wan2.2-TI2V-5B (x16) give the pipeline folder or --target-grid",
+    ),
+    "dit": _FamilyRules(
+        size_format="HEIGHTxWIDTH",
+        size_example=(256, 256),
+        token_grid=_image_grid,
+        default_size=None,
+        random_inputs=_dit_inputs,
+        refused_presets={},
+        without_vae=None,
+    ),
+}
+
+
+def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks: bool = False):
+    """A small random input for the before/after check (fixed seed), with a token grid >= the layout
+    (a multiple of it with ``equal_blocks``, which the scalar-mixed denominator needs), on the model's device
+    (floating-point tensors in its dtype)."""
+    import torch
+
+    parameter = next(transformer.parameters())
+    latents, kwargs = _RULES[family].random_inputs(
+        transformer.config, layout, equal_blocks, torch.Generator().manual_seed(0)
+    )
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point():
+            return tensor.to(parameter.device, parameter.dtype)
+        return tensor.to(parameter.device)
+
+    return place(latents), {name: place(value) for name, value in kwargs.items()}
 
 
 def _pipeline_file(model: str, filename: str, subfolder: str | None) -> dict | None:
@@ -301,10 +362,8 @@ def run(args: argparse.Namespace) -> int:
 
     vae_config = None
     if args.tiny is not None:
-        from ..models.tiny import tiny_dit_transformer, tiny_wan_transformer
-
-        build = tiny_wan_transformer if args.tiny == "wan" else tiny_dit_transformer
-        loaders, source = {"transformer": build}, f"tiny {'Wan' if args.tiny == 'wan' else 'DiT'} (built from a config)"
+        tiny = family_named(args.tiny)
+        loaders, source = {"transformer": tiny.tiny_transformer}, f"tiny {tiny.label} (built from a config)"
     else:
         # one transformer in memory at a time: Wan2.2-A14B's two are 14B parameters each
         loaders = {
@@ -321,11 +380,9 @@ def run(args: argparse.Namespace) -> int:
         if config is None:  # from the first transformer: a pipeline's transformers share their architecture
             geometry = family_named(family).geometry.from_configs(transformer.config, vae_config)
             uses_size = args.target_size is not None or (args.layout in (None, "auto") and args.target_grid is None)
-            if family == "wan" and vae_config is None and uses_size and args.tiny is None:
-                print(
-                    "note: no vae/config.json beside the transformer: sizes become tokens with Wan2.1's VAE factors "
-                    "(x4 in time, x8 in space); for Wan2.2-TI2V-5B (x16) give the pipeline folder or --target-grid"
-                )
+            note = _RULES[family].without_vae
+            if note is not None and vae_config is None and uses_size and args.tiny is None:
+                print(note)
             config = _convert_config(args, family, geometry)
         resolve_mhla_config(transformer, config)  # any config error before work on this transformer
         print(

@@ -29,6 +29,8 @@ class ModelFamily:
     """One model family: its classes (named, imported on use), size rules and token-grid axes."""
 
     name: str
+    #: How messages name the family ("Wan", "DiT").
+    label: str
     #: The Diffusers transformer class; also its ``_class_name`` in ``config.json``.
     transformer_class_name: str
     #: Other ``_class_name`` values that mean this family's transformer (hub DiT checkpoints record the legacy one).
@@ -36,6 +38,8 @@ class ModelFamily:
     mhla_transformer_path: str
     processor_path: str
     pipeline_paths: tuple[str, ...]
+    #: The builder of a tiny transformer of this family (:mod:`mhla_diffusion.models.tiny`).
+    tiny_path: str
     geometry: type[VideoGeometry] | type[ImageGeometry]
     #: The token-grid axes a block layout has, in order.
     grid_axes: tuple[str, ...]
@@ -61,6 +65,10 @@ class ModelFamily:
         """The MHLA attention processor of this family's self-attention layers."""
         return _load(self.processor_path)
 
+    def tiny_transformer(self, **kwargs: Any) -> Any:
+        """A tiny randomly initialised transformer of this family (``mhla convert --tiny``, tests)."""
+        return _load(self.tiny_path)(**kwargs)
+
     def pipeline_classes(self) -> tuple[type, ...]:
         """The MHLA pipeline classes of this family (the first: its basic text- or class-to-sample pipeline)."""
         return tuple(_load(path) for path in self.pipeline_paths)
@@ -74,6 +82,7 @@ class ModelFamily:
 FAMILIES: dict[str, ModelFamily] = {
     "wan": ModelFamily(
         name="wan",
+        label="Wan",
         transformer_class_name="WanTransformer3DModel",
         legacy_class_names=(),
         mhla_transformer_path="mhla_diffusion.models.transformers:MHLAWanTransformer3DModel",
@@ -82,6 +91,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "mhla_diffusion.pipelines.wan:MHLAWanPipeline",
             "mhla_diffusion.pipelines.wan_i2v:MHLAWanImageToVideoPipeline",
         ),
+        tiny_path="mhla_diffusion.models.tiny:tiny_wan_transformer",
         geometry=VideoGeometry,
         grid_axes=("frames", "height", "width"),
         blocks_attribute="blocks",
@@ -89,11 +99,13 @@ FAMILIES: dict[str, ModelFamily] = {
     ),
     "dit": ModelFamily(
         name="dit",
+        label="DiT",
         transformer_class_name="DiTTransformer2DModel",
         legacy_class_names=("Transformer2DModel",),
         mhla_transformer_path="mhla_diffusion.models.transformers:MHLADiTTransformer2DModel",
         processor_path="mhla_diffusion.models.processors.dit:DiTMHLAProcessor",
         pipeline_paths=("mhla_diffusion.pipelines.dit:MHLADiTPipeline",),
+        tiny_path="mhla_diffusion.models.tiny:tiny_dit_transformer",
         geometry=ImageGeometry,
         grid_axes=("rows", "columns"),
         blocks_attribute="transformer_blocks",

@@ -27,6 +27,7 @@ def test_each_family_names_its_classes_geometry_and_processor(request, name, bas
     assert family.transformer_class() is base and family.geometry is geometry
     assert family_for_class_name(base.__name__) is family
     assert issubclass(family.mhla_transformer_class(), base)
+    assert type(family.tiny_transformer(num_layers=1)) is base and family.label in family.transformer_class_name
     assert all(issubclass(cls, pipeline) for cls in family.pipeline_classes()[:1])
     assert len(family.patch_grid(transformer.config)) == len(family.grid_axes)
     layers = [n for n, _ in self_attention_layers(transformer)]
