@@ -9,7 +9,8 @@ allocator does the same on GPUs.
 
 So the first time :func:`~mhla_diffusion.ops.attention.mhla_attention` runs on a CPU tensor in a process
 (directly, or through an MHLA attention processor), it calls :func:`retain_freed_memory` once and
-logs that it did, with ``logging.info`` on the ``mhla_diffusion.ops.cpu_memory`` logger. Setting the
+logs that it did, in one line at debug level on the ``mhla_diffusion.ops.cpu_memory`` logger (it comes in
+the middle of a table or a progress bar, so it stays out of a program's normal output). Setting the
 environment variable ``MHLA_KEEP_MALLOC=1`` keeps glibc's settings untouched: then neither that
 first use nor any entry point nor :func:`retain_freed_memory` changes the allocator. Under
 ``torch.compile`` the setting is not applied from inside the compiled graph.
@@ -87,20 +88,17 @@ def retain_freed_memory_on_first_use() -> bool:
     if _retained:  # an entry point (or the user) already did it
         return True
     if keep_malloc_requested():
-        logger.info(
-            "mhla_diffusion: %s=%s is set, so glibc's malloc settings are left as they are; large freed "
-            "tensors go back to the system and are page-faulted in again on the next CPU attention call",
+        logger.debug(
+            "mhla_diffusion: %s=%s is set: glibc's malloc settings stay as they are (large freed tensors are "
+            "page-faulted in again on each CPU attention call)",
             KEEP_MALLOC_ENV,
             os.environ.get(KEEP_MALLOC_ENV),
         )
         return False
     if retain_freed_memory():
-        logger.info(
-            "mhla_diffusion: first MHLA attention call on a CPU in this process: glibc malloc now keeps "
-            "freed memory for reuse (mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB), because "
-            "otherwise every large temporary is returned to the system and page-faulted in again, which "
-            "at video length costs more than the attention's arithmetic. Process-wide; set %s=1 to keep "
-            "glibc's defaults.",
+        logger.debug(
+            "mhla_diffusion: glibc malloc now keeps freed memory for reuse (first MHLA call on a CPU), so large "
+            "temporaries are not page-faulted in again; process-wide; %s=1 keeps glibc's defaults",
             KEEP_MALLOC_ENV,
         )
         return True

@@ -1,13 +1,17 @@
 """The ``mhla`` command parses before it imports: help and argument errors never load torch or Diffusers.
 
-Each case runs in a fresh interpreter and lists the modules it ended up with (not a timing test).
+Each case runs in a fresh interpreter and lists the modules it ended up with; one test also bounds the time
+of every entry point's ``--help`` (generously: each takes well under 1 s on an idle machine).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +81,39 @@ def test_help_and_argument_errors_import_no_heavy_library(module, argv, code):
     assert exit_code == code, stderr
     heavy = sorted(name for name in modules if name.split(".")[0] in HEAVY)
     assert not heavy, f"{module} {' '.join(argv)} imported {heavy[:5]}"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: The bound of one ``--help`` (each takes 0.2-0.8 s on an idle 2-core machine; the trainers' took 11-16 s
+#: when their help imported torch). Generous, so a busy CI machine does not fail it.
+HELP_SECONDS = 5.0
+
+
+def _help_commands() -> list[list[str]]:
+    from mhla_diffusion.cli import build_parser
+
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return [
+        ["-m", "mhla_diffusion.cli", "--help"],
+        *(["-m", "mhla_diffusion.cli", name, "--help"] for name in subcommands),
+        ["finetune/train_wan.py", "--help"],
+        ["finetune/train_dit.py", "--help"],
+        ["app.py", "--help"],
+    ]
+
+
+@pytest.mark.parametrize("command", _help_commands(), ids=lambda c: " ".join(c[2:] if c[0] == "-m" else c))
+def test_every_entry_points_help_is_fast_and_imports_no_heavy_library(command):
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", *command], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
+    imported = {
+        line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY)
+    assert not heavy, f"{' '.join(command)} imported {heavy[:5]}"
+    assert seconds < HELP_SECONDS, f"{' '.join(command)} took {seconds:.1f} s"
