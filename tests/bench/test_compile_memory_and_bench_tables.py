@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers.attention import make_inputs
+from helpers.cli import TINY_BENCH
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init
 from mhla_diffusion.benchmarks.bench import (
     BenchCase,
@@ -140,34 +141,7 @@ def test_attention_table_reports_ratios():
 
 def test_bench_command_prints_both_tables(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert (
-        main(
-            [
-                "bench",
-                "--case",
-                "2x4x6",
-                "--heads",
-                "2",
-                "--head-dim",
-                "8",
-                "--repeats",
-                "1",
-                "--block-grid",
-                "2x4x4",
-                "--block-dim",
-                "32",
-                "--block-heads",
-                "2",
-                "--block-ffn",
-                "64",
-                "--block-text-tokens",
-                "4",
-                "--output",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert main(["bench", *TINY_BENCH, "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| 2x4x6 | 48 |" in text and "SDPA / MHLA" in text and "default (sdpa)" in text
     assert out.is_file()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.cli import TINY_BENCH
 from helpers.models import run, wan_inputs
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.benchmarks.bench import replace_marked_section
@@ -108,27 +109,9 @@ def test_converted_wan_compiles_with_inductor_and_matches_eager():
 
 def test_bench_writes_json_and_the_speed_page_tables(tmp_path, capsys):
     result_file = tmp_path / "bench.json"
-    tiny = [
-        "--case",
-        "2x4x6",
-        "--heads",
-        "2",
-        "--head-dim",
-        "8",
-        "--repeats",
-        "1",
-        "--block-grid",
-        "2x4x4",
-        "--block-dim",
-        "32",
-        "--block-heads",
-        "2",
-        "--block-ffn",
-        "64",
-        "--block-text-tokens",
-        "4",
-    ]
-    assert main(["bench", *tiny, "--device", "cpu", "--transformer-layers", "1", "--output", str(result_file)]) == 0
+    assert (
+        main(["bench", *TINY_BENCH, "--device", "cpu", "--transformer-layers", "1", "--output", str(result_file)]) == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads(result_file.read_text())
     assert result["device_type"] == "cpu" and "fresh process" in result["device"] and result["spec"]["malloc"] == "auto"

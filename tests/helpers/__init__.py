@@ -6,6 +6,7 @@ Imported as ``from helpers.<topic> import name`` (``tests/`` is on ``sys.path`` 
 
 * :mod:`helpers.models` -- inputs for the tiny Wan / DiT transformers, running them, tiny-pipeline call arguments
 * :mod:`helpers.attention` -- random inputs for the attention operators
+* :mod:`helpers.cli` -- `mhla` command lines on the tiny pipelines (generation) and a toy-size `mhla bench`
 * :mod:`helpers.original_format` -- tiny released-format (original Wan) checkpoints
 * :mod:`helpers.media` -- writers of videos, images and image folders; synthetic image arrays
 * :mod:`helpers.finetune` -- tiny trainer options, metrics, fixed-draw evaluators, tiny pretrained pipelines

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from helpers.cli import text_to_video
 from helpers.context_parallel import LEPE_GRIDS, OPERATOR_CASES, TRANSFORMER_CASES, training_gradients
 from helpers.finetune import wan_options
 from mhla_diffusion.models.context_parallel import enable_context_parallel, run_cpu_processes, training_layout
@@ -158,26 +159,9 @@ def test_wan_family_pipelines_make_the_one_process_video(parallel_results):
 def test_command_line_refuses_before_loading(pipeline_dirs, tmp_path, monkeypatch, capsys, world, flags, message):
     """Degree against the launch (WORLD_SIZE) and the video's token count against the split, checked on every
     process before anything loads (no process group is started: none exists in this test process)."""
-    from mhla_diffusion.cli import main
-
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     if world is not None:
         monkeypatch.setenv("WORLD_SIZE", world)
-    size = ["--num-frames", "9", "--height", "32", "--width", "48"]
-    code = main(
-        [
-            "text-to-video",
-            "--model",
-            str(pipeline_dirs["wan"]),
-            "--mhla-weights",
-            str(pipeline_dirs["wan_mhla"]),
-            "--prompt",
-            "a red circle",
-            "--output-dir",
-            str(tmp_path),
-            *size,
-            *flags,
-        ]
-    )
+    code = text_to_video(pipeline_dirs, tmp_path, "--prompt", "a red circle", *flags)
     assert code == 2 and message in capsys.readouterr().err
     assert not dist.is_initialized() and not list(tmp_path.iterdir())

@@ -9,30 +9,15 @@ import numpy as np
 import pytest
 from safetensors.torch import save_file
 
+from helpers.cli import TINY_VIDEO, class_to_image, text_to_video
 from helpers.original_format import released_model, to_original
 from mhla_diffusion.cli import main
 
-VIDEO = ["--num-frames", "9", "--height", "32", "--width", "48", "--steps", "2", "--max-sequence-length", "16"]
-
-
-def t2v(dirs, out, *extra):
-    return main(
-        [
-            "text-to-video",
-            "--model",
-            str(dirs["wan"]),
-            "--mhla-weights",
-            str(dirs["wan_mhla"]),
-            "--output-dir",
-            str(out),
-            *VIDEO,
-            *extra,
-        ]
-    )
+VIDEO = [*TINY_VIDEO, "--steps", "2"]
 
 
 def test_text_to_video_writes_decodable_video_and_settings(pipeline_dirs, tmp_path, capsys):
-    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a red circle moving left", "--fps", "8") == 0
+    assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "a red circle moving left", "--fps", "8") == 0
     video = tmp_path / "000-a-red-circle-moving-left-seed0-mhla.mp4"
     frames = np.stack(list(iio.imiter(video)))
     assert frames.shape == (9, 32, 48, 3)
@@ -47,8 +32,13 @@ def test_formats_attention_modes_and_prompts_file(pipeline_dirs, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n\na blue square\n")
     out = tmp_path / "out"
-    assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "gif") == 0
-    assert t2v(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "frames", "--attention", "softmax") == 0
+    assert text_to_video(pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "gif") == 0
+    assert (
+        text_to_video(
+            pipeline_dirs, out, "--prompts-file", str(prompts), "--format", "frames", "--attention", "softmax"
+        )
+        == 0
+    )
     gif = np.stack(list(iio.imiter(out / "001-a-blue-square-seed0-mhla.gif")))
     assert gif.shape[:3] == (9, 32, 48)
     pngs = sorted((out / "001-a-blue-square-seed0-softmax").glob("frame_*.png"))
@@ -61,18 +51,18 @@ def test_formats_attention_modes_and_prompts_file(pipeline_dirs, tmp_path):
 
 def test_one_frame_under_a_larger_layout_is_generated(pipeline_dirs, tmp_path):
     """--num-frames 1 gives token grid (1, 2, 3) under the 2x2x2 layout: the second frame block is empty."""
-    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", "--num-frames", "1", "--format", "frames") == 0
+    assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "a cat", "--num-frames", "1", "--format", "frames") == 0
     pngs = sorted((tmp_path / "000-a-cat-seed0-mhla").glob("frame_*.png"))
     assert len(pngs) == 1 and iio.imread(pngs[0]).shape == (32, 48, 3)
 
 
 def test_existing_outputs_are_kept(pipeline_dirs, tmp_path, capsys):
-    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat") == 0
+    assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "a cat") == 0
     video = tmp_path / "000-a-cat-seed0-mhla.mp4"
     before = video.read_bytes()
-    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", "--seed", "0") == 2
+    assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "a cat", "--seed", "0") == 2
     assert "--overwrite" in capsys.readouterr().err and video.read_bytes() == before
-    assert t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", "--overwrite") == 0
+    assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "a cat", "--overwrite") == 0
 
 
 @pytest.mark.parametrize(
@@ -85,7 +75,7 @@ def test_existing_outputs_are_kept(pipeline_dirs, tmp_path, capsys):
     ],
 )
 def test_text_to_video_bad_input(pipeline_dirs, tmp_path, capsys, extra, message):
-    assert t2v(pipeline_dirs, tmp_path, *extra) == 2
+    assert text_to_video(pipeline_dirs, tmp_path, *extra) == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
@@ -93,13 +83,13 @@ def test_text_to_video_bad_input(pipeline_dirs, tmp_path, capsys, extra, message
 def test_more_bad_input(pipeline_dirs, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    assert t2v(pipeline_dirs, tmp_path / "o", "--prompts-file", str(empty)) == 2
+    assert text_to_video(pipeline_dirs, tmp_path / "o", "--prompts-file", str(empty)) == 2
     assert "has no prompts" in capsys.readouterr().err
     assert main(["text-to-video", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    assert t2v(pipeline_dirs, blocker / "sub", "--prompt", "x") == 2
+    assert text_to_video(pipeline_dirs, blocker / "sub", "--prompt", "x") == 2
     assert "is a file" in capsys.readouterr().err
     assert (
         main(
@@ -120,51 +110,21 @@ def test_more_bad_input(pipeline_dirs, tmp_path, capsys):
 
 
 def test_frame_count_is_rounded_with_a_warning(pipeline_dirs, tmp_path, capsys):
-    args = [a if a != "9" else "11" for a in VIDEO]
-    assert (
-        main(
-            [
-                "text-to-video",
-                "--model",
-                str(pipeline_dirs["wan"]),
-                "--mhla-weights",
-                str(pipeline_dirs["wan_mhla"]),
-                "--prompt",
-                "x",
-                "--output-dir",
-                str(tmp_path),
-                "--format",
-                "gif",
-                *args,
-            ]
-        )
-        == 0
-    )
+    assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "x", "--format", "gif", "--num-frames", "11") == 0
     assert "generating 9 frames" in capsys.readouterr().err
     assert json.loads((tmp_path / "000-x-seed0-mhla.json").read_text())["num_frames"] == 9
 
 
 def test_class_to_image(pipeline_dirs, tmp_path, capsys):
-    base = [
-        "class-to-image",
-        "--model",
-        str(pipeline_dirs["dit"]),
-        "--mhla-weights",
-        str(pipeline_dirs["dit_mhla"]),
-        "--steps",
-        "3",
-        "--output-dir",
-        str(tmp_path),
-    ]
-    assert main([*base, "--class", "goldfish,3", "--class", "hammerhead"]) == 0
+    assert class_to_image(pipeline_dirs, tmp_path, "--class", "goldfish,3", "--class", "hammerhead", steps=3) == 0
     image = iio.imread(tmp_path / "000-goldfish-seed0-mhla.png")
     assert image.shape == (16, 16, 3)
     settings = json.loads((tmp_path / "002-hammerhead-seed0-mhla.json").read_text())
     assert settings["class_id"] == 4 and settings["attention"] == "mhla"
-    assert main([*base, "--class", "blue whale"]) == 2
+    assert class_to_image(pipeline_dirs, tmp_path, "--class", "blue whale", steps=3) == 2
     assert "unknown class names ['blue whale']" in capsys.readouterr().err
     capsys.readouterr()
-    assert main([*base, "--class", "goldfish", "--attention", "softmax"]) == 0
+    assert class_to_image(pipeline_dirs, tmp_path, "--class", "goldfish", "--attention", "softmax", steps=3) == 0
     assert not np.array_equal(iio.imread(tmp_path / "000-goldfish-seed0-softmax.png"), image)
 
 

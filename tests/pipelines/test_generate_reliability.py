@@ -12,45 +12,16 @@ import stat
 
 import pytest
 
+from helpers.cli import TINY_VIDEO, class_to_image, text_to_video
 from mhla_diffusion.cli import main
 from mhla_diffusion.pipelines.outputs import OutputPlan, slugify, write_settings
 
-VIDEO = ["--num-frames", "9", "--height", "32", "--width", "48", "--steps", "1", "--max-sequence-length", "16"]
+VIDEO = [*TINY_VIDEO, "--steps", "1"]
 
 
 def t2v(dirs, out, *extra):
-    return main(
-        [
-            "text-to-video",
-            "--model",
-            str(dirs["wan"]),
-            "--mhla-weights",
-            str(dirs["wan_mhla"]),
-            "--output-dir",
-            str(out),
-            *VIDEO,
-            *extra,
-        ]
-    )
-
-
-def c2i(dirs, out, *extra):
-    return main(
-        [
-            "class-to-image",
-            "--model",
-            str(dirs["dit"]),
-            "--mhla-weights",
-            str(dirs["dit_mhla"]),
-            "--steps",
-            "1",
-            "--class",
-            "goldfish",
-            "--output-dir",
-            str(out),
-            *extra,
-        ]
-    )
+    """One-step :func:`~helpers.cli.text_to_video` (these tests check input handling, not samples)."""
+    return text_to_video(dirs, out, *extra, steps=1)
 
 
 # ---------------------------------------------------------------- 1. non-finite numbers
@@ -68,7 +39,7 @@ def test_text_to_video_refuses_non_finite_numbers(pipeline_dirs, tmp_path, capsy
 
 def test_class_to_image_refuses_non_finite_guidance(pipeline_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        c2i(pipeline_dirs, tmp_path, "--guidance-scale", "nan")
+        class_to_image(pipeline_dirs, tmp_path, "--class", "goldfish", "--guidance-scale", "nan")
     assert "argument --guidance-scale: expected a finite number, got 'nan'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
@@ -126,7 +97,7 @@ def test_an_output_folder_that_cannot_be_created_is_refused_first(pipeline_dirs,
     err = capsys.readouterr().err
     assert "cannot write to --output-dir /proc/x (No such file or directory); choose another --output-dir" in err
     assert "Errno" not in err
-    assert c2i(pipeline_dirs, "/proc/x/images") == 2
+    assert class_to_image(pipeline_dirs, "/proc/x/images", "--class", "goldfish") == 2
     assert "cannot write to --output-dir /proc/x/images" in capsys.readouterr().err
 
 

@@ -1,0 +1,72 @@
+"""``mhla`` command lines on the tiny models: generation on the ``pipeline_dirs`` fixture's pipelines
+(with their MHLA weights) and a ``mhla bench`` small enough for a test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mhla_diffusion.cli import main
+
+#: A fast clip of the tiny Wan pipeline: 9 frames of 32x48 pixels, 16 text tokens.
+TINY_VIDEO = ("--num-frames", "9", "--height", "32", "--width", "48", "--max-sequence-length", "16")
+
+#: ``mhla bench`` at toy size: one 2x4x6 case of 2 heads of 8 channels, one round, a 2x4x4 Wan block 32 wide.
+TINY_BENCH = (
+    "--case",
+    "2x4x6",
+    "--heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--repeats",
+    "1",
+    "--block-grid",
+    "2x4x4",
+    "--block-dim",
+    "32",
+    "--block-heads",
+    "2",
+    "--block-ffn",
+    "64",
+    "--block-text-tokens",
+    "4",
+)
+
+
+def text_to_video(dirs: dict, out: str | Path, *extra: str, steps: int = 2) -> int:
+    """``mhla text-to-video`` on the tiny Wan pipeline with its MHLA weights, :data:`TINY_VIDEO` and ``steps``
+    denoising steps, writing into ``out``; ``extra`` comes last (a repeated option there wins). The exit code."""
+    return main(
+        [
+            "text-to-video",
+            "--model",
+            str(dirs["wan"]),
+            "--mhla-weights",
+            str(dirs["wan_mhla"]),
+            "--output-dir",
+            str(out),
+            *TINY_VIDEO,
+            "--steps",
+            str(steps),
+            *extra,
+        ]
+    )
+
+
+def class_to_image(dirs: dict, out: str | Path, *extra: str, steps: int = 1) -> int:
+    """``mhla class-to-image`` on the tiny DiT pipeline with its MHLA weights and ``steps`` denoising steps,
+    writing into ``out``; ``extra`` comes last. The exit code."""
+    return main(
+        [
+            "class-to-image",
+            "--model",
+            str(dirs["dit"]),
+            "--mhla-weights",
+            str(dirs["dit_mhla"]),
+            "--steps",
+            str(steps),
+            "--output-dir",
+            str(out),
+            *extra,
+        ]
+    )
