@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers.attention import make_inputs
+from helpers.attention import check_operator_gradients, make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, mixing_init, num_blocks
 
 CASES = [
@@ -128,14 +128,7 @@ def test_layout_of_ones_is_global_linear_attention():
 
 def test_gradcheck_float64():
     grid, layout = (3, 4), (2, 3)
-    q, k, v, q_rot, k_rot = make_inputs(grid, heads=2, dim=3, value_dim=2, batch=1)
-    mixing = mixing_init(layout, dtype=torch.float64) + 0.05
-    tensors = [t.clone().requires_grad_() for t in (q, k, v, q_rot, k_rot, mixing)]
-
-    def fn(q, k, v, q_rot, k_rot, mixing):
-        return mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=True)
-
-    assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-6)
+    tensors = check_operator_gradients(grid, layout, normalize=True)
     q_only = [tensors[0], tensors[1], tensors[2]]
     assert torch.autograd.gradcheck(
         lambda q, k, v: mhla_attention(q, k, v, grid, layout, tensors[5].detach(), normalize=False), q_only

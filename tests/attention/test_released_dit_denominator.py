@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers.attention import make_inputs
+from helpers.attention import check_operator_gradients, make_inputs
 from mhla_diffusion import auto_layout, block_plan, mhla_attention, mhla_attention_reference, mixing_init, num_blocks
 from mhla_diffusion.utils.geometry import check_equal_blocks
 
@@ -150,15 +150,7 @@ def test_check_equal_blocks_suggests_dividing_layouts():
 
 
 def test_gradcheck_float64():
-    grid, layout = (4, 4), (2, 2)
-    q, k, v, q_rot, k_rot = make_inputs(grid, heads=2, dim=3, value_dim=2, batch=1)
-    mixing = mixing_init(layout, dtype=torch.float64) + 0.05
-    tensors = [t.clone().requires_grad_() for t in (q, k, v, q_rot, k_rot, mixing)]
-
-    def fn(q, k, v, q_rot, k_rot, mixing):
-        return mhla_attention(q, k, v, grid, layout, mixing, q_rot=q_rot, k_rot=k_rot, normalize=SCALAR)
-
-    assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-6)
+    check_operator_gradients((4, 4), (2, 2), normalize=SCALAR)
 
 
 def test_no_token_pair_matrix_is_formed():
