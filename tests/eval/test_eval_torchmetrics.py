@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from torchmetrics import Metric
 
 from helpers.features import StandInFeatures
 from helpers.media import random_images, smooth_images
+from helpers.web import free_port
 from mhla_diffusion.eval import (
     ADMFrechetInceptionDistance,
     ADMInceptionScore,
@@ -265,12 +265,6 @@ WORKER = textwrap.dedent("""
         json.dump(result, f)
     dist.destroy_process_group()
 """)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

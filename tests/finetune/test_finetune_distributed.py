@@ -4,7 +4,6 @@ both processes' RNG states."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -12,17 +11,12 @@ import pytest
 import torch
 import yaml
 
-from helpers.finetune import metrics, subprocess_env
+from helpers.finetune import metrics, subprocess_env, wan_values
+from helpers.web import free_port
 from mhla_diffusion.pipelines import MHLAWanPipeline
 
 #: Every test here starts processes or trains (``pytest -m 'not slow'`` skips them).
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_process_run_with_cache_prepass(tmp_path, pipeline_dirs, video_set):
@@ -30,22 +24,11 @@ def test_two_process_run_with_cache_prepass(tmp_path, pipeline_dirs, video_set):
     config = tmp_path / "wan.yaml"
     config.write_text(
         yaml.safe_dump(
-            dict(
-                pretrained_model=str(pipeline_dirs["wan"]),
-                data_dir=str(video_set),
-                output_dir=str(output),
-                height=32,
-                width=32,
-                num_frames=9,
-                mhla={"layout": [1, 2, 2]},
-                mixed_precision="no",
-                train_batch_size=2,
-                max_train_steps=4,
-                learning_rate=1e-3,
-                lr_warmup_steps=0,
+            wan_values(
+                pipeline_dirs["wan"],
+                video_set,
+                output,
                 checkpointing_steps=2,
-                max_sequence_length=16,
-                report_to="jsonl",
                 trainable="lora",
                 lora_rank=4,
                 cache_latents=True,
@@ -74,7 +57,7 @@ def test_two_process_run_with_cache_prepass(tmp_path, pipeline_dirs, video_set):
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "mhla_diffusion.finetune.train_wan",
         "--config",

@@ -3,18 +3,15 @@ clamps, outputs that load with the pipelines, resume equality with EMA, label dr
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers.finetune import DiTEvaluator, dit_options, metrics
+from helpers.finetune import DiTEvaluator, assert_same_final_weights, dit_options, killed_and_resumed, metrics
 from mhla_diffusion import MHLAConfig, convert_to_mhla, load_mhla, load_transformer
 from mhla_diffusion.finetune import train_dit
 from mhla_diffusion.pipelines import MHLADiTPipeline
-
-
-class Interrupted(Exception):
-    pass
 
 
 @pytest.mark.slow
@@ -65,21 +62,11 @@ def test_dit_resume_with_ema_equals_uninterrupted(tmp_path, pipeline_dirs, image
         train_batch_size=3,
         mhla={"lepe": True},
     )
-    train_dit.train(dit_options(base, image_classes, tmp_path / "a", **common))
-
-    def crash(step, logs):
-        if step == 3:
-            raise Interrupted
-
-    with pytest.raises(Interrupted):
-        train_dit.train(dit_options(base, image_classes, tmp_path / "b", **common), on_step_end=crash)
-    train_dit.train(dit_options(base, image_classes, tmp_path / "b", resume="latest", **common))
-    for folder in ("final", "final-no-ema"):
-        a = load_file(str(tmp_path / "a" / folder / "diffusion_pytorch_model.safetensors"))
-        b = load_file(str(tmp_path / "b" / folder / "diffusion_pytorch_model.safetensors"))
-        assert a.keys() == b.keys() and any(".processor.lepe." in k for k in a)
-        for key in a:
-            assert torch.equal(a[key], b[key]), (folder, key)
+    options = functools.partial(dit_options, base, image_classes, **common)
+    train_dit.train(options(tmp_path / "a"))
+    killed_and_resumed(train_dit.train, options, tmp_path / "b", at=3)
+    for tensors in assert_same_final_weights(tmp_path / "a", tmp_path / "b").values():
+        assert any(".processor.lepe." in k for k in tensors)
 
 
 def test_label_dropout_is_left_to_the_trainer(pipeline_dirs):

@@ -5,14 +5,20 @@ whose saved pipeline loads and samples, resume with the shared embedder, the pre
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers.finetune import TINY_DIT_OVERRIDES, dit_scratch_options, metrics
+from helpers.finetune import (
+    TINY_DIT_OVERRIDES,
+    assert_same_final_weights,
+    dit_scratch_options,
+    killed_and_resumed,
+    metrics,
+)
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.finetune import train_dit
 from mhla_diffusion.finetune.dit_scratch import has_shared_embedder, new_dit_transformer, unshared_embedders
@@ -22,10 +28,6 @@ from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
 from mhla_diffusion.models.tiny import tiny_dit_transformer
 from mhla_diffusion.pipelines import MHLADiTPipeline
 from mhla_diffusion.utils.dit_sizes import DIT_MODEL_SIZES, dit_model_size, dit_transformer_config
-
-
-class Interrupted(Exception):
-    pass
 
 
 def test_size_table():
@@ -175,21 +177,11 @@ def test_from_scratch_resume_equals_uninterrupted(tmp_path, pipeline_dirs, image
         learning_rate=1e-2,
         mhla={"gate": True},
     )
-    train_dit.train(dit_scratch_options(vae, image_classes, tmp_path / "a", **common))
-
-    def crash(step, logs):
-        if step == 3:
-            raise Interrupted
-
-    with pytest.raises(Interrupted):
-        train_dit.train(dit_scratch_options(vae, image_classes, tmp_path / "b", **common), on_step_end=crash)
-    train_dit.train(dit_scratch_options(vae, image_classes, tmp_path / "b", resume="latest", **common))
-    for folder in ("final", "final-no-ema"):
-        a = load_file(str(tmp_path / "a" / folder / "diffusion_pytorch_model.safetensors"))
-        b = load_file(str(tmp_path / "b" / folder / "diffusion_pytorch_model.safetensors"))
-        assert a.keys() == b.keys() and "transformer_blocks.1.norm1.emb.class_embedder.embedding_table.weight" in a
-        for key in a:
-            assert torch.equal(a[key], b[key]), (folder, key)
+    options = functools.partial(dit_scratch_options, vae, image_classes, **common)
+    train_dit.train(options(tmp_path / "a"))
+    killed_and_resumed(train_dit.train, options, tmp_path / "b", at=3)
+    for tensors in assert_same_final_weights(tmp_path / "a", tmp_path / "b").values():
+        assert "transformer_blocks.1.norm1.emb.class_embedder.embedding_table.weight" in tensors
 
 
 def _cache_entries(cache_dir) -> tuple[list[ImageSample], list[dict[str, torch.Tensor]]]:

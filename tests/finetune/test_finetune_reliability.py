@@ -13,25 +13,13 @@ import sys
 import pytest
 import yaml
 
-from helpers.finetune import metrics, wan_options
+from helpers.finetune import Interrupted, crash_at, metrics, wan_options
 from mhla_diffusion.finetune import train_dit, train_wan
 from mhla_diffusion.finetune.checkpointing import RUN_CONFIG
 from mhla_diffusion.finetune.options import WanTrainOptions, options_from_dict
 from mhla_diffusion.finetune.video_data import index_video_folder
 
 LOCK_FILE = ".run.lock"  # mhla_diffusion.finetune.checkpointing.LOCK_FILE
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _crash_at(step_to_crash):
-    def crash(step, logs):
-        if step == step_to_crash:
-            raise Interrupted
-
-    return crash
 
 
 LORA = dict(trainable="lora", lora_rank=4, lora_alpha=4, max_train_steps=4, checkpointing_steps=2)
@@ -41,7 +29,7 @@ LORA = dict(trainable="lora", lora_rank=4, lora_alpha=4, max_train_steps=4, chec
 def test_resume_refuses_changed_options_and_keeps_the_run_record(tmp_path, pipeline_dirs, video_set):
     base, run = pipeline_dirs["wan"], tmp_path / "run"
     with pytest.raises(Interrupted):
-        train_wan.train(wan_options(base, video_set, run, **LORA), on_step_end=_crash_at(3))
+        train_wan.train(wan_options(base, video_set, run, **LORA), on_step_end=crash_at(3))
     record = (run / RUN_CONFIG).read_text()
     with pytest.raises(ValueError, match=r"cannot resume .*trainable: 'lora' -> 'all'"):
         train_wan.train(wan_options(base, video_set, run, resume="latest", **{**LORA, "trainable": "all"}))
@@ -67,7 +55,7 @@ def test_resume_refuses_changed_options_and_keeps_the_run_record(tmp_path, pipel
 def test_metrics_hold_each_step_once_after_a_resume(tmp_path, pipeline_dirs, video_set):
     base, run = pipeline_dirs["wan"], tmp_path / "run"
     with pytest.raises(Interrupted):
-        train_wan.train(wan_options(base, video_set, run, **LORA), on_step_end=_crash_at(3))
+        train_wan.train(wan_options(base, video_set, run, **LORA), on_step_end=crash_at(3))
     assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3]
     train_wan.train(wan_options(base, video_set, run, resume="latest", **LORA))
     assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3, 4]

@@ -4,22 +4,18 @@ as the demo's: Wan with patch (1, 1, 1); DiT with 10 classes, patch 1, VAE x2, n
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers.finetune import dit_options, metrics, wan_options
+from helpers.finetune import assert_same_final_weights, dit_options, killed_and_resumed, metrics, wan_options
 from helpers.media import make_digit_classes
 from mhla_diffusion import get_mhla_conversion, load_transformer
 from mhla_diffusion.finetune import train_dit, train_wan
 from mhla_diffusion.finetune.engine import _cpu_copy
 from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
-
-
-class Interrupted(Exception):
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -174,19 +170,9 @@ def test_dit_softmax_teacher_resumes_and_seeds_an_mhla_student(tmp_path, digits)
     final = train_dit.train(
         dit_options(base, data, tmp_path / "a", validation_classes=["7"], validation_num_inference_steps=2, **common)
     )
-
-    def crash(step, logs):
-        if step == 3:
-            raise Interrupted
-
-    with pytest.raises(Interrupted):
-        train_dit.train(dit_options(base, data, tmp_path / "b", **common), on_step_end=crash)
-    train_dit.train(dit_options(base, data, tmp_path / "b", resume="latest", **common))
-    for folder in ("final", "final-no-ema"):
+    killed_and_resumed(train_dit.train, functools.partial(dit_options, base, data, **common), tmp_path / "b", at=3)
+    for folder in assert_same_final_weights(tmp_path / "a", tmp_path / "b"):
         assert not (tmp_path / "a" / folder / "mhla_config.json").exists()
-        a = load_file(str(tmp_path / "a" / folder / "diffusion_pytorch_model.safetensors"))
-        b = load_file(str(tmp_path / "b" / folder / "diffusion_pytorch_model.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
     raw = load_transformer(str(tmp_path / "a" / "final-no-ema"))
     assert not _equal_states(raw, load_transformer(str(final)))  # EMA
     copy = _cpu_copy(raw, raw.state_dict())  # the FSDP final save's rebuild

@@ -11,16 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.finetune import WanEvaluator, base_wan_transformer, metrics, wan_options
+from helpers.finetune import Interrupted, WanEvaluator, base_wan_transformer, crash_at, metrics, wan_options
 from helpers.media import make_video_set, write_image, write_video
 from mhla_diffusion import load_mhla
 from mhla_diffusion.finetune import train_wan
 from mhla_diffusion.finetune.checkpointing import list_checkpoints
 from mhla_diffusion.pipelines import MHLAWanPipeline
-
-
-class Interrupted(Exception):
-    pass
 
 
 @pytest.mark.slow
@@ -85,13 +81,8 @@ def test_interrupted_and_resumed_lora_run_equals_uninterrupted(tmp_path, pipelin
         mhla={"layout": [1, 2, 2], "gate": True},
     )
     straight = train_wan.train(wan_options(base, video_set, tmp_path / "straight", **common))
-
-    def crash(step, logs):
-        if step == 5:
-            raise Interrupted
-
     with pytest.raises(Interrupted):
-        train_wan.train(wan_options(base, video_set, tmp_path / "resumed", **common), on_step_end=crash)
+        train_wan.train(wan_options(base, video_set, tmp_path / "resumed", **common), on_step_end=crash_at(5))
     assert [s for s, _ in list_checkpoints(tmp_path / "resumed")] == [2, 4]
     assert not (tmp_path / "resumed" / "final").exists()
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints" / "step-00000004").iterdir()) == [

@@ -1,19 +1,19 @@
-"""For the fine-tuning tests: tiny trainer options, reading a run's metrics, fixed-draw evaluation
-losses, and tiny pipelines whose attention matters."""
+"""For the fine-tuning tests: tiny trainer options, reading a run's metrics, killing a run and comparing
+its resumed weights, fixed-draw evaluation losses, and tiny pipelines whose attention matters."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
+import pytest
 import torch
 
 
-def wan_options(pretrained: Path, data: Path, output: Path, **overrides):
-    """Tiny, fast, validated text-to-video options (32x32, 9 frames, fp32, layout 1x2x2)."""
-    from mhla_diffusion.finetune.options import WanTrainOptions, options_from_dict
-
+def wan_values(pretrained: Path, data: Path, output: Path, **overrides) -> dict[str, Any]:
+    """The values of :func:`wan_options` as a plain dict (for a YAML ``--config`` file)."""
     values = dict(
         pretrained_model=str(pretrained),
         data_dir=str(data),
@@ -32,28 +32,36 @@ def wan_options(pretrained: Path, data: Path, output: Path, **overrides):
         report_to="jsonl",
     )
     values.update(overrides)
-    return options_from_dict(WanTrainOptions, values)
+    return values
+
+
+def wan_options(pretrained: Path, data: Path, output: Path, **overrides):
+    """Tiny, fast, validated text-to-video options (32x32, 9 frames, fp32, layout 1x2x2)."""
+    from mhla_diffusion.finetune.options import WanTrainOptions, options_from_dict
+
+    return options_from_dict(WanTrainOptions, wan_values(pretrained, data, output, **overrides))
+
+
+#: What every tiny class-to-image run shares: 16 px images, fp32, batches of 4, no EMA, metrics to JSONL.
+_DIT_VALUES = dict(
+    resolution=16,
+    mixed_precision="no",
+    train_batch_size=4,
+    learning_rate=1e-3,
+    checkpointing_steps=0,
+    report_to="jsonl",
+    ema_decay=0.0,
+)
 
 
 def dit_options(pretrained: Path, data: Path, output: Path, **overrides):
-    """Tiny class-to-image options (16 px images -> 8x8 latents, fp32)."""
+    """Tiny class-to-image options (16 px images -> 8x8 latents, fp32, 4 steps)."""
     from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
 
     values = dict(
-        pretrained_model=str(pretrained),
-        data_dir=str(data),
-        output_dir=str(output),
-        resolution=16,
-        mixed_precision="no",
-        train_batch_size=4,
-        max_train_steps=4,
-        learning_rate=1e-3,
-        checkpointing_steps=0,
-        report_to="jsonl",
-        ema_decay=0.0,
+        _DIT_VALUES, pretrained_model=str(pretrained), data_dir=str(data), output_dir=str(output), max_train_steps=4
     )
-    values.update(overrides)
-    return options_from_dict(DiTTrainOptions, values)
+    return options_from_dict(DiTTrainOptions, {**values, **overrides})
 
 
 #: A DiT-S/2-shaped model at toy width for from-scratch runs (2 blocks, 2 heads of 8 channels).
@@ -66,22 +74,15 @@ def dit_scratch_options(vae: Path, data: Path, output: Path, **overrides):
     from mhla_diffusion.finetune.options import DiTTrainOptions, options_from_dict
 
     values = dict(
+        _DIT_VALUES,
         model_size="DiT-S/2",
         model_overrides=dict(TINY_DIT_OVERRIDES),
         vae_model=str(vae),
         data_dir=str(data),
         output_dir=str(output),
-        resolution=16,
-        mixed_precision="no",
-        train_batch_size=4,
         max_train_steps=3,
-        learning_rate=1e-3,
-        checkpointing_steps=0,
-        report_to="jsonl",
-        ema_decay=0.0,
     )
-    values.update(overrides)
-    return options_from_dict(DiTTrainOptions, values)
+    return options_from_dict(DiTTrainOptions, {**values, **overrides})
 
 
 def metrics(output: Path) -> list[dict]:
@@ -89,6 +90,44 @@ def metrics(output: Path) -> list[dict]:
     from mhla_diffusion.finetune.tracking import read_metrics
 
     return read_metrics(Path(output) / "logs")
+
+
+class Interrupted(Exception):
+    """A run stopped by :func:`crash_at`, as a kill would stop it."""
+
+
+def crash_at(step: int) -> Callable[[int, dict], None]:
+    """An ``on_step_end`` callback that stops the run with :class:`Interrupted` after its step ``step``."""
+
+    def crash(done: int, logs: dict) -> None:
+        if done == step:
+            raise Interrupted
+
+    return crash
+
+
+def killed_and_resumed(train: Callable, options: Callable[..., Any], output: Path, at: int) -> Any:
+    """``train(options(output))`` stopped after step ``at`` (:func:`crash_at`), then resumed with
+    ``options(output, resume="latest")``; what the resumed run returns."""
+    with pytest.raises(Interrupted):
+        train(options(output), on_step_end=crash_at(at))
+    return train(options(output, resume="latest"))
+
+
+def assert_same_final_weights(a: Path, b: Path, folders=("final", "final-no-ema")) -> dict[str, dict]:
+    """Check that runs ``a`` and ``b`` saved the same tensors (names and values) in each of ``folders``;
+    ``{folder: a's tensors}``."""
+    from safetensors.torch import load_file
+
+    saved = {}
+    for folder in folders:
+        first = load_file(str(Path(a) / folder / "diffusion_pytorch_model.safetensors"))
+        second = load_file(str(Path(b) / folder / "diffusion_pytorch_model.safetensors"))
+        assert first.keys() == second.keys(), folder
+        for key in first:
+            assert torch.equal(first[key], second[key]), (folder, key)
+        saved[folder] = first
+    return saved
 
 
 def base_wan_transformer(pipeline_dir: Path, layout=(1, 2, 2)):

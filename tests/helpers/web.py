@@ -17,6 +17,7 @@ FRAMES, SIZE, STEPS = 9, 32, 2
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (servers, process groups)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
