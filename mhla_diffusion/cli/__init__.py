@@ -14,6 +14,7 @@
     mhla build-embedded                           # train the embedded demonstration models
     mhla reproduce                                # softmax vs linear vs MHLA: operator fits, rank, paired DiT check
     mhla web                                      # Gradio web demo on 127.0.0.1 (pip install .[demo])
+    mhla --version
 
 :mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.import_wan`,
 :mod:`.import_dit`, :mod:`.evaluate`, :mod:`.evaluate_video`, :mod:`.bench`, :mod:`.build_embedded`,
@@ -30,6 +31,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from .. import __version__
 from . import bench, build_embedded, convert, evaluate, evaluate_video, generate, import_dit, import_wan, reproduce, web
 from .arguments import CommandParser
 
@@ -52,6 +54,7 @@ COMMAND_MODULES = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="mhla", description="Multi-Head Linear Attention for Diffusers (Wan2.1, Wan2.2, DiT).")
+    parser.add_argument("--version", action="version", version=f"mhla-diffusion {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for module in COMMAND_MODULES:
         module.register(subparsers)

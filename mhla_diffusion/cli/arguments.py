@@ -162,10 +162,22 @@ def seed(text: str) -> int:
 # ---------------------------------------------------------------------------------- shared options
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: bool = True) -> None:
+#: ``--transformer`` of the generation commands, per model family: what it takes.
+TRANSFORMER_HELP = {
+    "wan": "a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an original-format Wan "
+    "checkpoint file",
+    "dit": "a DiT transformer folder: converted (save_mhla include_base, `mhla import-dit --output`) or plain "
+    "Diffusers; an original DiT checkpoint file is converted with `mhla import-dit` first",
+}
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser, hub_id: str, embedded: bool = True, family: str = "wan"
+) -> None:
     """The model, attention, seed, output and device options of the generation commands.
 
     ``embedded``: without ``--model`` the command runs the embedded demonstration model; else ``--model`` is required.
+    ``family`` (``wan`` or ``dit``) words the ``--transformer`` help (:data:`TRANSFORMER_HELP`).
     """
     if embedded:
         parser.add_argument(
@@ -176,12 +188,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, hub_id: str, embedded: 
     else:
         parser.add_argument("--model", required=True, help=f"Diffusers pipeline folder or hub id (e.g. {hub_id})")
     parser.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
-    parser.add_argument(
-        "--transformer",
-        type=Path,
-        help="a converted transformer folder (save_mhla include_base, `mhla import-wan`) or an "
-        "original-format Wan checkpoint file",
-    )
+    parser.add_argument("--transformer", type=Path, help=TRANSFORMER_HELP[family])
     parser.add_argument(
         "--attention",
         choices=ATTENTIONS,

@@ -129,7 +129,7 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
     from ..loaders.loading import DIT_HUB_ID
 
     d = embedded_defaults()
-    add_model_arguments(image, DIT_HUB_ID)
+    add_model_arguments(image, DIT_HUB_ID, family="dit")
     image.add_argument(
         "--class",
         dest="classes",
@@ -489,6 +489,11 @@ def run_class_to_image(args: argparse.Namespace) -> int:
     from ..pipelines.outputs import plan_outputs, save_image, slugify, write_settings
     from ..utils.options import list_items
 
+    if args.transformer is not None and args.transformer.is_file():
+        raise ValueError(
+            f"--transformer {args.transformer} is a file: class-to-image takes a transformer folder; convert an "
+            "original DiT checkpoint with `mhla import-dit FILE --output FOLDER` first"
+        )
     _apply_defaults(args, "class-to-image")  # the model folder exists from here on
     classes = [c for item in args.classes for c in list_items(item)]  # the option layer's list rule
     if not classes:

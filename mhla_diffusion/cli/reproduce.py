@@ -42,8 +42,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget",
         action="store_true",
-        help="time a few training steps of every arm at every token count, print the projected minutes "
-        "of the whole run and exit (writes nothing)",
+        help="time a few training steps of every arm at every token count (CPU seconds on one thread), print "
+        "the projected minutes of the whole run and the machine's load while timing, and exit (writes nothing); "
+        "other work on the machine slows the steps and inflates the projection",
     )
     add_settings_option(
         p,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -228,17 +229,22 @@ def estimate_budget(s: ExperimentSettings, probe_steps: int = 2) -> dict[str, An
     one-time costs included: a slight overestimate) and of every Part B arm (after one warm-up step), and
     project the whole run's seconds from them.
 
-    The times are CPU seconds of this process on one torch thread, so that other work on the machine
-    does not inflate them (with several threads, threads waiting for a busy core spin and count); on an
-    idle machine they approximate the run's wall time with the default threads, which can only speed up
-    the large products that dominate. Sampling and held-out scoring are projected from the Part B step
-    time (a forward pass is about a third of a training step)."""
+    The times are CPU seconds of this process on one torch thread, so that time spent waiting for a core
+    does not count (with several threads, threads waiting for a busy core spin and count); on an idle
+    machine they approximate the run's wall time with the default threads, which can only speed up the
+    large products that dominate. Other work on the machine still slows each step (shared caches and memory
+    bandwidth): a projection made under load can come out at twice the run's time on an idle machine, so
+    the estimate records the load average while probing (``load_average``, ``cpu_count``). Sampling and
+    held-out scoring are projected from the Part B step time (a forward pass is about a third of a training
+    step)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _estimate(s, probe_steps)
+        estimate = _estimate(s, probe_steps)
     finally:
         torch.set_num_threads(threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {**estimate, "load_average": load, "cpu_count": os.cpu_count()}
 
 
 def _estimate(s: ExperimentSettings, probe_steps: int) -> dict[str, Any]:
@@ -299,7 +305,18 @@ def budget_markdown(estimate: dict[str, Any]) -> str:
         for r in estimate["rows"]
     ]
     lines.append(
-        f"\nprojected total: {estimate['total_seconds'] / 60:.0f} minutes (CPU seconds on one torch thread; "
-        "other work on the machine does not count; see estimate_budget)"
+        f"\nprojected total: {estimate['total_seconds'] / 60:.0f} minutes: each row's CPU seconds per training step "
+        "on one torch thread (a few probe steps), times its steps in the run. It assumes the machine to itself: "
+        "other work slows every step (shared caches and memory bandwidth) and inflates the projection as it "
+        f"would the run; {_load_note(estimate.get('load_average'), estimate.get('cpu_count'))}"
     )
     return "\n".join(lines) + "\n"
+
+
+def _load_note(load: float | None, cores: int | None) -> str:
+    """What the machine's load while probing means for the projection."""
+    if load is None or not cores:
+        return "this system does not report its load average."
+    busy = load > 0.5 * cores
+    verdict = "a busy machine: expect the projection to be too long" if busy else "a quiet machine"
+    return f"the 1-minute load average while probing was {load:.1f} on {cores} cores ({verdict})."

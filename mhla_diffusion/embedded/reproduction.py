@@ -161,6 +161,7 @@ def _feature_metrics(samples: np.ndarray, reference: np.ndarray, judge: VideoJud
         k=k or PR_K,
         with_precision_recall=k is not None,
         progress=False,
+        with_inception_score=False,  # not reported for the judges: no Inception Score, no warning about one
     )
     return result["metrics"]
 

@@ -121,6 +121,7 @@ def evaluate(
     pr_block_size: int = 10000,
     pr_dtype: str = "float32",
     progress: bool = True,
+    with_inception_score: bool = True,
 ) -> dict:
     """IS, FID, sFID and (if the reference has images) precision/recall of ``samples``.
 
@@ -128,6 +129,8 @@ def evaluate(
     ``recall``; None where not computed), ``samples``, ``reference``, ``settings``,
     ``feature_extractor`` (incl. the weights' SHA-256) and ``warnings``. ``pr_dtype``: precision/recall
     distances in ``"float32"`` (default) or ``"float16"`` (as ADM's evaluator; see :mod:`.precision_recall`).
+    ``with_inception_score=False`` leaves the Inception Score out (and its warnings), for callers that do not
+    report it (the embedded judges' FID / precision / recall).
     """
     if pr_dtype not in DISTANCE_DTYPES:
         raise ValueError(f"pr_dtype must be one of {', '.join(DISTANCE_DTYPES)}, got {pr_dtype!r}")
@@ -144,22 +147,24 @@ def evaluate(
     started = time.perf_counter()
     if with_precision_recall and reference.images is None:
         warnings.append("precision/recall skipped: the reference has no images (arr_0)")
-    warnings.extend(inception_score_warnings(len(samples), samples.labels, split_size))
+    if with_inception_score:
+        warnings.extend(inception_score_warnings(len(samples), samples.labels, split_size))
 
     quiet = {"sync_on_compute": False}  # one process's images, even inside a distributed run
     fid = ADMFrechetInceptionDistance(extractor, reference.stats.get("fid"), **quiet)
     sfid = SpatialFID(extractor, reference.stats.get("sfid"), **quiet)
-    inception = ADMInceptionScore(extractor, split_size, **quiet)
+    inception = ADMInceptionScore(extractor, split_size, **quiet) if with_inception_score else None
     pr_metric = ADMPrecisionRecall(extractor, k=k, block_size=pr_block_size, distance_dtype=pr_dtype, **quiet)
     extra = [pr_metric] if pr else []
-    gen_count = _accumulate(samples, extractor, [fid, sfid, inception, *extra], False, batch_size, progress, "samples")
+    sample_metrics = [fid, sfid, *([inception] if inception is not None else []), *extra]
+    gen_count = _accumulate(samples, extractor, sample_metrics, False, batch_size, progress, "samples")
     ref_count = None
     if reference.images is not None and (pr or len(reference.stats) < 2):
         ref_metrics = [m for m in (fid, sfid) if m.reference is None] + extra
         ref_count = _accumulate(reference.images, extractor, ref_metrics, True, batch_size, progress, "reference")
 
     metrics: dict[str, float | None] = {
-        "inception_score": float(inception.compute()),
+        "inception_score": float(inception.compute()) if inception is not None else None,
         "fid": float(fid.compute()),
         "sfid": float(sfid.compute()),
         "precision": None,

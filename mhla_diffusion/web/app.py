@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -13,7 +14,7 @@ from typing import Sequence
 from .config import DemoConfig, add_arguments, config_from_args
 from .outputs import SessionOutputs
 
-__all__ = ["DESCRIPTION", "build_parser", "main", "prepare_environment", "run", "serve"]
+__all__ = ["DESCRIPTION", "build_parser", "main", "prepare_environment", "require_gradio", "run", "serve"]
 
 DESCRIPTION = (
     "Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention. "
@@ -80,11 +81,25 @@ def serve(config: DemoConfig, block: bool = True):
     return demo, outputs
 
 
+#: What to run when Gradio (the ``demo`` extra) is missing.
+INSTALL_DEMO = 'pip install -e ".[demo]"'
+
+
+def require_gradio() -> None:
+    """``ValueError`` saying how to install Gradio when it is not installed (before anything starts)."""
+    if importlib.util.find_spec("gradio") is None:
+        raise ValueError(
+            f"the web demo needs Gradio, which is not installed: {INSTALL_DEMO} in a checkout "
+            '(pip install "mhla-diffusion[demo]" otherwise)'
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Entry of ``mhla web`` and ``python app.py``: check the flags, then serve until stopped."""
+    """Entry of ``mhla web`` and ``python app.py``: check Gradio and the flags, then serve until stopped."""
     from ..loaders.loading import device_and_dtype
     from ..ops.cpu_memory import retain_freed_memory
 
+    require_gradio()
     config = config_from_args(args)
     if device_and_dtype(config.device, config.dtype)[0] == "cpu":
         # from the start rather than at the library's first MHLA call (cpu_memory): loading, the text encoder

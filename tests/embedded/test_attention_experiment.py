@@ -220,6 +220,11 @@ def test_budget_times_every_arm_and_writes_nothing(tmp_path, capsys, monkeypatch
     assert [r["part"] for r in estimate["rows"]] == ["A", "B"]
     assert all(r["seconds_per_step"] > 0 for r in estimate["rows"])
     assert estimate["total_seconds"] == pytest.approx(sum(r["projected_seconds"] for r in estimate["rows"]))
+    assert estimate["cpu_count"] >= 1 and estimate["load_average"] >= 0
     monkeypatch.chdir(tmp_path)
     assert main(["reproduce", "--budget", "--smoke", "--set", "part_b_tokens=16"]) == 0
-    assert "projected total" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+    out = capsys.readouterr().out
+    assert "projected total" in out and list(tmp_path.iterdir()) == []
+    # what it measures, and that load inflates it (a loaded machine projected 136 min for a 54-min run)
+    assert "CPU seconds per training step on one torch thread" in out and "inflates the projection" in out
+    assert "1-minute load average while probing was" in out

@@ -249,7 +249,7 @@ def test_judge_metrics_of_the_embedded_models_clips(judge_videos, videos, tmp_pa
     assert f"the embedded video judge takes clips of {NUM_FRAMES} frames" in capsys.readouterr().err
 
 
-def test_judge_on_three_clips_says_why_precision_recall_are_missing_and_warns(tmp_path, capsys):
+def test_judge_on_three_clips_says_why_precision_recall_are_missing_and_warns(tmp_path, capsys, caplog):
     folder = tmp_path / "three"
     captions = _write_videos(folder, 3, seed=7, num_frames=NUM_FRAMES)
     output = tmp_path / "judge.json"
@@ -277,6 +277,7 @@ def test_judge_on_three_clips_says_why_precision_recall_are_missing_and_warns(tm
     assert len(judge["warnings"]) == 1 and "judge FID on 3 sample clips" in judge["warnings"][0]
     assert "more than 64 clips (the reproduction table uses 480 clips)" in judge["warnings"][0]  # 64-d judge features
     assert f"warning: {judge['warnings'][0]}" in err
+    assert "Inception Score" not in err + caplog.text  # not asked for (--metrics judge), so not warned about
     network = result["networks"]["judge"]
     assert network["name"] == "video-judge" and network["pool_dim"] == 64 and len(network["weights_sha256"]) == 64
     assert [row["prompt"] for row in result["per_video"]] == captions  # from the generation sidecars

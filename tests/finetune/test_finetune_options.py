@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import yaml
@@ -247,3 +248,33 @@ def test_errors_under_accelerate_launch_say_how_to_drop_the_launcher_traceback(m
     assert main("wan", ["--mhla.layout", "1,a,6"]) == 2
     line = capsys.readouterr().err
     assert line.count("\n") == 1 and "`mhla.layout` must be" in line and "`accelerate launch -q`" in line
+
+
+def test_warmup_longer_than_the_run_warns(caplog):
+    """The default 1,000 warmup steps in a 40-step run train at 4 % of the learning rate: say so (issue 44)."""
+    with caplog.at_level("WARNING", logger="mhla_diffusion.finetune.options"):
+        options_from_dict(WanTrainOptions, {**REQUIRED, "max_train_steps": 40, "learning_rate": 2e-4})
+    assert "lr_warmup_steps (1000) is longer than the run (max_train_steps 40)" in caplog.text
+    assert "only reaches 8e-06 of the 0.0002 asked for" in caplog.text and "--lr_warmup_steps" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mhla_diffusion.finetune.options"):
+        options_from_dict(WanTrainOptions, {**REQUIRED, "max_train_steps": 40, "lr_warmup_steps": 4})
+        options_from_dict(WanTrainOptions, {**REQUIRED, "max_train_steps": 40, "lr_scheduler": "constant"})
+    assert "lr_warmup_steps" not in caplog.text
+
+
+@pytest.mark.parametrize("script", ["train_wan", "train_dit"])
+def test_trainer_usage_names_the_command_that_was_run(script, capsys, monkeypatch):
+    """`python finetune/train_wan.py --help` showed the usage `python -m mhla_diffusion.finetune.train_wan`."""
+    import mhla_diffusion.finetune.options as trainer_options
+
+    cls = WanTrainOptions if script == "train_wan" else DiTTrainOptions
+    package_module = str(Path(trainer_options.__file__).with_name(f"{script}.py"))
+    for argv0, usage in [
+        (f"finetune/{script}.py", f"usage: python finetune/{script}.py [--config"),
+        (package_module, f"usage: python -m mhla_diffusion.finetune.{script} [--config"),
+    ]:
+        monkeypatch.setattr("sys.argv", [argv0, "--help"])
+        with pytest.raises(SystemExit):
+            load_options(cls, ["--help"])
+        assert capsys.readouterr().out.startswith(usage)
