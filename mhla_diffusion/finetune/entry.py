@@ -71,9 +71,7 @@ def run_main(train: Callable[[Sequence[str] | None], Any], argv: Sequence[str] |
         return getattr(stop, "exit_code", 130)
     except USER_ERRORS as err:
         # accelerate's launcher reports a child's non-zero exit with its own traceback, unless given -q
-        hint = (
-            " (`accelerate launch -q` leaves out the launcher's traceback below)" if under_accelerate_launch() else ""
-        )
+        hint = " (`accelerate launch -q` leaves out the launcher's own traceback)" if under_accelerate_launch() else ""
         print(f"error: {err}{hint}", file=sys.stderr)
         return 2
     return 0

@@ -250,6 +250,28 @@ def test_errors_under_accelerate_launch_say_how_to_drop_the_launcher_traceback(m
     assert line.count("\n") == 1 and "`mhla.layout` must be" in line and "`accelerate launch -q`" in line
 
 
+@pytest.mark.slow  # starts accelerate's launcher and the trainer
+def test_an_option_error_under_accelerate_launch_is_one_line(tmp_path):
+    """`accelerate launch -q` (the docs' advice, which the error line repeats) shows the trainer's one line and no
+    CalledProcessError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "finetune" / "train_wan.py"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1"]
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher += ["--num_cpu_threads_per_process", "1"]
+    args = [*(f"--{k}={v}" for k, v in REQUIRED.items()), "--mhla.layout", "1,a,6"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    result = subprocess.run([*launcher, str(script), *args], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "CalledProcessError" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "`mhla.layout` must be a list of integers" in errors[0]
+    assert "`accelerate launch -q`" in errors[0]
+
+
 def test_warmup_longer_than_the_run_warns(caplog):
     """The default 1,000 warmup steps in a 40-step run train at 4 % of the learning rate: say so (issue 44)."""
     with caplog.at_level("WARNING", logger="mhla_diffusion.finetune.options"):
