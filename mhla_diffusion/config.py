@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from .utils.choices import MIXING_TRANSFORMS
+from .utils.choices import CAUSAL_FOLDS, MIXING_TRANSFORMS
 from .utils.geometry import check_equal_blocks
 
 __all__ = ["MHLAConfig", "NORMALIZATIONS"]
@@ -57,6 +57,17 @@ class MHLAConfig:
             changes until fine-tuned.
         output_dropout: dropout probability on the attention output after the output projection,
             active only in training mode (released DiT-MHLA: 0.1).
+        causal: block-causal MHLA (Wan video only): a query block mixes only the key blocks of its own
+            temporal block row (the layout's first, frame axis) and of earlier rows, with weights that
+            depend on the temporal offset, so video can be generated chunk by chunk with a state of
+            constant size (:mod:`mhla_diffusion.ops.causal`). The mixing is then ``(K + 2, S, S)`` (``S``
+            blocks per row; per head ``(H, K + 2, S, S)``), initialised by ``transform`` as the plain one.
+            Not with ``scalar_mixed_denominator`` nor ``lepe`` (whose convolution reads the next frame).
+        causal_window: ``K``, how many earlier temporal block rows are mixed one by one, each offset
+            ``0 .. K`` with its own ``S x S`` matrix; older rows are folded into one summary per spatial
+            block with one more matrix. A stream carries ``K + 1`` rows of block summaries per layer.
+        causal_fold: how the rows older than the window are folded: ``sum``, or ``decay`` (each row of age
+            multiplied by a learnable factor in ``(0, 1)`` per head).
     """
 
     layers: LayerSpec = "all"
@@ -75,6 +86,9 @@ class MHLAConfig:
     eps: float = 1e-6
     input_norm: bool = False
     output_dropout: float = 0.0
+    causal: bool = False
+    causal_window: int = 2
+    causal_fold: Literal["sum", "decay"] = "sum"
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str):
@@ -119,6 +133,30 @@ class MHLAConfig:
             raise ValueError(f"`eps` must be > 0, got {self.eps}")
         if not self.exp_sigma > 0:
             raise ValueError(f"`exp_sigma` must be > 0, got {self.exp_sigma}")
+        self._check_causal()
+
+    def _check_causal(self) -> None:
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"`causal` must be True or False, got {self.causal!r}")
+        if isinstance(self.causal_window, bool) or not isinstance(self.causal_window, int) or self.causal_window < 0:
+            raise ValueError(
+                f"`causal_window` must be an int >= 0 (earlier temporal block rows mixed one by one), "
+                f"got {self.causal_window!r}"
+            )
+        if self.causal_fold not in CAUSAL_FOLDS:
+            raise ValueError(
+                f"`causal_fold` must be one of {', '.join(map(repr, CAUSAL_FOLDS))}, got {self.causal_fold!r}"
+            )
+        if self.causal and self.lepe:
+            raise ValueError(
+                "`causal` MHLA cannot take `lepe`: its 3x3x3 convolution of v reads the next frame; "
+                "convert with lepe=False"
+            )
+        if self.causal and self.normalization == "scalar_mixed_denominator":
+            raise ValueError(
+                "`causal` MHLA has no 'scalar_mixed_denominator' normalization (it needs the queries of every key "
+                "block, which a stream does not keep): use normalization='denominator' or 'none'"
+            )
 
     @classmethod
     def released_wan(cls, gate: bool = True, **overrides: Any) -> "MHLAConfig":

@@ -57,7 +57,7 @@ from torch import nn
 
 from ..utils.sequence_split import split_sizes
 from .conversion import _patch_size, model_family, self_attention_layers
-from .processors.base import MHLAProcessor
+from .processors.base import CAUSAL_CONTEXT_PARALLEL_ERROR, MHLAProcessor
 
 __all__ = [
     "ParallelLayout",
@@ -232,6 +232,7 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
         config: a Diffusers ``ContextParallelConfig`` (see :func:`context_parallel_config`), or the
             degree ``P`` (``ulysses_degree=P``, even split).
 
+    Causal MHLA layers (``MHLAConfig(causal=True)``) are refused: context parallelism is bidirectional only.
     Needs ``torch.distributed`` initialised (``torchrun --nproc_per_node P``); without a custom
     ``mesh`` in the config, ``ring_degree * ulysses_degree`` must equal the world size. Returns the
     Diffusers ``ParallelConfig`` set on the model and its attention processors. Calls the model's
@@ -240,6 +241,8 @@ def enable_context_parallel(transformer: nn.Module, config: Any) -> Any:
     """
     from diffusers import ContextParallelConfig
 
+    if any(getattr(module.processor, "causal", False) for module in _attention_modules(transformer)):
+        raise ValueError(CAUSAL_CONTEXT_PARALLEL_ERROR)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "context parallelism needs torch.distributed initialised first: launch with "

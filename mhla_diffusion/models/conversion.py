@@ -83,6 +83,11 @@ class MHLAConversion:
                 f"{'per-head' if cfg.per_head_mixing else 'shared'} "
                 f"{'learnable' if cfg.learnable_mixing else 'frozen'} mixing",
                 f"normalisation: {cfg.normalization}; extras: {', '.join(extras) or 'none'}",
+                *(
+                    [f"block-causal: window {cfg.causal_window} temporal rows, older rows folded by {cfg.causal_fold}"]
+                    if cfg.causal
+                    else []
+                ),
                 f"new parameters: {self.num_new_parameters:,}",
             ]
         )

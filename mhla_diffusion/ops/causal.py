@@ -51,6 +51,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from ..utils.choices import CAUSAL_FOLDS
 from .attention import (
     _block_output,
     _Blocks,
@@ -74,10 +75,6 @@ __all__ = [
     "mhla_causal_attention",
     "mhla_causal_step",
 ]
-
-#: How the rows older than the window are folded into one summary: ``"sum"`` (``γ = 1``) or ``"decay"``
-#: (a learnable ``γ`` in ``[0, 1]`` per head, passed to the operators as ``decay``).
-CAUSAL_FOLDS = ("sum", "decay")
 
 
 def causal_mixing_init(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
-__all__ = ["ATTENTIONS", "Attention", "MIXING_TRANSFORMS", "WEIGHT_DTYPES"]
+__all__ = ["ATTENTIONS", "Attention", "CAUSAL_FOLDS", "MIXING_TRANSFORMS", "WEIGHT_DTYPES"]
 
 #: The self-attention a model runs: its MHLA layers, or the original softmax attention with the same weights.
 Attention = Literal["mhla", "softmax"]
@@ -19,3 +19,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 #: The mixing initialisations of :class:`~mhla_diffusion.MHLAConfig` (``transform``; see
 #: :func:`~mhla_diffusion.ops.mixing.mixing_init`).
 MIXING_TRANSFORMS = ("linear", "cos", "exp", "gaussian", "local")
+#: How causal MHLA folds the temporal block rows older than its window (``causal_fold`` of
+#: :class:`~mhla_diffusion.MHLAConfig`; see :mod:`mhla_diffusion.ops.causal`): summed, or each row of age
+#: multiplied by a learnable decay.
+CAUSAL_FOLDS = ("sum", "decay")

@@ -3,7 +3,10 @@
 A processor is an ``nn.Module`` set as ``attn.processor`` of one self-attention layer, so its
 parameters live in the transformer's ``state_dict`` as ``<layer>.processor.<name>``:
 
-* ``mixing``: ``(M, M)`` or ``(H, M, M)`` block-mixing coefficients,
+* ``mixing``: ``(M, M)`` or ``(H, M, M)`` block-mixing coefficients; for causal MHLA (``MHLAConfig.causal``)
+  ``(K + 2, S, S)`` or ``(H, K + 2, S, S)``, one matrix per temporal offset and one for the fold
+  (:mod:`~mhla_diffusion.ops.causal`),
+* ``fold_decay_logit``: ``(H,)`` logits of the causal fold's decay per head (``causal_fold="decay"`` only),
 * ``out_norm.weight``: ``(head_dim,)`` per-head output RMSNorm (optional),
 * ``gate.weight``, ``gate.bias``: SiLU output gate ``Linear(C, C)`` (optional),
 * ``lepe.weight``, ``lepe.bias``: depthwise convolution of ``v`` over the token grid (optional),
@@ -16,6 +19,8 @@ and add the optional extras around it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,20 +28,32 @@ from torch import nn
 from ...config import MHLAConfig
 from ...ops.attention import HALF_DTYPES, mhla_attention
 from ...ops.block_layout import num_blocks
+from ...ops.causal import causal_mixing_init, mhla_causal_attention
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ...ops.mixing import mixing_init
 from ...ops.triton_mhla import fused_available, mhla_attention_fused
 from ...utils.geometry import check_equal_blocks
 from .grid import TokenGridContext
 
-__all__ = ["FP32_PARAMETERS", "MHLAProcessor", "apply_interleaved_rotary", "head_rms_norm", "kept_in_fp32"]
+__all__ = [
+    "CAUSAL_CONTEXT_PARALLEL_ERROR",
+    "CAUSAL_DECAY_INIT",
+    "FP32_PARAMETERS",
+    "MHLAProcessor",
+    "apply_interleaved_rotary",
+    "head_rms_norm",
+    "kept_in_fp32",
+]
 
 #: The processor parameters (by first name component) that stay float32 when the model is cast to a half
 #: type, as Diffusers' ``_keep_in_fp32_modules`` keeps its norms: the block mixing stays near its
 #: initialisation, where bf16's 8-bit mantissa drops small updates (1 + 1e-3 rounds to 1), and the
 #: norms are tiny and computed in float32 anyway. The gate and LePE follow the model's dtype like the
 #: q/k/v projections beside them.
-FP32_PARAMETERS = ("mixing", "out_norm", "input_norm")
+FP32_PARAMETERS = ("mixing", "fold_decay_logit", "out_norm", "input_norm")
+
+#: The causal fold's decay per row of age at initialisation (``causal_fold="decay"``).
+CAUSAL_DECAY_INIT = 0.9
 
 
 def kept_in_fp32(name: str) -> bool:
@@ -68,6 +85,13 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     scale = torch.rsqrt(mean_square + eps).to(x.dtype)
     out = x * scale
     return out.mul_(weight.to(x.dtype))
+
+
+#: The refusal of context parallelism for causal MHLA layers (by :func:`enable_context_parallel` and the processors).
+CAUSAL_CONTEXT_PARALLEL_ERROR = (
+    "context parallelism has no block-causal MHLA (MHLAConfig(causal=True)): its all-reduced block summaries are "
+    "bidirectional; run a causal model on one process per video, or convert it without causal"
+)
 
 
 class _InputInWeightDtype:
@@ -116,16 +140,28 @@ class MHLAProcessor(nn.Module):
         self.grid_context = grid_context
         inner = heads * head_dim
 
-        mixing = mixing_init(
-            layout,
-            config.transform,
+        self.causal = config.causal
+        if config.causal and self.num_axes != 3:
+            raise ValueError(
+                f"`causal` MHLA runs forwards in time over video frames: {type(self).__name__} has no time axis; "
+                "use it with a Wan model, or convert without causal"
+            )
+        init = dict(
             normalization=config.mixing_normalization,
             exp_sigma=config.exp_sigma,
             local_threshold=config.local_threshold,
         )
+        if config.causal:  # (K + 2, S, S): the offsets 0 .. K and the fold
+            mixing = causal_mixing_init(layout[1:], config.causal_window, config.transform, **init)
+        else:
+            mixing = mixing_init(layout, config.transform, **init)
         if config.per_head_mixing:
-            mixing = mixing.expand(heads, -1, -1).clone()
+            mixing = mixing.expand(heads, *mixing.shape).clone()
         self.mixing = nn.Parameter(mixing, requires_grad=config.learnable_mixing)
+        self.fold_decay_logit = None
+        if config.causal and config.causal_fold == "decay":
+            logit = math.log(CAUSAL_DECAY_INIT / (1 - CAUSAL_DECAY_INIT))
+            self.fold_decay_logit = nn.Parameter(torch.full((heads,), logit), requires_grad=config.learnable_mixing)
         self.out_norm = nn.RMSNorm(head_dim, eps=1e-6) if config.output_norm else None
         self.gate = nn.Linear(inner, inner) if config.gate else None
         # affine starts as the identity (PyTorch's default init: weight 1, bias 0)
@@ -160,6 +196,11 @@ class MHLAProcessor(nn.Module):
         return num_blocks(self.layout)
 
     @property
+    def fold_decay(self) -> torch.Tensor | None:
+        """The causal fold's decay per head ``(H,)`` in ``(0, 1)``; ``None`` when older rows are summed."""
+        return None if self.fold_decay_logit is None else torch.sigmoid(self.fold_decay_logit)
+
+    @property
     def normalize(self) -> bool:
         """Whether the output is divided by a denominator (either kind)."""
         return self.normalization != "none"
@@ -167,9 +208,13 @@ class MHLAProcessor(nn.Module):
     def extra_repr(self) -> str:
         mode = {"none": "no denominator"}.get(self.normalization, self.normalization)
         dropout = f", output dropout {self.output_dropout}" if self.output_dropout else ""
+        causal = ""
+        if self.causal:
+            fold = "sum" if self.fold_decay_logit is None else "decay"
+            causal = f", causal (window {self.mixing.shape[-3] - 2}, {fold} fold)"
         return (
             f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, "
-            f"{mode}{dropout}"
+            f"{mode}{dropout}{causal}"
         )
 
     def normalize_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -201,15 +246,23 @@ class MHLAProcessor(nn.Module):
 
         ``layer_input`` ``(B, N, C)`` is what produced ``q, k, v`` (after ``input_norm``); the gate reads it.
         Under context parallelism (``_parallel_config`` set) ``N`` is this process's share of the sequence.
+
+        A causal layer (``MHLAConfig.causal``) runs :func:`~mhla_diffusion.ops.causal.mhla_causal_attention`
+        over the whole clip, always on the eager operator: the fused Triton kernel is bidirectional only, so it
+        is not chosen for causal layers. Context parallelism has no causal form and is refused.
         """
         shard = self._context_shard(q.shape[1])  # None: this process holds every token
+        if self.causal and shard is not None:
+            raise ValueError(CAUSAL_CONTEXT_PARALLEL_ERROR)
         grid = self.grid_context.require(q.shape[1] if shard is None else shard.total)
         plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
         if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
-        if shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
+        if self.causal:  # never the fused kernel: it has no causal form
+            out = mhla_causal_attention(q, k, v, grid, self.layout, self.mixing, decay=self.fold_decay, **features)
+        elif shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
             out = mhla_attention_fused(  # Triton on CUDA (MHLA_FUSED=0 turns it off): one read of q, k, v
                 q,
                 k,
