@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.cli import parse_eval_command as parse
 from helpers.features import StandInFeatures
 from helpers.media import random_images, smooth_images, write_folder
-from mhla_diffusion.cli import evaluate as eval_cli
 from mhla_diffusion.eval import ArrayImages, Reference, evaluate, load_reference, make_reference
 from mhla_diffusion.eval.frechet import frechet_distance, gaussian_stats
 from mhla_diffusion.eval.inception import INCEPTION_WEIGHTS_ENV
@@ -129,22 +128,13 @@ def test_class_sorted_samples_are_flagged(standin, tmp_path):
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mhla")
-    eval_cli.register(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
-
-
 @pytest.fixture
-def cli_setup(tmp_path, monkeypatch):
+def cli_setup(tmp_path, weights_and_standin):
     """Samples (.npz), reference (folder), a weights file, and the stand-in in place of Inception."""
     samples = tmp_path / "samples.npz"
     np.savez(samples, smooth_images(24, seed=6))
     write_folder(tmp_path / "ref", random_images(30, seed=7))
-    weights = tmp_path / "inception.pth"
-    weights.write_bytes(b"stand-in weights")
-    monkeypatch.setattr(eval_cli, "load_feature_extractor", lambda w, device: StandInFeatures())
-    return samples, tmp_path / "ref", weights
+    return samples, tmp_path / "ref", weights_and_standin
 
 
 def test_eval_command_prints_a_table_and_writes_json(cli_setup, tmp_path, capsys):

@@ -3,7 +3,6 @@ warnings, ADM's float16 precision/recall distances, and unreadable weights files
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 import zlib
@@ -13,27 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers.features import StandInFeatures
+from helpers.cli import parse_eval_command as parse
 from helpers.media import random_images, smooth_images, write_folder
-from mhla_diffusion.cli import evaluate as eval_cli
 from mhla_diffusion.eval import ArrayImages, FolderImages, Reference, evaluate
 from mhla_diffusion.eval.inception import InceptionV3Features, load_inception_state_dict
 from mhla_diffusion.eval.precision_recall import precision_recall
 from mhla_diffusion.pipelines.outputs import float_to_uint8
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mhla")
-    eval_cli.register(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
-
-
-@pytest.fixture
-def weights_and_standin(tmp_path, monkeypatch):
-    weights = tmp_path / "inception.pth"
-    weights.write_bytes(b"stand-in weights")
-    monkeypatch.setattr(eval_cli, "load_feature_extractor", lambda w, device: StandInFeatures())
-    return weights
 
 
 def read_all(source) -> np.ndarray:

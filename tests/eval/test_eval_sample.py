@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -16,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers.cli import parse_eval_command as parse
 from mhla_diffusion import MHLAConfig, convert_to_mhla, save_mhla
-from mhla_diffusion.cli import evaluate as eval_cli
 from mhla_diffusion.eval.sample import (
     MANIFEST_NAME,
     SamplingConfig,
@@ -163,12 +162,6 @@ def test_pack_refuses_an_incomplete_folder(uninterrupted, tmp_path):
     with pytest.raises(ValueError, match="1 of 7 samples are missing .*000003.png"):
         pack_samples(folder, progress=False)
     assert not (tmp_path / "partial.npz").exists()
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mhla")
-    eval_cli.register(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
 
 
 def test_eval_sample_command_with_mhla_weights(pipe, uninterrupted, tmp_path, capsys):

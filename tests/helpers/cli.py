@@ -1,8 +1,9 @@
 """``mhla`` command lines on the tiny models: generation on the ``pipeline_dirs`` fixture's pipelines
-(with their MHLA weights) and a ``mhla bench`` small enough for a test."""
+(with their MHLA weights), a ``mhla bench`` small enough for a test, and the evaluation commands' parser."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from mhla_diffusion.cli import main
@@ -70,3 +71,13 @@ def class_to_image(dirs: dict, out: str | Path, *extra: str, steps: int = 1) -> 
             *extra,
         ]
     )
+
+
+def parse_eval_command(argv: list[str]) -> argparse.Namespace:
+    """``argv`` (``["eval", ...]``, ``["eval-sample", ...]``) parsed by the evaluation commands' own parser
+    (:mod:`mhla_diffusion.cli.evaluate`), to call ``args.func(args)`` in the test's process."""
+    from mhla_diffusion.cli import evaluate
+
+    parser = argparse.ArgumentParser(prog="mhla")
+    evaluate.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
