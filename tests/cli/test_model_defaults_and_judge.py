@@ -4,12 +4,12 @@ teacher for `--attention softmax` on the embedded default, and write the judge's
 from __future__ import annotations
 
 import json
-import shutil
 
 import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from helpers.models import with_record
 from mhla_diffusion.cli import main
 from mhla_diffusion.embedded import embedded_defaults, embedded_model
 from mhla_diffusion.utils.model_defaults import RECORD_KEY, published_wan_model, video_defaults
@@ -141,18 +141,8 @@ def test_a_model_that_records_no_size_needs_one_and_a_recorded_size_is_used(pipe
     assert f"{pipeline_dirs['wan']} has no default video size (no {RECORD_KEY} in its model_index.json" in err
     assert "give --num-frames, --width" in err and not (tmp_path / "none").exists()  # refused before any work
 
-    recorded = tmp_path / "wan"
-    shutil.copytree(pipeline_dirs["wan"], recorded)
-    index = json.loads((recorded / "model_index.json").read_text())
-    index[RECORD_KEY] = {
-        "num_frames": 5,
-        "height": 32,
-        "width": 48,
-        "num_inference_steps": 2,
-        "fps": 4,
-        "max_sequence_length": 16,
-    }
-    (recorded / "model_index.json").write_text(json.dumps(index))
+    record = dict(num_frames=5, height=32, width=48, num_inference_steps=2, fps=4, max_sequence_length=16)
+    recorded = with_record(pipeline_dirs["wan"], tmp_path / "wan", record)
     assert (
         main(
             [

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from helpers.finetune import dit_options, wan_options
+from helpers.models import with_record
 from mhla_diffusion.cli import main
 from mhla_diffusion.finetune import train_dit, train_wan
 from mhla_diffusion.finetune.train_wan import WanTask
@@ -16,18 +16,9 @@ from mhla_diffusion.pipelines import MHLADiTPipeline, MHLAWanPipeline
 from mhla_diffusion.utils.model_defaults import RECORD_KEY
 
 
-def _with_record(folder, target, record):
-    """A copy of pipeline ``folder`` whose model_index.json records ``record``."""
-    shutil.copytree(folder, target)
-    index = json.loads((target / "model_index.json").read_text())
-    index[RECORD_KEY] = record
-    (target / "model_index.json").write_text(json.dumps(index))
-    return target
-
-
 @pytest.mark.slow
 def test_a_trained_wan_pipeline_generates_with_no_flags(tmp_path, pipeline_dirs, video_set, capsys):
-    base = _with_record(pipeline_dirs["wan"], tmp_path / "base", {"guidance_scale": 2.0, "num_inference_steps": 3})
+    base = with_record(pipeline_dirs["wan"], tmp_path / "base", {"guidance_scale": 2.0, "num_inference_steps": 3})
     options = wan_options(
         base, video_set, tmp_path / "run", max_train_steps=1, save_pipeline=True, height=16, flow_shift=7.0
     )
@@ -55,7 +46,7 @@ def test_a_trained_wan_pipeline_generates_with_no_flags(tmp_path, pipeline_dirs,
 
 
 def test_the_validation_guidance_is_what_the_pipeline_records(tmp_path, pipeline_dirs, video_set):
-    base = _with_record(pipeline_dirs["wan"], tmp_path / "base", {"guidance_scale": 2.0})
+    base = with_record(pipeline_dirs["wan"], tmp_path / "base", {"guidance_scale": 2.0})
     given = WanTask(wan_options(base, video_set, tmp_path / "a", validation_guidance_scale=4.5))
     assert given.generation_defaults()["guidance_scale"] == 4.5
     unrecorded = WanTask(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "b"))
@@ -64,7 +55,7 @@ def test_the_validation_guidance_is_what_the_pipeline_records(tmp_path, pipeline
 
 @pytest.mark.slow
 def test_a_trained_dit_pipeline_records_its_guidance_and_steps(tmp_path, pipeline_dirs, image_classes):
-    base = _with_record(pipeline_dirs["dit"], tmp_path / "base", {"num_inference_steps": 4})
+    base = with_record(pipeline_dirs["dit"], tmp_path / "base", {"num_inference_steps": 4})
     train_dit.train(
         dit_options(
             base, image_classes, tmp_path / "run", max_train_steps=1, save_pipeline=True, validation_guidance_scale=1.5

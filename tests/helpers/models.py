@@ -1,6 +1,11 @@
-"""Inputs for the tiny Wan / DiT transformers of :mod:`mhla_diffusion.models.tiny`, and running them."""
+"""Inputs for the tiny Wan / DiT transformers of :mod:`mhla_diffusion.models.tiny`, running them, and
+pipeline folders that record generation defaults."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -47,3 +52,15 @@ WAN_CALL = dict(
 def seeded(seed: int = 0) -> torch.Generator:
     """A CPU generator seeded with ``seed``."""
     return torch.Generator("cpu").manual_seed(seed)
+
+
+def with_record(folder: Path, target: Path, record: dict) -> Path:
+    """A copy of pipeline ``folder`` at ``target`` whose ``model_index.json`` records ``record`` as its generation
+    defaults (:data:`~mhla_diffusion.utils.model_defaults.RECORD_KEY`); ``target``."""
+    from mhla_diffusion.utils.model_defaults import RECORD_KEY
+
+    shutil.copytree(folder, target)
+    index = json.loads((target / "model_index.json").read_text())
+    index[RECORD_KEY] = record
+    (target / "model_index.json").write_text(json.dumps(index))
+    return target

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers.models import with_record
 from mhla_diffusion.web import DemoInputError, Limits, image_request, video_request
 from mhla_diffusion.web.app import build_parser
 from mhla_diffusion.web.config import config_from_args, resolve_task_models
@@ -127,11 +128,8 @@ def test_flags_and_environment(pipeline_dirs, monkeypatch):
 
 
 def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
-    import json
-    import shutil
 
     from mhla_diffusion.embedded import embedded_defaults
-    from mhla_diffusion.utils.model_defaults import RECORD_KEY
 
     d = embedded_defaults()
     config = config_from_args(build_parser().parse_args([]))  # the embedded models
@@ -150,17 +148,8 @@ def test_form_defaults_are_the_models_own(pipeline_dirs, tmp_path):
     tiny = ["--t2v-model", str(pipeline_dirs["wan"]), "--t2v-mhla-weights", str(pipeline_dirs["wan_mhla"])]
     with pytest.raises(ValueError, match=r"has no default video size .* give --num-frames, --height, --width"):
         config_from_args(build_parser().parse_args(tiny))
-    recorded = tmp_path / "wan"
-    shutil.copytree(pipeline_dirs["wan"], recorded)
-    index = json.loads((recorded / "model_index.json").read_text())
-    index[RECORD_KEY] = {
-        "num_frames": 5,
-        "height": 32,
-        "width": 48,
-        "num_inference_steps": 3,
-        "max_sequence_length": 16,
-    }
-    (recorded / "model_index.json").write_text(json.dumps(index))
+    record = dict(num_frames=5, height=32, width=48, num_inference_steps=3, max_sequence_length=16)
+    recorded = with_record(pipeline_dirs["wan"], tmp_path / "wan", record)
     config = config_from_args(build_parser().parse_args(["--t2v-model", str(recorded), *tiny[2:]]))
     assert (config.defaults.num_frames, config.defaults.height, config.defaults.width) == (5, 32, 48)
     assert (config.defaults.video_steps, config.max_sequence_length, config.defaults.fps) == (3, 16, 16)
