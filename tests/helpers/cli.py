@@ -34,16 +34,16 @@ TINY_BENCH = (
 )
 
 
-def text_to_video(dirs: dict, out: str | Path, *extra: str, steps: int = 2) -> int:
-    """``mhla text-to-video`` on the tiny Wan pipeline with its MHLA weights, :data:`TINY_VIDEO` and ``steps``
-    denoising steps, writing into ``out``; ``extra`` comes last (a repeated option there wins). The exit code."""
+def text_to_video(dirs: dict, out: str | Path, *extra: str, steps: int = 2, weights: bool = True) -> int:
+    """``mhla text-to-video`` on the tiny Wan pipeline with its MHLA weights (without: not ``weights``),
+    :data:`TINY_VIDEO` and ``steps`` denoising steps, writing into ``out``; ``extra`` comes last (a repeated
+    option there wins). The exit code."""
     return main(
         [
             "text-to-video",
             "--model",
             str(dirs["wan"]),
-            "--mhla-weights",
-            str(dirs["wan_mhla"]),
+            *(["--mhla-weights", str(dirs["wan_mhla"])] if weights else []),
             "--output-dir",
             str(out),
             *TINY_VIDEO,

@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 from safetensors.torch import save_file
 
-from helpers.cli import TINY_VIDEO, class_to_image, text_to_video
+from helpers.cli import class_to_image, text_to_video
 from helpers.original_format import released_model, to_original
 from mhla_diffusion.cli import main
-
-VIDEO = [*TINY_VIDEO, "--steps", "2"]
 
 
 def test_text_to_video_writes_decodable_video_and_settings(pipeline_dirs, tmp_path, capsys):
@@ -91,21 +89,7 @@ def test_more_bad_input(pipeline_dirs, tmp_path, capsys):
     blocker.write_text("not a folder")
     assert text_to_video(pipeline_dirs, blocker / "sub", "--prompt", "x") == 2
     assert "is a file" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "text-to-video",
-                "--model",
-                str(pipeline_dirs["wan"]),
-                "--prompt",
-                "x",
-                *VIDEO,
-                "--output-dir",
-                str(tmp_path / "o"),
-            ]
-        )
-        == 2
-    )
+    assert text_to_video(pipeline_dirs, tmp_path / "o", "--prompt", "x", weights=False) == 2
     assert "--attention mhla, but the model has no MHLA layers" in capsys.readouterr().err
 
 
@@ -139,25 +123,8 @@ def test_import_wan_then_generate(pipeline_dirs, tmp_path, capsys):
     assert "MHLA on 2 of 3" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["mhla"]["layout"] == [2, 2, 3]
     # the imported transformer replaces the pipeline's (its text_dim and channels match the tiny pipeline)
-    assert (
-        main(
-            [
-                "text-to-video",
-                "--model",
-                str(pipeline_dirs["wan"]),
-                "--transformer",
-                str(out),
-                "--prompt",
-                "x",
-                "--output-dir",
-                str(tmp_path / "videos"),
-                "--format",
-                "gif",
-                *VIDEO,
-            ]
-        )
-        == 0
-    )
+    extra = ("--transformer", str(out), "--prompt", "x", "--format", "gif")
+    assert text_to_video(pipeline_dirs, tmp_path / "videos", *extra, weights=False) == 0
     settings = json.loads((tmp_path / "videos" / "000-x-seed0-mhla.json").read_text())
     assert settings["transformer"] == str(out) and settings["mhla_layers"] == [1, 2]
     assert settings["block_layout"] == [2, 2, 3]
