@@ -57,11 +57,13 @@ class MHLAConfig:
             changes until fine-tuned.
         output_dropout: dropout probability on the attention output after the output projection,
             active only in training mode (released DiT-MHLA: 0.1).
-        causal: block-causal MHLA (Wan video only): a query block mixes only the key blocks of its own
-            temporal block row (the layout's first, frame axis) and of earlier rows, with weights that
-            depend on the temporal offset, so video can be generated chunk by chunk with a state of
-            constant size (:mod:`mhla_diffusion.ops.causal`). The mixing is then ``(K + 2, S, S)`` (``S``
-            blocks per row; per head ``(H, K + 2, S, S)``), initialised by ``transform`` as the plain one.
+        causal: block-causal MHLA (Wan video only): every latent frame is one temporal block row, cut
+            by the layout's spatial axes into ``S`` blocks (the layout's first, frame axis is not used);
+            a query block mixes only the key blocks of its own frame and of earlier frames, with weights
+            that depend on the temporal offset, so video can be generated chunk by chunk with a state of
+            constant size (:mod:`mhla_diffusion.ops.causal`, :mod:`mhla_diffusion.models.streaming`). The
+            mixing is then ``(K + 2, S, S)`` (per head ``(H, K + 2, S, S)``), initialised by ``transform``
+            as the plain one.
             Not with ``scalar_mixed_denominator`` nor ``lepe`` (whose convolution reads the next frame).
         causal_window: ``K``, how many earlier temporal block rows are mixed one by one, each offset
             ``0 .. K`` with its own ``S x S`` matrix; older rows are folded into one summary per spatial

@@ -240,6 +240,10 @@ def install_mhla_processors(
     modules = dict(transformer.named_modules())
     originals = {}
     install_grid_hook(transformer, _patch_size(transformer), context)
+    if resolved.causal:  # a stream's frames run past Wan's rotary table
+        from .streaming import install_frame_positions
+
+        install_frame_positions(transformer)
     for name, processor in processors.items():
         attn = modules[name]
         originals[name] = attn.processor

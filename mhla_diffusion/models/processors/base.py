@@ -28,7 +28,7 @@ from torch import nn
 from ...config import MHLAConfig
 from ...ops.attention import HALF_DTYPES, mhla_attention
 from ...ops.block_layout import num_blocks
-from ...ops.causal import causal_mixing_init, mhla_causal_attention
+from ...ops.causal import causal_mixing_init, mhla_causal_attention, mhla_causal_step
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ...ops.mixing import mixing_init
 from ...ops.triton_mhla import fused_available, mhla_attention_fused
@@ -121,6 +121,8 @@ class MHLAProcessor(nn.Module):
     #: attribute); with context parallelism each call then holds one process's tokens
     #: (:mod:`mhla_diffusion.ops.context_parallel`).
     _parallel_config = None
+    #: The :class:`~mhla_diffusion.models.streaming.CausalStream` whose chunk is running (causal layers only).
+    stream = None
 
     def __init__(
         self,
@@ -191,6 +193,11 @@ class MHLAProcessor(nn.Module):
                 param.data = param.data.float() if original is None else original.to(device=param.device)
         return self
 
+    def causal_layout(self, grid: tuple[int, ...]) -> tuple[int, ...]:
+        """The block layout of a causal layer on ``grid``: one temporal block row per latent frame, the layout's
+        spatial blocks within each (its first axis is not used), so rows are the same in a chunk and a whole clip."""
+        return (grid[0], *self.layout[1:])
+
     @property
     def num_blocks(self) -> int:
         return num_blocks(self.layout)
@@ -255,13 +262,19 @@ class MHLAProcessor(nn.Module):
         if self.causal and shard is not None:
             raise ValueError(CAUSAL_CONTEXT_PARALLEL_ERROR)
         grid = self.grid_context.require(q.shape[1] if shard is None else shard.total)
-        plan = self.grid_context.plan(self.layout, q.device)  # built (and checked) once per transformer forward
+        layout = self.causal_layout(grid) if self.causal else self.layout
+        plan = self.grid_context.plan(layout, q.device)  # built (and checked) once per transformer forward
         if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
-        if self.causal:  # never the fused kernel: it has no causal form
-            out = mhla_causal_attention(q, k, v, grid, self.layout, self.mixing, decay=self.fold_decay, **features)
+        if self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
+            out, state = mhla_causal_step(
+                q, k, v, grid, layout, self.mixing, self.stream.state(self), decay=self.fold_decay, **features
+            )
+            self.stream.stage(self, state)
+        elif self.causal:  # never the fused kernel: it has no causal form
+            out = mhla_causal_attention(q, k, v, grid, layout, self.mixing, decay=self.fold_decay, **features)
         elif shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
             out = mhla_attention_fused(  # Triton on CUDA (MHLA_FUSED=0 turns it off): one read of q, k, v
                 q,

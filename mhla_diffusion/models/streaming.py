@@ -1,0 +1,157 @@
+"""Running a block-causal MHLA Wan transformer as a stream: chunk after chunk, in constant memory.
+
+A transformer converted with ``MHLAConfig(causal=True)`` attends forwards in time
+(:mod:`mhla_diffusion.ops.causal`). Every layer outside self-attention works token by token (patch embedding
+over one latent frame, norms, cross-attention, FFN, output head), so a chunk of latent frames can run on its
+own, given what each causal MHLA layer carries from the chunks before it: ``K + 1`` temporal rows of block
+summaries (:class:`~mhla_diffusion.ops.causal.CausalMHLAState`). :class:`CausalStream` holds those states::
+
+    stream = CausalStream(transformer)
+    for chunk in range(num_chunks):
+        for t in timesteps:                       # denoise the chunk against the carried state
+            with stream.chunk():
+                noise_pred = transformer(noisy, t, text).sample
+        with stream.chunk(advance=True):          # the finished (clean) chunk joins the state
+            transformer(clean, zeros, text)
+
+A stream gives exactly what one causal pass over the whole clip gives when the earlier chunks are clean
+(timestep 0) and the current one noisy: the same as per-token timesteps ``(B, N)`` in one pass.
+
+Positions. Wan's rotary table holds ``rope_max_seq_len`` positions per axis, and a stream goes past it. RoPE
+enters MHLA only through products of rotated queries and keys, so any positions with the right differences
+would do; here every latent frame keeps its absolute index (``origin`` of the chunk plus its local index), and
+:class:`WanFramePositions` computes the rotary tables of the time axis from Wan's formula for any index instead
+of reading them from the table (identical where the table has them). Summaries carried in the state were
+rotated at their frames' absolute positions, so queries and cached keys stay consistent at any length.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..ops.causal import CausalMHLAState
+
+__all__ = ["CausalStream", "WanFramePositions", "causal_processors", "install_frame_positions"]
+
+
+class WanFramePositions(nn.Module):
+    """Wan's 3-D rotary tables with the frames at positions ``origin, origin + 1, ...``, for any number of frames.
+
+    Wraps Diffusers' ``WanRotaryPosEmbed`` (kept as ``self.rope``; it has no saved tensors, so state dicts do not
+    change). Heights and widths read the table as before; the time axis is computed from Wan's formula
+    (``theta`` 10000, float64 angles) whenever the frames are not the table's first rows.
+    """
+
+    def __init__(self, rope: nn.Module, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.rope = rope
+        self.theta = theta
+        self.origin = 0
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents ``(B, C, F, H, W)`` -> ``(cos, sin)``, each ``(1, F' * H' * W', 1, D)`` on the patched grid."""
+        rope = self.rope
+        p_t, p_h, p_w = rope.patch_size
+        frames, height, width = (s // p for s, p in zip(hidden_states.shape[2:], (p_t, p_h, p_w)))
+        if self.origin == 0 and frames <= rope.max_seq_len:
+            return rope(hidden_states)
+        from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+        positions = np.arange(self.origin, self.origin + frames, dtype=np.float64)
+        time_cos, time_sin = get_1d_rotary_pos_embed(
+            rope.t_dim, positions, self.theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
+        )
+        sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
+        tables = []
+        for time, table in ((time_cos, rope.freqs_cos), (time_sin, rope.freqs_sin)):
+            _, by_height, by_width = table.split(sizes, dim=1)
+            grid = (frames, height, width)
+            parts = [
+                time.to(table).view(frames, 1, 1, -1).expand(*grid, -1),
+                by_height[:height].view(1, height, 1, -1).expand(*grid, -1),
+                by_width[:width].view(1, 1, width, -1).expand(*grid, -1),
+            ]
+            tables.append(torch.cat(parts, dim=-1).reshape(1, frames * height * width, 1, -1))
+        return tables[0], tables[1]
+
+
+def install_frame_positions(transformer: nn.Module) -> WanFramePositions:
+    """Give a Wan ``transformer`` frame positions past its rotary table (idempotent); returns the wrapper."""
+    rope = transformer.rope
+    if not isinstance(rope, WanFramePositions):
+        rope = transformer.rope = WanFramePositions(rope)
+    return rope
+
+
+def causal_processors(transformer: nn.Module) -> list[nn.Module]:
+    """The block-causal MHLA processors of ``transformer``, in layer order."""
+    found = []
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, nn.Module) and getattr(processor, "causal", False):
+            found.append(processor)
+    return found
+
+
+class CausalStream:
+    """The state a block-causal MHLA Wan ``transformer`` carries from chunk to chunk (see the module docstring).
+
+    A chunk is a latent clip of whole temporal block rows (``causal_row_frames`` latent frames each). Inside
+    :meth:`chunk` every causal MHLA layer reads its carried state; with ``advance=True`` the chunk's summaries
+    are added to it and the stream's position moves past the chunk's frames. The state has the same size after
+    any number of chunks (:attr:`nbytes`). One stream per sequence of calls with the same batch size.
+    """
+
+    def __init__(self, transformer: nn.Module) -> None:
+        self.processors = causal_processors(transformer)
+        if not self.processors:
+            raise ValueError(
+                "this transformer has no block-causal MHLA layer, so it cannot stream: convert it with "
+                "MHLAConfig(causal=True) (and fine-tune it so), or generate the whole clip in one pass"
+            )
+        self.transformer = transformer
+        self.positions = install_frame_positions(transformer)
+        self.frames = 0  # latent frames (token-grid frames) consumed: the next chunk's first position
+        self.states: dict[int, CausalMHLAState] = {}
+        self._staged: dict[int, CausalMHLAState] = {}
+        self.advancing = False
+
+    @contextmanager
+    def chunk(self, advance: bool = False) -> Iterator["CausalStream"]:
+        """Run the transformer on the next chunk inside this block; ``advance``: the chunk joins the state."""
+        if any(getattr(p, "stream", None) is not None for p in self.processors):
+            raise RuntimeError("a chunk of this transformer is already running (chunks do not nest)")
+        for processor in self.processors:
+            processor.stream = self
+        self.positions.origin, self.advancing, self._staged = self.frames, advance, {}
+        try:
+            yield self
+        finally:
+            for processor in self.processors:
+                processor.stream = None
+            self.positions.origin, self.advancing = 0, False
+        if advance:
+            if len(self._staged) != len(self.processors):
+                raise RuntimeError("advance=True needs one forward of the transformer inside the chunk block")
+            grid = self.processors[0].grid_context.grid
+            self.states, self._staged = self._staged, {}
+            self.frames += grid[0]
+
+    def state(self, processor: nn.Module) -> CausalMHLAState | None:
+        """What ``processor``'s layer carries (``None`` before the first chunk)."""
+        return self.states.get(id(processor))
+
+    def stage(self, processor: nn.Module, state: CausalMHLAState) -> None:
+        """Record ``processor``'s state after the running chunk (kept only when the chunk advances the stream)."""
+        if self.advancing:
+            self._staged[id(processor)] = state
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's carried state: the same for a stream of any length."""
+        return sum(state.nbytes for state in self.states.values())
