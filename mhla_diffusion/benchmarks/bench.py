@@ -647,34 +647,21 @@ def measure(
     )
     block_rows, transformer_rows = [], []
     if spec.block_grid is not None:
-        block_rows = wan_block_table(
-            spec.block_grid,
-            spec.block_layout,
-            spec.block_dim,
-            spec.block_heads,
-            spec.block_ffn,
-            spec.block_text_tokens,
-            dtype,
-            device,
-            spec.repeats,
-            0,
-            log,
+        wan = dict(  # the Wan shape and the run settings both Wan tables take
+            layout=spec.block_layout,
+            dim=spec.block_dim,
+            heads=spec.block_heads,
+            ffn_dim=spec.block_ffn,
+            text_tokens=spec.block_text_tokens,
+            dtype=dtype,
+            device=device,
+            repeats=spec.repeats,
+            log=log,
         )
+        block_rows = wan_block_table(spec.block_grid, warmup=0, **wan)
         if spec.transformer_layers > 0:
             transformer_rows = wan_transformer_table(
-                spec.block_grid,
-                spec.block_layout,
-                spec.transformer_layers,
-                spec.block_dim,
-                spec.block_heads,
-                spec.block_ffn,
-                spec.block_text_tokens,
-                dtype,
-                device,
-                spec.repeats,
-                1,
-                spec.sdpa_backends,
-                log,
+                spec.block_grid, layers=spec.transformer_layers, warmup=1, sdpa_backends=spec.sdpa_backends, **wan
             )
     return {
         "spec": spec.to_json(),
