@@ -1,0 +1,115 @@
+"""Block-causal softmax attention with a KV cache (models/kv_cache.py): a stream of chunks equals one pass over the
+whole clip with a block-causal attention mask over chunks, and its cache grows by one chunk per advance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mhla_diffusion import MHLAConfig, convert_to_mhla
+from mhla_diffusion.models.kv_cache import KVCacheStream, KVCacheWanAttnProcessor, use_kv_cache
+from mhla_diffusion.models.processors.base import apply_interleaved_rotary
+from mhla_diffusion.models.tiny import tiny_wan_transformer
+
+SIZE = 8  # latent height and width: 4 x 4 tokens with patch (1, 2, 2)
+TOKENS_PER_FRAME = (SIZE // 2) ** 2
+
+
+class BlockCausalSoftmax:
+    """Wan self-attention over a whole clip with a block-causal mask over chunks, written out (no SDPA, no cache):
+    a query of chunk ``i`` sees the keys of chunks ``0 .. i``. ``chunk_of_token`` ``(N,)`` numbers the chunks."""
+
+    def __init__(self, chunk_of_token: torch.Tensor) -> None:
+        self.chunk_of_token = chunk_of_token
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        heads = (attn.heads, -1)
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, heads)
+        k = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, heads)
+        v = attn.to_v(hidden_states).unflatten(2, heads)
+        q, k = apply_interleaved_rotary(q, *rotary_emb), apply_interleaved_rotary(k, *rotary_emb)
+        scores = torch.einsum("bnhd,bmhd->bhnm", q, k) / math.sqrt(q.shape[-1])
+        hidden = self.chunk_of_token[None, :] > self.chunk_of_token[:, None]  # key's chunk after the query's
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("bhnm,bmhd->bnhd", weights, v).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _model(rope_max_seq_len: int = 32):
+    return tiny_wan_transformer(num_layers=2, rope_max_seq_len=rope_max_seq_len).double()
+
+
+def _one_pass(model, latents, timesteps_per_frame, text, chunks):
+    """One pass over ``latents`` with the block-causal mask over ``chunks`` (latent frames each) and one timestep per
+    frame (per-token timesteps ``(B, N)``); the KV-cache processors are put back afterwards."""
+    chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(chunks) * TOKENS_PER_FRAME)
+    attns = [block.attn1 for block in model.blocks]
+    kept = [attn.processor for attn in attns]
+    for attn in attns:
+        attn.set_processor(BlockCausalSoftmax(chunk_of_token))
+    per_token = timesteps_per_frame.repeat_interleave(TOKENS_PER_FRAME)[None].expand(latents.shape[0], -1)
+    try:
+        with torch.no_grad():
+            return model(latents, per_token, text).sample
+    finally:
+        for attn, processor in zip(attns, kept):
+            attn.set_processor(processor)
+
+
+@pytest.mark.parametrize("rope_max_seq_len", [32, 4])  # 4: the stream's 8 frames run past the rotary table
+def test_cached_chunks_equal_one_pass_with_a_block_causal_mask(rope_max_seq_len):
+    model = _model(rope_max_seq_len)
+    use_kv_cache(model)
+    generator = torch.Generator().manual_seed(1)
+    chunks = (2, 1, 3, 2)  # latent frames per chunk
+    clean = torch.randn(2, 16, sum(chunks), SIZE, SIZE, generator=generator, dtype=torch.float64)
+    text = torch.randn(2, 5, 32, generator=generator, dtype=torch.float64)
+    stream = KVCacheStream(model)
+    start = 0
+    for index, size in enumerate(chunks):
+        noisy = torch.randn(2, 16, size, SIZE, SIZE, generator=generator, dtype=torch.float64)
+        t = torch.tensor([700.0 - 100 * index], dtype=torch.float64)
+        with stream.chunk(), torch.no_grad():
+            streamed = model(noisy, t.expand(2), text).sample
+        timesteps = torch.cat([torch.zeros(start, dtype=torch.float64), t.expand(size)])
+        latents = torch.cat([clean[:, :, :start], noisy], dim=2)
+        reference = _one_pass(model, latents, timesteps, text, chunks[: index + 1])
+        torch.testing.assert_close(streamed, reference[:, :, start:], rtol=0, atol=1e-10)
+        with stream.chunk(advance=True), torch.no_grad():
+            model(clean[:, :, start : start + size], torch.zeros(2, dtype=torch.float64), text)
+        start += size
+        # the cache holds every consumed frame's keys and values: 2 layers x (k, v) x B x tokens x H x D doubles
+        assert stream.nbytes == 2 * 2 * 2 * start * TOKENS_PER_FRAME * 2 * 12 * 8
+    assert stream.frames == sum(chunks)
+
+
+def test_outside_a_stream_it_is_wans_own_self_attention():
+    from helpers.models import run, wan_inputs
+
+    model = tiny_wan_transformer(num_layers=2)
+    inputs = wan_inputs(frames=3, height=4, width=4)
+    stock = run(model, inputs)
+    use_kv_cache(model)
+    torch.testing.assert_close(run(model, inputs), stock, rtol=0, atol=0)
+
+
+def test_kv_cache_refusals():
+    converted = tiny_wan_transformer(num_layers=1)
+    convert_to_mhla(converted, MHLAConfig(layout=(1, 2, 2), causal=True))
+    with pytest.raises(ValueError, match="stream it with CausalStream"):
+        use_kv_cache(converted)
+    with pytest.raises(ValueError, match="use_kv_cache"):
+        KVCacheStream(tiny_wan_transformer(num_layers=1))
+    model = tiny_wan_transformer(num_layers=1)
+    processors = use_kv_cache(model)
+    assert all(isinstance(p, KVCacheWanAttnProcessor) for p in processors)
+    stream = KVCacheStream(model)
+    with stream.chunk():
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with stream.chunk():
+                pass
+    with pytest.raises(RuntimeError, match="one forward"):
+        with stream.chunk(advance=True):
+            pass
