@@ -5,6 +5,11 @@ Flow matching (MHLA reference, ``predict_flow_v`` / ``linear_flow``):
 shifted ``s = shift * sigma / (1 + (shift - 1) sigma)``,
 ``x_t = (1 - s) x0 + s * noise``, target ``noise - x0``, timestep ``int(1000 s)``, plain MSE.
 
+Diffusion forcing (block-causal Wan, ``MHLAConfig(causal=True)``; :func:`diffusion_forcing_inputs`): the same
+recipe with one noise level per *chunk* of latent frames instead of one per clip. Each chunk draws its own ``u``;
+a chunk may instead be clean (level 0, timestep 0: the context a stream conditions on) and is then left out of the
+loss. The timesteps are per token ``(B, N)``, which Diffusers' ``WanTransformer3DModel`` takes as they are.
+
 DiT (ADM ``GaussianDiffusion`` with learned range variance, ``loss_type=MSE``): ``x_t`` from Diffusers'
 scheduler ``add_noise``, loss ``MSE(eps) + VB`` where the VB term (in bits per dimension) trains the
 variance channels against the true posterior with the predicted mean held fixed.
@@ -22,6 +27,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling
 __all__ = [
     "DiffusionObjective",
     "FlowMatchInputs",
+    "diffusion_forcing_inputs",
     "flow_match_inputs",
     "flow_match_loss",
     "normal_kl",
@@ -32,9 +38,28 @@ __all__ = [
 @dataclass
 class FlowMatchInputs:
     noisy: torch.Tensor  # (B, C, F, H, W)
-    timesteps: torch.Tensor  # (B,) int64 in [0, num_train_timesteps)
-    sigmas: torch.Tensor  # (B,) shifted sigma in [0, 1)
+    timesteps: torch.Tensor  # (B,) int64 in [0, num_train_timesteps); diffusion forcing: (B, N), one per token
+    sigmas: torch.Tensor  # (B,) shifted sigma in [0, 1); diffusion forcing: (B, F), one per latent frame
     target: torch.Tensor  # (B, C, F, H, W) = noise - x0
+    weight: torch.Tensor | None = None  # diffusion forcing: (B, 1, F, 1, 1), 0 on clean frames (not in the loss)
+
+
+def _shifted_sigmas(
+    count: int,
+    generator: torch.Generator | None,
+    device: torch.device,
+    logit_mean: float,
+    logit_std: float,
+    shift: float,
+    num_train_timesteps: int,
+) -> torch.Tensor:
+    """``count`` noise levels ``(count,)``: logit-normal ``u``, floored to the timestep grid, then shifted."""
+    u = compute_density_for_timestep_sampling(
+        "logit_normal", count, logit_mean=logit_mean, logit_std=logit_std, device=device, generator=generator
+    )
+    index = (u * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
+    sigma = index.float() / num_train_timesteps
+    return shift * sigma / (1.0 + (shift - 1.0) * sigma)
 
 
 def flow_match_inputs(
@@ -47,12 +72,7 @@ def flow_match_inputs(
 ) -> FlowMatchInputs:
     """Noisy latents, timesteps and velocity target for ``latents`` ``(B, C, ...)`` (float32)."""
     batch = latents.shape[0]
-    u = compute_density_for_timestep_sampling(
-        "logit_normal", batch, logit_mean=logit_mean, logit_std=logit_std, device=latents.device, generator=generator
-    )
-    index = (u * num_train_timesteps).long().clamp(max=num_train_timesteps - 1)
-    sigma = index.float() / num_train_timesteps
-    sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
+    sigma = _shifted_sigmas(batch, generator, latents.device, logit_mean, logit_std, shift, num_train_timesteps)
     noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
     s = sigma.view(batch, *([1] * (latents.ndim - 1)))
     noisy = (1.0 - s) * latents + s * noise
@@ -60,9 +80,60 @@ def flow_match_inputs(
     return FlowMatchInputs(noisy=noisy, timesteps=timesteps, sigmas=sigma, target=noise - latents)
 
 
-def flow_match_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Plain MSE over all elements, in float32."""
-    return F.mse_loss(prediction.float(), target.float())
+def diffusion_forcing_inputs(
+    latents: torch.Tensor,
+    generator: torch.Generator | None,
+    chunk_frames: int,
+    tokens_per_frame: int,
+    clean_chunks: float = 0.0,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    shift: float = 3.0,
+    num_train_timesteps: int = 1000,
+) -> FlowMatchInputs:
+    """:func:`flow_match_inputs` with one noise level per chunk of ``chunk_frames`` latent frames.
+
+    ``latents`` ``(B, C, F, H, W)`` is cut into ``ceil(F / chunk_frames)`` chunks from its first frame (the last
+    one shorter when ``chunk_frames`` does not divide ``F``). Every chunk draws its own level as the plain recipe
+    does; then each chunk but the last is made clean (level 0, timestep 0) with probability ``clean_chunks``, and
+    clean chunks get ``weight`` 0: their target ``noise - x0`` cannot be told from a clean input, and a stream never
+    asks for it (its context is clean and only the current chunk is predicted). The last chunk is always noisy:
+    a causal model's last chunk is context to nothing, so clean it would teach nothing.
+    ``clean_chunks`` 0 is diffusion forcing proper; 1 is "clean context plus one noisy current chunk".
+
+    Returns per-token ``timesteps`` ``(B, F * tokens_per_frame)`` (tokens frame-major, as Wan flattens its patch
+    grid; ``tokens_per_frame`` tokens per latent frame, i.e. a temporal patch of 1), ``sigmas`` ``(B, F)`` and
+    ``weight`` ``(B, 1, F, 1, 1)``. Draws, in order: the levels, the clean coins (only when ``clean_chunks > 0``
+    and there are two chunks or more), the noise; so one chunk with ``clean_chunks`` 0 draws exactly what
+    :func:`flow_match_inputs` draws.
+    """
+    batch, frames = latents.shape[0], latents.shape[2]
+    chunks = math.ceil(frames / chunk_frames)
+    device = latents.device
+    sigma = _shifted_sigmas(batch * chunks, generator, device, logit_mean, logit_std, shift, num_train_timesteps)
+    sigma = sigma.view(batch, chunks)
+    keep = torch.ones(batch, chunks, dtype=torch.bool, device=device)
+    if clean_chunks > 0 and chunks > 1:
+        coins = torch.rand(batch, chunks - 1, generator=generator, device=device)
+        keep[:, :-1] = coins >= clean_chunks
+        sigma = sigma * keep
+    per_frame = sigma.repeat_interleave(chunk_frames, dim=1)[:, :frames]  # (B, F)
+    noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+    s = per_frame.view(batch, 1, frames, 1, 1).to(latents.dtype)
+    noisy = (1.0 - s) * latents + s * noise
+    timesteps = (per_frame * num_train_timesteps).long().repeat_interleave(tokens_per_frame, dim=1)
+    weight = keep.repeat_interleave(chunk_frames, dim=1)[:, :frames].view(batch, 1, frames, 1, 1).float()
+    return FlowMatchInputs(noisy=noisy, timesteps=timesteps, sigmas=per_frame, target=noise - latents, weight=weight)
+
+
+def flow_match_loss(prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain MSE over all elements, in float32; with ``weight`` (broadcast to ``prediction``, e.g. ``(B, 1, F, 1,
+    1)`` of 0 and 1) the mean over the weighted elements (:attr:`FlowMatchInputs.weight`)."""
+    if weight is None:
+        return F.mse_loss(prediction.float(), target.float())
+    squared = (prediction.float() - target.float()).square()
+    weight = weight.float().expand_as(squared)
+    return (squared * weight).sum() / weight.sum()
 
 
 # ---------------------------------------------------------------------- DiT: epsilon + VB

@@ -1,4 +1,5 @@
-"""Objectives and encoders: flow matching (Wan), epsilon + VB (DiT), VAE posteriors, prompt embeddings."""
+"""Objectives and encoders: flow matching (Wan; per-chunk levels for block-causal models), epsilon + VB (DiT),
+VAE posteriors, prompt embeddings."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import math
 import pytest
 import torch
 
+from mhla_diffusion.finetune.engine import step_generator
 from mhla_diffusion.finetune.latents import draw_latents, encode_posterior, wan_latent_normalization
-from mhla_diffusion.finetune.objectives import DiffusionObjective, flow_match_inputs, normal_kl
+from mhla_diffusion.finetune.objectives import (
+    DiffusionObjective,
+    diffusion_forcing_inputs,
+    flow_match_inputs,
+    flow_match_loss,
+    normal_kl,
+)
 from mhla_diffusion.finetune.text import encode_prompts, pad_prompt_embeds
 
 
@@ -28,6 +36,72 @@ def test_flow_matching_follows_the_reference_formula():
     assert inputs.timesteps.dtype == torch.int64 and torch.equal(inputs.timesteps, (shifted * 1000).long())
     # shift 3 pushes sigma up: the median of logit-normal(0, 1) is 0.5 -> 0.75
     assert abs(inputs.sigmas.median().item() - 0.75) < 0.02
+
+
+def _draw(seed_step: int, latents: torch.Tensor, **kwargs):
+    generator = step_generator(1, 0, seed_step, 0, latents.device)
+    return diffusion_forcing_inputs(latents, generator, **kwargs)
+
+
+def test_one_noise_level_per_chunk_constant_within_it_and_deterministic_per_step():
+    x0 = torch.randn(5, 2, 7, 4, 4, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(chunk_frames=3, tokens_per_frame=4, clean_chunks=0.5)  # chunks of frames 0-2, 3-5, 6
+    inputs = _draw(3, x0, **kwargs)
+    assert inputs.sigmas.shape == (5, 7) and inputs.timesteps.shape == (5, 7 * 4)
+    assert inputs.timesteps.dtype == torch.int64 and inputs.weight.shape == (5, 1, 7, 1, 1)
+    levels = inputs.sigmas[:, [0, 3, 6]]
+    for start, stop in ((0, 3), (3, 6), (6, 7)):  # constant within a chunk
+        assert torch.equal(inputs.sigmas[:, start:stop], inputs.sigmas[:, start : start + 1].expand(-1, stop - start))
+    per_frame = (inputs.sigmas * 1000).long()
+    assert torch.equal(inputs.timesteps, per_frame.repeat_interleave(4, dim=1))  # tokens frame-major
+    s = inputs.sigmas.view(5, 1, 7, 1, 1)
+    noise = inputs.target + x0
+    torch.testing.assert_close(inputs.noisy, (1 - s) * x0 + s * noise)
+    # a clean chunk: level 0, timestep 0, weight 0; the last chunk is never clean
+    clean = inputs.weight[:, 0, [0, 3, 6], 0, 0] == 0
+    assert clean.any() and not clean[:, -1].any()
+    assert torch.all(levels[clean] == 0) and torch.all(levels[~clean] > 0)
+    assert torch.equal(inputs.weight.view(5, 7), (inputs.sigmas > 0).float())
+    # deterministic per (seed, step); another step draws other levels
+    again = _draw(3, x0, **kwargs)
+    for name in ("noisy", "timesteps", "sigmas", "target", "weight"):
+        assert torch.equal(getattr(inputs, name), getattr(again, name)), name
+    assert not torch.equal(_draw(4, x0, **kwargs).sigmas, inputs.sigmas)
+
+
+def test_chunk_levels_are_independent_and_clean_chunks_come_at_their_rate():
+    x0 = torch.zeros(4000, 1, 3, 1, 1)
+    inputs = _draw(0, x0, chunk_frames=1, tokens_per_frame=1, clean_chunks=0.25)
+    clean = inputs.weight.view(4000, 3) == 0
+    assert not clean[:, 2].any()
+    assert abs(clean[:, :2].float().mean().item() - 0.25) < 0.03
+    noisy = inputs.sigmas[~clean]
+    assert abs(noisy.median().item() - 0.75) < 0.03  # the recipe's levels (logit-normal, shift 3) per chunk
+    both = ~clean[:, 0] & ~clean[:, 1]
+    a, b = inputs.sigmas[both, 0], inputs.sigmas[both, 1]
+    assert (a != b).float().mean() > 0.95 and abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.06
+    every = _draw(0, x0, chunk_frames=1, tokens_per_frame=1, clean_chunks=1.0).weight.view(4000, 3)
+    assert torch.equal(every, torch.tensor([0.0, 0.0, 1.0]).expand(4000, -1))  # clean context + one noisy chunk
+    assert bool((_draw(0, x0, chunk_frames=1, tokens_per_frame=1).weight == 1).all())  # 0: every chunk noisy
+
+
+def test_one_chunk_draws_what_plain_flow_matching_draws():
+    x0 = torch.randn(3, 2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    chunked = diffusion_forcing_inputs(x0, torch.Generator().manual_seed(5), chunk_frames=3, tokens_per_frame=4)
+    plain = flow_match_inputs(x0, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(chunked.noisy, plain.noisy, rtol=0, atol=0)
+    assert torch.equal(chunked.target, plain.target)
+    assert torch.equal(chunked.timesteps, plain.timesteps[:, None].expand(-1, 12))
+
+
+def test_weighted_loss_is_the_mean_over_noisy_frames():
+    prediction, target = torch.randn(2, 3, 4, 2, 2), torch.randn(2, 3, 4, 2, 2)
+    weight = torch.tensor([[1.0, 0, 1, 1], [0, 0, 0, 1]]).view(2, 1, 4, 1, 1)
+    kept = torch.cat([(prediction - target)[0][:, [0, 2, 3]].flatten(), (prediction - target)[1][:, 3].flatten()])
+    torch.testing.assert_close(flow_match_loss(prediction, target, weight), kept.square().mean())
+    torch.testing.assert_close(
+        flow_match_loss(prediction, target, torch.ones_like(weight)), flow_match_loss(prediction, target)
+    )
 
 
 def _objective():
