@@ -139,20 +139,8 @@ def cli_setup(tmp_path, weights_and_standin):
 
 def test_eval_command_prints_a_table_and_writes_json(cli_setup, tmp_path, capsys):
     samples, ref, weights = cli_setup
-    args = parse(
-        [
-            "eval",
-            "--samples",
-            str(samples),
-            "--ref",
-            str(ref),
-            "--inception-weights",
-            str(weights),
-            "--batch-size",
-            "8",
-            "--quiet",
-        ]
-    )
+    base = ["eval", "--samples", str(samples), "--ref", str(ref), "--inception-weights", str(weights), "--quiet"]
+    args = parse([*base, "--batch-size", "8"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     for label in ("Inception Score", "FID", "sFID", "Precision", "Recall", "samples: 24"):
@@ -168,22 +156,7 @@ def test_eval_command_prints_a_table_and_writes_json(cli_setup, tmp_path, capsys
 
     with pytest.raises(FileExistsError, match="--overwrite"):
         args.func(args)
-    again = parse(
-        [
-            "eval",
-            "--samples",
-            str(samples),
-            "--ref",
-            str(ref),
-            "--inception-weights",
-            str(weights),
-            "--quiet",
-            "--overwrite",
-            "--no-pr",
-            "--output",
-            str(tmp_path / "out" / "m.json"),
-        ]
-    )
+    again = parse([*base, "--overwrite", "--no-pr", "--output", str(tmp_path / "out" / "m.json")])
     assert again.func(again) == 0
     assert json.loads((tmp_path / "out" / "m.json").read_text())["metrics"]["precision"] is None
 

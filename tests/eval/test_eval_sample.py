@@ -31,6 +31,8 @@ from mhla_diffusion.eval.sample import (
 from mhla_diffusion.models.tiny import tiny_dit_pipeline, tiny_dit_transformer
 
 CONFIG = SamplingConfig(num_samples=7, num_classes=5, num_inference_steps=2, guidance_scale=1.5, pipeline="tiny-dit")
+#: ``mhla eval-sample``'s options for :data:`CONFIG`'s samples (its guidance is the command's default).
+SAMPLING = ("--num-samples", "7", "--num-classes", "5", "--num-inference-steps", "2", "--quiet")
 
 
 def process(rank: int = 0, world: int = 1) -> SimpleNamespace:
@@ -174,20 +176,7 @@ def test_eval_sample_command_with_mhla_weights(pipe, uninterrupted, tmp_path, ca
                 param.add_(0.5)
     save_mhla(mhla, tmp_path / "mhla")
 
-    base = [
-        "eval-sample",
-        "--pipeline",
-        str(tmp_path / "pipeline"),
-        "--num-samples",
-        "7",
-        "--num-classes",
-        "5",
-        "--num-inference-steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--quiet",
-    ]
+    base = ["eval-sample", "--pipeline", str(tmp_path / "pipeline"), *SAMPLING, "--batch-size", "4"]
     args = parse(base + ["--output-dir", str(tmp_path / "softmax")])
     assert args.func(args) == 0
     with np.load(tmp_path / "softmax.npz") as data:
@@ -224,15 +213,9 @@ def test_two_real_processes_share_the_samples_and_resume(pipe, uninterrupted, tm
         str(tmp_path / "pipeline"),
         "--output-dir",
         str(out),
-        "--num-samples",
-        "7",
-        "--num-classes",
-        "5",
-        "--num-inference-steps",
-        "2",
+        *SAMPLING,
         "--batch-size",
         "2",
-        "--quiet",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     sample_path(out, 4, 7).parent.mkdir(parents=True)
