@@ -159,8 +159,21 @@ def test_latent_cache_matches_online_encoding_and_is_reused(tmp_path, pipeline_d
         )
 
 
+@pytest.fixture
+def shapes(monkeypatch) -> list[tuple[int, ...]]:
+    """The latent batch shapes the trainer draws flow-matching inputs for, in order (filled as a run trains)."""
+    seen: list[tuple[int, ...]] = []
+    real = train_wan.flow_match_inputs
+    monkeypatch.setattr(
+        train_wan,
+        "flow_match_inputs",
+        lambda latents, *a, **k: seen.append(tuple(latents.shape)) or real(latents, *a, **k),
+    )
+    return seen
+
+
 @pytest.mark.slow
-def test_images_and_videos_of_several_sizes_train_in_buckets(tmp_path, pipeline_dirs, monkeypatch):
+def test_images_and_videos_of_several_sizes_train_in_buckets(tmp_path, pipeline_dirs, shapes):
     data = tmp_path / "mixed"
     data.mkdir()
     write_video(data / "wide.mp4", 10, 32, 48)
@@ -169,13 +182,6 @@ def test_images_and_videos_of_several_sizes_train_in_buckets(tmp_path, pipeline_
     write_image(data / "still.png", 40, 40)
     for stem in ("wide", "tall", "short", "still"):
         (data / f"{stem}.txt").write_text(f"a {stem} thing")
-    shapes = []
-    real = train_wan.flow_match_inputs
-    monkeypatch.setattr(
-        train_wan,
-        "flow_match_inputs",
-        lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k),
-    )
     options = wan_options(
         pipeline_dirs["wan"],
         data,
@@ -257,7 +263,7 @@ def test_bad_inputs_fail_before_any_model_is_loaded(tmp_path, pipeline_dirs, vid
 
 
 @pytest.mark.slow
-def test_images_train_under_an_auto_layout_with_more_frame_blocks(tmp_path, pipeline_dirs, monkeypatch):
+def test_images_train_under_an_auto_layout_with_more_frame_blocks(tmp_path, pipeline_dirs, shapes):
     """The auto layout is chosen for the 9-frame training size; an image (1 latent frame) leaves the
     layout's other frame blocks empty instead of stopping the run."""
     data = tmp_path / "data"
@@ -267,13 +273,6 @@ def test_images_train_under_an_auto_layout_with_more_frame_blocks(tmp_path, pipe
     write_image(data / "other.png", 32, 32, color=(200, 40, 40))
     for stem in ("clip", "still", "other"):
         (data / f"{stem}.txt").write_text(f"a {stem} thing")
-    shapes = []
-    real = train_wan.flow_match_inputs
-    monkeypatch.setattr(
-        train_wan,
-        "flow_match_inputs",
-        lambda latents, *a, **k: shapes.append(tuple(latents.shape)) or real(latents, *a, **k),
-    )
     final = train_wan.train(
         wan_options(
             pipeline_dirs["wan"],
