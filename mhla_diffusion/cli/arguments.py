@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
 from ..utils.geometry import MAX_SEED
-from ..utils.options import parse_text
+from ..utils.options import parse_assignment, parse_text
 
 __all__ = [
     "CommandParser",
@@ -27,6 +27,8 @@ __all__ = [
     "add_command",
     "add_model_arguments",
     "add_settings_option",
+    "check_settings",
+    "dataclass_field_hints",
     "dataclass_field_names",
     "finite_float",
     "non_negative_int",
@@ -207,9 +209,41 @@ def add_model_arguments(
 def dataclass_field_names(module: str, class_name: str) -> list[str]:
     """The fields of the dataclass ``class_name`` in ``module``, read from its source without importing it
     (``--help`` lists the settings of ``--set``; the module that holds them imports torch)."""
+    return list(dataclass_field_hints(module, class_name))
+
+
+#: Names a settings dataclass's annotations use, for reading them without importing its module.
+_ANNOTATION_NAMES = {t.__name__: t for t in (list, tuple, dict, int, float, str, bool)} | {
+    "None": None,
+    "Any": Any,
+    "Literal": Literal,
+    "Sequence": Sequence,
+}
+
+
+def dataclass_field_hints(module: str, class_name: str) -> dict[str, Any]:
+    """The field types of the dataclass ``class_name`` in ``module``, read from its source without importing it
+    (an annotation that names anything but builtins, ``Literal`` or ``Sequence`` reads as ``Any``)."""
     tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
     body = next(node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
-    return [node.target.id for node in body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
+    hints: dict[str, Any] = {}
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            try:
+                hints[node.target.id] = eval(ast.unparse(node.annotation), {"__builtins__": {}}, _ANNOTATION_NAMES)
+            except Exception:  # a name from the module itself: the module's own parsing checks it
+                hints[node.target.id] = Any
+    return hints
+
+
+def check_settings(overrides: list[str], module: str, class_name: str) -> None:
+    """``ValueError`` for the first bad ``--set NAME=VALUE`` of ``add_settings_option``, before the command
+    imports ``module`` (and torch): the same reading as the module's (:func:`~mhla_diffusion.utils.options.
+    parse_assignment`), with the field types read from the source."""
+    if overrides:
+        hints = dataclass_field_hints(module, class_name)
+        for item in overrides:
+            parse_assignment(item, hints)
 
 
 def add_settings_option(p: argparse.ArgumentParser, module: str, class_name: str, what: str, example: str) -> None:

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from ..embedded.locations import EMBEDDED_ROOT
-from .arguments import add_command, add_settings_option
+from .arguments import add_command, add_settings_option, check_settings
 
 __all__ = ["DEFAULT_WORK_DIR", "register"]
 
@@ -68,6 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    check_settings(args.overrides, "mhla_diffusion.embedded.build", "BuildSettings")  # before torch loads
     from ..embedded.build import BuildSettings, build_demo_models, settings_with
     from ..ops.cpu_memory import retain_freed_memory
 

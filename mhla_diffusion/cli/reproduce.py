@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import add_command, add_settings_option
+from .arguments import add_command, add_settings_option, check_settings
 
 __all__ = ["DEFAULT_OUTPUT", "register"]
 
@@ -59,6 +59,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    check_settings(args.overrides, "mhla_diffusion.embedded.attention_experiment", "ExperimentSettings")
     from ..embedded.attention_experiment import ExperimentSettings, budget_markdown, estimate_budget, run_experiment
     from ..embedded.build import settings_with
 

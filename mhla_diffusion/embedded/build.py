@@ -987,19 +987,8 @@ def settings_with(settings: Any, overrides: list[str]) -> Any:
     an optional count takes ``none``)."""
     import typing
 
-    from ..utils.options import parse_text, unknown_name
+    from ..utils.options import parse_assignment
 
     hints = typing.get_type_hints(type(settings))
-    names = [f.name for f in dataclasses.fields(settings)]
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        name, eq, value = item.partition("=")
-        if name not in names:
-            raise unknown_name("setting", name, names)
-        if not eq:
-            raise ValueError(f"--set {item!r}: expected NAME=VALUE ({name}=...)")
-        try:
-            changes[name] = parse_text(name, value, hints[name], where="the value")
-        except ValueError as error:
-            raise ValueError(f"--set {item!r}: {error}") from None
-    return dataclasses.replace(settings, **changes)
+    hints = {f.name: hints[f.name] for f in dataclasses.fields(settings)}
+    return dataclasses.replace(settings, **dict(parse_assignment(item, hints) for item in overrides))

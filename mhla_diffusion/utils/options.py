@@ -30,7 +30,6 @@ import argparse
 import collections.abc
 import dataclasses
 import difflib
-import re
 import types
 import typing
 from typing import Any, Callable, Iterable, Sequence
@@ -48,6 +47,7 @@ __all__ = [
     "field_help",
     "list_items",
     "option",
+    "parse_assignment",
     "parse_text",
     "read_yaml",
     "unknown_name",
@@ -155,9 +155,12 @@ def origin_is_dict(hint: Any) -> bool:
 def list_items(text: str, numbers: bool = False) -> list[str]:
     """The items of a list written as text, by the list rule (module docstring): ``"a, b,c"`` ->
     ``["a", "b", "c"]``; with ``numbers``, ``x`` separates items too (``"3x5x10"`` -> ``["3", "5", "10"]``).
-    Empty items are dropped."""
-    parts = re.split(r"[,x]", text) if numbers else text.split(",")
-    return [part.strip() for part in parts if part.strip()]
+    Empty comma-separated items are dropped (``"1,2,"``); an ``x`` with nothing on one side keeps an empty item
+    (``"x"`` -> ``["", ""]``), which no number reads."""
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if numbers:
+        items = [piece.strip() for item in items for piece in item.split("x")]
+    return items
 
 
 def coerce(name: str | None, value: Any, hint: Any) -> Any:
@@ -298,6 +301,20 @@ def read_yaml(text: str, where: str) -> Any:
         context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
         opened = f" ({context} opened at line {start.line + 1}, column {start.column + 1})" if context and start else ""
         raise ValueError(f"{where}{at}: not valid YAML: {problem}{opened}") from None
+
+
+def parse_assignment(item: str, hints: dict[str, Any], kind: str = "setting") -> tuple[str, Any]:
+    """``--set NAME=VALUE``: ``(NAME, VALUE read as hints[NAME] by parse_text)``; ``ValueError`` naming the item
+    (an unknown name with the closest one)."""
+    name, eq, value = item.partition("=")
+    if name not in hints:
+        raise unknown_name(kind, name, hints)
+    if not eq:
+        raise ValueError(f"--set {item!r}: expected NAME=VALUE ({name}=...)")
+    try:
+        return name, parse_text(name, value, hints[name], where="the value")
+    except ValueError as error:
+        raise ValueError(f"--set {item!r}: {error}") from None
 
 
 def unknown_name(kind: str, name: str, names: Iterable[str], lookup: str | None = None) -> ValueError:

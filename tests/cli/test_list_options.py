@@ -42,3 +42,27 @@ def test_settings_lists_take_the_same_rule():
 
     for text in ("1x4x4", "1,4,4", "[1, 4, 4]"):
         assert settings_with(BuildSettings(), [f"video_student_layout={text}"]).video_student_layout == [1, 4, 4]
+
+
+@pytest.mark.parametrize(
+    "command, item, message",
+    [
+        ("reproduce", "part_a_seeds=x", "`part_a_seeds` must be a list of integers such as 3,5,10"),
+        ("reproduce", "part_a_seed=1", "unknown setting `part_a_seed` (did you mean `part_a_seeds`?)"),
+        ("build-embedded", "video_student_layout=1,a", "`video_student_layout` must be a list of integers"),
+    ],
+)
+def test_set_errors_come_before_torch(command, item, message):
+    """`--set` is read by the same rule before the command imports its module and torch (it took ~20 s)."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\nfrom mhla_diffusion.cli import main\n"
+        f"code = main([{command!r}, '--set', {item!r}])\n"
+        "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert json.loads(result.stdout.splitlines()[-1]) == {"code": 2, "torch": False}, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
