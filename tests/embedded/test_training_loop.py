@@ -3,6 +3,7 @@ checkpoint and started again ends exactly where an uninterrupted run ends."""
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import numpy as np
@@ -108,26 +109,11 @@ def test_video_vae_and_judge_resume_bit_identically(tmp_path):
 
     split = split_digits(seed=0)
     images, labels = split.train_images[:64], split.train_labels[:64]
-    judge = train_image_judge(images, labels, steps=4, batch_size=16, width=8, embed_dim=16)
+    judge_run = functools.partial(train_image_judge, images, labels, steps=4, batch_size=16, width=8, embed_dim=16)
+    judge = judge_run()
     with pytest.raises(_Stop):
-        train_image_judge(
-            images,
-            labels,
-            steps=4,
-            batch_size=16,
-            width=8,
-            embed_dim=16,
-            progress=LoopProgress(tmp_path / "judge.pt", every=1, on_step=_stop_at(3)),
-        )
-    again = train_image_judge(
-        images,
-        labels,
-        steps=4,
-        batch_size=16,
-        width=8,
-        embed_dim=16,
-        progress=LoopProgress(tmp_path / "judge.pt", every=1),
-    )
+        judge_run(progress=LoopProgress(tmp_path / "judge.pt", every=1, on_step=_stop_at(3)))
+    again = judge_run(progress=LoopProgress(tmp_path / "judge.pt", every=1))
     for a, b in zip(judge.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
 
