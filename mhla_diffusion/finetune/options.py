@@ -337,6 +337,16 @@ class WanTrainOptions(TrainOptions):
     logit_mean: float = option(0.0, "mean of the logit-normal timestep density")
     logit_std: float = option(1.0, "standard deviation of the logit-normal timestep density, > 0")
     flow_shift: float = option(3.0, "flow-matching timestep shift, > 0")
+    causal_chunk_frames: int = option(
+        1,
+        "block-causal MHLA (mhla.causal: true): latent frames per chunk, each chunk trained at its own noise level "
+        "(diffusion forcing); 1 .. the latent frames of num_frames; use the chunk size you will stream with",
+    )
+    causal_clean_chunks: float = option(
+        0.5,
+        "block-causal MHLA: probability in [0, 1] that a chunk (never a clip's last) is clean context, timestep 0 "
+        "and out of the loss, as a stream's earlier chunks; 0: every chunk noisy, 1: clean context + one noisy chunk",
+    )
     lora_rank: int = option(64, "LoRA rank (trainable: lora)")
     lora_alpha: int = option(64, "LoRA alpha (trainable: lora)")
     lora_target_modules: list[str] = option(
@@ -378,6 +388,7 @@ class WanTrainOptions(TrainOptions):
                 "softmax trains the original itself: set distillation_weight: 0, or use attention: mhla"
             )
         _at_least("context_parallel_degree", self.context_parallel_degree, 1)
+        self.check_causal(self._causal_asked())
         if self.context_parallel_degree > 1:
             if self.attention_transfer_steps:
                 raise ValueError(
@@ -422,6 +433,35 @@ class WanTrainOptions(TrainOptions):
                 )
             if self.validation_fid_samples * (self.validation_num_frames or self.num_frames) < 2:
                 raise ValueError("validation FID needs at least 2 images (frames): raise validation_fid_samples")
+
+    def _causal_asked(self) -> bool | None:
+        """Whether the options make the model block-causal: ``mhla.causal`` (conversion), ``False`` for
+        ``attention: softmax``, ``None`` when only the model tells (``mhla_weights``, or a pretrained_model saved
+        with MHLA, whose own config wins over ``mhla``): the trainer checks again with the model it loaded."""
+        if self.attention == "softmax":
+            return False
+        if self.mhla_weights is None and self.mhla_config().causal:
+            return True
+        return None
+
+    def check_causal(self, causal: bool | None) -> None:
+        """The ``causal_*`` options against whether the model is block-causal (``None``: not known yet)."""
+        _at_least("causal_chunk_frames", self.causal_chunk_frames, 1)
+        if not 0 <= self.causal_clean_chunks <= 1:
+            raise ValueError(f"`causal_clean_chunks` must be in [0, 1], got {self.causal_clean_chunks}")
+        if causal and self.context_parallel_degree > 1:
+            raise ValueError(
+                f"context_parallel_degree {self.context_parallel_degree}: context parallelism has no block-causal "
+                "MHLA, and this model is causal (mhla.causal): set context_parallel_degree: 1, or train without causal"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("causal_")}
+        changed = [f"`{name}`" for name, default in defaults.items() if getattr(self, name) != default]
+        if changed and causal is False:
+            raise ValueError(
+                f"{', '.join(changed)} {'sets' if len(changed) == 1 else 'set'} how a block-causal model trains, but "
+                "this model is not causal: set mhla: {causal: true} (attention: mhla), or drop "
+                f"{'it' if len(changed) == 1 else 'them'}"
+            )
 
     def bucket_sizes(self) -> list[tuple[int, int]]:
         """Resolution buckets ``(height, width)``; the first is the main size."""
@@ -514,6 +554,11 @@ class DiTTrainOptions(TrainOptions):
                 "(e.g. DiT-S/2) to train a DiT from random initialisation"
             )
         super().validate()
+        if self.attention == "mhla" and self.mhla_weights is None and self.mhla_config().causal:
+            raise ValueError(
+                "mhla.causal makes MHLA block-causal over video frames; images have no time axis: drop "
+                "mhla.causal for the class-to-image trainer"
+            )
         _at_least("resolution", self.resolution, 1)  # a multiple of the model's VAE scale x patch: checked at setup
         self._check_model_size()
         if self.flip_coin_per_batch and not self.random_flip:

@@ -9,6 +9,15 @@ plain MSE; AdamW 2e-5 (0.9, 0.999, eps 1e-10, wd 0) with linear warmup then cons
 bf16; gradient checkpointing; caption dropout 0.1 to the empty prompt. See ``finetune/README.md``.
 Options beyond the recipe: ``distillation_weight`` (an MHLA student also matches its frozen softmax
 original's output) and ``ema_decay`` (an EMA of the trained weights is what the run saves).
+
+Block-causal MHLA (``mhla: {causal: true, ...}``, or a causal model to start from) trains by *diffusion forcing*:
+the clip's latent frames are cut into chunks of ``causal_chunk_frames``, each chunk noised to its own level in one
+causal pass (per-token timesteps ``(B, N)``), and each chunk but the last is, with probability
+``causal_clean_chunks``, clean context (timestep 0, out of the loss). Why this, rather than only "clean context
+plus one noisy current chunk": a causal pass predicts every chunk from the chunks before it, so one pass trains
+every chunk at once, at every context length; a stream conditions on clean earlier chunks, which the clean chunks
+show the model exactly (``causal_clean_chunks: 1`` is the clean-context scheme itself; 0 diffusion forcing
+proper). See :func:`~mhla_diffusion.finetune.objectives.diffusion_forcing_inputs` and ``docs/finetune.md``.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from .data import DataReport
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .latent_cache import LatentCache, encoder_identity, run_prepass
 from .latents import draw_latents, encode_posterior, wan_latent_normalization
-from .objectives import flow_match_inputs, flow_match_loss
+from .objectives import FlowMatchInputs, diffusion_forcing_inputs, flow_match_inputs, flow_match_loss
 from .options import WanTrainOptions
 from .text import encode_prompts, pad_prompt_embeds
 from .trainable import add_lora
@@ -67,6 +76,7 @@ class WanTask(Task):
         self.cache: LatentCache | None = None
         self._prompt_cache: dict[str, torch.Tensor] = {}
         self.original: nn.Module | None = None  # the frozen softmax original (distillation_weight > 0)
+        self.causal = False  # block-causal MHLA: one noise level per chunk (diffusion forcing)
         self.stage = "train"
 
     # ------------------------------------------------------------------ setup
@@ -89,6 +99,7 @@ class WanTask(Task):
 
         samples, report = self._index_data(accelerator)
         transformer = self._load_transformer(accelerator)
+        self.causal = self._check_causal(transformer, accelerator)
         self._check_buckets(transformer, samples)
         self._check_context_parallel(samples)
         if o.cache_latents:
@@ -231,6 +242,39 @@ class WanTask(Task):
                 raise ValueError(f"{what} {h}x{w} (height x width): {error}") from None
         for count in sorted(frames):
             geometry.check_frames(count)
+
+    def _check_causal(self, transformer: nn.Module, accelerator) -> bool:
+        """Whether the loaded model is block-causal (converted so, or saved so), with the ``causal_*`` options
+        checked against it before any encoding: a chunk holds 1 .. the latent frames of ``num_frames``, and
+        every latent frame is a frame of tokens (temporal patch 1), whose timesteps the chunks set."""
+        conversion = get_mhla_conversion(transformer)
+        causal = conversion is not None and conversion.config.causal
+        o = self.options
+        o.check_causal(causal)
+        if not causal:
+            return False
+        geometry = self._geometry()
+        if geometry.patch_size[0] != 1:
+            raise ValueError(
+                f"causal training sets timesteps per latent frame, but this model's patch "
+                f"{'x'.join(map(str, geometry.patch_size))} puts {geometry.patch_size[0]} latent frames in one token: "
+                "train it without causal"
+            )
+        frames = geometry.latent_shape(o.num_frames, o.height, o.width)[0]
+        if o.causal_chunk_frames > frames:
+            raise ValueError(
+                f"causal_chunk_frames {o.causal_chunk_frames} is more than the {frames} latent frames of num_frames "
+                f"{o.num_frames}: choose 1 .. {frames} (one chunk per clip would train one noise level, as without "
+                "causal)"
+            )
+        if accelerator.is_main_process:
+            logger.info(
+                "block-causal: diffusion forcing with chunks of %d latent frames, each but a clip's last clean "
+                "context with probability %g",
+                o.causal_chunk_frames,
+                o.causal_clean_chunks,
+            )
+        return True
 
     def _check_buckets(self, transformer: nn.Module, samples: list[VideoSample]) -> None:
         """The MHLA block layout must run on every bucket's token grid (checked before any encoding).
@@ -389,12 +433,12 @@ class WanTask(Task):
             captions = ["" if d else c for d, c in zip(drop, batch["captions"])]
             embeds = encode_prompts(self.tokenizer, self.text_encoder, captions, o.max_sequence_length)
         latents = draw_latents(stored.to(self.device), self.latent_channels, o.latent_sampling, generator)
-        inputs = flow_match_inputs(latents, generator, o.logit_mean, o.logit_std, o.flow_shift)
+        inputs = self._noised(latents, generator)
         text = pad_prompt_embeds([e.to(self.device) for e in embeds], o.max_sequence_length).float()
         prediction = model(
             hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text, return_dict=False
         )[0]
-        loss = flow_match_loss(prediction, inputs.target)
+        loss = flow_match_loss(prediction, inputs.target, inputs.weight)
         if self.original is None or self.stage == "transfer":  # attention transfer uses only its layer losses
             return loss, {}
         with torch.no_grad():
@@ -404,12 +448,31 @@ class WanTask(Task):
                 encoder_hidden_states=text.to(self.original.dtype),
                 return_dict=False,
             )[0]
-        distillation = flow_match_loss(prediction, target)
+        distillation = flow_match_loss(prediction, target, inputs.weight)
         w = o.distillation_weight
         return (1 - w) * loss + w * distillation, {
             "data_loss": loss.detach(),
             "distillation_loss": distillation.detach(),
         }
+
+    def _noised(self, latents: torch.Tensor, generator: torch.Generator) -> FlowMatchInputs:
+        """The flow-matching inputs of ``latents`` ``(B, C, F, H, W)``: one noise level per clip, or for a
+        block-causal model one per chunk of ``causal_chunk_frames`` (per-token timesteps ``(B, N)``, clean chunks
+        weighted 0 in the loss)."""
+        o = self.options
+        if not self.causal:
+            return flow_match_inputs(latents, generator, o.logit_mean, o.logit_std, o.flow_shift)
+        _, patch_h, patch_w = self._geometry().patch_size
+        return diffusion_forcing_inputs(
+            latents,
+            generator,
+            o.causal_chunk_frames,
+            (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w),
+            o.causal_clean_chunks,
+            o.logit_mean,
+            o.logit_std,
+            o.flow_shift,
+        )
 
     # ------------------------------------------------------------------ outputs
 

@@ -130,12 +130,13 @@ def assert_same_final_weights(a: Path, b: Path, folders=("final", "final-no-ema"
     return saved
 
 
-def base_wan_transformer(pipeline_dir: Path, layout=(1, 2, 2)):
-    """The model a run starts from: the pipeline's transformer converted with the tiny options' MHLA config."""
+def base_wan_transformer(pipeline_dir: Path, layout=(1, 2, 2), **mhla):
+    """The model a run starts from: the pipeline's transformer converted with the tiny options' MHLA config
+    (``mhla``: more MHLAConfig fields, e.g. ``causal=True``)."""
     from mhla_diffusion import MHLAConfig, convert_to_mhla, load_transformer
 
     transformer = load_transformer(str(pipeline_dir))
-    convert_to_mhla(transformer, MHLAConfig(layout=layout))
+    convert_to_mhla(transformer, MHLAConfig(layout=layout, **mhla))
     return transformer
 
 
@@ -146,9 +147,14 @@ def subprocess_env() -> dict:
 
 
 class WanEvaluator:
-    """End-to-end flow-matching loss of a transformer on a video set, with fixed draws (posterior means)."""
+    """End-to-end flow-matching loss of a transformer on a video set, with fixed draws (posterior means).
 
-    def __init__(self, pipeline_dir: Path, data: Path, draws: int = 6, size: int = 32) -> None:
+    ``chunk_frames``: a block-causal model's loss as a stream sees it, the clip's last chunk of ``chunk_frames``
+    latent frames noisy after clean earlier chunks (per-token timesteps; the loss on that chunk alone)."""
+
+    def __init__(
+        self, pipeline_dir: Path, data: Path, draws: int = 6, size: int = 32, chunk_frames: int | None = None
+    ) -> None:
         from mhla_diffusion.finetune.components import load_component
         from mhla_diffusion.finetune.latents import encode_posterior, wan_latent_normalization
         from mhla_diffusion.finetune.text import encode_prompts, pad_prompt_embeds
@@ -166,21 +172,26 @@ class WanEvaluator:
             text = pad_prompt_embeds(encode_prompts(tokenizer, text_encoder, [sample.caption], 16), 16)
             self.items.append((params[:, :16], text))
         self.draws = draws
+        self.chunk_frames = chunk_frames
 
     @torch.no_grad()
     def __call__(self, transformer) -> float:
-        from mhla_diffusion.finetune.objectives import flow_match_inputs, flow_match_loss
+        from mhla_diffusion.finetune.objectives import diffusion_forcing_inputs, flow_match_inputs, flow_match_loss
 
         transformer.eval()
         losses = []
         for i, (latents, text) in enumerate(self.items):
             generator = torch.Generator().manual_seed(1000 + i)
             for _ in range(self.draws):
-                inputs = flow_match_inputs(latents, generator)
+                if self.chunk_frames is None:
+                    inputs = flow_match_inputs(latents, generator)
+                else:
+                    tokens = latents.shape[3] * latents.shape[4] // 4  # Wan's 2 x 2 patches
+                    inputs = diffusion_forcing_inputs(latents, generator, self.chunk_frames, tokens, clean_chunks=1.0)
                 out = transformer(
                     hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text
                 ).sample
-                losses.append(flow_match_loss(out, inputs.target).item())
+                losses.append(flow_match_loss(out, inputs.target, inputs.weight).item())
         return float(np.mean(losses))
 
 
