@@ -298,44 +298,9 @@ def test_prompts_file_replaces_sidecars(tmp_path, clip_folder):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(captions) + "\n")
     output = tmp_path / "out.json"
-    assert (
-        main(
-            [
-                "eval-video",
-                "--samples",
-                str(folder),
-                "--metrics",
-                "clip",
-                "--clip-model",
-                str(clip_folder),
-                "--output",
-                str(output),
-                "--device",
-                "cpu",
-            ]
-        )
-        == 2
-    )  # no sidecars, no --prompts
-    assert (
-        main(
-            [
-                "eval-video",
-                "--samples",
-                str(folder),
-                "--metrics",
-                "clip",
-                "--clip-model",
-                str(clip_folder),
-                "--prompts",
-                str(prompts),
-                "--output",
-                str(output),
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    base = ["eval-video", "--samples", str(folder), "--metrics", "clip", "--clip-model", str(clip_folder)]
+    assert main([*base, "--output", str(output), "--device", "cpu"]) == 2  # no sidecars, no --prompts
+    assert main([*base, "--prompts", str(prompts), "--output", str(output), "--device", "cpu"]) == 0
     assert [row["prompt"] for row in json.loads(output.read_text())["per_video"]] == captions
 
 
