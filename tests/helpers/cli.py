@@ -11,7 +11,10 @@ from mhla_diffusion.cli import main
 #: A fast clip of the tiny Wan pipeline: 9 frames of 32x48 pixels, 16 text tokens.
 TINY_VIDEO = ("--num-frames", "9", "--height", "32", "--width", "48", "--max-sequence-length", "16")
 
-#: ``mhla bench`` at toy size: one 2x4x6 case of 2 heads of 8 channels, one round, a 2x4x4 Wan block 32 wide.
+#: ``mhla bench``'s Wan model at toy size: 32 wide, 2 heads, FFN 64, 4 text tokens.
+TINY_WAN_BLOCK = ("--block-dim", "32", "--block-heads", "2", "--block-ffn", "64", "--block-text-tokens", "4")
+
+#: ``mhla bench`` at toy size: one 2x4x6 case of 2 heads of 8 channels, one round, a 2x4x4 :data:`TINY_WAN_BLOCK`.
 TINY_BENCH = (
     "--case",
     "2x4x6",
@@ -23,14 +26,7 @@ TINY_BENCH = (
     "1",
     "--block-grid",
     "2x4x4",
-    "--block-dim",
-    "32",
-    "--block-heads",
-    "2",
-    "--block-ffn",
-    "64",
-    "--block-text-tokens",
-    "4",
+    *TINY_WAN_BLOCK,
 )
 
 
