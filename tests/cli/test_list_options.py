@@ -44,6 +44,7 @@ def test_settings_lists_take_the_same_rule():
         assert settings_with(BuildSettings(), [f"video_student_layout={text}"]).video_student_layout == [1, 4, 4]
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 @pytest.mark.parametrize(
     "command, item, message",
     [

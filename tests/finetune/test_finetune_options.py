@@ -214,6 +214,7 @@ def test_list_options_read_alike_everywhere():
         load_options(WanTrainOptions, [*args, "--resolution_buckets", "480,832"])
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 @pytest.mark.parametrize(
     "argv, message",
     [
