@@ -45,6 +45,7 @@ import torch.distributed as dist
 from ..models.context_parallel import context_parallel_config, cpu_parallel_config, run_cpu_processes
 from ..ops.context_parallel import TokenShard, mhla_attention_context_parallel
 from ..utils.geometry import video_token_grid
+from ..utils.options import argparse_type
 
 __all__ = ["count_collectives", "main"]
 
@@ -271,7 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mhla_diffusion.benchmarks.context_parallel", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--frames", type=int, nargs="+", default=[17, 49, 81], help="video lengths (default 17 49 81)")
+    parser.add_argument(
+        "--frames",
+        type=argparse_type(list[int]),
+        default=[17, 49, 81],
+        help="video lengths, a list such as 17,49,81 (the default)",
+    )
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument(

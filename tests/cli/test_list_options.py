@@ -67,3 +67,13 @@ def test_set_errors_come_before_torch(command, item, message):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert json.loads(result.stdout.splitlines()[-1]) == {"code": 2, "torch": False}, result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_benchmark_frames_take_the_list_rule(capsys):
+    """`python -m mhla_diffusion.benchmarks.context_parallel --frames` took space-separated values (nargs)."""
+    from mhla_diffusion.benchmarks.context_parallel import main as context_parallel
+
+    for frames, message in [("17,49", "--processes must be >= 2"), ("17,4x", "argument --frames: expected a list")]:
+        with pytest.raises(SystemExit):  # both stop while parsing, before any process starts
+            context_parallel(["--frames", frames, "--processes", "1"])
+        assert message in capsys.readouterr().err
