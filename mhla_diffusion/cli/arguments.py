@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
-import math
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
 from ..utils.geometry import MAX_SEED
-from ..utils.options import parse_assignment, parse_text
+from ..utils.options import ANY_NUMBER, above, at_least, between, number, parse_assignment, parse_text, state_ranges
 
 __all__ = [
     "CommandParser",
@@ -31,12 +30,14 @@ __all__ = [
     "dataclass_field_hints",
     "dataclass_field_names",
     "finite_float",
+    "non_negative_float",
     "non_negative_int",
     "parse_device",
     "parse_layers",
     "parse_layout",
     "parse_names",
     "parse_sizes",
+    "positive_float",
     "positive_int",
     "seed",
 ]
@@ -118,47 +119,15 @@ def parse_device(text: str) -> str:
     return text
 
 
-def _number(text: str, kind: type) -> int | float | None:
-    """``text`` read as ``kind`` by the option layer, or ``None`` when it is not one."""
-    try:
-        return parse_text(None, text, kind, where=repr(text))
-    except ValueError:
-        return None
-
-
-def _int_at_least(minimum: int, words: str):
-    def parse(text: str) -> int:
-        value = _number(text, int)
-        if value is None:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {words}, got {text!r}")
-        return value
-
-    parse.__doc__ = f"An ``argparse`` type: {words}."
-    return parse
-
-
-positive_int = _int_at_least(1, "a positive integer")
-non_negative_int = _int_at_least(0, "an integer >= 0")
-
-
-def finite_float(text: str) -> float:
-    """A finite number (an ``argparse`` type): ``nan`` and ``inf`` are refused, not passed on to a pipeline."""
-    value = _number(text, float)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def seed(text: str) -> int:
-    """A seed from 0 to :data:`mhla_diffusion.utils.geometry.MAX_SEED` (``argparse`` type; the web demo's rule too)."""
-    value = _number(text, int)
-    if value is None or not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to {MAX_SEED}, got {text!r}")
-    return value
+#: ``argparse`` types of numbers with their range (:func:`~mhla_diffusion.utils.options.number`); a command's
+#: option with another range makes its own with ``number(int, at_least(2))`` and the like.
+positive_int = number(int, at_least(1))
+non_negative_int = number(int, at_least(0))
+finite_float = number(float, ANY_NUMBER)
+non_negative_float = number(float, at_least(0))
+positive_float = number(float, above(0))
+#: A seed from 0 to :data:`mhla_diffusion.utils.geometry.MAX_SEED` (the web demo's rule too).
+seed = number(int, between(0, MAX_SEED))
 
 
 # ---------------------------------------------------------------------------------- shared options
@@ -279,6 +248,7 @@ class CommandParser(argparse.ArgumentParser):
         if self._configure is not None:
             configure, self._configure = self._configure, None
             configure(self)
+            state_ranges(self)
 
     def parse_known_args(self, args=None, namespace=None):
         self._configured()

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..utils.choices import WEIGHT_DTYPES
-from .arguments import add_command, parse_device, parse_sizes
+from ..utils.options import at_least, number
+from .arguments import add_command, parse_device, parse_sizes, positive_int
 
 __all__ = ["DEFAULT_CASES", "parse_case", "register"]
 
@@ -41,16 +42,21 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=parse_case,
         help=f"GRID or GRID:LAYOUT (repeatable; default {' '.join(DEFAULT_CASES)})",
     )
-    p.add_argument("--heads", type=int, default=12, help="attention heads (default 12, Wan2.1-1.3B)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement; the median is shown")
+    p.add_argument("--heads", type=positive_int, default=12, help="attention heads (default 12, Wan2.1-1.3B)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dim (default 128)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per measurement; the median is shown")
     p.add_argument(
         "--quick-passes",
-        type=int,
+        type=positive_int,
         default=5,
         help="runs per round of an operator under 1 s per call, interleaved with the others (default 5)",
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing the operators (default 1)")
+    p.add_argument(
+        "--warmup",
+        type=number(int, at_least(0, zero="no untimed runs")),
+        default=1,
+        help="untimed runs before timing the operators (default 1)",
+    )
     p.add_argument("--device", type=parse_device, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="default float32 on CPU, bfloat16 on GPU")
     p.add_argument(
@@ -59,7 +65,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="Diffusers attention backend(s) for SDPA (default: native, "
         "plus on a GPU those of _native_flash, flash, _flash_3 and xformers that run there)",
     )
-    p.add_argument("--sdpa-max-tokens", type=int, help="skip SDPA above this many tokens")
+    p.add_argument("--sdpa-max-tokens", type=positive_int, help="skip SDPA above this many tokens")
     p.add_argument(
         "--block-grid",
         type=parse_sizes,
@@ -67,14 +73,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="token grid of the Wan block table (default 21x30x50)",
     )
     p.add_argument("--block-layout", type=parse_sizes, help="MHLA layout in the Wan block table (default: auto)")
-    p.add_argument("--block-dim", type=int, default=1536)
-    p.add_argument("--block-heads", type=int, default=12)
-    p.add_argument("--block-ffn", type=int, default=8960)
-    p.add_argument("--block-text-tokens", type=int, default=512)
+    p.add_argument("--block-dim", type=positive_int, default=1536)
+    p.add_argument("--block-heads", type=positive_int, default=12)
+    p.add_argument("--block-ffn", type=positive_int, default=8960)
+    p.add_argument("--block-text-tokens", type=positive_int, default=512)
     p.add_argument("--no-block", dest="block", action="store_false", help="skip the Wan block and transformer tables")
     p.add_argument(
         "--transformer-layers",
-        type=int,
+        type=number(int, at_least(0, zero="the whole-transformer table is skipped")),
         help="blocks of the whole Wan2.1-1.3B-shaped transformer forward "
         "(stock per SDPA backend vs MHLA) on the block grid; default 4 on a GPU, 0 (skipped) on a CPU",
     )
@@ -88,7 +94,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "default keeps glibc's defaults throughout (MHLA_KEEP_MALLOC=1), retain calls "
         "retain_freed_memory() first",
     )
-    p.add_argument("--threads", type=int, help="CPU threads of the measuring process (default: torch's)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads of the measuring process (default: torch's)")
     p.add_argument("--output", type=Path, help="also write the tables and settings as JSON here")
     p.add_argument(
         "--report",
@@ -131,7 +137,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default="Wan2.1-T2V-1.3B",
         help="published transformer config (default Wan2.1-T2V-1.3B; see mhla_diffusion.utils.wan_configs)",
     )
-    load.add_argument("--load-layers", type=int, help="transformer blocks (default: the published number)")
+    load.add_argument("--load-layers", type=positive_int, help="transformer blocks (default: the published number)")
     load.add_argument(
         "--load-work-dir",
         type=Path,

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from .arguments import positive_int
+
 __all__ = ["ContextParallelRun", "add_context_parallel_arguments", "check_context_parallel", "start_context_parallel"]
 
 
@@ -24,7 +26,7 @@ def add_context_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("context parallelism (one video across several processes / GPUs)")
     group.add_argument(
         "--context-parallel",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="P",
         help="split each video's tokens across P processes launched with "

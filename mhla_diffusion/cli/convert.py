@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 from ..models.families import FAMILIES, family_named
 from ..utils.geometry import ImageGeometry, VideoGeometry, image_token_grid, video_token_grid
+from ..utils.options import between, number
 from .arguments import WAN_480P, add_command, parse_layers, parse_layout, parse_sizes
 
 __all__ = ["register"]
@@ -28,15 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
-def _probability(text: str) -> float:
-    """A dropout probability in [0, 1) (an ``argparse`` type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a probability such as 0.1, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}")
-    return value
+#: A dropout probability in [0, 1) (an ``argparse`` type).
+_probability = number(float, between(0, 1, high_open=True, zero="no dropout"))
 
 
 def configure(p: argparse.ArgumentParser) -> None:

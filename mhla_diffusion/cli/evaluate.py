@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from ..utils.choices import WEIGHT_DTYPES
-from .arguments import add_command, finite_float, non_negative_int, parse_device, positive_int
+from ..utils.options import at_least, number
+from .arguments import add_command, non_negative_float, parse_device, positive_int, seed
 
 __all__ = ["add_sample_arguments", "load_feature_extractor", "register", "run_eval", "run_eval_ref", "run_sample"]
 
@@ -115,11 +116,11 @@ def configure_eval_ref(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, type=Path, help="reference .npz to write")
     p.add_argument(
         "--pr-images",
-        type=non_negative_int,
+        type=number(int, at_least(0, zero="statistics only, no arr_0")),
         default=10000,
-        help="images stored as arr_0 for precision/recall (ADM: 10000; 0 = statistics only)",
+        help="images stored as arr_0 for precision/recall (ADM: 10000)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the arr_0 subset")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the arr_0 subset")
     _add_network_arguments(p)
     p.set_defaults(func=run_eval_ref)
 
@@ -138,11 +139,11 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
         default="uniform",
         help="uniform: i.i.d. random labels (DiT); balanced: N/K per class, shuffled",
     )
-    p.add_argument("--seed", type=int, default=0, help="global seed; sample i uses a seed derived from (seed, i)")
+    p.add_argument("--seed", type=seed, default=0, help="global seed; sample i uses a seed derived from (seed, i)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per pipeline call and process")
     p.add_argument("--num-inference-steps", type=positive_int, default=250, help="denoising steps (DiT paper: 250)")
     p.add_argument(
-        "--guidance-scale", type=finite_float, default=1.5, help="classifier-free guidance (DiT FID-50K: 1.5)"
+        "--guidance-scale", type=non_negative_float, default=1.5, help="classifier-free guidance (DiT FID-50K: 1.5)"
     )
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float32", help="pipeline weights dtype")
     p.add_argument("--overwrite", action="store_true", help="replace the .npz if it exists")

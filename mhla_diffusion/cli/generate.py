@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..embedded.locations import embedded_defaults
 from ..utils.geometry import VideoGeometry
-from .arguments import WAN_480P, add_command, add_model_arguments, finite_float
+from .arguments import WAN_480P, add_command, add_model_arguments, non_negative_float, positive_float, positive_int
 from .context_parallel import add_context_parallel_arguments, check_context_parallel, start_context_parallel
 
 __all__ = ["register"]
@@ -100,28 +100,34 @@ def _add_video_arguments(video: argparse.ArgumentParser, hub_id: str, embedded: 
     video.add_argument("--negative-prompt", default="", help="negative prompt (default: empty, as the MHLA recipe)")
     video.add_argument(
         "--num-frames",
-        type=int,
+        type=positive_int,
         help=f"frames as the model's VAE allows them (Wan2.1: {wan.frame_rule()}); others are rounded as "
         f"Diffusers' WanPipeline does ({default(d.num_frames, WAN_480P[0])})",
     )
     for axis, side in enumerate(("height", "width")):
         video.add_argument(
             f"--{side}",
-            type=int,
+            type=positive_int,
             help=f"pixels, a multiple of what the model's VAE, patch size and Diffusers' WanPipeline "
             f"allow (Wan2.1: {wan.generation_multiple[axis]}; Wan2.2-TI2V-5B: 32) "
             f"({default(getattr(d, side), WAN_480P[axis + 1])})",
         )
-    video.add_argument("--steps", type=int, help=f"denoising steps ({default(d.video_steps, 50)})")
+    video.add_argument("--steps", type=positive_int, help=f"denoising steps ({default(d.video_steps, 50)})")
     video.add_argument(
-        "--guidance-scale", type=finite_float, help=f"classifier-free guidance ({default(d.video_guidance_scale, 5.0)})"
+        "--guidance-scale",
+        type=non_negative_float,
+        help=f"classifier-free guidance ({default(d.video_guidance_scale, 5.0)})",
     )
     video.add_argument(
-        "--flow-shift", type=finite_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)"
+        "--flow-shift", type=positive_float, help="scheduler flow shift (default: the model's, 3.0 for 480p)"
     )
-    video.add_argument("--fps", type=int, help=f"frames per second of the written video ({default(d.fps, 16)})")
+    video.add_argument(
+        "--fps", type=positive_int, help=f"frames per second of the written video ({default(d.fps, 16)})"
+    )
     video.add_argument("--format", choices=VIDEO_FORMATS, default="mp4", help="mp4, gif or frames (PNG folder)")
-    video.add_argument("--max-sequence-length", type=int, help=f"text tokens ({default(d.max_sequence_length, 512)})")
+    video.add_argument(
+        "--max-sequence-length", type=positive_int, help=f"text tokens ({default(d.max_sequence_length, 512)})"
+    )
     add_context_parallel_arguments(video)
 
 
@@ -138,11 +144,11 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
         help="class id or name, or a comma-separated list (repeatable)",
     )
     image.add_argument(
-        "--steps", type=int, help=f"denoising steps ({FROM_MODEL}: embedded model {d.image_steps}, DiT 50)"
+        "--steps", type=positive_int, help=f"denoising steps ({FROM_MODEL}: embedded model {d.image_steps}, DiT 50)"
     )
     image.add_argument(
         "--guidance-scale",
-        type=finite_float,
+        type=non_negative_float,
         help=f"classifier-free guidance ({FROM_MODEL}: embedded model {d.image_guidance_scale}, DiT 4.0)",
     )
     image.set_defaults(func=run_class_to_image)

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .arguments import add_command
+from .arguments import add_command, positive_int
 from .import_wan import check_output_free, save_imported
 
 __all__ = ["register"]
@@ -34,10 +34,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="DiT size the checkpoint was trained as: DiT-S/2 .. DiT-XL/8, DiT-L/2-half, "
         "DiT-L/2-half-small-head (gives the head count; default: the one size that fits the shapes)",
     )
-    heads.add_argument("--num-heads", type=int, help="attention heads, for a model outside the DiT size table")
+    heads.add_argument("--num-heads", type=positive_int, help="attention heads, for a model outside the DiT size table")
     p.add_argument(
         "--image-size",
-        type=int,
+        type=positive_int,
         help="image size in pixels the model was trained for (checked against "
         "the checkpoint's pos_embed; latent = image / 8)",
     )

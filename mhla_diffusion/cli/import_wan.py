@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..utils.choices import WEIGHT_DTYPES
-from .arguments import add_command, parse_sizes
+from .arguments import add_command, parse_sizes, positive_int
 
 __all__ = ["check_output_free", "register", "save_imported"]
 
@@ -43,7 +43,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         "name (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P, ...: mhla_diffusion/utils/wan_configs.py) "
         "or a config.json (default: read off the checkpoint's shapes, heads of 128)",
     )
-    p.add_argument("--attention-head-dim", type=int, help="head dim (default 128, as every Wan model, or --config's)")
+    p.add_argument(
+        "--attention-head-dim", type=positive_int, help="head dim (default 128, as every Wan model, or --config's)"
+    )
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weights dtype (default: as stored in the checkpoint)")
     p.add_argument("--overwrite", action="store_true", help="replace files already in --output")
     p.set_defaults(func=run)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..models.context_parallel import context_parallel_paused, enable_training_context_parallel
 from ..models.conversion import convert_to_mhla, get_mhla_conversion
+from ..utils.options import zero_notes
 from .attention_transfer import AttentionTransfer
 from .buckets import BucketBatchSampler
 from .checkpointing import (
@@ -232,6 +233,8 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
     lock = RunLock(output_dir)
     if accelerator.is_main_process:  # the other processes share the main process's run
         lock.acquire()
+        if off := zero_notes(options):  # a 0 that switches something off is said once, at start
+            logger.info("off (set to 0): %s", "; ".join(off))
     try:
         if accelerator.is_main_process:  # under the lock: no live run's save is in flight
             if mode == "resume":

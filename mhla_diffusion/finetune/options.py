@@ -31,10 +31,16 @@ import yaml
 
 from ..config import MHLAConfig
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
+from ..utils.geometry import MAX_SEED
 from ..utils.options import (
+    ANY_NUMBER,
+    above,
     add_field_arguments,
+    at_least,
+    between,
     check_choice,
     check_choices,
+    check_ranges,
     coerce,
     describe,
     option,
@@ -96,7 +102,7 @@ class TrainOptions:
     output_dir: str = option("", "the run folder (required); never reused for a new run unless overwrite_output_dir")
     overwrite_output_dir: bool = option(False, "delete output_dir and start a new run there")
     resume: str | None = option(None, "continue the run in output_dir: latest, or a checkpoint folder")
-    seed: int = option(1, "random seed of the run")
+    seed: int = option(1, "random seed of the run", valid=between(0, MAX_SEED))
     # --- data
     data_dir: str = option("", "the training data folder (required)")
     cache_latents: bool = option(False, "pre-pass: encode latents (and text) once to disk, then train from the cache")
@@ -108,19 +114,21 @@ class TrainOptions:
     latent_sampling: str = option(
         "sample", "sample: a posterior sample each step; mode: the posterior mean", choices=("sample", "mode")
     )
-    dataloader_num_workers: int = option(0, "data loading processes (0: in the training process)")
+    dataloader_num_workers: int = option(0, "data loading processes (0: in the training process)", valid=at_least(0))
     # --- optimisation
-    learning_rate: float = option(2e-5, "AdamW learning rate of the end-to-end stage")
-    adam_beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
-    adam_beta2: float = option(0.999, "AdamW beta2, in [0, 1)")
-    adam_epsilon: float = option(1e-10, "AdamW epsilon, > 0")
-    weight_decay: float = option(0.0, "AdamW weight decay")
+    learning_rate: float = option(2e-5, "AdamW learning rate of the end-to-end stage", valid=above(0))
+    adam_beta1: float = option(0.9, "AdamW beta1", valid=between(0, 1, high_open=True))
+    adam_beta2: float = option(0.999, "AdamW beta2", valid=between(0, 1, high_open=True))
+    adam_epsilon: float = option(1e-10, "AdamW epsilon", valid=above(0))
+    weight_decay: float = option(0.0, "AdamW weight decay", valid=at_least(0, zero="no weight decay"))
     lr_scheduler: str = option("constant_with_warmup", "any name of diffusers.optimization.get_scheduler")
-    lr_warmup_steps: int = option(1000, "learning-rate warmup, in optimizer steps")
-    max_grad_norm: float = option(0.1, "gradient clipping norm; 0 turns clipping off")
-    train_batch_size: int = option(4, "samples per process and step")
-    gradient_accumulation_steps: int = option(1, "batches accumulated into one optimizer step")
-    max_train_steps: int = option(1000, "end-to-end optimizer steps (after the attention-transfer stage)")
+    lr_warmup_steps: int = option(1000, "learning-rate warmup, in optimizer steps", valid=at_least(0, zero="no warmup"))
+    max_grad_norm: float = option(0.1, "gradient clipping norm", valid=at_least(0, zero="no gradient clipping"))
+    train_batch_size: int = option(4, "samples per process and step", valid=at_least(1))
+    gradient_accumulation_steps: int = option(1, "batches accumulated into one optimizer step", valid=at_least(1))
+    max_train_steps: int = option(
+        1000, "end-to-end optimizer steps (after the attention-transfer stage)", valid=at_least(1)
+    )
     mixed_precision: str | None = option(
         "bf16", "no | fp16 | bf16 | null (use accelerate's config)", choices=("no", "fp16", "bf16")
     )
@@ -133,9 +141,11 @@ class TrainOptions:
     allow_tf32: bool = option(True, "allow TF32 matrix multiplications on Ampere and later GPUs")
     # --- attention transfer (stage 1, optional)
     attention_transfer_steps: int = option(
-        0, "steps of the attention-transfer stage before the end-to-end stage; 0 = off"
+        0,
+        "steps of the attention-transfer stage before the end-to-end stage",
+        valid=at_least(0, zero="no attention-transfer stage"),
     )
-    attention_transfer_lr: float = option(1e-3, "learning rate of the attention-transfer stage")
+    attention_transfer_lr: float = option(1e-3, "learning rate of the attention-transfer stage", valid=above(0))
     attention_transfer_params: str = option(
         "auto",
         "attention: MHLA and the layer's q/k/v/o and norms | mhla: the new parameters only (far weaker) | "
@@ -146,15 +156,22 @@ class TrainOptions:
     # --- EMA of the trained weights (saved as `final` and in the pipeline; raw weights as `final-no-ema`)
     ema_decay: float = option(
         0.0,
-        "EMA decay of the trained weights, in [0, 1); 0 turns EMA off (with EMA the "
-        "averaged weights are saved as `final`, the raw ones as `final-no-ema`)",
+        "EMA decay of the trained weights (with EMA the averaged weights are saved as `final`, the raw ones as "
+        "`final-no-ema`)",
+        valid=between(0, 1, high_open=True, zero="no EMA"),
     )
     ema_warmup: bool = option(
         False, "false: constant decay from the first step (DiT's reference); true: Diffusers' warmup"
     )
     # --- checkpoints and outputs
-    checkpointing_steps: int = option(500, "save a resumable checkpoint every N optimizer steps")
-    checkpoints_total_limit: int | None = option(3, "checkpoints kept (the oldest are deleted); null keeps all")
+    checkpointing_steps: int = option(
+        500,
+        "save a resumable checkpoint every N optimizer steps",
+        valid=at_least(0, zero="never: no resumable checkpoints, not even at the end"),
+    )
+    checkpoints_total_limit: int | None = option(
+        3, "checkpoints kept (the oldest are deleted); null keeps all", valid=at_least(1)
+    )
     save_pipeline: bool = option(False, "also write a full pipeline folder (<output_dir>/pipeline) at the end")
     # --- logging and validation
     report_to: str = option(
@@ -165,23 +182,27 @@ class TrainOptions:
     tracker_project_name: str = option("mhla-finetune", "project name for the tracker")
     validation_steps: int = option(
         0,
-        "sample the validation inputs every N optimizer steps; 0 = only at the end (when validation inputs are given)",
+        "sample the validation inputs every N optimizer steps (and at the end; when validation inputs are given)",
+        valid=at_least(0, zero="validation samples only at the end"),
     )
-    validation_num_inference_steps: int = option(20, "denoising steps of validation samples")
+    validation_num_inference_steps: int = option(20, "denoising steps of validation samples", valid=at_least(1))
     validation_guidance_scale: float | None = option(
         None,
         "classifier-free guidance scale of validation samples, recorded as the saved pipeline's default; "
         "default: pretrained_model's own (the embedded video model's 2.0; a recorded one; else Diffusers' 5.0)",
+        valid=at_least(0),
     )
-    validation_seed: int = option(0, "seed of validation samples")
+    validation_seed: int = option(0, "seed of validation samples", valid=between(0, MAX_SEED))
     # --- validation FID (off unless validation_fid_reference is set; see mhla_diffusion/finetune/validation_fid.py)
     validation_fid_reference: str | None = option(
         None, "ADM .npz with mu, sigma, mu_s, sigma_s (`mhla eval-ref`): turns validation FID / sFID on"
     )
-    validation_fid_steps: int = option(1000, "FID/sFID every N optimizer steps, and at the end")
-    validation_fid_samples: int = option(1000, "FID samples over all processes (Wan: clips, every frame an image)")
+    validation_fid_steps: int = option(1000, "FID/sFID every N optimizer steps, and at the end", valid=at_least(1))
+    validation_fid_samples: int = option(
+        1000, "FID samples over all processes (Wan: clips, every frame an image)", valid=at_least(1)
+    )
     validation_fid_batch_size: int = option(
-        8, "FID samples per pipeline call per process (DiT; Wan samples clip by clip)"
+        8, "FID samples per pipeline call per process (DiT; Wan samples clip by clip)", valid=at_least(1)
     )
     inception_weights: str | None = option(None, "FID Inception-v3 weights file; default $MHLA_INCEPTION_WEIGHTS")
 
@@ -190,6 +211,7 @@ class TrainOptions:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad option and how to fix it (no file or model access)."""
         _check_finite(self)
+        check_ranges(self)  # every number option against its stated range (`--help` shows it)
         for name in self._required_options():
             if not getattr(self, name):
                 raise ValueError(f"`{name}` is required: set it in the YAML file or pass --{name} VALUE")
@@ -202,34 +224,10 @@ class TrainOptions:
             raise ValueError("`resume` continues the run in output_dir, `overwrite_output_dir` deletes it: choose one")
         if self.attention == "mhla" and self.mhla_weights is None:
             self.mhla_config()  # MHLAConfig's own checks (layout, layers, ...), before any model loads
-        for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
-            _at_least(name, getattr(self, name), 1)
-        for name in (
-            "lr_warmup_steps",
-            "attention_transfer_steps",
-            "dataloader_num_workers",
-            "validation_steps",
-            "checkpointing_steps",
-        ):
-            _at_least(name, getattr(self, name), 0)
-        for name in ("validation_fid_steps", "validation_fid_samples", "validation_fid_batch_size"):
-            _at_least(name, getattr(self, name), 1)
         if self.inception_weights is not None and not self.validation_fid_reference:
             raise ValueError(
                 "`inception_weights` is used by validation FID: set `validation_fid_reference` too, or drop it"
             )
-        if self.checkpoints_total_limit is not None:
-            _at_least("checkpoints_total_limit", self.checkpoints_total_limit, 1)
-        for name in ("learning_rate", "attention_transfer_lr", "adam_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"`ema_decay` must be in [0, 1) (0 = no EMA), got {self.ema_decay}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be in [0, 1), got {getattr(self, name)}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise ValueError("`weight_decay` and `max_grad_norm` must be >= 0 (max_grad_norm 0 = no clipping)")
         if self.trainable in ("mhla", "lora") and self.attention_transfer_params == "attention":
             raise ValueError(
                 f"attention_transfer_params: attention trains the layers' projections, but trainable: {self.trainable} "
@@ -315,40 +313,46 @@ class TrainOptions:
 class WanTrainOptions(TrainOptions):
     """Text-to-video (Wan2.1 + MHLA): reference recipe of the MHLA paper's Wan fine-tune."""
 
-    height: int = option(480, "training height in pixels (a multiple of the VAE scale x patch size)")
-    width: int = option(832, "training width in pixels (a multiple of the VAE scale x patch size)")
-    num_frames: int = option(81, "frames per clip: a count the model's VAE accepts (see mhla_diffusion.utils.geometry)")
+    height: int = option(480, "training height in pixels (a multiple of the VAE scale x patch size)", valid=at_least(1))
+    width: int = option(832, "training width in pixels (a multiple of the VAE scale x patch size)", valid=at_least(1))
+    num_frames: int = option(
+        81, "frames per clip: a count the model's VAE accepts (see mhla_diffusion.utils.geometry)", valid=at_least(1)
+    )
     resolution_buckets: list[list[int]] | None = option(
-        None, "[[h, w], ...] sizes videos may train at; default [[height, width]]"
+        None, "[[h, w], ...] sizes videos may train at; default [[height, width]]", valid=at_least(1)
     )
     frame_buckets: list[int] | None = option(
-        None, "frame counts videos may train at (as num_frames); default [num_frames]"
+        None, "frame counts videos may train at (as num_frames); default [num_frames]", valid=at_least(1)
     )
-    frame_stride: int = option(1, "take every n-th frame")
+    frame_stride: int = option(1, "take every n-th frame", valid=at_least(1))
     frame_sampling: str = option(
         "start", "start: the first frames, as the reference | random: a random clip start", choices=("start", "random")
     )
-    max_sequence_length: int = option(512, "text tokens of a caption")
-    caption_dropout: float = option(0.1, "probability of training on the empty prompt")
+    max_sequence_length: int = option(512, "text tokens of a caption", valid=at_least(1))
+    caption_dropout: float = option(
+        0.1, "probability of training on the empty prompt", valid=between(0, 1, zero="no caption dropout")
+    )
     caption_column: str | None = option(None, "metadata column with the caption; default: text, caption or prompt")
     file_column: str | None = option(
         None, "metadata column with the file path; default: file_name, video, image or path"
     )
-    logit_mean: float = option(0.0, "mean of the logit-normal timestep density")
-    logit_std: float = option(1.0, "standard deviation of the logit-normal timestep density, > 0")
-    flow_shift: float = option(3.0, "flow-matching timestep shift, > 0")
+    logit_mean: float = option(0.0, "mean of the logit-normal timestep density", valid=ANY_NUMBER)
+    logit_std: float = option(1.0, "standard deviation of the logit-normal timestep density", valid=above(0))
+    flow_shift: float = option(3.0, "flow-matching timestep shift", valid=above(0))
     causal_chunk_frames: int = option(
         1,
         "block-causal MHLA (mhla.causal: true): latent frames per chunk, each chunk trained at its own noise level "
         "(diffusion forcing); 1 .. the latent frames of num_frames; use the chunk size you will stream with",
+        valid=at_least(1),
     )
     causal_clean_chunks: float = option(
         0.5,
         "block-causal MHLA: probability in [0, 1] that a chunk (never a clip's last) is clean context, timestep 0 "
         "and out of the loss, as a stream's earlier chunks; 0: every chunk noisy, 1: clean context + one noisy chunk",
+        valid=between(0, 1),
     )
-    lora_rank: int = option(64, "LoRA rank (trainable: lora)")
-    lora_alpha: int = option(64, "LoRA alpha (trainable: lora)")
+    lora_rank: int = option(64, "LoRA rank (trainable: lora)", valid=at_least(1))
+    lora_alpha: int = option(64, "LoRA alpha (trainable: lora)", valid=above(0))
     lora_target_modules: list[str] = option(
         help="modules LoRA adapts (trainable: lora)", default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"]
     )
@@ -362,32 +366,33 @@ class WanTrainOptions(TrainOptions):
         help="prompts sampled at validation (none: no validation samples)", default_factory=list
     )
     validation_negative_prompt: str = option("", "negative prompt of validation samples")
-    validation_height: int | None = option(None, "height of validation samples; default: height")
-    validation_width: int | None = option(None, "width of validation samples; default: width")
-    validation_num_frames: int | None = option(None, "frames of validation samples; default: num_frames")
-    validation_fps: int = option(16, "frame rate of the saved validation videos")
+    validation_height: int | None = option(None, "height of validation samples; default: height", valid=at_least(1))
+    validation_width: int | None = option(None, "width of validation samples; default: width", valid=at_least(1))
+    validation_num_frames: int | None = option(
+        None, "frames of validation samples; default: num_frames", valid=at_least(1)
+    )
+    validation_fps: int = option(16, "frame rate of the saved validation videos", valid=at_least(1))
     context_parallel_degree: int = option(
         1,
         "split each clip's tokens across this many processes (sequence parallelism; data parallelism across the "
         "groups: 4 processes with 2 = a 2 x 2 mesh); every bucket's token count must be a multiple of it",
+        valid=at_least(1),
     )
     distillation_weight: float = option(
         0.0,
-        "w in [0, 1], 0 = off: output distillation of an MHLA student (attention: mhla) from its softmax original "
+        "w: output distillation of an MHLA student (attention: mhla) from its softmax original "
         "(pretrained_model's own transformer, frozen); the end-to-end loss becomes "
         "(1 - w) * MSE(prediction, noise - x0) + w * MSE(prediction, the original's prediction for the same input)",
+        valid=between(0, 1, zero="no output distillation"),
     )
 
     def validate(self) -> None:
         super().validate()
-        if not 0 <= self.distillation_weight <= 1:
-            raise ValueError(f"`distillation_weight` must be in [0, 1] (0 = off), got {self.distillation_weight}")
         if self.distillation_weight and self.attention == "softmax":
             raise ValueError(
                 "distillation_weight distils an MHLA student from its softmax original, but attention: "
                 "softmax trains the original itself: set distillation_weight: 0, or use attention: mhla"
             )
-        _at_least("context_parallel_degree", self.context_parallel_degree, 1)
         self.check_causal(self._causal_asked())
         if self.context_parallel_degree > 1:
             if self.attention_transfer_steps:
@@ -404,19 +409,11 @@ class WanTrainOptions(TrainOptions):
         # Frame counts and sizes must also suit the model (frames k * VAE temporal scale + 1, sizes
         # multiples of VAE scale x patch size): the trainer checks them against the model's configs at
         # setup, before any work (mhla_diffusion.utils.geometry.VideoGeometry).
-        for name in ("height", "width", "num_frames"):
-            _at_least(name, getattr(self, name), 1)
         for h, w in self.bucket_sizes():
             if h < 1 or w < 1:
                 raise ValueError(f"resolution bucket {[h, w]} must be [height, width], positive")
         for frames in self.frame_counts():
             _at_least("frame_buckets entry", frames, 1)
-        _at_least("frame_stride", self.frame_stride, 1)
-        _at_least("max_sequence_length", self.max_sequence_length, 1)
-        if not 0 <= self.caption_dropout <= 1:
-            raise ValueError(f"`caption_dropout` must be in [0, 1], got {self.caption_dropout}")
-        if self.logit_std <= 0 or self.flow_shift <= 0:
-            raise ValueError("`logit_std` and `flow_shift` must be > 0")
         if self.trainable == "lora":
             _at_least("lora_rank", self.lora_rank, 1)
             if not self.lora_target_modules:
@@ -445,10 +442,8 @@ class WanTrainOptions(TrainOptions):
         return None
 
     def check_causal(self, causal: bool | None) -> None:
-        """The ``causal_*`` options against whether the model is block-causal (``None``: not known yet)."""
-        _at_least("causal_chunk_frames", self.causal_chunk_frames, 1)
-        if not 0 <= self.causal_clean_chunks <= 1:
-            raise ValueError(f"`causal_clean_chunks` must be in [0, 1], got {self.causal_clean_chunks}")
+        """The ``causal_*`` options against whether the model is block-causal (``None``: not known yet; their
+        ranges are their fields' ``valid`` rules)."""
         if causal and self.context_parallel_degree > 1:
             raise ValueError(
                 f"context_parallel_degree {self.context_parallel_degree}: context parallelism has no block-causal "
@@ -514,9 +509,11 @@ class DiTTrainOptions(TrainOptions):
         choices=("sample", "mode", "presampled"),
     )
     # DiT's own options
-    resolution: int = option(256, "image size in pixels (a multiple of the VAE scale x patch size)")
+    resolution: int = option(256, "image size in pixels (a multiple of the VAE scale x patch size)", valid=at_least(1))
     class_dropout: float = option(
-        0.1, "probability of replacing the label by the null class (num_classes), for classifier-free guidance"
+        0.1,
+        "probability of replacing the label by the null class (num_classes), for classifier-free guidance",
+        valid=between(0, 1, zero="no class dropout (no unconditional training for guidance)"),
     )
     random_flip: bool = option(True, "flip images horizontally at random")
     flip_coin_per_batch: bool = option(
@@ -540,7 +537,9 @@ class DiTTrainOptions(TrainOptions):
     model_overrides: dict = option(
         help="model_size: DiTTransformer2DModel config over the size's, e.g. {num_layers: 2}", default_factory=dict
     )
-    num_classes: int | str = option(1000, 'model_size: classes, a count or "data" (the data\'s class count)')
+    num_classes: int | str = option(
+        1000, 'model_size: classes, a count or "data" (the data\'s class count)', valid=at_least(1)
+    )
     vae_model: str = option(DEFAULT_DIT_VAE, "model_size: VAE folder, hub id or pipeline folder (its vae/)")
     share_embedder: bool = option(True, "model_size: one timestep + class embedder for all blocks, as DiT")
 
@@ -559,7 +558,6 @@ class DiTTrainOptions(TrainOptions):
                 "mhla.causal makes MHLA block-causal over video frames; images have no time axis: drop "
                 "mhla.causal for the class-to-image trainer"
             )
-        _at_least("resolution", self.resolution, 1)  # a multiple of the model's VAE scale x patch: checked at setup
         self._check_model_size()
         if self.flip_coin_per_batch and not self.random_flip:
             raise ValueError("`flip_coin_per_batch` chooses how `random_flip` flips: set random_flip: true, or drop it")
@@ -568,8 +566,6 @@ class DiTTrainOptions(TrainOptions):
                 "latent_sampling: presampled draws one posterior sample per image in the cache pre-pass: "
                 "set cache_latents: true"
             )
-        if not 0 <= self.class_dropout <= 1:
-            raise ValueError(f"`class_dropout` must be in [0, 1], got {self.class_dropout}")
         if self.validation_fid_reference and self.validation_fid_samples < 2:
             raise ValueError(
                 f"`validation_fid_samples` must be >= 2 (FID takes a covariance), got {self.validation_fid_samples}"

@@ -8,7 +8,11 @@ annotation is the type a value must have. From that one definition:
   environment variable) and hands it to :func:`coerce`;
 * :func:`add_field_arguments` adds one ``--name`` option per field to an ``argparse`` parser, with the
   field's help, choices and default in ``--help``;
-* :func:`check_choices` checks the fields that name their choices.
+* :func:`check_choices` checks the fields that name their choices;
+* :func:`check_ranges` checks the numbers of the fields that state their valid range (a :class:`Range`: every
+  count, size, limit, interval and rate), and :func:`number` is the ``argparse`` type of a command-line number
+  with its range. Where 0 turns something off, the range says what 0 means: the help states it and
+  :func:`zero_notes` gives the line a run logs at start.
 
 **The list rule** (every list value, wherever it is written: a command-line option, ``--set NAME=VALUE``, an
 environment variable, a string in a YAML file): items separated by commas, ``1,6,6`` or ``to_q,to_k``, or a
@@ -30,6 +34,7 @@ import argparse
 import collections.abc
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Callable, Iterable, Sequence
@@ -37,23 +42,107 @@ from typing import Any, Callable, Iterable, Sequence
 import yaml
 
 __all__ = [
+    "ANY_NUMBER",
+    "Range",
+    "above",
     "add_field_arguments",
     "argparse_type",
+    "at_least",
+    "between",
     "check_choice",
     "check_choices",
+    "check_ranges",
     "coerce",
     "describe",
     "field_choices",
     "field_help",
+    "field_range",
     "list_items",
+    "number",
     "option",
     "parse_assignment",
     "parse_text",
     "read_yaml",
+    "state_ranges",
     "unknown_name",
+    "zero_notes",
 ]
 
 _NONE_WORDS = ("none", "null", "~")
+
+
+# ---------------------------------------------------------------------------------- valid ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a number option: ``low`` and ``high`` (``None``: unbounded), each included unless
+    ``low_open`` / ``high_open``; always finite. ``zero`` says what 0 means where 0 turns something off
+    ("never", "off", "no clipping"), for the help and the run's start-up line (:func:`zero_notes`)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    zero: str | None = None
+
+    def __contains__(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """The range in words: ">= 1", "> 0", "in [0, 1)", "from 1 to 65535", "any finite number"; with
+        ``zero``, "; 0: <what 0 means>"."""
+        low, high = (_shown(v) for v in (self.low, self.high))
+        if low is None and high is None:
+            words = "any finite number"
+        elif high is None:
+            words = f"{'>' if self.low_open else '>='} {low}"
+        elif low is None:
+            words = f"{'<' if self.high_open else '<='} {high}"
+        elif not self.low_open and not self.high_open and float(self.low).is_integer() and self.high > 1:
+            words = f"from {low} to {high}"
+        else:
+            words = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        return f"{words}; 0: {self.zero}" if self.zero else words
+
+    def error(self, name: str, value: Any) -> str:
+        """The one-line error for ``value`` of option ``name`` outside the range."""
+        return f"`{name}` must be {self.bounds()}, got {value!r}"
+
+    def bounds(self) -> str:
+        """The bounds alone, for errors: ">= 1", "in [0, 1)", "a finite number"."""
+        words = self.describe().split("; ")[0]
+        return "a finite number" if words == "any finite number" else words
+
+
+def _shown(bound: float | None) -> str | None:
+    """A bound as written in help: ``4294967295``, ``0.5``, ``1e-08``."""
+    if bound is None:
+        return None
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+def at_least(low: float, zero: str | None = None) -> Range:
+    """``value >= low`` (``zero``: what 0 means, when ``low`` is 0)."""
+    return Range(low, zero=zero)
+
+
+def above(low: float) -> Range:
+    """``value > low``."""
+    return Range(low, low_open=True)
+
+
+def between(low: float, high: float, *, high_open: bool = False, zero: str | None = None) -> Range:
+    """``low <= value <= high`` (``< high`` with ``high_open``)."""
+    return Range(low, high, high_open=high_open, zero=zero)
+
+
+#: Any finite number (an option with no bounds still states that it has none).
+ANY_NUMBER = Range()
 
 
 def option(
@@ -61,13 +150,16 @@ def option(
     help: str = "",
     *,
     choices: Sequence[Any] | None = None,
+    valid: Range | None = None,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field with its help text and, where they are fixed, its choices (``None`` is always allowed
-    for a field whose default is ``None``)."""
+    for a field whose default is ``None``) or, for a number (or a list of numbers: each one), its valid range."""
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if valid is not None:
+        metadata["valid"] = valid
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -89,6 +181,62 @@ def field_help(cls: type, name: str) -> str:
 def field_choices(cls: type, name: str) -> tuple[Any, ...] | None:
     """The choices of field ``name`` of dataclass ``cls``, or ``None`` when any value of its type is allowed."""
     return _definition(cls, name, "choices")
+
+
+def field_range(cls: type, name: str) -> Range | None:
+    """The valid range of number field ``name`` of dataclass ``cls`` (``None``: it states none)."""
+    return _definition(cls, name, "valid")
+
+
+def _numbers(value: Any) -> list[Any]:
+    """The numbers of a value: itself, or every number of a (nested) list; strings and ``None`` have none."""
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _numbers(v)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def check_ranges(options: Any) -> None:
+    """``ValueError`` for the first field whose number (or a number of its list) is outside its range."""
+    for f in dataclasses.fields(options):
+        valid, value = field_range(type(options), f.name), getattr(options, f.name)
+        if valid is not None:
+            for item in _numbers(value):
+                if item not in valid:
+                    raise ValueError(valid.error(f.name, item if item == value else value))
+
+
+def zero_notes(options: Any) -> list[str]:
+    """ "name 0: what 0 means" for every field at 0 whose range says 0 turns something off (a run logs them once
+    at start, so a 0 that switches a feature off never goes unnoticed)."""
+    notes = []
+    for f in dataclasses.fields(options):
+        valid = field_range(type(options), f.name)
+        if valid is not None and valid.zero and getattr(options, f.name) == 0:
+            notes.append(f"{f.name} 0: {valid.zero}")
+    return notes
+
+
+def number(kind: type, valid: Range) -> Callable[[str], int | float]:
+    """An ``argparse`` type: a number of ``kind`` (``int`` or ``float``, read by :func:`parse_text`) within
+    ``valid``; ``nan`` and ``inf`` are refused. The type carries ``kind`` and ``valid`` (the help states the
+    range; a test lists every number option by them)."""
+    what = "an integer" if kind is int else "a finite number"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = parse_text(None, text, kind, where=repr(text))
+        except ValueError:
+            value = None
+        if value is None or value not in valid:
+            words = valid.bounds()
+            raise argparse.ArgumentTypeError(
+                f"expected {words if words.startswith('a ') else what + ' ' + words}, got {text!r}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's fallback message names the type
+    parse.kind, parse.valid = kind, valid  # type: ignore[attr-defined]
+    return parse
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -339,8 +487,8 @@ def add_field_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     given): the caller reads it with :func:`parse_text` once it knows what else sets the field (a file)."""
     for f in dataclasses.fields(cls):
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        choices = field_choices(cls, f.name)
-        one_of = f"one of {', '.join(map(str, choices))}; " if choices else ""
+        choices, valid = field_choices(cls, f.name), field_range(cls, f.name)
+        one_of = f"one of {', '.join(map(str, choices))}; " if choices else f"{valid.describe()}; " if valid else ""
         default = _default_of(f)
         parser.add_argument(
             *names,
@@ -349,3 +497,14 @@ def add_field_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGrou
             metavar="VALUE",
             help=f"{field_help(cls, f.name)} ({one_of}default: {default!r})".replace("%", "%%"),
         )
+
+
+def state_ranges(parser: argparse.ArgumentParser) -> None:
+    """Append its valid range to the help of every option of ``parser`` whose type is a :func:`number` (once):
+    ``--max-frames`` "largest frame count (default 81) (>= 1)"."""
+    for action in parser._actions:
+        valid = getattr(action.type, "valid", None)
+        if valid is not None and action.help is not argparse.SUPPRESS:
+            words = valid.describe()
+            if words not in (action.help or ""):
+                action.help = f"{action.help} ({words})" if action.help else words.capitalize()

@@ -21,22 +21,27 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
 from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
 from ..utils.choices import WEIGHT_DTYPES
-from ..utils.geometry import VideoGeometry
+from ..utils.geometry import WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 from ..utils.model_defaults import RECORD_KEY, image_defaults, video_defaults
-from ..utils.options import argparse_type, parse_text
+from ..utils.options import at_least, between, number, state_ranges
 from .validation import Limits
 
 __all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
 
 SoftmaxSource = Literal["folder", "base", "same"]
 ENV_PREFIX = "MHLA_DEMO_"
-INT, FLOAT = argparse_type(int), argparse_type(float)
+#: The demo's number flags: each reads its text, and its environment variable, with its valid range.
+PORT = number(int, between(1, 65535))
+COUNT = number(int, at_least(1))
+GUIDANCE = number(float, between(0, Limits.max_guidance))
+SAMPLES = number(int, between(1, Limits.max_samples))
+SIZE_LIMIT = number(int, at_least(WAN_PIPELINE_SIZE_MULTIPLE))
 
 
 @dataclass(frozen=True)
@@ -108,23 +113,16 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default) or default
 
 
-def _env_value(name: str, kind: type, default: Any) -> Any:
-    """Environment variable ``MHLA_DEMO_<name>`` read as ``kind`` by the option layer, or ``default`` when unset."""
+def _env_number(name: str, parse: Callable[[str], Any], default: Any) -> Any:
+    """Environment variable ``MHLA_DEMO_<name>`` read by the flag's own type ``parse`` (its range included), or
+    ``default`` when unset."""
     value = _env(name)
     if value is None:
         return default
     try:
-        return parse_text(ENV_PREFIX + name, value, kind)
-    except ValueError as error:
-        raise ValueError(f"environment variable {error}") from None
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    return _env_value(name, int, default)
-
-
-def _env_float(name: str, default: float | None) -> float | None:
-    return _env_value(name, float, default)
+        return parse(value)
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"environment variable {ENV_PREFIX}{name}: {error}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,16 +159,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("server and device")
     run.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to serve on (default 127.0.0.1)")
     run.add_argument(
-        "--port", type=INT, default=_env_int("PORT", None), help="port (default: 7860 or the next free one)"
+        "--port", type=PORT, default=_env_number("PORT", PORT, None), help="port (default: 7860 or the next free one)"
     )
     run.add_argument(
         "--concurrency",
-        type=INT,
-        default=_env_int("CONCURRENCY", 1),
+        type=COUNT,
+        default=_env_number("CONCURRENCY", COUNT, 1),
         help="generations run at once, all tabs together (default 1); others wait in the queue",
     )
     run.add_argument(
-        "--max-queue", type=INT, default=_env_int("MAX_QUEUE", 16), help="requests that may wait (default 16)"
+        "--max-queue",
+        type=COUNT,
+        default=_env_number("MAX_QUEUE", COUNT, 16),
+        help="requests that may wait (default 16)",
     )
     run.add_argument(
         "--device", type=parse_device, default=_env("DEVICE"), help="cuda, cpu, ... (default: cuda when available)"
@@ -191,44 +192,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own = "default: the model's own (mhla_diffusion/utils/model_defaults.py); embedded model"
     form.add_argument(
         "--max-sequence-length",
-        type=INT,
-        default=_env_int("MAX_SEQUENCE_LENGTH", None),
+        type=COUNT,
+        default=_env_number("MAX_SEQUENCE_LENGTH", COUNT, None),
         help=f"text tokens of the prompt ({own} {d.max_sequence_length})",
     )
-    form.add_argument("--num-frames", type=INT, default=_env_int("NUM_FRAMES", None), help=f"{own} {d.num_frames}")
-    form.add_argument("--height", type=INT, default=_env_int("HEIGHT", None), help=f"{own} {d.height}")
-    form.add_argument("--width", type=INT, default=_env_int("WIDTH", None), help=f"{own} {d.width}")
     form.add_argument(
-        "--fps", type=INT, default=_env_int("FPS", None), help=f"frames per second of the videos ({own} {d.fps})"
+        "--num-frames", type=COUNT, default=_env_number("NUM_FRAMES", COUNT, None), help=f"{own} {d.num_frames}"
     )
-    form.add_argument("--video-steps", type=INT, default=_env_int("VIDEO_STEPS", None), help=f"{own} {d.video_steps}")
+    form.add_argument("--height", type=COUNT, default=_env_number("HEIGHT", COUNT, None), help=f"{own} {d.height}")
+    form.add_argument("--width", type=COUNT, default=_env_number("WIDTH", COUNT, None), help=f"{own} {d.width}")
+    form.add_argument(
+        "--fps",
+        type=COUNT,
+        default=_env_number("FPS", COUNT, None),
+        help=f"frames per second of the videos ({own} {d.fps})",
+    )
+    form.add_argument(
+        "--video-steps", type=COUNT, default=_env_number("VIDEO_STEPS", COUNT, None), help=f"{own} {d.video_steps}"
+    )
     form.add_argument(
         "--video-guidance-scale",
-        type=FLOAT,
-        default=_env_float("VIDEO_GUIDANCE_SCALE", None),
+        type=GUIDANCE,
+        default=_env_number("VIDEO_GUIDANCE_SCALE", GUIDANCE, None),
         help=f"{own} {d.video_guidance_scale}",
     )
-    form.add_argument("--image-steps", type=INT, default=_env_int("IMAGE_STEPS", None), help=f"{own} {d.image_steps}")
+    form.add_argument(
+        "--image-steps", type=COUNT, default=_env_number("IMAGE_STEPS", COUNT, None), help=f"{own} {d.image_steps}"
+    )
     form.add_argument(
         "--image-guidance-scale",
-        type=FLOAT,
-        default=_env_float("IMAGE_GUIDANCE_SCALE", None),
+        type=GUIDANCE,
+        default=_env_number("IMAGE_GUIDANCE_SCALE", GUIDANCE, None),
         help=f"{own} {d.image_guidance_scale}",
     )
     form.add_argument(
         "--samples",
-        type=INT,
-        default=_env_int("SAMPLES", UIDefaults.samples),
+        type=SAMPLES,
+        default=_env_number("SAMPLES", SAMPLES, UIDefaults.samples),
         help=f"samples per click, seeds seed, seed+1, ... (default {UIDefaults.samples}; at most {Limits.max_samples})",
     )
-    form.add_argument("--max-steps", type=INT, default=_env_int("MAX_STEPS", Limits.max_steps), help="default 100")
-    form.add_argument("--max-frames", type=INT, default=_env_int("MAX_FRAMES", Limits.max_frames), help="default 81")
+    form.add_argument(
+        "--max-steps", type=COUNT, default=_env_number("MAX_STEPS", COUNT, Limits.max_steps), help="default 100"
+    )
+    form.add_argument(
+        "--max-frames", type=COUNT, default=_env_number("MAX_FRAMES", COUNT, Limits.max_frames), help="default 81"
+    )
     form.add_argument(
         "--max-size",
-        type=INT,
-        default=_env_int("MAX_SIZE", Limits.max_size),
+        type=SIZE_LIMIT,
+        default=_env_number("MAX_SIZE", SIZE_LIMIT, Limits.max_size),
         help="largest height/width (default 1024)",
     )
+    state_ranges(parser)
 
 
 def resolve_task_models(

@@ -31,14 +31,15 @@ def test_text_to_video_refuses_non_finite_numbers(pipeline_dirs, tmp_path, capsy
     with pytest.raises(SystemExit) as exit:
         t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", f"{flag}={value}")
     assert exit.value.code == 2
-    assert f"argument {flag}: expected a finite number, got '{value}'" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the message states the range too (>= 0 / > 0)
+    assert f"argument {flag}: expected a finite number" in err and f"got '{value}'" in err
     assert not any(tmp_path.iterdir())
 
 
 def test_class_to_image_refuses_non_finite_guidance(pipeline_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         class_to_image(pipeline_dirs, tmp_path, "--class", "goldfish", "--guidance-scale", "nan")
-    assert "argument --guidance-scale: expected a finite number, got 'nan'" in capsys.readouterr().err
+    assert "argument --guidance-scale: expected a finite number >= 0, got 'nan'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -114,7 +115,7 @@ def test_seeds_outside_the_demos_range_are_refused(pipeline_dirs, tmp_path, caps
     with pytest.raises(SystemExit) as exit:
         t2v(pipeline_dirs, tmp_path, "--prompt", "a cat", "--seed", value)
     assert exit.value.code == 2
-    assert f"argument --seed: expected a whole number from 0 to 4294967295, got '{value}'" in capsys.readouterr().err
+    assert f"argument --seed: expected an integer from 0 to 4294967295, got '{value}'" in capsys.readouterr().err
 
 
 def test_largest_seed_is_accepted(pipeline_dirs, tmp_path):
