@@ -166,13 +166,12 @@ def test_pruning_never_leaves_a_partial_checkpoint(tmp_path, monkeypatch):
 
 
 def test_cache_leftovers_of_stopped_writers_are_removed(tmp_path):
-    import subprocess
-    import sys
-
+    from mhla_diffusion.finetune.checkpointing import _alive
     from mhla_diffusion.finetune.latent_cache import remove_leftovers
 
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(finished.stdout)
+    dead = 4_000_000  # a PID no process holds (Linux PIDs stay below pid_max, 4194304 at most)
+    while _alive(dead):
+        dead -= 1
     entry = tmp_path / "latents" / "ab"
     entry.mkdir(parents=True)
     (entry / "abc.safetensors").write_text("complete")
