@@ -44,6 +44,7 @@ from ..utils.geometry import VideoGeometry
 
 if TYPE_CHECKING:
     from ..models.processors.wan import WanMHLAProcessor
+    from .stream import StreamSpec
 
 __all__ = [
     "ATTENTION_COLUMNS",
@@ -675,11 +676,15 @@ def measure(
     }
 
 
-def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
+def measure_in_fresh_process(
+    spec: "BenchSpec | StreamSpec", module: str = "mhla_diffusion.benchmarks.bench"
+) -> dict[str, Any]:
     """:func:`measure` in a new Python process (progress on this stderr), with the allocator of ``spec.malloc``.
 
     ``default`` sets ``MHLA_KEEP_MALLOC=1`` there; ``auto`` and ``retain`` clear it, so that a value in
-    this process's environment does not change what the mode measures.
+    this process's environment does not change what the mode measures. ``module`` is the module run there
+    with the spec's JSON (``python -m module '<spec>'``, printing the result's JSON last): this one, or
+    :mod:`~mhla_diffusion.benchmarks.stream` for a ``StreamSpec``.
     """
     from ..ops.cpu_memory import KEEP_MALLOC_ENV
 
@@ -690,7 +695,7 @@ def measure_in_fresh_process(spec: BenchSpec) -> dict[str, Any]:
     if spec.malloc == "default":
         env[KEEP_MALLOC_ENV] = "1"
     done = subprocess.run(
-        [sys.executable, "-m", "mhla_diffusion.benchmarks.bench", json.dumps(spec.to_json())],
+        [sys.executable, "-m", module, json.dumps(spec.to_json())],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

@@ -144,7 +144,47 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="keep the written weights here and reuse them on the next "
         "run (default: a temporary folder, removed afterwards)",
     )
+    add_stream_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_stream_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--stream`` options (:mod:`mhla_diffusion.benchmarks.stream`); the width is the --block-* options'."""
+    stream = p.add_argument_group(
+        "streaming (--stream): peak memory and seconds per chunk of video generated chunk by chunk, at growing "
+        "lengths: streaming MHLA, softmax with a KV cache, one-pass bidirectional MHLA (--block-dim, --block-heads, "
+        "--block-ffn, --block-text-tokens set the width)"
+    )
+    stream.add_argument(
+        "--stream",
+        action="store_true",
+        help="measure streaming instead of attention, on a Wan2.1-1.3B-shaped transformer with random weights",
+    )
+    stream.add_argument(
+        "--stream-chunk",
+        type=parse_sizes,
+        default=(1, 15, 26),
+        help="token grid of one chunk: latent frames x height x width (default 1x15x26: one latent frame of 240x416)",
+    )
+    stream.add_argument("--stream-base", type=positive_int, default=4, help="chunks of the base length (default 4)")
+    stream.add_argument(
+        "--stream-multiples", type=parse_sizes, default=(1, 2, 4, 8), help="lengths in base lengths (default 1,2,4,8)"
+    )
+    stream.add_argument("--stream-layers", type=positive_int, default=2, help="transformer blocks (default 2)")
+    stream.add_argument(
+        "--stream-blocks",
+        type=parse_sizes,
+        default=(3, 5),
+        help="causal MHLA blocks per latent frame, height x width (default 3x5)",
+    )
+    stream.add_argument(
+        "--stream-window", type=number(int, at_least(0)), help="causal window K (default: MHLAConfig's causal_window)"
+    )
+    stream.add_argument(
+        "--stream-one-pass-max-tokens",
+        type=positive_int,
+        help="skip the one-pass bidirectional MHLA rows above this many tokens (default: none skipped)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,16 +198,18 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:  # tables of an earlier run, nothing measured
         result = json.loads(args.report.read_text())
     else:
-        result = _measure(args)
+        result = _measure_stream(args) if args.stream else _measure(args)
         if args.output is not None:
             args.output.write_text(json.dumps(result, indent=2) + "\n")
 
     from ..benchmarks.bench import replace_marked_section, report_markdown
+    from ..benchmarks.stream import stream_report_markdown, stream_section
 
-    tables = report_markdown(result)
+    streamed = "stream" in result  # a result of --stream
+    tables = stream_report_markdown(result) if streamed else report_markdown(result)
     print(tables)
     if args.write_doc is not None:
-        section = result["device_type"]
+        section = stream_section(result) if streamed else result["device_type"]
         args.write_doc.write_text(replace_marked_section(args.write_doc.read_text(), section, tables))
         print(f"wrote the tables into {args.write_doc} (section mhla-bench:{section})", file=sys.stderr)
     return 0
@@ -219,6 +261,46 @@ def _measure(args: argparse.Namespace) -> dict:
     if device.type == "cpu":
         return measure_in_fresh_process(spec)
     return measure(spec, lambda text: print(text, file=sys.stderr, flush=True))
+
+
+def _measure_stream(args: argparse.Namespace) -> dict:
+    """Check the ``--stream`` arguments, then measure (on a CPU in a fresh process, as :func:`_measure`)."""
+    import sys
+
+    import torch
+
+    from ..benchmarks.bench import measure_in_fresh_process, replace_marked_section
+    from ..benchmarks.stream import StreamSpec, measure_stream, stream_section
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    window = {} if args.stream_window is None else {"window": args.stream_window}
+    spec = StreamSpec(  # checks the settings: one clear line before anything is built
+        chunk_grid=args.stream_chunk,
+        base_chunks=args.stream_base,
+        multiples=args.stream_multiples,
+        layers=args.stream_layers,
+        blocks=args.stream_blocks,
+        dim=args.block_dim,
+        heads=args.block_heads,
+        ffn_dim=args.block_ffn,
+        text_tokens=args.block_text_tokens,
+        one_pass_max_tokens=args.stream_one_pass_max_tokens,
+        dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
+        device=str(device),
+        repeats=args.repeats,
+        quick_passes=args.quick_passes,
+        warmup=args.warmup,
+        malloc=args.malloc,
+        threads=args.threads,
+        **window,
+    )
+    if args.output is not None and args.output.exists():
+        raise FileExistsError(f"{args.output} exists; choose another --output")
+    if args.write_doc is not None:  # the page must have the section before minutes of measuring
+        replace_marked_section(args.write_doc.read_text(), stream_section({"device_type": device.type}), "")
+    if device.type == "cpu":
+        return measure_in_fresh_process(spec, "mhla_diffusion.benchmarks.stream")
+    return measure_stream(spec, lambda text: print(text, file=sys.stderr, flush=True))
 
 
 def run_traffic(args: argparse.Namespace) -> int:
