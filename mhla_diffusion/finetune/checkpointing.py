@@ -9,6 +9,9 @@
 * Resuming compares the new options with the run's recorded ones first (:func:`check_resume_options`):
   only :data:`RESUME_MAY_CHANGE` may differ; ``run_config.yaml`` is rewritten once the checkpoint loaded.
 * One process holds a run folder at a time: :class:`RunLock` (``.run.lock``, the holder's host and PID).
+* A start that fails before its first step leaves the folder as it found it (:class:`RunDirGuard`); a
+  ``resume`` folder is checked to be a checkpoint of this trainer before anything is written
+  (:func:`check_resume_checkpoint`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from ..loaders.weight_files import read_checkpoint_file
 __all__ = [
     "RESUME_MAY_CHANGE",
     "RUN_CONFIG",
+    "RunDirGuard",
     "RunLock",
     "TrainingState",
+    "check_resume_checkpoint",
     "check_resume_options",
     "check_run_dir",
     "list_checkpoints",
@@ -110,9 +115,7 @@ def check_run_dir(output_dir: str | Path, resume: str | None, overwrite: bool, i
     is_run = (folder / RUN_CONFIG).is_file()
     if resume is not None:
         if resume != "latest" and not Path(resume).is_dir():
-            raise FileNotFoundError(
-                f"resume checkpoint {resume} does not exist; use `latest` or a checkpoints/step-N folder"
-            )
+            raise FileNotFoundError(f"--resume {resume} does not exist. {CHECKPOINT_FORM}")
         if content and not is_run:
             raise ValueError(
                 f"output_dir {folder} is not a training run folder (no {RUN_CONFIG}); cannot resume into it"
@@ -136,6 +139,47 @@ def check_run_dir(output_dir: str | Path, resume: str | None, overwrite: bool, i
         f"output_dir {folder} already holds a training run: pass --resume latest to continue it, "
         "--overwrite_output_dir true to replace it, or choose another output_dir"
     )
+
+
+#: What a checkpoint folder looks like, for the errors about ``resume``.
+CHECKPOINT_FORM = (
+    "A checkpoint folder is <output_dir>/checkpoints/step-N (saved every checkpointing_steps), holding Accelerate's "
+    "state files: custom_checkpoint_0.pkl (step and data position), random_states_0.pkl, the optimizer and the "
+    "weights (model.safetensors, or trainable_weights.safetensors); pass one, or --resume latest"
+)
+#: Accelerate's state files every checkpoint of these trainers holds (``TrainingState`` is registered first).
+_STATE_FILES = ("custom_checkpoint_0.pkl", "random_states_0.pkl")
+#: Names the weights of a checkpoint start with: the whole model (``model.safetensors``, ``pytorch_model.bin``,
+#: FSDP's ``pytorch_model_fsdp_0``, DeepSpeed's ``pytorch_model``) or the trained parameters only.
+_WEIGHT_PREFIXES = ("model", "pytorch_model", TRAINABLE_WEIGHTS)
+
+
+def check_resume_checkpoint(resume: str | None, options: dict[str, Any]) -> None:
+    """Read-only: ``resume`` (a folder) must be a checkpoint of this trainer, before anything is written.
+
+    ``ValueError`` naming the folder, what is missing and what a checkpoint folder looks like
+    (:data:`CHECKPOINT_FORM`): a folder without Accelerate's state files or weights, or a checkpoint of a run
+    whose recorded options (``run_config.yaml`` of ``<run>/checkpoints/step-N``) this trainer does not have.
+    """
+    if resume is None or resume == "latest":
+        return  # latest: a complete checkpoints/step-N of output_dir (renamed into place once saved), or none
+    folder = Path(resume)
+    names = {p.name for p in folder.iterdir()}
+    missing = [name for name in _STATE_FILES if name not in names]
+    if not any(name.startswith(_WEIGHT_PREFIXES) for name in names):
+        missing.append("weights")
+    if missing:
+        raise ValueError(f"--resume {folder} is not a checkpoint (no {', '.join(missing)}). {CHECKPOINT_FORM}")
+    record = folder.parent.parent / RUN_CONFIG
+    if folder.parent.name == "checkpoints" and record.is_file():
+        recorded = yaml.safe_load(record.read_text()) or {}
+        foreign = sorted(set(recorded) - set(options)) if isinstance(recorded, dict) else []
+        if foreign:
+            raise ValueError(
+                f"--resume {folder} is a checkpoint of another trainer's run: {record} records options this "
+                f"trainer does not have ({', '.join(foreign[:3])}); resume it with that trainer, or pass a "
+                "checkpoint of this one"
+            )
 
 
 def _may_change(name: str) -> bool:
@@ -211,6 +255,58 @@ def truncate_metrics(logging_dir: str | Path, step: int) -> None:
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, path)
         logger.info("metrics.jsonl: dropped %d rows after step %d (they are logged again)", dropped, step)
+
+
+class RunDirGuard:
+    """What a start writes into ``output_dir`` before its first optimizer step, undone if it fails there.
+
+    Made before anything is written (main process); :meth:`restore` (when :attr:`stepped` is still false)
+    removes the entries that were not there (``run_config.yaml``, ``logs/`` of Accelerate and the trackers, a
+    created folder and its created parents), puts back a ``run_config.yaml`` it rewrote, and keeps the names in
+    ``keep`` (a latent cache, which a corrected rerun reuses and the run-folder check ignores).
+    """
+
+    def __init__(self, output_dir: str | Path, keep: tuple[str, ...] = ()) -> None:
+        self.folder = Path(output_dir)
+        self.keep = keep
+        self.stepped = False
+        self.armed = False  # set once this start holds the run lock: a folder in use by another run is not ours
+        self.before = {p.name for p in self.folder.iterdir()} if self.folder.is_dir() else set()
+        record = self.folder / RUN_CONFIG
+        self.record = record.read_bytes() if record.is_file() else None
+        created, path = None, self.folder.absolute()
+        while not path.exists():
+            created, path = path, path.parent
+        self.created_root = created  # the topmost folder this start will create, if any
+
+    def restore(self) -> list[str]:
+        """Undo this start's writes (nothing once a step ran, or without the run lock); returns the removed names,
+        logged in one line."""
+        if self.stepped or not self.armed:
+            return []
+        removed = []
+        if self.folder.is_dir():
+            for path in sorted(self.folder.iterdir()):
+                if path.name in self.before or path.name in self.keep or path.name == LOCK_FILE:
+                    continue
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                removed.append(path.name)
+            if self.record is not None:
+                (self.folder / RUN_CONFIG).write_bytes(self.record)
+        path = self.folder.absolute()
+        while self.created_root is not None and path.is_relative_to(self.created_root):
+            if path.is_dir() and any(path.iterdir()):
+                break  # holds what this start keeps (a lock still held, the cache)
+            if path.is_dir():
+                path.rmdir()
+            path = path.parent
+        if removed:
+            logger.info(
+                "the run failed before its first step: removed what it wrote to %s (%s)",
+                self.folder,
+                ", ".join(removed),
+            )
+        return removed
 
 
 # ---------------------------------------------------------------------- lock

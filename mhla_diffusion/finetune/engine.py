@@ -34,8 +34,10 @@ from ..utils.options import zero_notes
 from .attention_transfer import AttentionTransfer
 from .buckets import BucketBatchSampler
 from .checkpointing import (
+    RunDirGuard,
     RunLock,
     TrainingState,
+    check_resume_checkpoint,
     check_resume_options,
     check_run_dir,
     prepare_run_dir,
@@ -226,13 +228,34 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
     resume_changes: list[str] = []
     if mode == "resume" and (resolve_resume(output_dir, options.resume) is not None or _has_leftovers(output_dir)):
         resume_changes = check_resume_options(output_dir, options.to_dict())  # before anything is loaded or written
+    check_resume_checkpoint(options.resume, options.to_dict())
     fid = prepare_validation_fid(options)  # reference and Inception weights checked before any work
+    guard = RunDirGuard(output_dir, keep=(cache_name,) if cache_name else ())  # before anything is written
+    try:
+        return _start(task, options, mode, resume_changes, on_step_end, fid, guard)
+    except BaseException:
+        guard.restore()  # a start that fails before its first step leaves output_dir as it found it
+        raise
+
+
+def _start(
+    task: Task,
+    options: TrainOptions,
+    mode: str,
+    resume_changes: list[str],
+    on_step_end: Callable[[int, dict[str, Any]], None] | None,
+    fid: ValidationFID | None,
+    guard: RunDirGuard,
+) -> Path:
+    """The run under the run lock (``guard`` learns when it holds it, and when the first step is done)."""
+    output_dir = Path(options.output_dir)
     accelerator = make_accelerator(
         options, output_dir / "logs", find_unused_parameters=options.attention_transfer_steps > 0
     )
     lock = RunLock(output_dir)
     if accelerator.is_main_process:  # the other processes share the main process's run
         lock.acquire()
+        guard.armed = True  # the main process undoes a failed start, holding the lock
         if off := zero_notes(options):  # a 0 that switches something off is said once, at start
             logger.info("off (set to 0): %s", "; ".join(off))
     try:
@@ -242,7 +265,7 @@ def _run_task(task: Task, on_step_end: Callable[[int, dict[str, Any]], None] | N
             if getattr(options, "cache_latents", False):
                 remove_leftovers(options.resolved_cache_dir())
         accelerator.wait_for_everyone()
-        return _train(task, options, accelerator, mode, resume_changes, on_step_end, fid)
+        return _train(task, options, accelerator, mode, resume_changes, on_step_end, fid, guard)
     finally:
         lock.release()
 
@@ -260,6 +283,7 @@ def _train(
     resume_changes: list[str],
     on_step_end: Callable[[int, dict[str, Any]], None] | None,
     fid: ValidationFID | None = None,
+    guard: RunDirGuard | None = None,
 ) -> Path:
     from accelerate.utils import DistributedType, set_seed
     from diffusers.optimization import get_scheduler
@@ -454,6 +478,8 @@ def _train(
                 for key, value in metrics.items():
                     extras.setdefault(key, []).append(torch.as_tensor(value, device=accelerator.device).float())
             state.global_step += 1
+            if guard is not None:
+                guard.stepped = True  # from here on a failure keeps what the run wrote (checkpoints, logs)
             if parts.after_optimizer_step is not None:
                 parts.after_optimizer_step(unwrapped)
             if ema is not None and stage == "train":
