@@ -27,7 +27,9 @@ _EXPORTS = {
     **dict.fromkeys(["image_token_grid", "video_token_grid"], ".utils.geometry"),
     **dict.fromkeys(["block_distances", "mixing_init"], ".ops.mixing"),
     **dict.fromkeys(["MHLADiTTransformer2DModel", "MHLAWanTransformer3DModel"], ".models.transformers"),
-    **dict.fromkeys(["MHLADiTPipeline", "MHLAWanImageToVideoPipeline", "MHLAWanPipeline"], ".pipelines"),
+    **dict.fromkeys(
+        ["MHLADiTPipeline", "MHLAWanImageToVideoPipeline", "MHLAWanPipeline", "MHLAWanStreamingPipeline"], ".pipelines"
+    ),
     **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".models.processors"),
     **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".loaders.weights"),
     # Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a

@@ -186,6 +186,18 @@ def pipeline_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def causal_pipeline_dir(tmp_path_factory):
+    """A tiny Wan pipeline whose transformer is block-causal MHLA (``helpers.streaming.causal_tiny_pipeline``),
+    saved whole with ``save_pretrained``: ``MHLAWanStreamingPipeline.from_pretrained(folder)`` and
+    ``mhla text-to-video --stream --model folder`` load it."""
+    from helpers.streaming import causal_tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("pipelines") / "wan_causal"
+    causal_tiny_pipeline().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def wan_family_dirs(tmp_path_factory):
     """Tiny pipelines of the Wan family (``helpers.wan_family.VARIANTS``) saved to disk, with MHLA weights for each.
 

@@ -1,5 +1,5 @@
 """Sampling pipelines over Diffusers' ``WanPipeline``, ``WanImageToVideoPipeline`` and ``DiTPipeline`` with MHLA
-(``mhla_diffusion.pipelines``).
+(``mhla_diffusion.pipelines``), and the streaming Wan pipeline of block-causal MHLA (``wan_streaming``).
 
 Names are re-exported lazily (PEP 562): importing :mod:`.outputs` (torch-free) does not load Diffusers.
 """
@@ -11,6 +11,7 @@ _EXPORTS = {
     "MHLAPipelineMixin": ".mhla_mixin",
     "MHLAWanImageToVideoPipeline": ".wan_i2v",
     "MHLAWanPipeline": ".wan",
+    "MHLAWanStreamingPipeline": ".wan_streaming",
     "MHLAWanVideoMixin": ".wan_video",
 }
 

@@ -1,0 +1,282 @@
+"""Text-to-video as a stream: a block-causal MHLA Wan model generates a video of any length chunk by chunk.
+
+:class:`MHLAWanStreamingPipeline` denoises ``chunk_frames`` latent frames at a time against the state the earlier
+chunks left in every causal MHLA layer (:class:`~mhla_diffusion.models.streaming.CausalStream`: ``K + 1``
+temporal rows of block summaries per layer, the same size after any number of chunks), adds each finished
+chunk to that state with one more forward at timestep 0, and decodes it with the Wan VAE's causal feature cache
+kept between chunks (:class:`~mhla_diffusion.pipelines.stream_decoder.WanStreamingDecoder`). Each chunk's
+frames go to ``on_frames`` as soon as they are decoded; no latent of an earlier chunk is kept. What is exact
+(``docs/streaming.md``): every chunk is denoised as one causal pass over the clean earlier chunks and the noisy
+current one would denoise it, and the decoded frames equal ``vae.decode`` of the whole latent.
+
+The chunk rule (:mod:`mhla_diffusion.utils.stream_frames`): ``num_frames = 1 + 4 (n * chunk_frames - 1)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
+
+from ..models.streaming import CausalStream
+from ..utils.stream_frames import StreamChunks, stream_chunks
+from .stream_decoder import WanStreamingDecoder
+from .wan import MHLAWanPipeline
+
+__all__ = ["MHLAWanStreamingPipeline", "OUTPUT_TYPES"]
+
+#: What ``output_type`` may be: decoded frames as NumPy, torch or PIL (as ``WanPipeline``), or the latents.
+OUTPUT_TYPES = ("np", "pt", "pil", "latent")
+
+#: The refusal of a streaming run under context parallelism.
+CONTEXT_PARALLEL_ERROR = (
+    "streaming generation has no context parallelism (its causal MHLA state is per process): disable it "
+    "(no transformer.enable_parallelism / enable_context_parallel; CLI: leave out --context-parallel) to stream"
+)
+
+
+class MHLAWanStreamingPipeline(MHLAWanPipeline):
+    """``MHLAWanPipeline`` that generates chunk by chunk with a block-causal MHLA transformer (module docstring).
+
+    Loading is :class:`MHLAWanPipeline`'s (``from_pretrained``, ``mhla_weights``, swapping schedulers). The
+    transformer must have causal MHLA layers (``MHLAConfig(causal=True)``); one transformer only (Wan2.1, or
+    Wan2.2-TI2V-5B; not the two experts of Wan2.2-A14B).
+    """
+
+    _current_chunk: int | None = None
+
+    @property
+    def current_chunk(self) -> int | None:
+        """The chunk being generated (0-based), for callbacks; ``None`` outside a call."""
+        return self._current_chunk
+
+    def check_stream(
+        self, num_frames: int, height: int, width: int, chunk_frames: int | None, output_type: str = "np"
+    ) -> StreamChunks:
+        """Raise ``ValueError`` for a stream this pipeline cannot run, before any work; return how it is cut.
+
+        Checked: one transformer, with causal MHLA layers and no context parallelism; ``output_type``; the chunk
+        rule (naming the nearest frame counts that fit); height and width as ``WanPipeline`` allows them.
+        """
+        if getattr(self, "transformer_2", None) is not None or self.config.get("boundary_ratio") is not None:
+            raise ValueError(
+                "streaming runs one transformer: this pipeline has two (Wan2.2-A14B's experts); stream a "
+                "one-transformer model (Wan2.1, Wan2.2-TI2V-5B) converted with MHLAConfig(causal=True)"
+            )
+        stream = CausalStream(self.transformer)  # the error naming MHLAConfig(causal=True) when it has no causal layer
+        parallel = [getattr(self.transformer, "_parallel_config", None)]
+        parallel += [getattr(processor, "_parallel_config", None) for processor in stream.processors]
+        if any(config is not None for config in parallel):
+            raise ValueError(CONTEXT_PARALLEL_ERROR)
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
+        geometry = self.geometry
+        chunks = stream_chunks(num_frames, chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
+        # each chunk has its own positions (models/streaming.py): the length is unbounded, the frame size is not
+        geometry.check_size(chunks.video_frames(0), height, width, generation=True)
+        return chunks
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        chunk_frames: int | None = None,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        num_videos_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        callback_on_step_end: Callable[..., dict] | PipelineCallback | MultiPipelineCallbacks | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],
+        on_frames: Callable[[Any], None] | None = None,
+        return_frames: bool = True,
+        max_sequence_length: int = 512,
+    ) -> WanPipelineOutput | tuple:
+        """Generate a video chunk by chunk.
+
+        Args are ``WanPipeline``'s where they share a name, plus:
+            chunk_frames: latent frames per chunk; the video has ``1 + 4 (n * chunk_frames - 1)`` frames for
+                ``n`` chunks (the first chunk decodes to ``1 + 4 (chunk_frames - 1)`` frames, every later one to
+                ``4 * chunk_frames``). Default: 3, or 2 or 1 when 3 does not divide the video's latent frames.
+            generator: each chunk draws its own noise from it, in order.
+            callback_on_step_end: called after every step of every chunk as in Diffusers,
+                ``callback(pipe, step, timestep, callback_kwargs)``; ``step`` counts within the chunk
+                (``pipe.num_timesteps`` steps each) and ``pipe.current_chunk`` says which chunk it is. ``latents``
+                are the chunk's ``(B, C, chunk_frames, h, w)``. Setting ``pipe._interrupt = True`` skips the chunk's
+                remaining steps (as in Diffusers), decodes it and ends the video there.
+            on_frames: called with each chunk's frames as soon as they are decoded, in ``output_type``'s form:
+                ``np`` ``(B, F_chunk, H, W, 3)`` floats in ``[0, 1]``, ``pt`` ``(B, F_chunk, 3, H, W)``, ``pil`` a list
+                per video, ``latent`` the chunk's latents ``(B, C, chunk_frames, h, w)``.
+            return_frames: keep every chunk's frames to return them concatenated (``frames`` of the output).
+                Their memory grows with the length: for long videos pass ``on_frames`` (e.g. a video file writer)
+                and ``return_frames=False``, and the pipeline's memory stays flat (``frames`` is then ``None``).
+
+        Every check runs before any work (:meth:`check_stream`, then ``WanPipeline.check_inputs``).
+        Returns ``WanPipelineOutput(frames=...)`` (or ``(frames,)`` with ``return_dict=False``).
+        """
+        chunks = self.check_stream(num_frames, height, width, chunk_frames, output_type)
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        self.check_inputs(
+            prompt,
+            negative_prompt,
+            height,
+            width,
+            prompt_embeds,
+            negative_prompt_embeds,
+            callback_on_step_end_tensor_inputs,
+            None,
+        )
+        self._guidance_scale = guidance_scale
+        self._guidance_scale_2 = None
+        self._attention_kwargs = None
+        self._current_timestep = None
+        self._interrupt = False
+        device = self._execution_device
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
+            num_videos_per_prompt=num_videos_per_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        dtype = self.transformer.dtype
+        batch = prompt_embeds.shape[0]
+        latent_shape = (
+            batch,
+            self.transformer.config.in_channels,
+            chunks.chunk_frames,
+            height // self.vae_scale_factor_spatial,
+            width // self.vae_scale_factor_spatial,
+        )
+        stream = CausalStream(self.transformer)
+        decoder = WanStreamingDecoder(self.vae) if output_type != "latent" else None
+        kept: list[Any] = []
+        with self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar:
+            for chunk in range(chunks.num_chunks):
+                self._current_chunk = chunk
+                progress_bar.set_description(f"chunk {chunk + 1}/{chunks.num_chunks}")
+                latents = randn_tensor(latent_shape, generator=generator, device=device, dtype=torch.float32)
+                latents, prompt_embeds, negative_prompt_embeds = self._denoise_chunk(
+                    stream,
+                    latents,
+                    prompt_embeds,
+                    negative_prompt_embeds,
+                    num_inference_steps,
+                    device,
+                    progress_bar,
+                    callback_on_step_end,
+                    callback_on_step_end_tensor_inputs,
+                )
+                last = chunk == chunks.num_chunks - 1 or self.interrupt
+                if not last:  # the finished chunk joins the state the next one reads
+                    with stream.chunk(advance=True):
+                        text = self._text(prompt_embeds, negative_prompt_embeds)
+                        clean = self._doubled(latents.to(dtype))
+                        zero = torch.zeros(clean.shape[0], device=device, dtype=self.scheduler.timesteps.dtype)
+                        self.transformer(
+                            hidden_states=clean, timestep=zero, encoder_hidden_states=text, return_dict=False
+                        )
+                frames = latents if decoder is None else self._decode(decoder, latents, output_type)
+                if on_frames is not None:
+                    on_frames(frames)
+                if return_frames:
+                    kept.append(frames)
+                del latents, frames
+                if last:
+                    break
+        self._current_timestep = self._current_chunk = None
+        self.maybe_free_model_hooks()
+        video = _concatenate(kept, output_type) if return_frames else None
+        if not return_dict:
+            return (video,)
+        return WanPipelineOutput(frames=video)
+
+    def _doubled(self, latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's batch: unconditional and conditional together under guidance (one stream each)."""
+        return torch.cat([latents, latents]) if self.do_classifier_free_guidance else latents
+
+    def _text(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None) -> torch.Tensor:
+        text = torch.cat([negative_prompt_embeds, prompt_embeds]) if self.do_classifier_free_guidance else prompt_embeds
+        return text.to(self.transformer.dtype)
+
+    def _denoise_chunk(
+        self,
+        stream: CausalStream,
+        latents: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        negative_prompt_embeds: torch.Tensor | None,
+        num_inference_steps: int,
+        device: torch.device,
+        progress_bar: Any,
+        callback_on_step_end: Callable[..., dict] | None,
+        callback_on_step_end_tensor_inputs: list[str],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One chunk's denoising loop (Diffusers' ``WanPipeline`` loop, with a fresh schedule) against ``stream``."""
+        scheduler = self.scheduler
+        scheduler.set_timesteps(num_inference_steps, device=device)  # also resets a multistep scheduler's history
+        scheduler.set_begin_index(0)
+        timesteps = scheduler.timesteps
+        self._num_timesteps = len(timesteps)
+        warmup = len(timesteps) - num_inference_steps * scheduler.order
+        for i, t in enumerate(timesteps):
+            if self.interrupt:
+                continue
+            self._current_timestep = t
+            model_input = self._doubled(latents.to(self.transformer.dtype))
+            with stream.chunk():
+                noise_pred = self.transformer(
+                    hidden_states=model_input,
+                    timestep=t.expand(model_input.shape[0]),
+                    encoder_hidden_states=self._text(prompt_embeds, negative_prompt_embeds),
+                    return_dict=False,
+                )[0]
+            if self.do_classifier_free_guidance:
+                noise_uncond, noise_cond = noise_pred.chunk(2)
+                noise_pred = noise_uncond + self.guidance_scale * (noise_cond - noise_uncond)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if callback_on_step_end is not None:
+                values = {"latents": latents, "prompt_embeds": prompt_embeds}
+                values["negative_prompt_embeds"] = negative_prompt_embeds
+                outputs = callback_on_step_end(self, i, t, {k: values[k] for k in callback_on_step_end_tensor_inputs})
+                latents = outputs.pop("latents", latents)
+                prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
+                negative_prompt_embeds = outputs.pop("negative_prompt_embeds", negative_prompt_embeds)
+            if i == len(timesteps) - 1 or ((i + 1) > warmup and (i + 1) % scheduler.order == 0):
+                progress_bar.update()
+        return latents, prompt_embeds, negative_prompt_embeds
+
+    def _decode(self, decoder: WanStreamingDecoder, latents: torch.Tensor, output_type: str) -> Any:
+        """A chunk's latents -> its frames in ``output_type``'s form (``WanPipeline``'s un-normalisation)."""
+        vae = self.vae
+        latents = latents.to(get_module_execution_device(vae), dtype=vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
+        std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
+        video = decoder.decode(latents * std + mean)
+        return self.video_processor.postprocess_video(video, output_type=output_type)
+
+
+def _concatenate(chunks: list[Any], output_type: str) -> Any:
+    """Every chunk's frames as one video (frames after frames; latents along their frame axis)."""
+    if output_type == "np":
+        return np.concatenate(chunks, axis=1)
+    if output_type == "pt":
+        return torch.cat(chunks, dim=1)
+    if output_type == "latent":
+        return torch.cat(chunks, dim=2)
+    return [sum((chunk[index] for chunk in chunks), []) for index in range(len(chunks[0]))]  # pil: a list per video

@@ -1,0 +1,84 @@
+"""A tiny block-causal MHLA Wan pipeline (the ``causal_pipeline_dir`` fixture saves it), its streaming call, and
+the reference a stream must equal: each chunk denoised by one causal pass over the clean earlier chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mhla_diffusion import MHLAConfig
+
+#: The causal setting of the tiny pipeline: one temporal row mixed on its own, older rows folded with a decay;
+#: 2 x 2 spatial blocks over the tiny clip's 2 x 3 tokens per frame (uneven blocks).
+CAUSAL_CONFIG = dict(layout=(1, 2, 2), causal=True, causal_window=1, causal_fold="decay", gate=True)
+
+#: A streamed call of the tiny pipeline: 2 latent frames per chunk (a base chunk of 5 frames), 4 chunks (29 frames).
+STREAM_CALL = dict(
+    prompt="a red circle moving left",
+    negative_prompt="blue",
+    height=32,
+    width=48,
+    num_frames=29,
+    chunk_frames=2,
+    num_inference_steps=2,
+    guidance_scale=3.0,
+    max_sequence_length=16,
+)
+
+
+def causal_tiny_pipeline():
+    """The tiny Wan pipeline (``mhla_diffusion.models.tiny``) as a :class:`MHLAWanStreamingPipeline` whose transformer
+    is converted with :data:`CAUSAL_CONFIG`, its MHLA parameters moved away from their initialisation (so every
+    temporal offset, the fold and its decay change the output)."""
+    from mhla_diffusion import MHLAWanStreamingPipeline
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline
+
+    pipe = MHLAWanStreamingPipeline(**tiny_wan_pipeline().components)
+    pipe.convert_to_mhla(MHLAConfig(**CAUSAL_CONFIG))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in pipe.transformer.named_parameters():
+            if ".processor." in name:
+                param.add_(0.3 * torch.rand(param.shape, generator=generator))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
+    """What a stream must give, computed without a stream: each chunk denoised (same noise, schedule, guidance)
+    by one causal pass of the transformer over the clean earlier chunks (timestep 0) and the noisy chunk,
+    unconditional and conditional as two separate calls, then the whole latent decoded by ``vae.decode``.
+    ``call``: the pipeline's arguments (:data:`STREAM_CALL`). The frames ``(1, F, H, W, 3)``."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    transformer, scheduler, vae = pipe.transformer, pipe.scheduler, pipe.vae
+    cond, uncond = pipe.encode_prompt(
+        call["prompt"], call["negative_prompt"], max_sequence_length=call["max_sequence_length"], device="cpu"
+    )
+    chunk = call["chunk_frames"]
+    latent_frames = (call["num_frames"] - 1) // 4 + 1
+    shape = (1, 16, chunk, call["height"] // 8, call["width"] // 8)
+    tokens_per_frame = shape[3] * shape[4] // 4
+    clean = []
+    for _ in range(latent_frames // chunk):
+        latents = randn_tensor(shape, generator=generator, dtype=torch.float32)
+        scheduler.set_timesteps(call["num_inference_steps"])
+        scheduler.set_begin_index(0)
+        for t in scheduler.timesteps:
+            context = sum(c.shape[2] for c in clean)
+            per_frame = torch.cat([torch.zeros(context), t.float().expand(chunk)])
+            timestep = per_frame.repeat_interleave(tokens_per_frame)[None]
+            clip = torch.cat([*clean, latents], dim=2)
+            with torch.no_grad():
+                pred = [
+                    transformer(clip, timestep, text, return_dict=False)[0][:, :, context:] for text in (uncond, cond)
+                ]
+            noise = pred[0] + call["guidance_scale"] * (pred[1] - pred[0])
+            latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+        clean.append(latents)
+    latents = torch.cat(clean, dim=2)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        video = vae.decode(latents * std + mean).sample
+    return pipe.video_processor.postprocess_video(video, output_type="np")

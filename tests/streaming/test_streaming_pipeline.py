@@ -1,0 +1,115 @@
+"""MHLAWanStreamingPipeline (pipelines/wan_streaming.py) on a tiny block-causal MHLA Wan pipeline saved to disk:
+each chunk equals one causal pass over the clean earlier chunks (past the rotary table too), the output types,
+the callbacks and the progress bar, and every refusal before any work."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.models import seeded
+from helpers.streaming import STREAM_CALL, one_pass_stream
+from mhla_diffusion import MHLAWanStreamingPipeline
+from mhla_diffusion.pipelines.wan_streaming import CONTEXT_PARALLEL_ERROR
+from mhla_diffusion.utils.stream_frames import stream_chunks
+
+
+@pytest.fixture(scope="module")
+def pipe(causal_pipeline_dir):
+    pipe = MHLAWanStreamingPipeline.from_pretrained(causal_pipeline_dir)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize(
+    ("num_frames", "chunk_frames"),
+    [(29, 2), (141, 6)],  # 4 chunks (4x the base chunk); 36 latent frames, past the 32 rows of the rotary table
+)
+def test_each_chunk_equals_one_causal_pass_over_the_clean_chunks_before(pipe, num_frames, chunk_frames):
+    call = {**STREAM_CALL, "num_frames": num_frames, "chunk_frames": chunk_frames}
+    seen = []
+    frames = pipe(**call, generator=seeded(0), on_frames=seen.append).frames
+    reference = one_pass_stream(pipe, call, seeded(0))
+    assert frames.shape == reference.shape == (1, num_frames, 32, 48, 3)
+    np.testing.assert_allclose(frames, reference, rtol=0, atol=1e-5)
+    chunks = stream_chunks(num_frames, chunk_frames)
+    assert [chunk.shape[1] for chunk in seen] == [chunks.video_frames(i) for i in range(chunks.num_chunks)]
+    np.testing.assert_array_equal(np.concatenate(seen, axis=1), frames)
+
+
+def test_output_types_and_frames_left_to_the_callback(pipe):
+    call = {**STREAM_CALL, "num_frames": 13, "chunk_frames": 1}  # 4 chunks of one latent frame
+    frames = pipe(**call, generator=seeded(1)).frames
+    pt = pipe(**call, generator=seeded(1), output_type="pt").frames
+    np.testing.assert_allclose(pt.permute(0, 1, 3, 4, 2).numpy(), frames, rtol=0, atol=1e-6)
+    pil = pipe(**call, generator=seeded(1), output_type="pil").frames
+    assert len(pil) == 1 and len(pil[0]) == 13
+    np.testing.assert_array_equal(np.stack([np.asarray(image) for image in pil[0]]), (frames[0] * 255).round())
+    latents = pipe(**call, generator=seeded(1), output_type="latent").frames
+    assert latents.shape == (1, 16, 4, 4, 6)
+    config = pipe.vae.config  # the latents are normalised as WanPipeline's output_type="latent" gives them
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    with torch.no_grad():
+        whole = pipe.video_processor.postprocess_video(pipe.vae.decode(latents * std + mean).sample, output_type="np")
+    np.testing.assert_allclose(whole, frames, rtol=0, atol=1e-5)
+    kept = []
+    output = pipe(**call, generator=seeded(1), on_frames=kept.append, return_frames=False)
+    assert output.frames is None and len(kept) == 4
+    np.testing.assert_array_equal(np.concatenate(kept, axis=1), frames)
+
+
+def test_step_callback_progress_bar_and_interrupt(pipe):
+    calls = []
+
+    def callback(p, step, timestep, values):
+        calls.append((p.current_chunk, step, tuple(values["latents"].shape)))
+        if p.current_chunk == 2 and step == 0:
+            p._interrupt = True  # Diffusers' way to stop: this chunk's other steps are skipped, and the video ends
+        return {}
+
+    bar = io.StringIO()
+    pipe.set_progress_bar_config(file=bar)
+    try:
+        seen = []
+        frames = pipe(**STREAM_CALL, generator=seeded(0), callback_on_step_end=callback, on_frames=seen.append).frames
+    finally:
+        pipe.set_progress_bar_config(disable=True)
+    assert [call[:2] for call in calls] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+    assert {call[2] for call in calls} == {(1, 16, 2, 4, 6)}
+    assert frames.shape[1] == 5 + 8 + 8 and len(seen) == 3
+    assert "chunk 3/4" in bar.getvalue() and "5/8" in bar.getvalue()
+    assert pipe.current_chunk is None
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every check must come before the prompt is encoded: encoding fails the test."""
+
+    def encode_prompt(*args, **kwargs):
+        raise AssertionError("the pipeline started working before refusing the call")
+
+    monkeypatch.setattr(MHLAWanStreamingPipeline, "encode_prompt", encode_prompt)
+
+
+def test_bad_calls_are_refused_before_any_work(pipe, pipeline_dirs, monkeypatch, no_work):
+    with pytest.raises(ValueError, match=r"30 frames do not stream in chunks of 2 .*nearest: 29 or 37"):
+        pipe(**{**STREAM_CALL, "num_frames": 30})
+    with pytest.raises(ValueError, match="output_type must be one of np, pt, pil, latent"):
+        pipe(**{**STREAM_CALL, "output_type": "gif"})
+    with pytest.raises(ValueError, match="height 36 must be a positive multiple of 16"):
+        pipe(**{**STREAM_CALL, "height": 36})
+    with monkeypatch.context() as patch:
+        patch.setattr(pipe.transformer, "_parallel_config", object(), raising=False)
+        with pytest.raises(ValueError, match="no context parallelism") as error:
+            pipe(**STREAM_CALL)
+        assert str(error.value) == CONTEXT_PARALLEL_ERROR
+    bidirectional = MHLAWanStreamingPipeline.from_pretrained(
+        pipeline_dirs["wan"], mhla_weights=pipeline_dirs["wan_mhla"]
+    )
+    softmax = MHLAWanStreamingPipeline.from_pretrained(pipeline_dirs["wan"])
+    for model in (bidirectional, softmax):
+        with pytest.raises(ValueError, match=r"no block-causal MHLA layer.*MHLAConfig\(causal=True\)"):
+            model(**STREAM_CALL)
