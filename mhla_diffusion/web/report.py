@@ -11,10 +11,33 @@ from typing import Any, Sequence
 
 from ..embedded.moving_shapes import ATTRIBUTES, caption_for
 
-__all__ = ["TITLES", "caption", "example_prompts", "summary", "unknown_words_note", "vocabulary_markdown"]
+__all__ = [
+    "TITLES",
+    "caption",
+    "example_prompts",
+    "intro_markdown",
+    "summary",
+    "unknown_words_note",
+    "vocabulary_markdown",
+]
 
 #: What each attention is called on the page.
 TITLES = {"mhla": "MHLA (linear attention)", "softmax": "Softmax attention (original)"}
+
+
+def intro_markdown(video_models: str, image_models: str, display_px: int) -> str:
+    """The text at the top of the page; ``video_models`` / ``image_models``: each task's models, as
+    :meth:`~mhla_diffusion.web.config.TaskModels.describe` names them (the softmax side of *compare* included)."""
+    return (
+        "# Multi-Head Linear Attention for diffusion\n"
+        "MHLA replaces softmax self-attention with linear attention over token blocks (cost O(N) in the "
+        "number of tokens). Tick *compare* to run the same seeds with the softmax model named below: for the "
+        "embedded models the softmax teacher the MHLA model was converted from, the model `mhla text-to-video "
+        "--attention softmax` runs. Samples are "
+        f"shown at {display_px} px (nearest neighbour); "
+        "the gallery's download button gives the files at their own size.\n\n"
+        f"Text-to-video: `{video_models}`  \nClass-to-image: `{image_models}`"
+    )
 
 
 def unknown_words_note(words: Sequence[str]) -> str:

@@ -30,7 +30,15 @@ from ..utils.geometry import MAX_SEED, VideoGeometry
 from .config import DemoConfig
 from .models import Generated, GenerationStopped, ModelStore
 from .outputs import SessionOutputs
-from .report import TITLES, caption, example_prompts, summary, unknown_words_note, vocabulary_markdown
+from .report import (
+    TITLES,
+    caption,
+    example_prompts,
+    intro_markdown,
+    summary,
+    unknown_words_note,
+    vocabulary_markdown,
+)
 from .validation import DemoInputError, Limits, image_request, video_bounds, video_request
 
 __all__ = ["PAGE_CSS", "build_demo"]
@@ -348,14 +356,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
     events = dict(concurrency_limit=config.concurrency, concurrency_id=CONCURRENCY_ID)
     instant = dict(concurrency_limit=None, show_progress="hidden")  # never waits behind a generation
     with gr.Blocks(title="MHLA diffusion demo", analytics_enabled=False, delete_cache=(600, 3600)) as demo:
-        gr.Markdown(
-            "# Multi-Head Linear Attention for diffusion\n"
-            "MHLA replaces softmax self-attention with linear attention over token blocks (cost O(N) in the "
-            "number of tokens). Tick *compare* to run the same seeds with the original softmax attention. Samples are "
-            f"shown at {DISPLAY_PX} px (nearest neighbour); "
-            "the gallery's download button gives the files at their own size.\n\n"
-            f"Text-to-video: `{config.video.describe()}`  \nClass-to-image: `{config.image.describe()}`"
-        )
+        gr.Markdown(intro_markdown(config.video.describe(), config.image.describe(), DISPLAY_PX))
         with gr.Tabs():
             with gr.Tab("Text to video", id="t2v"):
                 with gr.Row():

@@ -49,3 +49,55 @@ def test_readme_shows_the_builds_verdicts():
     verdicts = json.loads((EMBEDDED_ROOT / "build_report.json").read_text())["stages"]["evaluate"]["verdicts"]
     for v in verdicts:
         assert f'| "{v["prompt"]}" | {v["seed"]} | {_reading(v["MHLA"])} | {_reading(v["softmax"])} |' in readme
+
+
+def test_readme_python_example_compares_with_the_clis_softmax_model(tmp_path):
+    """The README's Python example compares MHLA with the model `--attention softmax` runs (the embedded softmax
+    teacher), and both read as the prompt. `softmax_attention()` on the fine-tuned MHLA weights is not that model;
+    right after conversion it is: the converted teacher with softmax attention draws the teacher's frames."""
+    import re
+
+    import numpy as np
+    import torch
+
+    from mhla_diffusion import MHLAConfig
+    from mhla_diffusion.embedded import embedded_judge
+    from mhla_diffusion.embedded.judge_reading import JudgeReader
+    from mhla_diffusion.pipelines import MHLAWanPipeline
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = re.search(r"```python\n(.*?)```", readme.split("## Generate", 1)[1], re.DOTALL).group(1)
+    namespace: dict = {}
+    torch.manual_seed(0)
+    exec(compile(example, "README.md", "exec"), namespace)
+
+    out = tmp_path / "softmax"
+    assert (
+        main(
+            [
+                "text-to-video",
+                "--prompt",
+                "a red circle moving left",
+                "--attention",
+                "softmax",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    (sidecar,) = out.glob("*.json")
+    assert Path(json.loads(sidecar.read_text())["model"]) == Path(namespace["teacher"].config._name_or_path)
+    reader = JudgeReader(embedded_judge("video"))
+    readings = reader.read_videos(
+        np.stack([namespace["video"], namespace["reference"]]), ["a red circle moving left"] * 2
+    )
+    assert [r.matches for r in readings] == [True, True], [r.describe() for r in readings]
+
+    converted = MHLAWanPipeline.from_pretrained(namespace["teacher"].config._name_or_path)
+    converted.convert_to_mhla(MHLAConfig(target_grid=converted.token_grid(9, 48, 48)))
+    call = dict(namespace["settings"], num_inference_steps=2, output_type="np")
+    with converted.softmax_attention():
+        same = converted("a red circle moving left", generator=torch.Generator().manual_seed(0), **call).frames[0]
+    teacher = namespace["teacher"]("a red circle moving left", generator=torch.Generator().manual_seed(0), **call)
+    np.testing.assert_array_equal(same, teacher.frames[0])

@@ -85,3 +85,19 @@ def test_the_vocabulary_and_example_prompts_come_from_the_training_data():
         assert f"{name}s: {', '.join(values)}" in text
     count = int(re.search(r"\((\d+) prompts", text).group(1))
     assert count == len(ATTRIBUTES["shape"]) * len(ATTRIBUTES["colour"]) * len(ATTRIBUTES["direction"])
+
+
+def test_the_page_says_compare_runs_the_clis_softmax_teacher():
+    """The demo's softmax side for the embedded models is the folder `mhla text-to-video --attention softmax` runs,
+    and the page names it so (not "the original softmax attention" of the MHLA weights)."""
+    from mhla_diffusion.embedded import embedded_model
+    from mhla_diffusion.web.config import resolve_task_models
+    from mhla_diffusion.web.report import intro_markdown
+
+    video = resolve_task_models("text-to-video", None, None, None, None)
+    image = resolve_task_models("class-to-image", None, None, None, None)
+    assert video.softmax_model == str(embedded_model("text-to-video", "softmax"))
+    assert image.softmax_model == str(embedded_model("class-to-image", "softmax"))
+    intro = intro_markdown(video.describe(), image.describe(), 256)
+    assert "softmax teacher" in intro and "--attention softmax" in intro
+    assert "softmax model shapes-t2v-softmax" in intro and "softmax model digits-c2i-softmax" in intro
