@@ -298,6 +298,7 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
 
     from ..models.tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
     from ..utils.geometry import ImageGeometry
+    from ..utils.model_defaults import RECORD_KEY, checked_record
 
     vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video")
     tokenizer = tiny_tokenizer(_caption_words())
@@ -317,9 +318,23 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=s.video_flow_shift
     )
-    WanPipeline(
+    video = WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
-    ).save_pretrained(work / "base" / "shapes-t2v")
+    )
+    d = embedded_defaults()
+    # the settings the models are trained and evaluated with: the trainers' saved pipelines keep what they do not
+    # train (steps, fps, guidance), so the exported folders record them
+    video_record = dict(
+        num_frames=d.num_frames,
+        height=d.height,
+        width=d.width,
+        num_inference_steps=s.video_sample_steps,
+        guidance_scale=s.video_guidance_scale,
+        fps=d.fps,
+        max_sequence_length=d.max_sequence_length,
+    )
+    video.register_to_config(**{RECORD_KEY: checked_record(video_record, True, "the video base pipeline")})
+    video.save_pretrained(work / "base" / "shapes-t2v")
 
     image_vae = AutoencoderKL.from_pretrained(work / "autoencoders" / "image")
     latent_side = DIGIT_SIZE // ImageGeometry.from_configs(vae=image_vae.config).vae_scale
@@ -340,6 +355,8 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
     id2label = {i: str(i) for i in range(10)}
     pipe = DiTPipeline(transformer=dit, vae=image_vae, scheduler=ddim, id2label=id2label)
     pipe.register_to_config(id2label=id2label)
+    image_record = dict(num_inference_steps=s.image_sample_steps, guidance_scale=s.image_guidance_scale)
+    pipe.register_to_config(**{RECORD_KEY: checked_record(image_record, False, "the image base pipeline")})
     pipe.save_pretrained(work / "base" / "digits-c2i")
     count = lambda m: int(sum(p.numel() for p in m.parameters()))  # noqa: E731
     return {

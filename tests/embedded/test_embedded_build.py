@@ -13,6 +13,7 @@ import yaml
 
 from mhla_diffusion.embedded import embedded_judge, embedded_model
 from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
+from mhla_diffusion.embedded.locations import embedded_defaults
 from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE
 from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
 
@@ -105,6 +106,36 @@ def test_smoke_build_writes_models_judges_and_table(smoke_build):
     verdicts = saved["stages"]["evaluate"]["verdicts"]
     assert [v["prompt"] for v in verdicts] == list(FIGURE_PROMPTS)
     assert all(v["MHLA"]["reading"] and v["softmax"]["reading"] for v in verdicts)
+
+
+@pytest.mark.slow
+def test_exported_models_record_the_settings_the_build_samples_with(smoke_build):
+    """The trainers' saved pipelines keep the steps, frame rate and guidance of the base pipelines they start
+    from, which record the build's settings: the exported folders generate as the build evaluated them."""
+    from mhla_diffusion.utils.model_defaults import RECORD_KEY
+
+    root, _, _ = smoke_build
+    s, d = BuildSettings.smoke(), embedded_defaults()
+    for attention in ("softmax", "mhla"):
+        video = json.loads(
+            (embedded_model("text-to-video", attention, root=root / "out") / "model_index.json").read_text()
+        )
+        assert video[RECORD_KEY] == {
+            "num_frames": d.num_frames,
+            "height": d.height,
+            "width": d.width,
+            "num_inference_steps": s.video_sample_steps,
+            "guidance_scale": s.video_guidance_scale,
+            "fps": d.fps,
+            "max_sequence_length": d.max_sequence_length,
+        }
+        image = json.loads(
+            (embedded_model("class-to-image", attention, root=root / "out") / "model_index.json").read_text()
+        )
+        assert image[RECORD_KEY] == {
+            "num_inference_steps": s.image_sample_steps,
+            "guidance_scale": s.image_guidance_scale,
+        }
 
 
 @pytest.mark.slow
