@@ -19,8 +19,9 @@ forward of the clip and divide it by ``L``: one denoising step's share per chunk
 Memory is tensor memory as the bench counts it elsewhere (:class:`~mhla_diffusion.benchmarks.bench.PeakMemory`):
 for a stream, the state or cache carried into the chunk plus the peak extra memory of the larger of its two
 forwards (activations, the new state, the concatenated keys and values); for one pass, the peak extra memory of
-the forward. The model's weights and the inputs are not counted. Every call of every length and method is
-interleaved in rounds (:func:`~mhla_diffusion.benchmarks.bench.time_calls`); times are medians.
+the forward. The model's weights (``weights_mb`` of every row) and the inputs are not counted. Every call of
+every length and method is interleaved in rounds (:func:`~mhla_diffusion.benchmarks.bench.time_calls`); times
+are medians.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
 
     device, dtype = torch.device(spec.device), getattr(torch, spec.dtype)
     model = _wan_model(spec, device, dtype)
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     layers = [name for name, _ in self_attention_layers(model)]
     causal = MHLAConfig(layout=(1, *spec.blocks), causal=True, causal_window=spec.window)
     convert_to_mhla(model, causal)
@@ -230,7 +232,7 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
     rows = []
     for length in spec.lengths:
         grid = (length * frames, height, width)
-        case = {"chunks": length, "frames": grid[0], "tokens": math.prod(grid)}
+        case = {"chunks": length, "frames": grid[0], "tokens": math.prod(grid), "weights_mb": weights / 2**20}
         for method in (MHLA_STREAM, KV_CACHE):
             (denoise, denoise_peak), (advance, advance_peak) = (
                 timings[f"{length}/{method}/{step}"] for step in ("denoise", "advance")

@@ -65,6 +65,7 @@ def test_stream_rows_count_the_carried_state_and_the_growing_cache():
     assert rows[-1]["method"] == "mhla one pass (skipped: 192 tokens > 100)" and "chunk_s" not in rows[-1]
     by = {(r["chunks"], r["method"]): r for r in rows}
     tokens_per_chunk, floats = 4 * 6, 4
+    assert len({r["weights_mb"] for r in rows}) == 1 and rows[0]["weights_mb"] > 0  # the one model, not counted
     for chunks in (2, 4, 8):
         mhla, kv = by[chunks, "mhla stream"], by[chunks, "softmax KV cache"]
         # MHLA: per layer (K + 1) rows of S summaries (D x Dv) and key sums (D), per head, whatever the length
