@@ -63,8 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..loaders.loading import check_hub_models, hub_errors, model_names
+
+    names = model_names(vars(args))  # the models the command loads, by the option that names them
     try:
-        return args.func(args)
+        with hub_errors(names):  # a model the hub cannot give: one line naming it, why and what to do
+            check_hub_models(names)
+            return args.func(args)
     except (ValueError, TypeError, OSError) as error:  # bad input: a readable line, not a traceback
         print(f"mhla {args.command}: error: {error}", file=sys.stderr)
         return 2

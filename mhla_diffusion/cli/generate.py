@@ -179,7 +179,9 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
                 file=sys.stderr,
             )
     check_model_source(
-        args.model, {"text-to-video": WAN_HUB_ID, "image-to-video": WAN_I2V_HUB_ID}.get(task, DIT_HUB_ID)
+        args.model,
+        {"text-to-video": WAN_HUB_ID, "image-to-video": WAN_I2V_HUB_ID}.get(task, DIT_HUB_ID),
+        what="--model",
     )
     if task in VIDEO_TASKS:
         d = video_defaults(args.model)

@@ -22,8 +22,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser))
     args = parser.parse_args(argv)
+    from ..loaders.loading import check_hub_models, hub_errors, model_names
+
+    names = model_names(vars(args))
     try:
-        return args.func(args)
+        with hub_errors(names):  # a model the hub cannot give: one line (as `mhla`)
+            check_hub_models(names)
+            return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError) as error:
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -35,8 +35,14 @@ def main(trainer: str, argv: Sequence[str] | None = None) -> int:
     class_name, module = TRAINERS[trainer]
 
     def train(args: Sequence[str] | None) -> Any:
+        from ..loaders.loading import check_hub_model, hub_errors, model_names, source_kind
+
         checked = options.load_options(getattr(options, class_name), args)
-        return importlib.import_module(module).train(checked)
+        for model, option in checked.hub_models().items():  # before torch: a model the hub cannot give is one line
+            if source_kind(model) == "hub":
+                check_hub_model(model, option, checked.revision if option == "pretrained_model" else None)
+        with hub_errors(model_names(checked.to_dict(), prefix="")):  # any later fetch (a component) too
+            return importlib.import_module(module).train(checked)
 
     return run_main(train, argv)
 

@@ -239,6 +239,11 @@ class TrainOptions:
 
         check_choice("lr_scheduler", self.lr_scheduler, [s.value for s in SchedulerType])
 
+    def hub_models(self) -> dict[str, str]:
+        """``{model: option}`` of the models this run loads (a hub id is fetched, or found in the cache, before
+        the trainer starts)."""
+        return {self.pretrained_model: "pretrained_model"} if self.pretrained_model else {}
+
     def mhla_config(self) -> MHLAConfig:
         """The :class:`~mhla_diffusion.MHLAConfig` of ``mhla`` and ``mhla_preset``; ``ValueError`` naming the
         ``mhla`` field that MHLAConfig refuses."""
@@ -545,6 +550,9 @@ class DiTTrainOptions(TrainOptions):
 
     def _required_options(self) -> Sequence[str]:
         return ("output_dir", "data_dir") if self.model_size is not None else super()._required_options()
+
+    def hub_models(self) -> dict[str, str]:
+        return {self.vae_model: "vae_model"} if self.model_size is not None else super().hub_models()
 
     def validate(self) -> None:
         if self.model_size is None and not self.pretrained_model:

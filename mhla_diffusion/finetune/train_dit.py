@@ -109,7 +109,7 @@ class DiTTask(Task):
         self.device = accelerator.device
         self.vae_dtype = resolve_dtype("auto", accelerator, wrapped=False)
         if o.model_size is None:
-            check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model")
+            check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model", revision=o.revision)
             index = pipeline_index(o.pretrained_model, o.revision)
             for name in ("vae", "transformer", "scheduler"):
                 if not index.get(name) or index[name][0] is None:

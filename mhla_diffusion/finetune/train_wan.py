@@ -83,7 +83,7 @@ class WanTask(Task):
 
     def setup(self, accelerator) -> TaskParts:
         o = self.options
-        check_model_source(o.pretrained_model, WAN_HUB_ID, what="pretrained_model")
+        check_model_source(o.pretrained_model, WAN_HUB_ID, what="pretrained_model", revision=o.revision)
         index = pipeline_index(o.pretrained_model, o.revision)
         for name in ("vae", "text_encoder", "tokenizer", "transformer"):
             if not index.get(name) or index[name][0] is None:

@@ -2,6 +2,10 @@
 
 * :func:`check_model_source`: a readable error for a local model folder that is not there, before
   anything loads (hub ids are left to the hub);
+* :func:`hub_errors` / :func:`hub_failure`: the one rule for a model id the hub cannot give (unreachable,
+  offline and not cached, no such repo or file, gated): one :class:`ModelUnavailable` line naming the id, the
+  component and what to do. Every entry point that loads (the ``mhla`` commands, the trainers, evaluation, the
+  web demo) runs its loading inside :func:`hub_errors`;
 * :func:`local_labels`: the class names of a local DiT pipeline folder, read without loading it;
 * :func:`device_and_dtype`: the device and weights dtype to run on (no side effects);
 * :func:`load_transformer_file`: what ``--transformer`` names: an original-format Wan checkpoint
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 from ..utils.choices import ATTENTIONS
 from ..utils.model_source import source_kind
@@ -27,8 +33,14 @@ __all__ = [
     "DIT_HUB_ID",
     "WAN_HUB_ID",
     "WAN_I2V_HUB_ID",
+    "ModelUnavailable",
+    "check_hub_model",
+    "check_hub_models",
     "check_model_source",
     "device_and_dtype",
+    "hub_errors",
+    "hub_failure",
+    "model_names",
     "load_pipeline",
     "load_transformer_file",
     "local_labels",
@@ -40,18 +52,173 @@ WAN_I2V_HUB_ID = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 DIT_HUB_ID = "facebook/DiT-XL-2-256"
 
 
-def check_model_source(model: str | os.PathLike, hub_id: str = WAN_HUB_ID, *, what: str = "model folder") -> None:
-    """A readable ``FileNotFoundError`` when ``model`` looks like a local path but is not a folder.
+def check_model_source(
+    model: str | os.PathLike, hub_id: str = WAN_HUB_ID, *, what: str = "model folder", revision: str | None = None
+) -> None:
+    """A readable ``FileNotFoundError`` when ``model`` looks like a local path but is not a folder; for a hub id,
+    its config fetched (or found in the cache) first: :class:`ModelUnavailable` when the hub cannot give it.
 
     ``hub_id`` is the model suggested for download; ``what`` names the option in the message.
     """
     kind = source_kind(model)
+    if kind == "hub":
+        check_hub_model(os.fspath(model), what, revision)
+        return
     if kind in ("file", "missing"):
         problem = "is not a folder" if kind == "file" else "not found"
         raise FileNotFoundError(
             f"{what} {model} {problem}. Get the weights with `huggingface-cli download {hub_id} --local-dir "
             f"{model}` on a machine with internet, or pass the hub id `{hub_id}`"
         )
+
+
+class ModelUnavailable(FileNotFoundError):
+    """A model the hub could not give: its one-line message names the id, the component, why and what to do."""
+
+
+#: ``<endpoint>/<owner>/<name>/resolve/<revision>/<file>`` and ``<endpoint>/api/models/<owner>/<name>`` in the
+#: hub client's messages (also a proxy's "Max retries exceeded with url: /<owner>/<name>/resolve/...").
+_HUB_FILE_URL = re.compile(r"/([\w.-]+/[\w.-]+)/resolve/[^/\s]+/([^\s'\")]+?)(?:[:'\")\s]|\.?$|\.\s)")
+_HUB_API_URL = re.compile(r"/api/models/([\w.-]+/[\w.-]+)")
+_MISSING_FILE = re.compile(r"^([\w.-]+/[\w.-]+) does not appear to have a file named ([^\s]+?)\.?(?:\s|$)")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from or during."""
+    found: list[BaseException] = []
+    while error is not None and error not in found:
+        found.append(error)
+        error = error.__cause__ or error.__context__
+    return found
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_failure(error: BaseException, names: Mapping[str, str] | None = None) -> ModelUnavailable | None:
+    """The :class:`ModelUnavailable` for ``error`` when it (or what it was raised from) is the hub failing to
+    give a model, else ``None``.
+
+    The line names the id and the component (the file the hub was asked for, and the option that named the id
+    when ``names`` maps it: ``{"stabilityai/sd-vae-ft-ema": "vae_model"}``), says whether the hub was switched
+    off (``HF_HUB_OFFLINE``) without the files in the local cache, unreachable, without that repo or file, or
+    gated, and what to do: download it first, pass a local folder, or unset ``HF_HUB_OFFLINE``.
+    """
+    from huggingface_hub import errors
+
+    chain = _chain(error)
+    text = " ".join(str(e) for e in chain)
+    repo = file = None
+    for pattern in (_HUB_FILE_URL, _MISSING_FILE):  # the URL holds the subfolder (vae/config.json)
+        for e in chain:
+            if found := pattern.search(str(e)):
+                repo, file = found.group(1), found.group(2)
+                break
+        if repo:
+            break
+    if repo is None and (found := _HUB_API_URL.search(text)):
+        repo = found.group(1)
+    if repo is None:  # a model the caller named that the message names
+        repo = next((model for model in (names or {}) if source_kind(model) == "hub" and model in text), None)
+    kinds = {type(e) for e in chain}
+
+    def has(cls: type) -> bool:
+        return any(issubclass(k, cls) for k in kinds)
+
+    if has(errors.GatedRepoError) or "gated repo" in text.lower():
+        reason = "access to it is gated on the hub"
+        fix = (
+            f"accept its terms on https://huggingface.co/{repo} and log in (`hf auth login`, or set HF_TOKEN), "
+            "or pass a local folder"
+        )
+    elif has(errors.OfflineModeIsEnabled) or (_hub_offline() and has(errors.LocalEntryNotFoundError)):
+        reason = "the hub is switched off (HF_HUB_OFFLINE=1) and it is not in the local Hugging Face cache"
+        fix = (
+            f"download it first (`hf download {repo}` where the hub is reachable), pass a local folder, "
+            "or unset HF_HUB_OFFLINE"
+        )
+    elif has(errors.RepositoryNotFoundError) or has(errors.RevisionNotFoundError):
+        reason = "the hub has no such model (or revision), or it is private"
+        fix = "check the id (and --revision), log in for a private model (`hf auth login`), or pass a local folder"
+    elif has(errors.LocalEntryNotFoundError) or _connection_failed(chain):
+        reason = "the hub could not be reached and it is not in the local Hugging Face cache"
+        fix = (
+            f"download it first (`hf download {repo}` where the hub is reachable) or pass a local folder; "
+            "behind a proxy set HTTPS_PROXY"
+        )
+    elif file is not None or has(errors.EntryNotFoundError):
+        reason = "the hub's copy lacks that file"
+        fix = "check that the id names the right kind of model (a Diffusers pipeline or model), or pass a local folder"
+    else:
+        return None
+    if repo is None:
+        return None
+    option = (names or {}).get(repo)
+    what = f"{option} {repo}" if option else repo
+    part = f" ({file})" if file else ""
+    return ModelUnavailable(f"{what}{part} could not be fetched: {reason}; {fix}")
+
+
+def _connection_failed(chain: list[BaseException]) -> bool:
+    """Whether the chain holds a network failure (refused, timed out, no route, DNS) of any HTTP client."""
+    return any(
+        isinstance(e, (ConnectionError, TimeoutError))
+        or type(e).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "Timeout", "ProxyError")
+        for e in chain
+    )
+
+
+@contextmanager
+def hub_errors(names: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Run a load: a model the hub cannot give becomes one :class:`ModelUnavailable` line (:func:`hub_failure`;
+    ``names``: model id -> the option that named it); any other error passes through."""
+    try:
+        yield
+    except ModelUnavailable:
+        raise
+    except Exception as error:
+        failure = hub_failure(error, names)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def model_names(values: Mapping[str, Any], prefix: str = "--") -> dict[str, str]:
+    """``{model id: option}`` of the options in ``values`` (parsed arguments, trainer options) that name a
+    model: ``model``, ``t2v_model``, ``pretrained_model``, ``vae_model``, ... (``prefix`` ``--``: written as flags)."""
+    names = {}
+    for key, value in values.items():
+        if (key in ("model", "pipeline") or key.endswith("_model")) and isinstance(value, str) and value:
+            names[value] = f"{prefix}{key.replace('_', '-')}" if prefix else key
+    return names
+
+
+def check_hub_model(model: str, what: str | None = None, revision: str | None = None) -> None:
+    """Fetch hub model ``model``'s ``model_index.json`` (a pipeline) or ``config.json`` (a model) into the cache,
+    before anything loads: :class:`ModelUnavailable` (one line, :func:`hub_failure`; ``what``: the option that
+    named it) when the hub cannot give it. A repo with neither file is left to the loader to describe."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    with hub_errors({model: what} if what else None):
+        for name in ("model_index.json", "config.json"):
+            try:
+                hf_hub_download(model, name, revision=revision)
+                return
+            except LocalEntryNotFoundError:  # not cached and the hub not reachable (or switched off)
+                raise
+            except EntryNotFoundError:  # the repo has no such file: try the other
+                continue
+
+
+def check_hub_models(names: Mapping[str, str]) -> None:
+    """:func:`check_hub_model` for every hub id among ``names`` (``{model id: option}``, :func:`model_names`)."""
+    for model, option in names.items():
+        if source_kind(model) == "hub":
+            check_hub_model(model, option)
 
 
 def local_labels(model: str | os.PathLike) -> tuple[dict[str, int], int] | None:

@@ -119,8 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python app.py [flags]``: bad flags or missing model folders give one readable line and exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..loaders.loading import hub_errors, model_names
+
     try:
-        return run(args)
+        with hub_errors(model_names(vars(args))):  # the models are checked (and loaded) inside run
+            return run(args)
     except (ValueError, TypeError, OSError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

@@ -265,9 +265,9 @@ def resolve_task_models(
             except FileNotFoundError:
                 softmax_model = None  # compare then runs the MHLA model's weights with softmax attention
     hub_id = WAN_HUB_ID if task == "text-to-video" else DIT_HUB_ID
-    check_model_source(model, hub_id)
+    check_model_source(model, hub_id, what=f"{flag}-model")
     if softmax_model is not None:
-        check_model_source(softmax_model, hub_id)
+        check_model_source(softmax_model, hub_id, what=f"{flag}-softmax-model")
     for name, path in (("mhla-weights", mhla_weights), ("transformer", transformer)):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag}-{name} {path} does not exist")

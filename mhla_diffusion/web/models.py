@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..loaders.loading import hub_errors
 from ..utils.choices import Attention
 from .config import DemoConfig, TaskModels
 from .validation import DemoInputError, ImageRequest, VideoRequest
@@ -91,6 +92,14 @@ class ModelStore:
     def _models(self, task: str) -> TaskModels:
         return self.config.video if task == "text-to-video" else self.config.image
 
+    def _model_names(self, task: str) -> dict[str, str]:
+        """``{model id: flag}`` of ``task``'s models, for the line about one the hub cannot give."""
+        flag = "--t2v" if task == "text-to-video" else "--c2i"
+        models = self._models(task)
+        return {
+            m: f"{flag}-{name}" for name, m in (("model", models.model), ("softmax-model", models.softmax_model)) if m
+        }
+
     def _pipeline_class(self, task: str) -> type:
         if task == "text-to-video":
             from ..pipelines.wan import MHLAWanPipeline
@@ -105,7 +114,8 @@ class ModelStore:
         key = (task, attention)
         with self._locks[task]:
             if key not in self._pipes:
-                self._pipes[key] = self._load(task, attention)
+                with hub_errors(self._model_names(task)):  # a model the hub cannot give: one line for the page
+                    self._pipes[key] = self._load(task, attention)
             return self._pipes[key]
 
     def _load(self, task: str, attention: Attention) -> Any:

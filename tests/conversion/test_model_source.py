@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mhla_diffusion.loaders.loading import check_model_source
+from mhla_diffusion.loaders.loading import ModelUnavailable, check_model_source
 from mhla_diffusion.loaders.weight_files import find_file
 from mhla_diffusion.utils.model_source import source_kind
 
@@ -31,4 +31,7 @@ def test_both_loaders_refuse_what_is_not_a_folder_and_leave_hub_ids_to_the_hub(t
             check_model_source(source)
         with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub repo id"):
             find_file(source, "config.json", None, {})
-    check_model_source("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")  # no error: the hub decides
+    # a hub id is asked of the hub (its config fetched, or found in the cache): offline and uncached, one line
+    offline = r"never-cached-model \(model_index.json\) could not be fetched: the hub is switched off"
+    with pytest.raises(ModelUnavailable, match=offline):
+        check_model_source("mhla-tests/never-cached-model")
