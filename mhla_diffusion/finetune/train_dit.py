@@ -123,6 +123,7 @@ class DiTTask(Task):
                     "use DDP, or share_embedder: false"
                 )
             self.id2label = None
+        self._check_sizes()  # config files only: before the cache reads the VAE and before any weights load
         if o.cache_latents:
             self.cache = LatentCache(o.resolved_cache_dir(), self._cache_settings())
             self.cache.check_settings()
@@ -254,6 +255,27 @@ class DiTTask(Task):
         if o.model_size is not None:
             return dit_scheduler()
         return load_component(o.pretrained_model, "scheduler", o.revision)
+
+    def _check_sizes(self) -> None:
+        """``resolution`` against the VAE scale x patch size that the config files give (``pretrained_model``'s
+        ``vae/`` and ``transformer/`` configs; or ``model_size``'s patch, ``model_overrides`` and ``vae_model``'s
+        config), before any weights load; :meth:`_check_resolution` fits the MHLA layout once the model exists."""
+        o = self.options
+        if o.model_size is None:
+            from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+            kwargs = {"revision": o.revision} if o.revision else {}
+            transformer = DiTTransformer2DModel.load_config(o.pretrained_model, subfolder="transformer", **kwargs)
+            vae = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", **kwargs)
+            geometry = ImageGeometry.from_configs(transformer, vae)
+        else:
+            patch = dit_transformer_config(o.model_size, 1, overrides=o.model_overrides)["patch_size"]
+            geometry = ImageGeometry.from_configs({"patch_size": patch}, load_vae_config(o.vae_model))
+        if o.resolution % geometry.size_multiple:
+            raise ValueError(
+                f"`resolution` {o.resolution} must be a multiple of {geometry.size_multiple} ({geometry.describe()}, "
+                "from the model's config files)"
+            )
 
     def _check_resolution(self, transformer: nn.Module) -> None:
         o = self.options

@@ -121,3 +121,58 @@ def test_a_failed_resume_keeps_the_run_as_it_was(tmp_path, pipeline_dirs, image_
     after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert after.keys() == before.keys()
     assert after[Path(RUN_CONFIG)] == before[Path(RUN_CONFIG)]
+
+
+# ---------------------------------------------------------------- sizes from the config files, before any weights
+
+
+#: What reads weights or data in the class-to-image trainer's setup: none may run before `resolution` is checked.
+_EXPENSIVE = (
+    "load_mhla_transformer",
+    "load_softmax_transformer",
+    "new_dit_transformer",
+    "load_vae",
+    "load_component",
+    "encoder_identity",
+    "index_class_folder",
+    "count_classes",
+)
+
+
+def _not_yet(name: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{name} ran before `resolution` was checked")
+
+    return refuse
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["pretrained", "model_size"])
+def test_dit_resolution_is_checked_from_the_config_files_before_any_weights_load(
+    tmp_path, pipeline_dirs, image_classes, monkeypatch, scratch
+):
+    from helpers.finetune import dit_options, dit_scratch_options
+    from mhla_diffusion.finetune import train_dit
+
+    for name in _EXPENSIVE:
+        monkeypatch.setattr(train_dit, name, _not_yet(name))
+    run = tmp_path / "run"
+    make = dit_scratch_options if scratch else dit_options
+    options = make(pipeline_dirs["dit"], image_classes, run, resolution=18, cache_latents=True)
+    # the tiny pipeline: VAE x2 (its vae/config.json), patch 2 (transformer/config.json, or DiT-S/2's)
+    with pytest.raises(ValueError, match=r"`resolution` 18 must be a multiple of 4 \(VAE x2, patch 2, from the model"):
+        train_dit.train(options)
+    assert not run.exists()
+
+
+def test_the_issues_example_a_bad_resolution_with_the_recipe(tmp_path, pipeline_dirs, image_classes, capsys):
+    recipe = ["--config", "finetune/configs/dit_s2_256_from_scratch_mhla.yaml"]
+    local = ["--vae_model", str(pipeline_dirs["dit"]), "--data_dir", str(image_classes)]  # no hub, tiny VAE x2
+    run = tmp_path / "run"
+    assert main("dit", [*recipe, *local, "--resolution", "250", "--output_dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: `resolution` 250 must be a multiple of 4 (VAE x2, patch 2, from the model's config files)"
+    ]
+    assert not run.exists()
