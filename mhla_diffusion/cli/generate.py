@@ -58,8 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def configure_text_to_video(video: argparse.ArgumentParser) -> None:
     from ..loaders.loading import WAN_HUB_ID
+    from .stream import add_stream_arguments
 
     _add_video_arguments(video, WAN_HUB_ID, embedded=True)
+    add_stream_arguments(video)
     video.set_defaults(func=run_text_to_video)
 
 
@@ -273,17 +275,21 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _video_frames(args: argparse.Namespace, geometry: VideoGeometry) -> int:
     """Check the video size against the model's factors; return the frame count actually generated.
 
-    A frame count the VAE cannot produce is rounded as Diffusers' ``WanPipeline`` does, with a warning.
+    A frame count the VAE cannot produce is rounded as Diffusers' ``WanPipeline`` does, with a warning. A streamed
+    run's count is checked by the chunk rule (:mod:`.stream`) and may run past the rotary table.
     """
     frames = args.num_frames
-    if not geometry.valid_frames(frames):
+    if getattr(args, "stream", False):
+        geometry.check_resolution(args.height, args.width, generation=True)
+    elif not geometry.valid_frames(frames):
         frames = geometry.round_frames(frames)  # a ValueError below 1
         print(
             f"warning: --num-frames {args.num_frames} is not {geometry.frame_rule(examples=False)} "
             f"({geometry.describe()}); generating {frames} frames",
             file=sys.stderr,
         )
-    geometry.check_size(frames, args.height, args.width, generation=True)
+    if not getattr(args, "stream", False):
+        geometry.check_size(frames, args.height, args.width, generation=True)
     for name in ("steps", "fps", "max_sequence_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -379,13 +385,15 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
-    from ..pipelines.outputs import check_settings, plan_outputs, save_video, slugify, write_settings
+    from ..pipelines.outputs import VideoWriter, check_settings, plan_outputs, save_video, slugify, write_settings
     from ..utils.geometry import check_layout_fits
+    from .stream import check_stream, check_stream_model, stream_settings
 
     _apply_defaults(args, task)  # the model folder exists from here on
     prompts = _read_prompts(args)
     image = _read_image(args.image) if task == "image-to-video" else None
     geometry = VideoGeometry.from_folder(args.model)  # Wan2.1's factors for a hub id
+    chunks = check_stream(args, geometry) if task == "text-to-video" else None  # None without --stream
     num_frames = _video_frames(args, geometry)
     check_context_parallel(args, geometry.token_grid(num_frames, args.height, args.width))  # degree vs launch, split
     if task == "image-to-video":
@@ -395,7 +403,10 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
 
         configs = [read_component_config(args.model, name) for name in TRANSFORMER_COMPONENTS]  # a local folder's
         check_text_tokens([c for c in configs if c is not None], args.max_sequence_length, "--max-sequence-length is")
-    for meta in _declared_mhla(args) if args.attention == "mhla" else []:
+    declared = _declared_mhla(args) if args.attention == "mhla" else []
+    if chunks is not None:
+        check_stream_model(args, declared)
+    for meta in declared:
         # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
         check_layout_fits(
             geometry.token_grid(num_frames, args.height, args.width),
@@ -416,6 +427,8 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
         from ..pipelines.wan_i2v import MHLAWanImageToVideoPipeline as pipeline_class
     else:
         from ..pipelines.wan import MHLAWanPipeline as pipeline_class
+    if chunks is not None:
+        from ..pipelines.wan_streaming import MHLAWanStreamingPipeline as pipeline_class
 
     device, dtype, pipe = _load(pipeline_class, args, lambda: {"vae": torch.float32})
     if args.flow_shift is not None:
@@ -445,7 +458,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
             started = time.perf_counter()
-            frames = pipe(
+            call = dict(
                 **conditioning,
                 prompt=prompt,
                 negative_prompt=args.negative_prompt,
@@ -457,12 +470,25 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                 generator=torch.Generator("cpu").manual_seed(args.seed),
                 output_type="np",
                 max_sequence_length=args.max_sequence_length,
-            ).frames[0]
+            )
+            frames = None
+            if chunks is not None:  # each chunk's frames go into the file as they are decoded; none are kept
+                with VideoWriter(plan, args.format, args.fps) as writer:
+                    pipe(
+                        **call,
+                        chunk_frames=chunks.chunk_frames,
+                        on_frames=lambda chunk: writer.append(chunk[0]),
+                        return_frames=False,
+                    )
+            else:
+                frames = pipe(**call).frames[0]
             wall = time.perf_counter() - started
             if parallel is not None and not parallel.is_main:
                 continue  # every process holds the same video; rank 0 writes it
-            save_video(frames, plan, args.format, args.fps)
-            judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
+            judged, line = {}, ""  # a streamed video is not kept in memory for the judge
+            if frames is not None:
+                save_video(frames, plan, args.format, args.fps)
+                judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
             write_settings(
                 plan,
                 _settings(
@@ -482,6 +508,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                     boundary_ratio=pipe.config.get("boundary_ratio"),
                     output=str(plan.media),
                     wall_time_s=round(wall, 3),
+                    **(stream_settings(chunks) if chunks is not None else {}),
                     **judged,
                 ),
             )

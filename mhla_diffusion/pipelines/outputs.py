@@ -21,6 +21,7 @@ import numpy as np
 __all__ = [
     "OutputPlan",
     "VIDEO_FORMATS",
+    "VideoWriter",
     "check_settings",
     "float_to_uint8",
     "plan_outputs",
@@ -130,34 +131,69 @@ def save_video(frames: np.ndarray, plan: OutputPlan, fmt: str, fps: int) -> Path
     import imageio.v3 as iio
 
     frames = float_to_uint8(np.asarray(frames))
-    plan.media.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "mp4":
-        _write_mp4(frames, plan.media, fps)
-    elif fmt == "gif":
+    if fmt == "gif":
+        plan.media.parent.mkdir(parents=True, exist_ok=True)
         iio.imwrite(plan.media, frames, extension=".gif", duration=1000 / fps, loop=0)
-    else:
-        plan.media.mkdir(parents=True, exist_ok=True)
-        for index, frame in enumerate(frames):
-            iio.imwrite(plan.media / f"frame_{index:04d}.png", frame)
+        return plan.media
+    with VideoWriter(plan, fmt, fps) as writer:
+        writer.append(frames)
     return plan.media
 
 
-def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
-    import imageio
+class VideoWriter:
+    """Writes a video frame by frame as the frames come (a streamed generation): mp4 (H.264 via imageio-ffmpeg,
+    each frame piped to ffmpeg as it is appended) or a folder of PNG frames (one file per frame). A GIF is
+    encoded whole at the end, so it cannot be appended to: :func:`save_video` writes it.
 
-    # imageio-ffmpeg ships its own ffmpeg binary; yuv420p keeps the file playable everywhere.
-    with imageio.get_writer(
-        path,
-        format="FFMPEG",
-        mode="I",
-        fps=fps,
-        codec="libx264",
-        macro_block_size=1,
-        ffmpeg_log_level="error",
-        output_params=["-pix_fmt", "yuv420p"],
-    ) as writer:
-        for frame in frames:
-            writer.append_data(frame)
+    Use as a context manager; leaving the block (also on an error or Ctrl-C) closes the file, so the frames
+    written so far stay a playable video.
+    """
+
+    #: The formats a video can be appended to.
+    FORMATS = ("mp4", "frames")
+
+    def __init__(self, plan: OutputPlan, fmt: str, fps: int) -> None:
+        if fmt not in self.FORMATS:
+            raise ValueError(f"a {fmt} video cannot be written frame by frame: choose one of {', '.join(self.FORMATS)}")
+        self.plan, self.fmt, self.fps = plan, fmt, fps
+        self.frames_written = 0
+        self._writer = None
+
+    def __enter__(self) -> "VideoWriter":
+        self.plan.media.parent.mkdir(parents=True, exist_ok=True)
+        if self.fmt == "mp4":
+            import imageio
+
+            # imageio-ffmpeg ships its own ffmpeg binary; yuv420p keeps the file playable everywhere.
+            self._writer = imageio.get_writer(
+                self.plan.media,
+                format="FFMPEG",
+                mode="I",
+                fps=self.fps,
+                codec="libx264",
+                macro_block_size=1,
+                ffmpeg_log_level="error",
+                output_params=["-pix_fmt", "yuv420p"],
+            )
+        else:
+            self.plan.media.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def append(self, frames: np.ndarray) -> None:
+        """Add ``frames`` ``(F, H, W, 3)`` (floats in [0, 1] or ``uint8``) after those written so far."""
+        for frame in float_to_uint8(np.asarray(frames)):
+            if self._writer is not None:
+                self._writer.append_data(frame)
+            else:
+                import imageio.v3 as iio
+
+                iio.imwrite(self.plan.media / f"frame_{self.frames_written:04d}.png", frame)
+            self.frames_written += 1
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def save_image(image: np.ndarray, plan: OutputPlan) -> Path:

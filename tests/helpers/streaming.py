@@ -82,3 +82,28 @@ def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
     with torch.no_grad():
         video = vae.decode(latents * std + mean).sample
     return pipe.video_processor.postprocess_video(video, output_type="np")
+
+
+def text_to_video_stream(folder, out, *extra: str, steps: int = 2) -> int:
+    """``mhla text-to-video --stream`` on the causal tiny pipeline ``folder`` at :data:`STREAM_CALL`'s size (29 frames
+    in chunks of 2 latent frames; the prompt and seed are the caller's), writing into ``out``; ``extra`` comes
+    last (a repeated option there wins). The exit code."""
+    from mhla_diffusion.cli import main
+
+    size = ("--num-frames", "29", "--chunk-frames", "2", "--height", "32", "--width", "48")
+    return main(
+        [
+            "text-to-video",
+            "--stream",
+            "--model",
+            str(folder),
+            "--output-dir",
+            str(out),
+            *size,
+            "--max-sequence-length",
+            "16",
+            "--steps",
+            str(steps),
+            *extra,
+        ]
+    )

@@ -1,0 +1,80 @@
+"""``mhla text-to-video --stream``: its options and the checks it runs before any model loads.
+
+A streamed run generates with :class:`~mhla_diffusion.pipelines.wan_streaming.MHLAWanStreamingPipeline` and
+appends each chunk's frames to the output video as they are decoded (``VideoWriter``), so neither the latents
+nor the frames of the whole video are kept. Refused with one line before any work: a model without block-causal
+MHLA, a frame count that does not fit the chunk rule (naming the nearest that do), context parallelism, and
+formats that cannot be appended to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ..utils.geometry import VideoGeometry
+from ..utils.stream_frames import StreamChunks, stream_chunks
+from .arguments import positive_int
+
+__all__ = ["add_stream_arguments", "check_stream", "check_stream_model", "stream_settings"]
+
+
+def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("streaming (long video from a block-causal MHLA model; docs/streaming.md)")
+    group.add_argument(
+        "--stream",
+        action="store_true",
+        help="generate chunk by chunk with a model converted with MHLAConfig(causal=True), appending each chunk's "
+        "frames to the video file as they come: any length, memory flat; --num-frames must be "
+        "1 + 4 (n x chunk - 1) (mp4 or frames)",
+    )
+    group.add_argument(
+        "--chunk-frames",
+        type=positive_int,
+        help="latent frames per chunk with --stream (default: 3, or 2 or 1 when 3 does not divide the video's "
+        "latent frames); the first chunk gives 1 + 4 (C - 1) frames, every later one 4 C",
+    )
+
+
+def check_stream(args: argparse.Namespace, geometry: VideoGeometry) -> StreamChunks | None:
+    """The chunks of a ``--stream`` run, ``None`` without ``--stream``; a ``ValueError`` naming the fix for what
+    cannot stream (the checks that need no model; ``--chunk-frames`` without ``--stream`` too)."""
+    from ..pipelines.outputs import VideoWriter
+
+    if not args.stream:
+        if args.chunk_frames is not None:
+            raise ValueError("--chunk-frames is for --stream: add --stream, or leave out --chunk-frames")
+        return None
+    if args.context_parallel != 1:
+        raise ValueError(
+            "--stream has no context parallelism (the causal MHLA state of a stream is per process): leave out "
+            "--context-parallel, or generate without --stream"
+        )
+    if args.format not in VideoWriter.FORMATS:
+        raise ValueError(
+            f"--stream appends frames to the video as they come, which --format {args.format} cannot take "
+            f"(it is encoded whole at the end): use --format {' or '.join(VideoWriter.FORMATS)}"
+        )
+    if args.attention == "softmax":
+        raise ValueError("--stream runs the model's block-causal MHLA layers: leave out --attention softmax")
+    return stream_chunks(args.num_frames, args.chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
+
+
+def check_stream_model(args: argparse.Namespace, declared: list[dict[str, Any]]) -> None:
+    """Refuse a ``--stream`` model whose MHLA configs (``declared``: the ``mhla_config.json`` entries read without
+    loading it) have no causal layer. A hub model not at hand is checked by the pipeline after loading."""
+    if any(meta["mhla_config"].get("causal") for meta in declared):
+        return
+    if declared or os.path.isdir(args.model):
+        what = "has MHLA layers, but not block-causal ones" if declared else "has no MHLA layers"
+        raise ValueError(
+            f"--stream needs a block-causal MHLA model and {args.model} {what}: convert it with "
+            "MHLAConfig(causal=True) (pipe.convert_to_mhla, then fine-tune it) and save it, or generate without "
+            "--stream"
+        )
+
+
+def stream_settings(chunks: StreamChunks) -> dict[str, Any]:
+    """What a streamed run adds to the settings JSON beside its video."""
+    return {"stream": True, "chunk_frames": chunks.chunk_frames, "num_chunks": chunks.num_chunks}
