@@ -4,7 +4,9 @@ the callbacks and the progress bar, and every refusal before any work."""
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 
 import numpy as np
 import pytest
@@ -55,10 +57,17 @@ def test_output_types_and_frames_left_to_the_callback(pipe):
     with torch.no_grad():
         whole = pipe.video_processor.postprocess_video(pipe.vae.decode(latents * std + mean).sample, output_type="np")
     np.testing.assert_allclose(whole, frames, rtol=0, atol=1e-5)
-    kept = []
-    output = pipe(**call, generator=seeded(1), on_frames=kept.append, return_frames=False)
+    kept, handed_out = [], []
+
+    def on_frames(chunk):
+        kept.append(chunk.copy())
+        handed_out.append(weakref.ref(chunk))
+
+    output = pipe(**call, generator=seeded(1), on_frames=on_frames, return_frames=False)
     assert output.frames is None and len(kept) == 4
     np.testing.assert_array_equal(np.concatenate(kept, axis=1), frames)
+    gc.collect()
+    assert [ref() for ref in handed_out] == [None] * 4  # the pipeline keeps no chunk's frames
 
 
 def test_step_callback_progress_bar_and_interrupt(pipe):
