@@ -66,6 +66,18 @@ logger = logging.getLogger(__name__)
 
 #: The type of each ``mhla.KEY`` option: the :class:`~mhla_diffusion.MHLAConfig` field's annotation.
 MHLA_HINTS = typing.get_type_hints(MHLAConfig)
+#: The valid range of each number field of :class:`~mhla_diffusion.MHLAConfig`, for its ``--mhla.KEY`` option
+#: (checked at parse time; MHLAConfig checks its values again wherever it is built).
+MHLA_RANGES = {
+    "layers": at_least(0),  # block indices (or all / hybrid)
+    "layout": at_least(1),
+    "target_grid": at_least(1),
+    "exp_sigma": above(0),
+    "local_threshold": at_least(0),
+    "eps": above(0),
+    "output_dropout": between(0, 1, high_open=True, zero="no dropout"),
+    "causal_window": at_least(0),
+}
 
 DEFAULT_DIT_VAE = "stabilityai/sd-vae-ft-ema"  # the released DiT recipe's VAE (a model_size run's default vae_model)
 
@@ -683,7 +695,8 @@ def _trainer_parser(cls: type[TrainOptions]) -> argparse.ArgumentParser:
             dest=f"mhla.{f.name}",
             default=argparse.SUPPRESS,
             metavar="VALUE",
-            help=f"MHLAConfig.{f.name}: {describe(MHLA_HINTS[f.name])} (default: {f.default!r})".replace("%", "%%"),
+            help=f"MHLAConfig.{f.name}: {describe(MHLA_HINTS[f.name])} ({_range_words(f.name)}"
+            f"default: {f.default!r})".replace("%", "%%"),
         )
     return parser
 
@@ -731,6 +744,8 @@ def options_from_dict(cls: type[T], values: dict[str, Any]) -> T:
         if key not in MHLA_HINTS:
             raise unknown_name("option", f"mhla.{key}", [f"mhla.{k}" for k in MHLA_HINTS])
         mhla[key] = coerce(f"mhla.{key}", mhla[key], MHLA_HINTS[key])
+        if key in MHLA_RANGES:
+            MHLA_RANGES[key].check(f"mhla.{key}", mhla[key])
     if mhla:
         kwargs["mhla"] = mhla
     options = cls(**kwargs)
@@ -779,6 +794,12 @@ def _check_finite(options: TrainOptions) -> None:
         value = getattr(options, f.name)
         if bad(value):
             raise ValueError(f"`{f.name}` must be a finite number, got {value!r} (nan and inf are not accepted)")
+
+
+def _range_words(name: str) -> str:
+    """``"> 0; "`` for the help of ``--mhla.NAME`` (empty when the field is not a number)."""
+    valid = MHLA_RANGES.get(name)
+    return f"{valid.describe()}; " if valid is not None else ""
 
 
 def _at_least(name: str, value: int, low: int) -> None:

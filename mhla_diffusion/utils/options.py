@@ -109,6 +109,12 @@ class Range:
             words = f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         return f"{words}; 0: {self.zero}" if self.zero else words
 
+    def check(self, name: str, value: Any) -> None:
+        """``ValueError`` (:meth:`error`) when ``value``, or a number of its (nested) list, is outside the range."""
+        for item in _numbers(value):
+            if item not in self:
+                raise ValueError(self.error(name, item if item == value else value))
+
     def error(self, name: str, value: Any) -> str:
         """The one-line error for ``value`` of option ``name`` outside the range."""
         return f"`{name}` must be {self.bounds()}, got {value!r}"
@@ -198,11 +204,9 @@ def _numbers(value: Any) -> list[Any]:
 def check_ranges(options: Any) -> None:
     """``ValueError`` for the first field whose number (or a number of its list) is outside its range."""
     for f in dataclasses.fields(options):
-        valid, value = field_range(type(options), f.name), getattr(options, f.name)
+        valid = field_range(type(options), f.name)
         if valid is not None:
-            for item in _numbers(value):
-                if item not in valid:
-                    raise ValueError(valid.error(f.name, item if item == value else value))
+            valid.check(f.name, getattr(options, f.name))
 
 
 def zero_notes(options: Any) -> list[str]:

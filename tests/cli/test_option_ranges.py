@@ -1,8 +1,9 @@
 """Every number option states its valid range and is checked against it at parse time (issue 46, kind 4).
 
 The options are read from the one option layer: the ``mhla`` commands' and the web demo's ``argparse`` actions
-(their types are :func:`~mhla_diffusion.utils.options.number`, carrying ``kind`` and ``valid``) and the trainers'
-dataclass fields (:func:`~mhla_diffusion.utils.options.field_range`). For each: the help states the range, a
+(their types are :func:`~mhla_diffusion.utils.options.number`, carrying ``kind`` and ``valid``), the trainers'
+dataclass fields (:func:`~mhla_diffusion.utils.options.field_range`) and their ``--mhla.KEY`` options
+(``MHLA_RANGES``). For each: the help states the range, a
 value just outside it is refused with a line naming the option, the bound itself (or a value just inside an open
 bound) is accepted. Where 0 switches something off, the help says what 0 means and a run logs it once at start.
 """
@@ -17,7 +18,8 @@ import typing
 import pytest
 
 from mhla_diffusion.cli import build_parser, main
-from mhla_diffusion.finetune.options import DiTTrainOptions, WanTrainOptions, load_options
+from mhla_diffusion.config import MHLAConfig
+from mhla_diffusion.finetune.options import MHLA_RANGES, DiTTrainOptions, WanTrainOptions, load_options
 from mhla_diffusion.utils.options import Range, check_ranges, field_help, field_range
 from mhla_diffusion.web.app import build_parser as web_parser
 
@@ -140,6 +142,25 @@ def _trainer_help(cls: type) -> dict[str, str]:
     from mhla_diffusion.finetune.options import _trainer_parser
 
     return {a.dest: a.help for a in _trainer_parser(cls)._actions}
+
+
+MHLA_FIELDS = _number_fields(MHLAConfig)
+
+
+@pytest.mark.parametrize("name", MHLA_FIELDS)
+def test_trainer_mhla_number_options_check_their_stated_range(tmp_path, name):
+    valid = MHLA_RANGES.get(name)
+    assert isinstance(valid, Range), f"--mhla.{name} states no valid range (finetune/options.py MHLA_RANGES)"
+    assert valid.describe() in _trainer_help(WanTrainOptions)[f"mhla.{name}"]
+    base = ["--pretrained_model", "owner/model", "--output_dir", str(tmp_path / "run"), "--data_dir", str(tmp_path)]
+    kind = int if "int" in str(typing.get_type_hints(MHLAConfig)[name]) else float
+    for value in _outside(valid, kind):
+        if value != value:
+            continue
+        with pytest.raises(ValueError, match=rf"`mhla.{name}` must be"):
+            load_options(WanTrainOptions, [*base, f"--mhla.{name}", _text(value, kind)])
+    for value in _inside(valid, kind):
+        assert (int(value) if kind is int else value) in valid
 
 
 def test_zero_that_turns_something_off_is_in_the_help():
