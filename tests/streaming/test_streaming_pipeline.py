@@ -27,11 +27,15 @@ def pipe(causal_pipeline_dir):
 
 
 @pytest.mark.parametrize(
-    ("num_frames", "chunk_frames"),
-    [(29, 2), (141, 6)],  # 4 chunks (4x the base chunk); 36 latent frames, past the 32 rows of the rotary table
+    ("num_frames", "chunk_frames", "guidance_scale"),
+    [
+        (29, 2, 3.0),  # 4 chunks: 4x the base chunk
+        (141, 6, 3.0),  # 36 latent frames: past the 32 rows of the rotary table
+        (13, 1, 1.0),  # no guidance: the conditional pass alone (the reference's guided sum equals it)
+    ],
 )
-def test_each_chunk_equals_one_causal_pass_over_the_clean_chunks_before(pipe, num_frames, chunk_frames):
-    call = {**STREAM_CALL, "num_frames": num_frames, "chunk_frames": chunk_frames}
+def test_each_chunk_equals_one_causal_pass_over_the_clean_chunks_before(pipe, num_frames, chunk_frames, guidance_scale):
+    call = {**STREAM_CALL, "num_frames": num_frames, "chunk_frames": chunk_frames, "guidance_scale": guidance_scale}
     seen = []
     frames = pipe(**call, generator=seeded(0), on_frames=seen.append).frames
     reference = one_pass_stream(pipe, call, seeded(0))
