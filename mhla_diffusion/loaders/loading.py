@@ -98,27 +98,31 @@ def _hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def hub_failure(error: BaseException, names: Mapping[str, str] | None = None) -> ModelUnavailable | None:
+def hub_failure(
+    error: BaseException, names: Mapping[str, str] | None = None, file: str | None = None
+) -> ModelUnavailable | None:
     """The :class:`ModelUnavailable` for ``error`` when it (or what it was raised from) is the hub failing to
     give a model, else ``None``.
 
     The line names the id and the component (the file the hub was asked for, and the option that named the id
     when ``names`` maps it: ``{"stabilityai/sd-vae-ft-ema": "vae_model"}``), says whether the hub was switched
     off (``HF_HUB_OFFLINE``) without the files in the local cache, unreachable, without that repo or file, or
-    gated, and what to do: download it first, pass a local folder, or unset ``HF_HUB_OFFLINE``.
+    gated, and what to do: download it first, pass a local folder, or unset ``HF_HUB_OFFLINE``. ``file`` names
+    the component when the caller knows it better than the message.
     """
     from huggingface_hub import errors
 
     chain = _chain(error)
     text = " ".join(str(e) for e in chain)
-    repo = file = None
+    repo = found_file = None
     for pattern in (_HUB_FILE_URL, _MISSING_FILE):  # the URL holds the subfolder (vae/config.json)
         for e in chain:
             if found := pattern.search(str(e)):
-                repo, file = found.group(1), found.group(2)
+                repo, found_file = found.group(1), found.group(2)
                 break
         if repo:
             break
+    file = file or found_file
     if repo is None and (found := _HUB_API_URL.search(text)):
         repo = found.group(1)
     if repo is None:  # a model the caller named that the message names
@@ -203,15 +207,20 @@ def check_hub_model(model: str, what: str | None = None, revision: str | None = 
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    with hub_errors({model: what} if what else None):
-        for name in ("model_index.json", "config.json"):
-            try:
-                hf_hub_download(model, name, revision=revision)
-                return
-            except LocalEntryNotFoundError:  # not cached and the hub not reachable (or switched off)
-                raise
-            except EntryNotFoundError:  # the repo has no such file: try the other
-                continue
+    not_cached = None
+    for name in ("model_index.json", "config.json"):  # a cached model offline has one of them in the cache
+        try:
+            hf_hub_download(model, name, revision=revision)
+            return
+        except LocalEntryNotFoundError as error:  # not cached, and the hub switched off or not reachable
+            not_cached = not_cached or error
+        except EntryNotFoundError:  # the repo has no such file: try the other
+            continue
+        except Exception as error:  # gated, no such repo, ...
+            raise hub_failure(error, {model: what} if what else None) or error from None
+    if not_cached is not None:
+        failure = hub_failure(not_cached, {model: what} if what else None, file="model_index.json or config.json")
+        raise failure or not_cached from None
 
 
 def check_hub_models(names: Mapping[str, str]) -> None:

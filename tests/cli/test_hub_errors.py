@@ -14,7 +14,7 @@ from huggingface_hub import constants, errors
 from mhla_diffusion.cli import main as mhla
 from mhla_diffusion.eval.__main__ import main as eval_module
 from mhla_diffusion.finetune.entry import main as trainer
-from mhla_diffusion.loaders.loading import ModelUnavailable, hub_errors, hub_failure
+from mhla_diffusion.loaders.loading import ModelUnavailable, check_hub_model, hub_errors, hub_failure
 from mhla_diffusion.web.app import main as app
 
 UNCACHED = "mhla-tests/never-cached-model"
@@ -60,7 +60,9 @@ def test_command_line_entry_points(name, tmp_path, capsys, monkeypatch):
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
     assert entry(argv) == 2
     line = _one_line(capsys.readouterr().err)
-    assert f"{option} {UNCACHED} (model_index.json) could not be fetched: {OFFLINE}; {WHAT_TO_DO}" in line
+    assert (
+        f"{option} {UNCACHED} (model_index.json or config.json) could not be fetched: {OFFLINE}; {WHAT_TO_DO}" in line
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -77,7 +79,10 @@ def test_trainers(trainer_name, options, option, tmp_path, capsys):
     argv = [*options, "--data_dir", str(tmp_path), "--output_dir", str(run)]
     assert trainer(trainer_name, argv) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line == f"error: {option} {UNCACHED} (model_index.json) could not be fetched: {OFFLINE}; {WHAT_TO_DO}"
+    assert (
+        line
+        == f"error: {option} {UNCACHED} (model_index.json or config.json) could not be fetched: {OFFLINE}; {WHAT_TO_DO}"
+    )
     assert not run.exists()
 
 
@@ -86,7 +91,9 @@ def test_the_issues_example_the_dit_recipe_vae(tmp_path, capsys):
     argv = ["--config", "finetune/configs/dit_s2_256_from_scratch_mhla.yaml", "--data_dir", str(tmp_path)]
     assert trainer("dit", [*argv, "--output_dir", str(tmp_path / "run")]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith("error: vae_model stabilityai/sd-vae-ft-ema (model_index.json) could not be fetched: ")
+    assert line.startswith(
+        "error: vae_model stabilityai/sd-vae-ft-ema (model_index.json or config.json) could not be fetched: "
+    )
     assert OFFLINE in line and "unset HF_HUB_OFFLINE" in line
 
 
@@ -178,3 +185,16 @@ def test_other_errors_pass_through():
         with hub_errors({"owner/name": "--model"}):
             raise ValueError("a bad layout")
     assert hub_failure(OSError("disk full"), {"owner/name": "--model"}) is None
+
+
+def test_a_cached_model_needs_no_hub(tmp_path, monkeypatch):
+    # a VAE-only repo in the cache (config.json, no model_index.json): offline it is found, not refused
+    snapshot = tmp_path / "models--mhla-tests--cached-vae" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--mhla-tests--cached-vae" / "refs").mkdir()
+    (tmp_path / "models--mhla-tests--cached-vae" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    check_hub_model("mhla-tests/cached-vae", "vae_model")
+    with pytest.raises(ModelUnavailable, match=re.escape(f"vae_model {UNCACHED} (model_index.json or config.json)")):
+        check_hub_model(UNCACHED, "vae_model")

@@ -32,6 +32,6 @@ def test_both_loaders_refuse_what_is_not_a_folder_and_leave_hub_ids_to_the_hub(t
         with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub repo id"):
             find_file(source, "config.json", None, {})
     # a hub id is asked of the hub (its config fetched, or found in the cache): offline and uncached, one line
-    offline = r"never-cached-model \(model_index.json\) could not be fetched: the hub is switched off"
+    offline = r"never-cached-model \(model_index.json or config.json\) could not be fetched: the hub is switched off"
     with pytest.raises(ModelUnavailable, match=offline):
         check_model_source("mhla-tests/never-cached-model")
