@@ -190,12 +190,28 @@ def hub_errors(names: Mapping[str, str] | None = None) -> Iterator[None]:
         raise failure from None
 
 
+#: The options (argparse ``dest`` / trainer field names) that name a model folder or hub id to load.
+MODEL_OPTIONS = frozenset(
+    {
+        "model",
+        "pipeline",
+        "softmax_model",
+        "t2v_model",
+        "c2i_model",
+        "t2v_softmax_model",
+        "c2i_softmax_model",
+        "pretrained_model",
+        "vae_model",
+    }
+)
+
+
 def model_names(values: Mapping[str, Any], prefix: str = "--") -> dict[str, str]:
     """``{model id: option}`` of the options in ``values`` (parsed arguments, trainer options) that name a
     model: ``model``, ``t2v_model``, ``pretrained_model``, ``vae_model``, ... (``prefix`` ``--``: written as flags)."""
     names = {}
     for key, value in values.items():
-        if (key in ("model", "pipeline") or key.endswith("_model")) and isinstance(value, str) and value:
+        if key in MODEL_OPTIONS and isinstance(value, str) and value:
             names[value] = f"{prefix}{key.replace('_', '-')}" if prefix else key
     return names
 
