@@ -62,8 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from ..loaders.loading import check_hub_models, hub_errors, model_names
+    from ..utils.options import zero_flags
+
+    command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    if off := zero_flags(command, args):  # a 0 that switches something off is said once, before the run
+        print(f"mhla {args.command}: off (set to 0): {'; '.join(off)}", file=sys.stderr)
 
     names = model_names(vars(args))  # the models the command loads, by the option that names them
     try:

@@ -65,6 +65,7 @@ __all__ = [
     "read_yaml",
     "state_ranges",
     "unknown_name",
+    "zero_flags",
     "zero_notes",
 ]
 
@@ -217,6 +218,17 @@ def zero_notes(options: Any) -> list[str]:
         valid = field_range(type(options), f.name)
         if valid is not None and valid.zero and getattr(options, f.name) == 0:
             notes.append(f"{f.name} 0: {valid.zero}")
+    return notes
+
+
+def zero_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """:func:`zero_notes` for a command line: "--warmup 0: no untimed runs" for every :func:`number` option of
+    ``parser`` at 0 whose range says what 0 turns off (a command prints them once, before it starts)."""
+    notes = []
+    for action in parser._actions:
+        valid = getattr(action.type, "valid", None)
+        if valid is not None and valid.zero and getattr(args, action.dest, None) == 0:
+            notes.append(f"{action.option_strings[0]} 0: {valid.zero}")
     return notes
 
 

@@ -187,3 +187,11 @@ def test_web_environment_values_keep_the_range(monkeypatch):
     monkeypatch.setenv("MHLA_DEMO_MAX_FRAMES", "0")
     with pytest.raises(ValueError, match="MHLA_DEMO_MAX_FRAMES: expected an integer >= 1, got '0'"):
         web_parser()
+
+
+def test_a_command_says_once_what_a_zero_turns_off(tmp_path, capsys):
+    argv = ["eval-ref", "--images", str(tmp_path / "none"), "--output", str(tmp_path / "r.npz"), "--pr-images", "0"]
+    assert main(argv) == 2  # the folder is missing: the note comes first, then the error
+    err = capsys.readouterr().err
+    assert err.count("off (set to 0)") == 1
+    assert "mhla eval-ref: off (set to 0): --pr-images 0: statistics only, no arr_0" in err
