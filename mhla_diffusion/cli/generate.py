@@ -9,6 +9,7 @@ adds ``--image`` (and needs ``--model``: the embedded demonstration model is tex
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
+from ..benchmarks.crossover import speed_context
 from ..embedded.locations import embedded_defaults
 from ..utils.geometry import VideoGeometry
 from .arguments import WAN_480P, add_command, add_model_arguments, non_negative_float, positive_float, positive_int
@@ -454,6 +456,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
         _settings(args, pipe, device, dtype, flow_shift=flow_shift)
     )  # before generating: valid JSON sidecars
     reader = _judge_reader(args.model) if parallel is None or parallel.is_main else None
+    speed = speed_context(math.prod(pipe.token_grid(num_frames, args.height, args.width)))  # beside wall_time_s
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
@@ -508,6 +511,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                     boundary_ratio=pipe.config.get("boundary_ratio"),
                     output=str(plan.media),
                     wall_time_s=round(wall, 3),
+                    speed=speed,
                     **(stream_settings(chunks) if chunks is not None else {}),
                     **judged,
                 ),
@@ -559,6 +563,8 @@ def run_class_to_image(args: argparse.Namespace) -> int:
             output_type="np",
         ).images
     wall = time.perf_counter() - started
+    config = pipe.transformer.config
+    speed = speed_context((config.sample_size // config.patch_size) ** 2)  # beside wall_time_s
     reader = _judge_reader(args.model)
     for name, class_id, image, plan in zip(classes, ids, images, plans):
         save_image(image, plan)
@@ -576,6 +582,7 @@ def run_class_to_image(args: argparse.Namespace) -> int:
                 batch_size=len(ids),
                 output=str(plan.media),
                 wall_time_s=round(wall, 3),
+                speed=speed,
                 **judged,
             ),
         )

@@ -14,6 +14,7 @@ median of the others. For an embedded model the judge reads every sample
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import threading
 import time
@@ -49,7 +50,8 @@ class Generated:
 
     ``seconds``: end to end (text encoder, denoising loop, VAE decode); ``step_ends``: when each denoising
     step ended (``time.perf_counter``); ``readings``: the judge's reading of each sample (``None`` entries
-    without a judge), ``judge_note`` why there is none when the model has a judge.
+    without a judge), ``judge_note`` why there is none when the model has a judge; ``tokens``: what the
+    model's self-attention sees per sample.
     """
 
     arrays: list[np.ndarray]
@@ -59,6 +61,8 @@ class Generated:
     step_ends: list[float] = field(default_factory=list)
     readings: list[Any] = field(default_factory=list)
     judge_note: str | None = None
+    #: Tokens the model's self-attention sees per sample (for the speed context beside the timings).
+    tokens: int | None = None
 
     @property
     def step_seconds(self) -> float | None:
@@ -276,7 +280,8 @@ class ModelStore:
             readings, note = self._read(
                 task, videos, lambda reader: reader.read_videos(np.stack(videos), [request.prompt] * len(videos))
             )
-            return Generated(videos, request.seeds, seconds, attention, step_ends, readings, note)
+            tokens = math.prod(pipe.token_grid(request.num_frames, request.height, request.width))
+            return Generated(videos, request.seeds, seconds, attention, step_ends, readings, note, tokens)
 
     def generate_image(
         self,
@@ -307,7 +312,9 @@ class ModelStore:
             readings, note = self._read(
                 task, arrays, lambda reader: reader.read_images(np.stack(arrays), [request.class_id] * len(arrays))
             )
-            return Generated(arrays, request.seeds, seconds, attention, step_ends, readings, note)
+            config = pipe.transformer.config
+            tokens = (config.sample_size // config.patch_size) ** 2
+            return Generated(arrays, request.seeds, seconds, attention, step_ends, readings, note, tokens)
 
     def _read(
         self, task: str, samples: list[np.ndarray], read: Callable[[Any], list[Any]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from ..benchmarks.crossover import speed_context
 from ..embedded.moving_shapes import ATTRIBUTES, caption_for
 
 __all__ = [
@@ -73,7 +74,7 @@ def _timing(results: Sequence[Any], end_to_end: str) -> list[str]:
         for r in results
     ]
     if len(results) != 2:
-        return lines
+        return lines + _speed_context(results)
     mhla, softmax = results
     samples = len(mhla.arrays)
     batch = f"all {samples} samples" if samples > 1 else "the sample"
@@ -88,7 +89,13 @@ def _timing(results: Sequence[Any], end_to_end: str) -> list[str]:
         lines.append("Denoising loop: not timed (the median step needs 2+ steps; the first is the warm-up).  ")
     if mhla.seconds > 0:
         lines.append(f"End to end: softmax took {softmax.seconds / mhla.seconds:.2f}x the MHLA time ({end_to_end}).")
-    return lines
+    return lines + _speed_context(results)
+
+
+def _speed_context(results: Sequence[Any]) -> list[str]:
+    """Where MHLA's attention overtakes softmax attention, and where this model's size stands (under the timings)."""
+    context = speed_context(results[0].tokens)
+    return [] if context is None else ["", f"*Speed in context:* {context['note']}."]
 
 
 def _judged(results: Sequence[Any]) -> list[str]:
