@@ -20,7 +20,7 @@ from mhla_diffusion.cli import main
 from mhla_diffusion.embedded.moving_shapes import DIRECTIONS, FRAME_SIZE, NUM_FRAMES, render_clip, shape_clip
 from mhla_diffusion.eval.fvd import FVD_FRAMES, FVD_SIZE, I3DFeatures, preprocess_clips
 from mhla_diffusion.eval.video_files import read_video
-from mhla_diffusion.pipelines.outputs import _write_mp4
+from mhla_diffusion.pipelines.outputs import OutputPlan, save_video
 
 
 class TinyI3D(nn.Module):
@@ -120,7 +120,7 @@ def _write_videos(
     for index in range(count):
         clip, caption = _clip(index, count, seed, num_frames)
         captions.append(caption)
-        _write_mp4(clip, folder / f"{index:03d}.mp4", fps=8)
+        save_video(clip, OutputPlan(folder / f"{index:03d}.mp4", folder / f"{index:03d}.json"), "mp4", fps=8)
         if sidecars:
             (folder / f"{index:03d}.json").write_text(json.dumps({"prompt": caption, "seed": index}))
     return captions
