@@ -69,12 +69,19 @@ def test_existing_outputs_are_kept(pipeline_dirs, tmp_path, capsys):
         (["--prompt", "x", "--height", "40"], "height 40 must be a positive multiple of 16"),
         (["--prompt", " "], "empty prompt"),
         ([], "give a prompt"),
-        (["--prompt", "x", "--steps", "0"], "--steps must be >= 1"),
     ],
 )
 def test_text_to_video_bad_input(pipeline_dirs, tmp_path, capsys, extra, message):
     assert text_to_video(pipeline_dirs, tmp_path, *extra) == 2
     assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_step_count_is_checked_when_parsing(pipeline_dirs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:  # argparse's own exit, before any model loads
+        text_to_video(pipeline_dirs, tmp_path, "--prompt", "x", "--steps", "0")
+    assert stopped.value.code == 2
+    assert "argument --steps: expected an integer >= 1, got '0'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
