@@ -44,7 +44,6 @@ from ..utils.geometry import VideoGeometry
 
 if TYPE_CHECKING:
     from ..models.processors.wan import WanMHLAProcessor
-    from .stream import StreamSpec
 
 __all__ = [
     "ATTENTION_COLUMNS",
@@ -676,10 +675,9 @@ def measure(
     }
 
 
-def measure_in_fresh_process(
-    spec: "BenchSpec | StreamSpec", module: str = "mhla_diffusion.benchmarks.bench"
-) -> dict[str, Any]:
-    """:func:`measure` in a new Python process (progress on this stderr), with the allocator of ``spec.malloc``.
+def measure_in_fresh_process(spec: Any, module: str = "mhla_diffusion.benchmarks.bench") -> dict[str, Any]:
+    """:func:`measure` in a new Python process (progress on this stderr), with the allocator of ``spec.malloc``
+    (``spec``: a :class:`BenchSpec`, or a ``StreamSpec`` of :mod:`~mhla_diffusion.benchmarks.stream`).
 
     ``default`` sets ``MHLA_KEEP_MALLOC=1`` there; ``auto`` and ``retain`` clear it, so that a value in
     this process's environment does not change what the mode measures. ``module`` is the module run there
