@@ -269,6 +269,8 @@ class DiTTask(Task):
             vae = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", **kwargs)
             geometry = ImageGeometry.from_configs(transformer, vae)
         else:
+            if o.cache_latents and LatentCache(o.resolved_cache_dir(), {}).read_index() is not None:
+                return  # a complete cache gives the VAE scale, and vae_model need not be readable (_latent_format)
             patch = dit_transformer_config(o.model_size, 1, overrides=o.model_overrides)["patch_size"]
             geometry = ImageGeometry.from_configs({"patch_size": patch}, load_vae_config(o.vae_model))
         if o.resolution % geometry.size_multiple:

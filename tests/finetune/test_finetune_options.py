@@ -219,7 +219,7 @@ def test_list_options_read_alike_everywhere():
     "argv, message",
     [
         (["--mhla.layout", "1,a,6"], "`mhla.layout` must be a list of integers such as 3,5,10 (or 3x5x10) or 'auto'"),
-        (["--mhla.layout", "0,6,6"], "mhla: `layout` must have 1 to 3 positive entries"),
+        (["--mhla.layout", "0,6,6"], "`mhla.layout` must be >= 1, got [0, 6, 6]"),
         (["--mhla.transform", "spline"], "mhla: unknown `transform` 'spline'"),
         (["--mhla.layers", "some"], "`mhla.layers` must be 'all' or 'hybrid' or a list of integers"),
     ],
