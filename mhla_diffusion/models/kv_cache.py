@@ -24,15 +24,12 @@ cached keys were rotated where they stand in the video.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
-
 import torch
 from torch import nn
 
 from .conversion import get_mhla_conversion, self_attention_layers
 from .processors.base import apply_interleaved_rotary
-from .streaming import install_frame_positions
+from .streaming import ChunkStream
 
 __all__ = ["KVCache", "KVCacheStream", "KVCacheWanAttnProcessor", "kv_cache_processors", "use_kv_cache"]
 
@@ -119,65 +116,23 @@ def use_kv_cache(transformer: nn.Module) -> list[KVCacheWanAttnProcessor]:
     return processors
 
 
-class KVCacheStream:
+class KVCacheStream(ChunkStream):
     """The keys and values a Wan ``transformer`` with :class:`KVCacheWanAttnProcessor` layers carries between chunks.
 
     Used as :class:`~mhla_diffusion.models.streaming.CausalStream` (see the module docstring): inside
     :meth:`chunk` every KV-cache layer attends to its cache; with ``advance=True`` the chunk's keys and values
     are appended and the stream's position moves past the chunk's latent frames. Unlike MHLA's state, the cache
-    grows with every chunk (:attr:`nbytes`). One stream per sequence of calls with the same batch size.
+    grows with every chunk (:attr:`nbytes`).
     """
 
     def __init__(self, transformer: nn.Module) -> None:
-        self.processors = kv_cache_processors(transformer)
-        if not self.processors:
+        processors = kv_cache_processors(transformer)
+        if not processors:
             raise ValueError(
                 "this transformer has no KVCacheWanAttnProcessor layer: call use_kv_cache(transformer) first"
             )
-        self.transformer = transformer
-        self.positions = install_frame_positions(transformer)
-        self.frames = 0  # latent frames (token-grid frames) consumed: the next chunk's first position
-        self.states: dict[int, KVCache] = {}
-        self._staged: dict[int, KVCache] = {}
-        self._chunk_frames = 0
-        self.advancing = False
+        super().__init__(transformer, processors)
 
-    def _record_frames(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        self._chunk_frames = latents.shape[2] // module.config.patch_size[0]
-
-    @contextmanager
-    def chunk(self, advance: bool = False) -> Iterator["KVCacheStream"]:
-        """Run the transformer on the next chunk inside this block; ``advance``: the chunk joins the cache."""
-        if any(p.stream is not None for p in self.processors):
-            raise RuntimeError("a chunk of this transformer is already running (chunks do not nest)")
-        hook = self.transformer.register_forward_pre_hook(self._record_frames, with_kwargs=True)
-        for processor in self.processors:
-            processor.stream = self
-        self.positions.origin, self.advancing, self._staged = self.frames, advance, {}
-        try:
-            yield self
-        finally:
-            hook.remove()
-            for processor in self.processors:
-                processor.stream = None
-            self.positions.origin, self.advancing = 0, False
-        if advance:
-            if len(self._staged) != len(self.processors):
-                raise RuntimeError("advance=True needs one forward of the transformer inside the chunk block")
-            self.states, self._staged = self._staged, {}
-            self.frames += self._chunk_frames
-
-    def state(self, processor: KVCacheWanAttnProcessor) -> KVCache | None:
-        """``processor``'s cached keys and values (``None`` before the first chunk)."""
-        return self.states.get(id(processor))
-
-    def stage(self, processor: KVCacheWanAttnProcessor, cache: KVCache) -> None:
-        """Record ``processor``'s keys and values up to the running chunk (kept only when the chunk advances)."""
-        if self.advancing:
-            self._staged[id(processor)] = cache
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every layer's cached keys and values: one chunk's worth more after every advance."""
-        return sum(t.numel() * t.element_size() for cache in self.states.values() for t in cache)
+    @staticmethod
+    def state_nbytes(cache: KVCache) -> int:
+        return sum(t.numel() * t.element_size() for t in cache)

@@ -28,7 +28,7 @@ rotated at their frames' absolute positions, so queries and cached keys stay con
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 
 from ..ops.causal import CausalMHLAState
 
-__all__ = ["CausalStream", "WanFramePositions", "causal_processors", "install_frame_positions"]
+__all__ = ["CausalStream", "ChunkStream", "WanFramePositions", "causal_processors", "install_frame_positions"]
 
 
 class WanFramePositions(nn.Module):
@@ -98,60 +98,89 @@ def causal_processors(transformer: nn.Module) -> list[nn.Module]:
     return found
 
 
-class CausalStream:
-    """The state a block-causal MHLA Wan ``transformer`` carries from chunk to chunk (see the module docstring).
+class ChunkStream:
+    """What a Wan ``transformer``'s self-attention layers carry from one chunk of latent frames to the next.
 
-    A chunk is a latent clip of whole temporal block rows (``causal_row_frames`` latent frames each). Inside
-    :meth:`chunk` every causal MHLA layer reads its carried state; with ``advance=True`` the chunk's summaries
-    are added to it and the stream's position moves past the chunk's frames. The state has the same size after
-    any number of chunks (:attr:`nbytes`). One stream per sequence of calls with the same batch size.
+    The chunk mechanics shared by every kind of stream: inside :meth:`chunk` each of ``processors`` (whose
+    ``stream`` attribute points here while the chunk runs) reads its carried state with :meth:`state` and hands
+    its state after the chunk to :meth:`stage`; with ``advance=True`` those states replace the carried ones and
+    the stream's position moves past the chunk's frames. Frames keep absolute positions
+    (:class:`WanFramePositions`). Subclasses choose the processors and say what a state weighs
+    (:meth:`state_nbytes`). One stream per sequence of calls with the same batch size.
     """
 
-    def __init__(self, transformer: nn.Module) -> None:
-        self.processors = causal_processors(transformer)
-        if not self.processors:
-            raise ValueError(
-                "this transformer has no block-causal MHLA layer, so it cannot stream: convert it with "
-                "MHLAConfig(causal=True) (and fine-tune it so), or generate the whole clip in one pass"
-            )
+    def __init__(self, transformer: nn.Module, processors: list) -> None:
+        self.processors = processors
         self.transformer = transformer
         self.positions = install_frame_positions(transformer)
         self.frames = 0  # latent frames (token-grid frames) consumed: the next chunk's first position
-        self.states: dict[int, CausalMHLAState] = {}
-        self._staged: dict[int, CausalMHLAState] = {}
+        self.states: dict[int, Any] = {}
+        self._staged: dict[int, Any] = {}
+        self._chunk_frames = 0
         self.advancing = False
 
+    def _record_frames(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self._chunk_frames = latents.shape[2] // module.config.patch_size[0]
+
     @contextmanager
-    def chunk(self, advance: bool = False) -> Iterator["CausalStream"]:
+    def chunk(self, advance: bool = False) -> Iterator["ChunkStream"]:
         """Run the transformer on the next chunk inside this block; ``advance``: the chunk joins the state."""
         if any(getattr(p, "stream", None) is not None for p in self.processors):
             raise RuntimeError("a chunk of this transformer is already running (chunks do not nest)")
+        hook = self.transformer.register_forward_pre_hook(self._record_frames, with_kwargs=True)
         for processor in self.processors:
             processor.stream = self
         self.positions.origin, self.advancing, self._staged = self.frames, advance, {}
         try:
             yield self
         finally:
+            hook.remove()
             for processor in self.processors:
                 processor.stream = None
             self.positions.origin, self.advancing = 0, False
         if advance:
             if len(self._staged) != len(self.processors):
                 raise RuntimeError("advance=True needs one forward of the transformer inside the chunk block")
-            grid = self.processors[0].grid_context.grid
             self.states, self._staged = self._staged, {}
-            self.frames += grid[0]
+            self.frames += self._chunk_frames
 
-    def state(self, processor: nn.Module) -> CausalMHLAState | None:
+    def state(self, processor: Any) -> Any:
         """What ``processor``'s layer carries (``None`` before the first chunk)."""
         return self.states.get(id(processor))
 
-    def stage(self, processor: nn.Module, state: CausalMHLAState) -> None:
+    def stage(self, processor: Any, state: Any) -> None:
         """Record ``processor``'s state after the running chunk (kept only when the chunk advances the stream)."""
         if self.advancing:
             self._staged[id(processor)] = state
 
+    @staticmethod
+    def state_nbytes(state: Any) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer's carried state: the same for a stream of any length."""
-        return sum(state.nbytes for state in self.states.values())
+        """Bytes of every layer's carried state."""
+        return sum(self.state_nbytes(state) for state in self.states.values())
+
+
+class CausalStream(ChunkStream):
+    """The state a block-causal MHLA Wan ``transformer`` carries from chunk to chunk (see the module docstring).
+
+    Inside :meth:`chunk` every causal MHLA layer runs :func:`~mhla_diffusion.ops.causal.mhla_causal_step` on the
+    chunk against its carried :class:`~mhla_diffusion.ops.causal.CausalMHLAState` (``K + 1`` temporal rows of
+    block summaries): the same size after any number of chunks (:attr:`nbytes`).
+    """
+
+    def __init__(self, transformer: nn.Module) -> None:
+        processors = causal_processors(transformer)
+        if not processors:
+            raise ValueError(
+                "this transformer has no block-causal MHLA layer, so it cannot stream: convert it with "
+                "MHLAConfig(causal=True) (and fine-tune it so), or generate the whole clip in one pass"
+            )
+        super().__init__(transformer, processors)
+
+    @staticmethod
+    def state_nbytes(state: CausalMHLAState) -> int:
+        return state.nbytes
