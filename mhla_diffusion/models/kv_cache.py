@@ -29,6 +29,7 @@ from torch import nn
 
 from .conversion import get_mhla_conversion, self_attention_layers
 from .processors.base import apply_interleaved_rotary
+from .processors.wan import wan_qkv
 from .streaming import ChunkStream
 
 __all__ = ["KVCache", "KVCacheStream", "KVCacheWanAttnProcessor", "kv_cache_processors", "use_kv_cache"]
@@ -70,13 +71,7 @@ class KVCacheWanAttnProcessor:
             raise ValueError("KVCacheWanAttnProcessor takes no `attention_mask`: the stream's chunks make the mask")
         if self._parallel_config is not None:
             raise ValueError("KVCacheWanAttnProcessor has no context parallelism: run the stream on one process")
-        if getattr(attn, "fused_projections", False):
-            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        heads = (attn.heads, -1)
-        query, key, value = query.unflatten(2, heads), key.unflatten(2, heads), value.unflatten(2, heads)
+        query, key, value = wan_qkv(attn, hidden_states)
         if rotary_emb is not None:
             query, key = (apply_interleaved_rotary(x, *rotary_emb) for x in (query, key))
         if self.stream is not None:
