@@ -7,7 +7,11 @@
   ``MHLAWanPipeline``), trained on procedural "moving shapes" clips (9 frames, 48x48);
 * ``digits-c2i-softmax`` / ``digits-c2i-mhla``: class-to-image, DiT architecture, trained on
   scikit-learn's handwritten digits (32x32, classes "0" ... "9");
-* ``judges/video`` / ``judges/image``: the classifiers that score generated samples.
+* ``shapes-long-mhla`` / ``shapes-long-softmax``: the streaming text-to-video models (block-causal MHLA, and
+  its block-causal softmax teacher run with a KV cache), trained on bouncing-shapes clips of 17 frames and
+  judged on videos 8x longer (``mhla build-embedded --stream``);
+* ``judges/video`` / ``judges/image`` / ``judges/long-video``: the classifiers that score generated samples
+  (the long-video judge reads 9-frame windows of bouncing shapes).
 
 They are toy models that show the system working end to end, not substitutes for Wan2.1 or DiT-XL/2.
 """
@@ -34,8 +38,11 @@ __all__ = [
 
 EMBEDDED_ROOT = Path(__file__).resolve().parent / "models"
 
-Task = Literal["text-to-video", "class-to-image"]
-_FOLDERS = {"text-to-video": "shapes-t2v", "class-to-image": "digits-c2i"}
+Task = Literal["text-to-video", "class-to-image", "long-video"]
+_FOLDERS = {"text-to-video": "shapes-t2v", "class-to-image": "digits-c2i", "long-video": "shapes-long"}
+JudgeKind = Literal["video", "image", "long-video"]
+#: The judge that scores each task's samples.
+TASK_JUDGES: dict[str, JudgeKind] = {"text-to-video": "video", "class-to-image": "image", "long-video": "long-video"}
 
 
 @dataclass(frozen=True)
@@ -78,10 +85,10 @@ def embedded_model(task: Task = "text-to-video", attention: Attention = "mhla", 
     return folder
 
 
-def embedded_judge(kind: Literal["video", "image"], root: str | Path | None = None) -> Path:
+def embedded_judge(kind: JudgeKind, root: str | Path | None = None) -> Path:
     """Folder of an embedded judge (load with :func:`mhla_diffusion.embedded.load_judge`)."""
-    if kind not in ("video", "image"):
-        raise ValueError(f"kind must be 'video' or 'image'; got {kind!r}")
+    if kind not in TASK_JUDGES.values():
+        raise ValueError(f"kind must be one of {', '.join(TASK_JUDGES.values())}; got {kind!r}")
     folder = Path(root or EMBEDDED_ROOT) / "judges" / kind
     if not folder.is_dir():
         raise FileNotFoundError(f"embedded judge {folder} is missing: rebuild with `mhla build-embedded`")
@@ -99,13 +106,13 @@ class EmbeddedFolder:
 
     def judge(self) -> Path:
         """The folder of the judge that scores this model's samples."""
-        return embedded_judge("video" if self.task == "text-to-video" else "image", self.root)
+        return embedded_judge(TASK_JUDGES[self.task], self.root)
 
 
 def embedded_folder(model: str | Path) -> EmbeddedFolder | None:
     """What ``model`` is when it is an embedded model folder as ``mhla build-embedded`` exports them
-    (``<root>/shapes-t2v-<attention>`` or ``<root>/digits-c2i-<attention>`` with a pipeline in it and
-    ``<root>/judges/`` beside it), else ``None`` (a hub id, any other folder)."""
+    (``<root>/shapes-t2v-<attention>``, ``<root>/shapes-long-<attention>`` or ``<root>/digits-c2i-<attention>``,
+    with a pipeline in it and ``<root>/judges/`` beside it), else ``None`` (a hub id, any other folder)."""
     path = Path(model)
     if not (path / "model_index.json").is_file():
         return None

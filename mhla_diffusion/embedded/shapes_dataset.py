@@ -5,7 +5,7 @@ Layout::
     folder/
       metadata.jsonl        # one row per clip: file_name, text, num_frames, height, width,
                             # shape, colour, direction (the last three are ignored by the trainer)
-      clips/clip_00000.gif  # NUM_FRAMES x FRAME_SIZE x FRAME_SIZE RGB
+      clips/clip_00000.gif  # NUM_FRAMES (or bouncing_frames) x FRAME_SIZE x FRAME_SIZE RGB
 
 GIF is the lossless video format the trainer reads (:mod:`mhla_diffusion.finetune.media`): a clip holds two
 colours, so its palette is exact and the decoded frames equal the generated ones bit for bit.
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import imageio.v3 as iio
 
-from .moving_shapes import FRAME_SIZE, NUM_FRAMES, shape_clip
+from .bouncing_shapes import bouncing_clip
+from .moving_shapes import FRAME_SIZE, shape_clip
 
 __all__ = ["GIF_FRAME_MS", "write_shapes_dataset"]
 
@@ -28,10 +29,14 @@ __all__ = ["GIF_FRAME_MS", "write_shapes_dataset"]
 GIF_FRAME_MS = 100
 
 
-def write_shapes_dataset(folder: str | Path, num_clips: int, seed: int = 0, overwrite: bool = False) -> Path:
+def write_shapes_dataset(
+    folder: str | Path, num_clips: int, seed: int = 0, overwrite: bool = False, bouncing_frames: int | None = None
+) -> Path:
     """Write clips ``0 .. num_clips - 1`` of the ``(num_clips, seed)`` dataset to ``folder``; returns it.
 
-    An existing non-empty ``folder`` is an error unless ``overwrite``, which deletes it first.
+    ``bouncing_frames``: write bouncing-shapes clips (:mod:`.bouncing_shapes`) of that many frames instead of
+    the moving-shapes clips (``NUM_FRAMES`` frames). An existing non-empty ``folder`` is an error unless
+    ``overwrite``, which deletes it first.
     """
     folder = Path(folder)
     if num_clips < 1:
@@ -43,14 +48,17 @@ def write_shapes_dataset(folder: str | Path, num_clips: int, seed: int = 0, over
     (folder / "clips").mkdir(parents=True, exist_ok=True)
     rows = []
     for k in range(num_clips):
-        clip = shape_clip(k, num_clips, seed)
+        if bouncing_frames is None:
+            clip = shape_clip(k, num_clips, seed)
+        else:
+            clip = bouncing_clip(k, num_clips, seed, bouncing_frames)
         name = f"clips/clip_{k:05d}.gif"
         iio.imwrite(folder / name, clip.frames, extension=".gif", duration=GIF_FRAME_MS, loop=0)
         rows.append(
             {
                 "file_name": name,
                 "text": clip.caption,
-                "num_frames": NUM_FRAMES,
+                "num_frames": len(clip.frames),
                 "height": FRAME_SIZE,
                 "width": FRAME_SIZE,
                 **clip.attributes,

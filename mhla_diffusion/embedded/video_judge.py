@@ -6,13 +6,14 @@ never sees a generative model, so it can score any model's samples: :func:`promp
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bouncing_shapes import bouncing_windows
 from .judge_training import fit_judge
 from .moving_shapes import ATTRIBUTES, FRAME_SIZE, NUM_FRAMES, generate_clips
 from .training_loop import LoopProgress, step_generator
@@ -181,6 +182,7 @@ def train_video_judge(
     max_blur: float = 1.5,
     max_noise: float = 0.1,
     progress: LoopProgress | None = None,
+    data: Literal["moving", "bouncing"] = "moving",
 ) -> VideoJudge:
     """Train a :class:`VideoJudge` on freshly generated clips (every step a new batch of the
     ``(steps * batch_size, data_seed)`` dataset; no clip is seen twice), AdamW with cosine decay.
@@ -189,8 +191,13 @@ def train_video_judge(
     noise std uniform in ``[0, max_noise]``), so that the judge reads a shape the way a viewer does even
     when its edges are soft, as they are in any decoder's output (without it a 1-pixel blur, which leaves
     every shape plainly recognisable, cut the shape accuracy from 98 % to 71 %).
-    ``progress``: bar and resumable checkpoint (:class:`~.training_loop.LoopProgress`).
+    ``progress``: bar and resumable checkpoint (:class:`~.training_loop.LoopProgress`). ``data``: the
+    moving-shapes clips, or windows of bouncing-shapes videos (:func:`~.bouncing_shapes.bouncing_windows`, the
+    long-video judge: shapes anywhere in the frame, bounces).
     """
+    if data not in ("moving", "bouncing"):
+        raise ValueError(f"data must be 'moving' or 'bouncing', got {data!r}")
+    source = generate_clips if data == "moving" else bouncing_windows
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"steps and batch_size must be >= 1 and lr > 0, got {steps}, {batch_size}, {lr}")
     torch.manual_seed(seed)
@@ -198,7 +205,7 @@ def train_video_judge(
     total = steps * batch_size
 
     def batch_loss(step: int) -> torch.Tensor:
-        clips, labels, _ = generate_clips(total, data_seed, start=step * batch_size, count=batch_size)
+        clips, labels, _ = source(total, data_seed, start=step * batch_size, count=batch_size)
         x = clips_to_tensor(clips)
         generator = step_generator(seed, step)
         soft = torch.rand(batch_size, generator=generator) < 0.5
