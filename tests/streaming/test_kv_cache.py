@@ -1,5 +1,7 @@
 """Block-causal softmax attention with a KV cache (models/kv_cache.py): a stream of chunks equals one pass over the
-whole clip with a block-causal attention mask over chunks, and its cache grows by one chunk per advance."""
+whole clip with a block-causal attention mask over chunks, and its cache grows by one chunk per advance. Block-causal
+over frames (``use_kv_cache(..., block_causal=True)``): one pass is a written-out frame mask, a stream in chunks of
+any size equals one such pass, and the transformer's config records it through a save and load."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig, convert_to_mhla
-from mhla_diffusion.models.kv_cache import KVCacheStream, KVCacheWanAttnProcessor, use_kv_cache
+from mhla_diffusion.models.kv_cache import (
+    BLOCK_CAUSAL_KEY,
+    KVCacheStream,
+    KVCacheWanAttnProcessor,
+    kv_cache_processors,
+    restore_block_causal,
+    use_kv_cache,
+)
 from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 from mhla_diffusion.models.tiny import tiny_wan_transformer
 
@@ -83,6 +92,79 @@ def test_cached_chunks_equal_one_pass_with_a_block_causal_mask(rope_max_seq_len)
         # the cache holds every consumed frame's keys and values: 2 layers x (k, v) x B x tokens x H x D doubles
         assert stream.nbytes == 2 * 2 * 2 * start * TOKENS_PER_FRAME * 2 * 12 * 8
     assert stream.frames == sum(chunks)
+
+
+def _per_token(timesteps_per_frame: torch.Tensor, batch: int) -> torch.Tensor:
+    return timesteps_per_frame.repeat_interleave(TOKENS_PER_FRAME)[None].expand(batch, -1)
+
+
+def test_block_causal_pass_is_a_written_out_frame_mask():
+    model = _model()
+    use_kv_cache(model, block_causal=True)
+    generator = torch.Generator().manual_seed(2)
+    latents = torch.randn(2, 16, 4, SIZE, SIZE, generator=generator, dtype=torch.float64)
+    text = torch.randn(2, 5, 32, generator=generator, dtype=torch.float64)
+    timesteps = torch.tensor([0.0, 0.0, 300.0, 900.0], dtype=torch.float64)
+    with torch.no_grad():
+        ours = model(latents, _per_token(timesteps, 2), text).sample
+    reference = _one_pass(model, latents, timesteps, text, (1, 1, 1, 1))  # every latent frame a block
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-10)
+    bidirectional = _one_pass(model, latents, timesteps, text, (4,))
+    assert (ours - bidirectional).abs().max() > 1e-3  # the mask matters
+
+
+@pytest.mark.parametrize("rope_max_seq_len", [32, 4])
+def test_block_causal_stream_equals_one_block_causal_pass(rope_max_seq_len):
+    model = _model(rope_max_seq_len)
+    use_kv_cache(model, block_causal=True)
+    generator = torch.Generator().manual_seed(1)
+    chunks = (2, 1, 3, 2)  # chunks of several frames: inside a chunk the frames stay causal
+    clean = torch.randn(2, 16, sum(chunks), SIZE, SIZE, generator=generator, dtype=torch.float64)
+    text = torch.randn(2, 5, 32, generator=generator, dtype=torch.float64)
+    stream = KVCacheStream(model)
+    start = 0
+    for index, size in enumerate(chunks):
+        noisy = torch.randn(2, 16, size, SIZE, SIZE, generator=generator, dtype=torch.float64)
+        t = torch.tensor([700.0 - 100 * index], dtype=torch.float64)
+        with stream.chunk(), torch.no_grad():
+            streamed = model(noisy, t.expand(2), text).sample
+        # one block-causal pass of the same model: clean context at timestep 0, the noisy chunk at t
+        timesteps = torch.cat([torch.zeros(start, dtype=torch.float64), t.expand(size)])
+        if start + size <= rope_max_seq_len:  # one pass reads Wan's own rotary table
+            with torch.no_grad():
+                whole = model(torch.cat([clean[:, :, :start], noisy], dim=2), _per_token(timesteps, 2), text).sample
+            torch.testing.assert_close(streamed, whole[:, :, start:], rtol=0, atol=1e-10)
+        frames = (1,) * (start + size)  # the written-out frame mask, past the rotary table too
+        reference = _one_pass(model, torch.cat([clean[:, :, :start], noisy], dim=2), timesteps, text, frames)
+        torch.testing.assert_close(streamed, reference[:, :, start:], rtol=0, atol=1e-10)
+        with stream.chunk(advance=True), torch.no_grad():
+            model(clean[:, :, start : start + size], torch.zeros(2, dtype=torch.float64), text)
+        start += size
+    assert stream.frames == sum(chunks)
+
+
+def test_block_causal_is_recorded_in_the_config_and_restored_on_load(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    model = tiny_wan_transformer(num_layers=2)
+    assert restore_block_causal(model) == [] and kv_cache_processors(model) == []  # an unmarked model is left alone
+    use_kv_cache(model, block_causal=True)
+    assert model.config[BLOCK_CAUSAL_KEY] is True
+    model.save_pretrained(tmp_path)
+    loaded = WanTransformer3DModel.from_pretrained(tmp_path)
+    assert kv_cache_processors(loaded) == []  # Diffusers loads the stock processors
+    processors = restore_block_causal(loaded)
+    assert len(processors) == 2 and all(p.block_causal for p in processors)
+    assert restore_block_causal(loaded) == processors  # already there: kept
+    latents = torch.randn(1, 16, 3, SIZE, SIZE)
+    text = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(latents, torch.tensor([500.0]), text).sample, model(latents, torch.tensor([500.0]), text).sample
+        )
+    assert all(p.block_causal for p in use_kv_cache(loaded))  # block_causal=None: what the config records
+    assert not any(p.block_causal for p in use_kv_cache(loaded, block_causal=False))
+    assert loaded.config[BLOCK_CAUSAL_KEY] is False
 
 
 def test_outside_a_stream_it_is_wans_own_self_attention():
