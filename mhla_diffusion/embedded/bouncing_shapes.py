@@ -64,11 +64,14 @@ def render_bouncing(
     speed: float,
     num_frames: int,
     size: int = FRAME_SIZE,
+    first: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draw a bouncing clip -> (uint8 ``(num_frames, size, size, 3)``, centres float ``(num_frames, 2)`` ``(x, y)``).
+    """Draw a bouncing clip -> (uint8 ``(num_frames - first, size, size, 3)``, centres float ``(num_frames, 2)``
+    ``(x, y)``).
 
     The centre moves ``speed`` pixels per frame, first towards ``direction``, and is reflected at ``radius`` from
-    each edge, so the whole shape stays inside the frame.
+    each edge, so the whole shape stays inside the frame. Only frames ``first ..`` are drawn (a window of a long
+    clip); the centres are those of every frame.
     """
     caption_for(shape, colour, direction)
     if radius <= 0 or speed <= 0 or num_frames < 1:
@@ -78,15 +81,20 @@ def render_bouncing(
     xs = bounce_path(start[0], dx * speed, low, high, num_frames) if dx else np.full(num_frames, start[0])
     ys = bounce_path(start[1], dy * speed, low, high, num_frames) if dy else np.full(num_frames, start[1])
     centres = np.stack([xs, ys], axis=1)
-    frames = np.empty((num_frames, size, size, 3), dtype=np.uint8)
+    if not 0 <= first < num_frames:
+        raise ValueError(f"first must be in 0..{num_frames - 1}, got {first}")
+    frames = np.empty((num_frames - first, size, size, 3), dtype=np.uint8)
     frames[:] = BACKGROUND
-    for t, (cx, cy) in enumerate(centres):
+    for t, (cx, cy) in enumerate(centres[first:]):
         frames[t][_mask(shape, cx, cy, radius, size)] = COLOURS[colour]
     return frames, centres
 
 
-def bouncing_clip(k: int, num_clips: int, seed: int = 0, num_frames: int = BOUNCE_FRAMES) -> ShapeClip:
-    """Clip ``k`` of a ``num_clips`` bouncing dataset for ``seed``, ``num_frames`` long.
+def bouncing_clip(
+    k: int, num_clips: int, seed: int = 0, num_frames: int = BOUNCE_FRAMES, first: int = 0
+) -> ShapeClip:
+    """Clip ``k`` of a ``num_clips`` bouncing dataset for ``seed``, ``num_frames`` long (its frames ``first ..``;
+    ``centres`` and every other field describe the same frames).
 
     Attributes are balanced as in :func:`~.moving_shapes.shape_clip` (every 48 consecutive clips hold each caption
     once). Drawn: the radius, the speed (:data:`SPEED_RANGE`) and the start anywhere the shape fits.
@@ -98,7 +106,8 @@ def bouncing_clip(k: int, num_clips: int, seed: int = 0, num_frames: int = BOUNC
     radius = float(rng.uniform(*RADIUS_RANGE))
     speed = float(rng.uniform(*SPEED_RANGE))
     start = tuple(float(v) for v in rng.uniform(radius, FRAME_SIZE - 1 - radius, size=2))
-    frames, centres = render_bouncing(shape, colour, direction, start, radius, speed, num_frames)
+    frames, centres = render_bouncing(shape, colour, direction, start, radius, speed, num_frames, first=first)
+    centres = centres[first:]
     attributes = {"shape": shape, "colour": colour, "direction": direction}
     labels = {name: ATTRIBUTES[name].index(value) for name, value in attributes.items()}
     return ShapeClip(frames, caption_for(shape, colour, direction), attributes, labels, centres, radius, speed)
@@ -124,9 +133,9 @@ def bouncing_windows(
     windows, labels, captions = [], [], []
     for k in range(start, start + count):
         offset = int(np.random.default_rng([seed, k, 3]).integers(0, WINDOW_OFFSETS + 1))
-        clip = bouncing_clip(k, num_windows, seed, offset + frames)
-        centres = clip.centres[offset:]
-        windows.append(clip.frames[offset:])
+        clip = bouncing_clip(k, num_windows, seed, offset + frames, first=offset)
+        centres = clip.centres
+        windows.append(clip.frames)
         middle = frames // 2
         dx, dy = DIRECTIONS[clip.attributes["direction"]]
         axis = 0 if dx else 1

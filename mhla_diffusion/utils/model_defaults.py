@@ -84,6 +84,7 @@ _VIDEO_KEYS = {
     "guidance_scale": float,
     "fps": int,
     "max_sequence_length": int,
+    "chunk_frames": int,  # a block-causal model: the latent frames per chunk it streams (and trained) with
 }
 _IMAGE_KEYS = {"num_inference_steps": int, "guidance_scale": float}
 
@@ -103,6 +104,7 @@ class VideoDefaults:
     fps: int
     max_sequence_length: int
     source: str
+    chunk_frames: int | None = None  # streaming: latent frames per chunk (None: the chunk rule's default)
 
     @property
     def missing_size(self) -> list[str]:
@@ -215,6 +217,7 @@ def video_defaults(model: str | os.PathLike) -> VideoDefaults:
         values["fps"],
         values["max_sequence_length"],
         source,
+        values.get("chunk_frames"),
     )
 
 
