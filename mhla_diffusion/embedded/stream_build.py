@@ -1,0 +1,259 @@
+"""``mhla build-embedded --stream``: the embedded long-video models, trained on this CPU and judged at 8x their length.
+
+Both streaming models start from the embedded text-to-video softmax teacher (``shapes-t2v-softmax`` of the build
+in ``--from-build``, by default the package's own, which ``mhla build-embedded`` trains from scratch) and are
+fine-tuned the same way on bouncing-shapes clips of ``train_frames`` frames (:mod:`.bouncing_shapes`): by
+diffusion forcing (``finetune/train_wan``: one noise level per latent frame, block-causal attention):
+
+* ``shapes-long-mhla``: block-causal MHLA (``MHLAConfig(causal=True)``, each latent frame one temporal block row),
+  streamed with its constant-size state (:class:`~mhla_diffusion.models.streaming.CausalStream`);
+* ``shapes-long-softmax``: block-causal softmax, streamed with a KV cache (the reference).
+
+Stages (each writes into ``--work-dir`` and is skipped when a rerun finds it finished; trainers resume from their
+last checkpoint):
+
+1. ``data``: the bouncing-shapes training clips (a GIF folder for the Wan trainer);
+2. ``judge``: the long-video judge (the video judge's network on 9-frame windows of bouncing videos);
+3. ``mhla`` and 4. ``softmax``: the two fine-tunes;
+5. ``evaluate``: the long-video report (:mod:`.long_video_report`): the two streams and the non-streaming
+   embedded MHLA model run as independent clips, on the same prompts and seeds, at ``eval_frames`` frames;
+6. ``export``: the models, the judge and ``long_video_report.json`` / ``.md`` to ``--output``, the strip figure
+   to ``--figure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .bouncing_shapes import BOUNCE_FRAMES, bouncing_windows
+from .build import _replace_tree, _train_run
+from .judge_io import save_judge
+from .locations import EMBEDDED_ROOT, embedded_defaults, weight_hashes
+from .shapes_dataset import write_shapes_dataset
+from .stages import Stages
+from .training_loop import LoopProgress
+from .video_judge import prompt_accuracy, train_video_judge
+
+__all__ = ["STREAM_MODELS", "StreamBuildSettings", "build_stream_models"]
+
+logger = logging.getLogger(__name__)
+
+#: Exported folder -> run name in the work dir.
+STREAM_MODELS = {"shapes-long-mhla": "long-mhla", "shapes-long-softmax": "long-softmax"}
+DATA_SEED, HELD_OUT_SEED = 20_000, 21_000
+_WATCHED = ("checkpoints", "runs", "cache", "evaluate", "judges", "data")
+
+
+@dataclass
+class StreamBuildSettings:
+    """Sizes and budgets of one streaming build (defaults: the committed models; :meth:`smoke`: CI)."""
+
+    train_clips: int = 960
+    train_frames: int = BOUNCE_FRAMES  # 17 frames = 9 latent frames
+    judge_steps: int = 1500
+    judge_held_out: int = 480
+    steps: int = 800  # each fine-tune
+    lr: float = 3e-4
+    batch_size: int = 8
+    # Diffusion forcing: one latent frame per chunk; each frame but a clip's last is clean context with this
+    # probability (a stream's context is always clean, so half the training sees what inference sees).
+    chunk_frames: int = 1
+    clean_chunks: float = 0.5
+    # Block-causal MHLA: the video student's 6x6 blocks per latent frame, two earlier frames mixed one by one,
+    # older ones summed; the output gate as the non-streaming student (LePE reads the next frame, so none).
+    layout: list[int] = dataclasses.field(default_factory=lambda: [1, 6, 6])
+    causal_window: int = 2
+    gate: bool = True
+    eval_prompts: int = 24
+    eval_frames: int = 129  # 8x the 17-frame training clips, 65 latent frames
+    eval_steps: int = embedded_defaults().video_steps
+    guidance_scale: float = embedded_defaults().video_guidance_scale
+    checkpoint_every: int = 100
+    seed: int = 0
+
+    @classmethod
+    def smoke(cls) -> "StreamBuildSettings":
+        return cls(
+            train_clips=8,
+            judge_steps=2,
+            judge_held_out=8,
+            steps=2,
+            batch_size=2,
+            eval_prompts=2,
+            eval_frames=33,
+            eval_steps=2,
+            checkpoint_every=1,
+        )
+
+
+def _first_stage(setting: str) -> str:
+    """The first stage that reads ``setting`` (a rerun may change the settings of stages not finished yet)."""
+    if setting in ("judge_steps", "judge_held_out"):
+        return "judge"
+    if setting.startswith("eval") or setting == "guidance_scale":
+        return "evaluate"
+    if setting in ("train_clips", "train_frames", "seed"):
+        return "data"
+    return "mhla"  # the fine-tunes' settings, and the model they start from
+
+
+def _data(work: Path, s: StreamBuildSettings) -> dict[str, Any]:
+    write_shapes_dataset(
+        work / "data" / "bouncing", s.train_clips, seed=DATA_SEED, overwrite=True, bouncing_frames=s.train_frames
+    )
+    return {"train_clips": s.train_clips, "train_frames": s.train_frames}
+
+
+def _judge(work: Path, s: StreamBuildSettings) -> dict[str, Any]:
+    progress = LoopProgress(checkpoint=work / "checkpoints" / "long-video-judge.pt", every=s.checkpoint_every)
+    judge = train_video_judge(steps=s.judge_steps, seed=s.seed, data="bouncing", progress=progress)
+    windows, labels, _ = bouncing_windows(s.judge_held_out, seed=HELD_OUT_SEED)
+    accuracy = prompt_accuracy(judge, windows, labels)
+    save_judge(judge, work / "judges" / "long-video", metadata={"held_out_accuracy": accuracy}, overwrite=True)
+    return {"held_out_accuracy": accuracy, "held_out_windows": s.judge_held_out}
+
+
+def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: dict[str, Any] | None):
+    from ..finetune.checkpointing import list_checkpoints
+    from ..finetune.options import WanTrainOptions, options_from_dict
+
+    d = embedded_defaults()
+    folder = work / "runs" / name
+    resume = bool(list_checkpoints(folder))
+    values: dict[str, Any] = dict(
+        output_dir=str(folder),
+        overwrite_output_dir=not resume,
+        resume="latest" if resume else None,
+        seed=s.seed,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        report_to="none",
+        checkpointing_steps=s.checkpoint_every,
+        checkpoints_total_limit=1,
+        save_pipeline=True,
+        max_grad_norm=1.0,
+        lr_scheduler="constant_with_warmup",
+        lr_warmup_steps=min(50, s.steps // 10),
+        dataloader_num_workers=0,
+        max_train_steps=s.steps,
+        pretrained_model=str(start),
+        data_dir=str(work / "data" / "bouncing"),
+        cache_latents=True,
+        cache_dir=str(work / "cache" / "bouncing"),
+        learning_rate=s.lr,
+        height=d.height,
+        width=d.width,
+        num_frames=s.train_frames,
+        max_sequence_length=d.max_sequence_length,
+        caption_dropout=0.1,
+        train_batch_size=s.batch_size,
+        causal_chunk_frames=s.chunk_frames,
+        causal_clean_chunks=s.clean_chunks,
+        flow_shift=_flow_shift(start),  # the teacher's training noise levels and sampler
+    )
+    if mhla is None:
+        values.update(attention="softmax", softmax_block_causal=True)
+    else:
+        values["mhla"] = mhla
+    return options_from_dict(WanTrainOptions, values)
+
+
+def _flow_shift(start: Path) -> float:
+    return float(json.loads((start / "scheduler" / "scheduler_config.json").read_text())["flow_shift"])
+
+
+def _fine_tune(work: Path, s: StreamBuildSettings, name: str, start: Path) -> dict[str, Any]:
+    from ..finetune.train_wan import train as train_wan
+
+    mhla = None
+    if name == "long-mhla":
+        mhla = {"layout": list(s.layout), "causal": True, "causal_window": s.causal_window, "gate": s.gate}
+    options = _options(work, s, name, start, mhla)
+    seconds = _train_run(work, train_wan, options)
+    return {"steps": s.steps, "seconds_of_run": seconds, "start": str(start)}
+
+
+def _evaluate(work: Path, s: StreamBuildSettings, source: Path) -> dict[str, Any]:
+    from .long_video_report import evaluate_long_video
+
+    return evaluate_long_video(work, s, source)
+
+
+def _export(work: Path, output: Path, s: StreamBuildSettings, report: dict[str, Any], figure: Path | None) -> dict:
+    output.mkdir(parents=True, exist_ok=True)
+    for target, run in STREAM_MODELS.items():
+        _replace_tree(work / "runs" / run / "pipeline", output / target)
+    _replace_tree(work / "judges" / "long-video", output / "judges" / "long-video")
+    for name in ("long_video_report.json", "long_video_report.md", "long-video-strip.png"):
+        shutil.copy2(work / "evaluate" / name, output / name)
+    if figure is not None:
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(work / "evaluate" / "long-video-strip.png", figure)
+    exported = [*STREAM_MODELS, "judges/long-video"]
+    hashes = {f"{folder}/{k}": v for folder in exported for k, v in weight_hashes(output / folder).items()}
+    (output / "stream_build_report.json").write_text(
+        json.dumps({"settings": dataclasses.asdict(s), "stages": report, "weights_sha256": hashes}, indent=2) + "\n"
+    )
+    return {"output": str(output), "models": exported}
+
+
+def build_stream_models(
+    work_dir: str | Path,
+    output: str | Path | None,
+    settings: StreamBuildSettings | None = None,
+    from_build: str | Path | None = None,
+    figure: str | Path | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Run every stage (module docstring), resuming a killed build in ``work_dir``; returns the stage results.
+
+    ``from_build``: the exported build whose ``shapes-t2v-softmax`` both models start from (default: the
+    package's). ``output`` (``None``: no export) receives the two pipelines, the judge and the report; models
+    already there are replaced only with ``overwrite`` (checked before any work).
+    """
+    s = settings or StreamBuildSettings()
+    work = Path(work_dir)
+    source = Path(from_build) if from_build is not None else EMBEDDED_ROOT
+    start = source / "shapes-t2v-softmax"
+    if not (start / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"the streaming build starts from {start}, which holds no pipeline: give --from-build the folder "
+            "`mhla build-embedded` exported to"
+        )
+    out = Path(output) if output is not None else None
+    if out is not None and not overwrite:
+        taken = [str(out / name) for name in STREAM_MODELS if (out / name).exists()]
+        if taken:
+            raise FileExistsError(f"{', '.join(taken)} already exist; pass --overwrite to replace them")
+    work.mkdir(parents=True, exist_ok=True)
+    settings_file = work / "settings.json"
+    wanted = {**dataclasses.asdict(s), "from_build": str(source.resolve())}
+    if settings_file.is_file():
+        before = json.loads(settings_file.read_text())
+        changed = sorted(k for k in wanted if before.get(k) != wanted[k] and k != "checkpoint_every")
+        finished = [k for k in changed if (work / "stages" / f"{_first_stage(k)}.json").is_file()]
+        if finished:
+            raise ValueError(
+                f"{work} holds a streaming build with other settings for stages that have finished: "
+                f"{', '.join(f'{k} {before.get(k)} -> {wanted[k]}' for k in finished)}; use another --work-dir or "
+                "delete that folder"
+            )
+    settings_file.write_text(json.dumps(wanted, indent=2))
+
+    stages = Stages(work, total=5, watched=_WATCHED)
+    report: dict[str, Any] = {}
+    report["data"] = stages.run("data", lambda: _data(work, s))
+    report["judge"] = stages.run("judge", lambda: _judge(work, s))
+    report["mhla"] = stages.run("mhla", lambda: _fine_tune(work, s, "long-mhla", start))
+    report["softmax"] = stages.run("softmax", lambda: _fine_tune(work, s, "long-softmax", start))
+    report["evaluate"] = stages.run("evaluate", lambda: _evaluate(work, s, source))
+    if out is not None:
+        report["export"] = _export(work, out, s, report, Path(figure) if figure is not None else None)
+    report["total_seconds"] = round(sum(v.get("seconds", 0) for v in report.values() if isinstance(v, dict)), 1)
+    return report
