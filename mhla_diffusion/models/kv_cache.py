@@ -184,8 +184,9 @@ def use_kv_cache(transformer: nn.Module, block_causal: bool | None = None) -> li
 
 def restore_block_causal(transformer: nn.Module) -> list[KVCacheWanAttnProcessor]:
     """Put back the block-causal KV-cache processors of a loaded ``transformer`` whose config records them
-    (:data:`BLOCK_CAUSAL_KEY`) and that lacks them; returns its KV-cache processors (``[]`` for any other)."""
-    if not is_block_causal(transformer):
+    (:data:`BLOCK_CAUSAL_KEY`) and that lacks them; returns its KV-cache processors (``[]`` for any other, and for
+    one converted to MHLA since: its MHLA layers are what it runs)."""
+    if not is_block_causal(transformer) or get_mhla_conversion(transformer) is not None:
         return []
     processors = kv_cache_processors(transformer)
     if processors and all(p.block_causal for p in processors):

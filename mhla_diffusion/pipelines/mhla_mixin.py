@@ -22,6 +22,9 @@
   default (the trainers record the settings they trained with); ``save_pretrained`` writes it into
   ``model_index.json`` (:data:`~mhla_diffusion.utils.model_defaults.RECORD_KEY`), where the command line and the
   web demo read it, and ``from_pretrained`` reads it back, so a load and save keeps it.
+* ``from_pretrained`` gives a transformer whose config records block-causal softmax attention
+  (:data:`~mhla_diffusion.models.kv_cache.BLOCK_CAUSAL_KEY`, a ``softmax_block_causal`` training run's) its
+  block-causal KV-cache processors back, so it generates as it was trained, in one pass or streamed.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..models.conversion import (
     sync_mhla_config,
 )
 from ..models.conversion import convert_to_mhla as convert_transformer  # the pipeline's own method is convert_to_mhla
+from ..models.kv_cache import restore_block_causal
 from ..utils.model_defaults import RECORD_KEY, checked_record
 
 __all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
@@ -108,6 +112,9 @@ class MHLAPipelineMixin:
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         if sources or sources is None:  # None: the pipeline's model_index.json could not be read before loading
             pipe.load_mhla_weights(mhla_weights, mhla_weights_2)
+        for name in TRANSFORMER_COMPONENTS:  # a block-causal softmax transformer (its config says so) runs as trained
+            if getattr(pipe, name, None) is not None:
+                restore_block_causal(getattr(pipe, name))
         recorded = (_read_index(pretrained_model_name_or_path, kwargs) or {}).get(RECORD_KEY)
         if recorded is not None:  # Diffusers drops private model_index.json keys on loading
             pipe.record_generation_defaults(**recorded)

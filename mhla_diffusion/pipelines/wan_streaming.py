@@ -1,13 +1,16 @@
-"""Text-to-video as a stream: a block-causal MHLA Wan model generates a video of any length chunk by chunk.
+"""Text-to-video as a stream: a block-causal Wan model generates a video of any length chunk by chunk.
 
 :class:`MHLAWanStreamingPipeline` denoises ``chunk_frames`` latent frames at a time against the state the earlier
 chunks left in every causal MHLA layer (:class:`~mhla_diffusion.models.streaming.CausalStream`: ``K + 1``
-temporal rows of block summaries per layer, the same size after any number of chunks), adds each finished
-chunk to that state with one more forward at timestep 0, and decodes it with the Wan VAE's causal feature cache
+temporal rows of block summaries per layer, the same size after any number of chunks), or, for a block-causal
+softmax model (the streaming teacher: :func:`~mhla_diffusion.models.kv_cache.use_kv_cache` with
+``block_causal=True``, recorded in its transformer's config), in every layer's KV cache
+(:class:`~mhla_diffusion.models.kv_cache.KVCacheStream`, one chunk of keys and values more per chunk); adds each
+finished chunk to that state with one more forward at timestep 0, and decodes it with the Wan VAE's causal feature cache
 kept between chunks (:class:`~mhla_diffusion.pipelines.stream_decoder.WanStreamingDecoder`). Each chunk's
 frames go to ``on_frames`` as soon as they are decoded; no latent of an earlier chunk is kept. What is exact
-(``docs/streaming.md``): every chunk is denoised as one causal pass over the clean earlier chunks and the noisy
-current one would denoise it, and the decoded frames equal ``vae.decode`` of the whole latent.
+(``docs/streaming.md``): every chunk is denoised as one block-causal pass over the clean earlier chunks and the
+noisy current one would denoise it, and the decoded frames equal ``vae.decode`` of the whole latent.
 
 The chunk rule (:mod:`mhla_diffusion.utils.stream_frames`): ``num_frames = 1 + 4 (n * chunk_frames - 1)``.
 """
@@ -22,7 +25,8 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
 
-from ..models.streaming import CausalStream
+from ..models.kv_cache import KVCacheStream, kv_cache_processors, restore_block_causal
+from ..models.streaming import CausalStream, ChunkStream, causal_processors
 from ..utils.stream_frames import StreamChunks, stream_chunks
 from .stream_decoder import WanStreamingDecoder
 from .wan import MHLAWanPipeline
@@ -34,17 +38,25 @@ OUTPUT_TYPES = ("np", "pt", "pil", "latent")
 
 #: The refusal of a streaming run under context parallelism.
 CONTEXT_PARALLEL_ERROR = (
-    "streaming generation has no context parallelism (its causal MHLA state is per process): disable it "
+    "streaming generation has no context parallelism (its causal MHLA state or KV cache is per process): disable it "
     "(no transformer.enable_parallelism / enable_context_parallel; CLI: leave out --context-parallel) to stream"
+)
+#: The refusal of a transformer that is not block-causal (bidirectional MHLA or softmax).
+NOT_CAUSAL_ERROR = (
+    "this transformer has no block-causal MHLA layer and no block-causal softmax attention, so it cannot stream: "
+    "convert it with MHLAConfig(causal=True), or train a softmax model block-causal (finetune option "
+    "softmax_block_causal: true; use_kv_cache(transformer, block_causal=True)), or generate the whole clip in one pass"
 )
 
 
 class MHLAWanStreamingPipeline(MHLAWanPipeline):
-    """``MHLAWanPipeline`` that generates chunk by chunk with a block-causal MHLA transformer (module docstring).
+    """``MHLAWanPipeline`` that generates chunk by chunk with a block-causal transformer (module docstring).
 
     Loading is :class:`MHLAWanPipeline`'s (``from_pretrained``, ``mhla_weights``, swapping schedulers). The
-    transformer must have causal MHLA layers (``MHLAConfig(causal=True)``); one transformer only (Wan2.1, or
-    Wan2.2-TI2V-5B; not the two experts of Wan2.2-A14B).
+    transformer must have causal MHLA layers (``MHLAConfig(causal=True)``) or be block-causal softmax (KV-cache
+    processors installed, or recorded in its config: :data:`~mhla_diffusion.models.kv_cache.BLOCK_CAUSAL_KEY`,
+    which a ``softmax_block_causal`` training run saves); one transformer only (Wan2.1, or Wan2.2-TI2V-5B; not the
+    two experts of Wan2.2-A14B).
     """
 
     _current_chunk: int | None = None
@@ -59,15 +71,15 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
     ) -> StreamChunks:
         """Raise ``ValueError`` for a stream this pipeline cannot run, before any work; return how it is cut.
 
-        Checked: one transformer, with causal MHLA layers and no context parallelism; ``output_type``; the chunk
-        rule (naming the nearest frame counts that fit); height and width as ``WanPipeline`` allows them.
+        Checked: one transformer, block-causal (MHLA or softmax) and without context parallelism; ``output_type``;
+        the chunk rule (naming the nearest frame counts that fit); height and width as ``WanPipeline`` allows them.
         """
         if getattr(self, "transformer_2", None) is not None or self.config.get("boundary_ratio") is not None:
             raise ValueError(
                 "streaming runs one transformer: this pipeline has two (Wan2.2-A14B's experts); stream a "
                 "one-transformer model (Wan2.1, Wan2.2-TI2V-5B) converted with MHLAConfig(causal=True)"
             )
-        stream = CausalStream(self.transformer)  # the error naming MHLAConfig(causal=True) when it has no causal layer
+        stream = self.make_stream()
         parallel = [getattr(self.transformer, "_parallel_config", None)]
         parallel += [getattr(processor, "_parallel_config", None) for processor in stream.processors]
         if any(config is not None for config in parallel):
@@ -79,6 +91,17 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         # each chunk has its own positions (models/streaming.py): the length is unbounded, the frame size is not
         geometry.check_size(chunks.video_frames(0), height, width, generation=True)
         return chunks
+
+    def make_stream(self) -> ChunkStream:
+        """A new stream of the transformer: :class:`~mhla_diffusion.models.streaming.CausalStream` for causal MHLA
+        layers, :class:`~mhla_diffusion.models.kv_cache.KVCacheStream` for softmax KV-cache layers (put back here
+        when its config records block-causal softmax); ``ValueError`` for a transformer that cannot stream."""
+        transformer = self.transformer
+        if causal_processors(transformer):
+            return CausalStream(transformer)
+        if restore_block_causal(transformer) or kv_cache_processors(transformer):
+            return KVCacheStream(transformer)
+        raise ValueError(NOT_CAUSAL_ERROR)
 
     @torch.no_grad()
     def __call__(
@@ -163,7 +186,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
             height // self.vae_scale_factor_spatial,
             width // self.vae_scale_factor_spatial,
         )
-        stream = CausalStream(self.transformer)
+        stream = self.make_stream()
         decoder = WanStreamingDecoder(self.vae) if output_type != "latent" else None
         kept: list[Any] = []
         with self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar:
@@ -216,7 +239,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
 
     def _denoise_chunk(
         self,
-        stream: CausalStream,
+        stream: ChunkStream,
         latents: torch.Tensor,
         prompt_embeds: torch.Tensor,
         negative_prompt_embeds: torch.Tensor | None,

@@ -1,5 +1,6 @@
-"""A tiny block-causal MHLA Wan pipeline (the ``causal_pipeline_dir`` fixture saves it), its streaming call, and
-the reference a stream must equal: each chunk denoised by one causal pass over the clean earlier chunks."""
+"""A tiny block-causal MHLA Wan pipeline (the ``causal_pipeline_dir`` fixture saves it) and a block-causal softmax
+one, their streaming call, and the reference a stream must equal: each chunk denoised by one causal pass over the
+clean earlier chunks."""
 
 from __future__ import annotations
 
@@ -44,10 +45,25 @@ def causal_tiny_pipeline():
     return pipe
 
 
+def block_causal_softmax_pipeline():
+    """The tiny Wan pipeline as a :class:`MHLAWanStreamingPipeline` whose softmax self-attention is block-causal over
+    latent frames with a KV cache (``use_kv_cache(transformer, block_causal=True)``, recorded in its config): the
+    streaming teacher's kind."""
+    from mhla_diffusion import MHLAWanStreamingPipeline
+    from mhla_diffusion.models.kv_cache import use_kv_cache
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline
+
+    pipe = MHLAWanStreamingPipeline(**tiny_wan_pipeline().components)
+    use_kv_cache(pipe.transformer, block_causal=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
     """What a stream must give, computed without a stream: each chunk denoised (same noise, schedule, guidance)
-    by one causal pass of the transformer over the clean earlier chunks (timestep 0) and the noisy chunk,
-    unconditional and conditional as two separate calls, then the whole latent decoded by ``vae.decode``.
+    by one causal pass of the transformer (block-causal MHLA or softmax) over the clean earlier chunks (timestep 0)
+    and the noisy chunk, unconditional and conditional as two separate calls, then the whole latent decoded by
+    ``vae.decode``.
     ``call``: the pipeline's arguments (:data:`STREAM_CALL`). The frames ``(1, F, H, W, 3)``."""
     from diffusers.utils.torch_utils import randn_tensor
 

@@ -1,6 +1,7 @@
 """MHLAWanStreamingPipeline (pipelines/wan_streaming.py) on a tiny block-causal MHLA Wan pipeline saved to disk:
 each chunk equals one causal pass over the clean earlier chunks (past the rotary table too), the output types,
-the callbacks and the progress bar, and every refusal before any work."""
+the callbacks and the progress bar, and every refusal before any work. The same equality for a saved block-causal
+softmax pipeline, streamed with a KV cache."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from helpers.models import seeded
-from helpers.streaming import STREAM_CALL, one_pass_stream
-from mhla_diffusion import MHLAWanStreamingPipeline
+from helpers.streaming import STREAM_CALL, block_causal_softmax_pipeline, one_pass_stream
+from mhla_diffusion import MHLAWanPipeline, MHLAWanStreamingPipeline
+from mhla_diffusion.models.kv_cache import KVCacheStream, kv_cache_processors
 from mhla_diffusion.pipelines.wan_streaming import CONTEXT_PARALLEL_ERROR
 from mhla_diffusion.utils.stream_frames import stream_chunks
 
@@ -44,6 +46,32 @@ def test_each_chunk_equals_one_causal_pass_over_the_clean_chunks_before(pipe, nu
     chunks = stream_chunks(num_frames, chunk_frames)
     assert [chunk.shape[1] for chunk in seen] == [chunks.video_frames(i) for i in range(chunks.num_chunks)]
     np.testing.assert_array_equal(np.concatenate(seen, axis=1), frames)
+
+
+@pytest.fixture(scope="module")
+def softmax_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipelines") / "wan_block_causal_softmax"
+    block_causal_softmax_pipeline().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("num_frames", "chunk_frames"),
+    [(29, 2), (141, 6)],  # 4 chunks of 2 latent frames; 36 latent frames, past the 32 rows of the rotary table
+)
+def test_a_block_causal_softmax_model_streams_with_a_kv_cache(softmax_dir, num_frames, chunk_frames):
+    pipe = MHLAWanStreamingPipeline.from_pretrained(softmax_dir)  # the config's mark gives back its processors
+    pipe.set_progress_bar_config(disable=True)
+    assert isinstance(pipe.make_stream(), KVCacheStream)
+    call = {**STREAM_CALL, "num_frames": num_frames, "chunk_frames": chunk_frames}
+    seen = []
+    frames = pipe(**call, generator=seeded(0), on_frames=seen.append).frames
+    reference = one_pass_stream(pipe, call, seeded(0))  # one block-causal pass per step over clean chunks + noisy one
+    assert frames.shape == reference.shape == (1, num_frames, 32, 48, 3)
+    np.testing.assert_allclose(frames, reference, rtol=0, atol=1e-5)
+    assert len(seen) == stream_chunks(num_frames, chunk_frames).num_chunks
+    one_pass = MHLAWanPipeline.from_pretrained(softmax_dir)  # loads block-causal too: it generates as it was trained
+    assert [p.block_causal for p in kv_cache_processors(one_pass.transformer)] == [True] * 2
 
 
 def test_output_types_and_frames_left_to_the_callback(pipe):
@@ -124,5 +152,7 @@ def test_bad_calls_are_refused_before_any_work(pipe, pipeline_dirs, monkeypatch,
     )
     softmax = MHLAWanStreamingPipeline.from_pretrained(pipeline_dirs["wan"])
     for model in (bidirectional, softmax):
-        with pytest.raises(ValueError, match=r"no block-causal MHLA layer.*MHLAConfig\(causal=True\)"):
+        with pytest.raises(
+            ValueError, match=r"no block-causal MHLA layer.*MHLAConfig\(causal=True\).*softmax_block_causal"
+        ):
             model(**STREAM_CALL)
