@@ -368,6 +368,12 @@ class WanTrainOptions(TrainOptions):
         "and out of the loss, as a stream's earlier chunks; 0: every chunk noisy, 1: clean context + one noisy chunk",
         valid=between(0, 1),
     )
+    softmax_block_causal: bool = option(
+        False,
+        "attention: softmax: train softmax self-attention block-causal over latent frames (a frame sees itself and "
+        "the frames before it), with the causal_* diffusion forcing of block-causal MHLA; the saved model streams "
+        "with a KV cache",
+    )
     lora_rank: int = option(64, "LoRA rank (trainable: lora)", valid=at_least(1))
     lora_alpha: int = option(64, "LoRA alpha (trainable: lora)", valid=above(0))
     lora_target_modules: list[str] = option(
@@ -410,6 +416,11 @@ class WanTrainOptions(TrainOptions):
                 "distillation_weight distils an MHLA student from its softmax original, but attention: "
                 "softmax trains the original itself: set distillation_weight: 0, or use attention: mhla"
             )
+        if self.softmax_block_causal and self.attention != "softmax":
+            raise ValueError(
+                f"softmax_block_causal makes softmax self-attention block-causal, but attention: {self.attention} "
+                "replaces it: set mhla: {causal: true} for block-causal MHLA, or attention: softmax"
+            )
         self.check_causal(self._causal_asked())
         if self.context_parallel_degree > 1:
             if self.attention_transfer_steps:
@@ -449,11 +460,11 @@ class WanTrainOptions(TrainOptions):
                 raise ValueError("validation FID needs at least 2 images (frames): raise validation_fid_samples")
 
     def _causal_asked(self) -> bool | None:
-        """Whether the options make the model block-causal: ``mhla.causal`` (conversion), ``False`` for
-        ``attention: softmax``, ``None`` when only the model tells (``mhla_weights``, or a pretrained_model saved
+        """Whether the options make the model block-causal: ``mhla.causal`` (conversion), ``softmax_block_causal``
+        for ``attention: softmax``, ``None`` when only the model tells (``mhla_weights``, or a pretrained_model saved
         with MHLA, whose own config wins over ``mhla``): the trainer checks again with the model it loaded."""
         if self.attention == "softmax":
-            return False
+            return self.softmax_block_causal
         if self.mhla_weights is None and self.mhla_config().causal:
             return True
         return None
@@ -464,14 +475,16 @@ class WanTrainOptions(TrainOptions):
         if causal and self.context_parallel_degree > 1:
             raise ValueError(
                 f"context_parallel_degree {self.context_parallel_degree}: context parallelism has no block-causal "
-                "MHLA, and this model is causal (mhla.causal): set context_parallel_degree: 1, or train without causal"
+                "MHLA or softmax, and this model is block-causal (mhla.causal or softmax_block_causal): set "
+                "context_parallel_degree: 1, or train without causal"
             )
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("causal_")}
         changed = [f"`{name}`" for name, default in defaults.items() if getattr(self, name) != default]
         if changed and causal is False:
             raise ValueError(
                 f"{', '.join(changed)} {'sets' if len(changed) == 1 else 'set'} how a block-causal model trains, but "
-                "this model is not causal: set mhla: {causal: true} (attention: mhla), or drop "
+                "this model is not causal: set mhla: {causal: true} (attention: mhla) or softmax_block_causal: true "
+                "(attention: softmax), or drop "
                 f"{'it' if len(changed) == 1 else 'them'}"
             )
 

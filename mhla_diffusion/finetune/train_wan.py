@@ -18,6 +18,11 @@ plus one noisy current chunk": a causal pass predicts every chunk from the chunk
 every chunk at once, at every context length; a stream conditions on clean earlier chunks, which the clean chunks
 show the model exactly (``causal_clean_chunks: 1`` is the clean-context scheme itself; 0 diffusion forcing
 proper). See :func:`~mhla_diffusion.finetune.objectives.diffusion_forcing_inputs` and ``docs/finetune.md``.
+
+A block-causal softmax model (``attention: softmax`` with ``softmax_block_causal: true``: the streaming teacher)
+trains the same way: its self-attention layers get block-causal KV-cache processors
+(:func:`~mhla_diffusion.models.kv_cache.use_kv_cache`), whose mark in the transformer's config is saved with it,
+so ``MHLAWanStreamingPipeline`` streams the saved pipeline with a KV cache.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from ..loaders.loading import WAN_HUB_ID, check_model_source
 from ..loaders.weights import save_mhla
 from ..models.conversion import get_mhla_conversion
+from ..models.kv_cache import is_block_causal, use_kv_cache
 from ..utils.geometry import VideoGeometry, check_layout_fits
 from .components import (
     load_component,
@@ -76,7 +82,7 @@ class WanTask(Task):
         self.cache: LatentCache | None = None
         self._prompt_cache: dict[str, torch.Tensor] = {}
         self.original: nn.Module | None = None  # the frozen softmax original (distillation_weight > 0)
-        self.causal = False  # block-causal MHLA: one noise level per chunk (diffusion forcing)
+        self.causal = False  # block-causal MHLA or softmax: one noise level per chunk (diffusion forcing)
         self.stage = "train"
 
     # ------------------------------------------------------------------ setup
@@ -185,8 +191,16 @@ class WanTask(Task):
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         if o.attention == "softmax":
             transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            if is_block_causal(transformer) and not o.softmax_block_causal:
+                raise ValueError(
+                    f"{o.pretrained_model}'s transformer is block-causal softmax (its config records it): set "
+                    "softmax_block_causal: true to train it so, or start from a bidirectional model"
+                )
+            if o.softmax_block_causal:
+                use_kv_cache(transformer, block_causal=True)
             if accelerator.is_main_process:
-                logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
+                how = "block-causal over latent frames" if o.softmax_block_causal else "as it is"
+                logger.info("attention: softmax: training %s %s (no MHLA)", type(transformer).__name__, how)
             return transformer.train()
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
         if config.layout == "auto" and config.target_grid is None:
@@ -244,11 +258,12 @@ class WanTask(Task):
             geometry.check_frames(count)
 
     def _check_causal(self, transformer: nn.Module, accelerator) -> bool:
-        """Whether the loaded model is block-causal (converted so, or saved so), with the ``causal_*`` options
-        checked against it before any encoding: a chunk holds 1 .. the latent frames of ``num_frames``, and
-        every latent frame is a frame of tokens (temporal patch 1), whose timesteps the chunks set."""
+        """Whether the loaded model is block-causal (MHLA converted so or saved so; softmax with
+        ``softmax_block_causal``), with the ``causal_*`` options checked against it before any encoding: a chunk
+        holds 1 .. the latent frames of ``num_frames``, and every latent frame is a frame of tokens (temporal patch
+        1), whose timesteps the chunks set."""
         conversion = get_mhla_conversion(transformer)
-        causal = conversion is not None and conversion.config.causal
+        causal = conversion.config.causal if conversion is not None else is_block_causal(transformer)
         o = self.options
         o.check_causal(causal)
         if not causal:
