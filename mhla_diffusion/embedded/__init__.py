@@ -8,6 +8,7 @@
 * :mod:`.video_judge` / :mod:`.image_judge`: classifiers trained on that ground truth;
 * :mod:`.judge_features` / :mod:`.judge_io`: the judges as ``mhla_diffusion.eval`` feature networks, save/load;
 * :mod:`.judge_reading`: what a judge reads in one generated sample, with its confidence;
+* :mod:`.long_video`: a long video's measures (judged windows, centroid jumps, speed drift) and the ways to make one;
 * :mod:`.autoencoders`: tiny Wan (video) and SD-style (image) VAEs trained here on that data;
 * :mod:`.build` / :mod:`.reproduction`: the build's stages and the reproduction table.
 
@@ -73,6 +74,20 @@ _EXPORTS = {
         ".locations",
     ),
     **dict.fromkeys(["ImageReading", "JudgeReader", "VideoReading", "requested_attributes"], ".judge_reading"),
+    **dict.fromkeys(
+        [
+            "LongVideoMeasures",
+            "TimedCall",
+            "WindowReading",
+            "centroids",
+            "independent_clips",
+            "measure_long_video",
+            "stream_frames",
+            "timed",
+            "window_readings",
+        ],
+        ".long_video",
+    ),
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
