@@ -9,11 +9,12 @@ import argparse
 from pathlib import Path
 
 from ..embedded.locations import EMBEDDED_ROOT
-from .arguments import add_command, add_settings_option, check_settings
+from .arguments import add_command, add_settings_option, check_settings, dataclass_field_names
 
-__all__ = ["DEFAULT_WORK_DIR", "register"]
+__all__ = ["DEFAULT_STREAM_WORK_DIR", "DEFAULT_WORK_DIR", "register"]
 
 DEFAULT_WORK_DIR = Path("runs/build-embedded")
+DEFAULT_STREAM_WORK_DIR = Path("runs/build-embedded-stream")  # --stream's, unless --work-dir is given
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,9 +32,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--work-dir",
         type=Path,
-        default=DEFAULT_WORK_DIR,
+        default=None,
         help="intermediate files and checkpoints; a rerun resumes a killed build inside the stage it "
-        f"was in (default {DEFAULT_WORK_DIR})",
+        f"was in (default {DEFAULT_WORK_DIR}; with --stream {DEFAULT_STREAM_WORK_DIR})",
     )
     p.add_argument(
         "--output",
@@ -59,15 +60,33 @@ def configure(p: argparse.ArgumentParser) -> None:
         "build_report.json and models, e.g. mhla_diffusion/embedded/models): only the data, the students "
         "and the evaluation run (for new student or evaluation settings)",
     )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="build the streaming long-video models instead (shapes-long-mhla and its block-causal softmax "
+        "teacher shapes-long-softmax, fine-tuned from the softmax teacher of --from-build, default the package's), "
+        "the long-video judge and the long-video report; resumable like the main build",
+    )
     add_settings_option(
         p, "mhla_diffusion.embedded.build", "BuildSettings", "build setting", "--set video_teacher_steps=6000"
     )
+    overrides = next(action for action in p._actions if action.dest == "overrides")
+    overrides.help += ". With --stream, the fields of mhla_diffusion.embedded.stream_build.StreamBuildSettings: " + (
+        ", ".join(dataclass_field_names(*STREAM_SETTINGS))
+    )
     p.set_defaults(func=run)
+
+
+#: The streaming build's settings dataclass (``--stream``).
+STREAM_SETTINGS = ("mhla_diffusion.embedded.stream_build", "StreamBuildSettings")
 
 
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    if args.stream:
+        return run_stream(args)
+    args.work_dir = args.work_dir or DEFAULT_WORK_DIR
     check_settings(args.overrides, "mhla_diffusion.embedded.build", "BuildSettings")  # before torch loads
     from ..embedded.build import BuildSettings, build_demo_models, settings_with
     from ..ops.cpu_memory import retain_freed_memory
@@ -91,4 +110,34 @@ def run(args: argparse.Namespace) -> int:
     )
     print((args.work_dir / "reproduction.md").read_text())
     print(f"total {report['total_seconds']:.0f} s; stage results: {args.work_dir / 'stages'}")
+    return 0
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    """``mhla build-embedded --stream`` (:mod:`mhla_diffusion.embedded.stream_build`)."""
+    import logging
+
+    check_settings(args.overrides, *STREAM_SETTINGS)  # before torch loads
+    if args.smoke and args.output == EMBEDDED_ROOT and not args.no_export:
+        raise ValueError(
+            "--smoke models are untrained: give --output for them (or --no-export), not the package folder"
+        )
+    from ..embedded.build import settings_with
+    from ..embedded.stream_build import StreamBuildSettings, build_stream_models
+    from ..ops.cpu_memory import retain_freed_memory
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    settings = settings_with(StreamBuildSettings.smoke() if args.smoke else StreamBuildSettings(), args.overrides)
+    retain_freed_memory()
+    work = args.work_dir or DEFAULT_STREAM_WORK_DIR
+    report = build_stream_models(
+        work,
+        None if args.no_export else args.output,
+        settings,
+        from_build=args.from_build,
+        figure=None if args.no_export else args.figure,
+        overwrite=args.overwrite,
+    )
+    print((work / "evaluate" / "long_video_report.md").read_text())
+    print(f"total {report['total_seconds']:.0f} s; stage results: {work / 'stages'}")
     return 0

@@ -164,9 +164,9 @@ def configure_class_to_image(image: argparse.ArgumentParser) -> None:
 def _apply_defaults(args: argparse.Namespace, task: str) -> None:
     """The model, then every unset option from it (:mod:`mhla_diffusion.utils.model_defaults`).
 
-    Without --model: the embedded model, and with --attention softmax its softmax teacher (the embedded MHLA
-    model's weights are trained for MHLA), said on stderr. A local --model must exist; a video model that
-    records no size needs --num-frames, --height and --width.
+    Without --model: the embedded model (with --stream the embedded long-video model), and with --attention softmax
+    its softmax teacher (the embedded MHLA model's weights are trained for MHLA), said on stderr. A local --model
+    must exist; a video model that records no size needs --num-frames, --height and --width.
     """
     from ..embedded.locations import embedded_model
     from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, WAN_I2V_HUB_ID, check_model_source
@@ -175,7 +175,8 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
     if args.model is None:  # never for image-to-video, whose --model is required
         if args.mhla_weights is not None or args.transformer is not None or getattr(args, "mhla_weights_2", None):
             raise ValueError("--mhla-weights / --mhla-weights-2 / --transformer need the --model they belong to")
-        args.model = str(embedded_model(task, args.attention))
+        streaming = getattr(args, "stream", False)  # the embedded long-video model streams; the others do not
+        args.model = str(embedded_model("long-video" if streaming else task, args.attention))
         if args.attention == "softmax":
             print(
                 f"--attention softmax: generating with the embedded softmax teacher {args.model} (the embedded "
@@ -198,6 +199,8 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
             fps=d.fps,
             max_sequence_length=d.max_sequence_length,
         )
+        if getattr(args, "stream", False):
+            values["chunk_frames"] = d.chunk_frames  # the chunk a block-causal model trained with (None: the rule's)
         missing = [f"--{name.replace('_', '-')}" for name in d.missing_size if getattr(args, name) is None]
         if missing:
             raise ValueError(
@@ -374,6 +377,26 @@ def _judge(reader: Any, sample: Any, read: Callable[[], Any]) -> tuple[dict[str,
     return {"judge": reading.to_json()}, f"  {reading.describe()}"
 
 
+def _judge_long_video(reader: Any, chunks: list[Any], prompt: str) -> tuple[dict[str, Any], str]:
+    """A streamed embedded video's judge reading (:func:`~mhla_diffusion.embedded.long_video.measure_long_video`:
+    shape and colour per 9-frame window, the centroid's largest jump) for its JSON and printed line."""
+    import numpy as np
+
+    from ..embedded.long_video import measure_long_video
+
+    starts = [int(s) for s in np.cumsum([len(chunk) for chunk in chunks])[:-1]]
+    try:
+        measures = measure_long_video(reader.judge, np.concatenate(chunks), prompt, starts)
+    except ValueError as error:  # a prompt the judge cannot compare with, a video shorter than one window
+        return {"judge": {"reading": None, "why": str(error)}}, f"  (no judge reading: {error})"
+    matching = round(measures.window_match * measures.num_windows)
+    line = (
+        f"  judge: shape and colour as asked in {matching}/{measures.num_windows} windows, largest centroid jump "
+        f"{measures.max_jump:.1f} px"
+    )
+    return {"judge": measures.to_json()}, line
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -387,7 +410,15 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
-    from ..pipelines.outputs import VideoWriter, check_settings, plan_outputs, save_video, slugify, write_settings
+    from ..pipelines.outputs import (
+        VideoWriter,
+        check_settings,
+        float_to_uint8,
+        plan_outputs,
+        save_video,
+        slugify,
+        write_settings,
+    )
     from ..utils.geometry import check_layout_fits
     from .stream import check_stream, check_stream_model, stream_settings
 
@@ -474,24 +505,27 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                 output_type="np",
                 max_sequence_length=args.max_sequence_length,
             )
-            frames = None
-            if chunks is not None:  # each chunk's frames go into the file as they are decoded; none are kept
+            frames, judged_chunks = None, []
+            if chunks is not None:  # each chunk's frames go into the file as they are decoded
                 with VideoWriter(plan, args.format, args.fps) as writer:
-                    pipe(
-                        **call,
-                        chunk_frames=chunks.chunk_frames,
-                        on_frames=lambda chunk: writer.append(chunk[0]),
-                        return_frames=False,
-                    )
+
+                    def deliver(chunk: Any) -> None:
+                        writer.append(chunk[0])
+                        if reader is not None:  # an embedded model's 48x48 frames, kept for its judge
+                            judged_chunks.append(float_to_uint8(chunk[0]))
+
+                    pipe(**call, chunk_frames=chunks.chunk_frames, on_frames=deliver, return_frames=False)
             else:
                 frames = pipe(**call).frames[0]
             wall = time.perf_counter() - started
             if parallel is not None and not parallel.is_main:
                 continue  # every process holds the same video; rank 0 writes it
-            judged, line = {}, ""  # a streamed video is not kept in memory for the judge
+            judged, line = {}, ""
             if frames is not None:
                 save_video(frames, plan, args.format, args.fps)
                 judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
+            elif judged_chunks:
+                judged, line = _judge_long_video(reader, judged_chunks, prompt)
             write_settings(
                 plan,
                 _settings(

@@ -28,12 +28,15 @@ import numpy as np
 
 from .bouncing_shapes import SPEED_RANGE, bouncing_clip
 from .judge_io import load_judge
+from .locations import embedded_defaults
 from .moving_shapes import parse_caption
 from .reproduction import balanced_captions
 
-__all__ = ["METHODS", "evaluate_long_video", "report_markdown"]
+__all__ = ["CLI_PROMPT", "METHODS", "evaluate_long_video", "report_markdown"]
 
 EVAL_SEED = 30_000
+#: The prompt of the README's streaming command, whose reading the report records.
+CLI_PROMPT = "a red circle moving left"
 #: Method key -> the name the report gives it.
 METHODS = {
     "real": "real videos (the data)",
@@ -59,7 +62,15 @@ def _method_runs(work: Path, s, source: Path) -> dict[str, Callable[[str, int, i
     from ..pipelines import MHLAWanPipeline, MHLAWanStreamingPipeline
     from .long_video import independent_clips, stream_frames
 
-    common = dict(num_inference_steps=s.eval_steps, guidance_scale=s.guidance_scale)
+    d = embedded_defaults()
+    common = dict(
+        num_inference_steps=s.eval_steps,
+        guidance_scale=s.guidance_scale,
+        height=d.height,
+        width=d.width,
+        max_sequence_length=d.max_sequence_length,
+        negative_prompt="",  # the command line's default
+    )
     mhla = MHLAWanStreamingPipeline.from_pretrained(work / "runs" / "long-mhla" / "pipeline")
     softmax = MHLAWanStreamingPipeline.from_pretrained(work / "runs" / "long-softmax" / "pipeline")
     clips = MHLAWanPipeline.from_pretrained(source / "shapes-t2v-mhla")
@@ -143,13 +154,18 @@ def evaluate_long_video(work: Path, s, source: Path) -> dict[str, Any]:
         if key in ("stream-mhla", "stream-softmax"):
             peaks = {}
             for label, frames_count in (("1x", s.train_frames), ("8x", s.eval_frames)):
-                peaks[label] = timed(lambda: runs[key](prompts[0], EVAL_SEED, frames_count)).peak_bytes
+                peaks[label] = timed(lambda: runs[key](prompts[0], EVAL_SEED, frames_count), wall_time=False).peak_bytes
             result["peak_mb"] = {label: round(peak / 2**20, 2) for label, peak in peaks.items()}
             result["peak_8x_vs_1x"] = round(peaks["8x"] / peaks["1x"], 3)
         saved.write_text(json.dumps(result, indent=2))
         results[key] = result
     for key in METHODS:
         strips[key] = np.load(folder / f"{key}-first.npy")
+    # what `mhla text-to-video --stream --num-frames <eval_frames> --prompt "<CLI_PROMPT>"` makes (seed 0, the
+    # model's recorded settings): the test of that command compares its judge reading with this
+    frames, starts = runs["stream-mhla"](CLI_PROMPT, 0, s.eval_frames)
+    command = {"prompt": CLI_PROMPT, "seed": 0, "num_frames": s.eval_frames}
+    command["judge"] = measure_long_video(judge, frames, CLI_PROMPT, starts).to_json()
     report = {
         "settings": {
             "train_frames": s.train_frames,
@@ -161,6 +177,7 @@ def evaluate_long_video(work: Path, s, source: Path) -> dict[str, Any]:
             "data_speed_px_per_frame": list(SPEED_RANGE),
         },
         "methods": results,
+        "command": command,
     }
     (folder / "long_video_report.json").write_text(json.dumps(report, indent=2) + "\n")
     (folder / "long_video_report.md").write_text(report_markdown(report))
