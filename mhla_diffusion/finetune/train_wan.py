@@ -522,8 +522,9 @@ class WanTask(Task):
     def generation_defaults(self) -> dict[str, Any]:
         """What the saved pipeline generates by default (its ``_mhla_generation_defaults``): the frames, size and text
         length it trained at, the guidance of its validation samples (``validation_guidance_scale``, by default
-        ``pretrained_model``'s own), and the steps and frame rate of ``pretrained_model``, which training leaves as
-        they were. The flow shift it trained with goes into its scheduler (:meth:`_pipeline`)."""
+        ``pretrained_model``'s own), the steps and frame rate of ``pretrained_model``, which training leaves as
+        they were, and for a block-causal model the latent frames per chunk it trained with (``chunk_frames``).
+        The flow shift it trained with goes into its scheduler (:meth:`_pipeline`)."""
         from ..utils.model_defaults import video_defaults
 
         o = self.options
@@ -537,6 +538,7 @@ class WanTask(Task):
             "guidance_scale": start.guidance_scale if guidance is None else guidance,
             "num_inference_steps": start.steps,
             "fps": start.fps,
+            **({"chunk_frames": o.causal_chunk_frames} if self.causal else {}),  # the chunk it streams with
         }
 
     def _pipeline(self, transformer: nn.Module, with_text: bool):
