@@ -198,6 +198,19 @@ def causal_pipeline_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def block_causal_softmax_dir(tmp_path_factory):
+    """A tiny Wan pipeline whose softmax self-attention is block-causal over latent frames with a KV cache
+    (``helpers.streaming.block_causal_softmax_pipeline``; its transformer config records it), saved whole:
+    ``MHLAWanStreamingPipeline.from_pretrained(folder)`` and ``mhla text-to-video --stream --attention softmax
+    --model folder`` stream it."""
+    from helpers.streaming import block_causal_softmax_pipeline
+
+    folder = tmp_path_factory.mktemp("pipelines") / "wan_block_causal_softmax"
+    block_causal_softmax_pipeline().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def wan_family_dirs(tmp_path_factory):
     """Tiny pipelines of the Wan family (``helpers.wan_family.VARIANTS``) saved to disk, with MHLA weights for each.
 

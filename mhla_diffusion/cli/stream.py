@@ -2,9 +2,9 @@
 
 A streamed run generates with :class:`~mhla_diffusion.pipelines.wan_streaming.MHLAWanStreamingPipeline` and
 appends each chunk's frames to the output video as they are decoded (``VideoWriter``), so neither the latents
-nor the frames of the whole video are kept. Refused with one line before any work: a model without block-causal
-MHLA, a frame count that does not fit the chunk rule (naming the nearest that do), context parallelism, and
-formats that cannot be appended to.
+nor the frames of the whole video are kept. Refused with one line before any work: a model that is not
+block-causal (MHLA, or softmax trained with ``softmax_block_causal``), a frame count that does not fit the chunk
+rule (naming the nearest that do), context parallelism, and formats that cannot be appended to.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import argparse
 import os
 from typing import Any
 
-from ..utils.geometry import VideoGeometry
-from ..utils.stream_frames import StreamChunks, stream_chunks
+from ..utils.geometry import VideoGeometry, read_component_config
+from ..utils.stream_frames import BLOCK_CAUSAL_KEY, StreamChunks, stream_chunks
 from .arguments import positive_int
 
 __all__ = ["add_stream_arguments", "check_stream", "check_stream_model", "stream_settings"]
@@ -25,7 +25,8 @@ def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--stream",
         action="store_true",
-        help="generate chunk by chunk with a model converted with MHLAConfig(causal=True), appending each chunk's "
+        help="generate chunk by chunk with a block-causal model (MHLAConfig(causal=True), or a softmax model trained "
+        "with softmax_block_causal, streamed with a KV cache), appending each chunk's "
         "frames to the video file as they come: any length, memory flat; --num-frames must be "
         "1 + 4 (n x chunk - 1) (mp4 or frames)",
     )
@@ -56,22 +57,36 @@ def check_stream(args: argparse.Namespace, geometry: VideoGeometry) -> StreamChu
             f"--stream appends frames to the video as they come, which --format {args.format} cannot take "
             f"(it is encoded whole at the end): use --format {' or '.join(VideoWriter.FORMATS)}"
         )
-    if args.attention == "softmax":
-        raise ValueError("--stream runs the model's block-causal MHLA layers: leave out --attention softmax")
     return stream_chunks(args.num_frames, args.chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
 
 
 def check_stream_model(args: argparse.Namespace, declared: list[dict[str, Any]]) -> None:
-    """Refuse a ``--stream`` model whose MHLA configs (``declared``: the ``mhla_config.json`` entries read without
-    loading it) have no causal layer. A hub model not at hand is checked by the pipeline after loading."""
+    """Refuse a ``--stream`` model that is not block-causal, read without loading it: with ``--attention mhla`` its
+    MHLA configs (``declared``: the ``mhla_config.json`` entries) need a causal layer; with ``--attention softmax``
+    its transformer config needs the block-causal softmax mark
+    (:data:`~mhla_diffusion.utils.stream_frames.BLOCK_CAUSAL_KEY`), streamed with a KV cache. A hub model not at hand
+    is checked by the pipeline after loading."""
+    marked = bool((read_component_config(args.model, "transformer") or {}).get(BLOCK_CAUSAL_KEY))
+    if args.attention == "softmax":
+        if marked or not os.path.isdir(args.model):
+            return
+        raise ValueError(
+            f"--stream --attention softmax streams a block-causal softmax model with a KV cache and {args.model} is "
+            "not one: train it with softmax_block_causal: true, or leave out --attention softmax to stream a "
+            "block-causal MHLA model"
+        )
     if any(meta["mhla_config"].get("causal") for meta in declared):
         return
     if declared or os.path.isdir(args.model):
+        if marked:
+            raise ValueError(
+                f"{args.model} is a block-causal softmax model (no MHLA layers): stream it with --attention softmax"
+            )
         what = "has MHLA layers, but not block-causal ones" if declared else "has no MHLA layers"
         raise ValueError(
-            f"--stream needs a block-causal MHLA model and {args.model} {what}: convert it with "
-            "MHLAConfig(causal=True) (pipe.convert_to_mhla, then fine-tune it) and save it, or generate without "
-            "--stream"
+            f"--stream needs a block-causal model and {args.model} {what}: convert it with "
+            "MHLAConfig(causal=True) (pipe.convert_to_mhla, then fine-tune it) and save it, or stream a softmax model "
+            "trained with softmax_block_causal: true (--attention softmax), or generate without --stream"
         )
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..utils.stream_frames import BLOCK_CAUSAL_KEY
 from .conversion import get_mhla_conversion, self_attention_layers
 from .processors.base import apply_interleaved_rotary
 from .processors.grid import TokenGridContext, install_grid_hook, remove_grid_hook
@@ -52,10 +53,6 @@ __all__ = [
     "restore_block_causal",
     "use_kv_cache",
 ]
-
-#: The transformer config entry (its ``config.json``; Diffusers keeps ``_`` entries through save and load) that
-#: records block-causal softmax self-attention over latent frames: ``"_mhla_block_causal": true``.
-BLOCK_CAUSAL_KEY = "_mhla_block_causal"
 
 #: One layer's cache: rotated keys and values ``(B, N_cached, H, D)`` of every chunk the stream has consumed.
 KVCache = tuple[torch.Tensor, torch.Tensor]

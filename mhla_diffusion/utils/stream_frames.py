@@ -7,14 +7,19 @@ later one to ``t * chunk_frames``. With chunks of 3 latent frames: 9, 21, 33, 45
 
 Without a chunk size the stream takes the largest of :data:`DEFAULT_CHUNK_FRAMES` (3, 2, 1) that divides the
 clip's latent frames, so every frame count the VAE can produce streams. Torch-free, so the command line checks
-a frame count before anything loads.
+a frame count before anything loads; so is :data:`BLOCK_CAUSAL_KEY`, the mark of a streamable softmax model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_CHUNK_FRAMES", "StreamChunks", "stream_chunks"]
+__all__ = ["BLOCK_CAUSAL_KEY", "DEFAULT_CHUNK_FRAMES", "StreamChunks", "stream_chunks"]
+
+#: The transformer config entry (its ``config.json``; Diffusers keeps ``_`` entries through save and load) that
+#: records block-causal softmax self-attention over latent frames, ``"_mhla_block_causal": true``: such a model
+#: streams with a KV cache (:mod:`mhla_diffusion.models.kv_cache`).
+BLOCK_CAUSAL_KEY = "_mhla_block_causal"
 
 #: Latent frames per chunk when none is asked for, in order of preference (3: CausVid's and Self-Forcing's chunk).
 DEFAULT_CHUNK_FRAMES = (3, 2, 1)

@@ -54,6 +54,20 @@ def test_frames_are_appended_while_the_stream_runs_and_equal_the_pipelines(causa
     np.testing.assert_array_equal(written, float_to_uint8(frames))
 
 
+def test_a_block_causal_softmax_model_streams_from_the_command_line(block_causal_softmax_dir, tmp_path):
+    assert (
+        text_to_video_stream(
+            block_causal_softmax_dir, tmp_path, *PROMPT, "--attention", "softmax", "--format", "frames"
+        )
+        == 0
+    )
+    (folder,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    written = np.stack([iio.imread(path) for path in sorted(folder.glob("frame_*.png"))])
+    pipe = MHLAWanStreamingPipeline.from_pretrained(block_causal_softmax_dir)
+    pipe.set_progress_bar_config(disable=True)
+    np.testing.assert_array_equal(written, float_to_uint8(pipe(**STREAM_CALL, generator=seeded(4)).frames[0]))
+
+
 @pytest.mark.slow  # imageio's ffmpeg writer is a process
 def test_a_streamed_mp4_holds_every_frame(causal_pipeline_dir, tmp_path):
     import imageio
@@ -74,17 +88,24 @@ def test_a_streamed_mp4_holds_every_frame(causal_pipeline_dir, tmp_path):
         ("causal", ("--format", "gif"), "use --format mp4 or frames"),
         ("causal", ("--attention", "softmax"), "leave out --attention softmax"),
         ("mhla", (), r"not block-causal ones: convert it with MHLAConfig\(causal=True\)"),
-        ("softmax", (), r"has no MHLA layers: convert it with MHLAConfig\(causal=True\)"),
+        ("softmax", (), r"has no MHLA layers: convert it with MHLAConfig\(causal=True\).*softmax_block_causal: true"),
+        ("softmax", ("--attention", "softmax"), "is not one: train it with softmax_block_causal: true"),
+        ("block-causal softmax", (), "a block-causal softmax model .*stream it with --attention softmax"),
     ],
 )
 def test_bad_streams_are_one_line_before_any_model_loads(
-    causal_pipeline_dir, pipeline_dirs, tmp_path, capsys, monkeypatch, folder, extra, message
+    causal_pipeline_dir, block_causal_softmax_dir, pipeline_dirs, tmp_path, capsys, monkeypatch, folder, extra, message
 ):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the command was refused")
 
     monkeypatch.setattr(MHLAWanStreamingPipeline, "from_pretrained", no_loading)
-    model = {"causal": causal_pipeline_dir, "mhla": pipeline_dirs["wan"], "softmax": pipeline_dirs["wan"]}[folder]
+    model = {
+        "causal": causal_pipeline_dir,
+        "mhla": pipeline_dirs["wan"],
+        "softmax": pipeline_dirs["wan"],
+        "block-causal softmax": block_causal_softmax_dir,
+    }[folder]
     weights = ("--mhla-weights", str(pipeline_dirs["wan_mhla"])) if folder == "mhla" else ()
     assert text_to_video_stream(model, tmp_path / "out", "--prompt", "a cat", *weights, *extra) == 2
     err = capsys.readouterr().err.strip()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.models import seeded
-from helpers.streaming import STREAM_CALL, block_causal_softmax_pipeline, one_pass_stream
+from helpers.streaming import STREAM_CALL, one_pass_stream
 from mhla_diffusion import MHLAWanPipeline, MHLAWanStreamingPipeline
 from mhla_diffusion.models.kv_cache import KVCacheStream, kv_cache_processors
 from mhla_diffusion.pipelines.wan_streaming import CONTEXT_PARALLEL_ERROR
@@ -48,19 +48,14 @@ def test_each_chunk_equals_one_causal_pass_over_the_clean_chunks_before(pipe, nu
     np.testing.assert_array_equal(np.concatenate(seen, axis=1), frames)
 
 
-@pytest.fixture(scope="module")
-def softmax_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pipelines") / "wan_block_causal_softmax"
-    block_causal_softmax_pipeline().save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize(
     ("num_frames", "chunk_frames"),
     [(29, 2), (141, 6)],  # 4 chunks of 2 latent frames; 36 latent frames, past the 32 rows of the rotary table
 )
-def test_a_block_causal_softmax_model_streams_with_a_kv_cache(softmax_dir, num_frames, chunk_frames):
-    pipe = MHLAWanStreamingPipeline.from_pretrained(softmax_dir)  # the config's mark gives back its processors
+def test_a_block_causal_softmax_model_streams_with_a_kv_cache(block_causal_softmax_dir, num_frames, chunk_frames):
+    pipe = MHLAWanStreamingPipeline.from_pretrained(
+        block_causal_softmax_dir
+    )  # the config's mark gives back its processors
     pipe.set_progress_bar_config(disable=True)
     assert isinstance(pipe.make_stream(), KVCacheStream)
     call = {**STREAM_CALL, "num_frames": num_frames, "chunk_frames": chunk_frames}
@@ -70,7 +65,9 @@ def test_a_block_causal_softmax_model_streams_with_a_kv_cache(softmax_dir, num_f
     assert frames.shape == reference.shape == (1, num_frames, 32, 48, 3)
     np.testing.assert_allclose(frames, reference, rtol=0, atol=1e-5)
     assert len(seen) == stream_chunks(num_frames, chunk_frames).num_chunks
-    one_pass = MHLAWanPipeline.from_pretrained(softmax_dir)  # loads block-causal too: it generates as it was trained
+    one_pass = MHLAWanPipeline.from_pretrained(
+        block_causal_softmax_dir
+    )  # loads block-causal too: it generates as it was trained
     assert [p.block_causal for p in kv_cache_processors(one_pass.transformer)] == [True] * 2
 
 
