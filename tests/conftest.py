@@ -211,6 +211,18 @@ def block_causal_softmax_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def long_video_root(tmp_path_factory):
+    """A folder laid out as the embedded long-video model's (``shapes-long-mhla`` beside ``judges/long-video``) with
+    an untrained block-causal MHLA stand-in (``helpers.long_video.write_long_video_model``): pass it as ``root``
+    to ``embedded_model("long-video", "mhla", root)``, or ``root / "shapes-long-mhla"`` as the model."""
+    from helpers.long_video import write_long_video_model
+
+    root = tmp_path_factory.mktemp("long_video")
+    write_long_video_model(root)
+    return root
+
+
+@pytest.fixture(scope="session")
 def wan_family_dirs(tmp_path_factory):
     """Tiny pipelines of the Wan family (``helpers.wan_family.VARIANTS``) saved to disk, with MHLA weights for each.
 

@@ -200,6 +200,7 @@ MODEL_OPTIONS = frozenset(
         "c2i_model",
         "t2v_softmax_model",
         "c2i_softmax_model",
+        "long_model",
         "pretrained_model",
         "vae_model",
     }

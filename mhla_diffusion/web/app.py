@@ -17,7 +17,8 @@ from .outputs import SessionOutputs
 __all__ = ["DESCRIPTION", "build_parser", "main", "prepare_environment", "require_gradio", "run", "serve"]
 
 DESCRIPTION = (
-    "Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention. "
+    "Gradio web demo: text-to-video and class-to-image with MHLA, side by side with softmax attention, and long "
+    "videos streamed chunk by chunk from a block-causal MHLA model. "
     "Serves on 127.0.0.1; offline (no analytics, no share link)."
 )
 

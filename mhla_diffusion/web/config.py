@@ -12,6 +12,12 @@ the "compare" option needs a softmax model; where it comes from (see :func:`reso
 
 The form's defaults (frames, size, steps, guidance, frame rate, text length) are the models' own
 (:mod:`mhla_diffusion.utils.model_defaults`) unless a flag gives them.
+
+The "Long video" tab streams one video chunk by chunk from a block-causal MHLA pipeline (see
+:func:`resolve_long_video`): ``--long-model``, by default the embedded long-video model. Its form starts at
+:data:`LONG_VIDEO_FRAMES` frames (``--long-num-frames``) and takes the rest (size, steps, guidance, frame rate, text
+length) from that model as the other tabs do. Without the embedded model (not built yet) and without
+``--long-model`` the tab says how to get one and the other tabs work as usual.
 """
 
 from __future__ import annotations
@@ -25,14 +31,25 @@ from typing import Any, Callable, Literal
 
 from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
+from ..embedded.bouncing_shapes import BOUNCE_FRAMES
 from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
 from ..utils.choices import WEIGHT_DTYPES
 from ..utils.geometry import WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
 from ..utils.model_defaults import RECORD_KEY, image_defaults, video_defaults
 from ..utils.options import at_least, between, number, state_ranges
+from ..utils.stream_frames import stream_chunks
 from .validation import Limits
 
-__all__ = ["DemoConfig", "TaskModels", "add_arguments", "config_from_args", "resolve_task_models"]
+__all__ = [
+    "LONG_VIDEO_FRAMES",
+    "DemoConfig",
+    "LongVideo",
+    "TaskModels",
+    "add_arguments",
+    "config_from_args",
+    "resolve_long_video",
+    "resolve_task_models",
+]
 
 SoftmaxSource = Literal["folder", "base", "same"]
 ENV_PREFIX = "MHLA_DEMO_"
@@ -42,6 +59,8 @@ COUNT = number(int, at_least(1))
 GUIDANCE = number(float, between(0, Limits.max_guidance))
 SAMPLES = number(int, between(1, Limits.max_samples))
 SIZE_LIMIT = number(int, at_least(WAN_PIPELINE_SIZE_MULTIPLE))
+#: The long-video form's frames: 8x the clips the embedded long-video model trains on (17 frames -> 129).
+LONG_VIDEO_FRAMES = 1 + 8 * (BOUNCE_FRAMES - 1)
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,24 @@ class UIDefaults:
 
 
 @dataclass(frozen=True)
+class LongVideo:
+    """The "Long video" tab: its block-causal MHLA pipeline and the values its form starts with.
+
+    ``model`` is ``None`` when there is none (``missing``: why, and how to get one): the tab then shows that line.
+    """
+
+    model: str | None
+    num_frames: int
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    fps: int
+    max_sequence_length: int
+    missing: str | None = None
+
+
+@dataclass(frozen=True)
 class DemoConfig:
     """Everything the demo needs to start."""
 
@@ -107,6 +144,7 @@ class DemoConfig:
     max_queue: int = 16
     preload: bool = True
     max_sequence_length: int = 512  # text tokens; the embedded model was trained with 16
+    long_video: LongVideo | None = None  # None: no "Long video" tab
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -156,6 +194,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="pipeline folder for the softmax side of 'compare' (default: see docs/web.md) "
             f"(env {ENV_PREFIX}{env}_SOFTMAX_MODEL)",
         )
+    long = parser.add_argument_group("long-video model (default: the embedded long-video model)")
+    long.add_argument(
+        "--long-model",
+        default=_env("LONG_MODEL"),
+        help="pipeline folder of a block-causal MHLA model (MHLAConfig(causal=True), saved by our pipelines) for "
+        f"the Long video tab (env {ENV_PREFIX}LONG_MODEL)",
+    )
+    long.add_argument(
+        "--long-num-frames",
+        type=COUNT,
+        default=_env_number("LONG_NUM_FRAMES", COUNT, None),
+        help=f"frames of the Long video form (default {LONG_VIDEO_FRAMES}: 8x the embedded long-video model's "
+        f"{BOUNCE_FRAMES}-frame training clips)",
+    )
     run = parser.add_argument_group("server and device")
     run.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to serve on (default 127.0.0.1)")
     run.add_argument(
@@ -243,6 +295,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env_number("MAX_SIZE", SIZE_LIMIT, Limits.max_size),
         help="largest height/width (default 1024)",
     )
+    form.add_argument(
+        "--max-long-frames",
+        type=COUNT,
+        default=_env_number("MAX_LONG_FRAMES", COUNT, Limits.max_long_frames),
+        help=f"most frames of one long video (default {Limits.max_long_frames})",
+    )
     state_ranges(parser)
 
 
@@ -280,6 +338,62 @@ def resolve_task_models(
     return TaskModels(task, model, mhla_weights, transformer, softmax_model, source)
 
 
+def _causal_mhla(model: str) -> bool | None:
+    """Whether the local pipeline folder ``model``'s transformer has block-causal MHLA layers (read from its
+    config, nothing loaded); ``None`` for a hub id (the streaming pipeline checks it when it loads)."""
+    if not Path(model).is_dir():
+        return None
+    from ..loaders.weight_files import read_mhla_config
+
+    meta = read_mhla_config(model, subfolder="transformer")
+    return bool(meta and meta["mhla_config"].get("causal"))
+
+
+def resolve_long_video(model: str | None, num_frames: int | None, limits: Limits) -> LongVideo:
+    """The "Long video" tab's model and form defaults (module docstring). A ``--long-model`` that is missing, has
+    no block-causal MHLA layers or has no size the form can start at is a readable error; a missing embedded
+    model is not (the tab says so)."""
+    frames = LONG_VIDEO_FRAMES if num_frames is None else num_frames
+    if model is None:
+        try:
+            model = str(embedded_model("long-video", "mhla"))
+        except FileNotFoundError:
+            d = embedded_defaults()
+            missing = (
+                "The embedded long-video model is not built yet: build it with `mhla build-embedded --stream`, or "
+                "start the demo with --long-model FOLDER (a block-causal MHLA pipeline folder)"
+            )
+            sizes = (d.height, d.width, d.video_steps, d.video_guidance_scale, d.fps, d.max_sequence_length)
+            return LongVideo(None, frames, *sizes, missing=missing)
+    check_model_source(model, WAN_HUB_ID, what="--long-model")
+    if _causal_mhla(model) is False:
+        raise ValueError(
+            f"--long-model {model} has no block-causal MHLA layers: give a pipeline converted with "
+            "MHLAConfig(causal=True) and saved with save_pretrained (or leave out --long-model: the embedded one)"
+        )
+    own = video_defaults(model)
+    if own.height is None or own.width is None:
+        raise ValueError(
+            f"the long-video model {model} has no default frame size (no {RECORD_KEY} in its model_index.json, "
+            "not an embedded or published Wan model): record one there"
+        )
+    long_video = LongVideo(
+        model, frames, own.height, own.width, own.steps, own.guidance_scale, own.fps, own.max_sequence_length
+    )
+    geometry = VideoGeometry.from_folder(model)
+    if frames > limits.max_long_frames:
+        raise ValueError(f"--long-num-frames {frames} is more than --max-long-frames {limits.max_long_frames}")
+    try:
+        chunks = stream_chunks(frames, None, geometry.vae_scale_temporal, geometry.patch_size[0])
+        geometry.check_size(chunks.video_frames(0), long_video.height, long_video.width, generation=True)
+    except ValueError as error:
+        raise ValueError(
+            f"the Long video form's default, {frames} frames of {long_video.height}x{long_video.width} "
+            f"(--long-num-frames), does not suit {model}: {error}"
+        ) from None
+    return long_video
+
+
 def _check_default_size(model: str, defaults: UIDefaults) -> None:
     """The form's default video size against the text-to-video model's own limits (read from its configs,
     before any weights load): a size it cannot take is a readable error naming the limit."""
@@ -303,7 +417,12 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         raise ValueError(
             f"--port {args.port} is not a port number: use 1 to 65535 (or leave --port out: 7860 or the next free one)"
         )
-    limits = Limits(max_steps=args.max_steps, max_frames=args.max_frames, max_size=args.max_size)
+    limits = Limits(
+        max_steps=args.max_steps,
+        max_frames=args.max_frames,
+        max_size=args.max_size,
+        max_long_frames=args.max_long_frames,
+    )
     if not 1 <= args.samples <= limits.max_samples:
         raise ValueError(f"--samples {args.samples} must be from 1 to {limits.max_samples}")
     video = resolve_task_models(
@@ -344,6 +463,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         if not math.isfinite(value) or not 0 <= value <= limits.max_guidance:
             raise ValueError(f"{flag} {value} must be a finite number from 0 to {limits.max_guidance:g}")
     _check_default_size(video.model, defaults)
+    long_video = resolve_long_video(args.long_model, args.long_num_frames, limits)
     return DemoConfig(
         video=video,
         image=image,
@@ -357,4 +477,5 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         max_queue=args.max_queue,
         preload=args.preload,
         max_sequence_length=max_sequence_length,
+        long_video=long_video,
     )

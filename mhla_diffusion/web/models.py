@@ -9,6 +9,9 @@ is what that seed alone gives. The denoising loop is timed alone: each step ends
 (``callback_on_step_end``), the first step is the warm-up, and :attr:`Generated.step_seconds` is the
 median of the others. For an embedded model the judge reads every sample
 (:mod:`mhla_diffusion.embedded.judge_reading`).
+
+The "Long video" task (``"long-video"``) streams one video chunk by chunk with
+:class:`~mhla_diffusion.pipelines.wan_streaming.MHLAWanStreamingPipeline` (:meth:`ModelStore.stream_video`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from ..loaders.loading import hub_errors
 from ..utils.choices import Attention
 from .config import DemoConfig, TaskModels
-from .validation import DemoInputError, ImageRequest, VideoRequest
+from .validation import DemoInputError, ImageRequest, LongVideoRequest, VideoRequest
 
 __all__ = ["Generated", "GenerationStopped", "ModelStore"]
 
@@ -77,7 +80,7 @@ class ModelStore:
     def __init__(self, config: DemoConfig):
         self.config = config
         self._pipes: dict[tuple[str, str], Any] = {}
-        self._locks = {"text-to-video": threading.RLock(), "class-to-image": threading.RLock()}
+        self._locks = {task: threading.RLock() for task in ("text-to-video", "class-to-image", "long-video")}
         self._device_dtype: tuple[str, Any] | None = None
         self._readers: dict[str, Any] = {}
         self._tokenizer: Any = None  # a copy of the text-to-video tokenizer for prompt checks during a generation
@@ -98,13 +101,26 @@ class ModelStore:
 
     def _model_names(self, task: str) -> dict[str, str]:
         """``{model id: flag}`` of ``task``'s models, for the line about one the hub cannot give."""
+        if task == "long-video":
+            return {self._long_model(): "--long-model"}
         flag = "--t2v" if task == "text-to-video" else "--c2i"
         models = self._models(task)
         return {
             m: f"{flag}-{name}" for name, m in (("model", models.model), ("softmax-model", models.softmax_model)) if m
         }
 
+    def _long_model(self) -> str:
+        """The long-video model folder; ``ValueError`` with the page's line when there is none."""
+        long_video = self.config.long_video
+        if long_video is None or long_video.model is None:
+            raise ValueError(long_video.missing if long_video is not None else "this demo has no long-video model")
+        return long_video.model
+
     def _pipeline_class(self, task: str) -> type:
+        if task == "long-video":
+            from ..pipelines.wan_streaming import MHLAWanStreamingPipeline
+
+            return MHLAWanStreamingPipeline
         if task == "text-to-video":
             from ..pipelines.wan import MHLAWanPipeline
 
@@ -128,10 +144,16 @@ class ModelStore:
         from ..loaders.loading import load_pipeline
         from ..loaders.weights import load_transformer
 
-        models = self._models(task)
         cls = self._pipeline_class(task)
         device, dtype = self.device_and_dtype
-        component_dtypes = {"vae": torch.float32} if task == "text-to-video" else None
+        component_dtypes = {"vae": torch.float32} if task != "class-to-image" else None
+        if task == "long-video":
+            pipe = load_pipeline(
+                cls, self._long_model(), attention="mhla", dtype=dtype, component_dtypes=component_dtypes
+            )
+            pipe.set_progress_bar_config(disable=True)
+            return pipe.to(device)
+        models = self._models(task)
         if attention == "mhla":
             pipe = load_pipeline(
                 cls,
@@ -159,9 +181,12 @@ class ModelStore:
         return pipe.to(device)
 
     def preload(self) -> None:
-        """Load both MHLA pipelines now (the softmax ones load on the first "compare")."""
+        """Load the MHLA pipelines now (the softmax ones load on the first "compare"), the long-video one when
+        there is one."""
         for task in ("text-to-video", "class-to-image"):
             self.pipeline(task, "mhla")
+        if self.config.long_video is not None and self.config.long_video.model is not None:
+            self.pipeline("long-video", "mhla")
 
     @staticmethod
     def attention_context(pipe: Any, attention: Attention):
@@ -282,6 +307,62 @@ class ModelStore:
             )
             tokens = math.prod(pipe.token_grid(request.num_frames, request.height, request.width))
             return Generated(videos, request.seeds, seconds, attention, step_ends, readings, note, tokens)
+
+    def stream_video(
+        self,
+        request: LongVideoRequest,
+        on_frames: Callable[[np.ndarray], None],
+        progress: StepProgress | None = None,
+        stop: threading.Event | None = None,
+        abandon: threading.Event | None = None,
+    ) -> None:
+        """Stream one long video: ``on_frames(frames)`` gets each chunk's frames ``(F_chunk, H, W, 3)`` (floats in
+        [0, 1]) as soon as they are decoded; ``progress(step, total)`` counts the steps of every chunk.
+
+        ``stop`` set: the video ends after the chunk being denoised, which is finished, decoded and delivered
+        first (the pipeline's ``interrupt`` at that chunk's last step). ``abandon`` set (nobody is watching any
+        more): :class:`GenerationStopped` at the next step, nothing more delivered. A size the model cannot stream
+        is a :class:`DemoInputError`.
+        """
+        import torch
+
+        task = "long-video"
+        chunks = request.chunks
+        total = chunks.num_chunks * request.steps
+        with self._locks[task]:
+            pipe = self.pipeline(task, "mhla")
+            try:
+                pipe.check_stream(request.num_frames, request.height, request.width, chunks.chunk_frames)
+            except ValueError as error:
+                raise DemoInputError(str(error)) from None
+
+            def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+                done = pipe.current_chunk * request.steps + step + 1
+                if progress is not None:
+                    progress(done, total)
+                if abandon is not None and abandon.is_set():
+                    raise GenerationStopped(done, total)
+                if stop is not None and stop.is_set() and step + 1 == pipe.num_timesteps:
+                    pipe._interrupt = True  # this chunk is decoded and delivered, and the video ends there
+                return callback_kwargs
+
+            with torch.inference_mode():
+                pipe(
+                    prompt=request.prompt,
+                    negative_prompt=request.negative_prompt,
+                    num_frames=request.num_frames,
+                    height=request.height,
+                    width=request.width,
+                    chunk_frames=chunks.chunk_frames,
+                    num_inference_steps=request.steps,
+                    guidance_scale=request.guidance_scale,
+                    generator=torch.Generator("cpu").manual_seed(request.seed),
+                    max_sequence_length=self.config.long_video.max_sequence_length,
+                    output_type="np",
+                    on_frames=lambda frames: on_frames(np.asarray(frames[0])),
+                    return_frames=False,
+                    callback_on_step_end=on_step_end,
+                )
 
     def generate_image(
         self,

@@ -1,4 +1,5 @@
-"""The Gradio page: a text-to-video tab and a class-to-image tab, MHLA beside softmax.
+"""The Gradio page: a text-to-video tab and a class-to-image tab, MHLA beside softmax, and a "Long video" tab
+(:mod:`.long_video`) that streams one video chunk by chunk.
 
 Each click generates a small gallery of samples (seeds ``seed``, ``seed + 1``, ...) per attention,
 shown at 256 px with nearest-neighbour scaling (:data:`PAGE_CSS`; the files the gallery downloads are
@@ -13,11 +14,7 @@ analytics off and points Gradio's cache into the demo's temporary folder before 
 
 from __future__ import annotations
 
-import logging
-import math
 import os
-import random
-import threading
 from typing import Any, Callable
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no telemetry threads
@@ -28,7 +25,9 @@ from ..embedded.locations import embedded_folder
 from ..utils.choices import ATTENTIONS, Attention
 from ..utils.geometry import MAX_SEED, VideoGeometry
 from .config import DemoConfig
-from .models import Generated, GenerationStopped, ModelStore
+from .events import StopFlags, guarded, lenient_number, pick_seed, session_of, size_box
+from .long_video import LONG_VIDEO_CSS, long_video_tab
+from .models import Generated, ModelStore
 from .outputs import SessionOutputs
 from .report import (
     TITLES,
@@ -39,11 +38,9 @@ from .report import (
     unknown_words_note,
     vocabulary_markdown,
 )
-from .validation import DemoInputError, Limits, image_request, video_bounds, video_request
+from .validation import Limits, image_request, video_bounds, video_request
 
 __all__ = ["PAGE_CSS", "build_demo"]
-
-logger = logging.getLogger(__name__)
 
 #: Events share this concurrency group, so the queue's limit covers both tabs together.
 CONCURRENCY_ID = "generate"
@@ -61,53 +58,13 @@ PAGE_CSS = f"""
 .mhla-samples .caption-label {{ position: static !important; max-width: {DISPLAY_PX}px !important;
     white-space: normal !important; transform: none !important; }}
 #t2v-unknown p {{ color: var(--error-text-color); font-weight: 600; }}
-"""
+{LONG_VIDEO_CSS}"""
 #: After a video generation: the gallery's videos play, muted and looped.
 PLAY_VIDEOS = """() => { setTimeout(() => {
     for (const video of document.querySelectorAll('#t2v-mhla video, #t2v-softmax video')) {
         video.muted = true; video.loop = true; video.play().catch(() => {});
     }
 }, 500); }"""
-
-
-def _session(request: gr.Request | None) -> str | None:
-    return getattr(request, "session_hash", None)
-
-
-def _guarded(work: Callable[[], Any]) -> Any:
-    """Run ``work``; bad input and failures become a readable ``gr.Error`` (never a stack trace in the page)."""
-    try:
-        return work()
-    except gr.Error:
-        raise
-    except DemoInputError as error:
-        raise gr.Error(str(error), title="Invalid input", print_exception=False) from None
-    except GenerationStopped as stopped:
-        print(f"generation {stopped}", flush=True)
-        raise gr.Error(f"Stopped: {stopped}", title="Stopped", print_exception=False) from None
-    except Exception as error:  # the page gets one line, the console the traceback
-        logger.exception("generation failed")
-        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        raise gr.Error(f"Generation failed ({type(error).__name__}): {message}", title="Generation failed") from None
-
-
-def _raw_unless_number(payload: Any) -> bool:
-    """Whether Gradio's own number handling would fail on ``payload`` (text such as "abc", NaN, infinity)."""
-    return isinstance(payload, bool) or not isinstance(payload, (int, float)) or not math.isfinite(payload)
-
-
-def _checked(component: Any) -> Any:
-    """``component`` (a Number or Slider) with its odd values (text from an API client such as "abc", NaN,
-    infinity) passed on as they are to :mod:`.validation`, so the caller gets the page's readable message,
-    not Gradio's conversion error and a traceback in the log. (An instance attribute: a subclass would
-    make Gradio write a ``.pyi`` stub beside this module and need its own widget in the page.)"""
-    preprocess = component.preprocess
-
-    def lenient(payload: Any) -> Any:
-        return payload if payload is not None and _raw_unless_number(payload) else preprocess(payload)
-
-    component.preprocess = lenient
-    return component
 
 
 def _runs(compare: bool) -> list[Attention]:
@@ -157,45 +114,14 @@ def _galleries(results: list[Generated], paths: dict[str, list[Any]]) -> tuple[l
     return tuple(galleries)
 
 
-class _StopFlags:
-    """One stop flag per browser session (or API client): the stop button sets it, the next generation clears it."""
-
-    def __init__(self) -> None:
-        self._flags: dict[str, threading.Event] = {}
-        self._lock = threading.Lock()
-
-    def flag(self, session: str | None) -> threading.Event:
-        with self._lock:
-            return self._flags.setdefault(session or "anonymous", threading.Event())
-
-    def start(self, session: str | None) -> threading.Event:
-        """The session's flag, cleared: a generation starts."""
-        event = self.flag(session)
-        event.clear()
-        return event
-
-    def forget(self, session: str | None) -> None:
-        with self._lock:
-            self._flags.pop(session or "anonymous", None)
-
-
-def _random_seed(samples: Any = 1) -> int:
-    """A random seed that leaves room for ``samples`` consecutive seeds."""
-    try:
-        count = max(1, int(samples))
-    except (TypeError, ValueError):
-        count = 1
-    return random.SystemRandom().randint(0, MAX_SEED - count + 1)
-
-
 def _seed_row(tab: str, samples: int, limits: Limits) -> tuple[Any, Any, Any]:
     """A tab's seed box, its random-seed button and the samples slider, in one row (``tab``: the elem_id prefix)."""
     with gr.Row():
-        seed = _checked(
+        seed = lenient_number(
             gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED, elem_id=f"{tab}-seed")
         )
         dice = gr.Button("Random seed", elem_id=f"{tab}-random-seed", scale=0)
-        count = _checked(
+        count = lenient_number(
             gr.Slider(
                 1,
                 limits.max_samples,
@@ -208,25 +134,12 @@ def _seed_row(tab: str, samples: int, limits: Limits) -> tuple[Any, Any, Any]:
     return seed, dice, count
 
 
-def _size_box(axis: str, value: int, minimum: int, maximum: int, multiple: int) -> Any:
-    """The video form's ``axis`` ("height" or "width") box: multiples of ``multiple`` up to ``maximum`` pixels."""
-    return _checked(
-        gr.Number(
-            label=f"{axis.capitalize()} (x{multiple}, up to {maximum})",
-            value=value,
-            precision=0,
-            minimum=minimum,
-            maximum=maximum,
-            step=multiple,
-            elem_id=f"t2v-{axis}",
-        )
-    )
-
-
 def _run_controls(tab: str, what: str, steps: int, guidance: float, limits: Limits) -> tuple[Any, ...]:
     """A tab's steps and guidance sliders, its compare box and its generate and stop buttons, in that order."""
-    steps_slider = _checked(gr.Slider(1, limits.max_steps, value=steps, step=1, label="Steps", elem_id=f"{tab}-steps"))
-    guidance_slider = _checked(
+    steps_slider = lenient_number(
+        gr.Slider(1, limits.max_steps, value=steps, step=1, label="Steps", elem_id=f"{tab}-steps")
+    )
+    guidance_slider = lenient_number(
         gr.Slider(0, limits.max_guidance, value=guidance, step=0.5, label="Guidance scale", elem_id=f"{tab}-guidance")
     )
     compare = gr.Checkbox(value=True, label="Compare with softmax attention (same seeds)", elem_id=f"{tab}-compare")
@@ -259,7 +172,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
     geometry = VideoGeometry.from_folder(config.video.model)  # the text-to-video model's size rules (from its configs)
     bounds = video_bounds(geometry, limits)
     embedded_video = embedded_folder(config.video.model) is not None
-    stops = _StopFlags()
+    stops = StopFlags()
 
     def generate_video(
         prompt: str,
@@ -279,7 +192,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
             checked = video_request(
                 prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits, geometry, samples
             )
-            stop = stops.start(_session(request))
+            stop = stops.start(session_of(request))
             unknown = store.unknown_words(checked.prompt)
             if unknown:
                 gr.Warning(unknown_words_note(unknown))
@@ -289,7 +202,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                 progress,
                 lambda attention, report: store.generate_video(checked, attention, report, stop),
                 lambda result: [
-                    outputs.save_video(_session(request), video, result.attention, defaults.fps)
+                    outputs.save_video(session_of(request), video, result.attention, defaults.fps)
                     for video in result.arrays
                 ],
             )
@@ -301,7 +214,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
             text = summary(results, what) + (f"\n\n**Note:** {unknown_words_note(unknown)}" if unknown else "")
             return (*_galleries(results, paths), text)
 
-        return _guarded(work)
+        return guarded(work)
 
     def generate_image(
         class_label: str,
@@ -316,14 +229,14 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
         def work():
             labels, num_classes = store.class_labels()
             checked = image_request(class_label, seed, steps, guidance, labels, num_classes, limits, samples)
-            stop = stops.start(_session(request))
+            stop = stops.start(session_of(request))
             results, paths = _run_compared(
                 compare,
                 checked.steps,
                 progress,
                 lambda attention, report: store.generate_image(checked, attention, report, stop),
                 lambda result: [
-                    outputs.save_image(_session(request), image, result.attention) for image in result.arrays
+                    outputs.save_image(session_of(request), image, result.attention) for image in result.arrays
                 ],
             )
             seeds = f"seed {checked.seed}" if checked.samples == 1 else f"seeds {checked.seed}-{checked.seeds[-1]}"
@@ -333,14 +246,14 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
             )
             return (*_galleries(results, paths), summary(results, what, "denoising loop and VAE decode"))
 
-        return _guarded(work)
+        return guarded(work)
 
     def stop(request: gr.Request) -> None:
         """Stop this session's running generation after its current denoising step (queued ones are cancelled)."""
-        stops.flag(_session(request)).set()
+        stops.flag(session_of(request)).set()
 
     def random_seed(samples: float) -> int:
-        return _random_seed(samples)
+        return pick_seed(samples)
 
     def check_prompt(prompt: str) -> str:
         """The visible warning under the prompt: the words the model does not know (empty when it knows all)."""
@@ -349,8 +262,9 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
         return f"⚠ {unknown_words_note(unknown)}" if unknown else ""
 
     def end_session(request: gr.Request) -> None:
-        outputs.remove(_session(request))
-        stops.forget(_session(request))
+        outputs.remove(session_of(request))
+        stops.forget(session_of(request))
+        long_stops.forget(session_of(request))
 
     classes = store.class_choices()
     events = dict(concurrency_limit=config.concurrency, concurrency_id=CONCURRENCY_ID)
@@ -377,7 +291,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                         )
                         seed, dice, samples = _seed_row("t2v", defaults.samples, limits)
                         with gr.Row():
-                            frames = _checked(
+                            frames = lenient_number(
                                 gr.Number(
                                     label=f"Frames ({geometry.frame_rule(examples=False)}, up to {bounds.max_frames})",
                                     value=defaults.num_frames,
@@ -387,14 +301,16 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                                     elem_id="t2v-frames",
                                 )
                             )
-                            height = _size_box(
+                            height = size_box(
+                                "t2v",
                                 "height",
                                 defaults.height,
                                 bounds.min_height,
                                 bounds.max_height,
                                 geometry.generation_multiple[0],
                             )
-                            width = _size_box(
+                            width = size_box(
+                                "t2v",
                                 "width",
                                 defaults.width,
                                 bounds.min_width,
@@ -420,6 +336,7 @@ def build_demo(config: DemoConfig, store: ModelStore, outputs: SessionOutputs) -
                             "c2i", "images", defaults.image_steps, defaults.image_guidance_scale, limits
                         )
                     image_mhla, image_softmax, image_info = _results_column("c2i")
+            long_stops = long_video_tab(config, store, outputs, events, instant)
         video_event = run_video.click(
             generate_video,
             [prompt, negative, seed, steps, guidance, frames, height, width, compare, samples],

@@ -12,14 +12,17 @@ from typing import Any
 
 from ..pipelines.class_labels import resolve_class_ids
 from ..utils.geometry import MAX_SEED, WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry
+from ..utils.stream_frames import StreamChunks, stream_chunks
 
 __all__ = [
     "DemoInputError",
     "ImageRequest",
     "Limits",
+    "LongVideoRequest",
     "VideoBounds",
     "VideoRequest",
     "image_request",
+    "long_video_request",
     "video_bounds",
     "video_request",
 ]
@@ -42,6 +45,8 @@ class Limits:
     max_prompt_chars: int = 2000
     #: Samples per click (seeds ``seed``, ``seed + 1``, ...), per attention.
     max_samples: int = 8
+    #: Frames of one streamed long video (its memory stays flat; its time grows with the length).
+    max_long_frames: int = 1025
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,21 @@ class ImageRequest:
         return list(range(self.seed, self.seed + self.samples))
 
 
+@dataclass(frozen=True)
+class LongVideoRequest:
+    """One checked long-video request: a single video of ``num_frames`` frames, streamed as ``chunks``."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    steps: int
+    guidance_scale: float
+    num_frames: int
+    height: int
+    width: int
+    chunks: StreamChunks
+
+
 def _integer(value: Any, name: str) -> int:
     """``value`` as an int; ``None``, text and fractional numbers are errors."""
     if isinstance(value, bool) or value is None or value == "":
@@ -156,6 +176,40 @@ def _common(seed: Any, steps: Any, guidance: Any, samples: Any, limits: Limits) 
     return seed_value, step_count, scale, count
 
 
+def _prompts(prompt: Any, negative_prompt: Any, limits: Limits) -> tuple[str, str]:
+    """The prompt (not empty, not too long) and the negative prompt, stripped."""
+    text = (prompt or "").strip() if isinstance(prompt, str) or prompt is None else str(prompt).strip()
+    if not text:
+        raise DemoInputError("The prompt is empty: describe the video to generate")
+    if len(text) > limits.max_prompt_chars:
+        raise DemoInputError(f"The prompt is too long ({len(text)} characters; at most {limits.max_prompt_chars})")
+    return text, "" if negative_prompt is None else str(negative_prompt).strip()
+
+
+def _video_size(height: Any, width: Any, limits: Limits, geometry: VideoGeometry) -> tuple[int, int]:
+    """Height and width as whole multiples the model takes, within the demo's bounds."""
+    sizes = []
+    for axis, (name, value) in enumerate((("Height", height), ("Width", width))):
+        size = _integer(value, name)
+        multiple = geometry.generation_multiple[axis]
+        if size % multiple:
+            raise DemoInputError(
+                f"{name} {size} is not supported: use a multiple of {multiple} ({_size_rule(geometry, axis)})"
+            )
+        _in_range(size, limits.min_size or multiple, limits.max_size, name)
+        sizes.append(size)
+    return sizes[0], sizes[1]
+
+
+def _model_size(geometry: VideoGeometry, num_frames: int, height: int, width: int) -> None:
+    """The position encoding's bounds on a clip of ``num_frames`` frames (the message capitalised for the page)."""
+    try:
+        geometry.check_size(num_frames, height, width, generation=True)
+    except ValueError as error:
+        message = str(error)
+        raise DemoInputError(message[:1].upper() + message[1:]) from None
+
+
 def video_request(
     prompt: Any,
     negative_prompt: Any,
@@ -174,12 +228,7 @@ def video_request(
     Frame counts and sizes are judged by ``geometry``, the model's size rules (default: Wan2.1's;
     ``VideoGeometry.from_folder(model)`` for another model), as a Diffusers ``WanPipeline`` takes them.
     """
-    text = (prompt or "").strip() if isinstance(prompt, str) or prompt is None else str(prompt).strip()
-    if not text:
-        raise DemoInputError("The prompt is empty: describe the video to generate")
-    if len(text) > limits.max_prompt_chars:
-        raise DemoInputError(f"The prompt is too long ({len(text)} characters; at most {limits.max_prompt_chars})")
-    negative = "" if negative_prompt is None else str(negative_prompt).strip()
+    text, negative = _prompts(prompt, negative_prompt, limits)
     seed_value, step_count, scale, count = _common(seed, steps, guidance, samples, limits)
     frames = _integer(num_frames, "Frames")
     if not geometry.valid_frames(frames):
@@ -190,22 +239,41 @@ def video_request(
         )
     if frames > limits.max_frames:
         raise DemoInputError(f"Frames {frames} is too many: at most {limits.max_frames}")
-    sizes = {}
-    for axis, (name, value) in enumerate((("Height", height), ("Width", width))):
-        size = _integer(value, name)
-        multiple = geometry.generation_multiple[axis]
-        if size % multiple:
-            raise DemoInputError(
-                f"{name} {size} is not supported: use a multiple of {multiple} ({_size_rule(geometry, axis)})"
-            )
-        _in_range(size, limits.min_size or multiple, limits.max_size, name)
-        sizes[name] = size
+    size = _video_size(height, width, limits, geometry)
+    _model_size(geometry, frames, *size)
+    return VideoRequest(text, negative, seed_value, step_count, scale, frames, *size, count)
+
+
+def long_video_request(
+    prompt: Any,
+    negative_prompt: Any,
+    seed: Any,
+    steps: Any,
+    guidance: Any,
+    num_frames: Any,
+    height: Any,
+    width: Any,
+    limits: Limits = Limits(),
+    geometry: VideoGeometry = VideoGeometry(),
+) -> LongVideoRequest:
+    """Check the long-video inputs; raise :class:`DemoInputError` on the first problem.
+
+    The frame count follows the chunk rule of a stream (:func:`~mhla_diffusion.utils.stream_frames.stream_chunks`,
+    with ``geometry``'s VAE time factor): any length, not bounded by the position table, which bounds only the
+    frame size and a chunk's frames.
+    """
+    text, negative = _prompts(prompt, negative_prompt, limits)
+    seed_value, step_count, scale, _ = _common(seed, steps, guidance, 1, limits)
+    frames = _integer(num_frames, "Frames")
+    _in_range(frames, 1, limits.max_long_frames, "Frames")
     try:
-        geometry.check_size(frames, sizes["Height"], sizes["Width"], generation=True)  # the position encoding's bounds
-    except ValueError as error:
-        message = str(error)
-        raise DemoInputError(message[:1].upper() + message[1:]) from None
-    return VideoRequest(text, negative, seed_value, step_count, scale, frames, sizes["Height"], sizes["Width"], count)
+        chunks = stream_chunks(frames, None, geometry.vae_scale_temporal, geometry.patch_size[0])
+    except ValueError as error:  # "<n> frames do not stream in chunks of ...: <the rule>; nearest: <counts>"
+        rule = str(error).split(": ", 1)[-1]
+        raise DemoInputError(f"Frames {frames} is not supported: {rule}") from None
+    size = _video_size(height, width, limits, geometry)
+    _model_size(geometry, chunks.video_frames(0), *size)
+    return LongVideoRequest(text, negative, seed_value, step_count, scale, frames, *size, chunks)
 
 
 def _size_rule(geometry: VideoGeometry, axis: int) -> str:

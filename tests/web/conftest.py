@@ -1,6 +1,6 @@
-"""Fixtures of the web tests: one ``python app.py`` on the tiny pipelines for the whole session (every web
-test module shares it), one on the embedded models (judges, vocabulary, the model's size limits), and a
-``gradio_client`` for each.
+"""Fixtures of the web tests: one ``python app.py`` on the tiny pipelines (and the long-video stand-in of
+``long_video_root``) for the whole session (every web test module shares it), one on the embedded models (judges,
+vocabulary, the model's size limits), and a ``gradio_client`` for each.
 
 Each is shut down with SIGTERM at the end and must exit 0 having deleted its temporary outputs.
 """
@@ -73,11 +73,13 @@ def _running_demo(root, argv: list[str]):
 
 
 @pytest.fixture(scope="session")
-def demo_server(pipeline_dirs, tmp_path_factory):
+def demo_server(pipeline_dirs, long_video_root, tmp_path_factory):
     pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e .[test])")
     argv = []
     if os.environ.get("MHLA_DEMO_TEST_MODELS") != "embedded":  # "embedded": the app's defaults, for the screenshot only
         argv = [
+            "--long-model",
+            str(long_video_root / "shapes-long-mhla"),
             "--t2v-model",
             str(pipeline_dirs["wan"]),
             "--t2v-mhla-weights",
