@@ -16,8 +16,8 @@ The form's defaults (frames, size, steps, guidance, frame rate, text length) are
 The "Long video" tab streams one video chunk by chunk from a block-causal MHLA pipeline (see
 :func:`resolve_long_video`): ``--long-model``, by default the embedded long-video model. Its form starts at
 :data:`LONG_VIDEO_FRAMES` frames (``--long-num-frames``) and takes the rest (size, steps, guidance, frame rate, text
-length) from that model as the other tabs do. Without the embedded model (not built yet) and without
-``--long-model`` the tab says how to get one and the other tabs work as usual.
+length, and the latent frames per chunk it trained with) from that model as the other tabs do. Without the embedded
+model (not built yet) and without ``--long-model`` the tab says how to get one and the other tabs work as usual.
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ class LongVideo:
     fps: int
     max_sequence_length: int
     missing: str | None = None
+    #: Latent frames per chunk: the model's recorded ``chunk_frames`` (what it trained with); ``None``: the rule's.
+    chunk_frames: int | None = None
 
 
 @dataclass(frozen=True)
@@ -378,13 +380,21 @@ def resolve_long_video(model: str | None, num_frames: int | None, limits: Limits
             "not an embedded or published Wan model): record one there"
         )
     long_video = LongVideo(
-        model, frames, own.height, own.width, own.steps, own.guidance_scale, own.fps, own.max_sequence_length
+        model,
+        frames,
+        own.height,
+        own.width,
+        own.steps,
+        own.guidance_scale,
+        own.fps,
+        own.max_sequence_length,
+        chunk_frames=own.chunk_frames,
     )
     geometry = VideoGeometry.from_folder(model)
     if frames > limits.max_long_frames:
         raise ValueError(f"--long-num-frames {frames} is more than --max-long-frames {limits.max_long_frames}")
     try:
-        chunks = stream_chunks(frames, None, geometry.vae_scale_temporal, geometry.patch_size[0])
+        chunks = stream_chunks(frames, own.chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
         geometry.check_size(chunks.video_frames(0), long_video.height, long_video.width, generation=True)
     except ValueError as error:
         raise ValueError(

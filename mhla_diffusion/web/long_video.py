@@ -104,6 +104,13 @@ def _stream(
             return
 
 
+def _frame_rule(geometry: VideoGeometry, chunk_frames: int | None) -> str:
+    """The frame counts a stream takes, for the form: ``2k+1`` (any chunk of 3, 2 or 1 latent frames), or with
+    the model's chunk ``C``, ``1 + 2 (n x C - 1)``."""
+    t = geometry.vae_scale_temporal
+    return f"{t}k+1" if chunk_frames is None else f"1 + {t} (n x {chunk_frames} - 1)"
+
+
 def _raise(error: BaseException) -> None:
     raise error
 
@@ -145,7 +152,7 @@ def long_video_tab(
                 with gr.Row():
                     frames = lenient_number(
                         gr.Number(
-                            label=f"Frames ({geometry.vae_scale_temporal}k+1 in whole chunks, up to "
+                            label=f"Frames ({_frame_rule(geometry, long_video.chunk_frames)}, up to "
                             f"{limits.max_long_frames})",
                             value=long_video.num_frames,
                             precision=0,
@@ -198,7 +205,17 @@ def long_video_tab(
     ):
         checked = guarded(
             lambda: long_video_request(
-                prompt, negative_prompt, seed, steps, guidance, num_frames, height, width, limits, geometry
+                prompt,
+                negative_prompt,
+                seed,
+                steps,
+                guidance,
+                num_frames,
+                height,
+                width,
+                limits,
+                geometry,
+                long_video.chunk_frames,
             )
         )
         session = session_of(request)

@@ -255,19 +255,20 @@ def long_video_request(
     width: Any,
     limits: Limits = Limits(),
     geometry: VideoGeometry = VideoGeometry(),
+    chunk_frames: int | None = None,
 ) -> LongVideoRequest:
     """Check the long-video inputs; raise :class:`DemoInputError` on the first problem.
 
     The frame count follows the chunk rule of a stream (:func:`~mhla_diffusion.utils.stream_frames.stream_chunks`,
-    with ``geometry``'s VAE time factor): any length, not bounded by the position table, which bounds only the
-    frame size and a chunk's frames.
+    with ``geometry``'s VAE time factor and the model's ``chunk_frames``, ``None``: the rule's default): any
+    length, not bounded by the position table, which bounds only the frame size and a chunk's frames.
     """
     text, negative = _prompts(prompt, negative_prompt, limits)
     seed_value, step_count, scale, _ = _common(seed, steps, guidance, 1, limits)
     frames = _integer(num_frames, "Frames")
     _in_range(frames, 1, limits.max_long_frames, "Frames")
     try:
-        chunks = stream_chunks(frames, None, geometry.vae_scale_temporal, geometry.patch_size[0])
+        chunks = stream_chunks(frames, chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
     except ValueError as error:  # "<n> frames do not stream in chunks of ...: <the rule>; nearest: <counts>"
         rule = str(error).split(": ", 1)[-1]
         raise DemoInputError(f"Frames {frames} is not supported: {rule}") from None

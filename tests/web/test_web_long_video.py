@@ -20,14 +20,14 @@ EMBEDDED_T2V = Path(__file__).resolve().parents[2] / "mhla_diffusion" / "embedde
 PROMPT = "a red circle moving left"
 
 
-def _request(**changes):
+def _request(chunk_frames: int | None = None, **changes):
     """``long_video_request`` for the embedded VAE's geometry, with the form's defaults unless ``changes``."""
     from mhla_diffusion.utils.geometry import VideoGeometry
     from mhla_diffusion.web.validation import Limits, long_video_request
 
     values = dict(prompt=PROMPT, negative_prompt="", seed=0, steps=2, guidance=2.0, num_frames=129, height=48, width=48)
     values.update(changes)
-    return long_video_request(*values.values(), Limits(), VideoGeometry.from_folder(EMBEDDED_T2V))
+    return long_video_request(*values.values(), Limits(), VideoGeometry.from_folder(EMBEDDED_T2V), chunk_frames)
 
 
 def _config(*argv: str):
@@ -51,6 +51,18 @@ def test_a_long_video_request_is_cut_into_chunks():
     assert (request.chunks.chunk_frames, request.chunks.num_chunks) == (1, 65)  # 65 latent frames: 5 x 13
     chunks = _request(num_frames=17).chunks  # 9 latent frames: chunks of 3 (the rule's first choice)
     assert (chunks.chunk_frames, chunks.num_chunks) == (3, 3)
+    chunks = _request(chunk_frames=2, num_frames=15).chunks  # the model's own chunk: 8 latent frames, 4 chunks
+    assert (chunks.chunk_frames, chunks.num_chunks) == (2, 4)
+
+
+def test_a_frame_count_the_models_chunk_does_not_divide_names_the_nearest_that_fit():
+    from mhla_diffusion.web.validation import DemoInputError
+
+    with pytest.raises(
+        DemoInputError, match=re.escape("Frames 129 is not supported: a streamed video has 1 + 2 x (n x 2 - 1) frames")
+    ) as error:
+        _request(chunk_frames=2)
+    assert str(error.value).endswith("nearest: 127 or 131")
 
 
 @pytest.mark.parametrize(
@@ -89,6 +101,19 @@ def test_the_long_video_settings_come_from_its_model(long_video_root):
     shown = (long_video.num_frames, long_video.height, long_video.width, long_video.steps, long_video.guidance_scale)
     assert shown == (129, 48, 48, 20, 2.0) and (long_video.fps, long_video.max_sequence_length) == (8, 16)
     assert _config("--long-model", model, "--long-num-frames", "33").long_video.num_frames == 33
+
+
+def test_the_long_video_streams_with_the_chunk_its_model_records(long_video_root, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(long_video_root, tmp_path, dirs_exist_ok=True)
+    index = tmp_path / "shapes-long-mhla" / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_mhla_generation_defaults": {"chunk_frames": 2}}))
+    model = str(tmp_path / "shapes-long-mhla")
+    assert _config("--long-model", model, "--long-num-frames", "15").long_video.chunk_frames == 2
+    with pytest.raises(ValueError, match=re.escape("129 frames do not stream in chunks of 2 latent frames")):
+        _config("--long-model", model)  # the 129-frame default is 65 latent frames: not whole chunks of 2
 
 
 @pytest.mark.parametrize(
