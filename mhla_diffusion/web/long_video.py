@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
 import numpy as np
@@ -27,9 +27,10 @@ from .config import DemoConfig
 from .events import StopFlags, guarded, lenient_number, pick_seed, session_of, size_box
 from .models import ModelStore
 from .outputs import SessionOutputs
+from .report import unknown_words_note
 from .validation import LongVideoRequest, long_video_request, video_bounds
 
-__all__ = ["LONG_VIDEO_CSS", "StreamState", "long_video_tab"]
+__all__ = ["LONG_VIDEO_CSS", "StreamState", "long_video_tab", "stream_long_video"]
 
 #: The newest frame and the video at a readable size, pixels kept square (the files stay at their own size).
 LONG_VIDEO_CSS = """
@@ -62,6 +63,13 @@ class StreamState:
         return (
             f"Chunk {self.chunks_done} of {r.chunks.num_chunks} done: {len(self.frames)} of {r.num_frames} frames "
             f"so far ({time.perf_counter() - self.started:.1f} s)"
+        )
+
+    def failed_line(self) -> str:
+        """The line when the model failed after some chunks: what was kept."""
+        return (
+            f"Failed after chunk {self.chunks_done} of {self.request.chunks.num_chunks}: kept {len(self.frames)} of "
+            f"{self.request.num_frames} frames. The video below holds them; its download button saves it."
         )
 
     def final_line(self) -> str:
@@ -113,6 +121,47 @@ def _frame_rule(geometry: VideoGeometry, chunk_frames: int | None) -> str:
 
 def _raise(error: BaseException) -> None:
     raise error
+
+
+def stream_long_video(
+    store: ModelStore,
+    request: LongVideoRequest,
+    stop: threading.Event,
+    save: Callable[[np.ndarray], Any],
+    progress: Callable[..., Any],
+    unknown: Sequence[str] = (),
+) -> Iterator[tuple[np.ndarray | None, str, Any]]:
+    """The long-video event's updates ``(newest frame, line, video)``: one as it starts, one per decoded chunk
+    (``video`` left as it is: ``gr.skip()``), and, once the video has ended, ``save(frames (F, H, W, 3) uint8)``
+    (the file it wrote) with the line that says how it ended. A failure after some chunks saves those first,
+    then raises the page's error; ``progress((done, total), desc=..., unit=...)`` is ``gr.Progress``'s call.
+    ``unknown``: prompt words the model does not know (named in the lines)."""
+    state = StreamState(request, time.perf_counter(), [])
+    note = f"\n\n**Note:** {unknown_words_note(unknown)}" if unknown else ""
+    n = request.chunks.num_chunks
+    progress((0, n * request.steps), desc=f"chunk 1/{n}: starting", unit="steps")
+    yield None, "Starting ..." + note, None
+    abandon = threading.Event()
+    failure: BaseException | None = None
+    try:
+        for kind, value in _stream(store, request, stop, abandon):
+            if kind == "step":
+                done, total = value
+                progress((done, total), desc=f"chunk {(done - 1) // request.steps + 1}/{n}", unit="steps")
+            elif kind == "frames":
+                state.add(value)
+                yield state.frames[-1], state.progress_line() + note, gr.skip()
+            elif kind == "error":
+                failure = value
+    finally:
+        abandon.set()  # the page went away or the event was cancelled: the worker ends at its next step
+    if failure is not None and not state.frames:
+        guarded(lambda: _raise(failure))
+    path = save(np.stack(state.frames))
+    line = state.final_line() if failure is None else state.failed_line()
+    yield state.frames[-1], line + note, str(path)
+    if failure is not None:
+        guarded(lambda: _raise(failure))
 
 
 def long_video_tab(
@@ -218,27 +267,15 @@ def long_video_tab(
                 long_video.chunk_frames,
             )
         )
+        unknown = store.unknown_words(checked.prompt, "long-video")
+        if unknown:
+            gr.Warning(unknown_words_note(unknown))
         session = session_of(request)
-        stop, abandon = stops.start(session), threading.Event()
-        state = StreamState(checked, time.perf_counter(), [])
-        n = checked.chunks.num_chunks
-        progress((0, n * checked.steps), desc=f"chunk 1/{n}: starting", unit="steps")
-        yield None, "Starting ...", None
-        try:
-            for kind, value in _stream(store, checked, stop, abandon):
-                if kind == "step":
-                    done, total = value
-                    chunk = (done - 1) // checked.steps + 1
-                    progress((done, total), desc=f"chunk {chunk}/{n}", unit="steps")
-                elif kind == "frames":
-                    state.add(value)
-                    yield state.frames[-1], state.progress_line(), gr.skip()
-                elif kind == "error":
-                    guarded(lambda: _raise(value))
-        finally:
-            abandon.set()  # the page went away or the event was cancelled: the worker ends at its next step
-        path = outputs.save_video(session, np.stack(state.frames), "long", long_video.fps)
-        yield state.frames[-1], state.final_line(), str(path)
+
+        def save(frames: np.ndarray) -> Any:
+            return outputs.save_video(session, frames, "long", long_video.fps)
+
+        yield from stream_long_video(store, checked, stops.start(session), save, progress, unknown)
 
     def stop(request: gr.Request) -> None:
         """End this session's long video after its current chunk; what was made is kept."""

@@ -83,7 +83,7 @@ class ModelStore:
         self._locks = {task: threading.RLock() for task in ("text-to-video", "class-to-image", "long-video")}
         self._device_dtype: tuple[str, Any] | None = None
         self._readers: dict[str, Any] = {}
-        self._tokenizer: Any = None  # a copy of the text-to-video tokenizer for prompt checks during a generation
+        self._tokenizers: dict[str, Any] = {}  # a copy of each video task's tokenizer for prompt checks meanwhile
         self._tokenizer_lock = threading.Lock()
 
     # ------------------------------------------------------------ loading
@@ -219,15 +219,17 @@ class ModelStore:
 
     # ------------------------------------------------------------ prompt words and the judges
 
-    def unknown_words(self, prompt: str) -> list[str]:
-        """The words of ``prompt`` the text-to-video model's tokenizer does not know (see the pipelines'
-        ``unknown_words``). Uses its own copy of the tokenizer, so it answers while a generation runs."""
+    def unknown_words(self, prompt: str, task: str = "text-to-video") -> list[str]:
+        """The words of ``prompt`` the ``task`` model's tokenizer ("text-to-video" or "long-video") does not know
+        (see the pipelines' ``unknown_words``). Uses its own copy of the tokenizer, so it answers while a
+        generation runs."""
         with self._tokenizer_lock:
-            if self._tokenizer is None:
-                pipe = self.pipeline("text-to-video", "mhla")
+            if task not in self._tokenizers:
+                pipe = self.pipeline(task, "mhla")
                 # the pipeline's own rule, on a copy of its tokenizer (a fast tokenizer is not to be shared by threads)
-                self._tokenizer = (type(pipe).unknown_words, SimpleNamespace(tokenizer=copy.deepcopy(pipe.tokenizer)))
-            rule, holder = self._tokenizer
+                holder = SimpleNamespace(tokenizer=copy.deepcopy(pipe.tokenizer))
+                self._tokenizers[task] = (type(pipe).unknown_words, holder)
+            rule, holder = self._tokenizers[task]
             return rule(holder, prompt)
 
     def judge(self, task: str) -> Any:

@@ -146,6 +146,91 @@ def test_without_the_embedded_long_video_model_the_tab_says_how_to_get_one(monke
     )
 
 
+# ---------------------------------------------------------------- the event's updates, on a stand-in for the model
+
+
+class _Chunks:
+    """A stand-in for ``ModelStore.stream_video``: chunk ``c`` is frames of value ``c / 100``; it ends after the
+    chunk in which ``stop`` is seen, or raises ``failure`` after ``fail_after`` chunks."""
+
+    def __init__(self, fail_after: int | None = None, failure: Exception = RuntimeError("out of memory")):
+        self.fail_after, self.failure, self.stop_after = fail_after, failure, None
+
+    def stream_video(self, request, on_frames, progress, stop, abandon):
+        total = request.chunks.num_chunks * request.steps
+        for chunk in range(request.chunks.num_chunks):
+            if chunk == self.fail_after:
+                raise self.failure
+            for step in range(request.steps):
+                progress(chunk * request.steps + step + 1, total)
+            if chunk == self.stop_after:
+                stop.set()
+            on_frames(np.full((request.chunks.video_frames(chunk), 48, 48, 3), chunk / 100))
+            if stop.is_set():
+                return
+
+
+def _run_event(store, request, unknown=()):
+    """``stream_long_video``'s updates and progress calls, and the frames it saved (``None``: nothing saved)."""
+    import threading
+
+    from mhla_diffusion.web.long_video import stream_long_video
+
+    saved, calls = [], []
+
+    def save(frames):
+        saved.append(frames)
+        return "kept.mp4"
+
+    updates = []
+    error = None
+    try:
+        for update in stream_long_video(
+            store, request, threading.Event(), save, lambda *a, **k: calls.append(a[0]), unknown
+        ):
+            updates.append(update)
+    except Exception as raised:  # the page's error, checked by the caller
+        error = raised
+    return updates, calls, saved[0] if saved else None, error
+
+
+def test_each_chunk_is_one_update_and_the_whole_video_is_saved_at_the_end():
+    import gradio as gr
+
+    request = _request(num_frames=9)  # 5 latent frames: 5 chunks of one, 1 + 4 x 2 frames
+    updates, calls, saved, error = _run_event(_Chunks(), request)
+    assert error is None and len(updates) == 1 + 5 + 1
+    assert updates[0] == (None, "Starting ...", None)
+    for chunk, (newest, line, video) in enumerate(updates[1:6], start=1):
+        assert isinstance(video, type(gr.skip())) and newest.dtype == np.uint8
+        assert line.startswith(f"Chunk {chunk} of 5 done: {_kept_frames(chunk)} of 9 frames so far")
+        assert (newest == round(255 * (chunk - 1) / 100)).all()  # the chunk's own last frame
+    assert saved.shape == (9, 48, 48, 3) and saved.dtype == np.uint8
+    newest, line, video = updates[-1]
+    assert video == "kept.mp4" and line.startswith("Done: 9 frames in 5 chunks")
+    assert calls[0] == (0, 10) and calls[-1] == (10, 10) and len(calls) == 11  # every step of every chunk
+
+
+def test_stop_saves_what_was_made_and_names_it():
+    store = _Chunks()
+    store.stop_after = 2
+    updates, _, saved, error = _run_event(store, _request(num_frames=129))
+    assert error is None and saved.shape[0] == _kept_frames(3) == 5
+    assert updates[-1][1].startswith("Stopped after chunk 3 of 65: kept 5 of 129 frames")
+
+
+def test_a_failure_after_some_chunks_keeps_them_then_shows_the_error():
+    import gradio as gr
+
+    updates, _, saved, error = _run_event(_Chunks(fail_after=2), _request(num_frames=129), unknown=["zebra"])
+    assert saved.shape[0] == 3 and updates[-1][2] == "kept.mp4"
+    assert updates[-1][1].startswith("Failed after chunk 2 of 65: kept 3 of 129 frames.")
+    assert "does not know 'zebra'" in updates[-1][1]
+    assert isinstance(error, gr.Error) and "Generation failed (RuntimeError): out of memory" in str(error)
+    updates, _, saved, error = _run_event(_Chunks(fail_after=0), _request(num_frames=129))
+    assert saved is None and len(updates) == 1 and isinstance(error, gr.Error)
+
+
 # ---------------------------------------------------------------- through the server
 
 
