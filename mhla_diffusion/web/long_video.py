@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import gradio as gr
@@ -184,9 +185,9 @@ def long_video_tab(
         limits = config.limits
         gr.Markdown(
             "One video made chunk by chunk by a block-causal MHLA model: each chunk attends to the ones before it "
-            "through a state of constant size, so the length is not bounded by memory. Frames appear as each chunk "
-            f"is decoded; *Stop* ends the video after the current chunk and keeps what was made. Model: "
-            f"`{long_video.model}`",
+            "through a state of constant size, so the model's memory does not grow with the length. Frames appear "
+            "as each chunk is decoded; *Stop* ends the video after the current chunk and keeps what was made. "
+            f"Model: `{Path(long_video.model).name or long_video.model}`",
             elem_id="long-intro",
         )
         with gr.Row():
