@@ -27,6 +27,7 @@ from diffusers.utils.torch_utils import get_module_execution_device, randn_tenso
 
 from ..models.kv_cache import KVCacheStream, kv_cache_processors, restore_block_causal
 from ..models.streaming import CausalStream, ChunkStream, causal_processors
+from ..utils.model_defaults import RECORD_KEY
 from ..utils.stream_frames import StreamChunks, stream_chunks
 from .stream_decoder import WanStreamingDecoder
 from .wan import MHLAWanPipeline
@@ -87,6 +88,8 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
         geometry = self.geometry
+        if chunk_frames is None:  # the chunk a block-causal model trained with, when its folder records one
+            chunk_frames = (self.config.get(RECORD_KEY) or {}).get("chunk_frames")
         chunks = stream_chunks(num_frames, chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
         # each chunk has its own positions (models/streaming.py): the length is unbounded, the frame size is not
         geometry.check_size(chunks.video_frames(0), height, width, generation=True)
@@ -131,7 +134,9 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         Args are ``WanPipeline``'s where they share a name, plus:
             chunk_frames: latent frames per chunk; the video has ``1 + 4 (n * chunk_frames - 1)`` frames for
                 ``n`` chunks (the first chunk decodes to ``1 + 4 (chunk_frames - 1)`` frames, every later one to
-                ``4 * chunk_frames``). Default: 3, or 2 or 1 when 3 does not divide the video's latent frames.
+                ``4 * chunk_frames``). Default: the ``chunk_frames`` the pipeline's generation defaults record (what
+                the Wan trainer trained a block-causal model with), else 3, or 2 or 1 when 3 does not divide the
+                video's latent frames.
             generator: each chunk draws its own noise from it, in order.
             callback_on_step_end: called after every step of every chunk as in Diffusers,
                 ``callback(pipe, step, timestep, callback_kwargs)``; ``step`` counts within the chunk

@@ -153,3 +153,24 @@ def test_bad_calls_are_refused_before_any_work(pipe, pipeline_dirs, monkeypatch,
             ValueError, match=r"no block-causal MHLA layer.*MHLAConfig\(causal=True\).*softmax_block_causal"
         ):
             model(**STREAM_CALL)
+
+
+def test_the_recorded_chunk_size_is_the_default(pipe, tmp_path):
+    call = {**STREAM_CALL, "num_frames": 13}  # 4 latent frames: the rule's default would be chunks of 2
+    del call["chunk_frames"]
+    sizes = []
+    pipe(**call, generator=seeded(1), on_frames=lambda chunk: sizes.append(chunk.shape[1]), return_frames=False)
+    assert sizes == [5, 8]
+    pipe.record_generation_defaults(chunk_frames=1)  # what the trainer records for a model trained in chunks of 1
+    try:
+        pipe.save_pretrained(tmp_path / "recorded")
+        loaded = MHLAWanStreamingPipeline.from_pretrained(tmp_path / "recorded")
+        loaded.set_progress_bar_config(disable=True)
+        sizes.clear()
+        loaded(**call, generator=seeded(1), on_frames=lambda chunk: sizes.append(chunk.shape[1]), return_frames=False)
+        assert sizes == [1, 4, 4, 4]
+        sizes.clear()  # an explicit chunk size wins
+        loaded(**call, chunk_frames=2, generator=seeded(1), on_frames=lambda c: sizes.append(c.shape[1]))
+        assert sizes == [5, 8]
+    finally:
+        pipe.register_to_config(_mhla_generation_defaults=None)
