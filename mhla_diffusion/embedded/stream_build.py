@@ -70,7 +70,7 @@ class StreamBuildSettings:
     layout: list[int] = dataclasses.field(default_factory=lambda: [1, 6, 6])
     causal_window: int = 2
     gate: bool = True
-    eval_prompts: int = 24
+    eval_prompts: int = 12
     eval_frames: int = 129  # 8x the 17-frame training clips, 65 latent frames
     eval_steps: int = embedded_defaults().video_steps
     guidance_scale: float = embedded_defaults().video_guidance_scale
@@ -85,8 +85,8 @@ class StreamBuildSettings:
             judge_held_out=8,
             steps=2,
             batch_size=2,
-            eval_prompts=2,
-            eval_frames=33,
+            eval_prompts=1,
+            eval_frames=25,
             eval_steps=2,
             checkpoint_every=1,
         )
@@ -197,9 +197,9 @@ def _export(work: Path, output: Path, s: StreamBuildSettings, report: dict[str, 
         shutil.copy2(work / "evaluate" / "long-video-strip.png", figure)
     exported = [*STREAM_MODELS, "judges/long-video"]
     hashes = {f"{folder}/{k}": v for folder in exported for k, v in weight_hashes(output / folder).items()}
-    (output / "stream_build_report.json").write_text(
-        json.dumps({"settings": dataclasses.asdict(s), "stages": report, "weights_sha256": hashes}, indent=2) + "\n"
-    )
+    total = round(sum(v.get("seconds", 0) for v in report.values() if isinstance(v, dict)), 1)
+    content = {"settings": dataclasses.asdict(s), "stages": report, "total_seconds": total, "weights_sha256": hashes}
+    (output / "stream_build_report.json").write_text(json.dumps(content, indent=2) + "\n")
     return {"output": str(output), "models": exported}
 
 

@@ -1,0 +1,66 @@
+"""`mhla build-embedded --stream` in its smoke setting: every stage runs, the models, the judge, the long-video
+report and its strip come out; a rerun resumes; a setting of a finished stage cannot change; the report's table is
+computed from its JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mhla_diffusion.cli import main
+from mhla_diffusion.embedded.long_video_report import CLI_PROMPT, METHODS, report_markdown
+from mhla_diffusion.embedded.stream_build import STREAM_MODELS, StreamBuildSettings
+
+
+@pytest.fixture(scope="module")
+def stream_smoke(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream-build")
+    args = ["build-embedded", "--stream", "--smoke", "--work-dir", str(root / "work"), "--output", str(root / "out")]
+    assert main([*args, "--figure", str(root / "docs" / "strip.png")]) == 0
+    return root, args
+
+
+@pytest.mark.slow
+def test_the_smoke_build_exports_models_judge_report_and_strip(stream_smoke):
+    from mhla_diffusion.pipelines import MHLAWanStreamingPipeline
+
+    root, _ = stream_smoke
+    out = root / "out"
+    for folder in STREAM_MODELS:
+        pipe = MHLAWanStreamingPipeline.from_pretrained(out / folder)
+        assert pipe.config["_mhla_generation_defaults"]["chunk_frames"] == StreamBuildSettings.smoke().chunk_frames
+        assert pipe.make_stream() is not None  # block-causal: MHLA state or softmax KV cache
+    assert (out / "judges" / "long-video" / "config.json").is_file()
+    assert (root / "docs" / "strip.png").read_bytes() == (out / "long-video-strip.png").read_bytes()
+    report = json.loads((out / "long_video_report.json").read_text())
+    assert list(report["methods"]) == list(METHODS)
+    assert (out / "long_video_report.md").read_text() == report_markdown(report)
+    s = StreamBuildSettings.smoke()
+    for key, method in report["methods"].items():
+        assert method["summary"]["videos"] == s.eval_prompts
+        for video in method["videos"]:
+            assert video["num_frames"] == s.eval_frames
+    stream, cache = report["methods"]["stream-mhla"], report["methods"]["stream-softmax"]
+    # the MHLA stream carries a state of constant size; the KV cache grows with the video
+    assert stream["peak_8x_vs_1x"] <= 1.1 < cache["peak_8x_vs_1x"]
+    assert report["command"]["prompt"] == CLI_PROMPT and report["command"]["judge"]["num_frames"] == s.eval_frames
+    build = json.loads((out / "stream_build_report.json").read_text())
+    assert set(build["stages"]) >= {"data", "judge", "mhla", "softmax", "evaluate"}
+    assert build["weights_sha256"] and all(len(h) == 64 for h in build["weights_sha256"].values())
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_and_finished_settings_cannot_change(stream_smoke, capsys):
+    root, args = stream_smoke
+    stages = root / "work" / "stages"
+    before = {p.name: p.read_text() for p in stages.glob("*.json")}
+    shutil.rmtree(root / "out")
+    assert main([*args, "--no-export"]) == 0  # every stage already done
+    assert {p.name: p.read_text() for p in stages.glob("*.json")} == before
+    capsys.readouterr()
+    assert main([*args, "--set", "steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "steps 2 -> 3" in err and "--work-dir" in err
+    assert main([*args, "--set", "no_such=1"]) == 2
