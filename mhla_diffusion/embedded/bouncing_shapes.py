@@ -90,9 +90,7 @@ def render_bouncing(
     return frames, centres
 
 
-def bouncing_clip(
-    k: int, num_clips: int, seed: int = 0, num_frames: int = BOUNCE_FRAMES, first: int = 0
-) -> ShapeClip:
+def bouncing_clip(k: int, num_clips: int, seed: int = 0, num_frames: int = BOUNCE_FRAMES, first: int = 0) -> ShapeClip:
     """Clip ``k`` of a ``num_clips`` bouncing dataset for ``seed``, ``num_frames`` long (its frames ``first ..``;
     ``centres`` and every other field describe the same frames).
 
