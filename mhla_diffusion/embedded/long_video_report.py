@@ -29,10 +29,10 @@ import numpy as np
 from .bouncing_shapes import SPEED_RANGE, bouncing_clip
 from .judge_io import load_judge
 from .locations import embedded_defaults
-from .moving_shapes import parse_caption
+from .moving_shapes import NUM_COMBINATIONS, parse_caption
 from .reproduction import balanced_captions
 
-__all__ = ["CLI_PROMPT", "METHODS", "evaluate_long_video", "report_markdown"]
+__all__ = ["CLI_PROMPT", "METHODS", "evaluate_long_video", "evaluation_prompts", "report_markdown"]
 
 EVAL_SEED = 30_000
 #: The prompt of the README's streaming command, whose reading the report records.
@@ -44,6 +44,16 @@ METHODS = {
     "stream-softmax": "softmax KV cache (block-causal teacher)",
     "independent": "independent clips (non-streaming MHLA)",
 }
+
+
+def evaluation_prompts(count: int) -> list[str]:
+    """``count`` (at most 48) different prompts spread over shapes, colours and directions: combination ``13 i mod 48``
+    of :func:`~.reproduction.balanced_captions`' order (13 is prime to 48, so none repeats; the first ``count`` of
+    that order would be circles only)."""
+    if not 1 <= count <= NUM_COMBINATIONS:
+        raise ValueError(f"eval_prompts must be 1..{NUM_COMBINATIONS}, got {count}")
+    captions, _ = balanced_captions(NUM_COMBINATIONS)
+    return [captions[(13 * i) % NUM_COMBINATIONS] for i in range(count)]
 
 
 def _real_video(prompt: str, index: int, num_frames: int) -> tuple[np.ndarray, list[int]]:
@@ -126,7 +136,7 @@ def evaluate_long_video(work: Path, s, source: Path) -> dict[str, Any]:
     folder = work / "evaluate"
     folder.mkdir(parents=True, exist_ok=True)
     judge = load_judge(work / "judges" / "long-video")
-    prompts, _ = balanced_captions(s.eval_prompts)
+    prompts = evaluation_prompts(s.eval_prompts)
     runs = _method_runs(work, s, source)
     results: dict[str, Any] = {}
     strips: dict[str, np.ndarray] = {}

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .bouncing_shapes import BOUNCE_FRAMES, bouncing_windows
-from .build import _replace_tree, _train_run
+from .build import _replace_tree, _Run, _run_values, _train_run
 from .judge_io import save_judge
 from .locations import EMBEDDED_ROOT, embedded_defaults, weight_hashes
 from .shapes_dataset import write_shapes_dataset
@@ -120,33 +120,13 @@ def _judge(work: Path, s: StreamBuildSettings) -> dict[str, Any]:
 
 
 def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: dict[str, Any] | None):
-    from ..finetune.checkpointing import list_checkpoints
+    """The Wan trainer's options of the fine-tune ``runs/long-{name}``: the main build's (:func:`.build._run_values`)
+    with the bouncing clips and diffusion forcing; softmax runs block-causal (the KV-cache teacher)."""
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
-    folder = work / "runs" / name
-    resume = bool(list_checkpoints(folder))
-    values: dict[str, Any] = dict(
-        output_dir=str(folder),
-        overwrite_output_dir=not resume,
-        resume="latest" if resume else None,
-        seed=s.seed,
-        mixed_precision="no",
-        gradient_checkpointing=False,
-        report_to="none",
-        checkpointing_steps=s.checkpoint_every,
-        checkpoints_total_limit=1,
-        save_pipeline=True,
-        max_grad_norm=1.0,
-        lr_scheduler="constant_with_warmup",
-        lr_warmup_steps=min(50, s.steps // 10),
-        dataloader_num_workers=0,
-        max_train_steps=s.steps,
-        pretrained_model=str(start),
-        data_dir=str(work / "data" / "bouncing"),
-        cache_latents=True,
-        cache_dir=str(work / "cache" / "bouncing"),
-        learning_rate=s.lr,
+    values = _run_values(work, s, "long", "bouncing", _Run(name, start, s.steps, s.lr, mhla))
+    values.update(
         height=d.height,
         width=d.width,
         num_frames=s.train_frames,
@@ -158,9 +138,7 @@ def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: d
         flow_shift=_flow_shift(start),  # the teacher's training noise levels and sampler
     )
     if mhla is None:
-        values.update(attention="softmax", softmax_block_causal=True)
-    else:
-        values["mhla"] = mhla
+        values["softmax_block_causal"] = True
     return options_from_dict(WanTrainOptions, values)
 
 
@@ -172,7 +150,7 @@ def _fine_tune(work: Path, s: StreamBuildSettings, name: str, start: Path) -> di
     from ..finetune.train_wan import train as train_wan
 
     mhla = None
-    if name == "long-mhla":
+    if name == "mhla":
         mhla = {"layout": list(s.layout), "causal": True, "causal_window": s.causal_window, "gate": s.gate}
     options = _options(work, s, name, start, mhla)
     seconds = _train_run(work, train_wan, options)
@@ -250,8 +228,8 @@ def build_stream_models(
     report: dict[str, Any] = {}
     report["data"] = stages.run("data", lambda: _data(work, s))
     report["judge"] = stages.run("judge", lambda: _judge(work, s))
-    report["mhla"] = stages.run("mhla", lambda: _fine_tune(work, s, "long-mhla", start))
-    report["softmax"] = stages.run("softmax", lambda: _fine_tune(work, s, "long-softmax", start))
+    report["mhla"] = stages.run("mhla", lambda: _fine_tune(work, s, "mhla", start))
+    report["softmax"] = stages.run("softmax", lambda: _fine_tune(work, s, "softmax", start))
     report["evaluate"] = stages.run("evaluate", lambda: _evaluate(work, s, source))
     if out is not None:
         report["export"] = _export(work, out, s, report, Path(figure) if figure is not None else None)

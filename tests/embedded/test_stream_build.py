@@ -24,6 +24,7 @@ def stream_smoke(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_smoke_build_exports_models_judge_report_and_strip(stream_smoke):
+    from mhla_diffusion.embedded.judge_io import load_judge
     from mhla_diffusion.pipelines import MHLAWanStreamingPipeline
 
     root, _ = stream_smoke
@@ -32,7 +33,7 @@ def test_the_smoke_build_exports_models_judge_report_and_strip(stream_smoke):
         pipe = MHLAWanStreamingPipeline.from_pretrained(out / folder)
         assert pipe.config["_mhla_generation_defaults"]["chunk_frames"] == StreamBuildSettings.smoke().chunk_frames
         assert pipe.make_stream() is not None  # block-causal: MHLA state or softmax KV cache
-    assert (out / "judges" / "long-video" / "config.json").is_file()
+    assert load_judge(out / "judges" / "long-video").config["num_frames"] == 9  # reads 9-frame windows
     assert (root / "docs" / "strip.png").read_bytes() == (out / "long-video-strip.png").read_bytes()
     report = json.loads((out / "long_video_report.json").read_text())
     assert list(report["methods"]) == list(METHODS)
@@ -64,3 +65,16 @@ def test_a_rerun_resumes_and_finished_settings_cannot_change(stream_smoke, capsy
     err = capsys.readouterr().err
     assert "steps 2 -> 3" in err and "--work-dir" in err
     assert main([*args, "--set", "no_such=1"]) == 2
+
+
+def test_evaluation_prompts_cover_every_shape_colour_and_direction():
+    from mhla_diffusion.embedded.long_video_report import evaluation_prompts
+    from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES, parse_caption
+
+    prompts = evaluation_prompts(12)
+    assert len(set(prompts)) == 12
+    for name, values in ATTRIBUTES.items():
+        assert {parse_caption(p)[name] for p in prompts} == set(values)
+    assert len(set(evaluation_prompts(48))) == 48
+    with pytest.raises(ValueError, match="eval_prompts must be 1..48"):
+        evaluation_prompts(49)
