@@ -243,6 +243,7 @@ def _wait_for_outputs(job, count: int, timeout: float = 60.0) -> list:
     return job.outputs()
 
 
+@pytest.mark.slow  # a demo server process
 def test_stop_keeps_the_frames_made_and_they_are_the_streams_own(client, long_video_root):
     import imageio.v3 as iio
     import imageio_ffmpeg
@@ -293,6 +294,7 @@ def test_stop_keeps_the_frames_made_and_they_are_the_streams_own(client, long_vi
     assert shown.shape == (48, 48, 3) and np.abs(shown - expected).max() <= 2  # the server runs 2 threads
 
 
+@pytest.mark.slow  # a demo server process
 def test_bad_long_video_input_through_the_api_is_a_readable_error(client):
     from gradio_client.exceptions import AppError
 
@@ -312,6 +314,7 @@ VIDEO_LOADED = """() => {
 }"""
 
 
+@pytest.mark.slow  # a demo server process
 def test_a_long_video_streams_into_the_page_and_stop_keeps_it(demo_server, tmp_path):
     import imageio_ffmpeg
     from playwright.sync_api import sync_playwright
