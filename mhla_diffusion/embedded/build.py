@@ -971,14 +971,19 @@ _FIRST_STAGE = {
 }
 
 
-def _check_settings_change(work: Path, before: dict[str, Any], after: dict[str, Any]) -> None:
+def _check_settings_change(
+    work: Path, before: dict[str, Any], after: dict[str, Any], first_stage: Callable[[str], str] | None = None
+) -> None:
     """A rerun may change the settings of stages that have not finished yet (a longer teacher budget, say,
     while the VAE is still training); changing what a finished stage was built with is refused.
-    ``checkpoint_every`` may always change."""
+    ``checkpoint_every`` may always change. ``first_stage(setting)``: the first stage that reads a setting
+    (default: this build's :data:`_FIRST_STAGE`; the streaming build passes its own)."""
     changed = _changed_settings(before, after)
     if not changed:
         return
-    done = [k for k in changed if (work / "stages" / f"{_FIRST_STAGE.get(k, 'data')}.json").is_file()]
+    if first_stage is None:
+        first_stage = lambda k: _FIRST_STAGE.get(k, "data")  # noqa: E731
+    done = [k for k in changed if (work / "stages" / f"{first_stage(k)}.json").is_file()]
     if done:
         raise ValueError(
             f"{work} holds a build with other settings ({work / 'settings.json'}): "

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .bouncing_shapes import BOUNCE_FRAMES, bouncing_windows
-from .build import _replace_tree, _Run, _run_values, _train_run
+from .build import _check_settings_change, _replace_tree, _Run, _run_values, _train_run
 from .judge_io import save_judge
 from .locations import EMBEDDED_ROOT, embedded_defaults, weight_hashes
 from .shapes_dataset import write_shapes_dataset
@@ -213,15 +213,7 @@ def build_stream_models(
     settings_file = work / "settings.json"
     wanted = {**dataclasses.asdict(s), "from_build": str(source.resolve())}
     if settings_file.is_file():
-        before = json.loads(settings_file.read_text())
-        changed = sorted(k for k in wanted if before.get(k) != wanted[k] and k != "checkpoint_every")
-        finished = [k for k in changed if (work / "stages" / f"{_first_stage(k)}.json").is_file()]
-        if finished:
-            raise ValueError(
-                f"{work} holds a streaming build with other settings for stages that have finished: "
-                f"{', '.join(f'{k} {before.get(k)} -> {wanted[k]}' for k in finished)}; use another --work-dir or "
-                "delete that folder"
-            )
+        _check_settings_change(work, json.loads(settings_file.read_text()), wanted, _first_stage)
     settings_file.write_text(json.dumps(wanted, indent=2))
 
     stages = Stages(work, total=5, watched=_WATCHED)
