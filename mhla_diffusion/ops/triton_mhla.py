@@ -465,6 +465,115 @@ def _mix(
     return mixed.view(batch, heads, m, d, dv), mixed_sums
 
 
+def _launch_summaries(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    feature_eps: float,
+    normalize: str,
+    dot_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel 1 on validated inputs: the block summaries ``S`` ``(B, H, M, D, Dv)`` (in the compute dtype,
+    rows in natural channel order) and key sums ``z`` ``(B, H, M, D)`` float32 (``None`` without a
+    denominator). ``rope``: the even-channel tables of :func:`_rope_tables`, or ``None``. Both outputs may
+    be strided views: callers read them by their strides. The backward recomputes the summaries with this."""
+    batch, _, heads, d = k.shape
+    dv = v.shape[-1]
+    m, p = plan.num_blocks, plan.block_len
+    norm = normalize == "denominator"
+    tiles = _tiles(p, d, dv)
+    has_valid = plan.valid is not None
+    gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
+    valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all valid
+    tables = rope if rope is not None else (k, k)  # unused pointers without RoPE
+    rope_strides = (*tables[0].stride(), *tables[1].stride()) if rope is not None else (0, 0, 0, 0)
+    summaries = torch.empty((batch, heads, m, d, dv), device=k.device, dtype=_compute_dtype(k.dtype, v.dtype))
+    key_sums = torch.empty((batch, heads, m, d), device=k.device, dtype=torch.float32) if norm else summaries
+    _kernel("_summaries_kernel", k.device.type == "cpu")[(tiles.value_tiles, batch * heads, m)](
+        k,
+        v,
+        *tables,
+        gather,
+        valid,
+        summaries,
+        key_sums,
+        heads,
+        m,
+        p,
+        d,
+        dv,
+        *k.stride(),
+        *v.stride(),
+        *rope_strides,
+        float(feature_eps),
+        BLOCK_T=tiles.block_t,
+        BLOCK_DH=tiles.block_dh,
+        BLOCK_DV=tiles.block_dv,
+        HAS_VALID=has_valid,
+        HAS_ROPE=rope is not None,
+        STORE_Z=norm,
+        DOT_DTYPE=_tl_dtype(dot_dtype),
+        IEEE=dot_dtype == torch.float32,
+        num_warps=tiles.num_warps,
+    )
+    return summaries, key_sums if norm else None
+
+
+def _launch_output(
+    q: torch.Tensor,
+    plan: BlockPlan,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    mixed: torch.Tensor,
+    mixed_sums: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    value_dim: int,
+    feature_eps: float,
+    eps: float,
+    dot_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Kernel 2 on validated inputs: ``(B, N, H, Dv)`` in ``out_dtype`` from the mixed summaries
+    ``S̃`` ``(B, H, M, D, Dv)`` and mixed key sums ``z̃`` ``(B, H, M, D)`` (``None``: no denominator)."""
+    batch, n, heads, d = q.shape
+    m, p = plan.num_blocks, plan.block_len
+    tiles = _tiles(p, d, value_dim)
+    has_valid = plan.valid is not None
+    gather = plan.gather.contiguous()
+    valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather
+    tables = rope if rope is not None else (q, q)
+    rope_strides = (*tables[0].stride(), *tables[1].stride()) if rope is not None else (0, 0, 0, 0)
+    out = torch.empty((batch, n, heads, value_dim), device=q.device, dtype=out_dtype)
+    _kernel("_output_kernel", q.device.type == "cpu")[(batch * heads, m)](
+        q,
+        *tables,
+        gather,
+        valid,
+        mixed,
+        mixed if mixed_sums is None else mixed_sums,  # unused pointer without a denominator
+        out,
+        heads,
+        m,
+        p,
+        d,
+        value_dim,
+        *q.stride(),
+        *out.stride(),
+        *rope_strides,
+        float(feature_eps),
+        float(eps),
+        BLOCK_T=tiles.block_t,
+        BLOCK_DH=tiles.block_dh,
+        BLOCK_DV=tiles.out_dv,
+        HAS_VALID=has_valid,
+        HAS_ROPE=rope is not None,
+        NORMALIZE=mixed_sums is not None,
+        DOT_DTYPE=_tl_dtype(dot_dtype),
+        IEEE=dot_dtype == torch.float32,
+        num_warps=tiles.num_warps,
+    )
+    return out
+
+
 def _fused_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -479,82 +588,11 @@ def _fused_forward(
     dot_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Launch summaries -> mixing -> output on validated inputs (see :func:`mhla_attention_fused`)."""
-    batch, n, heads, d = q.shape
-    dv = v.shape[-1]
-    m, p = plan.num_blocks, plan.block_len
-    interpret = q.device.type == "cpu"
-    has_rope, has_valid, norm = cos is not None, plan.valid is not None, normalize == "denominator"
-    tiles = _tiles(p, d, dv)
-    dtype = _compute_dtype(q.dtype, k.dtype, v.dtype)
-    dot = _tl_dtype(dot_dtype)
-    ieee = dot_dtype == torch.float32
-    gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
-    valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all are valid
-    rope = _rope_tables(cos, sin, dtype) if has_rope else (q, q)  # unused pointers without RoPE
-    rope_strides = (*rope[0].stride(), *rope[1].stride()) if has_rope else (0, 0, 0, 0)
-    options = dict(
-        BLOCK_T=tiles.block_t,
-        BLOCK_DH=tiles.block_dh,
-        HAS_VALID=has_valid,
-        HAS_ROPE=has_rope,
-        DOT_DTYPE=dot,
-        IEEE=ieee,
-        num_warps=tiles.num_warps,
-    )
-
-    summaries = torch.empty((batch, heads, m, d, dv), device=q.device, dtype=dtype)
-    key_sums = torch.empty((batch, heads, m, d), device=q.device, dtype=torch.float32) if norm else summaries
-    _kernel("_summaries_kernel", interpret)[(tiles.value_tiles, batch * heads, m)](
-        k,
-        v,
-        *rope,
-        gather,
-        valid,
-        summaries,
-        key_sums,
-        heads,
-        m,
-        p,
-        d,
-        dv,
-        *k.stride(),
-        *v.stride(),
-        *rope_strides,
-        float(feature_eps),
-        BLOCK_DV=tiles.block_dv,
-        STORE_Z=norm,
-        **options,
-    )
-
-    mixed, mixed_sums = _mix(mixing, summaries, key_sums if norm else None)
+    rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
+    summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
+    mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     del summaries
-    if mixed_sums is None:
-        mixed_sums = mixed  # unused pointer without a denominator
-
-    out = torch.empty((batch, n, heads, dv), device=q.device, dtype=v.dtype)
-    _kernel("_output_kernel", interpret)[(batch * heads, m)](
-        q,
-        *rope,
-        gather,
-        valid,
-        mixed,
-        mixed_sums,
-        out,
-        heads,
-        m,
-        p,
-        d,
-        dv,
-        *q.stride(),
-        *out.stride(),
-        *rope_strides,
-        float(feature_eps),
-        float(eps),
-        BLOCK_DV=tiles.out_dv,
-        NORMALIZE=norm,
-        **options,
-    )
-    return out
+    return _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, v.shape[-1], feature_eps, eps, dot_dtype)
 
 
 _INDEX_BYTES = 8  # plan.gather, int64
