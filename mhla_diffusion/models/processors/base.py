@@ -30,8 +30,9 @@ from ...ops.attention import HALF_DTYPES, mhla_attention
 from ...ops.block_layout import num_blocks
 from ...ops.causal import causal_mixing_init, mhla_causal_attention, mhla_causal_step
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
+from ...ops.fused_op import mhla_attention_fused  # one custom op: torch.compile keeps the kernels
 from ...ops.mixing import mixing_init
-from ...ops.triton_mhla import fused_available, mhla_attention_fused
+from ...ops.triton_mhla import fused_available
 from ...utils.geometry import check_equal_blocks
 from .grid import TokenGridContext
 

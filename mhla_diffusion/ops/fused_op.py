@@ -1,0 +1,256 @@
+"""The fused MHLA forward and its backward as ``torch.library`` custom ops (issue 49, item 1).
+
+``torch.compile`` sees each as one opaque node: Dynamo traces through :func:`mhla_attention_fused`'s
+checks (plain Python on shapes) to a call of ``torch.ops.mhla.fused_attention``, whose fake
+implementation gives the output's shape and dtype without running anything, and AOTAutograd puts
+``torch.ops.mhla.fused_attention_backward`` into the backward graph. Neither op syncs with the host
+or branches on tensor values, so a compiled transformer keeps the Triton kernels with
+``fullgraph=True`` and CUDA graphs can capture the launches.
+
+The ops take the :class:`~mhla_diffusion.ops.block_layout.BlockPlan` as its tensors (``gather``,
+``scatter``, optional ``valid``) and its ``grid`` and ``layout`` as int lists, and rebuild the plan
+from them (no index is recomputed).
+
+Where each op runs:
+
+* CUDA: the Triton kernels (:func:`~mhla_diffusion.ops.triton_mhla._fused_forward`); the backward is
+  the fused Triton backward of :mod:`mhla_diffusion.ops.triton_mhla_backward` when that module
+  provides ``mhla_attention_fused_backward``, else the eager operator recomputed and differentiated.
+* CPU with ``TRITON_INTERPRET=1`` in the environment: the same kernels through Triton's interpreter
+  (slow; tests).
+* CPU otherwise: the eager operator (:func:`~mhla_diffusion.ops.triton_mhla._eager_forward`) and its
+  gradients, so the op can be compiled and checked on any machine.
+
+The op signatures use ``typing``'s ``Optional``/``List``/``Tuple`` (not ``from __future__ import
+annotations``), which every ``torch.library.custom_op`` since torch 2.4 reads.
+"""
+
+import functools
+import os
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .block_layout import BlockPlan
+from .triton_mhla import (
+    _RECORDERS,
+    _check_inputs,
+    _default_dot_dtype,
+    _eager_forward,
+    _fused_forward,
+    _launch_arguments,
+    triton,
+)
+
+__all__ = ["fused_attention", "fused_attention_backward", "mhla_attention_fused"]
+
+
+def _plan(gather: Tensor, scatter: Tensor, valid: Optional[Tensor], grid: List[int], layout: List[int]) -> BlockPlan:
+    """The :class:`BlockPlan` whose tensors and settings these are (no index recomputed)."""
+    m = 1
+    for blocks in layout:
+        m *= blocks
+    return BlockPlan(m, gather.shape[0] // m, gather, scatter, valid, tuple(grid), tuple(layout))
+
+
+def _runs_kernels(device: torch.device) -> bool:
+    """Whether the ops launch the Triton kernels on ``device`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+    rather than the eager operator."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_backward() -> Optional[Callable]:
+    """The fused Triton backward, ``mhla_attention_fused_backward(grad_out, q, k, v, mixing, cos, sin, plan,
+    feature_eps, normalize, eps, dot_dtype) -> (dq, dk, dv, dmixing)``, where it exists; else ``None``."""
+    try:
+        from . import triton_mhla_backward
+    except ImportError:
+        return None
+    return getattr(triton_mhla_backward, "mhla_attention_fused_backward", None)
+
+
+@contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Autograd on inside a custom op's kernel, which the dispatcher calls with autograd's dispatch key
+    excluded (so nothing it computes would record a graph): the eager recompute of the backward needs it.
+    ``torch.func.vjp`` would do without, but its wrapped tensors fail under dispatch modes that read storage
+    (``torch.library.opcheck``'s schema check)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+@torch.library.custom_op("mhla::fused_attention", mutates_args=())
+def fused_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: Tensor,
+    cos: Optional[Tensor],
+    sin: Optional[Tensor],
+    gather: Tensor,
+    scatter: Tensor,
+    valid: Optional[Tensor],
+    grid: List[int],
+    layout: List[int],
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+    dot_dtype: torch.dtype,
+) -> Tensor:
+    """The fused forward on validated inputs: ``(B, N, H, Dv)`` in ``v``'s dtype, contiguous.
+
+    ``q, k`` ``(B, N, H, D)`` raw projections, ``v`` ``(B, N, H, Dv)``, ``mixing`` ``(M, M)`` or
+    ``(H, M, M)``, ``cos, sin`` ``(1, N, 1, D)`` or ``None``; ``gather`` ``(M * P,)``, ``scatter``
+    ``(N,)`` int64 and ``valid`` ``(M, P)`` bool or ``None``: the plan of ``grid`` cut by ``layout``;
+    ``normalize`` ``"denominator"`` or ``"none"``. Call :func:`mhla_attention_fused`, which checks them.
+    """
+    plan = _plan(gather, scatter, valid, grid, layout)
+    if _runs_kernels(q.device):
+        return _fused_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps, dot_dtype)
+    out = _eager_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps)
+    return out.to(v.dtype).contiguous()
+
+
+@fused_attention.register_fake
+def _fused_attention_fake(
+    q, k, v, mixing, cos, sin, gather, scatter, valid, grid, layout, feature_eps, normalize, eps, dot_dtype
+):
+    return v.new_empty((*q.shape[:3], v.shape[-1]))
+
+
+@torch.library.custom_op("mhla::fused_attention_backward", mutates_args=())
+def fused_attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mixing: Tensor,
+    cos: Optional[Tensor],
+    sin: Optional[Tensor],
+    gather: Tensor,
+    scatter: Tensor,
+    valid: Optional[Tensor],
+    grid: List[int],
+    layout: List[int],
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+    dot_dtype: torch.dtype,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv, dmixing)`` of :func:`fused_attention` for ``grad_out`` ``(B, N, H, Dv)``,
+    each contiguous in its input's shape and dtype; the other arguments as :func:`fused_attention` took them.
+
+    The fused Triton backward where the forward runs the kernels and that backward exists; else the eager
+    operator recomputed and differentiated (in the inputs' dtype)."""
+    plan = _plan(gather, scatter, valid, grid, layout)
+    backward = _triton_backward() if _runs_kernels(q.device) else None
+    if backward is not None:
+        grads = backward(grad_out, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype)
+    else:
+        with _autograd_inside_op():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v, mixing)]
+            out = _eager_forward(*inputs[:3], plan, inputs[3], cos, sin, feature_eps, normalize, eps)
+            grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v, mixing)))
+
+
+@fused_attention_backward.register_fake
+def _fused_attention_backward_fake(
+    grad_out, q, k, v, mixing, cos, sin, gather, scatter, valid, grid, layout, feature_eps, normalize, eps, dot_dtype
+):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, mixing))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, mixing, cos, sin, gather, scatter, valid, *settings = inputs
+    ctx.save_for_backward(q, k, v, mixing, cos, sin, gather, scatter, valid)
+    ctx.settings = settings  # grid, layout, feature_eps, normalize, eps, dot_dtype
+
+
+def _backward(ctx, grad_out: Tensor):
+    grads = torch.ops.mhla.fused_attention_backward(grad_out, *ctx.saved_tensors, *ctx.settings)
+    needs = ctx.needs_input_grad
+    return (*(g if need else None for g, need in zip(grads, needs[:4])), *(None,) * (len(needs) - 4))
+
+
+fused_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mhla_attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    mixing: torch.Tensor,
+    *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    feature_eps: float = 1e-6,
+    normalize: str = "denominator",
+    eps: float = 1e-6,
+    dot_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """MHLA from raw projections with the feature map, RoPE and block products fused in Triton.
+
+    Args:
+        q, k: raw query and key projections ``(B, N, H, D)`` (before the feature map); v ``(B, N, H, Dv)``.
+            Any float dtype and any strides (read where they lie: slices of a fused qkv are not copied).
+        plan: :func:`~mhla_diffusion.ops.block_layout.block_plan` of the token grid and layout on the inputs' device.
+        mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``
+            (applied in float32).
+        cos, sin: Diffusers' Wan RoPE tables ``(1, N, 1, D)``: channel pairs ``(2i, 2i+1)`` rotate by angle
+            ``i`` (see :func:`~mhla_diffusion.models.processors.base.apply_interleaved_rotary`), after the feature
+            map, on the numerator path only. ``None``: no rotation.
+        feature_eps: the feature map is ``phi(x) = relu(x) + feature_eps``.
+        normalize: ``"denominator"`` (or ``True``): divide by ``phi(q_t) · z̃_b(t) + eps``; ``"none"`` (or
+            ``False``): no denominator. ``"scalar_mixed_denominator"`` raises ``NotImplementedError``.
+        eps: added to the denominator.
+        dot_dtype: operand dtype of the kernels' ``tl.dot`` (float32, bfloat16 or float16); ``None``: the
+            inputs' half type on CUDA, else float32 (always float32 under the interpreter, whose bfloat16
+            ``tl.dot`` is wrong). float32 dots run at IEEE precision (no TF32). Accumulation is float32.
+
+    Returns:
+        ``(B, N, H, Dv)`` in ``v``'s dtype, token order. Equals
+        :func:`~mhla_diffusion.ops.naive.mhla_attention_reference` of ``phi(q), phi(k), v`` with
+        ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))``, to float32 accumulation (float64 inputs are computed
+        in float32 too; bf16/fp16 inputs store the block summaries and read the RoPE tables in their dtype,
+        as the eager operator does). Differentiable in ``q, k, v, mixing``.
+
+    One custom op, ``torch.ops.mhla.fused_attention`` (its backward ``torch.ops.mhla.fused_attention_backward``),
+    so ``torch.compile(fullgraph=True)`` keeps it as one node. The kernels run on CUDA, and on CPU tensors
+    through Triton's interpreter when ``TRITON_INTERPRET=1`` is set; other CPU calls run the eager operator
+    (see the module docstring). On ``meta`` tensors nothing is launched: an empty output (see
+    :func:`~mhla_diffusion.ops.triton_mhla.recording_launches`).
+    """
+    mode = _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype)
+    if q.device.type == "meta":  # shapes only (counting traffic): nothing to launch
+        for launches in _RECORDERS:
+            launches.append(_launch_arguments(q, v, plan, mixing, cos, mode))
+        return v.new_empty((*q.shape[:3], v.shape[-1]))
+    if dot_dtype is None:
+        dot_dtype = _default_dot_dtype(q, v)
+    return torch.ops.mhla.fused_attention(
+        q,
+        k,
+        v,
+        mixing,
+        cos,
+        sin,
+        plan.gather,
+        plan.scatter,
+        plan.valid,
+        list(plan.grid),
+        list(plan.layout),
+        float(feature_eps),
+        mode,
+        float(eps),
+        dot_dtype,
+    )
