@@ -1,47 +1,104 @@
-"""The first GPU session of issue 34: what MHLA does on a lent GPU, measured in one call of at most 9 minutes.
+"""The GPU session of issues 34 and 49: what MHLA does on a lent GPU, measured in one call of under 10 minutes.
 
-Run it through ``benchmarks/gpu_session.sh`` (how to call it with the device tool is written at its top);
+How to run it (one NVIDIA H200 is lent to some tasks: 15 minutes of device time per session, at most 10 per
+command, the machine's start of one to two minutes included). The machine's image (device README, KINDS.md):
+Python 3.12, torch 2.11 (CUDA 13) and Triton 3.6, no Diffusers, no FlashAttention-2 (``flash_attn``) or -3
+(``flash_attn_interface``), no package registry. This tree travels with the call and is imported through
+PYTHONPATH (no install); Diffusers is the one package to carry.
+
+1. Here, once, before the call::
+
+       bash benchmarks/gpu_session.sh --fetch-wheels
+
+   saves Diffusers' wheel (the version installed here, 0.42.1: ``diffusers-0.42.1-py3-none-any.whl``, pure
+   Python, about 5 MB) into ``benchmarks/wheels/``, which git ignores. Its needs (huggingface-hub >= 1.32,
+   safetensors >= 0.8, numpy, regex, requests, filelock, Pillow) are in the image; nothing else is carried.
+2. One call of the device tool, from the repository root::
+
+       run(command='set -o pipefail; bash benchmarks/gpu_session.sh "$OUT" 2>&1 | tee "$OUT/gpu_session.log"',
+           carry=["benchmarks/wheels"], timeout_s=450)
+
+   The wrapper installs the carried wheel into /tmp and gives the stages 400 s (``GPU_SESSION_BUDGET_S``)
+   under an outer limit of 430 s. ``$OUT`` gets ``gpu_session.json`` and ``gpu_session.md`` (rewritten after
+   every stage and row, so a cut run keeps what it measured) and the log; the reply's output_tail ends with
+   the Markdown. With the machine's start the call stays under 10 minutes of device time, leaving about 5 of
+   the session's 15 for a shorter second try (e.g. ``... gpu_session.sh "$OUT" --stages versions,timing``).
+3. ``give_back``; copy ``gpu_session.json`` from the reply's files_at to
+   ``benchmarks/results/gpu_session-YYYY-MM-DD.json``, then
+   ``python benchmarks/gpu_session.py --report benchmarks/results/gpu_session-YYYY-MM-DD.json --write-doc
+   docs/speed.md`` and commit both.
+
 ``python benchmarks/gpu_session.py OUT [--smoke]`` works too where this tree's packages are importable.
 
-Stages, in the order they run (each writes its entry of ``OUT/gpu_session.json`` as soon as it has
-something, and ``OUT/gpu_session.md`` is rendered again after every stage, so a run cut short keeps what it
-measured):
+Stages, in the order they run. Each has a time limit and a share of the budget it needs to start
+(:data:`STAGES`); a stage never takes the time the later ones need to start (:func:`stage_limit`,
+:func:`plan_budget`), so the compile stage, third, cannot starve the timing stages and they cannot starve it.
+On CUDA each stage runs in its own process under its limit (a kernel fault or a hung compile costs one stage).
 
 ``versions``     torch, CUDA, cuDNN, Triton, Diffusers, the GPU; which SDPA kernels run (flash, cuDNN,
-                 memory-efficient, math, each tried alone); the copy bandwidth and bf16 matmul rate (CUDA).
+                 memory-efficient, math, each alone), whether FlashAttention-2 / -3 import (without FA3,
+                 cuDNN SDPA stands in for it), which MHLA paths exist (fused forward, its custom op
+                 ``mhla_diffusion.ops.fused_op``, the fused backward ``mhla_diffusion.ops.triton_mhla_backward``);
+                 the copy bandwidth and bf16 matmul rate.
 ``correctness``  bf16 on the device against float64 on the CPU, on even, uneven and empty-block grids, paper
-                 and released settings, autocast off and on: the operator against the O(N^2) reference, the
-                 Wan processor's whole path (feature map, RoPE, norm, gate) against itself in float64, and
-                 the fused Triton kernel (CUDA, when it imports) against the reference.
-``timing``       the operator at 21x30x50 and 21x30x52 (B=1, H=12, D=128, bf16): plan per call and
-                 precomputed, with RoPE, the processor's path in both settings, a plain einsum linear
-                 attention, SDPA's flash / cuDNN / memory-efficient kernels, TF32 off and on, the fused
-                 kernel; device time by CUDA events, and GB/s against the bytes counted on meta tensors.
-``profile``      torch.profiler's top ops of one processor call (and one fused call).
-``transformer``  a 30-block Wan2.1-1.3B-shaped transformer with random weights built on the GPU, at 21x30x52
-                 tokens (latent 21x60x104, 512 text tokens): stock per SDPA backend, MHLA paper and released;
-                 time of one forward, peak memory, 100 forwards (50 steps with guidance) extrapolated.
-``compile``      ``torch.compile`` (Inductor) of the processor's path: compile time, time after warm-up.
+                 and released settings, autocast off and on: the operator, the Wan processor's whole path
+                 and the fused Triton kernel.
+``endtoend``     a 30-block Wan2.1-1.3B-shaped transformer (random weights) at 21x30x52 tokens with 512 text
+                 tokens: eager, stock per SDPA backend against MHLA paper (fused kernel, and with it switched
+                 off: the eager operator) and released; then the whole converted transformer under
+                 ``torch.compile(transformer, fullgraph=True)`` (MHLA paper, stock, MHLA released, as long as
+                 the stage's time allows): compile time, compiled against eager time and output, and which
+                 attention path the compiled graph holds (:class:`GraphRecorder`: the MHLA custom op's
+                 calls, or none when Dynamo traced the eager operator; the fused kernels' launches in one
+                 profiled compiled forward).
+``timing``       attention forwards at 21x30x50 and 21x30x52 (B=1, H=12, D=128, bf16): the MHLA operator
+                 (plan per call, precomputed, with RoPE), the Wan processor's path in both settings, the
+                 fused kernel, a plain einsum linear attention, SDPA flash / cuDNN / memory-efficient,
+                 FlashAttention-2 / -3 where they import; TF32 off and on; GB/s against the bytes counted on
+                 meta tensors; each also replayed from a CUDA graph.
+``training``     forward and forward + backward of the attention for fine-tuning (same shapes, inputs and
+                 mixing requiring grad): the public fused entry ``mhla_attention_fused`` (whose autograd uses
+                 the fused backward where one is registered, else recomputes eagerly), the eager operator,
+                 SDPA's backward per kernel, FlashAttention-2 / -3; which kernels the fused backward launched.
+``profile``      torch.profiler's top ops of one processor call and one fused call.
+
+Timing (:func:`time_loops`): after warm-up calls, each method is timed as a loop of back-to-back calls with one
+pair of CUDA events around the whole loop (not around each sub-millisecond call, which would put the host's
+launch time inside the window); the calls per loop are chosen so that a loop lasts about
+``LoopPlan.target_s``; the loops of all methods are interleaved over ``repeats`` rounds; a row reports the
+median loop time / calls and the spread (slowest / fastest loop). The attention rows are timed again as CUDA
+graph replays (device time without host launches) where the call can be captured.
+
+Compile choice: ``torch.compile(transformer, fullgraph=True)`` in Inductor's default mode, not
+``mode="max-autotune-no-cudagraphs"``. The GEMMs of a 1536-wide model at 32k tokens are large, and cuBLAS
+runs them near the matmul ceiling already; max-autotune would benchmark Triton templates for every GEMM
+shape on a cold machine, minutes of the lease for little, and leave no time for a comparison compile of the
+stock model. CUDA graphs ("reduce-overhead") gain nothing on forwards of 0.1 s and more. ``fullgraph=True``
+turns any graph break into the row's error. The backend is Inductor wrapped in :class:`GraphRecorder`
+(Dynamo's ``lookup_backend("inductor")``: what ``backend="inductor"`` compiles with in the default mode).
 
 Then the Markdown (:func:`render_markdown`) goes into ``docs/speed.md`` between ``<!-- mhla-bench:cuda -->`` and
 ``<!-- /mhla-bench:cuda -->`` with ``--write-doc docs/speed.md`` (also from a saved JSON: ``--report``).
 
 ``--smoke`` runs every stage at tiny sizes on the CPU, in one process (the test suite does, in
-``tests/bench/test_gpu_session.py``); parts that need CUDA are skipped with a note saying so. On CUDA each
-stage runs in its own process under a time limit (``--isolate``, the default there): a kernel fault or a
-hung compile costs one stage, not the session.
+``tests/bench/test_gpu_session.py``), timed by the wall clock around the same loops; parts that need CUDA are
+skipped with a note saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import copy
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -49,7 +106,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: import mhla_diffusion from this tree
@@ -59,23 +116,45 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhla_diffusion.benchmarks.bench import (  # noqa: E402
-    TRANSFORMER_COLUMNS,
     format_table,
     plain_linear_attention,
     replace_marked_section,
     rotary_tables,
-    time_calls,
     traffic_settings,
     wan_self_attention,
-    wan_transformer_table,
 )
 
-FORMAT = "mhla-gpu-session/1"
+FORMAT = "mhla-gpu-session/2"
 JSON_NAME, MARKDOWN_NAME = "gpu_session.json", "gpu_session.md"
 DOC_SECTION = "cuda"
 #: Relative error ‖out − ref‖ / ‖ref‖ a bf16 result may have (bf16 operands land between 1e-3 and 1e-2).
 BF16_TOLERANCE = 1e-2
 SDPA_KERNELS = ("flash", "cudnn", "efficient", "math")
+#: The modules of FlashAttention-3 and -2 (each a row where it imports).
+FA3_MODULE, FA2_MODULE = "flash_attn_interface", "flash_attn"
+#: Where the fused MHLA path's custom op (item 1 of issue 49) and its fused backward (item 3) will live.
+FUSED_OP_MODULE = "mhla_diffusion.ops.fused_op"
+FUSED_BACKWARD_MODULE = "mhla_diffusion.ops.triton_mhla_backward"
+#: Pieces of the fused Triton kernels' names (``_summaries_kernel``, ``_output_kernel``, and any MHLA kernel):
+#: a profiled call's launches of these are the fused path's.
+FUSED_KERNEL_MARKS = ("_summaries_kernel", "_output_kernel", "mhla")
+#: Default seconds for all stages on a GPU (the wrapper's ``GPU_SESSION_BUDGET_S``).
+DEFAULT_BUDGET_S = 400.0
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """How :func:`time_loops` times a set of methods.
+
+    ``warmup`` untimed calls of each method, one timed call to size its loop, then ``repeats`` rounds, each a
+    loop of ``calls`` back-to-back calls per method, ``calls = ceil(target_s / one call)`` kept within
+    ``[min_calls, max_calls]`` (:func:`calls_for`)."""
+
+    repeats: int
+    warmup: int
+    target_s: float
+    min_calls: int
+    max_calls: int
 
 
 @dataclass(frozen=True)
@@ -87,8 +166,9 @@ class Sizes:
     layout: tuple[int, int, int]
     correctness_grids: dict[str, tuple[int, int, int]]
     timing_grids: tuple[tuple[int, int, int], ...]
-    repeats: int
-    warmup: int
+    attention_loops: LoopPlan
+    training_grids: tuple[tuple[int, int, int], ...]
+    training_loops: LoopPlan
     transformer_grid: tuple[int, int, int]
     transformer_layout: tuple[int, int, int]
     transformer_layers: int
@@ -96,8 +176,12 @@ class Sizes:
     transformer_heads: int
     transformer_ffn: int
     text_tokens: int
-    transformer_repeats: int
+    transformer_loops: LoopPlan
     compile_backend: str
+    #: The compiled models of the end-to-end stage, in order: ``"mhla paper"``, ``"sdpa"``, ``"mhla released"``.
+    compile_targets: tuple[str, ...]
+    #: Seconds a first compile is expected to take (later ones: 1.2 x the previous one), for skipping.
+    compile_estimate_s: float
 
 
 FULL = Sizes(
@@ -106,8 +190,10 @@ FULL = Sizes(
     layout=(3, 5, 10),
     correctness_grids={"even": (6, 10, 20), "uneven": (5, 7, 13), "empty blocks": (2, 4, 9)},
     timing_grids=((21, 30, 50), (21, 30, 52)),
-    repeats=20,
-    warmup=3,
+    # a 21x30x50 MHLA call moves ~0.9 GB (~0.2-0.5 ms): loops of 50 ms are 100+ calls
+    attention_loops=LoopPlan(repeats=10, warmup=3, target_s=0.05, min_calls=10, max_calls=500),
+    training_grids=((21, 30, 50),),
+    training_loops=LoopPlan(repeats=7, warmup=2, target_s=0.05, min_calls=5, max_calls=200),
     transformer_grid=(21, 30, 52),
     transformer_layout=(3, 5, 10),
     transformer_layers=30,
@@ -115,8 +201,10 @@ FULL = Sizes(
     transformer_heads=12,
     transformer_ffn=8960,
     text_tokens=512,
-    transformer_repeats=3,
+    transformer_loops=LoopPlan(repeats=3, warmup=1, target_s=0.5, min_calls=1, max_calls=5),
     compile_backend="inductor",
+    compile_targets=("mhla paper", "sdpa", "mhla released"),
+    compile_estimate_s=90.0,
 )
 SMOKE = Sizes(
     heads=2,
@@ -124,8 +212,9 @@ SMOKE = Sizes(
     layout=(3, 5, 10),
     correctness_grids={"even": (6, 5, 10), "uneven": (4, 7, 12), "empty blocks": (2, 4, 9)},
     timing_grids=((3, 5, 10), (3, 5, 12)),
-    repeats=2,
-    warmup=1,
+    attention_loops=LoopPlan(repeats=2, warmup=1, target_s=0.002, min_calls=1, max_calls=3),
+    training_grids=((3, 5, 10),),
+    training_loops=LoopPlan(repeats=2, warmup=1, target_s=0.002, min_calls=1, max_calls=2),
     transformer_grid=(2, 4, 4),
     transformer_layout=(1, 2, 2),
     transformer_layers=2,
@@ -133,9 +222,162 @@ SMOKE = Sizes(
     transformer_heads=2,
     transformer_ffn=64,
     text_tokens=4,
-    transformer_repeats=1,
+    transformer_loops=LoopPlan(repeats=1, warmup=1, target_s=0.001, min_calls=1, max_calls=1),
     compile_backend="aot_eager",  # Inductor's C++ build takes minutes on a small CPU
+    compile_targets=("mhla paper", "sdpa"),
+    compile_estimate_s=20.0,
 )
+
+
+# ----------------------------------------------------------------------------- timing loops
+
+
+class Timer(Protocol):
+    """What :func:`time_loops` times with: ``start()`` then ``stop()`` gives the seconds between them,
+    device work included; ``sync()`` waits for the device."""
+
+    name: str
+
+    def sync(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> float: ...
+
+
+class WallTimer:
+    """The host's clock, after waiting for the device (``sync``) at both ends."""
+
+    name = "wall clock around loops of calls"
+
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+        self._sync, self._started = sync, 0.0
+
+    def sync(self) -> None:
+        self._sync()
+
+    def start(self) -> None:
+        self._sync()
+        self._started = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        return time.perf_counter() - self._started
+
+
+class CudaEventTimer:
+    """A CUDA event recorded on the current stream at ``start()`` and one at ``stop()``, which waits for the
+    second: device time of everything launched in between, without host synchronisation inside."""
+
+    name = "CUDA events around loops of back-to-back calls"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start: torch.cuda.Event | None = None
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> float:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self._start.elapsed_time(end) / 1e3
+
+
+def timer_for(device: torch.device) -> Timer:
+    """CUDA events on a CUDA device, else the wall clock."""
+    return CudaEventTimer(device) if device.type == "cuda" else WallTimer()
+
+
+@dataclass
+class LoopTiming:
+    """``loops_s[i]``: seconds of round ``i``'s loop of ``calls`` back-to-back calls."""
+
+    calls: int
+    loops_s: list[float]
+
+    @property
+    def per_call_s(self) -> float:
+        """Median loop time / calls."""
+        return statistics.median(self.loops_s) / self.calls
+
+    @property
+    def spread(self) -> float:
+        """Slowest loop / fastest loop (1.0: every round the same)."""
+        return max(self.loops_s) / min(self.loops_s) if min(self.loops_s) > 0 else math.inf
+
+
+def calls_for(one_call_s: float, plan: LoopPlan) -> int:
+    """Back-to-back calls per timed loop: enough for ``plan.target_s`` at ``one_call_s`` a call, within
+    ``[plan.min_calls, plan.max_calls]``."""
+    if not one_call_s > 0:
+        return plan.max_calls
+    calls = math.ceil(round(plan.target_s / one_call_s, 6))  # rounded: 0.01 / 0.001 is 10, not 11
+    return max(plan.min_calls, min(plan.max_calls, calls))
+
+
+def time_loops(
+    fns: dict[str, Callable[[], object]],
+    timer: Timer,
+    plan: LoopPlan,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[dict[str, LoopTiming], dict[str, str]]:
+    """Time each of ``fns`` as loops of back-to-back calls: ``({name: LoopTiming}, {name: error line})``.
+
+    Per method: ``plan.warmup`` untimed calls, ``sync``, one timed call that sizes its loop
+    (:func:`calls_for`). Then ``plan.repeats`` rounds; each times one loop per method, starting one method
+    later than the round before (no method always runs first). A method that raises is left out with its
+    error; the others go on. Grad mode is the caller's (wrap in ``torch.no_grad()`` for forwards)."""
+    calls: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    for name, fn in fns.items():
+        log(f"{name} ...")
+        try:
+            for _ in range(plan.warmup):
+                fn()
+            timer.sync()
+            timer.start()
+            fn()
+            calls[name] = calls_for(timer.stop(), plan)
+        except Exception as error:  # a method that does not run here is a result, not a failure of the session
+            errors[name] = _error_line(error)
+    loops: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(plan.repeats):
+        names = [name for name in loops if name not in errors]
+        if not names:
+            break
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, n = fns[name], calls[name]
+            try:
+                timer.start()
+                for _ in range(n):
+                    fn()
+                loops[name].append(timer.stop())
+            except Exception as error:
+                errors[name] = _error_line(error)
+    timings = {name: LoopTiming(calls[name], times) for name, times in loops.items() if name not in errors and times}
+    return timings, errors
+
+
+def cuda_graph_replay(fn: Callable[[], object], device: torch.device, warmup: int = 2) -> Callable[[], None]:
+    """One call of ``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream, as capture
+    needs); returns the graph's ``replay``. Raises where ``fn`` cannot be captured (a host sync inside)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        fn()
+    return graph.replay
 
 
 # ----------------------------------------------------------------------------- the session file
@@ -159,7 +401,8 @@ def save_session(out: Path, session: dict[str, Any]) -> None:
 
 @dataclass
 class StageContext:
-    """What a stage function gets: sizes, device, the stage's own JSON entry (``data``) and ``save()``."""
+    """What a stage function gets: sizes, device, the stage's own JSON entry (``data``), ``save()`` and its
+    ``deadline`` (``time.time()`` seconds; ``left()`` says how many remain)."""
 
     out: Path
     session: dict[str, Any]
@@ -167,6 +410,7 @@ class StageContext:
     sizes: Sizes
     device: torch.device
     smoke: bool
+    deadline: float = math.inf
 
     @property
     def data(self) -> dict[str, Any]:
@@ -175,6 +419,14 @@ class StageContext:
     @property
     def dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    @property
+    def timer(self) -> Timer:
+        return timer_for(self.device)
+
+    def left(self) -> float:
+        """Seconds until this stage's deadline."""
+        return self.deadline - time.time()
 
     def note(self, line: str) -> None:
         """A line for the reader (something skipped, and why)."""
@@ -187,6 +439,9 @@ class StageContext:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def log(self, line: str) -> None:
+        print(f"[gpu_session {self.name}] {line}", file=sys.stderr, flush=True)
 
     def fused_runs(self, fused: Callable | None, what: str) -> bool:
         """Whether the fused kernel runs here: it imported, and the device is CUDA or Triton's CPU interpreter
@@ -220,7 +475,11 @@ def _error_line(error: BaseException, caught: list | None = None) -> str:
     return f"{type(error).__name__}: {first}" + (f" ({reasons})" if reasons else "")
 
 
-# ----------------------------------------------------------------------------- stage 1: versions
+def _grid_label(grid: tuple[int, ...]) -> str:
+    return "x".join(map(str, grid))
+
+
+# ----------------------------------------------------------------------------- what runs here
 
 
 def _package_version(name: str) -> str | None:
@@ -239,6 +498,20 @@ def _command_output(command: list[str]) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def module_status(name: str) -> str:
+    """``"imports"``, ``"not installed"``, or ``"fails to import: <error>"`` for module ``name``."""
+    try:
+        if importlib.util.find_spec(name) is None:
+            return "not installed"
+    except (ImportError, ValueError):
+        return "not installed"
+    try:
+        importlib.import_module(name)
+    except Exception as error:
+        return f"fails to import: {_error_line(error)}"
+    return "imports"
 
 
 def _sdpa_kernel(name: str):
@@ -271,12 +544,74 @@ def probe_sdpa(name: str, q: torch.Tensor) -> str:
             return _error_line(error, caught)
 
 
-def _median_event_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
-    return time_calls({"fn": fn}, repeats, 2, device)["fn"][0]
+def fa3_status() -> dict[str, str]:
+    """Whether FlashAttention-3 imports, and what the session times in its place when it does not."""
+    status = module_status(FA3_MODULE)
+    if status == "imports":
+        return {"flash_attn_interface": status, "stand_in": "none: FlashAttention-3 rows are its own"}
+    return {
+        "flash_attn_interface": status,
+        "stand_in": "SDPA cuDNN (torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION)) stands in for "
+        "FlashAttention-3, which is not importable here",
+    }
+
+
+def sdpa_method(kernel: str, fa3_imports: bool) -> str:
+    """A row's name for SDPA's ``kernel``; cuDNN's says that it stands in for FlashAttention-3 where FA3 does
+    not import."""
+    return f"SDPA {kernel}" + (" (FA3 stand-in)" if kernel == "cudnn" and not fa3_imports else "")
+
+
+def attention_baselines(
+    heads_first: list[torch.Tensor], tokens_first: list[torch.Tensor], sizes: Sizes
+) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    """The softmax attentions to time beside MHLA: SDPA's flash, cuDNN and memory-efficient kernels on
+    ``heads_first`` ``q, k, v`` ``(B, H, N, D)``, and FlashAttention-3 / -2 on ``tokens_first`` ``(B, N, H, D)``
+    where their modules import. Returns ``({name: call}, {name: why it does not run})``."""
+    fa3 = module_status(FA3_MODULE) == "imports"
+    calls: dict[str, Callable[[], object]] = {}
+    errors: dict[str, str] = {}
+    for kernel in SDPA_KERNELS[:3]:
+        name = sdpa_method(kernel, fa3)
+        status = probe_sdpa(kernel, heads_first[0][:, :, :256])
+        if status != "ok":
+            errors[name] = status
+            continue
+        calls[name] = lambda kernel=kernel, inputs=heads_first: run_sdpa(kernel, *inputs)
+    if fa3:
+        import flash_attn_interface
+
+        calls["FlashAttention-3 (flash_attn_interface)"] = lambda: flash_attn_interface.flash_attn_func(*tokens_first)
+    if module_status(FA2_MODULE) == "imports":
+        import flash_attn
+
+        calls["FlashAttention-2 (flash_attn)"] = lambda: flash_attn.flash_attn_func(*tokens_first)
+    return calls, errors
+
+
+def mhla_paths() -> dict[str, str]:
+    """Which MHLA paths this tree has here: the fused forward, its custom op, the fused backward, and the
+    MHLA ops registered with PyTorch's dispatcher."""
+    fused, status = fused_kernel()
+    paths = {
+        "fused forward (mhla_diffusion.ops.triton_mhla)": status,
+        f"custom op ({FUSED_OP_MODULE})": module_status(FUSED_OP_MODULE),
+        f"fused backward ({FUSED_BACKWARD_MODULE})": module_status(FUSED_BACKWARD_MODULE),
+    }
+    try:
+        ops = sorted(name for name in torch._C._dispatch_get_all_op_names() if "mhla" in name.lower())
+    except Exception as error:  # a private listing: its absence is noted, not fatal
+        ops = [f"(could not list: {_error_line(error)})"]
+    paths["registered MHLA ops"] = ", ".join(ops) or "none"
+    return paths
+
+
+# ----------------------------------------------------------------------------- stage: versions
 
 
 def stage_versions(ctx: StageContext) -> None:
-    """Versions, the device, SDPA kernels that run, and (CUDA) the copy and matmul ceilings."""
+    """Versions, the device, SDPA kernels and attention modules that run, MHLA's paths, and (CUDA) the copy
+    and matmul ceilings."""
     ctx.data["versions"] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -304,23 +639,29 @@ def stage_versions(ctx: StageContext) -> None:
     ctx.save()
     probe = torch.randn(1, ctx.sizes.heads, 256, ctx.sizes.head_dim, device=ctx.device, dtype=ctx.dtype)
     ctx.data["sdpa_kernels"] = {name: probe_sdpa(name, probe) for name in SDPA_KERNELS}
+    ctx.data["fa3"] = fa3_status()
+    ctx.data["flash_attn"] = module_status(FA2_MODULE)
+    ctx.data["mhla_paths"] = mhla_paths()
     ctx.save()
     if ctx.cuda_only("copy bandwidth and bf16 matmul ceilings"):
         ctx.data["ceilings"] = measure_ceilings(ctx.device)
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
-    """A 2 GiB device-to-device copy (bytes read + written per second) and an 8192^3 bf16 matmul on random data."""
+    """A 2 GiB device-to-device copy (bytes read + written per second) and an 8192^3 bf16 matmul on random data,
+    each timed as loops of calls (:func:`time_loops`)."""
+    plan = LoopPlan(repeats=5, warmup=2, target_s=0.05, min_calls=5, max_calls=50)
+    timer = CudaEventTimer(device)
     src = torch.randn(2**30, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_s = _median_event_seconds(lambda: dst.copy_(src), device)
+    copy_s = time_loops({"copy": lambda: dst.copy_(src)}, timer, plan)[0]["copy"].per_call_s
     src = dst = None  # 4 GiB freed before the matmul's operands
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
-    matmul_s = _median_event_seconds(lambda: a @ b, device)
+    matmul_s = time_loops({"matmul": lambda: a @ b}, timer, plan)[0]["matmul"].per_call_s
     return {"copy_gb_per_s": 2 * 2**31 / copy_s / 1e9, "bf16_matmul_tflop_per_s": 2 * 8192**3 / matmul_s / 1e12}
 
 
-# ----------------------------------------------------------------------------- stage 2: correctness
+# ----------------------------------------------------------------------------- stage: correctness
 
 
 def settings(layout: tuple[int, ...]) -> dict[str, Any]:
@@ -478,7 +819,7 @@ def stage_correctness(ctx: StageContext) -> None:
     ctx.data["failed"] = len(checks) - ctx.data["passed"]
 
 
-# ----------------------------------------------------------------------------- stage 3: operator timing
+# ----------------------------------------------------------------------------- attention calls
 
 
 def operator_calls(
@@ -571,81 +912,6 @@ def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normali
     )
 
 
-def stage_timing(ctx: StageContext) -> None:
-    """Device time of every attention on each timing grid, and GB/s against the counted bytes."""
-    from mhla_diffusion.ops.traffic import floor_bytes
-
-    sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
-    ctx.data.update(
-        rows=[],
-        dtype=str(dtype).removeprefix("torch."),
-        heads=sizes.heads,
-        head_dim=sizes.head_dim,
-        layout="x".join(map(str, sizes.layout)),
-        repeats=sizes.repeats,
-        timer="CUDA events" if device.type == "cuda" else "wall clock",
-    )
-    fused, ctx.data["fused"] = fused_kernel()
-    tf32 = ctx.cuda_only("the TF32 rows")
-    run_fused = ctx.fused_runs(fused, "the fused Triton kernel's rows")
-    unit_of = lambda n: n * sizes.heads * sizes.head_dim * torch.empty((), dtype=dtype).element_size()  # noqa: E731
-    for grid in sizes.timing_grids:
-        n, label = math.prod(grid), "x".join(map(str, grid))
-        unit = unit_of(n)
-        floor = floor_bytes(1, n, sizes.heads, sizes.head_dim, sizes.head_dim, math.prod(sizes.layout), dtype)
-        bytes_of = counted_bytes(grid, sizes, dtype, fused=run_fused)
-        plain = operator_calls(grid, sizes, device, dtype)
-        calls = {name: _at_precision(call, False) for name, call in plain.items()}
-        basis = dict.fromkeys(calls, "counted")
-        if tf32:
-            for name in [c for c in plain if c.startswith(TF32_ROWS)]:
-                calls[f"{name}, TF32"] = _at_precision(plain[name], True)
-                bytes_of[f"{name}, TF32"], basis[f"{name}, TF32"] = bytes_of[name], "counted"
-        errors: dict[str, str] = {}
-        g = torch.Generator().manual_seed(1)
-        heads_first = [torch.randn(1, sizes.heads, n, sizes.head_dim, generator=g).to(device, dtype) for _ in range(3)]
-        for kernel in SDPA_KERNELS[:3]:
-            name = f"SDPA {kernel}"
-            status = probe_sdpa(kernel, heads_first[0][:, :, :256])
-            if status != "ok":
-                errors[name] = status
-                continue
-            calls[name] = lambda kernel=kernel, inputs=heads_first: run_sdpa(kernel, *inputs)
-            bytes_of[name], basis[name] = 4 * unit, "q, k, v, out once"
-        if run_fused:
-            fused_calls = _fused_calls(fused, grid, sizes, device, dtype)
-            for mode in FUSED_MODES:
-                bytes_of[_fused_name(mode)] = fused_bytes(grid, sizes, dtype, mode)
-                basis[_fused_name(mode)] = "counted from the launch"
-        timings = time_calls(calls, sizes.repeats, sizes.warmup, device)
-        if run_fused:  # after the others: a fault in the new kernel loses only its own rows
-            for name, call in fused_calls.items():
-                try:
-                    timings.update(time_calls({name: call}, sizes.repeats, sizes.warmup, device))
-                except Exception as error:
-                    errors[name] = _error_line(error)
-        torch.set_float32_matmul_precision("highest")
-        for name, (seconds, peak) in timings.items():
-            ctx.data["rows"].append(
-                {
-                    "grid": label,
-                    "tokens": n,
-                    "method": name,
-                    "median_ms": seconds * 1e3,
-                    "counted_units": bytes_of[name] / unit,
-                    "bytes_basis": basis[name],
-                    "gb_per_s": bytes_of[name] / seconds / 1e9,
-                    "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
-                    "peak_extra_mb": peak / 2**20,
-                }
-            )
-        for name, error in errors.items():
-            ctx.data["rows"].append({"grid": label, "tokens": n, "method": name, "median_ms": None, "error": error})
-        ctx.data.setdefault("floor_units", {})[label] = floor / unit
-        ctx.save()
-        del plain, calls, heads_first
-
-
 def _fused_calls(
     fused: Callable, grid: tuple[int, ...], sizes: Sizes, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Callable]:
@@ -674,7 +940,559 @@ def _fused_name(mode: str) -> str:
     return f"fused Triton kernel, {mode} (feature map, RoPE)"
 
 
-# ----------------------------------------------------------------------------- stage 4: profile
+# ----------------------------------------------------------------------------- profiler helpers
+
+
+def kernel_counts(call: Callable[[], object], device: torch.device, limit: int = 20) -> dict[str, int]:
+    """The device kernels one ``call`` launches, ``{name: launches}``, most launched first (names cut to 90
+    characters, at most ``limit``). Off CUDA ``call`` runs once and the answer is ``{}``."""
+    if device.type != "cuda":
+        call()
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize(device)
+    counts: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts[event.name[:90]] += 1
+    return dict(counts.most_common(limit))
+
+
+def fused_launches(kernels: dict[str, int]) -> int:
+    """Launches of the fused MHLA kernels among ``kernels`` (:data:`FUSED_KERNEL_MARKS` in the name)."""
+    return sum(n for name, n in kernels.items() if any(mark in name for mark in FUSED_KERNEL_MARKS))
+
+
+# ----------------------------------------------------------------------------- stage: end to end
+
+
+class GraphRecorder:
+    """A ``torch.compile`` backend that counts what each graph Dynamo captures calls, then compiles it with
+    the backend ``inner`` (``"inductor"``, or ``"aot_eager"`` in smoke runs): which attention the compiled
+    model holds (the MHLA custom op, or the eager operator's ops traced in; SDPA)."""
+
+    def __init__(self, inner: str) -> None:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inner_name, self.inner = inner, lookup_backend(inner)
+        self.graphs = 0
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                self.calls[op_name(node.target)] += 1
+        return self.inner(gm, example_inputs)
+
+    def summary(self) -> dict[str, Any]:
+        """Graphs captured; calls of MHLA custom ops, of SDPA, and of every op outside ``aten``/``prims``."""
+        custom = {
+            name: n for name, n in self.calls.items() if "::" in name and name.split("::")[0] not in ("aten", "prims")
+        }
+        return {
+            "graphs": self.graphs,
+            "mhla_op_calls": sum(n for name, n in custom.items() if "mhla" in name.lower()),
+            "sdpa_calls": sum(n for name, n in self.calls.items() if "scaled_dot_product" in name),
+            "custom_ops": custom,
+        }
+
+
+def op_name(target: Any) -> str:
+    """A graph node's target as ``namespace::op.overload`` for dispatcher ops, else its ``__name__``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}::{target.__name__}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return getattr(target, "__name__", None) or str(target)
+
+
+def attention_path(target: str, summary: dict[str, Any], launches: int | None) -> str:
+    """What attention a compiled model of ``target`` ran, from its graph ``summary`` and the fused kernels'
+    ``launches`` in one profiled forward (``None``: not profiled, off CUDA)."""
+    if target == "sdpa":
+        path = f"SDPA ({summary['sdpa_calls']} calls in the graph)"
+    elif summary["mhla_op_calls"]:
+        path = f"MHLA custom op kept in the graph ({summary['mhla_op_calls']} calls)"
+    else:
+        path = "eager MHLA operator traced into the graph (no MHLA custom op)"
+    return path + ("" if launches is None else f"; {launches} fused kernel launches per forward")
+
+
+@contextlib.contextmanager
+def fused_switch(on: bool) -> Iterator[None]:
+    """The fused Triton path on or off (``mhla_diffusion.ops.triton_mhla.FUSED``) inside the block."""
+    from mhla_diffusion.ops import triton_mhla
+
+    before = triton_mhla.FUSED
+    triton_mhla.FUSED = on
+    try:
+        yield
+    finally:
+        triton_mhla.FUSED = before
+
+
+def build_wan(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A Wan2.1-T2V-1.3B-shaped ``WanTransformer3DModel`` (``sizes``' layers, width, heads, FFN) with random
+    weights built on ``device`` in ``dtype`` (float32 where Diffusers keeps it), and the keyword inputs of one
+    forward: latents ``(1, 16, F, 2 H, 2 W)`` for the token grid ``(F, H, W)``, ``text_tokens`` text embeddings
+    ``(1, T, 4096)``, timestep 500."""
+    from diffusers import WanTransformer3DModel
+
+    from mhla_diffusion.benchmarks.bench import _cast_like_from_pretrained
+    from mhla_diffusion.utils.wan_configs import wan_transformer_config
+
+    config = wan_transformer_config("Wan2.1-T2V-1.3B")
+    config.update(
+        num_layers=sizes.transformer_layers,
+        num_attention_heads=sizes.transformer_heads,
+        attention_head_dim=sizes.transformer_dim // sizes.transformer_heads,
+        ffn_dim=sizes.transformer_ffn,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = _cast_like_from_pretrained(WanTransformer3DModel(**config).eval(), dtype)
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(
+        1, config["in_channels"], *(n * p for n, p in zip(sizes.transformer_grid, config["patch_size"])), generator=g
+    )
+    text = torch.randn(1, sizes.text_tokens, config["text_dim"], generator=g)
+    inputs = dict(
+        hidden_states=latents.to(device, dtype),
+        timestep=torch.tensor([500], device=device),
+        encoder_hidden_states=text.to(device, dtype),
+        return_dict=False,
+    )
+    return model, inputs
+
+
+def _relative_difference(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().float(), ref.detach().float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def stage_endtoend(ctx: StageContext) -> None:
+    """The Wan2.1-1.3B-shaped transformer: eager rows (stock per SDPA backend, MHLA paper with the fused kernel
+    and with the eager operator, MHLA released), then the whole model under ``torch.compile(fullgraph=True)``
+    for each of ``sizes.compile_targets`` while the stage's time allows."""
+    if _package_version("diffusers") is None:
+        ctx.note("Diffusers is not installed here (see the header of benchmarks/gpu_session.py on carrying its wheel)")
+        return
+    from mhla_diffusion.benchmarks.bench import PeakMemory, _sdpa_backends
+    from mhla_diffusion.models.conversion import convert_to_mhla, get_mhla_conversion, revert_mhla, softmax_attention
+
+    sizes, device = ctx.sizes, ctx.device
+    model, inputs = build_wan(sizes, device, ctx.dtype)
+    backends = _sdpa_backends(device, None)
+    fa3 = "_flash_3" in backends
+    configs = {
+        f"mhla {name}": dataclasses.replace(config, layers="all")
+        for name, config in settings(sizes.transformer_layout).items()
+    }
+    ctx.data.update(
+        grid=_grid_label(sizes.transformer_grid),
+        layout=_grid_label(sizes.transformer_layout),
+        layers=sizes.transformer_layers,
+        text_tokens=sizes.text_tokens,
+        dim=sizes.transformer_dim,
+        weights_mb=sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20,
+        backends=backends,
+        cross_attention="native",
+        timer=ctx.timer.name,
+        forwards_per_video=100,
+        rows=[],
+        compiled=[],
+        compile_backend=sizes.compile_backend,
+        compile_call=f"torch.compile(transformer, fullgraph=True, backend=GraphRecorder({sizes.compile_backend!r}))"
+        + (", Inductor's default mode" if sizes.compile_backend == "inductor" else ""),
+    )
+    if sizes.compile_backend != "inductor":
+        ctx.note(f"compile backend {sizes.compile_backend} instead of Inductor: a smoke run on a small CPU")
+    ctx.save()
+
+    def set_state(target: str) -> None:
+        if get_mhla_conversion(model) is not None:
+            revert_mhla(model)
+        if target != "sdpa":
+            convert_to_mhla(model, configs[target])
+
+    def forward(backend: str, stock: bool = False, fused: bool = True) -> Callable[[], object]:
+        def run() -> object:
+            with softmax_attention(model) if stock else contextlib.nullcontext(), fused_switch(fused):
+                model.set_attention_backend(backend)  # the softmax layers' backend (MHLA processors have none)
+                return model(**inputs)[0]
+
+        return run
+
+    def stock_name(backend: str) -> str:
+        return f"sdpa ({backend}{', FA3 stand-in' if backend == '_native_cudnn' and not fa3 else ''})"
+
+    # eager: stock and MHLA paper interleaved, then MHLA released
+    groups = [
+        (
+            "mhla paper",
+            {stock_name(b): (forward(b, stock=True), f"SDPA {b}") for b in backends}
+            | {
+                "mhla paper": (forward("native"), "MHLA, fused kernels where they run"),
+                "mhla paper, eager operator": (forward("native", fused=False), "MHLA eager operator (fused off)"),
+            },
+        ),
+        ("mhla released", {"mhla released": (forward("native"), "MHLA, fused kernels where they run")}),
+    ]
+    for target, methods in groups:
+        set_state(target)
+        with torch.no_grad():
+            timings, errors = time_loops(
+                {name: call for name, (call, _) in methods.items()}, ctx.timer, sizes.transformer_loops, ctx.log
+            )
+        for name, (call, what) in methods.items():
+            row: dict[str, Any] = {"method": name, "attention": what}
+            if name in timings:
+                with torch.no_grad(), PeakMemory(device) as memory:
+                    kernels = kernel_counts(call, device)
+                row.update(
+                    calls=timings[name].calls,
+                    median_s=timings[name].per_call_s,
+                    spread=timings[name].spread,
+                    video_s=100 * timings[name].per_call_s,  # 50 steps, a conditional and an unconditional forward
+                    peak_extra_mb=memory.peak / 2**20,
+                    fused_launches=fused_launches(kernels) if device.type == "cuda" else None,
+                )
+            else:
+                row.update(median_s=None, error=errors.get(name, "not timed"))
+            ctx.data["rows"].append(row)
+        ctx.save()
+    stock = [r["median_s"] for r in ctx.data["rows"] if r["method"].startswith("sdpa (") and r["median_s"]]
+    for row in ctx.data["rows"]:
+        if row["method"].startswith("mhla") and row["median_s"] and stock:
+            row["sdpa_over_mhla"] = min(stock) / row["median_s"]
+    ctx.save()
+
+    # the whole transformer compiled, one target at a time while the stage's time allows
+    estimate = sizes.compile_estimate_s
+    for target in sizes.compile_targets:
+        row = {"setting": target}
+        if ctx.left() < estimate:
+            row["error"] = f"skipped: {ctx.left():.0f} s of the stage left, a compile takes about {estimate:.0f} s"
+            ctx.data["compiled"].append(row)
+            ctx.save()
+            continue
+        ctx.log(f"compiling {target} ({ctx.left():.0f} s left)")
+        try:
+            set_state(target)
+            model.set_attention_backend("native")
+            torch._dynamo.reset()
+            recorder = GraphRecorder(sizes.compile_backend)
+            compiled = torch.compile(model, fullgraph=True, backend=recorder)
+            started = time.perf_counter()
+            with torch.no_grad():
+                out = compiled(**inputs)[0]
+            ctx.sync()
+            row["compile_s"] = time.perf_counter() - started
+            estimate = 1.2 * row["compile_s"] + 10
+            summary = recorder.summary()
+            row.update(summary)
+            with torch.no_grad():
+                row["rel_diff_vs_eager"] = _relative_difference(out, model(**inputs)[0])
+                kernels = kernel_counts(lambda: compiled(**inputs), device)
+            launches = fused_launches(kernels) if device.type == "cuda" else None
+            row.update(attention_path=attention_path(target, summary, launches), fused_launches=launches)
+            ctx.save()
+            with torch.no_grad():
+                timings, errors = time_loops(
+                    {"eager": lambda: model(**inputs), "compiled": lambda: compiled(**inputs)},
+                    ctx.timer,
+                    sizes.transformer_loops,
+                    ctx.log,
+                )
+            if errors:
+                row["error"] = "; ".join(f"{name}: {line}" for name, line in errors.items())
+            if len(timings) == 2:
+                eager_s, compiled_s = timings["eager"].per_call_s, timings["compiled"].per_call_s
+                row.update(eager_s=eager_s, compiled_s=compiled_s, eager_over_compiled=eager_s / compiled_s)
+        except Exception as error:
+            row["error"] = _error_line(error)
+            ctx.log(traceback.format_exc()[-2000:])
+        ctx.data["compiled"].append(row)
+        ctx.save()
+        compiled = None
+        torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- stage: attention timing
+
+
+def attention_calls(
+    grid: tuple[int, ...], sizes: Sizes, device: torch.device, dtype: torch.dtype, fused: Callable | None, tf32: bool
+) -> tuple[dict[str, Callable[[], object]], dict[str, int], dict[str, str], dict[str, str]]:
+    """Every attention forward the timing stage times on ``grid``: ``(calls, bytes of each call, what those
+    bytes are, {method: why it does not run})``. The MHLA operator and processor rows (:func:`operator_calls`;
+    again with TF32 matmuls when ``tf32``), SDPA and FlashAttention (:func:`attention_baselines`), and last the
+    fused kernel when ``fused`` is given (a fault in the new kernel then loses only its own rows)."""
+    n = math.prod(grid)
+    unit = n * sizes.heads * sizes.head_dim * torch.empty((), dtype=dtype).element_size()
+    bytes_of = counted_bytes(grid, sizes, dtype, fused=fused is not None)
+    plain = operator_calls(grid, sizes, device, dtype)
+    calls = {name: _at_precision(call, False) for name, call in plain.items()}
+    basis = dict.fromkeys(calls, "counted")
+    if tf32:
+        for name in [c for c in plain if c.startswith(TF32_ROWS)]:
+            calls[f"{name}, TF32"] = _at_precision(plain[name], True)
+            bytes_of[f"{name}, TF32"], basis[f"{name}, TF32"] = bytes_of[name], "counted"
+    g = torch.Generator().manual_seed(1)
+    heads_first = [torch.randn(1, sizes.heads, n, sizes.head_dim, generator=g).to(device, dtype) for _ in range(3)]
+    tokens_first = [t.transpose(1, 2).contiguous() for t in heads_first]
+    baselines, errors = attention_baselines(heads_first, tokens_first, sizes)
+    for name, call in baselines.items():
+        calls[name] = _at_precision(call, False)
+        bytes_of[name], basis[name] = 4 * unit, "q, k, v, out once"
+    if fused is not None:
+        for name, call in _fused_calls(fused, grid, sizes, device, dtype).items():
+            calls[name] = call
+            mode = name.split(", ")[1].split()[0]
+            bytes_of[name], basis[name] = fused_bytes(grid, sizes, dtype, mode), "counted from the launch"
+    return calls, bytes_of, basis, errors
+
+
+def stage_timing(ctx: StageContext) -> None:
+    """Device time of every attention forward on each timing grid (loops of calls), GB/s against the counted
+    bytes; then (CUDA) every timed call again as CUDA graph replays, after all grids' loops, so that a capture
+    that upsets the device costs only graph columns."""
+    from mhla_diffusion.benchmarks.bench import PeakMemory
+    from mhla_diffusion.ops.traffic import floor_bytes
+
+    sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
+    plan = sizes.attention_loops
+    ctx.data.update(
+        rows=[],
+        dtype=str(dtype).removeprefix("torch."),
+        heads=sizes.heads,
+        head_dim=sizes.head_dim,
+        layout=_grid_label(sizes.layout),
+        repeats=plan.repeats,
+        timer=ctx.timer.name,
+        fa3=fa3_status(),
+    )
+    fused, ctx.data["fused"] = fused_kernel()
+    tf32 = ctx.cuda_only("the TF32 rows")
+    graphs = ctx.cuda_only("the CUDA graph replays")
+    fused = fused if ctx.fused_runs(fused, "the fused Triton kernel's rows") else None
+    timed: dict[tuple[int, ...], dict[str, dict[str, Any]]] = {}
+    for grid in sizes.timing_grids:
+        n, label = math.prod(grid), _grid_label(grid)
+        unit = n * sizes.heads * sizes.head_dim * torch.empty((), dtype=dtype).element_size()
+        floor = floor_bytes(1, n, sizes.heads, sizes.head_dim, sizes.head_dim, math.prod(sizes.layout), dtype)
+        calls, bytes_of, basis, errors = attention_calls(grid, sizes, device, dtype, fused, tf32)
+        with torch.no_grad():
+            timings, failed = time_loops(calls, ctx.timer, plan, ctx.log)
+        errors.update(failed)
+        torch.set_float32_matmul_precision("highest")
+        timed[grid] = {}
+        for name, timing in timings.items():
+            seconds = timing.per_call_s
+            with torch.no_grad(), PeakMemory(device) as memory:
+                calls[name]()
+            torch.set_float32_matmul_precision("highest")
+            row = {
+                "grid": label,
+                "tokens": n,
+                "method": name,
+                "calls": timing.calls,
+                "median_ms": seconds * 1e3,
+                "spread": timing.spread,
+                "counted_units": bytes_of[name] / unit,
+                "bytes_basis": basis[name],
+                "gb_per_s": bytes_of[name] / seconds / 1e9,
+                "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
+                "peak_extra_mb": memory.peak / 2**20,
+            }
+            timed[grid][name] = row
+            ctx.data["rows"].append(row)
+        for name, error in errors.items():
+            ctx.data["rows"].append({"grid": label, "tokens": n, "method": name, "median_ms": None, "error": error})
+        ctx.data.setdefault("floor_units", {})[label] = floor / unit
+        ctx.save()
+        del calls
+    if not graphs:
+        return
+    # the same calls replayed from a CUDA graph: device time without the host's launches
+    replay_plan = dataclasses.replace(plan, repeats=max(3, plan.repeats // 2), warmup=1)
+    for grid, rows in timed.items():
+        calls = attention_calls(grid, sizes, device, dtype, fused, tf32)[0]
+        for name, row in rows.items():
+            try:
+                replay = cuda_graph_replay(calls[name], device)
+                graph_timing, graph_errors = time_loops({name: replay}, ctx.timer, replay_plan)
+                if name in graph_timing:
+                    row["graph_ms"] = graph_timing[name].per_call_s * 1e3
+                else:
+                    row["graph_error"] = graph_errors[name]
+            except Exception as error:
+                row["graph_error"] = _error_line(error)
+            replay = None
+            torch.set_float32_matmul_precision("highest")
+        ctx.save()
+        del calls
+
+
+# ----------------------------------------------------------------------------- stage: training (backward)
+
+
+def _first(out: Any) -> torch.Tensor:
+    """The output tensor of an attention call (FlashAttention-3 may return ``(out, lse)``)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def training_calls(
+    grid: tuple[int, ...], sizes: Sizes, device: torch.device, dtype: torch.dtype, fused: Callable | None
+) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    """For each attention to fine-tune with: its forward with grad on and its forward + backward, as
+    ``{"<method> | forward": call, "<method> | forward + backward": call}``, and ``{method: why not}``.
+
+    MHLA starts from raw ``q, k, v`` ``(1, N, H, D)`` with the feature map and RoPE inside, and a ``(M, M)``
+    mixing in float32; all four require grad (``torch.autograd.grad`` of the output with a fixed random
+    output gradient). ``fused`` is the public fused entry (``mhla_attention_fused``; its autograd is the
+    fused backward where one is registered) or ``None``. SDPA and FlashAttention-2/-3 take ``q, k, v``."""
+    from mhla_diffusion.ops.attention import mhla_attention
+    from mhla_diffusion.ops.block_layout import block_plan
+    from mhla_diffusion.ops.mixing import mixing_init
+
+    n = math.prod(grid)
+    g = torch.Generator().manual_seed(3)
+    shape = (1, n, sizes.heads, sizes.head_dim)
+    q, k, v = (torch.randn(shape, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    grad_out = torch.randn(shape, generator=g).to(device, dtype)
+    cos, sin = rotary_tables(n, sizes.head_dim, device, g)
+    plan = block_plan(grid, sizes.layout, device)
+    mixing = (mixing_init(sizes.layout) + 0.01 * torch.rand(plan.num_blocks, plan.num_blocks, generator=g)).to(device)
+    mixing.requires_grad_()
+    mhla_inputs = (q, k, v, mixing)
+
+    def pair(name: str, forward: Callable[[], torch.Tensor], inputs: tuple, grad: torch.Tensor) -> None:
+        calls[f"{name} | forward"] = forward
+        calls[f"{name} | forward + backward"] = lambda: torch.autograd.grad(_first(forward()), inputs, grad)
+
+    calls: dict[str, Callable[[], object]] = {}
+    errors: dict[str, str] = {}
+    for mode in FUSED_MODES:
+        if fused is not None:
+            pair(
+                f"MHLA fused (mhla_attention_fused), {mode}",
+                lambda mode=mode: fused(
+                    q, k, v, plan, mixing, cos=cos, sin=sin, normalize=mode, dot_dtype=_dot_dtype()
+                ),
+                mhla_inputs,
+                grad_out,
+            )
+        pair(
+            f"MHLA eager operator, {mode}",
+            lambda mode=mode: mhla_attention(
+                q, k, v, grid, sizes.layout, mixing, normalize=mode, plan=plan, feature_eps=1e-6, rotary=(cos, sin)
+            ),
+            mhla_inputs,
+            grad_out,
+        )
+    pair(
+        "plain linear attention (einsum)",
+        lambda: plain_linear_attention(F.relu(q) + 1e-6, F.relu(k) + 1e-6, v),
+        (q, k, v),
+        grad_out,
+    )
+    heads_first = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    grad_heads_first = grad_out.transpose(1, 2).contiguous()
+    fa3 = module_status(FA3_MODULE) == "imports"
+    for kernel in SDPA_KERNELS[:3]:
+        name = sdpa_method(kernel, fa3)
+        status = probe_sdpa(kernel, heads_first[0].detach()[:, :, :256])
+        if status != "ok":
+            errors[name] = status
+            continue
+        pair(name, lambda kernel=kernel: run_sdpa(kernel, *heads_first), tuple(heads_first), grad_heads_first)
+    tokens_first = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+    if fa3:
+        import flash_attn_interface
+
+        pair(
+            "FlashAttention-3 (flash_attn_interface)",
+            lambda: flash_attn_interface.flash_attn_func(*tokens_first),
+            tokens_first,
+            grad_out,
+        )
+    if module_status(FA2_MODULE) == "imports":
+        import flash_attn
+
+        pair("FlashAttention-2 (flash_attn)", lambda: flash_attn.flash_attn_func(*tokens_first), tokens_first, grad_out)
+    return calls, errors
+
+
+def fused_backward_status() -> str:
+    """Which backward the fused entry's autograd runs: the fused Triton backward's module, or the eager
+    recompute of ``_FusedMHLA``."""
+    status = module_status(FUSED_BACKWARD_MODULE)
+    if status == "imports":
+        return f"{FUSED_BACKWARD_MODULE} imports (the fused entry's autograd may use it: see the launched kernels)"
+    return f"{FUSED_BACKWARD_MODULE} {status}: the fused entry's backward recomputes the forward eagerly"
+
+
+def stage_training(ctx: StageContext) -> None:
+    """Forward and forward + backward of the attention for fine-tuning, on each training grid; which
+    kernels one fused forward + backward launches."""
+    sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
+    plan = sizes.training_loops
+    fused, fused_status = fused_kernel()
+    ctx.data.update(
+        rows=[],
+        dtype=str(dtype).removeprefix("torch."),
+        heads=sizes.heads,
+        head_dim=sizes.head_dim,
+        layout=_grid_label(sizes.layout),
+        repeats=plan.repeats,
+        timer=ctx.timer.name,
+        fused=fused_status,
+        fused_backward=fused_backward_status(),
+        fa3=fa3_status(),
+    )
+    run_fused = ctx.fused_runs(fused, "the fused entry's forward + backward rows")
+    for grid in sizes.training_grids:
+        label = _grid_label(grid)
+        calls, errors = training_calls(grid, sizes, device, dtype, fused if run_fused else None)
+        timings, failed = time_loops(calls, ctx.timer, plan, ctx.log)
+        methods = list(dict.fromkeys(name.split(" | ")[0] for name in calls)) + list(errors)
+        for method in methods:
+            forward, both = timings.get(f"{method} | forward"), timings.get(f"{method} | forward + backward")
+            row: dict[str, Any] = {"grid": label, "tokens": math.prod(grid), "method": method}
+            if forward and both:
+                row.update(
+                    calls=both.calls,
+                    forward_ms=forward.per_call_s * 1e3,
+                    forward_backward_ms=both.per_call_s * 1e3,
+                    backward_ms=(both.per_call_s - forward.per_call_s) * 1e3,
+                    backward_over_forward=(both.per_call_s - forward.per_call_s) / forward.per_call_s,
+                    spread=max(forward.spread, both.spread),
+                )
+            else:
+                why = (
+                    errors.get(method)
+                    or failed.get(f"{method} | forward + backward")
+                    or failed.get(f"{method} | forward", "not timed")
+                )
+                row.update(forward_backward_ms=None, error=why)
+            ctx.data["rows"].append(row)
+        ctx.save()
+        if run_fused and device.type == "cuda":
+            name = next(m for m in methods if m.startswith("MHLA fused"))
+            ctx.data.setdefault("fused_backward_kernels", {})[label] = kernel_counts(
+                calls[f"{name} | forward + backward"], device
+            )
+            ctx.save()
+        del calls
+
+
+# ----------------------------------------------------------------------------- stage: profile
 
 
 def profile_table(call: Callable[[], object], device: torch.device, rows: int = 15) -> str:
@@ -719,82 +1537,6 @@ def stage_profile(ctx: StageContext) -> None:
         ctx.data["tables"][name] = profile_table(call, ctx.device)
 
 
-# ----------------------------------------------------------------------------- stage 5: torch.compile
-
-
-def stage_compile(ctx: StageContext) -> None:
-    """``torch.compile`` of the Wan processor's path, both settings: compile time, time after warm-up, error."""
-    sizes, grid = ctx.sizes, ctx.sizes.timing_grids[0]
-    backend = sizes.compile_backend
-    ctx.data.update(backend=backend, grid="x".join(map(str, grid)), rows=[])
-    if backend != "inductor":
-        ctx.note(
-            f"backend {backend} instead of Inductor in smoke mode: Inductor's C++ build takes minutes on a small CPU"
-        )
-    for setting, config in settings(sizes.layout).items():
-        _, call = wan_self_attention(
-            grid, config, heads=sizes.heads, head_dim=sizes.head_dim, dtype=ctx.dtype, device=ctx.device
-        )
-        row: dict[str, Any] = {"setting": setting}
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(call, backend=backend)
-            started = time.perf_counter()
-            with torch.no_grad():
-                out = compiled()
-            ctx.sync()
-            row["compile_s"] = time.perf_counter() - started
-            with torch.no_grad():
-                expected = call()
-            row["max_abs_diff_vs_eager"] = float((out.float() - expected.float()).abs().max())
-            timings = time_calls({"eager": call, "compiled": compiled}, sizes.repeats, sizes.warmup, ctx.device)
-            row.update(
-                eager_ms=timings["eager"][0] * 1e3,
-                compiled_ms=timings["compiled"][0] * 1e3,
-                eager_over_compiled=timings["eager"][0] / timings["compiled"][0],
-            )
-        except Exception as error:
-            row["error"] = _error_line(error)
-        ctx.data["rows"].append(row)
-        ctx.save()
-
-
-# ----------------------------------------------------------------------------- stage 6: Wan transformer
-
-
-def stage_transformer(ctx: StageContext) -> None:
-    """A Wan2.1-1.3B-shaped transformer with random weights: stock per SDPA backend vs MHLA paper / released."""
-    if _package_version("diffusers") is None:
-        ctx.note("Diffusers is not installed here (see benchmarks/gpu_session.sh on carrying its wheel): skipped")
-        return
-    sizes = ctx.sizes
-    ctx.data.update(
-        grid="x".join(map(str, sizes.transformer_grid)),
-        layers=sizes.transformer_layers,
-        text_tokens=sizes.text_tokens,
-        dim=sizes.transformer_dim,
-        forwards_per_video=100,
-    )
-    rows = wan_transformer_table(
-        sizes.transformer_grid,
-        sizes.transformer_layout,
-        sizes.transformer_layers,
-        sizes.transformer_dim,
-        sizes.transformer_heads,
-        sizes.transformer_ffn,
-        sizes.text_tokens,
-        ctx.dtype,
-        ctx.device,
-        sizes.transformer_repeats,
-        1,
-        log=lambda text: print(text, file=sys.stderr, flush=True),
-        settings={f"mhla {name}": config for name, config in settings(sizes.transformer_layout).items()},
-    )
-    for row in rows:
-        row["video_s"] = 100 * row["median_s"]  # 50 steps, each a conditional and an unconditional forward
-    ctx.data["rows"] = rows
-
-
 # ----------------------------------------------------------------------------- running the stages
 
 
@@ -802,28 +1544,59 @@ def stage_transformer(ctx: StageContext) -> None:
 class Stage:
     name: str
     run: Callable[[StageContext], None]
-    #: seconds of budget a stage needs to be started; at most this long in its own process (isolated runs)
+    #: seconds of budget a stage needs to be started; later stages' needs are kept back from earlier stages
     needs_s: int
+    #: the most seconds it may take (in its own process on CUDA: stopped there)
     limit_s: int
 
 
 STAGES = (
-    Stage("versions", stage_versions, 15, 60),
-    Stage("correctness", stage_correctness, 30, 120),
-    Stage("timing", stage_timing, 30, 120),
-    Stage("profile", stage_profile, 15, 60),
-    Stage("transformer", stage_transformer, 60, 180),
-    Stage("compile", stage_compile, 45, 180),
+    Stage("versions", stage_versions, 10, 45),
+    Stage("correctness", stage_correctness, 20, 75),
+    Stage("endtoend", stage_endtoend, 90, 240),
+    Stage("timing", stage_timing, 40, 100),
+    Stage("training", stage_training, 30, 75),
+    Stage("profile", stage_profile, 10, 30),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
 
-def run_stage_here(out: Path, name: str, smoke: bool) -> int:
+def stage_limit(stage: Stage, left_s: float, later_needs_s: float) -> float | None:
+    """Seconds ``stage`` may run with ``left_s`` of the budget left, keeping back what the later stages need to
+    start; ``None`` when that is under the stage's own need (it is skipped)."""
+    limit = min(stage.limit_s, left_s - later_needs_s)
+    return limit if limit >= stage.needs_s else None
+
+
+def kept_back(later: list[Stage], budget_s: float) -> float:
+    """Seconds kept for the ``later`` stages: their needs, except those of stages that need more than the
+    whole budget (they can never start, so nothing is kept for them)."""
+    return float(sum(stage.needs_s for stage in later if stage.needs_s <= budget_s))
+
+
+def plan_budget(budget_s: float, names: tuple[str, ...], stages: tuple[Stage, ...] | None = None) -> list[dict]:
+    """The worst case of a session of ``names`` within ``budget_s``: every stage runs to its limit
+    (:func:`stage_limit`, :func:`kept_back`). One entry per stage, in order: ``stage``, ``needs_s``,
+    ``starts_after_s`` and ``limit_s`` (``None``: it could be skipped)."""
+    chosen = [stage for stage in stages or STAGES if stage.name in names]
+    used, plan = 0.0, []
+    for i, stage in enumerate(chosen):
+        limit = stage_limit(stage, budget_s - used, kept_back(chosen[i + 1 :], budget_s))
+        plan.append({"stage": stage.name, "needs_s": stage.needs_s, "starts_after_s": used, "limit_s": limit})
+        used += limit or 0.0
+    return plan
+
+
+#: Seconds before its limit at which a stage's own deadline falls (it skips optional parts past it).
+DEADLINE_MARGIN_S = 10.0
+
+
+def run_stage_here(out: Path, name: str, smoke: bool, deadline: float = math.inf) -> int:
     """Run stage ``name`` in this process, its entry saved as it goes; 0, or 1 when it raised."""
     session = load_session(out)
     stage = next(s for s in STAGES if s.name == name)
     device = torch.device("cpu" if smoke else "cuda")
-    ctx = StageContext(out, session, name, SMOKE if smoke else FULL, device, smoke)
+    ctx = StageContext(out, session, name, SMOKE if smoke else FULL, device, smoke, deadline)
     session["stages"][name] = {"status": "running"}
     ctx.save()
     started = time.perf_counter()
@@ -840,11 +1613,12 @@ def run_stage_here(out: Path, name: str, smoke: bool) -> int:
 
 
 def run_stage_isolated(out: Path, name: str, smoke: bool, limit_s: float) -> None:
-    """Run stage ``name`` in a fresh process limited to ``limit_s`` seconds; a killed or crashed stage keeps
-    what it saved and is marked ``timeout`` / ``error``."""
-    command = [sys.executable, str(Path(__file__).resolve()), str(out), "--stage", name] + (
-        ["--smoke"] if smoke else []
-    )
+    """Run stage ``name`` in a fresh process stopped after ``limit_s`` seconds (its own deadline falls
+    :data:`DEADLINE_MARGIN_S` earlier); a killed or crashed stage keeps what it saved and is marked
+    ``timeout`` / ``error``."""
+    deadline = time.time() + limit_s - min(DEADLINE_MARGIN_S, 0.1 * limit_s)
+    command = [sys.executable, str(Path(__file__).resolve()), str(out), "--stage", name, "--deadline", str(deadline)]
+    command += ["--smoke"] if smoke else []
     started = time.perf_counter()
     try:
         done = subprocess.run(command, timeout=limit_s, check=False)
@@ -860,7 +1634,7 @@ def run_stage_isolated(out: Path, name: str, smoke: bool, limit_s: float) -> Non
         save_session(out, session)
 
 
-def new_session(smoke: bool, budget_s: float) -> dict[str, Any]:
+def new_session(smoke: bool, budget_s: float, names: tuple[str, ...]) -> dict[str, Any]:
     sizes = SMOKE if smoke else FULL
     return {
         "format": FORMAT,
@@ -869,38 +1643,44 @@ def new_session(smoke: bool, budget_s: float) -> dict[str, Any]:
         "torch": torch.__version__,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "budget_s": budget_s,
+        "requested": list(names),
+        "plan": plan_budget(budget_s, names),
         "sizes": dataclasses.asdict(sizes),
         "stages": {},
     }
 
 
 def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...], isolate: bool) -> dict[str, Any]:
-    """Every stage in ``stages`` (in :data:`STAGES` order) within ``budget_s`` seconds; the session dict."""
+    """Every stage in ``stages`` (in :data:`STAGES` order) within ``budget_s`` seconds; the session dict.
+
+    Each stage gets :func:`stage_limit` of what is left (later requested stages' needs kept back); one that
+    cannot get its need is recorded as skipped, saying why."""
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
-    session = new_session(smoke, budget_s)
-    session["requested"] = [stage.name for stage in STAGES if stage.name in stages]
+    chosen = [stage for stage in STAGES if stage.name in stages]
+    session = new_session(smoke, budget_s, tuple(stage.name for stage in chosen))
     save_session(out, session)
-    for stage in STAGES:
-        if stage.name not in stages:
-            continue
+    print(f"[gpu_session] plan within {budget_s:.0f} s: {session['plan']}", file=sys.stderr, flush=True)
+    for i, stage in enumerate(chosen):
         left = budget_s - (time.monotonic() - started)
-        if left < stage.needs_s:
+        later = kept_back(chosen[i + 1 :], budget_s)
+        limit = stage_limit(stage, left, later)
+        if limit is None:
             session = load_session(out)
             session["stages"][stage.name] = {
                 "status": "skipped",
                 "notes": [
-                    f"skipped: {left:.0f} s of the session's {budget_s:.0f} s were left, "
-                    f"the stage needs about {stage.needs_s} s"
+                    f"skipped: {left:.0f} s of the session's {budget_s:.0f} s were left, {later:.0f} s of them "
+                    f"kept for the later stages; the stage needs about {stage.needs_s} s"
                 ],
             }
             save_session(out, session)
             continue
-        print(f"[gpu_session] {stage.name} ({left:.0f} s left)", file=sys.stderr, flush=True)
+        print(f"[gpu_session] {stage.name}: up to {limit:.0f} s ({left:.0f} s left)", file=sys.stderr, flush=True)
         if isolate:
-            run_stage_isolated(out, stage.name, smoke, min(stage.limit_s, left))
+            run_stage_isolated(out, stage.name, smoke, limit)
         else:
-            run_stage_here(out, stage.name, smoke)
+            run_stage_here(out, stage.name, smoke, time.time() + limit)
     return load_session(out)
 
 
@@ -910,12 +1690,26 @@ def run_session(out: Path, smoke: bool, budget_s: float, stages: tuple[str, ...]
 TIMING_COLUMNS = (
     ("grid", "grid", ""),
     ("method", "method", ""),
-    ("median_ms", "median ms", ".2f"),
+    ("calls", "calls / loop", "d"),
+    ("median_ms", "ms / call", ".3f"),
+    ("spread", "spread", ".2f"),
+    ("graph_ms", "graph ms / call", ".3f"),
     ("counted_units", "bytes (U)", ".1f"),
     ("bytes_basis", "bytes are", ""),
     ("gb_per_s", "GB/s", ".0f"),
     ("floor_gb_per_s", "floor GB/s", ".0f"),
     ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("error", "error", ""),
+)
+TRAINING_COLUMNS = (
+    ("grid", "grid", ""),
+    ("method", "method", ""),
+    ("calls", "calls / loop", "d"),
+    ("forward_ms", "forward ms", ".3f"),
+    ("forward_backward_ms", "forward + backward ms", ".3f"),
+    ("backward_ms", "backward ms", ".3f"),
+    ("backward_over_forward", "backward / forward", ".2f"),
+    ("spread", "spread", ".2f"),
     ("error", "error", ""),
 )
 CORRECTNESS_COLUMNS = (
@@ -926,16 +1720,28 @@ CORRECTNESS_COLUMNS = (
     ("worst_rel_err", "worst ‖out − ref‖ / ‖ref‖", ".1e"),
     ("failed", "failed", "d"),
 )
-COMPILE_COLUMNS = (
-    ("setting", "setting", ""),
-    ("compile_s", "compile s", ".1f"),
-    ("eager_ms", "eager ms", ".2f"),
-    ("compiled_ms", "compiled ms", ".2f"),
-    ("eager_over_compiled", "eager / compiled", ".2f"),
-    ("max_abs_diff_vs_eager", "max abs diff", ".1e"),
+ENDTOEND_COLUMNS = (
+    ("method", "method", ""),
+    ("attention", "self-attention", ""),
+    ("median_s", "median s", ".3f"),
+    ("spread", "spread", ".2f"),
+    ("video_s", "100 forwards s", ".1f"),
+    ("peak_extra_mb", "peak extra MiB", ".0f"),
+    ("fused_launches", "fused launches", "d"),
+    ("sdpa_over_mhla", "SDPA / MHLA", ".2f"),
     ("error", "error", ""),
 )
-VIDEO_COLUMNS = TRANSFORMER_COLUMNS + (("video_s", "100 forwards s", ".1f"), ("weights_mb", "weights MiB", ".0f"))
+COMPILE_COLUMNS = (
+    ("setting", "model", ""),
+    ("attention_path", "attention in the compiled graph", ""),
+    ("graphs", "graphs", "d"),
+    ("compile_s", "compile s", ".1f"),
+    ("eager_s", "eager s", ".3f"),
+    ("compiled_s", "compiled s", ".3f"),
+    ("eager_over_compiled", "eager / compiled", ".2f"),
+    ("rel_diff_vs_eager", "‖compiled − eager‖ / ‖eager‖", ".1e"),
+    ("error", "error", ""),
+)
 
 
 def _status_line(session: dict[str, Any], name: str) -> list[str]:
@@ -969,6 +1775,13 @@ def _correctness_summary(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _fa3_line(entry: dict[str, Any]) -> str:
+    fa3 = entry.get("fa3") or {}
+    return (
+        f"FlashAttention-3 (`flash_attn_interface`): {fa3.get('flash_attn_interface', '?')}; {fa3.get('stand_in', '')}."
+    )
+
+
 def render_markdown(session: dict[str, Any]) -> str:
     """The "On a GPU" section of ``docs/speed.md`` from a session's JSON (whatever stages it holds)."""
     stages = session.get("stages", {})
@@ -979,7 +1792,7 @@ def render_markdown(session: dict[str, Any]) -> str:
     head = (
         f"`benchmarks/gpu_session.sh` on {where}, {session.get('started', '?')[:10]}: "
         f"torch {v.get('torch', session.get('torch', '?'))}, "
-        f"CUDA {v.get('cuda')}, Triton {v.get('triton')}, Diffusers {v.get('diffusers')}"
+        f"CUDA {v.get('cuda')}, cuDNN {v.get('cudnn')}, Triton {v.get('triton')}, Diffusers {v.get('diffusers')}"
         + (f", commit {v['commit']}" if v.get("commit") else "")
         + "."
     )
@@ -998,6 +1811,10 @@ def render_markdown(session: dict[str, Any]) -> str:
             )
             + "."
         )
+    if versions.get("fa3"):
+        lines.append(_fa3_line(versions) + f" FlashAttention-2 (`flash_attn`): {versions.get('flash_attn')}.")
+    if versions.get("mhla_paths"):
+        lines.append("MHLA paths: " + "; ".join(f"{k}: {s}" for k, s in versions["mhla_paths"].items()) + ".")
     if versions.get("ceilings"):
         c = versions["ceilings"]
         lines.append(
@@ -1021,19 +1838,56 @@ def render_markdown(session: dict[str, Any]) -> str:
             f"- {c['path']} {c['setting']} {c['grid']}: {c['error']}" for c in correctness["checks"] if c.get("error")
         ]
 
+    endtoend = stages.get("endtoend", {})
+    lines += _status_line(session, "endtoend")
+    if endtoend.get("rows"):
+        lines += [
+            f"Wan2.1-1.3B-shaped transformer, {endtoend['layers']} blocks, random weights, one eager forward at "
+            f"{endtoend['grid']} tokens (MHLA layout {endtoend['layout']}) with {endtoend['text_tokens']} text "
+            f"tokens, {endtoend['timer']}; MHLA's cross-attention on Diffusers' {endtoend['cross_attention']} "
+            "backend; 100 forwards = 50 steps with guidance:",
+            "",
+            format_table(endtoend["rows"], ENDTOEND_COLUMNS),
+            "",
+        ]
+    if endtoend.get("compiled"):
+        lines += [
+            f"The whole transformer compiled: `{endtoend['compile_call']}` (compile s: the first call):",
+            "",
+            format_table(endtoend["compiled"], COMPILE_COLUMNS),
+            "",
+        ]
+
     timing = stages.get("timing", {})
     lines += _status_line(session, "timing")
     if timing.get("rows"):
         floors = ", ".join(f"{g}: {u:.1f} U" for g, u in timing.get("floor_units", {}).items())
         lines += [
-            f"Attention operators, B=1, H={timing['heads']}, D={timing['head_dim']}, {timing['dtype']}, "
-            f"layout {timing['layout']}, median of {timing['repeats']} ({timing['timer']}); "
-            f"bytes counted on meta tensors in U = N x H x D x 2 bytes (floor of an MHLA call: {floors}); "
-            f"fused kernel: {timing.get('fused')}:",
+            f"Attention forwards, B=1, H={timing['heads']}, D={timing['head_dim']}, {timing['dtype']}, "
+            f"layout {timing['layout']}; {timing['timer']}, per call = median loop / calls over "
+            f"{timing['repeats']} rounds (spread: slowest / fastest loop); graph: the call replayed from a CUDA "
+            f"graph; bytes counted on meta tensors in U = N x H x D x 2 bytes (floor of an MHLA call: {floors}); "
+            f"fused kernel: {timing.get('fused')}. {_fa3_line(timing)}",
             "",
             format_table(timing["rows"], TIMING_COLUMNS),
             "",
         ]
+
+    training = stages.get("training", {})
+    lines += _status_line(session, "training")
+    if training.get("rows"):
+        lines += [
+            f"Attention for fine-tuning, forward (grad on) and forward + backward, B=1, H={training['heads']}, "
+            f"D={training['head_dim']}, {training['dtype']}, layout {training['layout']}; MHLA from raw q, k, v "
+            f"with feature map, RoPE and mixing requiring grad; {training['timer']}, {training['repeats']} rounds. "
+            f"Fused backward: {training.get('fused_backward')}. {_fa3_line(training)}",
+            "",
+            format_table(training["rows"], TRAINING_COLUMNS),
+            "",
+        ]
+        for grid, kernels in training.get("fused_backward_kernels", {}).items():
+            listed = ", ".join(f"{name} x{n}" for name, n in kernels.items())
+            lines += [f"Kernels of one fused forward + backward at {grid}: {listed}.", ""]
 
     profile = stages.get("profile", {})
     lines += _status_line(session, "profile")
@@ -1046,28 +1900,6 @@ def render_markdown(session: dict[str, Any]) -> str:
             "```",
             "",
             "</details>",
-            "",
-        ]
-
-    transformer = stages.get("transformer", {})
-    lines += _status_line(session, "transformer")
-    if transformer.get("rows"):
-        lines += [
-            f"Wan2.1-1.3B-shaped transformer, {transformer['layers']} blocks, random weights, one forward at "
-            f"{transformer['grid']} tokens with {transformer['text_tokens']} text tokens; 100 forwards = 50 "
-            "steps with guidance (extrapolated):",
-            "",
-            format_table(transformer["rows"], VIDEO_COLUMNS),
-            "",
-        ]
-
-    compiled = stages.get("compile", {})
-    lines += _status_line(session, "compile")
-    if compiled.get("rows"):
-        lines += [
-            f"`torch.compile` ({compiled['backend']}) of the Wan processor's path at {compiled['grid']}:",
-            "",
-            format_table(compiled["rows"], COMPILE_COLUMNS),
             "",
         ]
     return "\n".join(lines).strip()
@@ -1089,7 +1921,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--smoke", action="store_true", help="every stage at tiny sizes on the CPU (CUDA-only parts skipped)"
     )
-    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all stages (default 480)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"seconds for all stages (default {DEFAULT_BUDGET_S:.0f})",
+    )
     p.add_argument("--stages", default=",".join(STAGE_NAMES), help=f"comma-separated subset of {','.join(STAGE_NAMES)}")
     p.add_argument(
         "--isolate",
@@ -1105,6 +1942,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--report", type=Path, help="render a saved gpu_session.json (measures nothing)")
     p.add_argument("--stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)  # one stage, in an isolated process
+    p.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)  # its time.time() deadline
     return p.parse_args(argv)
 
 
@@ -1119,6 +1957,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
     unknown = sorted(set(args.stages.split(",")) - set(STAGE_NAMES))
     if unknown:
         return f"--stages: unknown {','.join(unknown)}; choose from {','.join(STAGE_NAMES)}"
+    if not args.budget_s > 0:
+        return f"--budget-s {args.budget_s:g}: give a positive number of seconds"
     if args.write_doc is not None:
         if not args.write_doc.is_file():
             return f"--write-doc {args.write_doc}: no such file"
@@ -1134,7 +1974,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.stage is not None:
-        return run_stage_here(args.out, args.stage, args.smoke)
+        return run_stage_here(args.out, args.stage, args.smoke, args.deadline)
     problem = _check_args(args)
     if problem:
         print(f"gpu_session: {problem}", file=sys.stderr)
@@ -1143,7 +1983,8 @@ def main(argv: list[str] | None = None) -> int:
         session = json.loads(args.report.read_text())
         if session.get("format") != FORMAT:
             print(
-                f"gpu_session: --report {args.report} is not a GPU session result; give gpu_session.json",
+                f"gpu_session: --report {args.report} is not a GPU session result of this version "
+                f"({FORMAT}); give the gpu_session.json this script wrote",
                 file=sys.stderr,
             )
             return 2
