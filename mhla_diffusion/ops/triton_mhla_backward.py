@@ -1,0 +1,758 @@
+"""A fused MHLA backward in Triton (issue 49, item 3): ``dq, dk, dv`` and the mixing gradient of
+:func:`~mhla_diffusion.ops.triton_mhla.mhla_attention_fused`, with float32 accumulation.
+
+Per batch ``b`` and head ``h``, with ``phi(x) = relu(x) + feature_eps``, ``q̂ = R(phi(q))``, ``k̂ = R(phi(k))``
+(``R`` Wan's interleaved RoPE), block sums ``S_j = Σ_{s∈j} k̂_s v_sᵀ`` ``(D, Dv)``, ``z_j = Σ_{s∈j} phi(k_s)``,
+the mixing ``S̃_o = Σ_j W[o, j] S_j``, ``z̃_o = Σ_j W[o, j] z_j`` and, for a query ``t`` of block ``o``,
+``den_t = phi(q_t) · z̃_o + eps`` (1 without a denominator) and ``out_t = q̂_t S̃_o / den_t``, the gradient of
+``out`` against ``g`` is, with ``g'_t = g_t / den_t``:
+
+- ``dS̃_o = Σ_{t∈o} q̂_tᵀ g'_t``, ``dz̃_o = -Σ_{t∈o} (g'_t · out_t) phi(q_t)``;
+- ``dphi(q_t) = Rᵀ(S̃_o g'_t) - (g'_t · out_t) z̃_o`` and ``dq = dphi(q) [q > 0]``;
+- ``dS = Wᵀ dS̃``, ``dz = Wᵀ dz̃``, ``dW[o, j] = Σ_{b,h} <dS̃_o, S_j> + <dz̃_o, z_j>`` (per head: ``Σ_b``);
+- for a key ``s`` of block ``j``: ``dv_s = dS_jᵀ k̂_s``, ``dphi(k_s) = Rᵀ(dS_j v_s) + dz_j``, ``dk = dphi(k) [k > 0]``.
+
+It launches, in order:
+
+1. the forward's summaries kernel again (:func:`~mhla_diffusion.ops.triton_mhla._launch_summaries`:
+   ``S`` and ``z`` are recomputed, not saved) and the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch
+   (:func:`~mhla_diffusion.ops.triton_mhla._mix`);
+2. ``_query_grad_kernel``, one program per (batch x head, block): loads ``S̃_o`` and ``z̃_o`` once, walks the
+   block's query slots in tiles (``q`` and ``g`` loaded once each; ``phi``, RoPE, the denominator and the
+   output recomputed in registers), writes ``dq`` at the tokens and accumulates ``dS̃_o``, ``dz̃_o`` in float32;
+3. the mixing's backward in PyTorch (:func:`_unmix`): ``dS = Wᵀ dS̃``, ``dz = Wᵀ dz̃`` and ``dW``;
+4. ``_key_grad_kernel``, one program per (batch x head, block): loads ``dS_j``, ``dz_j`` once, walks the
+   block's key slots in tiles (``k`` and ``v`` loaded once each) and writes ``dk`` and ``dv`` at the tokens.
+
+Precision follows the forward: dots take ``dot_dtype`` operands (float32 at IEEE precision under the
+interpreter) and accumulate in float32; the summaries ``S, S̃`` and their gradients ``dS̃, dS`` are stored in the
+inputs' half dtype for bf16/fp16 inputs (float32 otherwise), the key sums and theirs in float32; ``dW`` is
+accumulated per (batch, head) in that dtype and summed in float32. ``dq, dk, dv`` come in ``q, k, v``'s dtypes,
+``dW`` in ``mixing``'s. Kernel conventions are :mod:`~mhla_diffusion.ops.triton_mhla`'s: slots from
+``plan.gather``, padding masked by ``plan.valid`` (a padded slot loads and stores nothing; its denominator is 1,
+so empty blocks give zeros, never NaN), RoPE as even/odd half tiles, head dims padded to a power of two,
+kernels jitted per device (the interpreter for CPU tensors). Row sums use ``tl.reduce`` with this module's own
+``@triton.jit`` adder (public API; under the interpreter it runs element by element, fine at test sizes).
+
+:func:`fused_backward_traffic` counts what these launches read and write, term by term.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from .attention import without_autocast
+from .block_layout import BlockPlan
+from .triton_mhla import (
+    _INDEX_BYTES,
+    _VALID_BYTES,
+    _check_inputs,
+    _compute_dtype,
+    _default_dot_dtype,
+    _launch_arguments,
+    _launch_summaries,
+    _mix,
+    _pow2,
+    _rope_tables,
+    _tl_dtype,
+    fused_traffic,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    triton = tl = None
+
+__all__ = ["fused_backward_traffic", "mhla_attention_fused_backward", "recording_backward_launches"]
+
+
+# ----------------------------------------------------------------------------- kernels
+# Plain functions made kernels per device by `_kernel` (as in triton_mhla): they call no @jit helper of
+# triton.language (tl.sum, tl.zeros), whose build depends on TRITON_INTERPRET at import; row sums are
+# tl.reduce with `_add`, this module's own combiner (a JITFunction, or the interpreter's wrapper of it: the
+# interpreter calls its `.fn` element by element).
+
+
+def _add(a, b):
+    """The combiner of the kernels' sums (``tl.reduce(x, axis, _add_combine)``)."""
+    return a + b
+
+
+_add_combine = triton.jit(_add) if triton is not None else None
+
+
+def _query_grad_kernel(
+    q_ptr,
+    g_ptr,
+    cos_ptr,
+    sin_ptr,
+    gather_ptr,
+    valid_ptr,
+    st_ptr,
+    zt_ptr,
+    dq_ptr,
+    dst_ptr,
+    dzt_ptr,
+    H,
+    P,
+    sqb,
+    sqn,
+    sqh,
+    sqd,
+    sgb,
+    sgn,
+    sgh,
+    sgd,
+    sdb,
+    sdn,
+    sdh,
+    sdd,
+    scn,
+    scd,
+    ssn,
+    ssd,
+    st_b,
+    st_h,
+    st_m,
+    st_d,
+    zt_b,
+    zt_h,
+    zt_m,
+    zt_d,
+    ds_b,
+    ds_h,
+    ds_m,
+    ds_d,
+    dz_b,
+    dz_h,
+    dz_m,
+    dz_d,
+    feature_eps,
+    eps,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Block ``o`` of one (batch, head), query side: ``dq`` at its tokens; ``dS̃_o`` ``(D, Dv)`` and ``dz̃_o``
+    ``(D,)`` stored at their strides (the last dims' strides ``1``)."""
+    bh = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    chan = tl.arange(0, BLOCK_D)  # channels in natural order
+    cols = tl.arange(0, BLOCK_DV)
+    chan_ok = chan < D
+    cols_ok = cols < DV
+    st_base = st_ptr + b * st_b + h * st_h + m * st_m
+    s_mask = chan_ok[:, None] & cols_ok[None, :]
+    # S̃_o; padded rows and columns: zero
+    summary = tl.load(st_base + chan[:, None] * st_d + cols[None, :], mask=s_mask, other=0.0).to(DOT_DTYPE)
+    if NORMALIZE:
+        z = tl.load(zt_ptr + b * zt_b + h * zt_h + m * zt_m + chan * zt_d, mask=chan_ok, other=0.0).to(tl.float32)
+        dz = tl.full((BLOCK_D,), 0.0, tl.float32)
+    ds = tl.full((BLOCK_D, BLOCK_DV), 0.0, tl.float32)
+    q_base = q_ptr + b * sqb + h * sqh
+    g_base = g_ptr + b * sgb + h * sgh
+    dq_base = dq_ptr + b * sdb + h * sdh
+    for start in range(0, P, BLOCK_T):
+        slot = start + tl.arange(0, BLOCK_T)
+        used = slot < P
+        token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
+        if HAS_VALID:
+            used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+        if D == BLOCK_D:  # whole rows: the slot's mask only
+            q_mask = used[:, None]
+        else:
+            q_mask = used[:, None] & chan_ok[None, :]
+        if DV == BLOCK_DV:
+            g_mask = used[:, None]
+        else:
+            g_mask = used[:, None] & cols_ok[None, :]
+        raw = tl.load(q_base + token[:, None] * sqn + chan[None, :] * sqd, mask=q_mask, other=0.0)  # q's dtype
+        feats = tl.where(q_mask, tl.maximum(raw.to(tl.float32), 0.0) + feature_eps, 0.0)  # phi(q); padding: zero
+        grad = tl.load(g_base + token[:, None] * sgn + cols[None, :] * sgd, mask=g_mask, other=0.0).to(tl.float32)
+        if NORMALIZE:  # padded slots: denominator 1, so no 0/0 even with eps = 0
+            den = tl.where(used, tl.reduce(feats * z[None, :], 1, _add_combine) + eps, 1.0)
+            grad = grad / den[:, None]  # g'
+        if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables stay in their dtype until used
+            half = tl.arange(0, BLOCK_D // 2)
+            if D == BLOCK_D:
+                t_mask = used[:, None]
+            else:
+                t_mask = used[:, None] & (half < D // 2)[None, :]
+            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
+            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
+            f_even, f_odd = tl.split(tl.reshape(feats, (BLOCK_T, BLOCK_D // 2, 2)))
+            c = cos.to(tl.float32)
+            s = sin.to(tl.float32)
+            rot = tl.reshape(tl.join(f_even * c - f_odd * s, f_even * s + f_odd * c), (BLOCK_T, BLOCK_D)).to(DOT_DTYPE)
+        else:
+            rot = feats.to(DOT_DTYPE)
+        if NORMALIZE:  # the output's numerator q̂ S̃, then g'·out = g'·num / den, and dz̃ (phi(q) done with)
+            if IEEE:
+                num = tl.dot(rot, summary, input_precision="ieee")
+            else:
+                num = tl.dot(rot, summary)
+            g_out = tl.reduce(grad * num, 1, _add_combine) / den
+            dz -= tl.reduce(g_out[:, None] * feats, 0, _add_combine)
+        grad = grad.to(DOT_DTYPE)
+        if IEEE:
+            ds = tl.dot(tl.trans(rot), grad, ds, input_precision="ieee")
+            d_rot = tl.dot(grad, tl.trans(summary), input_precision="ieee")
+        else:
+            ds = tl.dot(tl.trans(rot), grad, ds)
+            d_rot = tl.dot(grad, tl.trans(summary))
+        if HAS_ROPE:  # Rᵀ: rotate back by -angle
+            r_even, r_odd = tl.split(tl.reshape(d_rot, (BLOCK_T, BLOCK_D // 2, 2)))
+            c = cos.to(tl.float32)
+            s = sin.to(tl.float32)
+            d_feats = tl.reshape(tl.join(r_even * c + r_odd * s, r_odd * c - r_even * s), (BLOCK_T, BLOCK_D))
+        else:
+            d_feats = d_rot
+        if NORMALIZE:
+            d_feats -= g_out[:, None] * z[None, :]
+        d_q = tl.where(raw > 0.0, d_feats, 0.0)  # relu's gate (a masked-off element loaded 0: closed)
+        tl.store(dq_base + token[:, None] * sdn + chan[None, :] * sdd, d_q.to(dq_ptr.dtype.element_ty), mask=q_mask)
+    ds_base = dst_ptr + b * ds_b + h * ds_h + m * ds_m
+    tl.store(ds_base + chan[:, None] * ds_d + cols[None, :], ds.to(dst_ptr.dtype.element_ty), mask=s_mask)
+    if NORMALIZE:
+        dz_base = dzt_ptr + b * dz_b + h * dz_h + m * dz_m
+        tl.store(dz_base + chan * dz_d, dz.to(dzt_ptr.dtype.element_ty), mask=chan_ok)
+
+
+def _key_grad_kernel(
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    gather_ptr,
+    valid_ptr,
+    ds_ptr,
+    dz_ptr,
+    dk_ptr,
+    dv_ptr,
+    H,
+    P,
+    skb,
+    skn,
+    skh,
+    skd,
+    svb,
+    svn,
+    svh,
+    svd,
+    sdkb,
+    sdkn,
+    sdkh,
+    sdkd,
+    sdvb,
+    sdvn,
+    sdvh,
+    sdvd,
+    scn,
+    scd,
+    ssn,
+    ssd,
+    ds_b,
+    ds_h,
+    ds_m,
+    ds_d,
+    dz_b,
+    dz_h,
+    dz_m,
+    dz_d,
+    feature_eps,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Block ``j`` of one (batch, head), key side: ``dk`` and ``dv`` at its tokens from ``dS_j`` ``(D, Dv)``
+    and ``dz_j`` ``(D,)``, read at their strides (the last dims' strides ``1``)."""
+    bh = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    chan = tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_DV)
+    chan_ok = chan < D
+    cols_ok = cols < DV
+    ds_base = ds_ptr + b * ds_b + h * ds_h + m * ds_m
+    s_mask = chan_ok[:, None] & cols_ok[None, :]
+    d_summary = tl.load(ds_base + chan[:, None] * ds_d + cols[None, :], mask=s_mask, other=0.0).to(DOT_DTYPE)
+    if NORMALIZE:
+        dz = tl.load(dz_ptr + b * dz_b + h * dz_h + m * dz_m + chan * dz_d, mask=chan_ok, other=0.0).to(tl.float32)
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    dk_base = dk_ptr + b * sdkb + h * sdkh
+    dv_base = dv_ptr + b * sdvb + h * sdvh
+    for start in range(0, P, BLOCK_T):
+        slot = start + tl.arange(0, BLOCK_T)
+        used = slot < P
+        token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
+        if HAS_VALID:
+            used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+        if D == BLOCK_D:
+            k_mask = used[:, None]
+        else:
+            k_mask = used[:, None] & chan_ok[None, :]
+        if DV == BLOCK_DV:
+            v_mask = used[:, None]
+        else:
+            v_mask = used[:, None] & cols_ok[None, :]
+        raw = tl.load(k_base + token[:, None] * skn + chan[None, :] * skd, mask=k_mask, other=0.0).to(tl.float32)
+        feats = tl.where(k_mask, tl.maximum(raw, 0.0) + feature_eps, 0.0)  # phi(k)
+        if HAS_ROPE:
+            half = tl.arange(0, BLOCK_D // 2)
+            if D == BLOCK_D:
+                t_mask = used[:, None]
+            else:
+                t_mask = used[:, None] & (half < D // 2)[None, :]
+            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
+            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
+            cos = cos.to(tl.float32)
+            sin = sin.to(tl.float32)
+            f_even, f_odd = tl.split(tl.reshape(feats, (BLOCK_T, BLOCK_D // 2, 2)))
+            rot = tl.reshape(tl.join(f_even * cos - f_odd * sin, f_even * sin + f_odd * cos), (BLOCK_T, BLOCK_D))
+        else:
+            rot = feats
+        values = tl.load(v_base + token[:, None] * svn + cols[None, :] * svd, mask=v_mask, other=0.0).to(DOT_DTYPE)
+        if IEEE:
+            d_v = tl.dot(rot.to(DOT_DTYPE), d_summary, input_precision="ieee")
+            d_rot = tl.dot(values, tl.trans(d_summary), input_precision="ieee")
+        else:
+            d_v = tl.dot(rot.to(DOT_DTYPE), d_summary)
+            d_rot = tl.dot(values, tl.trans(d_summary))
+        tl.store(dv_base + token[:, None] * sdvn + cols[None, :] * sdvd, d_v.to(dv_ptr.dtype.element_ty), mask=v_mask)
+        if HAS_ROPE:
+            r_even, r_odd = tl.split(tl.reshape(d_rot, (BLOCK_T, BLOCK_D // 2, 2)))
+            d_feats = tl.reshape(tl.join(r_even * cos + r_odd * sin, r_odd * cos - r_even * sin), (BLOCK_T, BLOCK_D))
+        else:
+            d_feats = d_rot
+        if NORMALIZE:
+            d_feats += dz[None, :]
+        d_k = tl.where(raw > 0.0, d_feats, 0.0)
+        tl.store(dk_base + token[:, None] * sdkn + chan[None, :] * sdkd, d_k.to(dk_ptr.dtype.element_ty), mask=k_mask)
+
+
+_KERNELS: dict[tuple[str, bool], object] = {}
+
+
+def _kernel(name: str, interpret: bool):
+    """The kernel ``name`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors)."""
+    key = (name, interpret)
+    if key not in _KERNELS:
+        fn = globals()[name]
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _KERNELS[key] = InterpretedFunction(fn)
+        else:
+            _KERNELS[key] = triton.jit(fn)
+    return _KERNELS[key]
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, dict[str, int]]:
+    """Tiles and warps of the two backward kernels for blocks of ``block_len`` slots: ``{"query" | "key":
+    dict(BLOCK_T, BLOCK_D, BLOCK_DV, num_warps)}``. Both hold whole head rows and all of Dv, padded to
+    powers of two (at least 16).
+
+    The query kernel keeps the mixed summary ``S̃_o`` and the float32 accumulator of its gradient (Wan:
+    128 x 128 each) beside one slot tile's q, g, features and gradients; the key kernel keeps only ``dS_j``.
+    Slot tiles of 32 and 8 warps: ptxas (sm_90) keeps both in registers at Wan's D = Dv = 128 without
+    spilling (the compile test in tests/attention/test_triton_mhla_backward.py)."""
+    block_d = _pow2(head_dim)
+    block_dv = _pow2(value_dim)
+    block_t = min(32, _pow2(block_len))
+    warps = 8 if block_d * block_dv >= 128 * 64 else 4
+    tiles = dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
+    return {"query": dict(tiles), "key": dict(tiles)}
+
+
+def _joint(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[S | z]`` tensor ``(B, H, M, D, Dv + 1)`` that ``summaries`` and ``key_sums`` are the two views
+    of (the forward keeps float32 key sums as the summaries' last column), or ``None`` when they lie apart."""
+    base = summaries._base
+    if key_sums is None or base is None or key_sums._base is not base:
+        return None
+    b, h, m, d, dv = summaries.shape
+    if tuple(base.shape) != (b, h, m, d, dv + 1) or not base.is_contiguous():
+        return None
+    if summaries.storage_offset() != base.storage_offset() or key_sums.storage_offset() != base.storage_offset() + dv:
+        return None
+    return base
+
+
+def _gradient_buffers(
+    summaries: torch.Tensor, key_sums: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Empty ``dS̃`` and ``dz̃`` laid out as the forward's ``S`` and ``z``: two views of one ``[dS̃ | dz̃]``
+    buffer when those are (float32), else ``dS̃`` contiguous in ``S``'s dtype and ``dz̃`` float32."""
+    b, h, m, d, dv = summaries.shape
+    if _joint(summaries, key_sums) is not None:
+        joint = torch.empty((b, h, m, d, dv + 1), device=summaries.device, dtype=summaries.dtype)
+        return joint[..., :dv], joint[..., dv]
+    d_sums = None if key_sums is None else torch.empty((b, h, m, d), device=summaries.device, dtype=torch.float32)
+    return torch.empty((b, h, m, d, dv), device=summaries.device, dtype=summaries.dtype), d_sums
+
+
+def _unmix(
+    mixing: torch.Tensor,
+    summaries: torch.Tensor,
+    key_sums: torch.Tensor | None,
+    d_mixed: torch.Tensor,
+    d_mixed_sums: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The backward of :func:`~mhla_diffusion.ops.triton_mhla._mix`, in PyTorch outside ``torch.autocast``.
+
+    Args: ``mixing`` ``(M, M)`` or ``(H, M, M)``; the forward's summaries ``S`` ``(B, H, M, D, Dv)`` and key
+    sums ``z`` ``(B, H, M, D)`` (``None`` without a denominator), and the gradients ``dS̃``, ``dz̃`` of the
+    mixed ones, laid out by :func:`_gradient_buffers`.
+
+    Returns ``dS = Wᵀ dS̃`` ``(B, H, M, D, Dv)`` in ``dS̃``'s dtype (``W`` rounded to it, as the forward's
+    product rounds it), ``dz = Wᵀ dz̃`` float32 (or ``None``), and ``dW`` float32 in ``mixing``'s shape:
+    ``Σ <dS̃_o, S_j> + <dz̃_o, z_j>`` over batch and heads (over batch only for per-head mixing), each (batch,
+    head)'s product accumulated in float32 and rounded to ``dS̃``'s dtype before the float32 sum. Where
+    ``S, z`` (and ``dS̃, dz̃``) are views of one ``[S | z]`` tensor, one product each mixes and contracts both.
+    """
+    batch, heads, m, d, dv = d_mixed.shape
+    reduce_dims = (0,) if mixing.ndim == 3 else (0, 1)
+    joint, d_joint = _joint(summaries, key_sums), _joint(d_mixed, d_mixed_sums)
+    with without_autocast(d_mixed.device):
+        mix = mixing.to(torch.float32)
+        if joint is not None and d_joint is not None:
+            flat, d_flat = (t.view(batch, heads, m, -1) for t in (joint, d_joint))
+            d_unmixed = (mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat).view(joint.shape)
+            d_mixing = (d_flat @ flat.transpose(-1, -2)).sum(reduce_dims)
+            return d_unmixed[..., :dv], d_unmixed[..., dv], d_mixing
+        d_flat = d_mixed.reshape(batch, heads, m, d * dv)
+        d_summaries = (mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat).view(batch, heads, m, d, dv)
+        d_mixing = (d_flat @ summaries.reshape(batch, heads, m, d * dv).transpose(-1, -2)).to(torch.float32)
+        d_sums = None
+        if d_mixed_sums is not None:
+            d_sums = mix.transpose(-1, -2) @ d_mixed_sums
+            d_mixing = d_mixing + d_mixed_sums @ key_sums.to(torch.float32).transpose(-1, -2)
+        d_mixing = d_mixing.sum(reduce_dims)
+    return d_summaries, d_sums, d_mixing
+
+
+def _plan_pointers(plan: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``plan.gather`` and ``plan.valid`` as the kernels read them (int64, uint8; ``gather`` again as an
+    unused pointer when every slot is real)."""
+    gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
+    return gather, plan.valid.contiguous().view(torch.uint8) if plan.valid is not None else gather
+
+
+def _rope_arguments(rope, like: torch.Tensor) -> tuple:
+    """The tables and their strides as the kernels take them (unused pointers and zero strides without RoPE)."""
+    if rope is None:
+        return (like, like), (0, 0, 0, 0)
+    return rope, (*rope[0].stride(), *rope[1].stride())
+
+
+def _launch_query_grad(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    plan: BlockPlan,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    summaries: torch.Tensor,
+    key_sums: torch.Tensor | None,
+    mixed: torch.Tensor,
+    mixed_sums: torch.Tensor | None,
+    feature_eps: float,
+    eps: float,
+    dot_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The query-side kernel on validated inputs: ``dq`` ``(B, N, H, D)`` in ``q``'s dtype and ``dS̃``
+    ``(B, H, M, D, Dv)``, ``dz̃`` ``(B, H, M, D)`` (``None`` without a denominator, ``mixed_sums is None``)
+    laid out as the forward's ``summaries``, ``key_sums`` (:func:`_gradient_buffers`). ``mixed`` and
+    ``mixed_sums`` (``S̃``, ``z̃``) are read by their strides."""
+    batch, _, heads, d = q.shape
+    dv = grad_out.shape[-1]
+    norm = mixed_sums is not None
+    tiles = _backward_tiles(plan.block_len, d, dv)["query"]
+    gather, valid = _plan_pointers(plan)
+    tables, rope_strides = _rope_arguments(rope, q)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    d_mixed, d_mixed_sums = _gradient_buffers(summaries, key_sums if norm else None)
+    for t in (mixed, d_mixed):
+        if t.stride(-1) != 1:
+            raise ValueError(f"the summaries must have unit stride in their last dim, got strides {t.stride()}")
+    no_sums = (0, 0, 0, 0)
+    _kernel("_query_grad_kernel", q.device.type == "cpu")[(batch * heads, plan.num_blocks)](
+        q,
+        grad_out,
+        *tables,
+        gather,
+        valid,
+        mixed,
+        mixed_sums if norm else mixed,  # unused pointers without a denominator
+        dq,
+        d_mixed,
+        d_mixed_sums if norm else d_mixed,
+        heads,
+        plan.block_len,
+        *q.stride(),
+        *grad_out.stride(),
+        *dq.stride(),
+        *rope_strides,
+        *mixed.stride()[:4],
+        *(mixed_sums.stride() if norm else no_sums),
+        *d_mixed.stride()[:4],
+        *(d_mixed_sums.stride() if norm else no_sums),
+        float(feature_eps),
+        float(eps),
+        D=d,
+        DV=dv,
+        HAS_VALID=plan.valid is not None,
+        HAS_ROPE=rope is not None,
+        NORMALIZE=norm,
+        DOT_DTYPE=_tl_dtype(dot_dtype),
+        IEEE=dot_dtype == torch.float32,
+        **tiles,
+    )
+    return dq, d_mixed, d_mixed_sums
+
+
+def _launch_key_grad(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    d_summaries: torch.Tensor,
+    d_sums: torch.Tensor | None,
+    feature_eps: float,
+    dot_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key-side kernel on validated inputs: ``dk`` ``(B, N, H, D)`` and ``dv`` ``(B, N, H, Dv)`` in ``k``'s
+    and ``v``'s dtypes from ``dS`` ``(B, H, M, D, Dv)`` and ``dz`` ``(B, H, M, D)`` (``None`` without a
+    denominator), read by their strides."""
+    batch, _, heads, d = k.shape
+    dv_dim = v.shape[-1]
+    tiles = _backward_tiles(plan.block_len, d, dv_dim)["key"]
+    gather, valid = _plan_pointers(plan)
+    tables, rope_strides = _rope_arguments(rope, k)
+    if d_summaries.stride(-1) != 1:
+        d_summaries = d_summaries.contiguous()
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    _kernel("_key_grad_kernel", k.device.type == "cpu")[(batch * heads, plan.num_blocks)](
+        k,
+        v,
+        *tables,
+        gather,
+        valid,
+        d_summaries,
+        d_summaries if d_sums is None else d_sums,  # unused pointer without a denominator
+        dk,
+        dv,
+        heads,
+        plan.block_len,
+        *k.stride(),
+        *v.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *rope_strides,
+        *d_summaries.stride()[:4],
+        *(d_sums.stride() if d_sums is not None else (0, 0, 0, 0)),
+        float(feature_eps),
+        D=d,
+        DV=dv_dim,
+        HAS_VALID=plan.valid is not None,
+        HAS_ROPE=rope is not None,
+        NORMALIZE=d_sums is not None,
+        DOT_DTYPE=_tl_dtype(dot_dtype),
+        IEEE=dot_dtype == torch.float32,
+        **tiles,
+    )
+    return dk, dv
+
+
+_BACKWARD_RECORDERS: list[list[dict]] = []
+
+
+@contextmanager
+def recording_backward_launches() -> Iterator[list[dict]]:
+    """While active, :func:`mhla_attention_fused_backward` on ``meta`` tensors launches nothing: it returns
+    empty gradients and appends its :func:`fused_backward_traffic` arguments to the list this yields (for
+    counting a training step's traffic on meta tensors). Outside it, meta tensors give the same empty
+    gradients and record nothing."""
+    launches: list[dict] = []
+    _BACKWARD_RECORDERS.append(launches)
+    try:
+        yield launches
+    finally:
+        _BACKWARD_RECORDERS.remove(launches)
+
+
+def _check_grad_out(grad_out: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    """``grad_out`` must be the output's gradient: ``(B, N, H, Dv)``, floating point, on ``q``'s device."""
+    want = (*q.shape[:3], v.shape[-1])
+    if not isinstance(grad_out, torch.Tensor) or tuple(grad_out.shape) != want:
+        raise ValueError(
+            f"`grad_out` must be the output's gradient of shape {want}, got {tuple(getattr(grad_out, 'shape', ()))}"
+        )
+    if not grad_out.is_floating_point():
+        raise ValueError(f"`grad_out` must be a floating-point tensor, got {grad_out.dtype}")
+    if grad_out.device != q.device:
+        raise ValueError(f"`grad_out` is on {grad_out.device} but q is on {q.device}")
+
+
+def mhla_attention_fused_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    plan: BlockPlan,
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+    dot_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`~mhla_diffusion.ops.triton_mhla.mhla_attention_fused` in fused Triton kernels.
+
+    Args:
+        grad_out: the output's gradient ``(B, N, H, Dv)`` (any float dtype, any strides).
+        q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype: as given to
+            :func:`~mhla_diffusion.ops.triton_mhla.mhla_attention_fused` (raw ``q, k`` ``(B, N, H, D)`` before
+            the feature map, ``v`` ``(B, N, H, Dv)``, mixing ``(M, M)`` or ``(H, M, M)``, Diffusers' RoPE tables
+            ``(1, N, 1, D)`` or ``None``, ``normalize`` ``"denominator"``/``"none"`` (or ``True``/``False``);
+            ``dot_dtype`` ``None``: the forward's default).
+
+    Returns:
+        ``(dq, dk, dv, dmixing)``: ``dq, dk`` ``(B, N, H, D)``, ``dv`` ``(B, N, H, Dv)`` in ``q, k, v``'s dtypes
+        and ``dmixing`` in ``mixing``'s shape and dtype: what autograd through the forward gives (see the module
+        docstring for the formulas and the precision). Works on CUDA tensors and, through Triton's interpreter,
+        on CPU tensors; on ``meta`` tensors it launches nothing and returns empty gradients (see
+        :func:`recording_backward_launches`).
+    """
+    mode = _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype)
+    _check_grad_out(grad_out, q, v)
+    empty = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, mixing))
+    if q.device.type == "meta":  # shapes only (counting traffic): nothing to launch
+        for launches in _BACKWARD_RECORDERS:
+            launches.append(_launch_arguments(q, v, plan, mixing, cos, mode))
+        return empty
+    del empty
+    if dot_dtype is None:
+        dot_dtype = _default_dot_dtype(q, v)
+    rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
+    summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, mode, dot_dtype)
+    mixed, mixed_sums = _mix(mixing, summaries, key_sums)
+    dq, d_mixed, d_mixed_sums = _launch_query_grad(
+        grad_out, q, plan, rope, summaries, key_sums, mixed, mixed_sums, feature_eps, eps, dot_dtype
+    )
+    del mixed, mixed_sums
+    d_summaries, d_sums, d_mixing = _unmix(mixing, summaries, key_sums, d_mixed, d_mixed_sums)
+    del summaries, key_sums, d_mixed, d_mixed_sums
+    dk, dv = _launch_key_grad(k, v, plan, rope, d_summaries, d_sums, feature_eps, dot_dtype)
+    return dq, dk, dv, d_mixing.to(mixing.dtype)
+
+
+def fused_backward_traffic(
+    batch: int,
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    value_dim: int,
+    num_blocks: int,
+    block_len: int,
+    *,
+    padded: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    rope_dtype: torch.dtype | None = torch.float32,
+    normalize: str = "denominator",
+    per_head_mixing: bool = False,
+) -> dict[str, int]:
+    """Bytes that :func:`mhla_attention_fused_backward` reads and writes in global memory, term by term, as
+    it launches (the arguments and rules of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`; the
+    gradient ``grad_out`` is in ``dtype`` too).
+
+    The recomputation is the forward's own count: its RoPE table copy, summaries kernel and mixing terms
+    of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic` (every term but the output kernel's), prefixed
+    ``"recompute: "``. Then the query kernel (per (batch x head, block) ``S̃_o`` and ``z̃_o`` once; per real slot
+    ``q``, ``g``, the tables and ``dq``; ``dS̃_o``, ``dz̃_o`` stored), the mixing's backward (:func:`_unmix`,
+    counted by :func:`~mhla_diffusion.ops.traffic.count_traffic` on meta tensors) and the key kernel
+    (``dS_j``, ``dz_j`` once; per real slot ``k``, ``v``, the tables, ``dk`` and ``dv``). Caches are ignored.
+    Do not call it inside a ``count_traffic``. Returns ``{term: bytes}`` in launch order.
+    """
+    from .attention import normalization_mode
+    from .traffic import count_traffic
+
+    norm = normalization_mode(normalize) == "denominator"
+    compute = _compute_dtype(dtype)
+    size, compute_size = (torch.empty((), dtype=t).element_size() for t in (dtype, compute))
+    bh, m, p = batch * heads, num_blocks, block_len
+    pairs = (head_dim + 1) // 2
+    rope = 0 if rope_dtype is None else 1
+    index = p * (_INDEX_BYTES + (_VALID_BYTES if padded else 0))
+    summary = bh * m * head_dim * value_dim * compute_size
+    key_sum = norm * bh * m * head_dim * 4
+    tables = rope * bh * tokens * pairs * 2 * compute_size
+    forward = fused_traffic(
+        batch,
+        tokens,
+        heads,
+        head_dim,
+        value_dim,
+        num_blocks,
+        block_len,
+        padded=padded,
+        dtype=dtype,
+        rope_dtype=rope_dtype,
+        normalize=normalize,
+        per_head_mixing=per_head_mixing,
+    )
+    terms = {f"recompute: {term}": size for term, size in forward.items() if not term.startswith("output kernel")}
+    # _query_grad_kernel, grid (B*H, M)
+    terms["query grad kernel: mixed summary"] = summary
+    terms["query grad kernel: mixed key sum"] = key_sum
+    terms["query grad kernel: plan index"] = bh * m * index
+    terms["query grad kernel: q"] = bh * tokens * head_dim * size
+    terms["query grad kernel: output gradient"] = bh * tokens * value_dim * size
+    terms["query grad kernel: RoPE tables"] = tables
+    terms["query grad kernel: dq stored"] = bh * tokens * head_dim * size
+    terms["query grad kernel: dS̃ stored"] = summary
+    terms["query grad kernel: dz̃ stored"] = key_sum
+    # PyTorch: dS = Wᵀ dS̃, dz = Wᵀ dz̃, dW
+    meta = dict(device="meta")
+    mixing = torch.empty((heads, m, m) if per_head_mixing else (m, m), dtype=torch.float32, **meta)
+    shape = (batch, heads, m, head_dim, value_dim)
+    summaries, d_mixed = (torch.empty(shape, dtype=compute, **meta) for _ in range(2))
+    sums = [torch.empty((batch, heads, m, head_dim), dtype=torch.float32, **meta) if norm else None for _ in range(2)]
+    terms["mixing backward (PyTorch): Wᵀ dS̃, Wᵀ dz̃, dW"] = count_traffic(
+        lambda: _unmix(mixing, summaries, sums[0], d_mixed, sums[1])
+    ).total
+    # _key_grad_kernel, grid (B*H, M)
+    terms["key grad kernel: dS"] = summary
+    terms["key grad kernel: dz"] = key_sum
+    terms["key grad kernel: plan index"] = bh * m * index
+    terms["key grad kernel: k"] = bh * tokens * head_dim * size
+    terms["key grad kernel: v"] = bh * tokens * value_dim * size
+    terms["key grad kernel: RoPE tables"] = tables
+    terms["key grad kernel: dk stored"] = bh * tokens * head_dim * size
+    terms["key grad kernel: dv stored"] = bh * tokens * value_dim * size
+    return terms
