@@ -596,7 +596,7 @@ def mhla_paths() -> dict[str, str]:
     MHLA ops registered with PyTorch's dispatcher."""
     fused, status = fused_kernel()
     paths = {
-        "fused forward (mhla_diffusion.ops.triton_mhla)": status,
+        "fused entry": status,
         f"custom op ({FUSED_OP_MODULE})": module_status(FUSED_OP_MODULE),
         f"fused backward ({FUSED_BACKWARD_MODULE})": module_status(FUSED_BACKWARD_MODULE),
     }
@@ -671,13 +671,23 @@ def settings(layout: tuple[int, ...]) -> dict[str, Any]:
     return {name: dataclasses.replace(config, layout=layout) for name, config in traffic_settings().items()}
 
 
+#: Where the public fused entry ``mhla_attention_fused`` is looked for, first: the custom op's module (what
+#: the processors call; its autograd is the fused backward where one is registered), then the kernels' module.
+FUSED_ENTRY_MODULES = (FUSED_OP_MODULE, "mhla_diffusion.ops.triton_mhla")
+
+
 def fused_kernel() -> tuple[Callable | None, str]:
-    """The fused Triton forward and ``"available"``, or ``None`` and why not."""
-    try:
-        from mhla_diffusion.ops.triton_mhla import mhla_attention_fused
-    except Exception as error:
-        return None, f"not available: {_error_line(error)}"
-    return mhla_attention_fused, "available"
+    """The public fused entry ``mhla_attention_fused`` and ``"available (<module>)"``, or ``None`` and why not
+    (:data:`FUSED_ENTRY_MODULES`, in order)."""
+    problems = []
+    for module in FUSED_ENTRY_MODULES:
+        try:
+            entry = importlib.import_module(module).mhla_attention_fused
+        except Exception as error:
+            problems.append(f"{module}: {_error_line(error)}")
+            continue
+        return entry, f"available ({module}.mhla_attention_fused)"
+    return None, "not available: " + "; ".join(problems)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
