@@ -104,19 +104,25 @@ def test_op_forward_and_backward_equal_the_eager_operator(monkeypatch):
 def test_interpreter_runs_the_kernels_and_matches_the_eager_operator(monkeypatch):
     """With ``TRITON_INTERPRET=1`` the CPU op launches the Triton kernels (here through the interpreter) and
     matches the eager operator; the backward (the fused Triton backward where it exists) matches eager
-    gradients. Without it the kernels are not launched."""
-    launches = []
-    kernels = fused_op._fused_forward
+    gradients. Without it no kernel is launched."""
+    launches, backward_launches = [], []
+    kernels, triton_backward = fused_op._fused_forward, fused_op._triton_backward()
 
     def counted(*args):
         launches.append(1)
         return kernels(*args)
 
+    def counted_backward(*args):
+        backward_launches.append(1)
+        return triton_backward(*args)
+
     monkeypatch.setattr(fused_op, "_fused_forward", counted)
+    monkeypatch.setattr(fused_op, "_triton_backward", lambda: triton_backward and counted_backward)
     q, k, v, mixing, cos, sin, plan = (t.float() if torch.is_tensor(t) else t for t in _inputs(EMPTY, seed=3))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin)
-    assert not launches
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, mixing)]
+    mhla_attention_fused(*leaves[:3], plan, leaves[3], cos=cos, sin=sin).sum().backward()
+    assert not launches and not backward_launches
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     weight = torch.randn(v.shape, generator=torch.Generator().manual_seed(4))
 
@@ -127,7 +133,7 @@ def test_interpreter_runs_the_kernels_and_matches_the_eager_operator(monkeypatch
         return out.detach(), [t.grad for t in leaves]
 
     got, got_grads = grads(lambda *t: mhla_attention_fused(*t[:3], plan, t[3], cos=cos, sin=sin))
-    assert launches == [1]
+    assert launches == [1] and backward_launches == ([1] if triton_backward else [])
     want, want_grads = grads(lambda *t: _eager(*t, cos, sin, plan))
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
