@@ -119,6 +119,7 @@ def _query_grad_kernel(
     st_h,
     st_m,
     st_d,
+    st_v,
     zt_b,
     zt_h,
     zt_m,
@@ -127,6 +128,7 @@ def _query_grad_kernel(
     ds_h,
     ds_m,
     ds_d,
+    ds_v,
     dz_b,
     dz_h,
     dz_m,
@@ -145,7 +147,7 @@ def _query_grad_kernel(
     IEEE: tl.constexpr,
 ):
     """Block ``o`` of one (batch, head), query side: ``dq`` at its tokens; ``dS̃_o`` ``(D, Dv)`` and ``dz̃_o``
-    ``(D,)`` stored at their strides (the last dims' strides ``1``)."""
+    ``(D,)`` stored at their strides."""
     bh = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -157,7 +159,7 @@ def _query_grad_kernel(
     st_base = st_ptr + b * st_b + h * st_h + m * st_m
     s_mask = chan_ok[:, None] & cols_ok[None, :]
     # S̃_o; padded rows and columns: zero
-    summary = tl.load(st_base + chan[:, None] * st_d + cols[None, :], mask=s_mask, other=0.0).to(DOT_DTYPE)
+    summary = tl.load(st_base + chan[:, None] * st_d + cols[None, :] * st_v, mask=s_mask, other=0.0).to(DOT_DTYPE)
     if NORMALIZE:
         z = tl.load(zt_ptr + b * zt_b + h * zt_h + m * zt_m + chan * zt_d, mask=chan_ok, other=0.0).to(tl.float32)
         dz = tl.full((BLOCK_D,), 0.0, tl.float32)
@@ -171,61 +173,64 @@ def _query_grad_kernel(
         token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
         if HAS_VALID:
             used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+        # tiles are (channels, slots): every product below then has M = D or Dv (tensor-core friendly)
         if D == BLOCK_D:  # whole rows: the slot's mask only
-            q_mask = used[:, None]
+            q_mask = used[None, :]
         else:
-            q_mask = used[:, None] & chan_ok[None, :]
+            q_mask = chan_ok[:, None] & used[None, :]
         if DV == BLOCK_DV:
-            g_mask = used[:, None]
+            g_mask = used[None, :]
         else:
-            g_mask = used[:, None] & cols_ok[None, :]
-        raw = tl.load(q_base + token[:, None] * sqn + chan[None, :] * sqd, mask=q_mask, other=0.0)  # q's dtype
+            g_mask = cols_ok[:, None] & used[None, :]
+        raw = tl.load(q_base + chan[:, None] * sqd + token[None, :] * sqn, mask=q_mask, other=0.0)  # q's dtype
         feats = tl.where(q_mask, tl.maximum(raw.to(tl.float32), 0.0) + feature_eps, 0.0)  # phi(q); padding: zero
-        grad = tl.load(g_base + token[:, None] * sgn + cols[None, :] * sgd, mask=g_mask, other=0.0).to(tl.float32)
+        grad = tl.load(g_base + cols[:, None] * sgd + token[None, :] * sgn, mask=g_mask, other=0.0).to(tl.float32)
         if NORMALIZE:  # padded slots: denominator 1, so no 0/0 even with eps = 0
-            den = tl.where(used, tl.reduce(feats * z[None, :], 1, _add_combine) + eps, 1.0)
-            grad = grad / den[:, None]  # g'
+            den = tl.where(used, tl.reduce(feats * z[:, None], 0, _add_combine) + eps, 1.0)
+            grad = grad / den[None, :]  # g'
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables stay in their dtype until used
             half = tl.arange(0, BLOCK_D // 2)
             if D == BLOCK_D:
-                t_mask = used[:, None]
+                t_mask = used[None, :]
             else:
-                t_mask = used[:, None] & (half < D // 2)[None, :]
-            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
-            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
-            f_even, f_odd = tl.split(tl.reshape(feats, (BLOCK_T, BLOCK_D // 2, 2)))
+                t_mask = (half < D // 2)[:, None] & used[None, :]
+            cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
+            sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
+            f_even, f_odd = tl.split(tl.permute(tl.reshape(feats, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
             s = sin.to(tl.float32)
-            rot = tl.reshape(tl.join(f_even * c - f_odd * s, f_even * s + f_odd * c), (BLOCK_T, BLOCK_D)).to(DOT_DTYPE)
+            rot = tl.join(f_even * c - f_odd * s, f_even * s + f_odd * c)
+            rot = tl.reshape(tl.permute(rot, (0, 2, 1)), (BLOCK_D, BLOCK_T)).to(DOT_DTYPE)
         else:
             rot = feats.to(DOT_DTYPE)
-        if NORMALIZE:  # the output's numerator q̂ S̃, then g'·out = g'·num / den, and dz̃ (phi(q) done with)
+        if NORMALIZE:  # the output's numerator (q̂ S̃)ᵀ, then g'·out = g'·num / den, and dz̃ (phi(q) done with)
             if IEEE:
-                num = tl.dot(rot, summary, input_precision="ieee")
+                num = tl.dot(tl.trans(summary), rot, input_precision="ieee")
             else:
-                num = tl.dot(rot, summary)
-            g_out = tl.reduce(grad * num, 1, _add_combine) / den
-            dz -= tl.reduce(g_out[:, None] * feats, 0, _add_combine)
+                num = tl.dot(tl.trans(summary), rot)
+            g_out = tl.reduce(grad * num, 0, _add_combine) / den
+            dz -= tl.reduce(feats * g_out[None, :], 1, _add_combine)
         grad = grad.to(DOT_DTYPE)
         if IEEE:
-            ds = tl.dot(tl.trans(rot), grad, ds, input_precision="ieee")
-            d_rot = tl.dot(grad, tl.trans(summary), input_precision="ieee")
+            ds = tl.dot(rot, tl.trans(grad), ds, input_precision="ieee")
+            d_rot = tl.dot(summary, grad, input_precision="ieee")
         else:
-            ds = tl.dot(tl.trans(rot), grad, ds)
-            d_rot = tl.dot(grad, tl.trans(summary))
+            ds = tl.dot(rot, tl.trans(grad), ds)
+            d_rot = tl.dot(summary, grad)
         if HAS_ROPE:  # Rᵀ: rotate back by -angle
-            r_even, r_odd = tl.split(tl.reshape(d_rot, (BLOCK_T, BLOCK_D // 2, 2)))
+            r_even, r_odd = tl.split(tl.permute(tl.reshape(d_rot, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
             s = sin.to(tl.float32)
-            d_feats = tl.reshape(tl.join(r_even * c + r_odd * s, r_odd * c - r_even * s), (BLOCK_T, BLOCK_D))
+            d_feats = tl.join(r_even * c + r_odd * s, r_odd * c - r_even * s)
+            d_feats = tl.reshape(tl.permute(d_feats, (0, 2, 1)), (BLOCK_D, BLOCK_T))
         else:
             d_feats = d_rot
         if NORMALIZE:
-            d_feats -= g_out[:, None] * z[None, :]
+            d_feats -= z[:, None] * g_out[None, :]
         d_q = tl.where(raw > 0.0, d_feats, 0.0)  # relu's gate (a masked-off element loaded 0: closed)
-        tl.store(dq_base + token[:, None] * sdn + chan[None, :] * sdd, d_q.to(dq_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(dq_base + chan[:, None] * sdd + token[None, :] * sdn, d_q.to(dq_ptr.dtype.element_ty), mask=q_mask)
     ds_base = dst_ptr + b * ds_b + h * ds_h + m * ds_m
-    tl.store(ds_base + chan[:, None] * ds_d + cols[None, :], ds.to(dst_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(ds_base + chan[:, None] * ds_d + cols[None, :] * ds_v, ds.to(dst_ptr.dtype.element_ty), mask=s_mask)
     if NORMALIZE:
         dz_base = dzt_ptr + b * dz_b + h * dz_h + m * dz_m
         tl.store(dz_base + chan * dz_d, dz.to(dzt_ptr.dtype.element_ty), mask=chan_ok)
@@ -268,6 +273,7 @@ def _key_grad_kernel(
     ds_h,
     ds_m,
     ds_d,
+    ds_v,
     dz_b,
     dz_h,
     dz_m,
@@ -285,7 +291,7 @@ def _key_grad_kernel(
     IEEE: tl.constexpr,
 ):
     """Block ``j`` of one (batch, head), key side: ``dk`` and ``dv`` at its tokens from ``dS_j`` ``(D, Dv)``
-    and ``dz_j`` ``(D,)``, read at their strides (the last dims' strides ``1``)."""
+    and ``dz_j`` ``(D,)``, read at their strides."""
     bh = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -296,7 +302,7 @@ def _key_grad_kernel(
     cols_ok = cols < DV
     ds_base = ds_ptr + b * ds_b + h * ds_h + m * ds_m
     s_mask = chan_ok[:, None] & cols_ok[None, :]
-    d_summary = tl.load(ds_base + chan[:, None] * ds_d + cols[None, :], mask=s_mask, other=0.0).to(DOT_DTYPE)
+    d_summary = tl.load(ds_base + chan[:, None] * ds_d + cols[None, :] * ds_v, mask=s_mask, other=0.0).to(DOT_DTYPE)
     if NORMALIZE:
         dz = tl.load(dz_ptr + b * dz_b + h * dz_h + m * dz_m + chan * dz_d, mask=chan_ok, other=0.0).to(tl.float32)
     k_base = k_ptr + b * skb + h * skh
@@ -309,47 +315,52 @@ def _key_grad_kernel(
         token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
         if HAS_VALID:
             used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
+        # tiles are (channels, slots), as in the query kernel
         if D == BLOCK_D:
-            k_mask = used[:, None]
+            k_mask = used[None, :]
         else:
-            k_mask = used[:, None] & chan_ok[None, :]
+            k_mask = chan_ok[:, None] & used[None, :]
         if DV == BLOCK_DV:
-            v_mask = used[:, None]
+            v_mask = used[None, :]
         else:
-            v_mask = used[:, None] & cols_ok[None, :]
-        raw = tl.load(k_base + token[:, None] * skn + chan[None, :] * skd, mask=k_mask, other=0.0).to(tl.float32)
-        feats = tl.where(k_mask, tl.maximum(raw, 0.0) + feature_eps, 0.0)  # phi(k)
+            v_mask = cols_ok[:, None] & used[None, :]
+        raw = tl.load(k_base + chan[:, None] * skd + token[None, :] * skn, mask=k_mask, other=0.0)  # k's dtype
+        feats = tl.where(k_mask, tl.maximum(raw.to(tl.float32), 0.0) + feature_eps, 0.0)  # phi(k)
         if HAS_ROPE:
             half = tl.arange(0, BLOCK_D // 2)
             if D == BLOCK_D:
-                t_mask = used[:, None]
+                t_mask = used[None, :]
             else:
-                t_mask = used[:, None] & (half < D // 2)[None, :]
-            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
-            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
-            cos = cos.to(tl.float32)
-            sin = sin.to(tl.float32)
-            f_even, f_odd = tl.split(tl.reshape(feats, (BLOCK_T, BLOCK_D // 2, 2)))
-            rot = tl.reshape(tl.join(f_even * cos - f_odd * sin, f_even * sin + f_odd * cos), (BLOCK_T, BLOCK_D))
+                t_mask = (half < D // 2)[:, None] & used[None, :]
+            cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
+            sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
+            f_even, f_odd = tl.split(tl.permute(tl.reshape(feats, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
+            c = cos.to(tl.float32)
+            s = sin.to(tl.float32)
+            rot = tl.join(f_even * c - f_odd * s, f_even * s + f_odd * c)
+            rot = tl.reshape(tl.permute(rot, (0, 2, 1)), (BLOCK_D, BLOCK_T)).to(DOT_DTYPE)
         else:
-            rot = feats
-        values = tl.load(v_base + token[:, None] * svn + cols[None, :] * svd, mask=v_mask, other=0.0).to(DOT_DTYPE)
+            rot = feats.to(DOT_DTYPE)
+        values = tl.load(v_base + cols[:, None] * svd + token[None, :] * svn, mask=v_mask, other=0.0).to(DOT_DTYPE)
         if IEEE:
-            d_v = tl.dot(rot.to(DOT_DTYPE), d_summary, input_precision="ieee")
-            d_rot = tl.dot(values, tl.trans(d_summary), input_precision="ieee")
+            d_v = tl.dot(tl.trans(d_summary), rot, input_precision="ieee")  # (Dv, slots)
+            d_rot = tl.dot(d_summary, values, input_precision="ieee")  # (D, slots)
         else:
-            d_v = tl.dot(rot.to(DOT_DTYPE), d_summary)
-            d_rot = tl.dot(values, tl.trans(d_summary))
-        tl.store(dv_base + token[:, None] * sdvn + cols[None, :] * sdvd, d_v.to(dv_ptr.dtype.element_ty), mask=v_mask)
+            d_v = tl.dot(tl.trans(d_summary), rot)
+            d_rot = tl.dot(d_summary, values)
+        tl.store(dv_base + cols[:, None] * sdvd + token[None, :] * sdvn, d_v.to(dv_ptr.dtype.element_ty), mask=v_mask)
         if HAS_ROPE:
-            r_even, r_odd = tl.split(tl.reshape(d_rot, (BLOCK_T, BLOCK_D // 2, 2)))
-            d_feats = tl.reshape(tl.join(r_even * cos + r_odd * sin, r_odd * cos - r_even * sin), (BLOCK_T, BLOCK_D))
+            r_even, r_odd = tl.split(tl.permute(tl.reshape(d_rot, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
+            c = cos.to(tl.float32)
+            s = sin.to(tl.float32)
+            d_feats = tl.join(r_even * c + r_odd * s, r_odd * c - r_even * s)
+            d_feats = tl.reshape(tl.permute(d_feats, (0, 2, 1)), (BLOCK_D, BLOCK_T))
         else:
             d_feats = d_rot
         if NORMALIZE:
-            d_feats += dz[None, :]
+            d_feats += dz[:, None]
         d_k = tl.where(raw > 0.0, d_feats, 0.0)
-        tl.store(dk_base + token[:, None] * sdkn + chan[None, :] * sdkd, d_k.to(dk_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(dk_base + chan[:, None] * sdkd + token[None, :] * sdkn, d_k.to(dk_ptr.dtype.element_ty), mask=k_mask)
 
 
 _KERNELS: dict[tuple[str, bool], object] = {}
@@ -373,47 +384,67 @@ def _kernel(name: str, interpret: bool):
 
 
 def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, dict[str, int]]:
-    """Tiles and warps of the two backward kernels for blocks of ``block_len`` slots: ``{"query" | "key":
-    dict(BLOCK_T, BLOCK_D, BLOCK_DV, num_warps)}``. Both hold whole head rows and all of Dv, padded to
-    powers of two (at least 16).
+    """Tiles and warps of the two backward kernels: ``{"query" | "key": dict(BLOCK_T, BLOCK_D, BLOCK_DV,
+    num_warps)}``. Both hold whole head rows and all of Dv, padded to powers of two (at least 16), and walk
+    a block's slots 16 at a time, as ``(channels, slots)`` tiles: every product then has D or Dv rows (the
+    tensor cores' M), the slots as its N or K.
 
     The query kernel keeps the mixed summary ``S̃_o`` and the float32 accumulator of its gradient (Wan:
-    128 x 128 each) beside one slot tile's q, g, features and gradients; the key kernel keeps only ``dS_j``.
-    Slot tiles of 32 and 8 warps: ptxas (sm_90) keeps both in registers at Wan's D = Dv = 128 without
-    spilling (the compile test in tests/attention/test_triton_mhla_backward.py)."""
+    128 x 128 each) beside one slot tile's q, g, features and gradients; the key kernel keeps ``dS_j``.
+    With 8 warps ptxas (sm_90, bf16, D = Dv = 128) keeps both in registers without spilling: 244 and 177
+    registers a thread with the denominator (tiles of 32 slots spill in the query kernel); see the compile
+    test in tests/attention/test_triton_mhla_backward.py. ``block_len`` is not used: a block shorter than 16
+    slots is one masked tile."""
+    del block_len
     block_d = _pow2(head_dim)
     block_dv = _pow2(value_dim)
-    block_t = min(32, _pow2(block_len))
     warps = 8 if block_d * block_dv >= 128 * 64 else 4
-    tiles = dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
+    tiles = dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return {"query": dict(tiles), "key": dict(tiles)}
 
 
 def _joint(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``[S | z]`` tensor ``(B, H, M, D, Dv + 1)`` that ``summaries`` and ``key_sums`` are the two views
-    of (the forward keeps float32 key sums as the summaries' last column), or ``None`` when they lie apart."""
+    """The ``[S | z]`` tensor ``(B, H, M, D, Dv + 1)`` that ``summaries`` and ``key_sums`` are the two views of
+    (the forward keeps float32 key sums as one more column of the summaries), or ``None`` when they lie apart."""
     base = summaries._base
-    if key_sums is None or base is None or key_sums._base is not base:
+    if key_sums is None or base is None or key_sums._base is not base or key_sums.dtype != summaries.dtype:
         return None
     b, h, m, d, dv = summaries.shape
-    if tuple(base.shape) != (b, h, m, d, dv + 1) or not base.is_contiguous():
+    joint = base.as_strided((b, h, m, d, dv + 1), summaries.stride(), summaries.storage_offset())
+    if key_sums.stride() != joint[..., dv].stride() or key_sums.storage_offset() != joint[..., dv].storage_offset():
         return None
-    if summaries.storage_offset() != base.storage_offset() or key_sums.storage_offset() != base.storage_offset() + dv:
-        return None
-    return base
+    return joint
+
+
+def _flat_pair(grad: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``grad`` and ``value`` ``(B, H, M, a, b)`` as ``(B, H, M, a * b)``, both in ``grad``'s storage order
+    (views where the blocks are dense in that order, as :func:`_gradient_buffers` lays them out; else
+    copies), and whether that order is ``(b, a)``."""
+    swapped = grad.stride(-2) < grad.stride(-1)
+    if swapped:
+        grad, value = grad.transpose(-1, -2), value.transpose(-1, -2)
+    return grad.reshape(*grad.shape[:3], -1), value.reshape(*value.shape[:3], -1), swapped
+
+
+def _unflat(flat: torch.Tensor, shape: torch.Size, swapped: bool) -> torch.Tensor:
+    """``flat`` ``(B, H, M, a * b)`` (contiguous, in the order :func:`_flat_pair` gave) as ``(B, H, M, a, b)``."""
+    if swapped:
+        return flat.view(*shape[:3], shape[4], shape[3]).transpose(-1, -2)
+    return flat.view(shape)
 
 
 def _gradient_buffers(
     summaries: torch.Tensor, key_sums: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Empty ``dS̃`` and ``dz̃`` laid out as the forward's ``S`` and ``z``: two views of one ``[dS̃ | dz̃]``
-    buffer when those are (float32), else ``dS̃`` contiguous in ``S``'s dtype and ``dz̃`` float32."""
-    b, h, m, d, dv = summaries.shape
-    if _joint(summaries, key_sums) is not None:
-        joint = torch.empty((b, h, m, d, dv + 1), device=summaries.device, dtype=summaries.dtype)
-        return joint[..., :dv], joint[..., dv]
-    d_sums = None if key_sums is None else torch.empty((b, h, m, d), device=summaries.device, dtype=torch.float32)
-    return torch.empty((b, h, m, d, dv), device=summaries.device, dtype=summaries.dtype), d_sums
+    buffer where those are views of one ``[S | z]`` (float32), else ``dS̃`` in ``S``'s dtype and layout and
+    ``dz̃`` float32; so that :func:`_unmix` pairs their elements without copies."""
+    joint = _joint(summaries, key_sums)
+    if joint is not None:
+        d_joint = torch.empty_like(joint)  # the same strides (a dense tensor)
+        return d_joint[..., :-1], d_joint[..., -1]
+    d_sums = None if key_sums is None else torch.empty(key_sums.shape, device=key_sums.device, dtype=torch.float32)
+    return torch.empty_like(summaries), d_sums
 
 
 def _unmix(
@@ -430,24 +461,23 @@ def _unmix(
     mixed ones, laid out by :func:`_gradient_buffers`.
 
     Returns ``dS = Wᵀ dS̃`` ``(B, H, M, D, Dv)`` in ``dS̃``'s dtype (``W`` rounded to it, as the forward's
-    product rounds it), ``dz = Wᵀ dz̃`` float32 (or ``None``), and ``dW`` float32 in ``mixing``'s shape:
+    product rounds it), ``dz = Wᵀ dz̃`` (or ``None``), and ``dW`` float32 in ``mixing``'s shape:
     ``Σ <dS̃_o, S_j> + <dz̃_o, z_j>`` over batch and heads (over batch only for per-head mixing), each (batch,
     head)'s product accumulated in float32 and rounded to ``dS̃``'s dtype before the float32 sum. Where
     ``S, z`` (and ``dS̃, dz̃``) are views of one ``[S | z]`` tensor, one product each mixes and contracts both.
     """
-    batch, heads, m, d, dv = d_mixed.shape
     reduce_dims = (0,) if mixing.ndim == 3 else (0, 1)
     joint, d_joint = _joint(summaries, key_sums), _joint(d_mixed, d_mixed_sums)
     with without_autocast(d_mixed.device):
         mix = mixing.to(torch.float32)
         if joint is not None and d_joint is not None:
-            flat, d_flat = (t.view(batch, heads, m, -1) for t in (joint, d_joint))
-            d_unmixed = (mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat).view(joint.shape)
-            d_mixing = (d_flat @ flat.transpose(-1, -2)).sum(reduce_dims)
-            return d_unmixed[..., :dv], d_unmixed[..., dv], d_mixing
-        d_flat = d_mixed.reshape(batch, heads, m, d * dv)
-        d_summaries = (mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat).view(batch, heads, m, d, dv)
-        d_mixing = (d_flat @ summaries.reshape(batch, heads, m, d * dv).transpose(-1, -2)).to(torch.float32)
+            d_flat, flat, swapped = _flat_pair(d_joint, joint)
+            d_unmixed = _unflat(mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat, d_joint.shape, swapped)
+            d_mixing = (d_flat @ flat.transpose(-1, -2)).to(torch.float32).sum(reduce_dims)
+            return d_unmixed[..., :-1], d_unmixed[..., -1], d_mixing
+        d_flat, flat, swapped = _flat_pair(d_mixed, summaries)
+        d_summaries = _unflat(mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat, d_mixed.shape, swapped)
+        d_mixing = (d_flat @ flat.transpose(-1, -2)).to(torch.float32)
         d_sums = None
         if d_mixed_sums is not None:
             d_sums = mix.transpose(-1, -2) @ d_mixed_sums
@@ -495,9 +525,6 @@ def _launch_query_grad(
     tables, rope_strides = _rope_arguments(rope, q)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     d_mixed, d_mixed_sums = _gradient_buffers(summaries, key_sums if norm else None)
-    for t in (mixed, d_mixed):
-        if t.stride(-1) != 1:
-            raise ValueError(f"the summaries must have unit stride in their last dim, got strides {t.stride()}")
     no_sums = (0, 0, 0, 0)
     _kernel("_query_grad_kernel", q.device.type == "cpu")[(batch * heads, plan.num_blocks)](
         q,
@@ -516,9 +543,9 @@ def _launch_query_grad(
         *grad_out.stride(),
         *dq.stride(),
         *rope_strides,
-        *mixed.stride()[:4],
+        *mixed.stride(),
         *(mixed_sums.stride() if norm else no_sums),
-        *d_mixed.stride()[:4],
+        *d_mixed.stride(),
         *(d_mixed_sums.stride() if norm else no_sums),
         float(feature_eps),
         float(eps),
@@ -552,8 +579,6 @@ def _launch_key_grad(
     tiles = _backward_tiles(plan.block_len, d, dv_dim)["key"]
     gather, valid = _plan_pointers(plan)
     tables, rope_strides = _rope_arguments(rope, k)
-    if d_summaries.stride(-1) != 1:
-        d_summaries = d_summaries.contiguous()
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     _kernel("_key_grad_kernel", k.device.type == "cpu")[(batch * heads, plan.num_blocks)](
@@ -573,7 +598,7 @@ def _launch_key_grad(
         *dk.stride(),
         *dv.stride(),
         *rope_strides,
-        *d_summaries.stride()[:4],
+        *d_summaries.stride(),
         *(d_sums.stride() if d_sums is not None else (0, 0, 0, 0)),
         float(feature_eps),
         D=d,
@@ -653,8 +678,8 @@ def mhla_attention_fused_backward(
     _check_grad_out(grad_out, q, v)
     empty = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, mixing))
     if q.device.type == "meta":  # shapes only (counting traffic): nothing to launch
-        for launches in _BACKWARD_RECORDERS:
-            launches.append(_launch_arguments(q, v, plan, mixing, cos, mode))
+        for launches in _BACKWARD_RECORDERS:  # the forward of the same step converted the RoPE tables
+            launches.append({**_launch_arguments(q, v, plan, mixing, cos, mode), "rope_converted": False})
         return empty
     del empty
     if dot_dtype is None:
@@ -686,18 +711,22 @@ def fused_backward_traffic(
     rope_dtype: torch.dtype | None = torch.float32,
     normalize: str = "denominator",
     per_head_mixing: bool = False,
+    rope_converted: bool = False,
 ) -> dict[str, int]:
     """Bytes that :func:`mhla_attention_fused_backward` reads and writes in global memory, term by term, as
     it launches (the arguments and rules of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`; the
-    gradient ``grad_out`` is in ``dtype`` too).
+    gradient ``grad_out`` is in ``dtype`` too). ``rope_converted``: whether this call converts the RoPE
+    tables to the summaries' dtype; in a training step the forward converted them and the backward finds
+    the copy in the forward's cache (``False``, the default).
 
-    The recomputation is the forward's own count: its RoPE table copy, summaries kernel and mixing terms
-    of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic` (every term but the output kernel's), prefixed
-    ``"recompute: "``. Then the query kernel (per (batch x head, block) ``S̃_o`` and ``z̃_o`` once; per real slot
-    ``q``, ``g``, the tables and ``dq``; ``dS̃_o``, ``dz̃_o`` stored), the mixing's backward (:func:`_unmix`,
-    counted by :func:`~mhla_diffusion.ops.traffic.count_traffic` on meta tensors) and the key kernel
-    (``dS_j``, ``dz_j`` once; per real slot ``k``, ``v``, the tables, ``dk`` and ``dv``). Caches are ignored.
-    Do not call it inside a ``count_traffic``. Returns ``{term: bytes}`` in launch order.
+    The recomputation is the forward's own count: its summaries kernel and mixing terms of
+    :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic` (every term but the output kernel's and the table
+    conversion's), prefixed ``"recompute: "``. Then the query kernel (per (batch x head, block) ``S̃_o`` and
+    ``z̃_o`` once; per real slot ``q``, ``g``, the tables and ``dq``; ``dS̃_o``, ``dz̃_o`` stored), the mixing's
+    backward (:func:`_unmix`, counted by :func:`~mhla_diffusion.ops.traffic.count_traffic` on meta tensors)
+    and the key kernel (``dS_j``, ``dz_j`` once; per real slot ``k``, ``v``, the tables, ``dk`` and ``dv``).
+    Caches are ignored: the tables count once per (batch x head) in each kernel. Do not call it inside a
+    ``count_traffic``. Returns ``{term: bytes}`` in launch order.
     """
     from .attention import normalization_mode
     from .traffic import count_traffic
@@ -726,7 +755,11 @@ def fused_backward_traffic(
         normalize=normalize,
         per_head_mixing=per_head_mixing,
     )
-    terms = {f"recompute: {term}": size for term, size in forward.items() if not term.startswith("output kernel")}
+    conversion = sum(moved for term, moved in forward.items() if term.startswith("RoPE tables"))
+    terms = {"RoPE tables to the summaries' dtype (PyTorch)": conversion if rope_converted else 0}
+    for term, moved in forward.items():
+        if not term.startswith(("output kernel", "RoPE tables")):
+            terms[f"recompute: {term}"] = moved
     # _query_grad_kernel, grid (B*H, M)
     terms["query grad kernel: mixed summary"] = summary
     terms["query grad kernel: mixed key sum"] = key_sum

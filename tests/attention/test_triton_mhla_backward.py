@@ -1,0 +1,287 @@
+"""The fused Triton MHLA backward against autograd through the O(N^2) reference, run on this CPU through
+Triton's interpreter (CPU tensors always take it; float32 dots, as its bfloat16 ``tl.dot`` is wrong).
+
+Sizes are tiny: the interpreter runs every program instance in Python, and its ``tl.reduce`` with the
+kernels' own adder runs element by element. A subprocess checks the other import mode (``TRITON_INTERPRET=1``
+set before Triton is imported), and a compile test runs ptxas on the two kernels at Wan's shapes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+from mhla_diffusion import mhla_attention_reference, num_blocks
+from mhla_diffusion.models.processors.base import apply_interleaved_rotary
+from mhla_diffusion.ops import triton_mhla_backward
+from mhla_diffusion.ops.block_layout import block_plan
+from mhla_diffusion.ops.triton_mhla import fused_traffic
+from mhla_diffusion.ops.triton_mhla_backward import (
+    fused_backward_traffic,
+    mhla_attention_fused_backward,
+    recording_backward_launches,
+)
+
+EVEN, UNEVEN, EMPTY = ((4, 4, 6), (2, 2, 3)), ((5, 6, 7), (2, 2, 3)), ((1, 4, 6), (2, 2, 3))
+GRIDS = {"even": EVEN, "uneven": UNEVEN, "empty-blocks": EMPTY}
+
+
+def _inputs(grid, heads=2, dim=16, value_dim=16, batch=1, dtype=torch.float64, seed=0, per_head=False, rope=True):
+    """Raw (pre-feature-map) ``q, k, v``, a positive float64 mixing, RoPE tables (or ``None``) and the plan."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(grid[0])
+    q, k = (torch.randn(batch, n, heads, dim, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(batch, n, heads, value_dim, generator=g, dtype=dtype)
+    m = num_blocks(grid[1])
+    mixing = (torch.rand((heads, m, m) if per_head else (m, m), generator=g) + 0.1).double()
+    cos = sin = None
+    if rope:
+        cos, sin = WanRotaryPosEmbed(dim, (1, 1, 1), max_seq_len=64)(torch.zeros(1, 1, *grid[0]))
+    return q, k, v, mixing, cos, sin, block_plan(*grid)
+
+
+def _reference(q, k, v, plan, mixing, cos=None, sin=None, normalize="denominator", feature_eps=1e-6, eps=1e-6):
+    """The contract: the O(N^2) reference of ``phi(q), phi(k)`` with RoPE after the map, in float64."""
+    q, k, v = (t.double() for t in (q, k, v))
+    phi_q, phi_k = torch.relu(q) + feature_eps, torch.relu(k) + feature_eps
+    rot = {}
+    if cos is not None:
+        cos, sin = cos.double(), sin.double()
+        rot = dict(q_rot=apply_interleaved_rotary(phi_q, cos, sin), k_rot=apply_interleaved_rotary(phi_k, cos, sin))
+    return mhla_attention_reference(
+        phi_q, phi_k, v, plan.grid, plan.layout, mixing.double(), normalize=normalize, eps=eps, **rot
+    )
+
+
+def _want(grad_out, q, k, v, mixing, cos, sin, plan, normalize):
+    """``(dq, dk, dv, dmixing)`` by autograd through :func:`_reference`, in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, mixing)]
+    out = _reference(*leaves[:3], plan, leaves[3], cos, sin, normalize)
+    return torch.autograd.grad(out, leaves, grad_out.double())
+
+
+def _check(got, want, inputs, rtol=1e-5):
+    """Each gradient in its input's dtype and shape, within ``rtol`` of the largest reference entry."""
+    for name, g, w, x in zip(("dq", "dk", "dv", "dmixing"), got, want, inputs):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=rtol * scale, msg=name)
+
+
+@pytest.mark.parametrize(
+    "grid,rope,normalize,per_head",
+    [
+        ("even", True, "denominator", False),
+        ("uneven", True, "denominator", True),
+        ("empty-blocks", True, "none", True),
+        ("empty-blocks", False, "denominator", False),
+        ("uneven", False, "none", False),
+    ],
+)
+def test_matches_autograd_through_the_reference(grid, rope, normalize, per_head):
+    """float64 inputs (computed in float32), float32 dots: the gradients to float32 rounding."""
+    q, k, v, mixing, cos, sin, plan = _inputs(GRIDS[grid], seed=3, per_head=per_head, rope=rope)
+    grad_out = torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = mhla_attention_fused_backward(grad_out, q, k, v, mixing, cos, sin, plan, 1e-6, normalize, 1e-6, torch.float32)
+    _check(got, _want(grad_out, q, k, v, mixing, cos, sin, plan, normalize), (q, k, v, mixing))
+
+
+def test_head_dims_that_are_not_powers_of_two_batch_and_strided_inputs():
+    """D = 12, Dv = 20 (padded tiles), batch 2, per-head mixing; q, k, v slices of one projection, RoPE
+    tables and the output gradient strided views, float32 inputs under autocast: read where they lie, and
+    the mixing's backward still in float32."""
+    grid = EMPTY
+    n, heads = math.prod(grid[0]), 2
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(2, n, heads, 12 + 12 + 20, generator=g)
+    q, k, v = qkv[..., :12], qkv[..., 12:24], qkv[..., 24:]
+    mixing = _inputs(grid, heads=heads, per_head=True, seed=5)[3].float()
+    cos, sin = WanRotaryPosEmbed(12, (1, 1, 1), max_seq_len=64)(torch.zeros(1, 1, *grid[0]))
+    wide = torch.cat([cos, sin], dim=-1)
+    cos, sin = wide[..., :12], wide[..., 12:]
+    grad_out = torch.randn(2, n, 20, heads, generator=g).transpose(2, 3)  # (B, N, H, Dv), not contiguous
+    plan = block_plan(*grid)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mhla_attention_fused_backward(
+            grad_out, q, k, v, mixing, cos, sin, plan, 1e-6, "denominator", 1e-6, torch.float32
+        )
+    _check(got, _want(grad_out, q, k, v, mixing, cos, sin, plan, "denominator"), (q, k, v, mixing))
+
+
+def test_odd_head_dim_without_rope():
+    q, k, v, mixing, _, _, plan = _inputs(EVEN, dim=7, value_dim=8, seed=6, rope=False)
+    grad_out = torch.randn(v.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    got = mhla_attention_fused_backward(grad_out, q, k, v, mixing, None, None, plan, 1e-6, True, 1e-6, None)
+    _check(got, _want(grad_out, q, k, v, mixing, None, None, plan, "denominator"), (q, k, v, mixing))
+
+
+def test_bf16_inputs():
+    """bf16 q, k, v and gradient: bf16 gradients; the summaries and their gradients stored in bf16 (as the
+    forward stores them) against the float64 reference of the same bf16 values."""
+    q, k, v, mixing, cos, sin, plan = _inputs(UNEVEN, dtype=torch.bfloat16, seed=8)
+    mixing = mixing.float()
+    grad_out = torch.randn(v.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = mhla_attention_fused_backward(
+        grad_out, q, k, v, mixing, cos, sin, plan, 1e-6, "denominator", 1e-6, torch.float32
+    )
+    want = _want(grad_out, q, k, v, mixing, cos, sin, plan, "denominator")
+    assert [t.dtype for t in got] == [torch.bfloat16] * 3 + [torch.float32]
+    _check(got, want, (q, k, v, mixing), rtol=3e-2)
+
+
+def test_meta_tensors_launch_nothing_and_record_the_launch():
+    q, k, v = (torch.empty(1, 60, 2, 8, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    mixing = torch.empty(4, 4, device="meta")
+    cos = sin = torch.empty(1, 60, 1, 8, device="meta")
+    plan = block_plan((3, 4, 5), (1, 2, 2), "meta")
+    with recording_backward_launches() as launches:
+        grads = mhla_attention_fused_backward(
+            torch.empty_like(v), q, k, v, mixing, cos, sin, plan, 1e-6, "none", 0, None
+        )
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, mixing.shape]
+    assert [g.device.type for g in grads] == ["meta"] * 4
+    (launch,) = launches
+    assert launch["block_len"] == 18 and launch["padded"] and launch["normalize"] == "none"
+    assert not launch["rope_converted"]  # the forward of the same step converted the tables
+    assert sum(fused_backward_traffic(**launch).values()) > 0
+
+
+def test_wrong_output_gradient_gives_a_one_line_error():
+    q, k, v, mixing, cos, sin, plan = _inputs(EVEN)
+    with pytest.raises(ValueError, match=r"`grad_out` must be the output's gradient of shape \(1, 96, 2, 16\)") as err:
+        mhla_attention_fused_backward(v[:, :-1], q, k, v, mixing, cos, sin, plan, 1e-6, "denominator", 1e-6, None)
+    assert "\n" not in str(err.value)
+
+
+def test_backward_count_by_hand():
+    """16 tokens, 2 heads of 16 channels, 4 blocks of 4 slots, bf16, float32 RoPE tables, denominator."""
+    terms = fused_backward_traffic(1, 16, 2, 16, 16, 4, 4)
+    forward = fused_traffic(1, 16, 2, 16, 16, 4, 4)
+    qkvo = 16 * 2 * 16 * 2  # one of q, k, v, out, their gradients: 1024 bytes
+    tables = 16 * 2 * 8 * 2 * 2  # per head, each token's 8 angles, cos and sin, bf16
+    summaries = 2 * 4 * 16 * 16 * 2  # S, S̃, dS̃ or dS: B*H*M x D x Dv, bf16
+    key_sums = 2 * 4 * 16 * 4  # z, z̃, dz̃ or dz, float32
+    index = 2 * 4 * 4 * 8  # plan.gather (int64) of every slot, by each (batch x head)'s programs
+    # the recomputation: the forward's terms but its output kernel's (and no table conversion: cached)
+    recompute = {k: v for k, v in terms.items() if k.startswith("recompute: ")}
+    assert recompute == {
+        f"recompute: {k}": v for k, v in forward.items() if not k.startswith(("output kernel", "RoPE tables"))
+    }
+    assert terms["RoPE tables to the summaries' dtype (PyTorch)"] == 0
+    converted = fused_backward_traffic(1, 16, 2, 16, 16, 4, 4, rope_converted=True)
+    assert converted["RoPE tables to the summaries' dtype (PyTorch)"] == 2 * 16 * 8 * 4 + 2 * 16 * 8 * 2
+    # Wᵀ dS̃: W (64 B float32) cast to bf16 (32 B) read by the bf16 GEMM, dS̃ read, dS written; dW per (b, h):
+    # dS̃ and S read, (B, H, M, M) bf16 written, cast to float32, summed; Wᵀ dz̃ and dz̃ zᵀ in float32
+    mm = 2 * 4 * 4  # B*H*M*M elements
+    unmix = (64 + 32) + 32 + 2 * summaries + 2 * summaries + mm * 2 + (mm * 2 + mm * 4)
+    unmix += 64 + 2 * key_sums + 2 * key_sums + mm * 4 + (2 * mm * 4 + mm * 4) + (mm * 4 + 16 * 4)
+    assert {k: v for k, v in terms.items() if not k.startswith(("recompute: ", "RoPE tables"))} == {
+        "query grad kernel: mixed summary": summaries,
+        "query grad kernel: mixed key sum": key_sums,
+        "query grad kernel: plan index": index,
+        "query grad kernel: q": qkvo,
+        "query grad kernel: output gradient": qkvo,
+        "query grad kernel: RoPE tables": tables,
+        "query grad kernel: dq stored": qkvo,
+        "query grad kernel: dS̃ stored": summaries,
+        "query grad kernel: dz̃ stored": key_sums,
+        "mixing backward (PyTorch): Wᵀ dS̃, Wᵀ dz̃, dW": unmix,
+        "key grad kernel: dS": summaries,
+        "key grad kernel: dz": key_sums,
+        "key grad kernel: plan index": index,
+        "key grad kernel: k": qkvo,
+        "key grad kernel: v": qkvo,
+        "key grad kernel: RoPE tables": tables,
+        "key grad kernel: dk stored": qkvo,
+        "key grad kernel: dv stored": qkvo,
+    }
+
+
+@pytest.mark.slow
+def test_row_sums_in_the_other_interpreter_mode():
+    """With ``TRITON_INTERPRET=1`` set before Triton is imported (triton.language's helpers then built for the
+    interpreter), the kernels' ``tl.reduce`` with their own adder still runs and the gradients match."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from mhla_diffusion import mhla_attention_reference
+        from mhla_diffusion.ops.block_layout import block_plan
+        from mhla_diffusion.ops.triton_mhla_backward import mhla_attention_fused_backward
+        g = torch.Generator().manual_seed(0)
+        q, k, v, grad = (torch.randn(1, 12, 1, 16, generator=g, dtype=torch.float64) for _ in range(4))
+        plan = block_plan((3, 4), (2, 2))
+        mixing = torch.rand(4, 4, generator=g, dtype=torch.float64) + 0.1
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
+        phi_q, phi_k = leaves[0].relu() + 1e-6, leaves[1].relu() + 1e-6
+        out = mhla_attention_reference(phi_q, phi_k, leaves[2], (3, 4), (2, 2), leaves[3])
+        want = torch.autograd.grad(out, leaves, grad)
+        got = mhla_attention_fused_backward(grad, q, k, v, mixing, None, None, plan, 1e-6, "denominator", 1e-6, None)
+        print(all(((a - b).abs().max() <= 1e-5 * b.abs().max()).item() for a, b in zip(got, want)))
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"]
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
+    """Compile both backward kernels ahead of time, without a GPU, for sm_90 with the tiles and warps of
+    Wan's launch (bf16 inputs, dots, RoPE tables and summaries, D = Dv = 128, denominator or none, padded
+    blocks or not), and check with ptxas that no register spills."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
+    tiles = triton_mhla_backward._backward_tiles(210, 128, 128)
+    assert tiles["query"] == tiles["key"] == dict(BLOCK_T=16, BLOCK_D=128, BLOCK_DV=128, num_warps=8)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    pointers = dict(gather_ptr="*i64", valid_ptr="*u8", zt_ptr="*fp32", dzt_ptr="*fp32", dz_ptr="*fp32")
+    registers = {}
+    for kernel in ("_query_grad_kernel", "_key_grad_kernel"):
+        fn = getattr(triton_mhla_backward, kernel)
+        tile = dict(tiles["query" if kernel.startswith("_query") else "key"])
+        warps = tile.pop("num_warps")
+        for has_valid in (False, True):
+            for normalize in (True, False):
+                constexprs = dict(
+                    D=128, DV=128, HAS_VALID=has_valid, HAS_ROPE=True, NORMALIZE=normalize, DOT_DTYPE=tl.bfloat16
+                )
+                constexprs.update(IEEE=False, **tile)
+                signature = {
+                    name: "constexpr"
+                    if name in constexprs
+                    else pointers.get(name, "*bf16" if name.endswith("_ptr") else "fp32" if "eps" in name else "i32")
+                    for name in inspect.signature(fn).parameters
+                }
+                source = ASTSource(triton.jit(fn), signature, constexprs)
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                assert compiled.asm["cubin"], kernel
+                if not os.path.exists(ptxas):
+                    continue
+                ptx = tmp_path / f"{kernel}.ptx"
+                ptx.write_text(compiled.asm["ptx"])
+                done = subprocess.run(
+                    [ptxas, "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert done.returncode == 0, done.stderr[-2000:]
+                assert re.search(r"(?<!\d)0 bytes spill stores", done.stderr), (kernel, done.stderr)
+                registers[kernel, has_valid, normalize] = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    print(registers)
