@@ -44,6 +44,7 @@ from typing import Iterator
 
 import torch
 
+from . import triton_mhla
 from .attention import without_autocast
 from .block_layout import BlockPlan
 from .triton_mhla import (
@@ -697,6 +698,17 @@ def mhla_attention_fused_backward(
     return dq, dk, dv, d_mixing.to(mixing.dtype)
 
 
+def _forward_buffers(
+    batch: int, heads: int, m: int, d: int, dv: int, dtype: torch.dtype, norm: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Meta summaries ``S`` and key sums ``z`` laid out as the forward's summaries kernel stores them."""
+    make = getattr(triton_mhla, "_summary_buffers", None)
+    if make is not None:
+        return make(batch, heads, m, d, dv, dtype, norm, torch.device("meta"))
+    summaries = torch.empty((batch, heads, m, d, dv), dtype=dtype, device="meta")
+    return summaries, torch.empty((batch, heads, m, d), dtype=torch.float32, device="meta") if norm else None
+
+
 def fused_backward_traffic(
     batch: int,
     tokens: int,
@@ -739,7 +751,9 @@ def fused_backward_traffic(
     rope = 0 if rope_dtype is None else 1
     index = p * (_INDEX_BYTES + (_VALID_BYTES if padded else 0))
     summary = bh * m * head_dim * value_dim * compute_size
-    key_sum = norm * bh * m * head_dim * 4
+    # the summaries and key sums as the forward lays them out (z float32, or a row of [S | z] in S's dtype)
+    summaries, key_sums = _forward_buffers(batch, heads, m, head_dim, value_dim, compute, norm)
+    key_sum = 0 if key_sums is None else bh * m * head_dim * key_sums.element_size()
     tables = rope * bh * tokens * pairs * 2 * compute_size
     forward = fused_traffic(
         batch,
@@ -773,11 +787,9 @@ def fused_backward_traffic(
     # PyTorch: dS = Wᵀ dS̃, dz = Wᵀ dz̃, dW
     meta = dict(device="meta")
     mixing = torch.empty((heads, m, m) if per_head_mixing else (m, m), dtype=torch.float32, **meta)
-    shape = (batch, heads, m, head_dim, value_dim)
-    summaries, d_mixed = (torch.empty(shape, dtype=compute, **meta) for _ in range(2))
-    sums = [torch.empty((batch, heads, m, head_dim), dtype=torch.float32, **meta) if norm else None for _ in range(2)]
+    d_mixed, d_sums = _gradient_buffers(summaries, key_sums)
     terms["mixing backward (PyTorch): Wᵀ dS̃, Wᵀ dz̃, dW"] = count_traffic(
-        lambda: _unmix(mixing, summaries, sums[0], d_mixed, sums[1])
+        lambda: _unmix(mixing, summaries, key_sums, d_mixed, d_sums)
     ).total
     # _key_grad_kernel, grid (B*H, M)
     terms["key grad kernel: dS"] = summary

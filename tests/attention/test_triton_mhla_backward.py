@@ -169,7 +169,9 @@ def test_backward_count_by_hand():
     qkvo = 16 * 2 * 16 * 2  # one of q, k, v, out, their gradients: 1024 bytes
     tables = 16 * 2 * 8 * 2 * 2  # per head, each token's 8 angles, cos and sin, bf16
     summaries = 2 * 4 * 16 * 16 * 2  # S, S̃, dS̃ or dS: B*H*M x D x Dv, bf16
-    key_sums = 2 * 4 * 16 * 4  # z, z̃, dz̃ or dz, float32
+    key_sums = forward["summaries kernel: z stored"]  # z, z̃, dz̃ or dz: as the forward stores them
+    folded = key_sums == 2 * 4 * 16 * 2  # bf16, one more row of the summaries [S | z]; else float32 apart
+    assert folded or key_sums == 2 * 4 * 16 * 4
     index = 2 * 4 * 4 * 8  # plan.gather (int64) of every slot, by each (batch x head)'s programs
     # the recomputation: the forward's terms but its output kernel's (and no table conversion: cached)
     recompute = {k: v for k, v in terms.items() if k.startswith("recompute: ")}
@@ -179,11 +181,16 @@ def test_backward_count_by_hand():
     assert terms["RoPE tables to the summaries' dtype (PyTorch)"] == 0
     converted = fused_backward_traffic(1, 16, 2, 16, 16, 4, 4, rope_converted=True)
     assert converted["RoPE tables to the summaries' dtype (PyTorch)"] == 2 * 16 * 8 * 4 + 2 * 16 * 8 * 2
-    # Wᵀ dS̃: W (64 B float32) cast to bf16 (32 B) read by the bf16 GEMM, dS̃ read, dS written; dW per (b, h):
-    # dS̃ and S read, (B, H, M, M) bf16 written, cast to float32, summed; Wᵀ dz̃ and dz̃ zᵀ in float32
+    # W (64 B float32) cast to bf16 (32 B); Wᵀ dS̃: that W and dS̃ read, dS written; dW per (b, h): dS̃ and S
+    # read, (B, H, M, M) bf16 written, cast to float32, summed. Folded: dz̃ and z ride along as one more row;
+    # apart: Wᵀ dz̃ and dz̃ zᵀ in float32, added
     mm = 2 * 4 * 4  # B*H*M*M elements
-    unmix = (64 + 32) + 32 + 2 * summaries + 2 * summaries + mm * 2 + (mm * 2 + mm * 4)
-    unmix += 64 + 2 * key_sums + 2 * key_sums + mm * 4 + (2 * mm * 4 + mm * 4) + (mm * 4 + 16 * 4)
+    if folded:
+        joint = summaries + key_sums
+        unmix = (64 + 32) + (32 + 2 * joint) + 2 * joint + mm * 2 + (mm * 2 + mm * 4) + (mm * 4 + 16 * 4)
+    else:
+        unmix = (64 + 32) + 32 + 2 * summaries + 2 * summaries + mm * 2 + (mm * 2 + mm * 4)
+        unmix += 64 + 2 * key_sums + 2 * key_sums + mm * 4 + (2 * mm * 4 + mm * 4) + (mm * 4 + 16 * 4)
     assert {k: v for k, v in terms.items() if not k.startswith(("recompute: ", "RoPE tables"))} == {
         "query grad kernel: mixed summary": summaries,
         "query grad kernel: mixed key sum": key_sums,
