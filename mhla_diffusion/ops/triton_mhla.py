@@ -6,28 +6,34 @@ From the *raw* projections ``q, k, v`` ``(B, N, H, D)`` (before the feature map)
 interleaved RoPE), in three steps:
 
 1. ``_summaries_kernel``, one program per (Dv tile, batch x head, block): walks block ``m``'s padded
-   slots in tiles (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads
-   ``k`` and ``v`` at their native strides, applies ``phi`` and RoPE in registers and accumulates in
-   float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``. Up to Dv = 128 there is one
-   Dv tile, so ``k`` is read once.
-2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small matmul in PyTorch.
+   slots in tiles (token of each slot from ``plan.gather``, padding masked by ``plan.valid``), loads each
+   tile of ``k`` and ``v`` as whole rows at their native strides, applies ``phi`` and RoPE in registers and
+   accumulates in float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``. Up to Dv = 128
+   there is one Dv tile, so ``k`` is read once.
+2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small matmul in PyTorch (float32 and bf16 summaries
+   carry ``z`` as one more row of their transposed storage, ``[Sᵀ; zᵀ]``; float16 ones keep it apart in float32: two).
 3. ``_output_kernel``, one program per (batch x head, block): loads ``S̃_m`` and ``z̃_m`` once, then
-   walks the block's slots in tiles, loading each query once (``phi`` and RoPE in registers):
-   ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when normalizing, written straight to the
-   tokens' positions in ``v``'s dtype.
+   walks the block's slots in tiles (software-pipelined), loading each query once (``phi`` and RoPE in
+   registers): ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when normalizing, written straight to
+   the tokens' positions in ``v``'s dtype.
 
 Precision: products accumulate in float32. The summaries ``S`` and ``S̃`` are stored in the inputs'
 half dtype when the inputs are bf16/fp16 (float32 otherwise), as the eager operator stores them; the
-key sums in float32. RoPE tables are read as their even channels (each angle once) in that same dtype:
-a copy made once per call from Wan's float32 tables for half inputs (the eager operator gathers them
-in the inputs' dtype too). Both halve the bytes of the two terms that are read most after ``q, k, v``
-and the output: :func:`fused_traffic` counts the launch term by term (8.8 U at Wan2.1-1.3B's
-21x30x50 tokens with the denominator and RoPE, where the floor is 6.5 U).
+key sums are summed in float32 and stored with them (see :func:`_summary_buffers` for the measured
+effect of a bf16 row). RoPE tables are read as their even channels (each angle once) in that same
+dtype: a copy made from Wan's float32 tables for half inputs once per transformer forward (the same
+tables come to every layer: :func:`_converted_rope_tables`). Both halve the bytes of the two terms that
+are read most after ``q, k, v`` and the output: :func:`fused_traffic` counts the launch term by term
+(8.8 U at Wan2.1-1.3B's 21x30x50 tokens for one lone call with the denominator and RoPE, where the floor
+is 6.5 U).
 
-RoPE pairs channels ``(2i, 2i+1)``, so the kernels hold the even and the odd channels as two
-half-width tiles (``S``'s rows ``2i`` and ``2i+1``); head dims need not be powers of two (tiles are
-padded to one, at least 16, and masked). The summaries are stored in natural channel order
-``(B, H, M, D, Dv)``.
+Memory access: a tile of ``q`` or ``k`` is ``(BLOCK_T, D)`` whole head rows (16-byte vector loads where a
+row's channels are contiguous), split into even and odd channels in registers for RoPE and joined back,
+so one ``tl.dot`` of depth ``D`` takes the rotated features in natural channel order; the summaries are
+stored in that order ``(B, H, M, D, Dv)``. Head dims are compile-time constants, so a power-of-two head
+dim (Wan: 128) masks rows by their slot only; other head dims pad tiles to a power of two (at least 16)
+and mask. On CUDA the tile length, warps and pipeline stages are autotuned (:data:`_AUTOTUNE`, keyed on
+the head dims and the block length); the interpreter takes :func:`_tiles`' fixed choice.
 
 Launch grids put the heads of one block next to each other (``(Dv tiles, B*H, M)`` and ``(B*H, M)``:
 axis 0 varies fastest), so that programs reading the same RoPE table rows run together and may hit
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -85,10 +92,26 @@ def fused_available(tensor: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- kernels
 # Plain functions, made Triton kernels by `_kernel` per device: the interpreter for CPU tensors whatever
-# TRITON_INTERPRET said when Triton was imported (it decides whether triton.language's own @jit helpers,
-# such as tl.zeros and tl.sum, are built for the interpreter). So the kernels call no @jit function:
-# tl.full instead of tl.zeros, and tl.reduce with triton's own sum combiner instead of tl.sum (what tl.sum
-# does for float32; the interpreter recognises that combiner and sums with numpy).
+# TRITON_INTERPRET said when Triton was imported. That setting decides whether triton.language's own @jit
+# helpers (tl.sum, tl.zeros, ...) are built for the interpreter: when it was unset, calling one from an
+# interpreted kernel raises ("Cannot call @triton.jit'd outside of the scope of a kernel"). So the kernels
+# call no @jit helper: tl.full instead of tl.zeros, and sums as the public tl.reduce with a combiner of our
+# own (`_add`), which both the compiler (a @jit function) and the interpreter (it calls the combiner's
+# Python function) take in either import mode.
+#
+# Memory access: each tile of q or k is a (BLOCK_T, D) tile of whole head rows (one token's D channels are
+# contiguous: 16-byte vector loads), split into the even and odd channels in registers for RoPE
+# (reshape to (.., D/2, 2) and split; join and reshape back), so one tl.dot of K = D takes the rotated
+# features in natural channel order. The head dims are compile-time constants: where they are powers of
+# two (Wan: 128), the only mask on a row is its slot's, constant along the row.
+
+
+def _add(a, b):
+    """The combiner of the kernels' sums (``tl.reduce(x, axis, _add_combine)``)."""
+    return a + b
+
+
+_add_combine = triton.jit(_add) if triton is not None else None
 
 
 def _summaries_kernel(
@@ -101,10 +124,7 @@ def _summaries_kernel(
     s_ptr,
     z_ptr,
     H,
-    M,
     P,
-    D,
-    DV,
     skb,
     skn,
     skh,
@@ -117,15 +137,27 @@ def _summaries_kernel(
     scd,
     ssn,
     ssd,
+    s_b,
+    s_h,
+    s_m,
+    s_d,
+    s_v,
+    z_b,
+    z_h,
+    z_m,
+    z_d,
     feature_eps,
+    D: tl.constexpr,
+    DV: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     STORE_Z: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """One block's ``S_m`` (one Dv tile) and ``z_m`` of one (batch, head); see the module docstring."""
     pv = tl.program_id(0)
@@ -133,61 +165,57 @@ def _summaries_kernel(
     m = tl.program_id(2).to(tl.int64)
     b = bh // H
     h = bh % H
-    half = tl.arange(0, BLOCK_DH)  # channel pair i: channels 2i, 2i+1; the RoPE tables' column i
-    even = 2 * half
-    odd = even + 1
-    even_ok = even < D
-    odd_ok = odd < D
+    chan = tl.arange(0, BLOCK_D)  # channels in natural order
     cols = pv * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    cols_ok = cols < DV
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
-    s_even = tl.full((BLOCK_DH, BLOCK_DV), 0.0, tl.float32)
-    s_odd = tl.full((BLOCK_DH, BLOCK_DV), 0.0, tl.float32)
-    z_even = tl.full((BLOCK_DH,), 0.0, tl.float32)
-    z_odd = tl.full((BLOCK_DH,), 0.0, tl.float32)
-    for start in range(0, P, BLOCK_T):
+    acc = tl.full((BLOCK_D, BLOCK_DV), 0.0, tl.float32)
+    z = tl.full((BLOCK_D,), 0.0, tl.float32)
+    for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
         token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
         if HAS_VALID:
             used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
-        # keys transposed, (channels, slots): the summary is then a plain k̂ᵀ-on-the-left product
-        mask_even = even_ok[:, None] & used[None, :]
-        mask_odd = odd_ok[:, None] & used[None, :]
-        k_even = tl.load(k_base + token[None, :] * skn + even[:, None] * skd, mask=mask_even, other=0.0)
-        k_odd = tl.load(k_base + token[None, :] * skn + odd[:, None] * skd, mask=mask_odd, other=0.0)
-        k_even = tl.where(mask_even, tl.maximum(k_even.to(tl.float32), 0.0) + feature_eps, 0.0)
-        k_odd = tl.where(mask_odd, tl.maximum(k_odd.to(tl.float32), 0.0) + feature_eps, 0.0)
+        if D == BLOCK_D:  # whole rows: the slot's mask only
+            k_mask = used[:, None]
+        else:
+            k_mask = used[:, None] & (chan < D)[None, :]
+        keys = tl.load(k_base + token[:, None] * skn + chan[None, :] * skd, mask=k_mask, other=0.0)
+        keys = tl.maximum(keys.to(tl.float32), 0.0) + feature_eps  # (BLOCK_T, BLOCK_D); padding: eps, no values
         if STORE_Z:
-            z_even += tl.reduce(k_even, 1, tl.standard._sum_combine)
-            z_odd += tl.reduce(k_odd, 1, tl.standard._sum_combine)
+            z += tl.reduce(tl.where(used[:, None], keys, 0.0), 0, _add_combine)
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i
-            cos = tl.load(cos_ptr + token[None, :] * scn + half[:, None] * scd, mask=mask_even, other=0.0)
-            sin = tl.load(sin_ptr + token[None, :] * ssn + half[:, None] * ssd, mask=mask_even, other=0.0)
+            half = tl.arange(0, BLOCK_D // 2)
+            if D == BLOCK_D:
+                t_mask = used[:, None]
+            else:
+                t_mask = used[:, None] & (half < D // 2)[None, :]
+            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
+            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
             cos = cos.to(tl.float32)
             sin = sin.to(tl.float32)
-            rot_even = k_even * cos - k_odd * sin
-            rot_odd = k_even * sin + k_odd * cos
-            k_even = rot_even
-            k_odd = rot_odd
-        values = tl.load(
-            v_base + token[:, None] * svn + cols[None, :] * svd, mask=used[:, None] & cols_ok[None, :], other=0.0
-        ).to(DOT_DTYPE)
-        if IEEE:
-            s_even = tl.dot(k_even.to(DOT_DTYPE), values, s_even, input_precision="ieee")
-            s_odd = tl.dot(k_odd.to(DOT_DTYPE), values, s_odd, input_precision="ieee")
+            k_even, k_odd = tl.split(tl.reshape(keys, (BLOCK_T, BLOCK_D // 2, 2)))
+            keys = tl.reshape(tl.join(k_even * cos - k_odd * sin, k_even * sin + k_odd * cos), (BLOCK_T, BLOCK_D))
+        if DV == BLOCK_DV:
+            v_mask = used[:, None]
         else:
-            s_even = tl.dot(k_even.to(DOT_DTYPE), values, s_even)
-            s_odd = tl.dot(k_odd.to(DOT_DTYPE), values, s_odd)
-    row = bh * M + m  # (B, H, M) flattened
-    s_base = s_ptr + row * D * DV
+            v_mask = used[:, None] & (cols < DV)[None, :]
+        values = tl.load(v_base + token[:, None] * svn + cols[None, :] * svd, mask=v_mask, other=0.0).to(DOT_DTYPE)
+        if IEEE:
+            acc = tl.dot(tl.trans(keys.to(DOT_DTYPE)), values, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(keys.to(DOT_DTYPE)), values, acc)
+    s_base = s_ptr + b * s_b + h * s_h + m * s_m
     s_type = s_ptr.dtype.element_ty  # the summaries' dtype: accumulated in float32, stored rounded to it
-    tl.store(s_base + even[:, None] * DV + cols[None, :], s_even.to(s_type), mask=even_ok[:, None] & cols_ok[None, :])
-    tl.store(s_base + odd[:, None] * DV + cols[None, :], s_odd.to(s_type), mask=odd_ok[:, None] & cols_ok[None, :])
+    tl.store(
+        s_base + chan[:, None] * s_d + cols[None, :] * s_v,
+        acc.to(s_type),
+        mask=(chan < D)[:, None] & (cols < DV)[None, :],
+    )
     if STORE_Z:
-        tl.store(z_ptr + row * D + even, z_even, mask=even_ok & (pv == 0))
-        tl.store(z_ptr + row * D + odd, z_odd, mask=odd_ok & (pv == 0))
+        z_type = z_ptr.dtype.element_ty
+        tl.store(z_ptr + b * z_b + h * z_h + m * z_m + chan * z_d, z.to(z_type), mask=(chan < D) & (pv == 0))
 
 
 def _output_kernel(
@@ -200,10 +228,7 @@ def _output_kernel(
     z_ptr,
     o_ptr,
     H,
-    M,
     P,
-    D,
-    DV,
     sqb,
     sqn,
     sqh,
@@ -216,79 +241,83 @@ def _output_kernel(
     scd,
     ssn,
     ssd,
+    s_b,
+    s_h,
+    s_m,
+    s_d,
+    s_v,
+    z_b,
+    z_h,
+    z_m,
+    z_d,
     feature_eps,
     eps,
+    D: tl.constexpr,
+    DV: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     NORMALIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Block ``m`` of one (batch, head): ``q̂ S̃_m / (phi(q) · z̃_m + eps)`` at the tokens, slot tile by slot
-    tile, with ``S̃_m`` and ``z̃_m`` loaded once."""
+    tile, with ``S̃_m`` and ``z̃_m`` loaded once; the slot loop software-pipelined (``NUM_STAGES``)."""
     bh = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    half = tl.arange(0, BLOCK_DH)
-    even = 2 * half
-    odd = even + 1
-    even_ok = even < D
-    odd_ok = odd < D
+    chan = tl.arange(0, BLOCK_D)
     cols = tl.arange(0, BLOCK_DV)
-    cols_ok = cols < DV
-    row = bh * M + m
-    s_base = s_ptr + row * D * DV
-    s_even = tl.load(s_base + even[:, None] * DV + cols[None, :], mask=even_ok[:, None] & cols_ok[None, :], other=0.0)
-    s_odd = tl.load(s_base + odd[:, None] * DV + cols[None, :], mask=odd_ok[:, None] & cols_ok[None, :], other=0.0)
-    s_even = s_even.to(DOT_DTYPE)
-    s_odd = s_odd.to(DOT_DTYPE)
+    s_base = s_ptr + b * s_b + h * s_h + m * s_m
+    summary = tl.load(
+        s_base + chan[:, None] * s_d + cols[None, :] * s_v, mask=(chan < D)[:, None] & (cols < DV)[None, :], other=0.0
+    )
+    summary = summary.to(DOT_DTYPE)  # padded rows and columns: zero
     if NORMALIZE:
-        z_even = tl.load(z_ptr + row * D + even, mask=even_ok, other=0.0)
-        z_odd = tl.load(z_ptr + row * D + odd, mask=odd_ok, other=0.0)
+        z = tl.load(z_ptr + b * z_b + h * z_h + m * z_m + chan * z_d, mask=chan < D, other=0.0).to(tl.float32)
     q_base = q_ptr + b * sqb + h * sqh
     o_base = o_ptr + b * sob + h * soh
-    for start in range(0, P, BLOCK_T):
+    for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
         token = tl.load(gather_ptr + m * P + slot, mask=used, other=0)
         if HAS_VALID:
             used = used & (tl.load(valid_ptr + m * P + slot, mask=used, other=0) != 0)
-        mask_even = used[:, None] & even_ok[None, :]
-        mask_odd = used[:, None] & odd_ok[None, :]
-        q_even = tl.load(q_base + token[:, None] * sqn + even[None, :] * sqd, mask=mask_even, other=0.0)
-        q_odd = tl.load(q_base + token[:, None] * sqn + odd[None, :] * sqd, mask=mask_odd, other=0.0)
-        q_even = tl.where(mask_even, tl.maximum(q_even.to(tl.float32), 0.0) + feature_eps, 0.0)
-        q_odd = tl.where(mask_odd, tl.maximum(q_odd.to(tl.float32), 0.0) + feature_eps, 0.0)
+        if D == BLOCK_D:
+            q_mask = used[:, None]
+        else:
+            q_mask = used[:, None] & (chan < D)[None, :]
+        queries = tl.load(q_base + token[:, None] * sqn + chan[None, :] * sqd, mask=q_mask, other=0.0)
+        queries = tl.maximum(queries.to(tl.float32), 0.0) + feature_eps  # padded channels meet zero rows of S̃, z̃
         if NORMALIZE:  # un-rotated features against the mixed key sum
-            den = tl.reduce(q_even * z_even[None, :], 1, tl.standard._sum_combine)
-            den += tl.reduce(q_odd * z_odd[None, :], 1, tl.standard._sum_combine) + eps
+            den = tl.reduce(queries * z[None, :], 1, _add_combine) + eps
         if HAS_ROPE:
-            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=mask_even, other=0.0)
-            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=mask_even, other=0.0)
+            half = tl.arange(0, BLOCK_D // 2)
+            if D == BLOCK_D:
+                t_mask = used[:, None]
+            else:
+                t_mask = used[:, None] & (half < D // 2)[None, :]
+            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
+            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
             cos = cos.to(tl.float32)
             sin = sin.to(tl.float32)
-            rot_even = q_even * cos - q_odd * sin
-            rot_odd = q_even * sin + q_odd * cos
-            q_even = rot_even
-            q_odd = rot_odd
-        acc = tl.full((BLOCK_T, BLOCK_DV), 0.0, tl.float32)
+            q_even, q_odd = tl.split(tl.reshape(queries, (BLOCK_T, BLOCK_D // 2, 2)))
+            queries = tl.reshape(tl.join(q_even * cos - q_odd * sin, q_even * sin + q_odd * cos), (BLOCK_T, BLOCK_D))
         if IEEE:
-            acc = tl.dot(q_even.to(DOT_DTYPE), s_even, acc, input_precision="ieee")
-            acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd, acc, input_precision="ieee")
+            out = tl.dot(queries.to(DOT_DTYPE), summary, input_precision="ieee")
         else:
-            acc = tl.dot(q_even.to(DOT_DTYPE), s_even, acc)
-            acc = tl.dot(q_odd.to(DOT_DTYPE), s_odd, acc)
+            out = tl.dot(queries.to(DOT_DTYPE), summary)
         if NORMALIZE:
-            acc = acc / den[:, None]
-        tl.store(
-            o_base + token[:, None] * son + cols[None, :] * sod,
-            acc.to(o_ptr.dtype.element_ty),
-            mask=used[:, None] & cols_ok[None, :],
-        )
+            out = out / den[:, None]
+        if DV == BLOCK_DV:
+            o_mask = used[:, None]
+        else:
+            o_mask = used[:, None] & (cols < DV)[None, :]
+        tl.store(o_base + token[:, None] * son + cols[None, :] * sod, out.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
 _KERNELS: dict[tuple[str, bool], object] = {}
@@ -318,35 +347,57 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 @dataclass(frozen=True)
 class _Tiles:
-    """Tile sizes, grid extents and warps of one launch, chosen by :func:`_tiles`: the one place the
-    launch and :func:`fused_traffic` take them from."""
+    """Tile sizes, grid extents, warps and pipeline stages of one launch, chosen by :func:`_tiles`: the one
+    place the launch and :func:`fused_traffic` take them from. On CUDA the autotuner chooses ``block_t``,
+    ``num_warps`` and ``num_stages`` among :func:`_configs` (they move no bytes); the rest is fixed."""
 
     block_t: int  # slots per tile (both kernels walk a block's slots in tiles of this many)
-    block_dh: int  # channel pairs per tile: the even and the odd channels of D, each padded to a power of two
+    block_dh: int  # channel pairs per tile (the even and the odd channels, each block_d / 2)
     block_dv: int  # value columns per summaries program (kernel 1)
     value_tiles: int  # summaries programs per (batch x head, block): kernel 1's grid axis 0
     out_dv: int  # value columns of the output kernel (all of Dv, padded)
     num_warps: int
+    num_stages: int = 2  # software-pipeline stages of the slot loops
+
+    @property
+    def block_d(self) -> int:
+        """Channels per tile: the head dim padded to a power of two (at least 16)."""
+        return 2 * self.block_dh
 
 
 def _tiles(block_len: int, head_dim: int, value_dim: int) -> _Tiles:
     """The tiles :func:`_fused_forward` launches with for blocks of ``block_len`` slots.
 
-    Kernel 1 keeps a float32 accumulator pair ``(BLOCK_DH, BLOCK_DV)`` per program: up to Dv = 128 one
-    value tile, so ``k`` is read once (Wan: two 64 x 128 tiles, 8 warps); wider values split into tiles
-    of 128, each reading ``k`` again. Kernel 2 holds the mixed summary of its block (all of Dv). Slot
-    tiles of 32: at Wan's D = Dv = 128 with 8 warps ptxas (sm_90) keeps both kernels in registers
-    without spilling (230 and 184 registers a thread; 64 slots spill)."""
-    block_dh = _pow2((head_dim + 1) // 2)
+    Kernel 1 keeps a float32 accumulator ``(BLOCK_D, BLOCK_DV)`` per program: up to Dv = 128 one value
+    tile, so ``k`` is read once (Wan: one 128 x 128 tile, 8 warps); wider values split into tiles of 128,
+    each reading ``k`` again. Kernel 2 holds the mixed summary of its block (all of Dv). Slot tiles of 32
+    and 8 warps are the interpreter's (and the autotuner's first) choice; see :func:`_configs` for CUDA."""
+    block_d = _pow2(head_dim)
     block_dv = min(128, _pow2(value_dim))
     return _Tiles(
         block_t=min(32, _pow2(block_len)),
-        block_dh=block_dh,
+        block_dh=block_d // 2,
         block_dv=block_dv,
         value_tiles=-(-value_dim // block_dv),
         out_dv=_pow2(value_dim),
-        num_warps=8 if block_dh * block_dv >= 64 * 64 else 4,
+        num_warps=8 if block_d * block_dv >= 128 * 64 else 4,
     )
+
+
+#: The autotuner's choices on CUDA, per kernel: ``(BLOCK_T, num_warps, num_stages)``. Each compiles for
+#: sm_80, sm_89 and sm_90 without spilling at Wan2.1-1.3B's launch (tests/attention/test_triton_mhla.py).
+_AUTOTUNE: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "_summaries_kernel": ((32, 8, 1), (32, 8, 2)),
+    "_output_kernel": ((32, 8, 2), (64, 8, 2)),
+}
+
+
+def _configs(name: str) -> list:
+    """``triton.Config`` s of :data:`_AUTOTUNE` for kernel ``name``."""
+    return [
+        triton.Config({"BLOCK_T": block_t, "NUM_STAGES": stages}, num_warps=warps, num_stages=stages)
+        for block_t, warps, stages in _AUTOTUNE[name]
+    ]
 
 
 def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -439,15 +490,129 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Each angle of Diffusers' ``(1, N, 1, D)`` tables once: their even channels ``(N, D/2)`` in ``dtype``.
-    Views when the tables are in ``dtype`` already; else one copy per call (bf16 tables from Wan's float32
-    ones: both kernels then read half the bytes, once per (batch x head) each)."""
+    Views when the tables are in ``dtype`` already; else contiguous copies (bf16 tables from Wan's float32
+    ones: both kernels then read half the bytes, once per (batch x head) each), made once for the tables
+    of a transformer forward (:func:`_converted_rope_tables`)."""
+    return _converted_rope_tables(cos, sin, dtype)[0]
+
+
+class _RopeCache:
+    """The last RoPE tables converted, by identity: weak references to Wan's float32 ``cos``/``sin`` (the
+    transformer passes the same two tensors to every layer of one forward), what identified their contents
+    then (version counter, storage, shape, strides), the dtype, and the converted copy."""
+
+    def __init__(self) -> None:
+        self.entry: tuple | None = None
+
+    @staticmethod
+    def _key(table: torch.Tensor) -> tuple | None:
+        try:
+            version = table._version  # bumped by every in-place write to the tensor or a view of its storage
+        except RuntimeError:  # an inference tensor has no version counter: never reused
+            return None
+        return (
+            version,
+            table.data_ptr(),
+            table.storage_offset(),
+            tuple(table.shape),
+            table.stride(),
+            table.dtype,
+            table.device,
+        )
+
+    def get(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.entry is None:
+            return None
+        cos_ref, sin_ref, keys, cached_dtype, tables = self.entry
+        if cos_ref() is not cos or sin_ref() is not sin or cached_dtype != dtype:
+            return None
+        now = (self._key(cos), self._key(sin))
+        return tables if None not in now and now == keys else None
+
+    def put(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, tables) -> None:
+        keys = (self._key(cos), self._key(sin))
+        self.entry = None if None in keys else (weakref.ref(cos), weakref.ref(sin), keys, dtype, tables)
+
+
+_ROPE_CACHE = _RopeCache()
+
+
+def _converted_rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+    """:func:`_rope_tables` and whether this call converted them (a copy; ``False``: views of tables
+    already in ``dtype``, or the copy an earlier call made of these very tensors, unchanged since: the same
+    objects, version counters, storage, shape and strides). One cache entry, the last tables converted;
+    an inference tensor (no version counter) is converted every call."""
     tables = (cos[0, :, 0, 0::2], sin[0, :, 0, 0::2])
     if all(t.dtype == dtype for t in tables):
-        return tables
-    out = torch.empty((2, *tables[0].shape), dtype=dtype, device=cos.device)
+        return tables, False
+    cached = _ROPE_CACHE.get(cos, sin, dtype)
+    if cached is not None:
+        return cached, False
+    converted = _convert_tables(tables, dtype)
+    _ROPE_CACHE.put(cos, sin, dtype, converted)
+    return converted, True
+
+
+def _convert_tables(tables: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous copies of the even-channel tables ``(N, D/2)`` in ``dtype`` (one ``(2, N, D/2)`` tensor)."""
+    out = torch.empty((2, *tables[0].shape), dtype=dtype, device=tables[0].device)
     out[0].copy_(tables[0])
     out[1].copy_(tables[1])
     return out[0], out[1]
+
+
+def _summary_buffers(
+    batch: int, heads: int, m: int, d: int, dv: int, dtype: torch.dtype, norm: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Empty summaries ``S`` ``(B, H, M, D, Dv)`` in ``dtype`` and key sums ``z`` ``(B, H, M, D)`` (``None``
+    without ``norm``), as views of transposed storage: ``Sᵀ`` ``(B, H, M, Dv, D)``, so that every stored row
+    is ``D`` contiguous channels (aligned: the kernels move it in 16-byte vectors). Float32 and bfloat16
+    summaries carry the key sums as one more row, ``[Sᵀ; zᵀ]`` ``(B, H, M, Dv + 1, D)``, so that
+    :func:`_mix` mixes both in one product; float16 ones keep ``z`` apart in float32 (a sum of a block's
+    features may pass float16's range).
+
+    The key sums are accumulated in float32 either way; a bfloat16 row rounds them (and ``z̃``) to 8 bits,
+    yet the output comes out closer to the reference: ``S̃`` and ``z̃`` are then mixed by the same
+    bf16-rounded ``W``, whose rounding cancels between the numerator and the denominator. Measured under
+    the interpreter (bf16 inputs, 6x8x10 tokens in 2x2x2 blocks of 60, 2 heads of 32, RoPE, float64
+    reference, 3 seeds): largest error / largest output 6.2e-3 to 6.6e-3 and RMS 3.9e-3 to 4.3e-3 with the
+    row, against 7.8e-3 to 8.7e-3 and 5.8e-3 to 6.3e-3 with float32 key sums mixed by a float32 ``W``
+    (the output's own bf16 rounding: 2.5e-3 and 1.6e-3)."""
+    fold = norm and dtype in (torch.float32, torch.bfloat16)
+    storage = torch.empty((batch, heads, m, dv + fold, d), device=device, dtype=dtype)
+    summaries = storage[..., :dv, :].transpose(-1, -2)
+    if fold:
+        return summaries, storage[..., dv, :]
+    key_sums = torch.empty((batch, heads, m, d), device=device, dtype=torch.float32) if norm else None
+    return summaries, key_sums
+
+
+def _augmented(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[Sᵀ; zᵀ]`` tensor ``(B, H, M, Dv + 1, D)`` that ``summaries`` and ``key_sums`` are views of (as
+    :func:`_summary_buffers` makes them), or ``None`` when they lie apart."""
+    if key_sums is None or key_sums.dtype != summaries.dtype:
+        return None
+    b, h, m, d, dv = summaries.shape
+    strides = (h * m * (dv + 1) * d, m * (dv + 1) * d, (dv + 1) * d, d, 1)
+    if (
+        summaries.stride() != (*strides[:3], 1, d)
+        or key_sums.stride() != (*strides[:3], 1)
+        or key_sums.untyped_storage().data_ptr() != summaries.untyped_storage().data_ptr()
+        or key_sums.storage_offset() != summaries.storage_offset() + dv * d
+    ):
+        return None
+    return summaries.as_strided((b, h, m, dv + 1, d), strides)
+
+
+def _blocks_flat(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(B, H, M, D, Dv)`` as ``(B, H, M, D * Dv)`` in memory order (a view when either of the last two
+    dims is contiguous over the other) and whether that order is the transposed one."""
+    batch, heads, m, d, dv = x.shape
+    if x.transpose(-1, -2).is_contiguous():
+        return x.transpose(-1, -2).reshape(batch, heads, m, dv * d), True
+    return x.reshape(batch, heads, m, d * dv), False
 
 
 def _mix(
@@ -456,13 +621,36 @@ def _mix(
     """The mixing between the kernels, in PyTorch, outside ``torch.autocast``: ``S̃ = W S`` ``(B, H, M, D,
     Dv)`` in the summaries' dtype (half summaries: a half GEMM, float32 accumulation, ``W`` rounded to the
     half type as the eager operator does) and ``z̃ = W z`` ``(B, H, M, D)`` in float32 (``None`` without
-    key sums)."""
+    key sums). Folded summaries ``[Sᵀ; zᵀ]`` (float32 and bf16, :func:`_summary_buffers`) are mixed in one
+    product, returned as views of ``[S̃ᵀ; z̃ᵀ]`` (``z̃`` then in the summaries' dtype); float16 ones in two.
+    ``S̃`` has the layout of ``S`` (transposed storage stays transposed)."""
     batch, heads, m, d, dv = summaries.shape
+    augmented = _augmented(summaries, key_sums)
     with without_autocast(summaries.device):
         mix = mixing.to(torch.float32)
-        mixed = mix.to(summaries.dtype) @ summaries.view(batch, heads, m, d * dv)
+        if augmented is not None:
+            mixed = mix.to(augmented.dtype) @ augmented.view(batch, heads, m, (dv + 1) * d)
+            mixed = mixed.view(batch, heads, m, dv + 1, d)
+            return mixed[..., :dv, :].transpose(-1, -2), mixed[..., dv, :]
+        flat, transposed = _blocks_flat(summaries)
+        mixed = mix.to(summaries.dtype) @ flat
         mixed_sums = None if key_sums is None else mix @ key_sums
+    if transposed:
+        return mixed.view(batch, heads, m, dv, d).transpose(-1, -2), mixed_sums
     return mixed.view(batch, heads, m, d, dv), mixed_sums
+
+
+def _tuned(name: str, interpret: bool, tiles: _Tiles) -> tuple[object, dict]:
+    """Kernel ``name`` and the launch options it takes beside its arguments: the interpreter's fixed tiles,
+    or, on CUDA, none (the autotuner picks ``BLOCK_T``, ``NUM_STAGES``, warps and stages)."""
+    if interpret:
+        return _kernel(name, True), dict(BLOCK_T=tiles.block_t, NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps)
+    if name not in _TUNED:  # keyed on the head dims and the block length; the tensors' dtypes are keys too
+        _TUNED[name] = triton.autotune(configs=_configs(name), key=["D", "DV", "P"])(_kernel(name, False))
+    return _TUNED[name], {}
+
+
+_TUNED: dict[str, object] = {}
 
 
 def _launch_summaries(
@@ -475,9 +663,10 @@ def _launch_summaries(
     dot_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kernel 1 on validated inputs: the block summaries ``S`` ``(B, H, M, D, Dv)`` (in the compute dtype,
-    rows in natural channel order) and key sums ``z`` ``(B, H, M, D)`` float32 (``None`` without a
+    rows in natural channel order) and key sums ``z`` ``(B, H, M, D)`` (float32; ``None`` without a
     denominator). ``rope``: the even-channel tables of :func:`_rope_tables`, or ``None``. Both outputs may
-    be strided views: callers read them by their strides. The backward recomputes the summaries with this."""
+    be strided views (``S`` of transposed storage; float32 and bf16 ``z`` a row of it:
+    :func:`_summary_buffers`): callers read them by their strides. The backward recomputes the summaries with this."""
     batch, _, heads, d = k.shape
     dv = v.shape[-1]
     m, p = plan.num_blocks, plan.block_len
@@ -488,36 +677,37 @@ def _launch_summaries(
     valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all valid
     tables = rope if rope is not None else (k, k)  # unused pointers without RoPE
     rope_strides = (*tables[0].stride(), *tables[1].stride()) if rope is not None else (0, 0, 0, 0)
-    summaries = torch.empty((batch, heads, m, d, dv), device=k.device, dtype=_compute_dtype(k.dtype, v.dtype))
-    key_sums = torch.empty((batch, heads, m, d), device=k.device, dtype=torch.float32) if norm else summaries
-    _kernel("_summaries_kernel", k.device.type == "cpu")[(tiles.value_tiles, batch * heads, m)](
+    summaries, key_sums = _summary_buffers(batch, heads, m, d, dv, _compute_dtype(k.dtype, v.dtype), norm, k.device)
+    sums = key_sums if norm else summaries[..., 0]  # (B, H, M, D); unused pointer without a denominator
+    kernel, options = _tuned("_summaries_kernel", k.device.type == "cpu", tiles)
+    kernel[(tiles.value_tiles, batch * heads, m)](
         k,
         v,
         *tables,
         gather,
         valid,
         summaries,
-        key_sums,
+        sums,
         heads,
-        m,
         p,
-        d,
-        dv,
         *k.stride(),
         *v.stride(),
         *rope_strides,
+        *summaries.stride(),
+        *sums.stride(),
         float(feature_eps),
-        BLOCK_T=tiles.block_t,
-        BLOCK_DH=tiles.block_dh,
+        D=d,
+        DV=dv,
+        BLOCK_D=tiles.block_d,
         BLOCK_DV=tiles.block_dv,
         HAS_VALID=has_valid,
         HAS_ROPE=rope is not None,
         STORE_Z=norm,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
-        num_warps=tiles.num_warps,
+        **options,
     )
-    return summaries, key_sums if norm else None
+    return summaries, key_sums
 
 
 def _launch_output(
@@ -533,7 +723,8 @@ def _launch_output(
     dot_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Kernel 2 on validated inputs: ``(B, N, H, Dv)`` in ``out_dtype`` from the mixed summaries
-    ``S̃`` ``(B, H, M, D, Dv)`` and mixed key sums ``z̃`` ``(B, H, M, D)`` (``None``: no denominator)."""
+    ``S̃`` ``(B, H, M, D, Dv)`` and mixed key sums ``z̃`` ``(B, H, M, D)`` (``None``: no denominator), both
+    read by their strides."""
     batch, n, heads, d = q.shape
     m, p = plan.num_blocks, plan.block_len
     tiles = _tiles(p, d, value_dim)
@@ -542,34 +733,36 @@ def _launch_output(
     valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather
     tables = rope if rope is not None else (q, q)
     rope_strides = (*tables[0].stride(), *tables[1].stride()) if rope is not None else (0, 0, 0, 0)
+    sums = mixed[..., 0] if mixed_sums is None else mixed_sums  # unused pointer without a denominator
     out = torch.empty((batch, n, heads, value_dim), device=q.device, dtype=out_dtype)
-    _kernel("_output_kernel", q.device.type == "cpu")[(batch * heads, m)](
+    kernel, options = _tuned("_output_kernel", q.device.type == "cpu", tiles)
+    kernel[(batch * heads, m)](
         q,
         *tables,
         gather,
         valid,
         mixed,
-        mixed if mixed_sums is None else mixed_sums,  # unused pointer without a denominator
+        sums,
         out,
         heads,
-        m,
         p,
-        d,
-        value_dim,
         *q.stride(),
         *out.stride(),
         *rope_strides,
+        *mixed.stride(),
+        *sums.stride(),
         float(feature_eps),
         float(eps),
-        BLOCK_T=tiles.block_t,
-        BLOCK_DH=tiles.block_dh,
+        D=d,
+        DV=value_dim,
+        BLOCK_D=tiles.block_d,
         BLOCK_DV=tiles.out_dv,
         HAS_VALID=has_valid,
         HAS_ROPE=rope is not None,
         NORMALIZE=mixed_sums is not None,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
-        num_warps=tiles.num_warps,
+        **options,
     )
     return out
 
@@ -613,6 +806,7 @@ def fused_traffic(
     rope_dtype: torch.dtype | None = torch.float32,
     normalize: str = "denominator",
     per_head_mixing: bool = False,
+    rope_converted: bool = True,
 ) -> dict[str, int]:
     """Bytes that :func:`mhla_attention_fused` reads and writes in global memory, term by term, as
     :func:`_fused_forward` launches its kernels: what each program's ``tl.load``/``tl.store`` touches (a
@@ -623,7 +817,10 @@ def fused_traffic(
     ``(.., value_dim)``, all in ``dtype``; a plan of ``num_blocks`` blocks of ``block_len`` slots, with
     ``padded`` slots (``plan.valid`` given: uneven or empty blocks) or not; Diffusers' RoPE tables
     ``(1, tokens, 1, head_dim)`` in ``rope_dtype`` (``None``: no RoPE); ``normalize`` ``"denominator"`` or
-    ``"none"``; a float32 ``(heads, M, M)`` mixing with ``per_head_mixing``, else ``(M, M)``.
+    ``"none"``; a float32 ``(heads, M, M)`` mixing with ``per_head_mixing``, else ``(M, M)``;
+    ``rope_converted``: whether this call converts the tables to the summaries' dtype. The converted copy is
+    cached for the tables of one transformer forward (:func:`_converted_rope_tables`): Wan's first layer
+    converts them, its other layers reuse the copy and count nothing for it (``False``); a lone call converts.
 
     Every token fills exactly one real slot, so the real slots a program walks add up, over the blocks, to
     ``tokens``; padded slots load their plan entries and nothing else. Caches are ignored: a tile that two
@@ -643,10 +840,13 @@ def fused_traffic(
     index = p * (_INDEX_BYTES + (_VALID_BYTES if padded else 0))  # plan.gather (and valid) of one block's slots
     meta = dict(device="meta")
     terms: dict[str, int] = {}
-    # PyTorch, once per call: the even channels of the tables in the compute dtype (none when already in it)
-    cos = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)
-    terms["RoPE tables to the summaries' dtype (PyTorch)"] = (
-        rope * count_traffic(lambda: _rope_tables(cos, cos, compute)).total
+    summaries, key_sums = _summary_buffers(batch, heads, m, head_dim, value_dim, compute, norm, torch.device("meta"))
+    # PyTorch, once per forward (its first call): the even channels of the tables in the compute dtype (none
+    # when already in it)
+    table = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)[0, :, 0, 0::2]
+    convert = rope and rope_converted and table.dtype != compute
+    terms["RoPE tables to the summaries' dtype (PyTorch, once per forward)"] = (
+        convert * count_traffic(lambda: _convert_tables((table, table), compute)).total
     )
     # _summaries_kernel, grid (value tiles, B*H, M); per program: plan entries, then per real slot k (D
     # channels), the tables (pairs, cos and sin), v (its tile's columns); then S (D x tile) and z (tile 0)
@@ -655,16 +855,15 @@ def fused_traffic(
     terms["summaries kernel: RoPE tables"] = rope * tiles.value_tiles * bh * tokens * pairs * 2 * compute_size
     terms["summaries kernel: v"] = bh * tokens * value_dim * size
     terms["summaries kernel: S stored"] = bh * m * head_dim * value_dim * compute_size
-    terms["summaries kernel: z stored"] = norm * bh * m * head_dim * 4
-    # PyTorch: S̃ = W S, z̃ = W z
+    sums_size = 0 if key_sums is None else key_sums.element_size()  # float32, or bf16 in [Sᵀ; zᵀ]
+    terms["summaries kernel: z stored"] = norm * bh * m * head_dim * sums_size
+    # PyTorch: S̃ = W S, z̃ = W z (one product of [Sᵀ; zᵀ] for float32 and bf16 summaries, two for float16)
     mixing = torch.empty((heads, m, m) if per_head_mixing else (m, m), dtype=torch.float32, **meta)
-    summaries = torch.empty((batch, heads, m, head_dim, value_dim), dtype=compute, **meta)
-    key_sums = torch.empty((batch, heads, m, head_dim), dtype=torch.float32, **meta) if norm else None
     terms["mixing (PyTorch): W S, W z"] = count_traffic(lambda: _mix(mixing, summaries, key_sums)).total
     # _output_kernel, grid (B*H, M); per program: S̃ and z̃ of its block once, then per slot tile the plan
     # entries, and per real slot q (D channels), the tables, the output (Dv columns)
     terms["output kernel: mixed summary"] = bh * m * head_dim * value_dim * compute_size
-    terms["output kernel: mixed key sum"] = norm * bh * m * head_dim * 4
+    terms["output kernel: mixed key sum"] = norm * bh * m * head_dim * sums_size
     terms["output kernel: plan index"] = bh * m * index
     terms["output kernel: q"] = bh * tokens * head_dim * size
     terms["output kernel: RoPE tables"] = rope * bh * tokens * pairs * 2 * compute_size
@@ -690,9 +889,15 @@ def recording_launches() -> Iterator[list[dict]]:
         _RECORDERS.remove(launches)
 
 
-def _launch_arguments(q, v, plan, mixing, cos, normalize) -> dict:
-    """:func:`fused_traffic`'s arguments for a launch on these inputs."""
+def _launch_arguments(q, v, plan, mixing, cos, normalize, sin=None) -> dict:
+    """:func:`fused_traffic`'s arguments for a launch on these (meta) inputs. With ``sin`` given, the RoPE
+    tables go through the same cache as a launch's (:func:`_converted_rope_tables`): a call that finds
+    these tables converted by an earlier one (a later layer of the same forward) counts no conversion;
+    without it, every call counts one."""
     batch, n, heads, d = q.shape
+    converted = True
+    if cos is not None and sin is not None:
+        converted = _converted_rope_tables(cos, sin, _compute_dtype(q.dtype, v.dtype))[1]
     return dict(
         batch=batch,
         tokens=n,
@@ -706,6 +911,7 @@ def _launch_arguments(q, v, plan, mixing, cos, normalize) -> dict:
         rope_dtype=None if cos is None else cos.dtype,
         normalize=normalize,
         per_head_mixing=mixing.ndim == 3,
+        rope_converted=converted,
     )
 
 

@@ -109,13 +109,54 @@ def test_reads_non_contiguous_inputs_in_place():
     _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin))
 
 
-def test_bf16_inputs():
-    q, k, v, mixing = _inputs(UNEVEN, dtype=torch.bfloat16, seed=6)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    """bf16 carries the key sums as a column of the summaries, float16 keeps them apart in float32."""
+    q, k, v, mixing = _inputs(UNEVEN, dtype=dtype, seed=6)
     plan = block_plan(*UNEVEN)
     cos, sin = _rope(UNEVEN[0], 16)
     out = mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, **FP32)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     # the reference of the same bf16 values, in float64: only the output's bf16 rounding differs
+    _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin), rtol=1e-2)
+
+
+def test_rope_tables_are_converted_once_for_the_same_tables():
+    """The half copy of the tables is made once for the tensors a transformer forward passes to all its
+    layers, and made again whenever they may differ: other objects, an in-place write, another dtype, or
+    inference tensors (no version counter)."""
+    convert = triton_mhla._converted_rope_tables
+    cos, sin = _rope(EVEN[0], 16)
+    first, converted = convert(cos, sin, torch.bfloat16)
+    assert converted and first[0].dtype == torch.bfloat16 and first[0].is_contiguous() and first[1].is_contiguous()
+    assert torch.equal(first[0], cos[0, :, 0, 0::2].bfloat16()) and torch.equal(first[1], sin[0, :, 0, 0::2].bfloat16())
+    again, converted = convert(cos, sin, torch.bfloat16)
+    assert not converted and again[0] is first[0] and again[1] is first[1]
+    assert convert(cos.clone(), sin, torch.bfloat16)[1]  # another object with equal values
+    cos, sin = _rope(EVEN[0], 16)
+    convert(cos, sin, torch.bfloat16)
+    sin[..., :4].mul_(-1.0)  # through a view: the shared version counter moves
+    changed, converted = convert(cos, sin, torch.bfloat16)
+    assert converted and torch.equal(changed[1], sin[0, :, 0, 0::2].bfloat16())
+    assert convert(cos, sin, torch.float16)[1]
+    views, converted = convert(cos, sin, torch.float32)  # already in the dtype: views, nothing converted
+    assert not converted and views[0].data_ptr() == cos.data_ptr()
+    with torch.inference_mode():
+        cos, sin = _rope(EVEN[0], 16)
+    assert convert(cos, sin, torch.bfloat16)[1] and convert(cos, sin, torch.bfloat16)[1]
+
+
+def test_changed_rope_tables_are_never_read_stale():
+    """Two fused calls with the same table objects, written in place between them: the second call uses the
+    new angles (bf16 inputs: the kernels read the cached bf16 copy)."""
+    q, k, v, mixing = _inputs(UNEVEN, dtype=torch.bfloat16, seed=11)
+    plan = block_plan(*UNEVEN)
+    cos, sin = _rope(UNEVEN[0], 16)
+    mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, **FP32)
+    angle = torch.atan2(sin, cos) + 0.5
+    cos.copy_(angle.cos())
+    sin.copy_(angle.sin())
+    out = mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, **FP32)
     _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin), rtol=1e-2)
 
 
@@ -226,59 +267,120 @@ def test_switch_and_interpreter_mode_from_the_environment():
     assert done.stdout.split() == ["False", "False", "True"]
 
 
-def _signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
-    """Triton signature of one of the module's kernels: pointer types by name, the rest 32-bit ints
-    (``feature_eps``/``eps`` float32), ``constexpr`` for the compile-time parameters."""
-    import inspect
+#: Wan2.1-1.3B's attention: batch 1, 12 heads of 128 channels, bf16, the released 3x5x10 blocks; 81 frames
+#: at 480x800 (21x30x50 tokens: even blocks of 7x6x5) and 480x832 (21x30x52: uneven, padded blocks)
+WAN_13B = dict(batch=1, heads=12, dim=128, grids=((21, 30, 50), (21, 30, 52)))
 
-    floats = {"feature_eps", "eps"}
-    return {
-        name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
-        for name in inspect.signature(kernel).parameters
-    }
+
+def _wan_launches(monkeypatch) -> list[tuple[str, object, tuple, dict]]:
+    """The kernel launches of :func:`_fused_forward` at Wan2.1-1.3B's shapes, as CUDA takes them: the
+    launchers run on meta tensors of the processor's layout (q, k, v ``(1, N, 12, 128)`` bf16 from the
+    projections, float32 RoPE tables ``(1, N, 1, 128)``, a plan of the released layout, bf16 dots), with the
+    autotuned kernels swapped for a recorder. Per launch: kernel name, the autotuner, args and kwargs; for
+    the released setting (no denominator) and the paper's (denominator) on each grid."""
+    from mhla_diffusion import MHLAConfig
+
+    launches = []
+    tuned = triton_mhla._tuned
+
+    class Recorder:
+        def __init__(self, name, tuner):
+            self.name, self.tuner = name, tuner
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, self.tuner, args, kwargs))
+
+    def recording(name, interpret, tiles):
+        kernel, options = tuned(name, interpret, tiles)
+        assert not interpret and options == {}  # meta tensors take CUDA's path: the autotuner chooses
+        return Recorder(name, kernel), options
+
+    monkeypatch.setattr(triton_mhla, "_tuned", recording)
+    layout = tuple(MHLAConfig.released_wan().layout)
+    assert layout == (3, 5, 10)
+    b, h, d = WAN_13B["batch"], WAN_13B["heads"], WAN_13B["dim"]
+    for grid in WAN_13B["grids"]:
+        n = math.prod(grid)
+        # the projections' (B, N, H * D) outputs unflattened, as the Wan processor passes them
+        q, k, v = (torch.empty(b, n, h * d, device="meta", dtype=torch.bfloat16).unflatten(2, (h, d)) for _ in "qkv")
+        cos, sin = (torch.empty(1, n, 1, d, device="meta") for _ in "cs")
+        plan = block_plan(grid, layout, "meta")
+        mixing = torch.empty(plan.num_blocks, plan.num_blocks, device="meta")
+        for normalize in ("none", "denominator"):
+            triton_mhla._fused_forward(q, k, v, plan, mixing, cos, sin, 1e-6, normalize, 1e-6, torch.bfloat16)
+    return launches
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
-    """The interpreter accepts more than the compiler: compile both kernels ahead of time, without a GPU,
-    for sm_90 with the tiles and warps Wan's launch takes (bf16 inputs, dots, RoPE tables and summaries,
-    D = Dv = 128, uneven blocks of 240 slots, denominator), and check with ptxas that no register spills."""
+def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spills(tmp_path, monkeypatch, capsys):
+    """The interpreter accepts more than the compiler: compile, without a GPU, exactly what the fused forward
+    launches at Wan2.1-1.3B's shapes, every autotuner config, for sm_80, sm_89 and sm_90, and check in ptxas'
+    own log (as Triton runs it: its flags) that nothing spills. The specialisation (integer widths,
+    divisibility by 16, strides of 1 as constants, pointer alignment) comes from Triton's own argument
+    binding of the captured arguments (meta tensors: aligned like fresh CUDA allocations, views at their
+    offsets). Prints registers per kernel, config and target (``pytest -s``)."""
     triton = pytest.importorskip("triton")
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    try:  # Triton's launch internals (3.8): the same binding JITFunction.run does before compiling
+        from triton.runtime.jit import create_function_from_signature
+
+        triton.knobs.nvidia.dump_ptxas_log  # noqa: B018
+    except (ImportError, AttributeError) as error:
+        pytest.skip(f"this Triton binds launch arguments differently ({error}): the capture is written for 3.8")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
-    tiles = triton_mhla._tiles(240, 128, 128)
-    assert (tiles.block_dh, tiles.block_dv, tiles.value_tiles, tiles.num_warps) == (64, 128, 1, 8)
-    common = dict(
-        BLOCK_T=tiles.block_t, BLOCK_DH=tiles.block_dh, HAS_VALID=True, HAS_ROPE=True, DOT_DTYPE=tl.bfloat16, IEEE=False
-    )
-    pointers = dict(cos_ptr="*bf16", sin_ptr="*bf16", gather_ptr="*i64", valid_ptr="*u8", s_ptr="*bf16", z_ptr="*fp32")
-    kernels = [
-        (
-            triton_mhla._summaries_kernel,
-            dict(k_ptr="*bf16", v_ptr="*bf16"),
-            dict(BLOCK_DV=tiles.block_dv, STORE_Z=True),
-        ),
-        (triton_mhla._output_kernel, dict(q_ptr="*bf16", o_ptr="*bf16"), dict(BLOCK_DV=tiles.out_dv, NORMALIZE=True)),
-    ]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    for fn, own_pointers, own in kernels:
-        constexprs = {**common, **own}
-        source = ASTSource(triton.jit(fn), _signature(fn, {**pointers, **own_pointers}, constexprs), constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tiles.num_warps))
-        assert compiled.asm["cubin"], fn.__name__
-        if os.path.exists(ptxas):
-            ptx = tmp_path / f"{fn.__name__}.ptx"
-            ptx.write_text(compiled.asm["ptx"])
-            done = subprocess.run(
-                [ptxas, "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull], capture_output=True, text=True, timeout=120
-            )
-            assert done.returncode == 0, done.stderr[-2000:]
-            assert re.search(r"(?<!\d)0 bytes spill stores", done.stderr), (fn.__name__, done.stderr)
+    monkeypatch.setattr(triton.knobs.nvidia, "dump_ptxas_log", True)  # Triton prints ptxas -v's log
+    launches = _wan_launches(monkeypatch)
+    assert [name for name, *_ in launches] == ["_summaries_kernel", "_output_kernel"] * 4
+    report, compiled = [], set()
+    for arch in (80, 89, 90):
+        target = GPUTarget("cuda", arch, 32)
+        backend = make_backend(target)
+        for index, (name, tuner, args, kwargs) in enumerate(launches):
+            jit = tuner.fn
+            names = [p.name for p in jit.params]
+            bind = create_function_from_signature(jit.signature, jit.params, backend)
+            for config in tuner.configs:
+                launch = {**kwargs, **config.all_kwargs()}
+                bound, specialization, options = bind(*args, **launch)
+                spec = dict(zip(names, specialization))
+                grid = WAN_13B["grids"][index // 4]
+                assert spec["HAS_VALID"] == ("constexpr", grid[2] % 10 != 0)  # 52 columns: uneven blocks
+                rows = ("skn", "skh", "svn", "svh") if name == "_summaries_kernel" else ("sqn", "sqh", "son", "soh")
+                assert all(spec[s] == ("i32", "D") for s in rows), spec  # 32-bit, multiples of 16
+                channels = ("skd", "svd") if name == "_summaries_kernel" else ("sqd", "sod")
+                assert all(spec[s] == ("constexpr", 1) for s in (*channels, "scd", "ssd", "s_d")), spec
+                options, signature, constexprs, attrs = jit._pack_args(backend, launch, bound, specialization, options)
+                key = (
+                    arch,
+                    name,
+                    repr(signature),
+                    repr(sorted(constexprs.items(), key=repr)),
+                    repr(attrs),
+                    repr(options),
+                )
+                if key in compiled:  # the same specialisation from another launch
+                    continue
+                compiled.add(key)
+                capsys.readouterr()
+                triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+                log = capsys.readouterr().out
+                registers = re.search(r"Used (\d+) registers", log)
+                spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+                assert registers and spills, log[-2000:]
+                flags = {k: spec[k][1] for k in ("HAS_VALID", "NORMALIZE", "STORE_Z") if k in spec}
+                report.append(
+                    f"sm_{arch} {name} {flags} BLOCK_T={config.kwargs['BLOCK_T']} warps={config.num_warps} "
+                    f"stages={config.num_stages}: {registers.group(1)} registers, {sum(spills)} bytes spilled"
+                )
+                assert sum(spills) == 0, report[-1]
+    # 2 kernels x 2 configs x (even, uneven) x (no denominator, denominator) x 3 targets
+    assert len(report) == 2 * 2 * 2 * 2 * 3
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
 
 
 @pytest.mark.parametrize("setting", ["paper", "released"])

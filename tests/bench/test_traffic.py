@@ -11,6 +11,7 @@ from mhla_diffusion import MHLAConfig
 from mhla_diffusion.benchmarks.bench import TRAFFIC_PATHS, traffic_settings, wan_attention_traffic
 from mhla_diffusion.cli import main
 from mhla_diffusion.ops import triton_mhla
+from mhla_diffusion.ops.block_layout import block_plan
 from mhla_diffusion.ops.traffic import count_traffic, floor_bytes, tensor_bytes
 from mhla_diffusion.ops.triton_mhla import fused_available, fused_traffic, recording_launches
 
@@ -105,19 +106,19 @@ def test_fused_count_by_hand():
     qkvo = tokens_x_heads * 16 * 2  # one of q, k, v, out: 1024 bytes
     tables = tokens_x_heads * 8 * 2 * 2  # per head, each token's 8 angles, cos and sin, bf16
     summaries = 2 * 4 * 16 * 16 * 2  # S (or S̃): B*H*M x D x Dv, bf16
-    key_sums = 2 * 4 * 16 * 4  # z (or z̃), float32
+    key_sums = 2 * 4 * 16 * 2  # z (or z̃): bf16, one more column of the summaries [S | z]
     index = 2 * 4 * 4 * 8  # plan.gather (int64) of every slot, by each (batch x head)'s programs
     assert terms == {
         # even channels of the float32 (1, 16, 1, 16) tables read, written as bf16 (N, 8) once per call
-        "RoPE tables to the summaries' dtype (PyTorch)": 2 * 16 * 8 * 4 + 2 * 16 * 8 * 2,
+        "RoPE tables to the summaries' dtype (PyTorch, once per forward)": 2 * 16 * 8 * 4 + 2 * 16 * 8 * 2,
         "summaries kernel: plan index": index,
         "summaries kernel: k": qkvo,  # one value tile: k once
         "summaries kernel: RoPE tables": tables,
         "summaries kernel: v": qkvo,
         "summaries kernel: S stored": summaries,
         "summaries kernel: z stored": key_sums,
-        # W (float32, 64 B) cast to bf16 (32 B), read by the bf16 GEMM; S read, S̃ written; W, z read, z̃ written
-        "mixing (PyTorch): W S, W z": (64 + 32) + 32 + 2 * summaries + 64 + 2 * key_sums,
+        # W (float32, 64 B) cast to bf16 (32 B), read by the one bf16 GEMM: [S | z] read, [S̃ | z̃] written
+        "mixing (PyTorch): W S, W z": (64 + 32) + 32 + 2 * (summaries + key_sums),
         "output kernel: mixed summary": summaries,  # once per (batch x head, block)
         "output kernel: mixed key sum": key_sums,
         "output kernel: plan index": index,
@@ -139,11 +140,18 @@ def test_fused_count_by_hand():
         padded=True,
         per_head_mixing=True,
     )
-    assert float32["RoPE tables to the summaries' dtype (PyTorch)"] == float32["output kernel: RoPE tables"] == 0
+    assert (
+        float32["RoPE tables to the summaries' dtype (PyTorch, once per forward)"]
+        == float32["output kernel: RoPE tables"]
+        == 0
+    )
     assert float32["summaries kernel: plan index"] == 2 * 4 * 4 * (8 + 1)  # plan.valid (uint8) too
     assert float32["summaries kernel: S stored"] == 2 * summaries  # float32 summaries
     assert float32["summaries kernel: z stored"] == float32["output kernel: mixed key sum"] == 0
     assert float32["mixing (PyTorch): W S, W z"] == 2 * 4 * 4 * 4 + 2 * 2 * summaries  # (H, M, M) W, S, S̃
+    float16 = fused_traffic(1, 16, 2, 16, 16, 4, 4, dtype=torch.float16)  # z apart, in float32: two products
+    assert float16["summaries kernel: z stored"] == float16["output kernel: mixed key sum"] == 2 * key_sums
+    assert float16["mixing (PyTorch): W S, W z"] == (64 + 32) + 32 + 2 * summaries + 64 + 2 * 2 * key_sums
 
 
 def test_fused_count_takes_the_launch_tiles():
@@ -193,5 +201,23 @@ def test_recording_launches_takes_the_processors_call_on_meta_tensors():
             rope_dtype=torch.float32,
             normalize="none",
             per_head_mixing=False,
+            rope_converted=True,
         )
     ]
+
+
+def test_a_forward_converts_its_rope_tables_once():
+    """Later calls with the same tables (the layers of one Wan forward) reuse the first call's copy: their
+    count has no conversion, and the rest of it is the same."""
+    q = torch.empty(1, 60, 2, 8, device="meta", dtype=torch.bfloat16)
+    cos, sin = (torch.empty(1, 60, 1, 8, device="meta") for _ in range(2))
+    plan = block_plan((3, 4, 5), (1, 2, 2), "meta")
+    mixing = torch.empty(4, 4, device="meta")
+    first, later = (triton_mhla._launch_arguments(q, q, plan, mixing, cos, "none", sin=sin) for _ in range(2))
+    assert first["rope_converted"] and not later["rope_converted"]
+    term = "RoPE tables to the summaries' dtype (PyTorch, once per forward)"
+    one, other = fused_traffic(**first), fused_traffic(**later)
+    assert one[term] == 2 * 60 * 4 * (4 + 2) and other[term] == 0  # even channels read in float32, written bf16
+    assert {k: v for k, v in one.items() if k != term} == {k: v for k, v in other.items() if k != term}
+    sin.add_(1.0)  # changed tables (a new version): converted again
+    assert triton_mhla._launch_arguments(q, q, plan, mixing, cos, "none", sin=sin)["rope_converted"]
