@@ -87,7 +87,7 @@ def test_the_speed_page_table_is_what_the_command_prints(capsys):
     page = (Path(__file__).resolve().parents[2] / "docs" / "speed.md").read_text()
     assert main(["bench", "--traffic"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 21x30x5")]
-    assert len(rows) == 8  # 2 grids x 2 settings x (eager, fused)
+    assert len(rows) == 16  # 2 grids x 2 settings x (eager, fused) x (forward, forward + backward)
     for row in rows:
         assert row in page
 
@@ -221,3 +221,23 @@ def test_a_forward_converts_its_rope_tables_once():
     assert {k: v for k, v in one.items() if k != term} == {k: v for k, v in other.items() if k != term}
     sin.add_(1.0)  # changed tables (a new version): converted again
     assert triton_mhla._launch_arguments(q, q, plan, mixing, cos, "none", sin=sin)["rope_converted"]
+
+
+def test_training_rows_count_the_fused_backward():
+    """The forward + backward rows (autograd on meta tensors), paper setting at 21x30x50: the fused one is
+    the fused kernels' forward and backward as launched (nothing else runs around the operator), far below
+    the eager one; its ratio to the fused forward is the issue's target (3x), not met yet (3.08x)."""
+    from mhla_diffusion.benchmarks.bench import wan_attention_training_traffic
+    from mhla_diffusion.ops.triton_mhla_backward import fused_backward_traffic
+
+    config, unit = traffic_settings()["paper"], 31_500 * 12 * 128 * 2
+    forward = wan_attention_traffic((21, 30, 50), config, fused=True)
+    eager = wan_attention_training_traffic((21, 30, 50), config)
+    fused = wan_attention_training_traffic((21, 30, 50), config, fused=True)
+    assert (eager["fused_launches"], fused["fused_launches"]) == (0, 1)
+    kernels = sum(fused_traffic(1, 31_500, 12, 128, 128, 150, 210).values())
+    kernels += sum(fused_backward_traffic(1, 31_500, 12, 128, 128, 150, 210).values())
+    assert fused["units"] == pytest.approx(kernels / unit, abs=0.05)  # and the block plan built (~0.02 U)
+    assert "backward: query grad kernel: q" in fused["ops"] and "output kernel: q" in fused["ops"]
+    assert fused["units"] < eager["units"] / 5
+    assert fused["units"] <= 3.1 * forward["units"]
