@@ -44,7 +44,8 @@ and differentiates that. On CPU tensors the kernels run through Triton's interpr
 tests); :func:`fused_available` says when callers should choose this path.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the kernels' `tl.constexpr` annotations must be the objects, not
+# strings, for Triton 3.0's interpreter (it matches the annotation's name, "constexpr", to find them).
 
 import math
 import os
