@@ -18,8 +18,9 @@ It launches, in order:
    ``S`` and ``z`` are recomputed, not saved) and the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch
    (:func:`~mhla_diffusion.ops.triton_mhla._mix`);
 2. ``_query_grad_kernel``, one program per (batch x head, block): loads ``S̃_o`` and ``z̃_o`` once, walks the
-   block's query slots in tiles (``q`` and ``g`` loaded once each; ``phi``, RoPE, the denominator and the
-   output recomputed in registers), writes ``dq`` at the tokens and accumulates ``dS̃_o``, ``dz̃_o`` in float32;
+   block's query slots in tiles (``q`` and ``g`` loaded once each; ``phi``, RoPE and the denominator
+   recomputed in registers, and ``g'·out = q̂·(S̃_o g') / den`` from the product ``dq`` needs anyway), writes
+   ``dq`` at the tokens and accumulates ``dS̃_o``, ``dz̃_o`` in float32;
 3. the mixing's backward in PyTorch (:func:`_unmix`): ``dS = Wᵀ dS̃``, ``dz = Wᵀ dz̃`` and ``dW``;
 4. ``_key_grad_kernel``, one program per (batch x head, block): loads ``dS_j``, ``dz_j`` once, walks the
    block's key slots in tiles (``k`` and ``v`` loaded once each) and writes ``dk`` and ``dv`` at the tokens.
@@ -204,20 +205,16 @@ def _query_grad_kernel(
             rot = tl.reshape(tl.permute(rot, (0, 2, 1)), (BLOCK_D, BLOCK_T)).to(DOT_DTYPE)
         else:
             rot = feats.to(DOT_DTYPE)
-        if NORMALIZE:  # the output's numerator (q̂ S̃)ᵀ, then g'·out = g'·num / den, and dz̃ (phi(q) done with)
-            if IEEE:
-                num = tl.dot(tl.trans(summary), rot, input_precision="ieee")
-            else:
-                num = tl.dot(tl.trans(summary), rot)
-            g_out = tl.reduce(grad * num, 0, _add_combine) / den
-            dz -= tl.reduce(feats * g_out[None, :], 1, _add_combine)
         grad = grad.to(DOT_DTYPE)
         if IEEE:
             ds = tl.dot(rot, tl.trans(grad), ds, input_precision="ieee")
-            d_rot = tl.dot(summary, grad, input_precision="ieee")
+            d_rot = tl.dot(summary, grad, input_precision="ieee")  # S̃ g', (D, slots)
         else:
             ds = tl.dot(rot, tl.trans(grad), ds)
             d_rot = tl.dot(summary, grad)
+        if NORMALIZE:  # g'·out = g'·(q̂ S̃)/den = q̂·(S̃ g')/den: no product for the output; then dz̃
+            g_out = tl.reduce(rot.to(tl.float32) * d_rot, 0, _add_combine) / den
+            dz -= tl.reduce(feats * g_out[None, :], 1, _add_combine)
         if HAS_ROPE:  # Rᵀ: rotate back by -angle
             r_even, r_odd = tl.split(tl.permute(tl.reshape(d_rot, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
@@ -391,11 +388,13 @@ def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, 
     tensor cores' M), the slots as its N or K.
 
     The query kernel keeps the mixed summary ``S̃_o`` and the float32 accumulator of its gradient (Wan:
-    128 x 128 each) beside one slot tile's q, g, features and gradients; the key kernel keeps ``dS_j``.
-    With 8 warps ptxas (sm_90, bf16, D = Dv = 128) keeps both in registers without spilling: 244 and 177
-    registers a thread with the denominator (tiles of 32 slots spill in the query kernel); see the compile
-    test in tests/attention/test_triton_mhla_backward.py. ``block_len`` is not used: a block shorter than 16
-    slots is one masked tile."""
+    128 x 128 each) beside one slot tile's q, g, features and gradients (two products a tile: ``dS̃_o += q̂ᵀ g'``
+    and ``S̃_o g'``, from which ``g'·out = q̂·(S̃_o g') / den`` too); the key kernel keeps ``dS_j``. With 8 warps
+    ptxas keeps both in registers at Wan's D = Dv = 128 (bf16): on sm_90 (wgmma) 242 and 177-180 registers a
+    thread with the denominator, 202 and 169-171 without, no spills (the compile test in
+    tests/attention/test_triton_mhla_backward.py; tiles of 32 slots spill); on sm_80 and sm_89 the query
+    kernel does not spill either (224-255 registers), the key kernel spills 4-52 bytes where every block is
+    full. ``block_len`` is not used: a block shorter than 16 slots is one masked tile."""
     del block_len
     block_d = _pow2(head_dim)
     block_dv = _pow2(value_dim)
