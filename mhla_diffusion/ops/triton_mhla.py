@@ -543,17 +543,26 @@ def _converted_rope_tables(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
     """:func:`_rope_tables` and whether this call converted them (a copy; ``False``: views of tables
     already in ``dtype``, or the copy an earlier call made of these very tensors, unchanged since: the same
-    objects, version counters, storage, shape and strides). One cache entry, the last tables converted;
-    an inference tensor (no version counter) is converted every call."""
+    objects, version counters, storage, shape and strides). One cache entry, the last tables converted (it
+    keeps their copy alive until other tables come); converted every call: inference tensors (no version
+    counter) and tables seen while a CUDA graph is captured (replays refill the graph's inputs without
+    Python, so a copy cached then could go stale)."""
     tables = (cos[0, :, 0, 0::2], sin[0, :, 0, 0::2])
     if all(t.dtype == dtype for t in tables):
         return tables, False
+    if _capturing(cos.device):  # a CUDA graph's replays write its inputs with no version change: no cache
+        return _convert_tables(tables, dtype), True
     cached = _ROPE_CACHE.get(cos, sin, dtype)
     if cached is not None:
         return cached, False
     converted = _convert_tables(tables, dtype)
     _ROPE_CACHE.put(cos, sin, dtype, converted)
     return converted, True
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _convert_tables(tables: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,6 +146,15 @@ def test_rope_tables_are_converted_once_for_the_same_tables():
     assert convert(cos, sin, torch.bfloat16)[1] and convert(cos, sin, torch.bfloat16)[1]
 
 
+def test_rope_tables_are_converted_every_call_while_a_cuda_graph_is_captured(monkeypatch):
+    cos, sin = _rope(EVEN[0], 16)
+    triton_mhla._converted_rope_tables(cos, sin, torch.bfloat16)  # cached before the capture
+    monkeypatch.setattr(triton_mhla, "_capturing", lambda device: True)
+    first, converted = triton_mhla._converted_rope_tables(cos, sin, torch.bfloat16)
+    assert converted and triton_mhla._converted_rope_tables(cos, sin, torch.bfloat16)[1]
+    assert torch.equal(first[0], cos[0, :, 0, 0::2].bfloat16())
+
+
 def test_changed_rope_tables_are_never_read_stale():
     """Two fused calls with the same table objects, written in place between them: the second call uses the
     new angles (bf16 inputs: the kernels read the cached bf16 copy)."""
