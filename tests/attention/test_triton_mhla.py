@@ -324,7 +324,8 @@ def _wan_launches(monkeypatch) -> list[tuple[str, object, tuple, dict]]:
 def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spills(tmp_path, monkeypatch, capsys):
     """The interpreter accepts more than the compiler: compile, without a GPU, exactly what the fused forward
     launches at Wan2.1-1.3B's shapes, every autotuner config, for sm_80, sm_89 and sm_90, and check in ptxas'
-    own log (as Triton runs it: its flags) that nothing spills. The specialisation (integer widths,
+    own log (as Triton runs it: its flags) that nothing spills, and in the PTX that rows are loaded in 16-byte
+    vectors and that pipelined loops copy ahead (``cp.async``). The specialisation (integer widths,
     divisibility by 16, strides of 1 as constants, pointer alignment) comes from Triton's own argument
     binding of the captured arguments (meta tensors: aligned like fresh CUDA allocations, views at their
     offsets). Prints registers per kernel, config and target (``pytest -s``)."""
@@ -375,8 +376,15 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
                     continue
                 compiled.add(key)
                 capsys.readouterr()
-                triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+                kernel = triton.compile(
+                    ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__
+                )
                 log = capsys.readouterr().out
+                # rows move in 16-byte vectors (no 2-byte global loads), and the pipelined loops copy ahead
+                ptx = kernel.asm["ptx"]
+                assert not re.search(r"ld\.global(\.\w+)*\.b16\b", ptx), (name, arch)
+                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*, 0x10", ptx)
+                assert ("cp.async" in ptx) == (config.kwargs["NUM_STAGES"] > 1), (name, arch, config)
                 registers = re.search(r"Used (\d+) registers", log)
                 spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
                 assert registers and spills, log[-2000:]
