@@ -171,7 +171,7 @@ def _summaries_kernel(
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     acc = tl.full((BLOCK_D, BLOCK_DV), 0.0, tl.float32)
-    z = tl.full((BLOCK_D,), 0.0, tl.float32)
+    z_tiles = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)  # summed over the slots after the loop
     for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -185,7 +185,7 @@ def _summaries_kernel(
         keys = tl.load(k_base + token[:, None] * skn + chan[None, :] * skd, mask=k_mask, other=0.0)
         keys = tl.maximum(keys.to(tl.float32), 0.0) + feature_eps  # (BLOCK_T, BLOCK_D); padding: eps, no values
         if STORE_Z:
-            z += tl.reduce(tl.where(used[:, None], keys, 0.0), 0, _add_combine)
+            z_tiles += tl.where(used[:, None], keys, 0.0)
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i
             half = tl.arange(0, BLOCK_D // 2)
             if D == BLOCK_D:
@@ -216,6 +216,7 @@ def _summaries_kernel(
     )
     if STORE_Z:
         z_type = z_ptr.dtype.element_ty
+        z = tl.reduce(z_tiles, 0, _add_combine)
         tl.store(z_ptr + b * z_b + h * z_h + m * z_m + chan * z_d, z.to(z_type), mask=(chan < D) & (pv == 0))
 
 

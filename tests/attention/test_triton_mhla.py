@@ -85,6 +85,20 @@ def test_per_head_mixing_batch_and_head_dims_of_the_tiny_models():
     _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin))
 
 
+@pytest.mark.parametrize("normalize", ["denominator", "none"])
+def test_blocks_of_several_slot_tiles(normalize):
+    """Blocks longer than a slot tile (192 slots: 6 tiles of 32), uneven (the second block's last column is
+    padding): the loops accumulate S and z over tiles, and the output kernel walks every tile."""
+    grid = ((4, 8, 11), (1, 1, 2))
+    q, k, v, mixing = _inputs(grid, heads=1, seed=12)
+    plan = block_plan(*grid)
+    assert plan.block_len == 192 and plan.valid is not None
+    assert triton_mhla._tiles(plan.block_len, 16, 16).block_t == 32
+    cos, sin = _rope(grid[0], 16)
+    out = mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, normalize=normalize, **FP32)
+    _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin, normalize))
+
+
 def test_odd_head_dim_without_rope():
     q, k, v, mixing = _inputs(EVEN, dim=7, value_dim=8, seed=2)
     plan = block_plan(*EVEN)
