@@ -38,8 +38,6 @@ kernels jitted per device (the interpreter for CPU tensors). Row sums use ``tl.r
 :func:`fused_backward_traffic` counts what these launches read and write, term by term.
 """
 
-from __future__ import annotations
-
 from contextlib import contextmanager
 from typing import Iterator
 

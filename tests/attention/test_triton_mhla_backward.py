@@ -253,6 +253,8 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path, monkeypatch):
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend to compile with")
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 8):
+        pytest.skip(f"the compile signature is written for Triton 3.8 (its type names), this is {triton.__version__}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
     tiles = triton_mhla_backward._backward_tiles(210, 128, 128)
     assert tiles["query"] == tiles["key"] == dict(BLOCK_T=16, BLOCK_D=128, BLOCK_DV=128, num_warps=8)
