@@ -28,6 +28,7 @@ divides the grid), so that position ``w`` exists in every block. Extra cost O(N 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from contextlib import nullcontext
@@ -39,6 +40,7 @@ import torch
 from ..utils.geometry import check_equal_blocks
 from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
 from .cpu_memory import retain_freed_memory_on_first_use
+from .cpu_workers import run_chunks
 
 __all__ = [
     "HALF_DTYPES",
@@ -380,31 +382,58 @@ def _folded_blocks(
     Blocks are regrouped a chunk at a time (:class:`_EvenChunks` or :class:`_GatheredChunks`) into reused
     buffers of ``C`` blocks of up to ``T`` tokens, every token's heads kept together, so a regroup copies
     whole token rows and each head's block is still a plain strided matrix (row stride ``H * d``) for the
-    products. ``feature_eps``: apply ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping
-    pass. Returns ``(B, N, H, Dv)`` in ``v``'s dtype.
+    products. With several torch threads the chunks run on worker threads, each with its own buffers and
+    one chunk at a time from copy to products (:func:`~mhla_diffusion.ops.cpu_workers.run_chunks`: a chunk's
+    data stays in one core's caches, and no op waits for another thread). ``feature_eps``: apply
+    ``φ(x) = ReLU(x) + feature_eps`` to ``q`` and ``k`` in the regrouping pass. Returns ``(B, N, H, Dv)`` in
+    ``v``'s dtype.
     """
     batch, _, heads, d = q.shape
     dv = v.shape[-1]
     dtype, device = blocks.dtype, q.device
     chunks = (_EvenChunks if blocks.even else _GatheredChunks)(blocks, batch, heads * d * dtype.itemsize, device)
     c, t = chunks.blocks, chunks.tokens
-    buffer = _padded_rows((c, t), (heads, d), dtype, device)  # keys, later queries
-    values = _padded_rows((c, t), (heads, dv + 1), dtype, device)
-    values[..., -1] = 1
+    groups = chunks.groups()
     summaries = _padded_rows((batch, blocks.plan.num_blocks), (heads, d, dv + 1), dtype, device)  # [S_j | z_j]
-    for chunk in chunks:
-        keys = chunks.read(k, chunk, buffer, feature_eps)
-        chunks.read(v, chunk, values[..., :-1])
-        chunks.summarise(chunk, keys, values, summaries)
-    del values
+
+    def key_buffers() -> tuple[torch.Tensor, torch.Tensor]:  # one pair per thread that runs chunks
+        values = _padded_rows((c, t), (heads, dv + 1), dtype, device)
+        values[..., -1] = 1
+        return _padded_rows((c, t), (heads, d), dtype, device), values
+
+    run_chunks(functools.partial(_summarise_chunk, chunks, k, v, summaries, feature_eps), groups, key_buffers)
     mixed = _mix_heads_last(mixing.to(dtype), summaries.flatten(-2)).unflatten(-1, (d, dv + 1))  # [S̃_o | z̃_o]
     del summaries
     result = torch.empty(v.shape, dtype=v.dtype, device=device)
-    out = torch.empty((c, heads, t, dv + 1), dtype=dtype, device=device)
-    for chunk in chunks:
-        queries = chunks.read(q, chunk, buffer, feature_eps)
+
+    def query_buffers() -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty((c, heads, t, dv + 1), dtype=dtype, device=device)
+        return _padded_rows((c, t), (heads, d), dtype, device), out
+
+    def output(chunk: tuple[int, ...], buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+        query_buffer, out = buffers
+        queries = chunks.read(q, chunk, query_buffer, feature_eps)
         chunks.output(chunk, queries, mixed, out, result, eps)
+
+    run_chunks(output, groups, query_buffers)
     return result
+
+
+def _summarise_chunk(
+    chunks: "_EvenChunks | _GatheredChunks",
+    k: torch.Tensor,
+    v: torch.Tensor,
+    summaries: torch.Tensor,
+    feature_eps: float | None,
+    chunk: tuple[int, ...],
+    buffers: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """The folded path's first pass over one ``chunk``: its keys and values regrouped into the calling thread's
+    ``buffers`` (keys, values with a ones column), their ``[S_j | z_j]`` into ``summaries``."""
+    key_buffer, values = buffers
+    keys = chunks.read(k, chunk, key_buffer, feature_eps)
+    chunks.read(v, chunk, values[..., :-1])
+    chunks.summarise(chunk, keys, values, summaries)
 
 
 class _EvenChunks:
@@ -432,6 +461,12 @@ class _EvenChunks:
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         return iter(self._chunks)
+
+    def groups(self) -> list[list[tuple[int, ...]]]:
+        """The chunks in runs that one thread must take in order: the parts of one block (a later part adds
+        into the summary of the earlier ones), else every chunk alone."""
+        block = lambda chunk: chunk[: 1 + self.axes]  # noqa: E731
+        return [list(parts) for _, parts in itertools.groupby(self._chunks, key=block)]
 
     def read(
         self, x: torch.Tensor, chunk: tuple[int, ...], into: torch.Tensor, feature_eps: float | None = None
@@ -499,6 +534,10 @@ class _GatheredChunks:
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter(self._chunks)
+
+    def groups(self) -> list[list[tuple[int, int]]]:
+        """Every chunk alone: a chunk holds whole blocks, so any thread may take any chunk."""
+        return [[chunk] for chunk in self._chunks]
 
     def read(
         self, x: torch.Tensor, chunk: tuple[int, int], into: torch.Tensor, feature_eps: float | None = None
