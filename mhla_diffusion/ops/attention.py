@@ -401,7 +401,7 @@ def _folded_blocks(
         values[..., -1] = 1
         return _padded_rows((c, t), (heads, d), dtype, device), values
 
-    run_chunks(functools.partial(_summarise_chunk, chunks, k, v, summaries, feature_eps), groups, key_buffers)
+    run_chunks(functools.partial(_summarise_chunk, chunks, k, v, summaries, feature_eps), groups, key_buffers, device)
     mixed = _mix_heads_last(mixing.to(dtype), summaries.flatten(-2)).unflatten(-1, (d, dv + 1))  # [S̃_o | z̃_o]
     del summaries
     result = torch.empty(v.shape, dtype=v.dtype, device=device)
@@ -415,7 +415,7 @@ def _folded_blocks(
         queries = chunks.read(q, chunk, query_buffer, feature_eps)
         chunks.output(chunk, queries, mixed, out, result, eps)
 
-    run_chunks(output, groups, query_buffers)
+    run_chunks(output, groups, query_buffers, device)
     return result
 
 

@@ -162,10 +162,13 @@ _pool_lock = threading.Lock()
 def chunk_workers() -> ChunkWorkers | None:
     """The process's :class:`ChunkWorkers` for the calling thread's ``torch.get_num_threads()``. It is
     started on first use, and again after a fork or a change of that count. Returns ``None`` (run in the
-    calling thread) for one thread, under ``MHLA_CPU_WORKERS=0``, and inside a ``torch.compile`` trace."""
+    calling thread) for one thread, under ``MHLA_CPU_WORKERS=0``, inside a ``torch.compile`` trace, and
+    while a torch dispatch or function mode is active in the calling thread (other than ``with
+    torch.device(...)``). Modes are per thread, so the workers' ops would escape a profiler, a memory or
+    traffic counter, or a fake-tensor mode."""
     global _pool
     threads = torch.get_num_threads()
-    if threads < 2 or workers_disabled() or torch.compiler.is_compiling():
+    if threads < 2 or workers_disabled() or torch.compiler.is_compiling() or _modes_active():
         return None
     with _pool_lock:
         pool = _pool
@@ -176,6 +179,17 @@ def chunk_workers() -> ChunkWorkers | None:
                 pool.close()
             pool = _pool = ChunkWorkers(threads)
         return pool
+
+
+def _modes_active() -> bool:
+    """Whether the calling thread has a torch dispatch mode, or a function mode other than a device context."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if _get_current_dispatch_mode_stack():
+        return True
+    return any(not isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 @atexit.register
@@ -190,11 +204,12 @@ def run_chunks(
     work: Callable[[Chunk, Scratch], None],
     groups: Sequence[Sequence[Chunk]],
     scratch: Callable[[], Scratch],
+    device: torch.device,
 ) -> None:
-    """``work(chunk, buffers)`` for every chunk of ``groups``. With several torch threads (and more than one
-    group) this runs on :func:`chunk_workers` (see :meth:`ChunkWorkers.run`). Otherwise it runs in order in
-    the calling thread, with one ``buffers = scratch()``."""
-    pool = chunk_workers() if len(groups) > 1 else None
+    """``work(chunk, buffers)`` for every chunk of ``groups``. On a CPU ``device``, with more than one group,
+    this runs on :func:`chunk_workers` when it returns a pool (see :meth:`ChunkWorkers.run`). Otherwise it
+    runs in order in the calling thread, with one ``buffers = scratch()``."""
+    pool = chunk_workers() if len(groups) > 1 and device.type == "cpu" else None
     if pool is not None:
         pool.run(work, groups, scratch)
         return

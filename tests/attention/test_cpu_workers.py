@@ -81,6 +81,30 @@ def test_one_thread_or_switched_off_runs_in_the_caller(monkeypatch, threads, rea
     assert cpu_workers.chunk_workers() is None
 
 
+def test_active_modes_keep_the_chunks_in_the_caller(monkeypatch, threads, reader_threads):
+    """A dispatch mode (a memory tracker, a profiler, fake tensors) is per thread: with one active the chunks
+    run in the calling thread, where the mode sees them. A device context alone does not count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mhla_diffusion.benchmarks.bench import PeakMemory
+
+    threads(2)
+    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 600)
+    monkeypatch.delenv(cpu_workers.CPU_WORKERS_ENV, raising=False)
+    grid, layout = (4, 6), (2, 3)
+    q, k, v, _, _ = make_inputs(grid, seed=8)
+    mixing = torch.rand((6, 6), generator=torch.Generator().manual_seed(5), dtype=torch.float64) + 0.1
+    with TorchDispatchMode():
+        assert cpu_workers.chunk_workers() is None
+    with torch.device("cpu"):
+        assert cpu_workers.chunk_workers() is not None
+    with torch.no_grad(), PeakMemory() as memory:
+        fast = mhla_attention(q, k, v, grid, layout, mixing)
+    assert memory.peak > 0
+    assert reader_threads and set(reader_threads) == {threading.current_thread().name}
+    torch.testing.assert_close(fast, mhla_attention_reference(q, k, v, grid, layout, mixing), rtol=1e-10, atol=1e-10)
+
+
 def test_inference_mode_reaches_the_workers(monkeypatch, threads, reader_threads):
     """Under torch.inference_mode the buffers are inference tensors, which only inference mode may write in
     place: the workers run in the caller's mode."""
