@@ -49,16 +49,20 @@ __all__ = [
     "ATTENTION_COLUMNS",
     "BLOCK_COLUMNS",
     "MALLOC_MODES",
+    "PROCESS_COLUMNS",
     "TRANSFORMER_COLUMNS",
     "BenchCase",
     "BenchSpec",
     "PeakMemory",
     "TRAFFIC_GRIDS",
     "attention_table",
+    "combine_processes",
     "format_table",
     "measure",
     "measure_in_fresh_process",
+    "measure_in_fresh_processes",
     "plain_linear_attention",
+    "process_table",
     "replace_marked_section",
     "report_markdown",
     "time_call",
@@ -704,6 +708,104 @@ def measure_in_fresh_process(spec: Any, module: str = "mhla_diffusion.benchmarks
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def measure_in_fresh_processes(
+    spec: BenchSpec, processes: int, log: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """:func:`measure_in_fresh_process` ``processes`` times, one process after the other, combined by
+    :func:`combine_processes`: one process shows one draw of what the machine gives a process (on a virtual
+    machine, e.g., whether the threads' cores share a cache), several show the spread."""
+    if processes < 1:
+        raise ValueError(f"`processes` must be >= 1, got {processes}")
+    results = []
+    for i in range(processes):
+        log(f"fresh process {i + 1} of {processes}")
+        results.append(measure_in_fresh_process(spec))
+    return combine_processes(results)
+
+
+#: Per-row ratios that :func:`combine_processes` takes the median of (and lists per process for MHLA / linear).
+_RATIO_KEYS = ("mhla_over_linear", "sdpa_over_mhla")
+
+
+def combine_processes(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from :func:`measure` results of the same spec, each measured in its own fresh process.
+
+    Every table row keeps its place. Its median time is the median over the processes of that row's
+    per-process medians, and its peak memory is the largest. ``mhla_over_linear`` and ``sdpa_over_mhla``
+    are the medians of the per-process ratios. ``processes`` adds ``count`` and, for every operator row with
+    an MHLA / linear ratio, ``mhla_over_linear``: that row's ``grid``, ``tokens``, ``layout``, ``method``,
+    ``per_process`` ratios and ``per_process_ms``, their ``median``, ``min`` and ``max``, and ``spread``
+    (max / min). A single result comes back with that section too."""
+    if not results:
+        raise ValueError("combine_processes needs at least one result")
+    first = results[0]
+    tables = ("attention", "wan_block", "wan_transformer")
+    for other in results[1:]:
+        for table in tables:
+            mine, theirs = first.get(table) or [], other.get(table) or []
+            if [_row_key(r) for r in mine] != [_row_key(r) for r in theirs]:
+                raise ValueError(f"the processes' {table} tables have different rows: not the same spec")
+    combined = {**first, "device": f"{first['device']}; {len(results)} fresh processes, medians across them"}
+    for table in tables:
+        rows = []
+        for i, row in enumerate(first.get(table) or []):
+            same = [r[table][i] for r in results]
+            row = dict(row)
+            for key in ("median_ms", "median_s", *_RATIO_KEYS):
+                values = [r[key] for r in same if r.get(key) is not None]
+                if key in row and values:
+                    row[key] = statistics.median(values)
+            for key in ("peak_extra_mb", "extra_vs_io"):
+                if key in row:
+                    row[key] = max(r[key] for r in same)
+            rows.append(row)
+        combined[table] = rows
+    spreads = []
+    for i, row in enumerate(first["attention"]):
+        if "mhla_over_linear" not in row:
+            continue
+        ratios = [r["attention"][i]["mhla_over_linear"] for r in results]
+        spreads.append(
+            {
+                **{key: row[key] for key in ("grid", "tokens", "layout", "method")},
+                "per_process": ratios,
+                "per_process_ms": [r["attention"][i]["median_ms"] for r in results],
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "spread": max(ratios) / min(ratios),
+            }
+        )
+    combined["processes"] = {"count": len(results), "mhla_over_linear": spreads}
+    return combined
+
+
+def _row_key(row: dict[str, Any]) -> tuple:
+    """What identifies a table row across processes."""
+    return row.get("grid"), row.get("layout"), row.get("method"), row.get("layers")
+
+
+PROCESS_COLUMNS = (
+    ("grid", "grid", ""),
+    ("layout", "layout", ""),
+    ("method", "method", ""),
+    ("ratios", "MHLA / linear, each process", ""),
+    ("median", "median", ".2f"),
+    ("min", "min", ".2f"),
+    ("max", "max", ".2f"),
+    ("spread", "max / min", ".2f"),
+)
+
+
+def process_table(result: dict[str, Any]) -> str:
+    """The ``processes`` section of a :func:`combine_processes` result as a Markdown table."""
+    rows = [
+        {**row, "ratios": " ".join(f"{x:.2f}" for x in row["per_process"])}
+        for row in result["processes"]["mhla_over_linear"]
+    ]
+    return format_table(rows, PROCESS_COLUMNS)
+
+
 def _samples(spec: dict[str, Any]) -> str:
     """How many runs each median of a saved spec covers."""
     passes = spec.get("quick_passes", 1)
@@ -743,6 +845,15 @@ def report_markdown(result: dict[str, Any]) -> str:
             "converted to MHLA:",
             "",
             format_table(result["wan_transformer"], TRANSFORMER_COLUMNS),
+        ]
+    if result.get("processes"):
+        count = result["processes"]["count"]
+        lines += [
+            "",
+            f"MHLA / linear attention in each of {count} fresh process{'es' * (count != 1)} (the same case, "
+            "measured again from the start in a new Python process):",
+            "",
+            process_table(result),
         ]
     return "\n".join(lines)
 
