@@ -351,7 +351,7 @@ def _pow2(n: int, floor: int = 16) -> int:
 class _Tiles:
     """Tile sizes, grid extents, warps and pipeline stages of one launch, chosen by :func:`_tiles`: the one
     place the launch and :func:`fused_traffic` take them from. On CUDA the autotuner chooses ``block_t``,
-    ``num_warps`` and ``num_stages`` among :func:`_configs` (they move no bytes); the rest is fixed."""
+    ``num_warps`` and ``num_stages`` among :data:`_AUTOTUNE` (they move no bytes); the rest is fixed."""
 
     block_t: int  # slots per tile (both kernels walk a block's slots in tiles of this many)
     block_dh: int  # channel pairs per tile (the even and the odd channels, each block_d / 2)
@@ -373,7 +373,7 @@ def _tiles(block_len: int, head_dim: int, value_dim: int) -> _Tiles:
     Kernel 1 keeps a float32 accumulator ``(BLOCK_D, BLOCK_DV)`` per program: up to Dv = 128 one value
     tile, so ``k`` is read once (Wan: one 128 x 128 tile, 8 warps); wider values split into tiles of 128,
     each reading ``k`` again. Kernel 2 holds the mixed summary of its block (all of Dv). Slot tiles of 32
-    and 8 warps are the interpreter's (and the autotuner's first) choice; see :func:`_configs` for CUDA."""
+    and 8 warps are the interpreter's (and the autotuner's first) choice; see :data:`_AUTOTUNE` for CUDA."""
     block_d = _pow2(head_dim)
     block_dv = min(128, _pow2(value_dim))
     return _Tiles(
@@ -386,19 +386,20 @@ def _tiles(block_len: int, head_dim: int, value_dim: int) -> _Tiles:
     )
 
 
-#: The autotuner's choices on CUDA, per kernel: ``(BLOCK_T, num_warps, num_stages)``. Each compiles for
-#: sm_80, sm_89 and sm_90 without spilling at Wan2.1-1.3B's launch (tests/attention/test_triton_mhla.py).
+#: The autotuner's choices on CUDA, per kernel: ``(BLOCK_T, num_warps, num_stages)``, those whose accumulator
+#: tile fits (:data:`_MAX_TILE`). Each compiles for sm_80, sm_89 and sm_90 without spilling at Wan2.1-1.3B's
+#: launch (tests/attention/test_triton_mhla.py).
 _AUTOTUNE: dict[str, tuple[tuple[int, int, int], ...]] = {
     "_summaries_kernel": ((32, 8, 1), (32, 8, 2)),
     "_output_kernel": ((32, 8, 2), (64, 8, 2)),
 }
 
 
-def _configs(name: str) -> list:
-    """``triton.Config`` s of :data:`_AUTOTUNE` for kernel ``name``."""
+def _configs(choices: tuple[tuple[int, int, int], ...]) -> list:
+    """``triton.Config`` s of ``(BLOCK_T, num_warps, num_stages)`` choices (:data:`_AUTOTUNE`)."""
     return [
         triton.Config({"BLOCK_T": block_t, "NUM_STAGES": stages}, num_warps=warps, num_stages=stages)
-        for block_t, warps, stages in _AUTOTUNE[name]
+        for block_t, warps, stages in choices
     ]
 
 
@@ -656,12 +657,20 @@ def _tuned(name: str, interpret: bool, tiles: _Tiles) -> tuple[object, dict]:
     or, on CUDA, none (the autotuner picks ``BLOCK_T``, ``NUM_STAGES``, warps and stages)."""
     if interpret:
         return _kernel(name, True), dict(BLOCK_T=tiles.block_t, NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps)
-    if name not in _TUNED:  # keyed on the head dims and the block length; the tensors' dtypes are keys too
-        _TUNED[name] = triton.autotune(configs=_configs(name), key=["D", "DV", "P"])(_kernel(name, False))
-    return _TUNED[name], {}
+    choices = _AUTOTUNE[name]
+    width = tiles.block_dv if name == "_summaries_kernel" else tiles.out_dv
+    fitting = tuple(c for c in choices if c[0] * width <= _MAX_TILE) or ((16, 8, 2),)
+    if (name, fitting) not in _TUNED:  # keyed on the head dims and the block length (and the tensors' dtypes)
+        configs = _configs(fitting)
+        _TUNED[name, fitting] = triton.autotune(configs=configs, key=["D", "DV", "P"])(_kernel(name, False))
+    return _TUNED[name, fitting], {}
 
 
-_TUNED: dict[str, object] = {}
+_TUNED: dict[tuple[str, tuple], object] = {}
+
+#: The largest float32 accumulator tile (slots x value columns) a config may take: 64 x 128 compiles without
+#: spilling at D = 128; wider values (the output kernel holds all of Dv) take fewer slots a tile, at least 16.
+_MAX_TILE = 64 * 128
 
 
 def _launch_summaries(
@@ -855,7 +864,7 @@ def fused_traffic(
     # PyTorch, once per forward (its first call): the even channels of the tables in the compute dtype (none
     # when already in it)
     table = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)[0, :, 0, 0::2]
-    convert = rope and rope_converted and table.dtype != compute
+    convert = bool(rope) and rope_converted and table.dtype != compute
     terms["RoPE tables to the summaries' dtype (PyTorch, once per forward)"] = (
         convert * count_traffic(lambda: _convert_tables((table, table), compute)).total
     )
