@@ -95,6 +95,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         "retain_freed_memory() first",
     )
     p.add_argument("--threads", type=positive_int, help="CPU threads of the measuring process (default: torch's)")
+    p.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        help="measure N times, each in its own fresh Python process, one after the other: the tables show "
+        "medians across the processes, and a last table lists MHLA / linear in each process with the median "
+        "and max / min (also under 'processes' in --output's JSON). On a shared or virtual machine one process "
+        "is one draw: e.g. its threads may or may not share a cache for the whole process (default 1)",
+    )
     p.add_argument("--output", type=Path, help="also write the tables and settings as JSON here")
     p.add_argument(
         "--report",
@@ -188,6 +197,11 @@ def add_stream_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.processes > 1 and (args.load or args.traffic or args.stream or args.report is not None):
+        raise ValueError(
+            "--processes repeats the operator and Wan tables; it does not apply to --load, --traffic, "
+            "--stream or --report"
+        )
     if args.load:
         return run_load(args)
     if args.traffic:
@@ -221,7 +235,7 @@ def _measure(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from ..benchmarks.bench import BenchCase, BenchSpec, measure, measure_in_fresh_process
+    from ..benchmarks.bench import BenchCase, BenchSpec, measure, measure_in_fresh_process, measure_in_fresh_processes
     from ..utils.geometry import validate_grid_layout
 
     cases = [BenchCase.of(grid, layout) for grid, layout in (args.case or [parse_case(c) for c in DEFAULT_CASES])]
@@ -258,9 +272,13 @@ def _measure(args: argparse.Namespace) -> dict:
         malloc=args.malloc,
         threads=args.threads,
     )
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if args.processes > 1:
+        return measure_in_fresh_processes(spec, args.processes, log)
     if device.type == "cpu":
+        log("one fresh process: --processes N measures N of them and shows the spread of MHLA / linear")
         return measure_in_fresh_process(spec)
-    return measure(spec, lambda text: print(text, file=sys.stderr, flush=True))
+    return measure(spec, log)
 
 
 def _measure_stream(args: argparse.Namespace) -> dict:
