@@ -45,7 +45,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["CPU_WORKERS_ENV", "ChunkWorkers", "chunk_workers", "run_chunks", "workers_disabled"]
+__all__ = ["CPU_WORKERS_ENV", "ChunkWorkers", "chunk_workers", "run_chunks", "run_in_caller", "workers_disabled"]
 
 #: Environment variable: ``0`` runs the CPU chunk loops in the calling thread on torch's intra-op threads.
 CPU_WORKERS_ENV = "MHLA_CPU_WORKERS"
@@ -70,6 +70,7 @@ class ChunkWorkers:
         self.threads, self.pid = threads, os.getpid()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._running: set[threading.Event] = set()  # the stop flags of the runs in progress
+        self._lock, self._closed = threading.Lock(), False
         ready = threading.Barrier(threads + 1)
         self._workers = [
             threading.Thread(target=self._serve, args=(ready,), name=f"mhla-cpu-worker-{i}", daemon=True)
@@ -129,11 +130,17 @@ class ChunkWorkers:
             return None
 
         tasks = min(self.threads, len(groups))
-        self._running.add(stop)
+        with self._lock:  # a closed pool's threads are gone or going: its tasks would wait forever
+            closed = self._closed
+            if not closed:
+                self._running.add(stop)
+                for _ in range(tasks):
+                    self._tasks.put((task, done))
+        del task
+        if closed:  # replaced by another thread's pool (another thread count) since the caller got this one
+            run_in_caller(work, groups, scratch)
+            return
         try:
-            for _ in range(tasks):
-                self._tasks.put((task, done))
-            del task
             errors = [error for error in (done.get() for _ in range(tasks)) if error is not None]
         except BaseException:  # e.g. KeyboardInterrupt while waiting: let the workers stop early
             stop.set()
@@ -142,14 +149,21 @@ class ChunkWorkers:
             self._running.discard(stop)
         if errors:
             raise errors[0]
+        if stop.is_set():
+            raise RuntimeError("the CPU chunk workers were stopped (interpreter exit) before every chunk ran")
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the runs in progress after their current group and let the worker threads end; with a
-        ``timeout`` (seconds), wait that long at most for them."""
-        for stop in list(self._running):
-            stop.set()
-        for _ in range(self.threads):
-            self._tasks.put(None)
+    def close(self, timeout: float | None = None, stop_runs: bool = False) -> None:
+        """Let the worker threads end once they finish the tasks queued so far; with ``stop_runs``, the runs
+        in progress stop after their current group instead (and raise). With a ``timeout`` (seconds), wait that
+        long at most for the threads to end."""
+        with self._lock:
+            if stop_runs:
+                for stop in self._running:
+                    stop.set()
+            if not self._closed:
+                self._closed = True
+                for _ in range(self.threads):
+                    self._tasks.put(None)
         if timeout is not None:
             for worker in self._workers:
                 worker.join(timeout)
@@ -197,7 +211,7 @@ def _close_at_exit() -> None:
     """End the workers while the interpreter still runs: a worker thread that frees a tensor after the
     interpreter began to shut down aborts the process."""
     if _pool is not None and _pool.pid == os.getpid():
-        _pool.close(timeout=10.0)
+        _pool.close(timeout=10.0, stop_runs=True)
 
 
 def run_chunks(
@@ -212,7 +226,17 @@ def run_chunks(
     pool = chunk_workers() if len(groups) > 1 and device.type == "cpu" else None
     if pool is not None:
         pool.run(work, groups, scratch)
-        return
+    else:
+        run_in_caller(work, groups, scratch)
+
+
+def run_in_caller(
+    work: Callable[[Chunk, Scratch], None],
+    groups: Sequence[Sequence[Chunk]],
+    scratch: Callable[[], Scratch],
+) -> None:
+    """``work(chunk, buffers)`` for every chunk of ``groups`` in order, in the calling thread, with one
+    ``buffers = scratch()``."""
     buffers = scratch()
     for group in groups:
         for chunk in group:

@@ -165,6 +165,51 @@ def test_an_error_in_a_worker_is_raised_and_the_pool_still_works(threads):
         pool.close(timeout=10)
 
 
+def test_closing_lets_queued_runs_finish_and_a_closed_pool_runs_in_the_caller(threads):
+    """A pool replaced while another thread runs on it finishes that run; a run that starts on a closed pool
+    runs in its caller (its threads are gone); stopping the runs (interpreter exit) makes them raise."""
+    import time
+
+    threads(2)
+    pool = cpu_workers.ChunkWorkers(2)
+    done: list[tuple[str, int]] = []
+
+    def slow(chunk: int, buffers: None) -> None:
+        time.sleep(0.005)
+        done.append((threading.current_thread().name, chunk))
+
+    errors: list[BaseException] = []
+
+    def background() -> None:
+        try:
+            pool.run(slow, [[i] for i in range(100)], lambda: None)
+        except BaseException as error:
+            errors.append(error)
+
+    runner = threading.Thread(target=background)
+    runner.start()
+    while not done:  # the run is under way
+        time.sleep(0.001)
+    pool.close()
+    runner.join(60)
+    assert not errors and sorted(chunk for _, chunk in done) == list(range(100))
+    done.clear()
+    pool.run(slow, [[i] for i in range(5)], lambda: None)
+    assert done == [(threading.current_thread().name, i) for i in range(5)]
+    pool.close(timeout=10)
+    assert not any(worker.is_alive() for worker in pool._workers)
+
+    pool = cpu_workers.ChunkWorkers(2)
+    done.clear()
+    runner = threading.Thread(target=background)
+    runner.start()
+    while not done:
+        time.sleep(0.001)
+    pool.close(timeout=10, stop_runs=True)
+    runner.join(60)
+    assert len(errors) == 1 and "stopped" in str(errors[0]) and len(done) < 100
+
+
 def test_pool_follows_the_thread_count(monkeypatch, threads):
     """chunk_workers() keeps one pool per thread count and builds a new one when the count changes."""
     monkeypatch.delenv(cpu_workers.CPU_WORKERS_ENV, raising=False)
