@@ -14,24 +14,33 @@ ns (one L3) or about 320 ns (two L3s). 21x30x50 fp32 on 2 threads, uncontended c
 * one L3: MHLA about 362 ms against 292 ms for the plain linear attention. Chunk copies took 15 ms each
   pass and the products 101 + 127 ms.
 * two L3s: MHLA 554-568 ms against 248-316 ms, with each chunk copy pass at 39-63 ms and the products at
-  118-177 ms. Whole processes stayed in one mode, so MHLA / linear came out either about 1.3 or 1.7-2.1
-  (issue 49).
+  118-177 ms. A placement often lasted a whole process (one ran 40 s on two L3s throughout, the next two
+  on one), so MHLA / linear came out either about 1.3 or 1.7-2.1 (issue 49).
 * A busy neighbour process made it worse. Each of the 924 regions waits for both threads, so MHLA took
-  2.4-4.9 s against 0.7-1.3 s for linear attention.
+  2.4-3.8 s against 0.7-1.2 s for linear attention.
 
 So with more than one torch thread the chunk loops run on :class:`ChunkWorkers`: one plain thread per torch
 thread, each running torch ops single-threaded. Each worker takes whole chunks, copy and products together,
 from a shared counter. A chunk's data then stays in one core's caches. No op waits for another thread, and
-a worker that the system pauses just takes fewer chunks. The same calls measured 24 parallel regions (the
-mixing product, on torch's threads as before) and 300-424 ms (one L3), 406-413 ms (two L3s), and 1.4 s
-under the neighbour load, against 0.9-1.3 s for linear attention.
+a worker that the system pauses just takes fewer chunks. The call then makes 24 parallel regions (the
+mixing product, on torch's threads as before). Four processes interleaved old and new loops with linear
+attention (load average 1.6-1.9), giving these per-process medians:
+
+* one L3: old 396-444 ms, new 370-426 ms, linear 300-328 ms.
+* two L3s: old 529-591 ms, new 411-459 ms, linear 302-312 ms.
+
+``mhla bench --processes 9`` at the same load gave MHLA / linear of 1.21-1.78 before (median 1.52) and
+1.22-1.35 after (median 1.25).
 
 The pool starts on the first multi-threaded CPU call, with as many workers as ``torch.get_num_threads()``
 in the calling thread, and starts again when that number changes or after a fork. Its threads are daemon
 threads named ``mhla-cpu-worker-<i>``, and they sleep between calls. A worker sets its own thread count to 1
 with ``torch.set_num_threads(1)``. That call also sets torch's default for threads that start later, so the
 caller's count is then set again. Setting the environment variable ``MHLA_CPU_WORKERS=0`` turns the pool off:
-the chunk loops then run as before, one multi-threaded op at a time, in the calling thread.
+the chunk loops then run as before, one multi-threaded op at a time, in the calling thread. They also run
+there while a torch dispatch or function mode is active. Modes are per thread, so a worker's ops would
+escape them. ``mhla bench`` measures peak memory under such a mode, so its peak is that of the loop in the
+calling thread. Each extra worker adds one chunk's buffers, about 2.6 MB at 21x30x50.
 """
 
 from __future__ import annotations
