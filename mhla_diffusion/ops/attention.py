@@ -214,6 +214,10 @@ def mhla_attention(
     On a CPU, the first call in a process makes glibc keep freed memory for reuse (logged; see
     :mod:`mhla_diffusion.ops.cpu_memory`, ``MHLA_KEEP_MALLOC=1`` opts out): otherwise every large
     temporary of a call at video length is page-faulted in again, which costs more than the arithmetic.
+    With more than one torch thread, the CPU path runs its chunk loops on worker threads of the library, one
+    per torch thread, each running single-threaded ops (:mod:`mhla_diffusion.ops.cpu_workers`;
+    ``MHLA_CPU_WORKERS=0`` opts out): per-op threading made MHLA's speed depend on whether the threads'
+    cores share a cache.
 
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype. Float32 and float64 inputs are computed in their dtype;
