@@ -29,8 +29,8 @@ attention (load average 1.6-1.9), giving these per-process medians:
 * one L3: old 396-444 ms, new 370-426 ms, linear 300-328 ms.
 * two L3s: old 529-591 ms, new 411-459 ms, linear 302-312 ms.
 
-``mhla bench --processes 9`` at the same load gave MHLA / linear of 1.21-1.78 before (median 1.52) and
-1.22-1.35 after (median 1.25).
+``mhla bench --processes 9`` at the same load gave MHLA / linear of 1.21-1.78 before (median 1.52). After,
+it gave 1.22-1.35 (median 1.25), and 1.25-1.44 (median 1.33) in a second run.
 
 The pool starts on the first multi-threaded CPU call, with as many workers as ``torch.get_num_threads()``
 in the calling thread, and starts again when that number changes or after a fork. Its threads are daemon
