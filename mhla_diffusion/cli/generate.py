@@ -201,6 +201,8 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
         )
         if getattr(args, "stream", False):
             values["chunk_frames"] = d.chunk_frames  # the chunk a block-causal model trained with (None: the rule's)
+            # and its first chunk, when the chunks are the recorded ones (--chunk-frames: all chunks alike)
+            args.first_chunk_frames = d.first_chunk_frames if args.chunk_frames is None else None
         missing = [f"--{name.replace('_', '-')}" for name in d.missing_size if getattr(args, name) is None]
         if missing:
             raise ValueError(
@@ -514,7 +516,13 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                         if reader is not None:  # an embedded model's 48x48 frames, kept for its judge
                             judged_chunks.append(float_to_uint8(chunk[0]))
 
-                    pipe(**call, chunk_frames=chunks.chunk_frames, on_frames=deliver, return_frames=False)
+                    pipe(
+                        **call,
+                        chunk_frames=chunks.chunk_frames,
+                        first_chunk_frames=chunks.first_frames,
+                        on_frames=deliver,
+                        return_frames=False,
+                    )
             else:
                 frames = pipe(**call).frames[0]
             wall = time.perf_counter() - started

@@ -57,7 +57,8 @@ def check_stream(args: argparse.Namespace, geometry: VideoGeometry) -> StreamChu
             f"--stream appends frames to the video as they come, which --format {args.format} cannot take "
             f"(it is encoded whole at the end): use --format {' or '.join(VideoWriter.FORMATS)}"
         )
-    return stream_chunks(args.num_frames, args.chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
+    first = getattr(args, "first_chunk_frames", None)  # a model's recorded first chunk (_apply_defaults)
+    return stream_chunks(args.num_frames, args.chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0], first)
 
 
 def check_stream_model(args: argparse.Namespace, declared: list[dict[str, Any]]) -> None:
@@ -92,4 +93,5 @@ def check_stream_model(args: argparse.Namespace, declared: list[dict[str, Any]])
 
 def stream_settings(chunks: StreamChunks) -> dict[str, Any]:
     """What a streamed run adds to the settings JSON beside its video."""
-    return {"stream": True, "chunk_frames": chunks.chunk_frames, "num_chunks": chunks.num_chunks}
+    first = {} if chunks.first_chunk_frames is None else {"first_chunk_frames": chunks.first_chunk_frames}
+    return {"stream": True, "chunk_frames": chunks.chunk_frames, **first, "num_chunks": chunks.num_chunks}

@@ -86,9 +86,10 @@ def _method_runs(work: Path, s, source: Path) -> dict[str, Callable[[str, int, i
     clips = MHLAWanPipeline.from_pretrained(source / "shapes-t2v-mhla")
     for pipe in (mhla, softmax, clips):
         pipe.set_progress_bar_config(disable=True)
+    chunking = dict(chunk_frames=s.chunk_frames, first_chunk_frames=s.first_chunk_frames)
     return {
-        "stream-mhla": lambda p, seed, n: stream_frames(mhla, p, n, seed, chunk_frames=s.chunk_frames, **common),
-        "stream-softmax": lambda p, seed, n: stream_frames(softmax, p, n, seed, chunk_frames=s.chunk_frames, **common),
+        "stream-mhla": lambda p, seed, n: stream_frames(mhla, p, n, seed, **chunking, **common),
+        "stream-softmax": lambda p, seed, n: stream_frames(softmax, p, n, seed, **chunking, **common),
         "independent": lambda p, seed, n: independent_clips(clips, p, n, seed, **common),
     }
 
@@ -182,6 +183,8 @@ def evaluate_long_video(work: Path, s, source: Path) -> dict[str, Any]:
             "eval_frames": s.eval_frames,
             "prompts": len(prompts),
             "chunk_frames": s.chunk_frames,
+            "first_chunk_frames": s.first_chunk_frames,
+            "context_noise": s.context_noise,
             "steps": s.eval_steps,
             "guidance_scale": s.guidance_scale,
             "data_speed_px_per_frame": list(SPEED_RANGE),

@@ -65,6 +65,11 @@ class StreamBuildSettings:
     # probability (a stream's context is always clean, so half the training sees what inference sees).
     chunk_frames: int = 1
     clean_chunks: float = 0.5
+    # The first chunk's latent frames (None: chunk_frames), e.g. 1 with chunks of 4: 9 = 1 + 2 x 4, 65 = 1 + 16 x 4.
+    first_chunk_frames: int | None = None
+    # Context noise (the trainer's causal_context_noise, recorded for the stream): context chunks train at a level
+    # drawn from [0, context_noise), and the stream re-noises each finished chunk to it.
+    context_noise: float = 0.0
     # Block-causal MHLA: the video student's 6x6 blocks per latent frame, two earlier frames mixed one by one,
     # older ones summed; the output gate as the non-streaming student (LePE reads the next frame, so none).
     layout: list[int] = dataclasses.field(default_factory=lambda: [1, 6, 6])
@@ -135,6 +140,8 @@ def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: d
         train_batch_size=s.batch_size,
         causal_chunk_frames=s.chunk_frames,
         causal_clean_chunks=s.clean_chunks,
+        causal_first_chunk_frames=s.first_chunk_frames,
+        causal_context_noise=s.context_noise,
         flow_shift=_flow_shift(start),  # the teacher's training noise levels and sampler
     )
     if mhla is None:

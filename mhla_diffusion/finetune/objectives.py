@@ -90,26 +90,40 @@ def diffusion_forcing_inputs(
     logit_std: float = 1.0,
     shift: float = 3.0,
     num_train_timesteps: int = 1000,
+    first_chunk_frames: int | None = None,
+    context_noise: float = 0.0,
 ) -> FlowMatchInputs:
     """:func:`flow_match_inputs` with one noise level per chunk of ``chunk_frames`` latent frames.
 
-    ``latents`` ``(B, C, F, H, W)`` is cut into ``ceil(F / chunk_frames)`` chunks from its first frame (the last
-    one shorter when ``chunk_frames`` does not divide ``F``). Every chunk draws its own level as the plain recipe
+    ``latents`` ``(B, C, F, H, W)`` is cut into chunks from its first frame: a first chunk of ``first_chunk_frames``
+    (``None``: ``chunk_frames``), then chunks of ``chunk_frames`` (the last one shorter when they do not divide what
+    is left), as a stream with those chunks cuts a video. Every chunk draws its own level as the plain recipe
     does; then each chunk but the last is made clean (level 0, timestep 0) with probability ``clean_chunks``, and
     clean chunks get ``weight`` 0: their target ``noise - x0`` cannot be told from a clean input, and a stream never
     asks for it (its context is clean and only the current chunk is predicted). The last chunk is always noisy:
     a causal model's last chunk is context to nothing, so clean it would teach nothing.
     ``clean_chunks`` 0 is diffusion forcing proper; 1 is "clean context plus one noisy current chunk".
+    ``context_noise`` ``c`` in ``[0, 1)``: a context chunk is not quite clean but noised to a level ``s`` drawn
+    uniformly from ``[0, c)`` (timestep ``int(1000 s)``, still weight 0), so the model learns to read a context
+    with small errors in it, as its own earlier chunks are in a stream (which then re-noises each finished chunk to
+    a fixed level: ``MHLAWanStreamingPipeline(context_noise=...)``).
 
     Returns per-token ``timesteps`` ``(B, F * tokens_per_frame)`` (tokens frame-major, as Wan flattens its patch
     grid; ``tokens_per_frame`` tokens per latent frame, i.e. a temporal patch of 1), ``sigmas`` ``(B, F)`` and
     ``weight`` ``(B, 1, F, 1, 1)``. Draws, in order: the levels, the clean coins (only when ``clean_chunks > 0``
-    and there are two chunks or more), the noise; so one chunk with ``clean_chunks`` 0 draws exactly what
-    :func:`flow_match_inputs` draws.
+    and there are two chunks or more), the context levels (only when ``context_noise > 0`` and coins were drawn),
+    the noise; so one chunk with ``clean_chunks`` 0 draws exactly what :func:`flow_match_inputs` draws.
     """
     batch, frames = latents.shape[0], latents.shape[2]
-    chunks = math.ceil(frames / chunk_frames)
+    first = chunk_frames if first_chunk_frames is None else first_chunk_frames
+    if first < 1 or chunk_frames < 1:
+        raise ValueError(f"chunks need at least one latent frame, got first {first}, then {chunk_frames}")
+    if not 0 <= context_noise < 1:
+        raise ValueError(f"context_noise must be a noise level in [0, 1), got {context_noise}")
+    chunks = 1 + math.ceil(max(frames - first, 0) / chunk_frames)
     device = latents.device
+    # chunk of each latent frame (F,): 0 for the first `first` frames, then one more every chunk_frames
+    index = (torch.arange(frames, device=device) - first).div(chunk_frames, rounding_mode="floor").add(1).clamp(min=0)
     sigma = _shifted_sigmas(batch * chunks, generator, device, logit_mean, logit_std, shift, num_train_timesteps)
     sigma = sigma.view(batch, chunks)
     keep = torch.ones(batch, chunks, dtype=torch.bool, device=device)
@@ -117,12 +131,16 @@ def diffusion_forcing_inputs(
         coins = torch.rand(batch, chunks - 1, generator=generator, device=device)
         keep[:, :-1] = coins >= clean_chunks
         sigma = sigma * keep
-    per_frame = sigma.repeat_interleave(chunk_frames, dim=1)[:, :frames]  # (B, F)
+        if context_noise > 0:
+            level = torch.rand(batch, chunks, generator=generator, device=device) * context_noise
+            level = (level * num_train_timesteps).floor() / num_train_timesteps  # on the timestep grid
+            sigma = torch.where(keep, sigma, level)
+    per_frame = sigma[:, index]  # (B, F)
     noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
     s = per_frame.view(batch, 1, frames, 1, 1).to(latents.dtype)
     noisy = (1.0 - s) * latents + s * noise
     timesteps = (per_frame * num_train_timesteps).long().repeat_interleave(tokens_per_frame, dim=1)
-    weight = keep.repeat_interleave(chunk_frames, dim=1)[:, :frames].view(batch, 1, frames, 1, 1).float()
+    weight = keep[:, index].view(batch, 1, frames, 1, 1).float()
     return FlowMatchInputs(noisy=noisy, timesteps=timesteps, sigmas=per_frame, target=noise - latents, weight=weight)
 
 

@@ -368,6 +368,20 @@ class WanTrainOptions(TrainOptions):
         "and out of the loss, as a stream's earlier chunks; 0: every chunk noisy, 1: clean context + one noisy chunk",
         valid=between(0, 1),
     )
+    causal_first_chunk_frames: int | None = option(
+        None,
+        "block-causal: latent frames of a clip's first chunk (default: causal_chunk_frames); e.g. 1 with chunks of "
+        "4: the first latent frame alone, then chunks of 4, so 1 + 4k latent frames are whole chunks; stream with "
+        "the same",
+        valid=at_least(1),
+    )
+    causal_context_noise: float = option(
+        0.0,
+        "block-causal: a clean context chunk is noised instead to a level drawn uniformly from [0, this) in [0, 1), "
+        "told by its timestep (still out of the loss), so the model reads a context with small errors in it; the "
+        "saved pipeline re-noises each finished chunk to this level when it streams (context_noise)",
+        valid=between(0, 1, high_open=True, zero="clean context"),
+    )
     softmax_block_causal: bool = option(
         False,
         "attention: softmax: train softmax self-attention block-causal over latent frames (a frame sees itself and "

@@ -282,6 +282,11 @@ class WanTask(Task):
                 f"{o.num_frames}: choose 1 .. {frames} (one chunk per clip would train one noise level, as without "
                 "causal)"
             )
+        if o.causal_first_chunk_frames is not None and o.causal_first_chunk_frames >= frames:
+            raise ValueError(
+                f"causal_first_chunk_frames {o.causal_first_chunk_frames} leaves no chunk after the first in the "
+                f"{frames} latent frames of num_frames {o.num_frames}: choose 1 .. {frames - 1}"
+            )
         if accelerator.is_main_process:
             logger.info(
                 "block-causal: diffusion forcing with chunks of %d latent frames, each but a clip's last clean "
@@ -487,6 +492,8 @@ class WanTask(Task):
             o.logit_mean,
             o.logit_std,
             o.flow_shift,
+            first_chunk_frames=o.causal_first_chunk_frames,
+            context_noise=o.causal_context_noise,
         )
 
     # ------------------------------------------------------------------ outputs
@@ -523,7 +530,8 @@ class WanTask(Task):
         """What the saved pipeline generates by default (its ``_mhla_generation_defaults``): the frames, size and text
         length it trained at, the guidance of its validation samples (``validation_guidance_scale``, by default
         ``pretrained_model``'s own), the steps and frame rate of ``pretrained_model``, which training leaves as
-        they were, and for a block-causal model the latent frames per chunk it trained with (``chunk_frames``).
+        they were, and for a block-causal model the latent frames per chunk it trained with (``chunk_frames``, and
+        ``first_chunk_frames`` when the first differs) and its context noise level (``context_noise``, when not 0).
         The flow shift it trained with goes into its scheduler (:meth:`_pipeline`)."""
         from ..utils.model_defaults import video_defaults
 
@@ -539,6 +547,12 @@ class WanTask(Task):
             "num_inference_steps": start.steps,
             "fps": start.fps,
             **({"chunk_frames": o.causal_chunk_frames} if self.causal else {}),  # the chunk it streams with
+            **(
+                {"first_chunk_frames": o.causal_first_chunk_frames}
+                if self.causal and o.causal_first_chunk_frames not in (None, o.causal_chunk_frames)
+                else {}
+            ),
+            **({"context_noise": o.causal_context_noise} if self.causal and o.causal_context_noise > 0 else {}),
         }
 
     def _pipeline(self, transformer: nn.Module, with_text: bool):

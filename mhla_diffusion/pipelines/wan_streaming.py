@@ -68,7 +68,13 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         return self._current_chunk
 
     def check_stream(
-        self, num_frames: int, height: int, width: int, chunk_frames: int | None, output_type: str = "np"
+        self,
+        num_frames: int,
+        height: int,
+        width: int,
+        chunk_frames: int | None,
+        output_type: str = "np",
+        first_chunk_frames: int | None = None,
     ) -> StreamChunks:
         """Raise ``ValueError`` for a stream this pipeline cannot run, before any work; return how it is cut.
 
@@ -88,9 +94,14 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
         geometry = self.geometry
-        if chunk_frames is None:  # the chunk a block-causal model trained with, when its folder records one
-            chunk_frames = (self.config.get(RECORD_KEY) or {}).get("chunk_frames")
-        chunks = stream_chunks(num_frames, chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0])
+        record = self.config.get(RECORD_KEY) or {}
+        if chunk_frames is None:  # the chunks a block-causal model trained with, when its folder records them
+            chunk_frames = record.get("chunk_frames")
+            if first_chunk_frames is None:
+                first_chunk_frames = record.get("first_chunk_frames")
+        chunks = stream_chunks(
+            num_frames, chunk_frames, geometry.vae_scale_temporal, geometry.patch_size[0], first_chunk_frames
+        )
         # each chunk has its own positions (models/streaming.py): the length is unbounded, the frame size is not
         geometry.check_size(chunks.video_frames(0), height, width, generation=True)
         return chunks
@@ -115,6 +126,8 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         width: int = 832,
         num_frames: int = 81,
         chunk_frames: int | None = None,
+        first_chunk_frames: int | None = None,
+        context_noise: float | None = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
         num_videos_per_prompt: int = 1,
@@ -137,6 +150,14 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
                 ``4 * chunk_frames``). Default: the ``chunk_frames`` the pipeline's generation defaults record (what
                 the Wan trainer trained a block-causal model with), else 3, or 2 or 1 when 3 does not divide the
                 video's latent frames.
+            first_chunk_frames: latent frames of the first chunk (default: ``chunk_frames``, or with no
+                ``chunk_frames`` given, what the generation defaults record); e.g. 1 with chunks of 4: the video has
+                ``1 + 4 t k`` frames (``t``: the VAE's temporal factor).
+            context_noise: the noise level ``s`` in ``[0, 1)`` of the context a finished chunk leaves: it joins the
+                state as ``(1 - s) x + s n`` (``n`` drawn from ``generator``) at timestep ``int(1000 s)``, as a model
+                trained with ``causal_context_noise`` saw its context (it stops small errors from compounding
+                chunk after chunk). Its frames are decoded clean. Default: the generation defaults'
+                ``context_noise``, else 0 (the clean chunk at timestep 0, no draw).
             generator: each chunk draws its own noise from it, in order.
             callback_on_step_end: called after every step of every chunk as in Diffusers,
                 ``callback(pipe, step, timestep, callback_kwargs)``; ``step`` counts within the chunk
@@ -153,7 +174,11 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         Every check runs before any work (:meth:`check_stream`, then ``WanPipeline.check_inputs``).
         Returns ``WanPipelineOutput(frames=...)`` (or ``(frames,)`` with ``return_dict=False``).
         """
-        chunks = self.check_stream(num_frames, height, width, chunk_frames, output_type)
+        chunks = self.check_stream(num_frames, height, width, chunk_frames, output_type, first_chunk_frames)
+        if context_noise is None:
+            context_noise = float((self.config.get(RECORD_KEY) or {}).get("context_noise", 0.0))
+        if isinstance(context_noise, bool) or not isinstance(context_noise, (int, float)) or not 0 <= context_noise < 1:
+            raise ValueError(f"context_noise must be a noise level in [0, 1), got {context_noise!r}")
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         self.check_inputs(
@@ -184,13 +209,13 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         )
         dtype = self.transformer.dtype
         batch = prompt_embeds.shape[0]
-        latent_shape = (
+        latent_shape = [
             batch,
             self.transformer.config.in_channels,
             chunks.chunk_frames,
             height // self.vae_scale_factor_spatial,
             width // self.vae_scale_factor_spatial,
-        )
+        ]
         stream = self.make_stream()
         decoder = WanStreamingDecoder(self.vae) if output_type != "latent" else None
         kept: list[Any] = []
@@ -198,7 +223,8 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
             for chunk in range(chunks.num_chunks):
                 self._current_chunk = chunk
                 progress_bar.set_description(f"chunk {chunk + 1}/{chunks.num_chunks}")
-                latents = randn_tensor(latent_shape, generator=generator, device=device, dtype=torch.float32)
+                latent_shape[2] = chunks.latent_frames_of(chunk)
+                latents = randn_tensor(tuple(latent_shape), generator=generator, device=device, dtype=torch.float32)
                 latents, prompt_embeds, negative_prompt_embeds = self._denoise_chunk(
                     stream,
                     latents,
@@ -212,12 +238,18 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
                 )
                 last = chunk == chunks.num_chunks - 1 or self.interrupt
                 if not last:  # the finished chunk joins the state the next one reads
+                    context = latents
+                    if context_noise > 0:  # as the model saw its context in training (causal_context_noise)
+                        noise = randn_tensor(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+                        context = (1.0 - context_noise) * latents + context_noise * noise
                     with stream.chunk(advance=True):
                         text = self._text(prompt_embeds, negative_prompt_embeds)
-                        clean = self._doubled(latents.to(dtype))
-                        zero = torch.zeros(clean.shape[0], device=device, dtype=self.scheduler.timesteps.dtype)
+                        context = self._doubled(context.to(dtype))
+                        level = torch.full(
+                            (context.shape[0],), int(1000 * context_noise), device=device, dtype=torch.long
+                        ).to(self.scheduler.timesteps.dtype)
                         self.transformer(
-                            hidden_states=clean, timestep=zero, encoder_hidden_states=text, return_dict=False
+                            hidden_states=context, timestep=level, encoder_hidden_states=text, return_dict=False
                         )
                 frames = latents if decoder is None else self._decode(decoder, latents, output_type)
                 if on_frames is not None:

@@ -85,6 +85,8 @@ _VIDEO_KEYS = {
     "fps": int,
     "max_sequence_length": int,
     "chunk_frames": int,  # a block-causal model: the latent frames per chunk it streams (and trained) with
+    "first_chunk_frames": int,  # ... and of its first chunk, when that differs
+    "context_noise": float,  # ... and the noise level its stream gives each finished chunk as context
 }
 _IMAGE_KEYS = {"num_inference_steps": int, "guidance_scale": float}
 
@@ -105,6 +107,7 @@ class VideoDefaults:
     max_sequence_length: int
     source: str
     chunk_frames: int | None = None  # streaming: latent frames per chunk (None: the chunk rule's default)
+    first_chunk_frames: int | None = None  # streaming: latent frames of the first chunk (None: chunk_frames)
 
     @property
     def missing_size(self) -> list[str]:
@@ -218,6 +221,7 @@ def video_defaults(model: str | os.PathLike) -> VideoDefaults:
         values["max_sequence_length"],
         source,
         values.get("chunk_frames"),
+        values.get("first_chunk_frames"),
     )
 
 

@@ -34,6 +34,8 @@ CAUSAL = {"layout": [1, 2, 2], "causal": True, "causal_window": 1, "causal_fold"
     [
         (dict(causal_chunk_frames=0), "`causal_chunk_frames` must be >= 1"),
         (dict(causal_clean_chunks=1.5), r"`causal_clean_chunks` must be in \[0, 1\]"),
+        (dict(causal_context_noise=1.0), r"`causal_context_noise` must be in \[0, 1\)"),
+        (dict(causal_first_chunk_frames=0), "`causal_first_chunk_frames` must be >= 1"),
         (dict(context_parallel_degree=2), "context parallelism has no block-causal MHLA"),
         (dict(mhla={"causal": True, "lepe": True}), "cannot take `lepe`"),
     ],
@@ -61,6 +63,10 @@ def test_causal_options_need_a_causal_model(tmp_path):
     [
         (dict(causal_chunk_frames=2), "`causal_chunk_frames` sets how a block-causal model trains, but this model"),
         (dict(mhla=CAUSAL, causal_chunk_frames=4), r"more than the 3 latent frames of num_frames 9: choose 1 \.\. 3"),
+        (
+            dict(mhla=CAUSAL, causal_first_chunk_frames=3),
+            r"causal_first_chunk_frames 3 leaves no chunk after the first in the 3 latent frames .*choose 1 \.\. 2",
+        ),
     ],
 )
 def test_the_loaded_model_is_checked_before_any_encoding(tmp_path, pipeline_dirs, video_set, overrides, message):
@@ -68,6 +74,21 @@ def test_the_loaded_model_is_checked_before_any_encoding(tmp_path, pipeline_dirs
     with pytest.raises(ValueError, match=message):
         train_wan.train(options)
     assert not (tmp_path / "run" / "cache" / "latents").exists()
+
+
+def test_a_causal_run_records_its_chunks_and_context_noise_for_the_stream(tmp_path, pipeline_dirs, video_set):
+    def defaults(**values):
+        task = train_wan.WanTask(wan_options(pipeline_dirs["wan"], video_set, tmp_path / "run", mhla=CAUSAL, **values))
+        task.causal = True  # what setup finds in the converted model
+        return task.generation_defaults()
+
+    plain = defaults(causal_chunk_frames=2)
+    assert plain["chunk_frames"] == 2 and "first_chunk_frames" not in plain and "context_noise" not in plain
+    recorded = defaults(causal_chunk_frames=2, causal_first_chunk_frames=1, causal_context_noise=0.1)
+    assert (recorded["chunk_frames"], recorded["first_chunk_frames"], recorded["context_noise"]) == (2, 1, 0.1)
+    from mhla_diffusion.utils.model_defaults import checked_record
+
+    assert checked_record(recorded, video=True, where="test") == recorded  # a pipeline folder may carry it
 
 
 # ---------------------------------------------------------------------- training
@@ -95,7 +116,10 @@ def test_causal_run_learns_and_reloads_causal(tmp_path, pipeline_dirs, video_set
     assert after < 0.8 * before, (before, after)
     steps = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 31))
-    assert len(drawn) == 30 and drawn[0] == ((1, 4, 0.5, 0.0, 1.0, 3.0), {})  # chunks of 1 frame, 2 x 2 tokens
+    assert len(drawn) == 30 and drawn[0] == (  # chunks of 1 frame, 2 x 2 tokens
+        (1, 4, 0.5, 0.0, 1.0, 3.0),
+        {"first_chunk_frames": None, "context_noise": 0.0},
+    )
     recorded = yaml.safe_load((run / "run_config.yaml").read_text())
     assert recorded["mhla"] == CAUSAL and recorded["causal_chunk_frames"] == 1
 

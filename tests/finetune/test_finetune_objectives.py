@@ -94,6 +94,72 @@ def test_one_chunk_draws_what_plain_flow_matching_draws():
     assert torch.equal(chunked.timesteps, plain.timesteps[:, None].expand(-1, 12))
 
 
+def _reference_forcing(x0, generator, sizes, clean_chunks, context_noise, shift=3.0):
+    """Diffusion forcing written out chunk by chunk (chunks of ``sizes`` latent frames), in the documented draw
+    order: levels, clean coins, context levels, noise."""
+    batch, count = x0.shape[0], len(sizes)
+    u = torch.sigmoid(torch.normal(0.0, 1.0, (batch * count,), generator=generator))
+    sigma = (u * 1000).long().clamp(max=999).float() / 1000
+    sigma = (shift * sigma / (1 + (shift - 1) * sigma)).view(batch, count)
+    coins = torch.rand(batch, count - 1, generator=generator)
+    context = torch.zeros(batch, count)
+    if context_noise > 0:  # drawn only then
+        context = (torch.rand(batch, count, generator=generator) * context_noise * 1000).floor() / 1000
+    noise = torch.randn(x0.shape, generator=generator)
+    levels, weights = [], []
+    for b in range(batch):
+        row, kept = [], []
+        for c, size in enumerate(sizes):
+            clean = c < count - 1 and coins[b, c] < clean_chunks
+            level = context[b, c] if clean else sigma[b, c]
+            row += [level] * size
+            kept += [0.0 if clean else 1.0] * size
+        levels.append(torch.stack(row))
+        weights.append(torch.tensor(kept))
+    levels, weights = torch.stack(levels), torch.stack(weights)
+    s = levels.view(batch, 1, -1, 1, 1)
+    return levels, weights, (1 - s) * x0 + s * noise
+
+
+@pytest.mark.parametrize(
+    ("frames", "chunk_frames", "first", "sizes"),
+    [(9, 4, 1, [1, 4, 4]), (9, 4, None, [4, 4, 1]), (7, 2, 3, [3, 2, 2]), (6, 4, 1, [1, 4, 1])],
+)
+@pytest.mark.parametrize("context_noise", [0.0, 0.2])
+def test_a_first_chunk_of_its_own_and_noisy_context_follow_a_chunk_by_chunk_reference(
+    frames, chunk_frames, first, sizes, context_noise
+):
+    x0 = torch.randn(64, 2, frames, 2, 2, generator=torch.Generator().manual_seed(1))
+    inputs = diffusion_forcing_inputs(
+        x0,
+        torch.Generator().manual_seed(9),
+        chunk_frames=chunk_frames,
+        tokens_per_frame=4,
+        clean_chunks=0.5,
+        first_chunk_frames=first,
+        context_noise=context_noise,
+    )
+    levels, weights, noisy = _reference_forcing(x0, torch.Generator().manual_seed(9), sizes, 0.5, context_noise)
+    torch.testing.assert_close(inputs.sigmas, levels, rtol=0, atol=0)
+    torch.testing.assert_close(inputs.noisy, noisy, rtol=0, atol=1e-6)
+    assert torch.equal(inputs.weight.view(64, frames), weights)
+    assert torch.equal(inputs.timesteps, (levels * 1000).long().repeat_interleave(4, dim=1))
+    clean = weights == 0
+    assert clean.any() and not clean[:, -1].any()
+    if context_noise:  # context levels spread over [0, c), below any noisy level the recipe gives here
+        assert 0 <= levels[clean].min() and levels[clean].max() < context_noise and levels[clean].std() > 0.03
+    else:
+        assert torch.all(levels[clean] == 0)
+
+
+def test_context_noise_and_first_chunk_out_of_range_are_refused():
+    x0 = torch.zeros(1, 1, 5, 1, 1)
+    with pytest.raises(ValueError, match=r"context_noise must be a noise level in \[0, 1\), got 1.0"):
+        diffusion_forcing_inputs(x0, None, chunk_frames=2, tokens_per_frame=1, context_noise=1.0)
+    with pytest.raises(ValueError, match="chunks need at least one latent frame"):
+        diffusion_forcing_inputs(x0, None, chunk_frames=2, tokens_per_frame=1, first_chunk_frames=0)
+
+
 def test_weighted_loss_is_the_mean_over_noisy_frames():
     prediction, target = torch.randn(2, 3, 4, 2, 2), torch.randn(2, 3, 4, 2, 2)
     weight = torch.tensor([[1.0, 0, 1, 1], [0, 0, 0, 1]]).view(2, 1, 4, 1, 1)

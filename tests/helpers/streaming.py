@@ -61,9 +61,11 @@ def block_causal_softmax_pipeline():
 
 def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
     """What a stream must give, computed without a stream: each chunk denoised (same noise, schedule, guidance)
-    by one causal pass of the transformer (block-causal MHLA or softmax) over the clean earlier chunks (timestep 0)
-    and the noisy chunk, unconditional and conditional as two separate calls, then the whole latent decoded by
-    ``vae.decode``.
+    by one causal pass of the transformer (block-causal MHLA or softmax) over the earlier chunks and the noisy chunk,
+    unconditional and conditional as two separate calls, then the whole latent decoded by ``vae.decode``.
+    The earlier chunks are clean (timestep 0), or with ``call["context_noise"]`` ``s`` each is noised once when it is
+    finished, ``(1 - s) x + s n`` with ``n`` drawn from ``generator`` right after it, and read at timestep
+    ``int(1000 s)``. ``call["first_chunk_frames"]``: the first chunk's latent frames (default ``chunk_frames``).
     ``call``: the pipeline's arguments (:data:`STREAM_CALL`). The frames ``(1, F, H, W, 3)``."""
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -72,19 +74,22 @@ def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
         call["prompt"], call["negative_prompt"], max_sequence_length=call["max_sequence_length"], device="cpu"
     )
     chunk = call["chunk_frames"]
+    first = call.get("first_chunk_frames") or chunk
+    level = call.get("context_noise") or 0.0
     latent_frames = (call["num_frames"] - 1) // 4 + 1
-    shape = (1, 16, chunk, call["height"] // 8, call["width"] // 8)
-    tokens_per_frame = shape[3] * shape[4] // 4
-    clean = []
-    for _ in range(latent_frames // chunk):
+    sizes = [first] + [chunk] * ((latent_frames - first) // chunk)
+    tokens_per_frame = (call["height"] // 16) * (call["width"] // 16)
+    clean, context_chunks = [], []
+    for index, size in enumerate(sizes):
+        shape = (1, 16, size, call["height"] // 8, call["width"] // 8)
         latents = randn_tensor(shape, generator=generator, dtype=torch.float32)
         scheduler.set_timesteps(call["num_inference_steps"])
         scheduler.set_begin_index(0)
         for t in scheduler.timesteps:
             context = sum(c.shape[2] for c in clean)
-            per_frame = torch.cat([torch.zeros(context), t.float().expand(chunk)])
+            per_frame = torch.cat([torch.full((context,), float(int(1000 * level))), t.float().expand(size)])
             timestep = per_frame.repeat_interleave(tokens_per_frame)[None]
-            clip = torch.cat([*clean, latents], dim=2)
+            clip = torch.cat([*context_chunks, latents], dim=2)
             with torch.no_grad():
                 pred = [
                     transformer(clip, timestep, text, return_dict=False)[0][:, :, context:] for text in (uncond, cond)
@@ -92,6 +97,9 @@ def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
             noise = pred[0] + call["guidance_scale"] * (pred[1] - pred[0])
             latents = scheduler.step(noise, t, latents, return_dict=False)[0]
         clean.append(latents)
+        if level > 0 and index < len(sizes) - 1:
+            latents = (1 - level) * latents + level * randn_tensor(shape, generator=generator, dtype=torch.float32)
+        context_chunks.append(latents)
     latents = torch.cat(clean, dim=2)
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)

@@ -68,6 +68,26 @@ def test_a_block_causal_softmax_model_streams_from_the_command_line(block_causal
     np.testing.assert_array_equal(written, float_to_uint8(pipe(**STREAM_CALL, generator=seeded(4)).frames[0]))
 
 
+def test_a_models_recorded_first_chunk_and_context_noise_stream_from_the_command_line(causal_pipeline_dir, tmp_path):
+    from helpers.models import with_record
+    from mhla_diffusion.cli import main
+
+    record = {"chunk_frames": 2, "first_chunk_frames": 1, "context_noise": 0.2}
+    folder = with_record(causal_pipeline_dir, tmp_path / "model", record)
+    size = ("--num-frames", "25", "--height", "32", "--width", "48", "--max-sequence-length", "16", "--steps", "2")
+    out = tmp_path / "out"
+    command = ["text-to-video", "--stream", "--model", str(folder), "--output-dir", str(out), *size, *PROMPT]
+    assert main([*command, "--format", "frames"]) == 0
+    (video,) = [path for path in out.iterdir() if path.is_dir()]
+    written = np.stack([iio.imread(path) for path in sorted(video.glob("frame_*.png"))])
+    settings = json.loads(video.with_suffix(".json").read_text())
+    assert (settings["chunk_frames"], settings["first_chunk_frames"], settings["num_chunks"]) == (2, 1, 4)
+    pipe = MHLAWanStreamingPipeline.from_pretrained(causal_pipeline_dir)
+    pipe.set_progress_bar_config(disable=True)
+    call = {**STREAM_CALL, "num_frames": 25, "first_chunk_frames": 1, "context_noise": 0.2}
+    np.testing.assert_array_equal(written, float_to_uint8(pipe(**call, generator=seeded(4)).frames[0]))
+
+
 @pytest.mark.slow  # imageio's ffmpeg writer is a process
 def test_a_streamed_mp4_holds_every_frame(causal_pipeline_dir, tmp_path):
     import imageio

@@ -54,3 +54,29 @@ def test_chunks_follow_a_temporal_patch():
     assert stream_chunks(1 + 4 * 7, None, patch=2).chunk_frames == 2  # 8 latent frames: 3 is not a multiple of 2
     with pytest.raises(ValueError, match="multiple of the transformer's temporal patch size 2"):
         stream_chunks(21, 3, patch=2)
+
+
+@pytest.mark.parametrize(("num_frames", "num_chunks"), [(1, 1), (9, 2), (17, 3), (129, 17)])
+def test_a_first_chunk_of_one_latent_frame_then_chunks_of_4(num_frames, num_chunks):
+    chunks = stream_chunks(num_frames, 4, temporal=2, first_chunk_frames=1)  # the embedded VAE: 1 + 2k -> 1 + k
+    assert (chunks.num_chunks, chunks.first_frames, chunks.chunk_frames) == (num_chunks, 1, 4)
+    sizes = [chunks.latent_frames_of(i) for i in range(num_chunks)]
+    assert sizes == [1] + [4] * (num_chunks - 1) and sum(sizes) == chunks.latent_frames == (num_frames - 1) // 2 + 1
+    decoded = [chunks.video_frames(i) for i in range(num_chunks)]
+    assert decoded == [1] + [8] * (num_chunks - 1) and sum(decoded) == num_frames
+
+
+def test_a_first_chunk_equal_to_the_others_is_the_plain_rule():
+    assert stream_chunks(29, 2, first_chunk_frames=2) == stream_chunks(29, 2)
+    assert stream_chunks(29, 2).first_frames == 2
+
+
+def test_a_count_that_does_not_fit_a_first_chunk_names_the_nearest_that_do():
+    with pytest.raises(
+        ValueError, match=r"128 frames do not stream in a first chunk of 1 and chunks of 4 .*nearest: 121 or 129$"
+    ):
+        stream_chunks(128, 4, temporal=2, first_chunk_frames=1)
+    with pytest.raises(ValueError, match="first_chunk_frames needs chunk_frames"):
+        stream_chunks(129, None, temporal=2, first_chunk_frames=1)
+    with pytest.raises(ValueError, match="first_chunk_frames must be a positive number of latent frames"):
+        stream_chunks(129, 4, temporal=2, first_chunk_frames=0)

@@ -49,6 +49,44 @@ def test_each_chunk_equals_one_causal_pass_over_the_clean_chunks_before(pipe, nu
 
 
 @pytest.mark.parametrize(
+    ("first_chunk_frames", "context_noise", "guidance_scale"),
+    [
+        (1, 0.0, 3.0),  # 1 + 2 + 2 + 2 latent frames, clean context
+        (2, 0.3, 3.0),  # 4 chunks of 2, each finished chunk re-noised to level 0.3 (timestep 300)
+        (1, 0.15, 1.0),  # both, without guidance
+    ],
+)
+def test_a_first_chunk_of_its_own_and_noised_context_equal_one_causal_pass(
+    pipe, first_chunk_frames, context_noise, guidance_scale
+):
+    num_frames = 1 + 4 * (first_chunk_frames + 3 * 2 - 1)
+    call = {
+        **STREAM_CALL,
+        "num_frames": num_frames,
+        "first_chunk_frames": first_chunk_frames,
+        "context_noise": context_noise,
+        "guidance_scale": guidance_scale,
+    }
+    seen = []
+    frames = pipe(**call, generator=seeded(0), on_frames=seen.append).frames
+    reference = one_pass_stream(pipe, call, seeded(0))
+    assert frames.shape == reference.shape == (1, num_frames, 32, 48, 3)
+    np.testing.assert_allclose(frames, reference, rtol=0, atol=1e-5)
+    assert [chunk.shape[1] for chunk in seen] == [1 + 4 * (first_chunk_frames - 1), 8, 8, 8]
+    if context_noise:  # the noised context changes the later chunks, not the first
+        plain = pipe(**{**call, "context_noise": 0.0}, generator=seeded(0)).frames
+        first = seen[0].shape[1]
+        np.testing.assert_array_equal(plain[:, :first], frames[:, :first])
+        assert np.abs(plain[:, first:] - frames[:, first:]).max() > 1e-3
+
+
+def test_context_noise_out_of_range_is_refused(pipe):
+    for bad in (1.0, -0.1, True):
+        with pytest.raises(ValueError, match=r"context_noise must be a noise level in \[0, 1\)"):
+            pipe(**{**STREAM_CALL, "context_noise": bad})
+
+
+@pytest.mark.parametrize(
     ("num_frames", "chunk_frames"),
     [(29, 2), (141, 6)],  # 4 chunks of 2 latent frames; 36 latent frames, past the 32 rows of the rotary table
 )
@@ -172,5 +210,25 @@ def test_the_recorded_chunk_size_is_the_default(pipe, tmp_path):
         sizes.clear()  # an explicit chunk size wins
         loaded(**call, chunk_frames=2, generator=seeded(1), on_frames=lambda c: sizes.append(c.shape[1]))
         assert sizes == [5, 8]
+    finally:
+        pipe.register_to_config(_mhla_generation_defaults=None)
+
+
+def test_a_recorded_first_chunk_and_context_noise_are_the_defaults(pipe, tmp_path):
+    call = {**STREAM_CALL, "num_frames": 25}  # 7 latent frames: 1 + 3 x 2
+    del call["chunk_frames"]
+    explicit = pipe(**call, chunk_frames=2, first_chunk_frames=1, context_noise=0.2, generator=seeded(1)).frames
+    pipe.record_generation_defaults(chunk_frames=2, first_chunk_frames=1, context_noise=0.2)  # as the trainer does
+    try:
+        pipe.save_pretrained(tmp_path / "recorded")
+        loaded = MHLAWanStreamingPipeline.from_pretrained(tmp_path / "recorded")
+        loaded.set_progress_bar_config(disable=True)
+        sizes = []
+        frames = loaded(**call, generator=seeded(1), on_frames=lambda c: sizes.append(c.shape[1])).frames
+        assert sizes == [1, 8, 8, 8]
+        np.testing.assert_array_equal(frames, explicit)
+        sizes.clear()  # an explicit chunk size wins over both chunk sizes; the context noise stays recorded
+        loaded(**{**STREAM_CALL, "num_frames": 29}, generator=seeded(1), on_frames=lambda c: sizes.append(c.shape[1]))
+        assert sizes == [5, 8, 8, 8]
     finally:
         pipe.register_to_config(_mhla_generation_defaults=None)
