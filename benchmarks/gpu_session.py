@@ -671,9 +671,9 @@ def settings(layout: tuple[int, ...]) -> dict[str, Any]:
     return {name: dataclasses.replace(config, layout=layout) for name, config in traffic_settings().items()}
 
 
-#: Where the public fused entry ``mhla_attention_fused`` is looked for, first: the custom op's module (what
-#: the processors call; its autograd is the fused backward where one is registered), then the kernels' module.
-FUSED_ENTRY_MODULES = (FUSED_OP_MODULE, "mhla_diffusion.ops.triton_mhla")
+#: Where the public fused entry ``mhla_attention_fused`` is looked for: the custom op's module (what the
+#: processors call; its autograd is the fused Triton backward).
+FUSED_ENTRY_MODULES = (FUSED_OP_MODULE,)
 
 
 def fused_kernel() -> tuple[Callable | None, str]:

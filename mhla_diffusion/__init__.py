@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "mhla_attention": ".ops.attention",
+    "mhla_attention_fused": ".ops.fused_op",
     **dict.fromkeys(["mhla_attention_reference", "mhla_causal_attention_reference"], ".ops.naive"),
     **dict.fromkeys(
         ["CausalMHLAState", "causal_mixing_init", "causal_mixing_matrix", "mhla_causal_attention", "mhla_causal_step"],

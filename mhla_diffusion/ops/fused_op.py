@@ -13,9 +13,12 @@ from them (no index is recomputed).
 
 Where each op runs:
 
-* CUDA: the Triton kernels (:func:`~mhla_diffusion.ops.triton_mhla._fused_forward`); the backward is
-  the fused Triton backward of :mod:`mhla_diffusion.ops.triton_mhla_backward` when that module
-  provides ``mhla_attention_fused_backward``, else the eager operator recomputed and differentiated.
+* CUDA: the Triton kernels (:func:`~mhla_diffusion.ops.triton_mhla._fused_forward`); the forward op
+  also returns the block summaries it computed, which autograd keeps for the backward (0.61 U a layer at
+  Wan2.1-1.3B's 21x30x50 tokens, one bf16 copy of ``q`` being 1 U), and the backward is the fused Triton
+  backward of :mod:`mhla_diffusion.ops.triton_mhla_backward` on them (the summaries are mixed again, not
+  recomputed from ``k, v``), or the eager operator recomputed and differentiated where that module does
+  not import.
 * CPU with ``TRITON_INTERPRET=1`` in the environment: the same kernels through Triton's interpreter
   (slow; tests).
 * CPU otherwise: the eager operator (:func:`~mhla_diffusion.ops.triton_mhla._eager_forward`) and its
@@ -36,7 +39,9 @@ from torch import Tensor
 from .block_layout import BlockPlan
 from .triton_mhla import (
     _RECORDERS,
+    _augmented,
     _check_inputs,
+    _compute_dtype,
     _default_dot_dtype,
     _eager_forward,
     _fused_forward,
@@ -63,6 +68,39 @@ def _runs_kernels(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kept_summaries(summaries: Tensor, key_sums: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The forward's block summaries as the op returns them for its backward: their transposed storage
+    ``(B, H, M, Dv (+ 1), D)`` (one more row when the key sums are folded in, see
+    :func:`~mhla_diffusion.ops.triton_mhla._summary_buffers`) and the key sums ``(B, H, M, D)`` where they lie
+    apart (float16 summaries; an empty tensor when folded or without a denominator)."""
+    folded = _augmented(summaries, key_sums)
+    if folded is not None:
+        return folded, summaries.new_empty(0)
+    return summaries.transpose(-1, -2), key_sums if key_sums is not None else summaries.new_empty(0)
+
+
+def _summaries_from(storage: Tensor, key_sums: Tensor, value_dim: int, normalize: str):
+    """``(S, z)`` ``(B, H, M, D, Dv)``, ``(B, H, M, D)`` (``z`` ``None`` without a denominator) from what
+    :func:`_kept_summaries` returned."""
+    if storage.shape[-2] == value_dim + 1:
+        return storage[..., :value_dim, :].transpose(-1, -2), storage[..., value_dim, :]
+    return storage.transpose(-1, -2), key_sums if normalize == "denominator" else None
+
+
+def _kept_shapes(q: Tensor, k: Tensor, v: Tensor, layout: List[int], normalize: str):
+    """Shapes and dtypes of :func:`_kept_summaries`' tensors where the kernels run."""
+    m = 1
+    for blocks in layout:
+        m *= blocks
+    batch, _, heads, d = q.shape
+    dtype = _compute_dtype(k.dtype, v.dtype)
+    norm = normalize == "denominator"
+    fold = norm and dtype in (torch.float32, torch.bfloat16)
+    storage = ((batch, heads, m, v.shape[-1] + fold, d), dtype)
+    sums = ((batch, heads, m, d), torch.float32) if norm and not fold else ((0,), dtype)
+    return storage, sums
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,8 +142,10 @@ def fused_attention(
     normalize: str,
     eps: float,
     dot_dtype: torch.dtype,
-) -> Tensor:
-    """The fused forward on validated inputs: ``(B, N, H, Dv)`` in ``v``'s dtype, contiguous.
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The fused forward on validated inputs: ``(B, N, H, Dv)`` in ``v``'s dtype, contiguous, and the block
+    summaries it was computed from, kept for the backward (:func:`_kept_summaries`; two empty tensors where
+    the eager operator runs, whose backward recomputes).
 
     ``q, k`` ``(B, N, H, D)`` raw projections, ``v`` ``(B, N, H, Dv)``, ``mixing`` ``(M, M)`` or
     ``(H, M, M)``, ``cos, sin`` ``(1, N, 1, D)`` or ``None``; ``gather`` ``(M * P,)``, ``scatter``
@@ -114,16 +154,22 @@ def fused_attention(
     """
     plan = _plan(gather, scatter, valid, grid, layout)
     if _runs_kernels(q.device):
-        return _fused_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps, dot_dtype)
+        out, summaries, key_sums = _fused_forward(
+            q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps, dot_dtype
+        )
+        return (out, *_kept_summaries(summaries, key_sums))
     out = _eager_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps)
-    return out.to(v.dtype).contiguous()
+    return out.to(v.dtype).contiguous(), q.new_empty(0), q.new_empty(0)
 
 
 @fused_attention.register_fake
 def _fused_attention_fake(
     q, k, v, mixing, cos, sin, gather, scatter, valid, grid, layout, feature_eps, normalize, eps, dot_dtype
 ):
-    return v.new_empty((*q.shape[:3], v.shape[-1]))
+    out = v.new_empty((*q.shape[:3], v.shape[-1]))
+    if not _runs_kernels(q.device):
+        return out, q.new_empty(0), q.new_empty(0)
+    return (out, *(q.new_empty(shape, dtype=dtype) for shape, dtype in _kept_shapes(q, k, v, layout, normalize)))
 
 
 @torch.library.custom_op("mhla::fused_attention_backward", mutates_args=())
@@ -135,6 +181,8 @@ def fused_attention_backward(
     mixing: Tensor,
     cos: Optional[Tensor],
     sin: Optional[Tensor],
+    kept: Tensor,
+    kept_sums: Tensor,
     gather: Tensor,
     scatter: Tensor,
     valid: Optional[Tensor],
@@ -146,14 +194,17 @@ def fused_attention_backward(
     dot_dtype: torch.dtype,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, dmixing)`` of :func:`fused_attention` for ``grad_out`` ``(B, N, H, Dv)``,
-    each contiguous in its input's shape and dtype; the other arguments as :func:`fused_attention` took them.
+    each contiguous in its input's shape and dtype; ``kept, kept_sums``: the block summaries the forward
+    returned; the other arguments as :func:`fused_attention` took them.
 
-    The fused Triton backward where the forward runs the kernels and that backward exists; else the eager
-    operator recomputed and differentiated (in the inputs' dtype)."""
+    The fused Triton backward where the forward runs the kernels and that backward exists (it mixes the kept
+    summaries again rather than recomputing them); else the eager operator recomputed and differentiated
+    (in the inputs' dtype)."""
     plan = _plan(gather, scatter, valid, grid, layout)
     backward = _triton_backward() if _runs_kernels(q.device) else None
     if backward is not None:
-        grads = backward(grad_out, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype)
+        saved = _summaries_from(kept, kept_sums, v.shape[-1], normalize) if kept.numel() else None
+        grads = backward(grad_out, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype, saved=saved)
     else:
         with _autograd_inside_op():
             inputs = [t.detach().requires_grad_() for t in (q, k, v, mixing)]
@@ -164,18 +215,37 @@ def fused_attention_backward(
 
 @fused_attention_backward.register_fake
 def _fused_attention_backward_fake(
-    grad_out, q, k, v, mixing, cos, sin, gather, scatter, valid, grid, layout, feature_eps, normalize, eps, dot_dtype
+    grad_out,
+    q,
+    k,
+    v,
+    mixing,
+    cos,
+    sin,
+    kept,
+    kept_sums,
+    gather,
+    scatter,
+    valid,
+    grid,
+    layout,
+    feature_eps,
+    normalize,
+    eps,
+    dot_dtype,
 ):
     return tuple(t.new_empty(t.shape) for t in (q, k, v, mixing))
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, mixing, cos, sin, gather, scatter, valid, *settings = inputs
-    ctx.save_for_backward(q, k, v, mixing, cos, sin, gather, scatter, valid)
+    _, kept, kept_sums = output
+    ctx.mark_non_differentiable(kept, kept_sums)
+    ctx.save_for_backward(q, k, v, mixing, cos, sin, kept, kept_sums, gather, scatter, valid)
     ctx.settings = settings  # grid, layout, feature_eps, normalize, eps, dot_dtype
 
 
-def _backward(ctx, grad_out: Tensor):
+def _backward(ctx, grad_out: Tensor, *_kept_grads):
     grads = torch.ops.mhla.fused_attention_backward(grad_out, *ctx.saved_tensors, *ctx.settings)
     needs = ctx.needs_input_grad
     return (*(g if need else None for g, need in zip(grads, needs[:4])), *(None,) * (len(needs) - 4))
@@ -237,7 +307,7 @@ def mhla_attention_fused(
         return v.new_empty((*q.shape[:3], v.shape[-1]))
     if dot_dtype is None:
         dot_dtype = _default_dot_dtype(q, v)
-    return torch.ops.mhla.fused_attention(
+    out, _, _ = torch.ops.mhla.fused_attention(
         q,
         k,
         v,
@@ -254,3 +324,4 @@ def mhla_attention_fused(
         float(eps),
         dot_dtype,
     )
+    return out

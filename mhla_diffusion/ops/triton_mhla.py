@@ -39,9 +39,11 @@ Launch grids put the heads of one block next to each other (``(Dv tiles, B*H, M)
 axis 0 varies fastest), so that programs reading the same RoPE table rows run together and may hit
 the L2 cache (:func:`fused_traffic` does not count on it).
 
-The backward is PyTorch (:class:`_FusedMHLA`): it recomputes the forward with the eager operator
-and differentiates that. On CPU tensors the kernels run through Triton's interpreter (slow, for
-tests); :func:`fused_available` says when callers should choose this path.
+The public entry is :func:`mhla_diffusion.ops.fused_op.mhla_attention_fused`: the launches here wrapped
+as one ``torch.library`` custom op with a fake implementation and an autograd formula whose backward is
+the fused Triton backward of :mod:`~mhla_diffusion.ops.triton_mhla_backward`, so ``torch.compile``
+keeps them. On CPU tensors the kernels run through Triton's interpreter (slow, for tests);
+:func:`fused_available` says when callers should choose this path.
 """
 
 # No `from __future__ import annotations`: the kernels' `tl.constexpr` annotations must be the objects, not
@@ -65,7 +67,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     triton = tl = None
 
-__all__ = ["FUSED", "fused_available", "fused_traffic", "mhla_attention_fused", "recording_launches"]
+__all__ = ["FUSED", "fused_available", "fused_traffic", "recording_launches"]
 
 #: Module-level switch: ``MHLA_FUSED=0`` in the environment (read at import) turns the fused path off
 #: for :func:`fused_available`; callers may also set it at run time.
@@ -75,14 +77,14 @@ _DOT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def fused_available(tensor: torch.Tensor) -> bool:
-    """Whether :func:`mhla_attention_fused` should be used for ``tensor``'s device.
+    """Whether :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` should be used for ``tensor``'s device.
 
     True when the switch :data:`FUSED` is on, Triton imports, and ``tensor`` is on CUDA, or is a CPU
     tensor while ``TRITON_INTERPRET=1`` is set (the interpreter; tests only), or a ``meta`` tensor inside
-    :func:`recording_launches` (counting traffic). False while ``torch.compile`` traces (the eager
-    operator compiles; the kernels are launched outside Dynamo).
+    :func:`recording_launches` (counting traffic). ``torch.compile`` keeps the path: the kernels are one
+    custom op (:mod:`~mhla_diffusion.ops.fused_op`).
     """
-    if not FUSED or triton is None or torch.compiler.is_compiling():
+    if not FUSED or triton is None:
         return False
     if tensor.is_cuda:
         return True
@@ -335,7 +337,7 @@ def _kernel(name: str, interpret: bool):
 
             _KERNELS[key] = InterpretedFunction(fn)
         else:
-            _KERNELS[key] = triton.jit(fn)
+            _KERNELS[key] = triton.JITFunction(fn)  # compiled whatever TRITON_INTERPRET says now
     return _KERNELS[key]
 
 
@@ -799,13 +801,16 @@ def _fused_forward(
     normalize: str,
     eps: float,
     dot_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Launch summaries -> mixing -> output on validated inputs (see :func:`mhla_attention_fused`)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch summaries -> mixing -> output on validated inputs (see
+    :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused`): the output ``(B, N, H, Dv)`` and the block
+    summaries ``S`` and key sums ``z`` it was computed from (as :func:`_launch_summaries` returns them; the
+    fused backward takes them instead of recomputing)."""
     rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
     summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     mixed, mixed_sums = _mix(mixing, summaries, key_sums)
-    del summaries
-    return _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, v.shape[-1], feature_eps, eps, dot_dtype)
+    out = _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, v.shape[-1], feature_eps, eps, dot_dtype)
+    return out, summaries, key_sums
 
 
 _INDEX_BYTES = 8  # plan.gather, int64
@@ -828,9 +833,9 @@ def fused_traffic(
     per_head_mixing: bool = False,
     rope_converted: bool = True,
 ) -> dict[str, int]:
-    """Bytes that :func:`mhla_attention_fused` reads and writes in global memory, term by term, as
-    :func:`_fused_forward` launches its kernels: what each program's ``tl.load``/``tl.store`` touches (a
-    masked-off element moves nothing), plus the PyTorch ops between the kernels, counted by
+    """Bytes that :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` reads and writes in global memory,
+    term by term, as :func:`_fused_forward` launches its kernels: what each program's ``tl.load``/``tl.store``
+    touches (a masked-off element moves nothing), plus the PyTorch ops between the kernels, counted by
     :func:`~mhla_diffusion.ops.traffic.count_traffic` of the very functions the launch calls on meta tensors.
 
     Args: the launch's shapes: ``q, k`` ``(batch, tokens, heads, head_dim)``, ``v`` and the output
@@ -896,11 +901,12 @@ _RECORDERS: list[list[dict]] = []
 
 @contextmanager
 def recording_launches() -> Iterator[list[dict]]:
-    """While active, :func:`fused_available` is true for ``meta`` tensors, and :func:`mhla_attention_fused`
-    on meta tensors launches nothing: it returns an empty output and appends its :func:`fused_traffic`
-    arguments to the list this yields. With :func:`~mhla_diffusion.ops.traffic.count_traffic` of a
-    processor call on meta tensors, this counts what the fused path moves outside the kernels (output
-    norm, gate) by dispatch and inside them by :func:`fused_traffic`."""
+    """While active, :func:`fused_available` is true for ``meta`` tensors, and
+    :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` on meta tensors launches nothing: it returns an empty
+    output and appends its :func:`fused_traffic` arguments to the list this yields. With
+    :func:`~mhla_diffusion.ops.traffic.count_traffic` of a processor call on meta tensors, this counts what the
+    fused path moves outside the kernels (output norm, gate) by dispatch and inside them by
+    :func:`fused_traffic`."""
     launches: list[dict] = []
     _RECORDERS.append(launches)
     try:
@@ -961,77 +967,3 @@ def _eager_forward(
         feature_eps=feature_eps,
         rotary=None if cos is None else (cos, sin),
     )
-
-
-class _FusedMHLA(torch.autograd.Function):
-    """Fused forward; the backward recomputes the forward eagerly (:func:`_eager_forward`) and differentiates it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype):  # noqa: D102
-        ctx.save_for_backward(q, k, v, mixing, cos, sin)
-        ctx.settings = (plan, feature_eps, normalize, eps)
-        return _fused_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps, dot_dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):  # noqa: D102
-        q, k, v, mixing, cos, sin = ctx.saved_tensors
-        plan, feature_eps, normalize, eps = ctx.settings
-        needs = ctx.needs_input_grad[:4]
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v, mixing), needs)]
-            out = _eager_forward(*inputs[:3], plan, inputs[3], cos, sin, feature_eps, normalize, eps)
-            wanted = [t for t, need in zip(inputs, needs) if need]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return (*(next(grads) if need else None for need in needs), None, None, None, None, None, None, None)
-
-
-def mhla_attention_fused(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: BlockPlan,
-    mixing: torch.Tensor,
-    *,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    feature_eps: float = 1e-6,
-    normalize: str = "denominator",
-    eps: float = 1e-6,
-    dot_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """MHLA from raw projections with the feature map, RoPE and block products fused in Triton.
-
-    Args:
-        q, k: raw query and key projections ``(B, N, H, D)`` (before the feature map); v ``(B, N, H, Dv)``.
-            Any float dtype and any strides (read where they lie: slices of a fused qkv are not copied).
-        plan: :func:`~mhla_diffusion.ops.block_layout.block_plan` of the token grid and layout on the inputs' device.
-        mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``
-            (applied in float32).
-        cos, sin: Diffusers' Wan RoPE tables ``(1, N, 1, D)``: channel pairs ``(2i, 2i+1)`` rotate by angle
-            ``i`` (see :func:`~mhla_diffusion.models.processors.base.apply_interleaved_rotary`), after the feature
-            map, on the numerator path only. ``None``: no rotation.
-        feature_eps: the feature map is ``phi(x) = relu(x) + feature_eps``.
-        normalize: ``"denominator"`` (or ``True``): divide by ``phi(q_t) · z̃_b(t) + eps``; ``"none"`` (or
-            ``False``): no denominator. ``"scalar_mixed_denominator"`` raises ``NotImplementedError``.
-        eps: added to the denominator.
-        dot_dtype: operand dtype of the kernels' ``tl.dot`` (float32, bfloat16 or float16); ``None``: the
-            inputs' half type on CUDA, else float32 (always float32 under the interpreter, whose bfloat16
-            ``tl.dot`` is wrong). float32 dots run at IEEE precision (no TF32). Accumulation is float32.
-
-    Returns:
-        ``(B, N, H, Dv)`` in ``v``'s dtype, token order. Equals
-        :func:`~mhla_diffusion.ops.naive.mhla_attention_reference` of ``phi(q), phi(k), v`` with
-        ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))``, to float32 accumulation (float64 inputs are computed
-        in float32 too; bf16/fp16 inputs store the block summaries and read the RoPE tables in their dtype,
-        as the eager operator does). Differentiable in ``q, k, v, mixing`` (the backward recomputes eagerly
-        in PyTorch). On ``meta`` tensors nothing is launched: an empty output (see :func:`recording_launches`).
-    """
-    mode = _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype)
-    if q.device.type == "meta":  # shapes only (counting traffic): nothing to launch
-        for launches in _RECORDERS:
-            launches.append(_launch_arguments(q, v, plan, mixing, cos, mode))
-        return v.new_empty((*q.shape[:3], v.shape[-1]))
-    if dot_dtype is None:
-        dot_dtype = _default_dot_dtype(q, v)
-    return _FusedMHLA.apply(q, k, v, mixing, cos, sin, plan, feature_eps, mode, eps, dot_dtype)

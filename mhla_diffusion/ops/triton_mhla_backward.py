@@ -1,5 +1,5 @@
 """A fused MHLA backward in Triton (issue 49, item 3): ``dq, dk, dv`` and the mixing gradient of
-:func:`~mhla_diffusion.ops.triton_mhla.mhla_attention_fused`, with float32 accumulation.
+:func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused`, with float32 accumulation.
 
 Per batch ``b`` and head ``h``, with ``phi(x) = relu(x) + feature_eps``, ``q̂ = R(phi(q))``, ``k̂ = R(phi(k))``
 (``R`` Wan's interleaved RoPE), block sums ``S_j = Σ_{s∈j} k̂_s v_sᵀ`` ``(D, Dv)``, ``z_j = Σ_{s∈j} phi(k_s)``,
@@ -14,9 +14,11 @@ the mixing ``S̃_o = Σ_j W[o, j] S_j``, ``z̃_o = Σ_j W[o, j] z_j`` and, for a
 
 It launches, in order:
 
-1. the forward's summaries kernel again (:func:`~mhla_diffusion.ops.triton_mhla._launch_summaries`:
-   ``S`` and ``z`` are recomputed, not saved) and the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch
-   (:func:`~mhla_diffusion.ops.triton_mhla._mix`);
+1. the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch (:func:`~mhla_diffusion.ops.triton_mhla._mix`)
+   on the summaries ``S``, ``z`` the forward kept (the custom op saves them: 0.61 U a layer at Wan2.1-1.3B's
+   21x30x50 tokens, against 3.6 U for rereading ``k, v`` in the summaries kernel again), or on ones
+   recomputed by the forward's summaries kernel (:func:`~mhla_diffusion.ops.triton_mhla._launch_summaries`)
+   when none are given;
 2. ``_query_grad_kernel``, one program per (batch x head, block): loads ``S̃_o`` and ``z̃_o`` once, walks the
    block's query slots in tiles (``q`` and ``g`` loaded once each; ``phi``, RoPE and the denominator
    recomputed in registers, and ``g'·out = q̂·(S̃_o g') / den`` from the product ``dq`` needs anyway), writes
@@ -372,7 +374,7 @@ def _kernel(name: str, interpret: bool):
 
             _KERNELS[key] = InterpretedFunction(fn)
         else:
-            _KERNELS[key] = triton.jit(fn)
+            _KERNELS[key] = triton.JITFunction(fn)  # compiled whatever TRITON_INTERPRET says now
     return _KERNELS[key]
 
 
@@ -655,23 +657,23 @@ def mhla_attention_fused_backward(
     eps: float,
     dot_dtype: torch.dtype | None,
     *,
-    saved: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None,
+    saved: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`~mhla_diffusion.ops.triton_mhla.mhla_attention_fused` in fused Triton kernels.
+    """Gradients of :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` in fused Triton kernels.
 
     Args:
         grad_out: the output's gradient ``(B, N, H, Dv)`` (any float dtype, any strides).
         q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype: as given to
-            :func:`~mhla_diffusion.ops.triton_mhla.mhla_attention_fused` (raw ``q, k`` ``(B, N, H, D)`` before
+            :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` (raw ``q, k`` ``(B, N, H, D)`` before
             the feature map, ``v`` ``(B, N, H, Dv)``, mixing ``(M, M)`` or ``(H, M, M)``, Diffusers' RoPE tables
             ``(1, N, 1, D)`` or ``None``, ``normalize`` ``"denominator"``/``"none"`` (or ``True``/``False``);
             ``dot_dtype`` ``None``: the forward's default).
-        saved: optionally, what the forward computed on these inputs: ``(S, z, S̃, z̃)`` as
-            :func:`~mhla_diffusion.ops.triton_mhla._launch_summaries` and
-            :func:`~mhla_diffusion.ops.triton_mhla._mix` returned them (``z, z̃`` ``None`` without a
-            denominator). Then nothing is recomputed: at Wan2.1-1.3B's 21x30x50 tokens (bf16, RoPE) the
-            backward moves 13.4 U instead of 18.3 U (:func:`fused_backward_traffic` with ``recompute=False``),
-            for 2 x 0.63 U of memory kept per layer. ``None`` (the default): recomputed.
+        saved: optionally, the block summaries the forward computed on these inputs: ``(S, z)`` as
+            :func:`~mhla_diffusion.ops.triton_mhla._launch_summaries` returned them (``z`` ``None`` without a
+            denominator; the custom op keeps them from its forward). Then the summaries kernel is not run
+            again, only their mixing: at Wan2.1-1.3B's 21x30x50 tokens (bf16, RoPE) the backward moves
+            14.6 U instead of 18.3 U (:func:`fused_backward_traffic` with ``recompute=False``), for 0.61 U of
+            memory kept per layer. ``None``: recomputed.
 
     Returns:
         ``(dq, dk, dv, dmixing)``: ``dq, dk`` ``(B, N, H, D)``, ``dv`` ``(B, N, H, Dv)`` in ``q, k, v``'s dtypes
@@ -693,11 +695,11 @@ def mhla_attention_fused_backward(
     rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
     if saved is None:
         summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, mode, dot_dtype)
-        mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     else:
-        summaries, key_sums, mixed, mixed_sums = saved
-        if (key_sums is None) != (mode == "none") or (mixed_sums is None) != (key_sums is None):
-            raise ValueError(f"`saved` must hold the key sums z, z̃ exactly when normalize='denominator' (got {mode!r})")
+        summaries, key_sums = saved
+        if (key_sums is None) != (mode == "none"):
+            raise ValueError(f"`saved` must hold the key sums z exactly when normalize='denominator' (got {mode!r})")
+    mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     dq, d_mixed, d_mixed_sums = _launch_query_grad(
         grad_out, q, plan, rope, summaries, key_sums, mixed, mixed_sums, feature_eps, eps, dot_dtype
     )
@@ -734,23 +736,24 @@ def fused_backward_traffic(
     normalize: str = "denominator",
     per_head_mixing: bool = False,
     rope_converted: bool = False,
-    recompute: bool = True,
+    recompute: bool = False,
 ) -> dict[str, int]:
     """Bytes that :func:`mhla_attention_fused_backward` reads and writes in global memory, term by term, as
     it launches (the arguments and rules of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`; the
     gradient ``grad_out`` is in ``dtype`` too). ``rope_converted``: whether this call converts the RoPE
     tables to the summaries' dtype; in a training step the forward converted them and the backward finds
-    the copy in the forward's cache (``False``, the default). ``recompute``: whether the summaries and their
-    mixing are recomputed (``False``: the forward's, passed as ``saved``; no recompute terms).
+    the copy in the forward's cache (``False``, the default). ``recompute``: whether the summaries are
+    recomputed (``False``: the forward's, passed as ``saved``, as the custom op does). Their mixing is
+    recomputed either way.
 
-    The recomputation is the forward's own count: its summaries kernel and mixing terms of
-    :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic` (every term but the output kernel's and the table
-    conversion's), prefixed ``"recompute: "``. Then the query kernel (per (batch x head, block) ``S̃_o`` and
-    ``z̃_o`` once; per real slot ``q``, ``g``, the tables and ``dq``; ``dS̃_o``, ``dz̃_o`` stored), the mixing's
-    backward (:func:`_unmix`, counted by :func:`~mhla_diffusion.ops.traffic.count_traffic` on meta tensors)
-    and the key kernel (``dS_j``, ``dz_j`` once; per real slot ``k``, ``v``, the tables, ``dk`` and ``dv``).
-    Caches are ignored: the tables count once per (batch x head) in each kernel. Do not call it inside a
-    ``count_traffic``. Returns ``{term: bytes}`` in launch order.
+    The recomputation is the forward's own count, prefixed ``"recompute: "``: its mixing term of
+    :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`, and with ``recompute`` its summaries kernel's too (every
+    term but the output kernel's and the table conversion's). Then the query kernel (per (batch x head, block)
+    ``S̃_o`` and ``z̃_o`` once; per real slot ``q``, ``g``, the tables and ``dq``; ``dS̃_o``, ``dz̃_o`` stored), the
+    mixing's backward (:func:`_unmix`, counted by :func:`~mhla_diffusion.ops.traffic.count_traffic` on meta tensors)
+    and the key kernel (``dS_j``, ``dz_j`` once; per real slot ``k``, ``v``, the tables, ``dk`` and ``dv``). Caches
+    are ignored: the tables count once per (batch x head) in each kernel. Do not call it inside a ``count_traffic``.
+    Returns ``{term: bytes}`` in launch order.
     """
     from .attention import normalization_mode
     from .traffic import count_traffic
@@ -784,7 +787,7 @@ def fused_backward_traffic(
     conversion = sum(moved for term, moved in forward.items() if term.startswith("RoPE tables"))
     terms = {"RoPE tables to the summaries' dtype (PyTorch)": conversion if rope_converted else 0}
     for term, moved in forward.items():
-        if recompute and not term.startswith(("output kernel", "RoPE tables")):
+        if term.startswith("mixing") or (recompute and not term.startswith(("output kernel", "RoPE tables"))):
             terms[f"recompute: {term}"] = moved
     # _query_grad_kernel, grid (B*H, M)
     terms["query grad kernel: mixed summary"] = summary

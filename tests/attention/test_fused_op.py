@@ -78,7 +78,10 @@ def test_opcheck(case, monkeypatch):
     args = _op_arguments(*(t.requires_grad_() for t in (q, k, v, mixing)), cos, sin, plan, normalize)
     torch.library.opcheck(FORWARD, args)
     grad_out = torch.randn(v.shape, dtype=v.dtype, generator=torch.Generator().manual_seed(1))
-    torch.library.opcheck(BACKWARD, (grad_out, *(t.detach() if torch.is_tensor(t) else t for t in args)))
+    detached = [t.detach() if torch.is_tensor(t) else t for t in args]
+    with torch.no_grad():
+        _, *kept = FORWARD(*detached)  # the block summaries the forward keeps for the backward
+    torch.library.opcheck(BACKWARD, (grad_out, *detached[:6], *kept, *detached[6:]))
 
 
 def test_op_forward_and_backward_equal_the_eager_operator(monkeypatch):
@@ -112,9 +115,9 @@ def test_interpreter_runs_the_kernels_and_matches_the_eager_operator(monkeypatch
         launches.append(1)
         return kernels(*args)
 
-    def counted_backward(*args):
-        backward_launches.append(1)
-        return triton_backward(*args)
+    def counted_backward(*args, saved=None):
+        backward_launches.append(saved is not None)  # the forward's summaries, kept
+        return triton_backward(*args, saved=saved)
 
     monkeypatch.setattr(fused_op, "_fused_forward", counted)
     monkeypatch.setattr(fused_op, "_triton_backward", lambda: triton_backward and counted_backward)
@@ -133,7 +136,7 @@ def test_interpreter_runs_the_kernels_and_matches_the_eager_operator(monkeypatch
         return out.detach(), [t.grad for t in leaves]
 
     got, got_grads = grads(lambda *t: mhla_attention_fused(*t[:3], plan, t[3], cos=cos, sin=sin))
-    assert launches == [1] and backward_launches == ([1] if triton_backward else [])
+    assert launches == [1] and backward_launches == ([True] if triton_backward else [])
     want, want_grads = grads(lambda *t: _eager(*t, cos, sin, plan))
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)

@@ -226,7 +226,7 @@ def test_a_forward_converts_its_rope_tables_once():
 def test_training_rows_count_the_fused_backward():
     """The forward + backward rows (autograd on meta tensors), paper setting at 21x30x50: the fused one is
     the fused kernels' forward and backward as launched (nothing else runs around the operator), far below
-    the eager one; its ratio to the fused forward is the issue's target (3x), not met yet (3.08x)."""
+    the eager one, and at most 3x the fused forward (the backward mixes the summaries the forward kept)."""
     from mhla_diffusion.benchmarks.bench import wan_attention_training_traffic
     from mhla_diffusion.ops.triton_mhla_backward import fused_backward_traffic
 
@@ -240,4 +240,4 @@ def test_training_rows_count_the_fused_backward():
     assert fused["units"] == pytest.approx(kernels / unit, abs=0.05)  # and the block plan built (~0.02 U)
     assert "backward: query grad kernel: q" in fused["ops"] and "output kernel: q" in fused["ops"]
     assert fused["units"] < eager["units"] / 5
-    assert fused["units"] <= 3.1 * forward["units"]
+    assert fused["units"] <= 3 * forward["units"]
