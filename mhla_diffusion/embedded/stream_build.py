@@ -74,6 +74,9 @@ class StreamBuildSettings:
     # older ones summed; the output gate as the non-streaming student (LePE reads the next frame, so none).
     layout: list[int] = dataclasses.field(default_factory=lambda: [1, 6, 6])
     causal_window: int = 2
+    # How rows older than the window reach a query: "sum" (every older row at full weight, so the fold grows with
+    # the video: a 65-frame stream folds 62 rows where the 9-frame clips folded at most 6) or "decay" (learned).
+    causal_fold: str = "sum"
     gate: bool = True
     eval_prompts: int = 12
     eval_frames: int = 129  # 8x the 17-frame training clips, 65 latent frames
@@ -158,7 +161,13 @@ def _fine_tune(work: Path, s: StreamBuildSettings, name: str, start: Path) -> di
 
     mhla = None
     if name == "mhla":
-        mhla = {"layout": list(s.layout), "causal": True, "causal_window": s.causal_window, "gate": s.gate}
+        mhla = {
+            "layout": list(s.layout),
+            "causal": True,
+            "causal_window": s.causal_window,
+            "causal_fold": s.causal_fold,
+            "gate": s.gate,
+        }
     options = _options(work, s, name, start, mhla)
     seconds = _train_run(work, train_wan, options)
     return {"steps": s.steps, "seconds_of_run": seconds, "start": str(start)}
