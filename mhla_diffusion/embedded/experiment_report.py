@@ -1,18 +1,43 @@
-"""What ``mhla reproduce`` writes, computed from ``report.json`` alone: the summary (intervals and paired
-comparisons), ``table.md``, ``reading.md`` (plain sentences that claim no more than the statistics) and
-the figures."""
+"""What ``mhla reproduce`` writes, computed from ``report.json`` alone: the summary (intervals, the families of
+paired comparisons with Holm-corrected p-values, ranks before and after training), ``table.md``,
+``reading.md`` (plain sentences that claim no more than the corrected p-values) and the figures.
+
+A family is a named set of paired comparisons corrected together (:data:`PART_A_PAIRS` at every token count of
+one Part A task; the Part B pairs of one measure). A comparison is ``established`` where its Holm-corrected p
+is below :data:`~.experiment_statistics.ALPHA`; otherwise it carries ``mdd``, the smallest true difference the
+paired t test would call with 80 % power at the level Holm's first step asks of its family (``ALPHA / m``), from
+the differences' own standard deviation."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from .experiment_statistics import interval, paired_difference
+from .experiment_statistics import ALPHA, POWER, holm, interval, minimal_detectable_difference, paired_difference
+from .operator_experiment import RANK_MEASURES
 
-__all__ = ["FIGURES", "reading_markdown", "summarise", "table_markdown", "write_figures"]
+__all__ = [
+    "FIGURES",
+    "NAMES",
+    "PART_A_PAIRS",
+    "PART_B_PAIRS",
+    "SHORT_NAMES",
+    "comparison_words",
+    "reading_markdown",
+    "summarise",
+    "table_markdown",
+    "write_figures",
+]
 
-#: Part A comparisons (a, b): a - b seed by seed.
-PART_A_PAIRS = (("mhla", "linear"), ("mhla-per-head", "mhla"), ("softmax", "mhla"))
+#: Part A comparisons (a, b), a - b seed by seed, and the question each answers.
+PART_A_PAIRS = (
+    ("mhla", "mhla-uniform", "MHLA against global linear attention"),
+    ("mhla", "linear-lepe", "MHLA against locality without blocks"),
+    ("mhla-shuffled", "mhla-uniform", "blocks without locality against no blocks"),
+    ("mhla-frozen", "mhla-shuffled", "local mixing against shuffled mixing"),
+    ("mhla", "mhla-frozen", "learning the mixing"),
+    ("softmax", "mhla", "softmax against MHLA"),
+)
 #: Part B comparisons (a, b).
 PART_B_PAIRS = (
     ("linear", "softmax"),
@@ -21,15 +46,43 @@ PART_B_PAIRS = (
     ("linear-lepe", "linear"),
     ("mhla", "linear-lepe"),
 )
+#: Part B's per-timestep loss comparisons (where the loss gain comes from).
+PART_B_TIMESTEP_PAIRS = (("mhla", "linear"), ("mhla", "linear-lepe"))
 PART_B_METRICS = ("mean_held_out_loss", "asymmetry")
-RANK_MEASURES = ("numerical_rank", "effective_rank", "row_entropy")
-SCORE_NAMES = {"local": "relative error (lower is better)", "recall": "recall accuracy (higher is better)"}
+SCORE_NAMES = {
+    "local": "relative error: the smaller, the closer to the teacher",
+    "groups": "relative error: the smaller, the closer to the teacher",
+    "recall": "recall accuracy: the share of queries answered right",
+}
+TASK_NAMES = {
+    "local": "local teacher",
+    "groups": "groups teacher (not local, rank known)",
+    "recall": "associative recall",
+}
 NAMES = {
     "linear": "global linear attention",
-    "mhla": "MHLA",
+    "linear-lepe": "global linear attention with LePE",
+    "mhla-uniform": "MHLA with uniform mixing, frozen (= global linear attention)",
+    "mhla-shuffled": "MHLA with shuffled mixing, frozen",
+    "mhla-frozen": "MHLA with local mixing, frozen",
+    "mhla": "MHLA (local mixing, learned)",
     "mhla-per-head": "MHLA with per-head mixing",
     "softmax": "softmax",
-    "linear-lepe": "global linear attention with LePE",
+}
+SHORT_NAMES = {
+    "linear": "linear",
+    "linear-lepe": "linear + LePE",
+    "mhla-uniform": "MHLA uniform (frozen)",
+    "mhla-shuffled": "MHLA shuffled (frozen)",
+    "mhla-frozen": "MHLA local (frozen)",
+    "mhla": "MHLA",
+    "mhla-per-head": "MHLA per-head",
+    "softmax": "softmax",
+}
+MEASURE_NAMES = {
+    "mean_held_out_loss": "held-out denoising loss",
+    "asymmetry": "sample asymmetry",
+    "held_out_loss": "held-out denoising loss at one timestep",
 }
 FIGURES = ("part-a-score-vs-tokens.png", "part-a-rank-vs-tokens.png", "part-b-paired-differences.png")
 
@@ -41,7 +94,7 @@ def _groups(runs: Iterable[dict[str, Any]], *keys: str) -> dict[tuple, list[dict
     return groups
 
 
-def _paired(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], value) -> dict[str, Any] | None:
+def _paired(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], value: Callable) -> dict[str, Any] | None:
     """``paired_difference`` of ``value(run)`` over the seeds both lists hold (``None`` under two)."""
     a = {r["seed"]: value(r) for r in a_runs}
     b = {r["seed"]: value(r) for r in b_runs}
@@ -51,9 +104,40 @@ def _paired(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], value) -
     return {"seeds": seeds, **paired_difference([a[s] for s in seeds], [b[s] for s in seeds])}
 
 
-def summarise(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Intervals per (task, student, N), the rank measures against their bounds, the Part A paired
-    comparisons per (task, N), and Part B's intervals per arm and paired comparisons per metric."""
+def _correct(name: str, comparisons: list[dict[str, Any]]) -> dict[str, Any]:
+    """The family ``name``: Holm-corrected p per comparison, the call, and the MDD of those not established."""
+    adjusted = holm([c["p"] for c in comparisons])
+    m = sum(p is not None for p in adjusted)
+    for c, p in zip(comparisons, adjusted):
+        c["p_holm"] = p
+        c["established"] = p is not None and p < ALPHA
+        c["mdd"] = (
+            minimal_detectable_difference(c["sd"], c["n"], alpha=ALPHA / m)
+            if not c["established"] and c["sd"] is not None and m
+            else None
+        )
+    return {"family": name, "size": m, "alpha": ALPHA, "power": POWER, "comparisons": comparisons}
+
+
+def recall_reported(report: dict[str, Any]) -> dict[int, str]:
+    """Recall token count -> why it is left out of the comparisons (softmax not run there, or its mean
+    accuracy below ``recall_softmax_floor``); token counts absent from the result are reported."""
+    floor = report["settings"]["recall_softmax_floor"]
+    runs = [r for r in report["part_a"] if r["task"] == "recall"]
+    dropped = {}
+    for (tokens,), members in _groups(runs, "tokens").items():
+        softmax = [r["score"] for r in members if r["student"] == "softmax"]
+        if not softmax:
+            dropped[tokens] = "softmax not run"
+        elif sum(softmax) / len(softmax) < floor:
+            dropped[tokens] = f"softmax below {floor:.0%}"
+    return dropped
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """Intervals per (task, student, N); the rank measures after and before training against their bounds;
+    the recall token counts left out; and the named families of paired comparisons (Part A per task, Part B
+    per measure), each Holm-corrected; Part B's intervals per arm."""
     part_a = _groups(report["part_a"], "task", "student", "tokens")
     scores = [
         {"task": t, "student": k, "tokens": n, "score": interval([r["score"] for r in runs])}
@@ -65,18 +149,29 @@ def summarise(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
             "student": k,
             "tokens": n,
             "bound": runs[0]["rank_bound"],
-            **{m: interval([r["rank"][m] for r in runs]) for m in RANK_MEASURES},
+            "teacher_rank": runs[0]["teacher_rank"],
+            "trained": {m: interval([r["rank"][m] for r in runs]) for m in RANK_MEASURES},
+            "untrained": {m: interval([r["rank_untrained"][m] for r in runs]) for m in RANK_MEASURES},
         }
         for (t, k, n), runs in part_a.items()
         if runs[0]["rank"] is not None
     ]
-    paired_a = []
-    for (t, n), _ in _groups(report["part_a"], "task", "tokens").items():
-        for a, b in PART_A_PAIRS:
-            if (t, a, n) in part_a and (t, b, n) in part_a:
-                diff = _paired(part_a[t, a, n], part_a[t, b, n], lambda r: r["score"])
-                if diff is not None:
-                    paired_a.append({"task": t, "tokens": n, "a": a, "b": b, "score": diff})
+    dropped = recall_reported(report) if any(r["task"] == "recall" for r in report["part_a"]) else {}
+    families = []
+    for (task,), runs in _groups(report["part_a"], "task").items():
+        comparisons = []
+        for a, b, question in PART_A_PAIRS:
+            for n in sorted({r["tokens"] for r in runs}):
+                if task == "recall" and n in dropped:
+                    continue
+                if (task, a, n) in part_a and (task, b, n) in part_a:
+                    diff = _paired(part_a[task, a, n], part_a[task, b, n], lambda r: r["score"])
+                    if diff is not None:
+                        comparisons.append(
+                            {"task": task, "tokens": n, "a": a, "b": b, "question": question, "metric": "score"} | diff
+                        )
+        if comparisons:
+            families.append(_correct(f"Part A, {TASK_NAMES[task]}", comparisons))
     part_b = _groups(report["part_b"], "arm")
     arms = [
         {
@@ -86,18 +181,45 @@ def summarise(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
         }
         for (arm,), runs in part_b.items()
     ]
-    paired_b = [
-        {"metric": m, "a": a, "b": b, **diff}
-        for m in PART_B_METRICS
-        for a, b in PART_B_PAIRS
+    for metric in PART_B_METRICS:
+        comparisons = [
+            {"a": a, "b": b, "metric": metric} | diff
+            for a, b in PART_B_PAIRS
+            if (a,) in part_b
+            and (b,) in part_b
+            and (diff := _paired(part_b[a,], part_b[b,], lambda r, m=metric: r[m])) is not None
+        ]
+        if comparisons:
+            families.append(_correct(f"Part B, {MEASURE_NAMES[metric]}", comparisons))
+    timesteps = list(report["part_b"][0]["held_out_loss"]) if report["part_b"] else []
+    comparisons = [
+        {"a": a, "b": b, "metric": "held_out_loss", "timestep": t} | diff
+        for a, b in PART_B_TIMESTEP_PAIRS
+        for t in timesteps
         if (a,) in part_b
         and (b,) in part_b
-        and (diff := _paired(part_b[a,], part_b[b,], lambda r, m=m: r[m])) is not None
+        and (diff := _paired(part_b[a,], part_b[b,], lambda r, t=t: r["held_out_loss"][t])) is not None
     ]
-    return {"part_a": scores, "part_a_paired": paired_a, "rank": ranks, "part_b": arms, "part_b_paired": paired_b}
+    if comparisons:
+        families.append(_correct("Part B, held-out denoising loss per timestep", comparisons))
+    return {
+        "part_a": scores,
+        "rank": ranks,
+        "recall_dropped": [{"tokens": n, "why": why} for n, why in sorted(dropped.items())],
+        "families": families,
+        "part_b": arms,
+    }
 
 
-# ---------------------------------------------------------------------------- table
+# ---------------------------------------------------------------------------- words and cells
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}g}"
+
+
+def _p(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:.2g}"
 
 
 def _cell(stat: dict[str, Any] | None, digits: int = 3) -> str:
@@ -108,12 +230,35 @@ def _cell(stat: dict[str, Any] | None, digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f} [{stat['low']:.{digits}f}, {stat['high']:.{digits}f}]"
 
 
-def _difference(diff: dict[str, Any], verdict: bool = True) -> str:
-    """``mean ± SE (verdict, p, seeds)`` of a paired difference."""
-    se = "" if diff["se"] is None else f" ± {diff['se']:.2g}"
-    p = "" if diff["p"] is None else f"p = {diff['p']:.2g}, "
-    said = ("beyond two standard errors, " if diff["called"] else "within two standard errors, ") if verdict else ""
-    return f"{diff['mean']:+.3g}{se} ({said}{p}{diff['n']} seeds)"
+def _diff_interval(c: dict[str, Any]) -> str:
+    """``mean [low, high]`` of a paired difference (3 significant digits)."""
+    if c["low"] is None:
+        return f"{c['mean']:+.3g}"
+    return f"{c['mean']:+.3g} [{c['low']:+.3g}, {c['high']:+.3g}]"
+
+
+def _lower_is_better(c: dict[str, Any]) -> bool:
+    return c.get("task") != "recall"
+
+
+def comparison_words(c: dict[str, Any]) -> str:
+    """One comparison in words, no stronger than its corrected p: ``lower by ...`` / ``higher by ...`` only
+    where established, else ``not established`` with the minimal detectable difference."""
+    stats = f"{_diff_interval(c)}, p = {_p(c['p'])}, Holm p = {_p(c['p_holm'])}, {c['n']} seeds"
+    if c["established"]:
+        direction = "lower" if c["mean"] < 0 else "higher"
+        better = (c["mean"] < 0) == _lower_is_better(c)
+        return f"{direction} ({'better' if better else 'worse'}): {stats}"
+    mdd = "" if c["mdd"] is None else f"; 80 % power only for differences of at least {_num(c['mdd'], 2)}"
+    return f"not established: {stats}{mdd}"
+
+
+def _where(c: dict[str, Any]) -> str:
+    if "tokens" in c:
+        return f"{c['tokens']} tokens"
+    if "timestep" in c:
+        return f"t = {c['timestep']}"
+    return ""
 
 
 def _row(cells: Iterable[Any]) -> str:
@@ -124,48 +269,80 @@ def _header(cells: list[str]) -> list[str]:
     return [_row(cells), "|" + "---|" * len(cells)]
 
 
+# ---------------------------------------------------------------------------- table
+
+
 def table_markdown(report: dict[str, Any]) -> str:
-    """The report's summary as Markdown tables: mean [95 % interval] over seeds, paired differences."""
+    """The report's summary as Markdown tables: mean [95 % interval] over seeds; every family of paired
+    differences with raw and Holm-corrected p and the call; ranks before and after training."""
     summary, s = report["summary"], report["settings"]
-    tokens = sorted({row["tokens"] for row in summary["part_a"]})
-    lines = [
-        "**Part A: one attention layer fitted to a fixed teacher** (held-out score; mean [95 % interval] over "
-        f"{len(s['part_a_seeds'])} seeds; {s['part_a_steps']} steps; local: {SCORE_NAMES['local']}; recall: "
-        f"{SCORE_NAMES['recall']})",
-        "",
-        *_header(["task", "attention", *[f"{n} tokens" for n in tokens]]),
-    ]
-    for (task, student), rows in _groups(summary["part_a"], "task", "student").items():
-        by_tokens = {r["tokens"]: r["score"] for r in rows}
-        lines.append(_row([task, student, *[_cell(by_tokens.get(n)) for n in tokens]]))
+    lines: list[str] = []
+    for (task,), rows in _groups(summary["part_a"], "task").items():
+        tokens = sorted({r["tokens"] for r in rows})
+        steps = dict(zip(s[f"{task}_tokens"], s[f"{task}_steps"]))
+        batches = dict(zip(s[f"{task}_tokens"], s[f"{task}_batch_sizes"]))
+        lines += [
+            f"**Part A, {TASK_NAMES[task]}** ({SCORE_NAMES[task]}; held out; mean [95 % interval] over "
+            f"{len(s['part_a_seeds'])} seeds; steps / batch: "
+            + ", ".join(f"{steps[n]} / {batches[n]} at {n}" for n in tokens)
+            + f"; learning rate {s[f'{task}_lr']:g})",
+            "",
+            *_header(["attention", *[f"{n} tokens" for n in tokens]]),
+        ]
+        for (student,), members in _groups(rows, "student").items():
+            by_tokens = {r["tokens"]: r["score"] for r in members}
+            lines.append(_row([SHORT_NAMES[student], *[_cell(by_tokens.get(n)) for n in tokens]]))
+        lines.append("")
+    if summary["recall_dropped"]:
+        lines += [
+            "Recall left out of the comparisons at: "
+            + "; ".join(f"{d['tokens']} tokens ({d['why']})" for d in summary["recall_dropped"]),
+            "",
+        ]
+    for family in summary["families"]:
+        lines += [
+            f"**{family['family']}** (a family of {family['size']} paired comparisons, Holm-corrected; called where "
+            f"Holm p < {family['alpha']:g}; MDD: the difference detected with {family['power']:.0%} power at "
+            f"{family['alpha']:g} / {family['size']})",
+            "",
+            *_header(["a - b", "where", "difference [95 % interval]", "p", "Holm p", "call", "MDD"]),
+        ]
+        lines += [
+            _row(
+                [
+                    f"{SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}",
+                    _where(c),
+                    _diff_interval(c),
+                    _p(c["p"]),
+                    _p(c["p_holm"]),
+                    "established" if c["established"] else "not established",
+                    "" if c["mdd"] is None else _num(c["mdd"], 2),
+                ]
+            )
+            for c in family["comparisons"]
+        ]
+        lines.append("")
     lines += [
+        "**The rank of the N x N attention matrix** (first held-out input, mean over heads and seeds; numerical "
+        "rank: singular values above 1e-3 or 1e-2 of the largest, untrained -> trained; bound: d for linear "
+        "attention and uniform mixing, sum over blocks of min(n_b, d) for MHLA, N for softmax; teacher: the "
+        "rank of the groups teacher's matrix)",
         "",
-        "**Part A, paired by seed** (same batches; a - b of the score)",
-        "",
-        *_header(["task", "tokens", "a - b", "difference ± SE"]),
-    ]
-    lines += [
-        _row([d["task"], d["tokens"], f"{d['a']} - {d['b']}", _difference(d["score"])])
-        for d in summary["part_a_paired"]
-    ]
-    lines += [
-        "",
-        "**The rank of the N x N attention matrix** (first held-out input, mean over heads; numerical rank: "
-        "singular values above 1e-3 of the largest; bound: d for linear, sum over blocks of min(n_b, d) for MHLA, "
-        "N for softmax)",
-        "",
-        *_header(["task", "attention", "tokens", "numerical rank", "bound", "effective rank", "row entropy (nats)"]),
+        *_header(
+            ["task", "attention", "tokens", "bound", "teacher", "rank 1e-3", "rank 1e-2", "effective rank (trained)"]
+        ),
     ]
     lines += [
         _row(
             [
                 r["task"],
-                r["student"],
+                SHORT_NAMES[r["student"]],
                 r["tokens"],
-                _cell(r["numerical_rank"], 1),
                 r["bound"],
-                _cell(r["effective_rank"], 1),
-                _cell(r["row_entropy"], 2),
+                "" if r["teacher_rank"] is None else r["teacher_rank"],
+                f"{r['untrained']['rank_1e-3']['mean']:.1f} -> {r['trained']['rank_1e-3']['mean']:.1f}",
+                f"{r['untrained']['rank_1e-2']['mean']:.1f} -> {r['trained']['rank_1e-2']['mean']:.1f}",
+                _cell(r["trained"]["effective_rank"], 1),
             ]
         )
         for r in summary["rank"]
@@ -193,60 +370,40 @@ def table_markdown(report: dict[str, Any]) -> str:
         )
         for r in summary["part_b"]
     ]
-    lines += [
-        "",
-        "**Part B, paired by seed** (same initial weights, batches, noise and timesteps; a - b)",
-        "",
-        *_header(["measure", "a - b", "per-seed differences", "difference ± SE"]),
-    ]
-    lines += [
-        _row([d["metric"], f"{d['a']} - {d['b']}", ", ".join(f"{x:+.3g}" for x in d["differences"]), _difference(d)])
-        for d in summary["part_b_paired"]
-    ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- reading
 
 
-def _versus(diff: dict[str, Any], lower_is_better: bool) -> str:
-    """``diff`` (a - b) in words: better / worse only when called."""
-    if not diff["called"]:
-        return f"no difference beyond two standard errors, {_difference(diff, verdict=False)}"
-    better = (diff["mean"] < 0) == lower_is_better
-    return f"{'better' if better else 'worse'} by {_difference(diff)}"
-
-
 def reading_markdown(report: dict[str, Any]) -> str:
-    """One plain sentence per finding, each stating its interval or test, null results included."""
+    """One plain sentence per finding, each with its interval or corrected test, null results included."""
     summary = report["summary"]
     out = []
     for (task, student), rows in _groups(summary["part_a"], "task", "student").items():
         cells = "; ".join(
             f"{_cell(r['score'])} at {r['tokens']} tokens" for r in sorted(rows, key=lambda r: r["tokens"])
         )
-        out.append(f"Part A, {task} teacher, {NAMES[student]}: {SCORE_NAMES[task]} {cells} (mean [95 % interval]).")
-    for (task, a, b), diffs in _groups(summary["part_a_paired"], "task", "a", "b").items():
-        parts = "; ".join(
-            f"{d['tokens']} tokens: {_versus(d['score'], task == 'local')}"
-            for d in sorted(diffs, key=lambda d: d["tokens"])
-        )
-        out.append(
-            f"Part A, {task} teacher, {NAMES[a]} against {NAMES[b]} ({SCORE_NAMES[task]}, paired by seed): {parts}."
-        )
+        out.append(f"Part A, {TASK_NAMES[task]}, {NAMES[student]}: {SCORE_NAMES[task]} {cells} (mean [95 % interval]).")
+    for d in summary["recall_dropped"]:
+        out.append(f"Recall at {d['tokens']} tokens is left out of the comparisons: {d['why']}.")
+    for family in summary["families"]:
+        for c in family["comparisons"]:
+            where = _where(c)
+            out.append(
+                f"{family['family']}, {NAMES[c['a']]} against {NAMES[c['b']]}"
+                + (f", {where}" if where else "")
+                + f": {comparison_words(c)} (a - b, family of {family['size']})."
+            )
     for (task, student), rows in _groups(summary["rank"], "task", "student").items():
         rows = sorted(rows, key=lambda r: r["tokens"])
         cells = ", ".join(
-            f"{r['numerical_rank']['mean']:.0f} of at most {r['bound']} at {r['tokens']} tokens" for r in rows
+            f"{r['untrained']['rank_1e-2']['mean']:.0f} -> {r['trained']['rank_1e-2']['mean']:.0f} of at most "
+            f"{r['bound']} at {r['tokens']} tokens"
+            + ("" if r["teacher_rank"] is None else f" (teacher {r['teacher_rank']})")
+            for r in rows
         )
-        out.append(
-            f"Rank, {task} teacher, {NAMES[student]}: numerical rank {cells}; effective rank "
-            + ", ".join(f"{r['effective_rank']['mean']:.1f}" for r in rows)
-            + "."
-        )
-    for d in summary["part_b_paired"]:
-        measure = "held-out denoising loss" if d["metric"] == "mean_held_out_loss" else "sample asymmetry"
-        out.append(f"Part B, {measure}, {NAMES[d['a']]} against {NAMES[d['b']]}: {_versus(d, True)}.")
+        out.append(f"Rank at 1e-2, {TASK_NAMES[task]}, {NAMES[student]}, untrained -> trained: {cells}.")
     return "\n".join(f"- {line}" for line in out) + "\n"
 
 
@@ -262,64 +419,68 @@ def write_figures(report: dict[str, Any], folder: Path) -> list[Path]:
 
     summary = report["summary"]
     paths = [Path(folder) / name for name in FIGURES]
-    _plot_part_a(plt, summary["part_a"], "score", paths[0], lambda task: SCORE_NAMES[task])
+    _plot_part_a(plt, summary["part_a"], lambda r: r["score"], paths[0], lambda task: SCORE_NAMES[task])
     _plot_part_a(
-        plt, summary["rank"], "numerical_rank", paths[1], lambda task: "numerical rank (dashed: bound)", bounds=True
+        plt,
+        summary["rank"],
+        lambda r: r["trained"]["rank_1e-2"],
+        paths[1],
+        lambda task: "rank at 1e-2, trained (dashed: bound; dotted: untrained)",
+        ranks=True,
     )
-    _plot_part_b(plt, summary["part_b_paired"], paths[2])
+    _plot_part_b(plt, [f for f in summary["families"] if f["family"].startswith("Part B")], paths[2])
     return paths
 
 
-def _plot_part_a(plt, rows: list[dict[str, Any]], measure: str, path: Path, ylabel, bounds: bool = False) -> None:
+def _plot_part_a(plt, rows: list[dict[str, Any]], stat: Callable, path: Path, ylabel, ranks: bool = False) -> None:
     tasks = list(dict.fromkeys(r["task"] for r in rows)) or ["(none)"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.0), dpi=110, squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for i, (student, members) in enumerate(_groups((r for r in rows if r["task"] == task), "student").items()):
+        for student, members in _groups((r for r in rows if r["task"] == task), "student").items():
             members = sorted(members, key=lambda r: r["tokens"])
             x = [r["tokens"] for r in members]
-            mean = [r[measure]["mean"] for r in members]
-            low = [
-                r[measure]["mean"] - (r[measure]["low"] if r[measure]["low"] is not None else r[measure]["mean"])
-                for r in members
-            ]
-            high = [
-                (r[measure]["high"] if r[measure]["high"] is not None else r[measure]["mean"]) - r[measure]["mean"]
-                for r in members
-            ]
-            line = ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=student[0])
-            if bounds:
-                ax.plot(x, [r["bound"] for r in members], "--", color=line[0].get_color(), alpha=0.6)
+            values = [stat(r) for r in members]
+            mean = [v["mean"] for v in values]
+            low = [v["mean"] - (v["low"] if v["low"] is not None else v["mean"]) for v in values]
+            high = [(v["high"] if v["high"] is not None else v["mean"]) - v["mean"] for v in values]
+            line = ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=SHORT_NAMES[student[0]])
+            if ranks:
+                colour = line[0].get_color()
+                ax.plot(x, [r["bound"] for r in members], "--", color=colour, alpha=0.6)
+                ax.plot(x, [r["untrained"]["rank_1e-2"]["mean"] for r in members], ":", color=colour, alpha=0.8)
         ax.set_xscale("log", base=2)
-        if bounds:
+        if ranks:
             ax.set_yscale("log", base=2)
         ax.set_xlabel("tokens")
         ax.set_ylabel(ylabel(task))
-        ax.set_title(f"{task} teacher: mean and 95 % interval over seeds", fontsize=9)
-        ax.legend(fontsize=8)
+        ax.set_title(f"{TASK_NAMES.get(task, task)}: mean and 95 % interval over seeds", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def _plot_part_b(plt, paired: list[dict[str, Any]], path: Path) -> None:
-    metrics = list(dict.fromkeys(d["metric"] for d in paired)) or ["(none)"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.0), dpi=110, squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        diffs = [d for d in paired if d["metric"] == metric]
+def _plot_part_b(plt, families: list[dict[str, Any]], path: Path) -> None:
+    families = families or [{"family": "(none)", "comparisons": []}]
+    fig, axes = plt.subplots(1, len(families), figsize=(5.5 * len(families), 4.0), dpi=110, squeeze=False)
+    for ax, family in zip(axes[0], families):
+        diffs = family["comparisons"]
         for i, d in enumerate(diffs):
             ax.plot([i] * len(d["differences"]), d["differences"], "o", color="0.6", markersize=4)
-            ax.errorbar(
-                [i + 0.15],
-                [d["mean"]],
-                yerr=[[2 * (d["se"] or 0)]],
-                fmt="s",
-                color="C3" if d["called"] else "C0",
-                capsize=4,
-            )
+            if d["low"] is not None:
+                ax.errorbar(
+                    [i + 0.15],
+                    [d["mean"]],
+                    yerr=[[d["mean"] - d["low"]], [d["high"] - d["mean"]]],
+                    fmt="s",
+                    color="C3" if d["established"] else "C0",
+                    capsize=4,
+                )
         ax.axhline(0.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(diffs)), [f"{d['a']}\n- {d['b']}" for d in diffs], fontsize=7)
-        ax.set_ylabel(f"{metric} difference (a - b)")
-        ax.set_title("per seed (grey); mean ± 2 SE (red: called)", fontsize=9)
+        labels = [f"{d['a']}\n- {d['b']}" + (f"\nt={d['timestep']}" if "timestep" in d else "") for d in diffs]
+        ax.set_xticks(range(len(diffs)), labels, fontsize=6)
+        ax.set_ylabel("difference (a - b)")
+        ax.set_title(f"{family['family']}\nper seed (grey); mean, 95 % interval (red: Holm p < 0.05)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

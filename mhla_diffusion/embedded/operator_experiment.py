@@ -1,5 +1,5 @@
 """Part A of ``mhla reproduce``: one attention layer fitted to a fixed teacher on a 2-D token grid, and
-the rank of the N x N attention matrix it learned.
+the rank of the N x N attention matrix it learned (and had before training).
 
 Tasks (:data:`TASKS`), each on a ``side`` x ``side`` grid of ``N = side**2`` tokens:
 
@@ -7,16 +7,23 @@ Tasks (:data:`TASKS`), each on a ``side`` x ``side`` grid of ``N = side**2`` tok
   ``-|p_i - p_j|**2 / (2 LOCAL_WIDTH**2)`` (grid units) to its content term; the teacher's output on
   Gaussian token contents is the target, scored by the relative error ``|y_hat - y| / |y|`` on held-out
   inputs. The width is fixed in tokens, so the teacher grows more local relative to the grid as N grows.
-* ``recall``: associative recall. ``RECALL_PAIRS`` tokens anywhere in the grid each hold a (key, value)
-  pair, ``RECALL_PAIRS`` other tokens each hold one of those keys as a query, the rest are filler; every
-  query token must output its key's value. Scored by the recall accuracy on held-out grids.
+* ``groups``: a teacher that is not local and whose attention matrix has a known rank. Every token carries
+  one of ``groups`` tags (one-hot, each tag on ``N / groups`` tokens, rounded, at random places in the grid)
+  beside Gaussian contents; the teacher outputs, for each token, the mean over the tokens of its tag of
+  ``content @ W``. Its attention matrix ``A[i, j] = 1[tag_i = tag_j] / |tag_i|`` has rank exactly ``groups``
+  (:meth:`Task.teacher_matrix`), 64 by default: twice a head's ``d = 32``. Scored like ``local``.
+* ``recall``: associative recall. ``pairs`` tokens anywhere in the grid each hold a (key, value) pair (keys
+  drawn without repetition from ``keys``, values from :data:`RECALL_VALUES`), ``pairs`` other tokens each
+  hold one of those keys as a query, the rest are filler; every query token must output its key's value.
+  With 64 pairs and ``d = 32`` a rank-``d`` state cannot hold them all. Scored by the recall accuracy on
+  held-out grids.
 
 Every student sees the token contents concatenated with fixed 2-D sinusoidal position features
 (:func:`position_features`), and is one attention layer (``heads`` x ``head_dim``) between linear maps
-(:class:`AttentionStudent`, kinds in :data:`STUDENTS`): global linear attention (the MHLA operator with
-one block: the same feature map ``ReLU(x) + eps``), MHLA (``M <= sqrt(N)`` blocks, learnable mixing
-initialised from block distances), MHLA with one mixing matrix per head, and softmax. Every draw depends
-on ``(seed, step)`` only, so the students of one seed see the same batches.
+(:class:`AttentionStudent`, kinds in :data:`STUDENTS`, described in :data:`STUDENT_KINDS`). The linear
+kinds are the MHLA operator with the same feature map ``ReLU(x) + eps``; they differ only in their blocks,
+their mixing and whether it learns, and one adds LePE. Every draw depends on ``(seed, step)`` only, so the
+students of one seed see the same batches.
 """
 
 from __future__ import annotations
@@ -38,24 +45,41 @@ from .training_loop import step_generator
 
 __all__ = [
     "STUDENTS",
+    "STUDENT_KINDS",
     "TASKS",
     "AttentionStudent",
     "Task",
     "attention_measures",
+    "check_task_tokens",
     "mhla_layout",
     "rank_bound",
+    "shuffled_mixing",
     "train_students",
 ]
 
-STUDENTS = ("linear", "mhla", "mhla-per-head", "softmax")
-TASKS = ("local", "recall")
-CONTENT_DIM = 32  # the local task's token contents and output
+#: Student kind -> what it is. Frozen mixing is a buffer (not trained); learned mixing a parameter.
+STUDENT_KINDS = {
+    "linear": "global linear attention (the operator with one block)",
+    "linear-lepe": "global linear attention plus LePE (a depthwise 3x3 convolution of the values over the grid)",
+    "mhla-uniform": "MHLA blocks with uniform mixing, frozen: every query block sees the same mix of all block "
+    "summaries, so it computes global linear attention (up to the denominator's eps)",
+    "mhla-shuffled": "MHLA blocks with the locality-initialised weights given to randomly permuted key blocks, "
+    "frozen: blocks and the same weights, no locality",
+    "mhla-frozen": "MHLA with locality-initialised mixing, frozen",
+    "mhla": "MHLA with locality-initialised mixing, learned",
+    "mhla-per-head": "MHLA with one learned locality-initialised mixing matrix per head",
+    "softmax": "softmax attention",
+}
+STUDENTS = tuple(STUDENT_KINDS)
+TASKS = ("local", "groups", "recall")
+CONTENT_DIM = 32  # the local and groups tasks' token contents and output
 POSITION_FREQUENCIES = 8  # per axis and per sin / cos: 32 position features
 LOCAL_WIDTH = 1.5  # the local teacher's positional bias width, in tokens
-RECALL_KEYS, RECALL_VALUES, RECALL_PAIRS = 32, 16, 8
-TEACHER_SEED, EVAL_SEED = 1234, 5678
+GROUPS = 64  # the groups teacher's tags: the rank of its attention matrix
+RECALL_KEYS, RECALL_VALUES, RECALL_PAIRS = 128, 16, 64
+TEACHER_SEED, EVAL_SEED, SHUFFLE_SEED = 1234, 5678, 4321
 FEATURE_EPS = 1e-6
-RANK_TOLERANCE = 1e-3  # numerical rank: singular values above this fraction of the largest
+RANK_TOLERANCES = (1e-3, 1e-2)  # numerical rank: singular values above this fraction of the largest
 
 
 def mhla_layout(side: int) -> tuple[int, int]:
@@ -95,35 +119,73 @@ class Batch:
     mask: torch.Tensor | None = None
 
 
-class Task:
-    """One teacher at one grid size: draws batches (a pure function of the generator) and scores students."""
+def check_task_tokens(name: str, tokens: int, groups: int = GROUPS, pairs: int = RECALL_PAIRS) -> None:
+    """Raise ``ValueError`` naming the task and a fix when ``tokens`` cannot hold it: a square grid of at
+    least 4 x 4; ``groups`` needs two tokens per tag, ``recall`` a token for each pair and each query."""
+    grid_side(tokens)
+    if name == "groups" and tokens < 2 * groups:
+        raise ValueError(
+            f"groups task: {tokens} tokens give fewer than two tokens to each of {groups} tags; use more tokens"
+        )
+    if name == "recall" and tokens < 2 * pairs:
+        raise ValueError(f"recall task: {tokens} tokens cannot hold {pairs} pairs and their queries; use more tokens")
 
-    def __init__(self, name: str, tokens: int, heads: int, head_dim: int) -> None:
+
+class Task:
+    """One teacher at one grid size: draws batches (a pure function of the generator) and scores students.
+    ``groups`` (tags of the groups teacher, its rank), ``pairs`` and ``keys`` (recall) size the tasks."""
+
+    def __init__(
+        self,
+        name: str,
+        tokens: int,
+        heads: int,
+        head_dim: int,
+        *,
+        groups: int = GROUPS,
+        pairs: int = RECALL_PAIRS,
+        keys: int = RECALL_KEYS,
+    ) -> None:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}: choose from {', '.join(TASKS)}")
+        if keys < pairs:
+            raise ValueError(f"recall needs at least as many keys as pairs, got {keys} keys for {pairs} pairs")
+        check_task_tokens(name, tokens, groups, pairs)
         self.name, self.tokens, self.side = name, tokens, grid_side(tokens)
+        self.groups, self.pairs, self.keys = groups, pairs, keys
         self.positions = position_features(self.side)
         self.heads, self.head_dim = heads, head_dim
+        g = torch.Generator().manual_seed(TEACHER_SEED)  # one teacher for every grid size and seed
         if name == "local":
-            g = torch.Generator().manual_seed(TEACHER_SEED)  # one teacher for every grid size and seed
             scale = CONTENT_DIM**-0.5
             self.teacher = {w: torch.randn(CONTENT_DIM, heads * head_dim, generator=g) * scale for w in "qkv"}
             self.teacher["o"] = torch.randn(heads * head_dim, CONTENT_DIM, generator=g) * (heads * head_dim) ** -0.5
             coords = torch.cartesian_prod(torch.arange(self.side), torch.arange(self.side)).float()
             self.bias = -(torch.cdist(coords, coords) ** 2) / (2 * LOCAL_WIDTH**2)
+        elif name == "groups":
+            self.teacher = {"v": torch.randn(CONTENT_DIM, CONTENT_DIM, generator=g) * CONTENT_DIM**-0.5}
 
     @property
     def in_dim(self) -> int:
-        extra = CONTENT_DIM if self.name == "local" else 3 + RECALL_KEYS + RECALL_VALUES
+        extra = {
+            "local": CONTENT_DIM,
+            "groups": CONTENT_DIM + self.groups,
+            "recall": 3 + self.keys + RECALL_VALUES,
+        }[self.name]
         return extra + self.positions.shape[1]
 
     @property
     def out_dim(self) -> int:
-        return CONTENT_DIM if self.name == "local" else RECALL_VALUES
+        return RECALL_VALUES if self.name == "recall" else CONTENT_DIM
+
+    @property
+    def teacher_rank(self) -> int | None:
+        """The rank of the teacher's attention matrix where it is known by construction (``groups``)."""
+        return self.groups if self.name == "groups" else None
 
     def batch(self, size: int, generator: torch.Generator) -> Batch:
         """``size`` fresh inputs and their targets."""
-        return self._local(size, generator) if self.name == "local" else self._recall(size, generator)
+        return {"local": self._local, "groups": self._groups, "recall": self._recall}[self.name](size, generator)
 
     def _with_positions(self, content: torch.Tensor) -> torch.Tensor:
         return torch.cat([content, self.positions.expand(len(content), -1, -1)], dim=-1)
@@ -138,15 +200,42 @@ class Task:
         content = torch.randn(size, self.tokens, CONTENT_DIM, generator=generator)
         return Batch(self._with_positions(content), self.local_teacher(content))
 
+    def group_tags(self, size: int, generator: torch.Generator) -> torch.Tensor:
+        """``(size, N)`` tags: tag ``t`` on the tokens ``i`` with ``i mod groups == t`` of a random permutation,
+        so every tag is present, on ``floor`` or ``ceil`` of ``N / groups`` tokens scattered over the grid."""
+        base = torch.arange(self.tokens) % self.groups
+        return torch.stack([base[torch.randperm(self.tokens, generator=generator)] for _ in range(size)])
+
+    def groups_teacher(self, content: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        """The groups teacher's output ``(B, N, CONTENT_DIM)``: per token, the mean of ``content @ W`` over the
+        tokens of its tag (``content`` ``(B, N, CONTENT_DIM)``, ``tags`` ``(B, N)``)."""
+        index = tags[..., None].expand(-1, -1, CONTENT_DIM)
+        sums = torch.zeros(len(content), self.groups, CONTENT_DIM).scatter_add_(1, index, content)
+        counts = torch.zeros(len(content), self.groups).scatter_add_(1, tags, torch.ones(tags.shape))
+        means = sums / counts[..., None]
+        return means.gather(1, index) @ self.teacher["v"]
+
+    def teacher_matrix(self, tags: torch.Tensor) -> torch.Tensor:
+        """The groups teacher's ``(N, N)`` attention matrix for one input's tags ``(N,)``:
+        ``A[i, j] = 1[tag_i = tag_j] / |{k: tag_k = tag_i}|``; its rank is the number of tags (all present)."""
+        same = (tags[:, None] == tags[None, :]).double()
+        return same / same.sum(dim=1, keepdim=True)
+
+    def _groups(self, size: int, generator: torch.Generator) -> Batch:
+        content = torch.randn(size, self.tokens, CONTENT_DIM, generator=generator)
+        tags = self.group_tags(size, generator)
+        x = torch.cat([content, F.one_hot(tags, self.groups).float()], dim=-1)
+        return Batch(self._with_positions(x), self.groups_teacher(content, tags))
+
     def _recall(self, size: int, generator: torch.Generator) -> Batch:
         """Token types: 0 filler, 1 a (key, value) pair, 2 a query holding one of the pairs' keys."""
-        n, pairs = self.tokens, RECALL_PAIRS
+        n, pairs = self.tokens, self.pairs
         kinds = torch.zeros(size, n, dtype=torch.long)
         keys = torch.zeros(size, n, dtype=torch.long)
         values = torch.zeros(size, n, dtype=torch.long)
         for b in range(size):
             where = torch.randperm(n, generator=generator)[: 2 * pairs]
-            chosen = torch.randperm(RECALL_KEYS, generator=generator)[:pairs]
+            chosen = torch.randperm(self.keys, generator=generator)[:pairs]
             answer = torch.randint(RECALL_VALUES, (pairs,), generator=generator)
             asked = torch.randperm(pairs, generator=generator)
             kinds[b, where[:pairs]], keys[b, where[:pairs]], values[b, where[:pairs]] = 1, chosen, answer
@@ -155,7 +244,7 @@ class Task:
         content = torch.cat(
             [
                 F.one_hot(kinds, 3).float(),
-                F.one_hot(keys, RECALL_KEYS).float() * (kinds > 0)[..., None],
+                F.one_hot(keys, self.keys).float() * (kinds > 0)[..., None],
                 F.one_hot(values, RECALL_VALUES).float() * pair,
             ],
             dim=-1,
@@ -163,14 +252,14 @@ class Task:
         return Batch(self._with_positions(content), values, kinds == 2)
 
     def loss(self, prediction: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Mean squared error (local) or cross-entropy over the query tokens (recall)."""
-        if self.name == "local":
+        """Mean squared error (local, groups) or cross-entropy over the query tokens (recall)."""
+        if self.name != "recall":
             return F.mse_loss(prediction, batch.target)
         return F.cross_entropy(prediction[batch.mask], batch.target[batch.mask])
 
     def score(self, prediction: torch.Tensor, batch: Batch) -> float:
-        """Relative error ``|y_hat - y| / |y|`` (local) or recall accuracy over the query tokens (recall)."""
-        if self.name == "local":
+        """Relative error ``|y_hat - y| / |y|`` (local, groups) or recall accuracy over the query tokens."""
+        if self.name != "recall":
             return float((prediction - batch.target).norm() / batch.target.norm())
         return float((prediction[batch.mask].argmax(-1) == batch.target[batch.mask]).float().mean())
 
@@ -189,6 +278,22 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).flatten(2)
 
 
+def shuffled_mixing(layout: tuple[int, int]) -> torch.Tensor:
+    """The locality-initialised mixing of ``layout`` (:func:`~mhla_diffusion.ops.mixing.mixing_init`) with its
+    key blocks (columns) permuted by a fixed derangement drawn from :data:`SHUFFLE_SEED`: every query block
+    keeps the same weights (and the matrix its rank and column sums) but gives its largest to another block,
+    with no relation to distance. One block: ``[[1]]``."""
+    mixing = mixing_init(layout)
+    m = mixing.shape[0]
+    if m == 1:
+        return mixing
+    g = torch.Generator().manual_seed(SHUFFLE_SEED)
+    while True:
+        perm = torch.randperm(m, generator=g)
+        if not bool((perm == torch.arange(m)).any()):
+            return mixing[:, perm]
+
+
 class AttentionStudent(nn.Module):
     """One attention layer of ``kind`` (:data:`STUDENTS`) between linear maps, on a ``side`` x ``side`` grid."""
 
@@ -199,19 +304,39 @@ class AttentionStudent(nn.Module):
         self.kind, self.grid, self.heads = kind, (side, side), heads
         self.qkv = nn.Linear(in_dim, 3 * heads * head_dim)
         self.out = nn.Linear(heads * head_dim, out_dim)
-        self.layout = (1, 1) if kind in ("linear", "softmax") else mhla_layout(side)
-        mixing = mixing_init(self.layout)  # locality-initialised; [[1]] for one block
+        self.layout = mhla_layout(side) if kind.startswith("mhla") else (1, 1)
+        m = num_blocks(self.layout)
+        if kind == "mhla-uniform":
+            mixing = torch.full((m, m), 1.0 / m)
+        elif kind == "mhla-shuffled":
+            mixing = shuffled_mixing(self.layout)
+        else:
+            mixing = mixing_init(self.layout)  # locality-initialised; [[1]] for one block
         if kind == "mhla-per-head":
             mixing = mixing.expand(heads, -1, -1).clone()
-        if kind.startswith("mhla"):
+        if kind in ("mhla", "mhla-per-head"):
             self.mixing = nn.Parameter(mixing)
         else:
             self.register_buffer("mixing", mixing, persistent=False)
+        self.lepe = None
+        if kind == "linear-lepe":
+            inner = heads * head_dim
+            self.lepe = nn.Conv2d(inner, inner, kernel_size=3, padding=1, groups=inner)
         self.plan = block_plan(self.grid, self.layout)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values ``(B, N, H, D)`` (raw projections: the operator applies the feature map)."""
         return tuple(t.unflatten(-1, (self.heads, -1)) for t in self.qkv(x).chunk(3, dim=-1))  # type: ignore[return-value]
+
+    def lepe_term(self, v: torch.Tensor) -> torch.Tensor:
+        """LePE's ``(B, N, H * D)`` term for values ``(B, N, H, D)``: a depthwise 3x3 convolution over the grid
+        (zero for kinds without LePE)."""
+        flat = v.flatten(2)
+        if self.lepe is None:
+            return torch.zeros_like(flat)
+        batch, n, channels = flat.shape
+        image = flat.transpose(1, 2).reshape(batch, channels, *self.grid)
+        return self.lepe(image).reshape(batch, channels, n).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x)
@@ -221,13 +346,17 @@ class AttentionStudent(nn.Module):
             )
         else:
             out = mhla_attention(q, k, v, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS, plan=self.plan)
-        return self.out(out.flatten(2))
+        out = out.flatten(2)
+        if self.lepe is not None:
+            out = out + self.lepe_term(v)
+        return self.out(out)
 
     @torch.no_grad()
     def attention_matrix(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(H, N, N)`` attention matrix of one input ``x`` ``(N, C)``: row ``i`` weighs the values of
         every token for query ``i``. For the linear kinds it is the operator applied to the identity as values
-        (``phi(q_i).phi(k_j) W[b(i), b(j)]`` over its normaliser), so it is exactly what the layer computes."""
+        (``phi(q_i).phi(k_j) W[b(i), b(j)]`` over its normaliser), so it is exactly what the layer's attention
+        computes; LePE's convolution (:meth:`lepe_term`) is added after it and is not part of the matrix."""
         q, k, _ = self._qkv(x[None].float())
         if self.kind == "softmax":
             scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * q.shape[-1] ** -0.5
@@ -240,32 +369,49 @@ class AttentionStudent(nn.Module):
 
 
 def rank_bound(kind: str, tokens: int, head_dim: int) -> int:
-    """The most the rank of a student's N x N attention matrix can be: ``d`` for global linear attention,
-    ``sum_b min(n_b, d)`` over the blocks for MHLA (each query block's rows are ``phi(Q_b)`` times one
-    ``d`` x ``N`` matrix), ``N`` for softmax."""
+    """The most the rank of a student's N x N attention matrix can be: ``d`` for global linear attention
+    (with or without LePE, whose convolution is outside the matrix) and for uniform mixing (every query block
+    reads the same mixed summary), ``sum_b min(n_b, d)`` over the blocks for the other MHLA kinds (each query
+    block's rows are ``phi(Q_b)`` times one ``d`` x ``N`` matrix), ``N`` for softmax."""
     side = grid_side(tokens)
+    if kind not in STUDENTS:
+        raise ValueError(f"unknown student {kind!r}: choose from {', '.join(STUDENTS)}")
     if kind == "softmax":
         return tokens
-    layout = (1, 1) if kind == "linear" else mhla_layout(side)
+    if kind in ("linear", "linear-lepe", "mhla-uniform"):
+        return min(tokens, head_dim)
+    layout = mhla_layout(side)
     block_tokens = tokens // num_blocks(layout)  # mhla_layout divides the grid: equal blocks
     return num_blocks(layout) * min(block_tokens, head_dim)
 
 
+def _rank_key(tolerance: float) -> str:
+    return f"rank_{tolerance:.0e}".replace("e-0", "e-")
+
+
+#: The measures of :func:`attention_measures`, in order: ``rank_1e-3``, ``rank_1e-2``, effective rank, entropy.
+RANK_MEASURES = (*(_rank_key(t) for t in RANK_TOLERANCES), "effective_rank", "row_entropy")
+
+
 def attention_measures(matrix: torch.Tensor) -> dict[str, float]:
-    """Numerical rank (singular values above :data:`RANK_TOLERANCE` x the largest), effective rank (``exp``
-    of the entropy of the normalised singular values) and mean row entropy (nats) of an ``(N, N)`` matrix
-    whose rows are non-negative weights summing to 1."""
+    """Numerical ranks (singular values above each of :data:`RANK_TOLERANCES` x the largest: ``rank_1e-3``,
+    ``rank_1e-2``), effective rank (``exp`` of the entropy of the normalised singular values) and mean row
+    entropy (nats) of an ``(N, N)`` matrix whose rows are non-negative weights summing to 1."""
     values = torch.linalg.svdvals(matrix.double())
     p = values / values.sum()
     p = p[p > 0]
     rows = matrix.double().clamp_min(0)
     rows = rows / rows.sum(dim=-1, keepdim=True)
     entropy = -(rows * rows.clamp_min(1e-300).log()).sum(dim=-1)
+    ranks = {_rank_key(t): int((values > t * values[0]).sum()) for t in RANK_TOLERANCES}
     return {
-        "numerical_rank": int((values > RANK_TOLERANCE * values[0]).sum()),
+        **ranks,
         "effective_rank": float(torch.exp(-(p * p.log()).sum())),
         "row_entropy": float(entropy.mean()),
     }
+
+
+CURVE_POINTS = 10  # the training loss is kept as the mean of each tenth of the steps
 
 
 def train_students(
@@ -279,14 +425,20 @@ def train_students(
     rank_max_tokens: int,
 ) -> list[dict[str, Any]]:
     """Fit one student of each of ``kinds`` to ``task`` from ``seed``, in lockstep on the same batches (one
-    teacher call per step serves them all). Per student: its held-out score, its CPU seconds per training
-    step, and for ``N <= rank_max_tokens`` the measures of each head's attention matrix on the first
-    held-out input, averaged over heads."""
+    teacher call per step serves them all). Per student: its held-out score, its training-loss curve (the mean
+    of each tenth of the steps), its CPU seconds per training step, and for ``N <= rank_max_tokens`` the
+    measures of each head's attention matrix on the first held-out input, averaged over heads, after training
+    (``rank``) and before (``rank_untrained``)."""
     students = {}
     for kind in kinds:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             students[kind] = AttentionStudent(kind, task.in_dim, task.out_dim, task.side, task.heads, task.head_dim)
+    held_out = task.held_out(eval_size)
+    untrained = {
+        kind: _rank_measures(student, held_out) if task.tokens <= rank_max_tokens else None
+        for kind, student in students.items()
+    }
     optimizers = {kind: torch.optim.Adam(student.parameters(), lr=lr) for kind, student in students.items()}
     losses: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu = dict.fromkeys(kinds, 0.0) | {"teacher": 0.0}
@@ -302,11 +454,25 @@ def train_students(
             optimizers[kind].step()
             losses[kind].append(float(loss.detach()))
             cpu[kind] += time.process_time() - began
-    held_out = task.held_out(eval_size)
     return [
         _measure(task, kind, student, held_out, seed, steps, losses[kind], cpu, rank_max_tokens)
+        | {"rank_untrained": untrained[kind]}
         for kind, student in students.items()
     ]
+
+
+def _rank_measures(student: AttentionStudent, held_out: Batch) -> dict[str, float]:
+    """:func:`attention_measures` of each head's matrix on the first held-out input, averaged over heads."""
+    heads = [attention_measures(m) for m in student.attention_matrix(held_out.x[0])]
+    return {name: float(np.mean([h[name] for h in heads])) for name in heads[0]}
+
+
+def loss_curve(losses: list[float], points: int = CURVE_POINTS) -> list[float]:
+    """The mean of ``losses`` over each of ``points`` equal (to one step) consecutive stretches."""
+    if not losses:
+        return []
+    chunks = np.array_split(np.asarray(losses, dtype=float), min(points, len(losses)))
+    return [float(c.mean()) for c in chunks]
 
 
 @torch.no_grad()
@@ -321,21 +487,19 @@ def _measure(
     cpu: dict[str, float],
     rank_max_tokens: int,
 ) -> dict[str, Any]:
-    result: dict[str, Any] = {
+    return {
         "task": task.name,
         "student": kind,
         "tokens": task.tokens,
         "seed": seed,
         "steps": steps,
         "score": task.score(student(held_out.x), held_out),
-        "final_loss": float(np.mean(losses[-20:])),
+        "final_loss": float(np.mean(losses[-20:])) if losses else None,
+        "loss_curve": loss_curve(losses),
         "cpu_seconds_per_step": round(cpu[kind] / max(steps, 1), 4),
         "teacher_cpu_seconds_per_step": round(cpu["teacher"] / max(steps, 1), 4),
         "layout": list(student.layout),
         "rank_bound": rank_bound(kind, task.tokens, task.head_dim),
-        "rank": None,
+        "teacher_rank": task.teacher_rank,
+        "rank": _rank_measures(student, held_out) if task.tokens <= rank_max_tokens else None,
     }
-    if task.tokens <= rank_max_tokens:
-        heads = [attention_measures(m) for m in student.attention_matrix(held_out.x[0])]
-        result["rank"] = {name: float(np.mean([h[name] for h in heads])) for name in heads[0]}
-    return result

@@ -14,18 +14,27 @@ from scipy import stats
 from mhla_diffusion.cli import main
 from mhla_diffusion.embedded.attention_experiment import ExperimentSettings, estimate_budget, run_experiment
 from mhla_diffusion.embedded.build import settings_with
-from mhla_diffusion.embedded.experiment_statistics import interval, paired_difference
+from mhla_diffusion.embedded.experiment_statistics import (
+    holm,
+    interval,
+    minimal_detectable_difference,
+    paired_difference,
+)
 from mhla_diffusion.embedded.generative_check import ARMS, asymmetry, mirror_images, new_denoiser, sample_scale
 from mhla_diffusion.embedded.operator_experiment import (
-    RECALL_PAIRS,
+    FEATURE_EPS,
     STUDENTS,
     AttentionStudent,
     Task,
     attention_measures,
+    loss_curve,
     mhla_layout,
     rank_bound,
+    shuffled_mixing,
 )
 from mhla_diffusion.models.conversion import get_mhla_conversion
+from mhla_diffusion.ops.attention import mhla_attention
+from mhla_diffusion.ops.mixing import mixing_init
 
 
 class _Killed(Exception):
@@ -41,35 +50,98 @@ def _student(kind: str, task: Task) -> AttentionStudent:
 def test_attention_matrix_is_what_the_layer_computes(kind):
     task = Task("local", 64, heads=2, head_dim=8)
     student = _student(kind, task)
+    if student.lepe is not None:  # a LePE that is not zero, so that its term counts
+        torch.nn.init.normal_(student.lepe.weight, std=0.3)
     x = task.held_out(1).x
     matrix = student.attention_matrix(x[0])  # (H, N, N)
     _, _, v = student._qkv(x)
-    by_matrix = student.out(torch.einsum("hnm,mhd->nhd", matrix, v[0]).flatten(1))
-    torch.testing.assert_close(by_matrix, student(x)[0], atol=1e-5, rtol=1e-5)
+    by_matrix = torch.einsum("hnm,mhd->nhd", matrix, v[0]).flatten(1) + student.lepe_term(v)[0]
+    torch.testing.assert_close(student.out(by_matrix), student(x)[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(matrix.sum(-1), torch.ones(2, 64), atol=1e-5, rtol=0)  # rows are weights
+
+
+def test_lepe_term_is_a_depthwise_3x3_convolution_over_the_grid():
+    task = Task("local", 16, heads=1, head_dim=2)
+    student = _student("linear-lepe", task)
+    torch.nn.init.normal_(student.lepe.weight)
+    v = torch.randn(1, 16, 1, 2)
+    grid = v[0, :, 0, :].reshape(4, 4, 2)
+    padded = torch.nn.functional.pad(grid.permute(2, 0, 1), (1, 1, 1, 1))  # (C, 6, 6)
+    w, b = student.lepe.weight[:, 0], student.lepe.bias  # (C, 3, 3)
+    expected = torch.zeros(4, 4, 2)
+    for r in range(4):
+        for c in range(4):
+            expected[r, c] = (padded[:, r : r + 3, c : c + 3] * w).sum(dim=(1, 2)) + b
+    torch.testing.assert_close(student.lepe_term(v)[0], expected.reshape(16, 2), atol=1e-5, rtol=1e-5)
+    assert _student("mhla", task).lepe is None and not _student("mhla", task).lepe_term(v).any()
+
+
+def test_uniform_mixing_computes_global_linear_attention():
+    # every query block reads (1/M) sum_b S_b over (1/M) sum_b z_b + eps: global linear attention whose
+    # denominator eps is M times larger (it matters only for a query whose features are all near eps)
+    task = Task("local", 256, heads=2, head_dim=8)
+    uniform, linear = _student("mhla-uniform", task), _student("linear", task)
+    assert uniform.layout == (4, 4) and linear.layout == (1, 1)
+    x = task.held_out(2).x
+    q, k, v = uniform._qkv(x)
+    one_block = mhla_attention(q, k, v, (16, 16), (1, 1), torch.ones(1, 1), feature_eps=FEATURE_EPS, eps=16e-6)
+    torch.testing.assert_close(uniform(x), uniform.out(one_block.flatten(2)), atol=1e-5, rtol=1e-5)
+    same = (uniform(x) - linear(x)).abs().amax(-1) < 1e-5  # per token
+    assert same.float().mean() > 0.99
+
+
+def test_mixing_of_each_kind_and_what_trains():
+    task = Task("local", 256, heads=2, head_dim=8)
+    local = mixing_init((4, 4))
+    students = {kind: _student(kind, task) for kind in STUDENTS}
+    torch.testing.assert_close(students["mhla-frozen"].mixing, local)
+    torch.testing.assert_close(students["mhla"].mixing.detach(), local)
+    torch.testing.assert_close(students["mhla-uniform"].mixing, torch.full((16, 16), 1 / 16))
+    shuffled = students["mhla-shuffled"].mixing
+    assert torch.equal(shuffled, shuffled_mixing((4, 4)))
+    columns = [next(j for j in range(16) if torch.equal(shuffled[:, i], local[:, j])) for i in range(16)]
+    assert sorted(columns) == list(range(16)) and all(i != j for i, j in enumerate(columns))  # a derangement
+    trained = {kind for kind, st in students.items() if any(n == "mixing" for n, _ in st.named_parameters())}
+    assert trained == {"mhla", "mhla-per-head"}
+    assert students["linear-lepe"].lepe is not None and {k for k, st in students.items() if st.lepe} == {"linear-lepe"}
+    assert torch.equal(shuffled_mixing((1, 1)), torch.ones(1, 1))
 
 
 def test_rank_bounds_and_measured_ranks():
     assert [mhla_layout(side) for side in (8, 16, 32, 64)] == [(2, 2), (4, 4), (4, 4), (8, 8)]  # M <= sqrt(N)
-    assert [rank_bound("linear", n, 32) for n in (64, 1024)] == [32, 32]
+    for kind in ("linear", "linear-lepe", "mhla-uniform"):
+        assert [rank_bound(kind, n, 32) for n in (16, 64, 1024)] == [16, 32, 32]
     # sum over blocks of min(n_b, d): 4 x 16, 16 x 16, 16 x min(64, 32), 64 x min(64, 32)
-    assert [rank_bound("mhla", n, 32) for n in (64, 256, 1024, 4096)] == [64, 256, 512, 2048]
+    for kind in ("mhla", "mhla-frozen", "mhla-shuffled", "mhla-per-head"):
+        assert [rank_bound(kind, n, 32) for n in (64, 256, 1024, 4096)] == [64, 256, 512, 2048]
     assert rank_bound("softmax", 1024, 32) == 1024
+    with pytest.raises(ValueError, match="unknown student"):
+        rank_bound("bogus", 64, 32)
     task = Task("local", 256, heads=1, head_dim=8)
     x = task.held_out(1).x[0]
-    linear = attention_measures(_student("linear", task).attention_matrix(x)[0])
-    mhla = attention_measures(_student("mhla", task).attention_matrix(x)[0])
-    assert linear["numerical_rank"] <= 8 < mhla["numerical_rank"] <= rank_bound("mhla", 256, 8)
+    for kind in ("linear", "mhla-uniform", "mhla", "mhla-shuffled"):
+        measured = attention_measures(_student(kind, task).attention_matrix(x)[0])
+        assert measured["rank_1e-2"] <= measured["rank_1e-3"] <= rank_bound(kind, 256, 8), kind
+    assert attention_measures(_student("mhla-shuffled", task).attention_matrix(x)[0])["rank_1e-3"] > 8
 
 
 def test_attention_measures_of_known_matrices():
     n = 16
     identity = attention_measures(torch.eye(n))
-    assert identity["numerical_rank"] == n and identity["effective_rank"] == pytest.approx(n)
+    assert identity["rank_1e-3"] == identity["rank_1e-2"] == n and identity["effective_rank"] == pytest.approx(n)
     assert identity["row_entropy"] == pytest.approx(0.0, abs=1e-9)
     uniform = attention_measures(torch.full((n, n), 1 / n))
-    assert uniform["numerical_rank"] == 1 and uniform["effective_rank"] == pytest.approx(1.0)
+    assert uniform["rank_1e-3"] == uniform["rank_1e-2"] == 1 and uniform["effective_rank"] == pytest.approx(1.0)
     assert uniform["row_entropy"] == pytest.approx(math.log(n))
+    # singular values 1, 5e-3, 5e-4 (an orthogonal rotation of a diagonal): rank 2 at 1e-3, 1 at 1e-2
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    graded = attention_measures(q @ torch.diag(torch.tensor([1.0, 5e-3, 5e-4], dtype=torch.float64)) @ q.T)
+    assert (graded["rank_1e-3"], graded["rank_1e-2"]) == (2, 1)
+
+
+def test_loss_curve_is_the_mean_of_each_tenth():
+    assert loss_curve(list(range(20))) == [0.5 + 2 * i for i in range(10)]
+    assert loss_curve([1.0, 3.0]) == [1.0, 3.0] and loss_curve([]) == []
 
 
 def test_interval_and_paired_difference():
@@ -80,32 +152,89 @@ def test_interval_and_paired_difference():
     )
     a, b = [1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.8, 3.9]
     diff = paired_difference(a, b)
+    d = np.subtract(a, b)
     assert diff["p"] == pytest.approx(stats.ttest_rel(a, b).pvalue)
-    assert diff["called"] == (abs(diff["mean"]) > 2 * diff["se"])
-    assert not paired_difference([1.0, 2.0, 3.0], [1.1, 1.8, 3.05])["called"]  # inside two standard errors
-    assert paired_difference([1.0, 2.0], [0.0, 1.0]) | {"differences": None} == {
-        "n": 2,
-        "mean": 1.0,
-        "se": 0.0,
-        "t": None,
-        "p": 0.0,
-        "called": True,
-        "differences": None,
-    }
+    assert diff["t"] == pytest.approx(stats.ttest_rel(a, b).statistic)
+    assert (diff["low"], diff["high"]) == pytest.approx(stats.t.interval(0.95, 3, loc=d.mean(), scale=stats.sem(d)))
+    assert diff["se"] == pytest.approx(stats.sem(d)) and diff["sd"] == pytest.approx(np.std(d, ddof=1))
+    assert "called" not in diff  # calls are made on Holm-corrected p (experiment_report), not here
+    same = paired_difference([1.0, 2.0], [0.0, 1.0])
+    assert (same["se"], same["p"], same["t"], same["low"], same["high"]) == (0.0, 0.0, None, 1.0, 1.0)
+    with pytest.raises(ValueError, match="equally long"):
+        paired_difference([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_holm_against_a_hand_computation():
+    # sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06; 0.04 x 1 = 0.04 -> 0.06 (never below the last)
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.01, None, 0.5]) == [pytest.approx(0.02), None, pytest.approx(0.5)]  # None: not in the family
+    assert holm([0.6, 0.7]) == [1.0, 1.0]  # capped at 1, monotone
+    assert holm([]) == [] and holm([0.2]) == [0.2]
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        holm([0.1, 1.5])
+
+
+def test_minimal_detectable_difference_against_closed_forms_and_a_simulation():
+    # large n: the normal approximation (z_0.975 + z_0.8) sd / sqrt(n)
+    z = stats.norm.ppf(0.975) + stats.norm.ppf(0.8)
+    assert minimal_detectable_difference(2.0, 10_000) == pytest.approx(z * 2.0 / 100, rel=1e-3)
+    assert minimal_detectable_difference(0.0, 5) == 0.0
+    # n = 5: the share of simulated paired t tests at level alpha that reject, at the true difference MDD
+    rng = np.random.default_rng(0)
+    for alpha in (0.05, 0.05 / 8):
+        mdd = minimal_detectable_difference(1.0, 5, alpha=alpha)
+        d = rng.normal(mdd, 1.0, size=(40_000, 5))
+        t_stat = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(5))
+        rejected = np.abs(t_stat) > stats.t.ppf(1 - alpha / 2, 4)
+        assert rejected.mean() == pytest.approx(0.8, abs=0.01), alpha
+    assert minimal_detectable_difference(1.0, 5, alpha=0.05 / 8) > minimal_detectable_difference(1.0, 5)
+    with pytest.raises(ValueError, match="two seeds"):
+        minimal_detectable_difference(1.0, 1)
 
 
 def test_recall_queries_ask_for_a_pairs_value():
-    task = Task("recall", 64, heads=2, head_dim=8)
+    task = Task("recall", 64, heads=2, head_dim=8, pairs=16, keys=40)
+    assert task.in_dim == 3 + 40 + 16 + 32
     batch = task.batch(3, torch.Generator().manual_seed(0))
-    keys = batch.x[..., 3:35].argmax(-1)
     kinds = batch.x[..., :3].argmax(-1)
-    values = batch.x[..., 35:51].argmax(-1)
+    keys = batch.x[..., 3:43].argmax(-1)
+    values = batch.x[..., 43:59].argmax(-1)
     for b in range(3):
-        assert int((kinds[b] == 1).sum()) == int(batch.mask[b].sum()) == RECALL_PAIRS
+        assert int((kinds[b] == 1).sum()) == int(batch.mask[b].sum()) == 16
         pairs = {int(keys[b, i]): int(values[b, i]) for i in torch.nonzero(kinds[b] == 1).flatten()}
+        assert len(pairs) == 16  # distinct keys
         for i in torch.nonzero(batch.mask[b]).flatten():
             assert int(batch.target[b, i]) == pairs[int(keys[b, i])]
-        assert batch.x[b, batch.mask[b], 35:51].sum() == 0  # a query does not hold its answer
+        assert batch.x[b, batch.mask[b], 43:59].sum() == 0  # a query does not hold its answer
+    with pytest.raises(ValueError, match="cannot hold 64 pairs"):
+        Task("recall", 64, heads=2, head_dim=8, pairs=64)
+
+
+def test_groups_teacher_has_the_stated_rank_and_is_not_local():
+    task = Task("groups", 256, heads=2, head_dim=8, groups=24)
+    assert task.teacher_rank == 24 and task.in_dim == 32 + 24 + 32
+    g = torch.Generator().manual_seed(0)
+    batch = task.batch(2, g)
+    content, tags = batch.x[..., :32], batch.x[..., 32:56].argmax(-1)
+    counts = torch.bincount(tags[0], minlength=24)
+    assert counts.min() >= 256 // 24 and counts.max() <= 256 // 24 + 1  # every tag, balanced
+    for b in range(2):
+        matrix = task.teacher_matrix(tags[b])
+        assert int(torch.linalg.matrix_rank(matrix)) == 24  # the stated rank
+        torch.testing.assert_close(matrix.sum(-1), torch.ones(256, dtype=torch.float64))
+        by_matrix = (matrix.float() @ content[b]) @ task.teacher["v"]
+        torch.testing.assert_close(batch.target[b], by_matrix, atol=1e-5, rtol=1e-5)
+    # token 0 sees the farthest token of its own tag and no token of another tag
+    same = torch.nonzero(tags[0] == tags[0, 0]).flatten()
+    far = int(same[-1]) if int(same[-1]) != 0 else int(same[0])
+    other = int(torch.nonzero(tags[0] != tags[0, 0]).flatten()[0])
+    for token, moves in ((far, True), (other, False)):
+        moved = content.clone()
+        moved[0, token] += 10.0
+        changed = task.groups_teacher(moved, tags)[0, 0] - task.groups_teacher(content, tags)[0, 0]
+        assert bool(changed.abs().max() > 1e-2) == moves
+    with pytest.raises(ValueError, match="fewer than two tokens"):
+        Task("groups", 64, heads=2, head_dim=8, groups=64)
 
 
 def test_local_teacher_ignores_distant_tokens():
@@ -148,22 +277,33 @@ def test_part_b_arms_differ_only_in_attention():
 def test_smoke_run_covers_every_arm(smoke_reproduction):
     report = json.loads((smoke_reproduction / "report.json").read_text())
     s = ExperimentSettings.smoke()
+    assert {(r["task"], r["student"]) for r in report["part_a"]} == {
+        (task, kind) for task in s.part_a_tasks for kind in s.part_a_students
+    }
     for run in report["part_a"]:
-        assert run["rank"]["numerical_rank"] <= run["rank_bound"]
+        for ranks in (run["rank"], run["rank_untrained"]):
+            assert ranks["rank_1e-2"] <= ranks["rank_1e-3"] <= run["rank_bound"]
         assert (0 <= run["score"] <= 1) if run["task"] == "recall" else run["score"] > 0
+        assert len(run["loss_curve"]) == 3  # one point per step: 3 steps
+        assert run["teacher_rank"] == (s.groups if run["task"] == "groups" else None)
     for run in report["part_b"]:
         assert set(run["held_out_loss"]) == {"50", "200", "500", "800"} and run["asymmetry"] >= 0
     assert {r["arm"] for r in report["part_b"]} == set(s.part_b_arms)
-    assert "MHLA against global linear attention" in (smoke_reproduction / "reading.md").read_text()
+    reading = (smoke_reproduction / "reading.md").read_text()
+    assert "Part A, local teacher, MHLA (local mixing, learned) against MHLA with uniform mixing" in reading
+    assert "Holm p = " in reading and "Part B, held-out denoising loss per timestep" in reading
 
 
 def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "out"
     for setting, message in [
         ("part_a_students=linear,bogus", "part_a_students: ['bogus'] not known"),
-        ("part_a_batch_sizes=2", "one entry per token count"),
+        ("local_batch_sizes=2", "one entry per token count of local_tokens"),
+        ("recall_steps=3,3", "one entry per token count of recall_tokens"),
         ("part_b_seeds=0", "at least two distinct seeds"),
-        ("token_counts=16,60", "token count 60 is not a square grid"),
+        ("local_tokens=16,60", "token count 60 is not a square grid"),
+        ("groups=9", "fewer than two tokens to each of 9 tags"),
+        ("recall_keys=2", "recall_keys (2) must be at least recall_pairs"),
     ]:
         assert main(["reproduce", "--smoke", "--output", str(out), "--set", setting]) == 2
         err = capsys.readouterr().err
@@ -175,10 +315,11 @@ def _tiny() -> ExperimentSettings:
     return settings_with(
         ExperimentSettings.smoke(),
         [
-            "token_counts=16",
-            "part_a_batch_sizes=2",
+            "local_tokens=16",
+            "local_batch_sizes=2",
+            "local_steps=3",
             "part_a_tasks=local",
-            "part_a_students=linear",
+            "part_a_students=mhla-uniform",
             "part_b_arms=mhla",
             "part_b_tokens=16",
             "part_b_steps=4",
@@ -206,11 +347,11 @@ def test_a_killed_run_keeps_finished_units_and_resumes_inside_the_run(tmp_path):
     assert seen == [("b-mhla-16tok-seed1", 4)]  # one checkpoint per step in smoke: only step 4 was left
     for key in ("part_a", "part_b"):
         for a, b in zip(plain[key], resumed[key]):
-            for measure in ("score", "rank", "held_out_loss", "asymmetry", "final_train_loss"):
+            for measure in ("score", "rank", "rank_untrained", "held_out_loss", "asymmetry", "final_train_loss"):
                 assert a.get(measure) == b.get(measure), (key, measure)
     assert len(resumed["part_b"][1]["attempt_seconds"]) == 2
     with pytest.raises(ValueError, match="other settings"):
-        run_experiment(tmp_path / "killed", settings_with(s, ["part_a_steps=5"]))
+        run_experiment(tmp_path / "killed", settings_with(s, ["local_steps=5"]))
 
 
 @pytest.mark.slow  # trains

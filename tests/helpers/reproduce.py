@@ -17,10 +17,10 @@ def check_report_is_complete(report: dict, settings: ExperimentSettings) -> None
     assert report["settings"] == dataclasses.asdict(s)
     assert report.get("complete") is True
     expected_a = {
-        (task, kind, tokens, seed)
+        (task, kind, plan.tokens, seed)
         for task in s.part_a_tasks
-        for tokens in s.token_counts
-        for kind in s.students_at(tokens)
+        for plan in s.part_a_plan(task)
+        for kind in s.students_at(plan.tokens)
         for seed in s.part_a_seeds
     }
     assert sorted((r["task"], r["student"], r["tokens"], r["seed"]) for r in report["part_a"]) == sorted(expected_a)
