@@ -690,15 +690,37 @@ def mhla_attention_fused_backward(
             launches.append({**_launch_arguments(q, v, plan, mixing, cos, mode), "rope_converted": False})
         return empty
     del empty
+    if saved is not None and (saved[1] is None) != (mode == "none"):
+        raise ValueError(f"`saved` must hold the key sums z exactly when normalize='denominator' (got {mode!r})")
     if dot_dtype is None:
         dot_dtype = _default_dot_dtype(q, v)
+    return _fused_backward(grad_out, q, k, v, mixing, cos, sin, plan, feature_eps, mode, eps, dot_dtype, saved)
+
+
+def _fused_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    plan: BlockPlan,
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+    dot_dtype: torch.dtype,
+    saved: tuple[torch.Tensor, torch.Tensor | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch (summaries ->) mixing -> query kernel -> unmixing -> key kernel on validated inputs
+    (``normalize`` ``"denominator"``/``"none"``, ``dot_dtype`` given; see
+    :func:`mhla_attention_fused_backward`). On ``meta`` tensors with ``_kernel`` swapped for a recorder (the
+    compile test), the launches are exactly the ones a CUDA call of these shapes makes."""
     rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
     if saved is None:
-        summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, mode, dot_dtype)
+        summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     else:
         summaries, key_sums = saved
-        if (key_sums is None) != (mode == "none"):
-            raise ValueError(f"`saved` must hold the key sums z exactly when normalize='denominator' (got {mode!r})")
     mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     dq, d_mixed, d_mixed_sums = _launch_query_grad(
         grad_out, q, plan, rope, summaries, key_sums, mixed, mixed_sums, feature_eps, eps, dot_dtype
