@@ -339,14 +339,18 @@ def _key_grad_kernel(
             rot = tl.reshape(tl.permute(rot, (0, 2, 1)), (BLOCK_D, BLOCK_T)).to(DOT_DTYPE)
         else:
             rot = feats.to(DOT_DTYPE)
-        values = tl.load(v_base + cols[:, None] * svd + token[None, :] * svn, mask=v_mask, other=0.0).to(DOT_DTYPE)
         if IEEE:
             d_v = tl.dot(tl.trans(d_summary), rot, input_precision="ieee")  # (Dv, slots)
-            d_rot = tl.dot(d_summary, values, input_precision="ieee")  # (D, slots)
         else:
             d_v = tl.dot(tl.trans(d_summary), rot)
-            d_rot = tl.dot(d_summary, values)
         tl.store(dv_base + cols[:, None] * sdvd + token[None, :] * sdvn, d_v.to(dv_ptr.dtype.element_ty), mask=v_mask)
+        # v loaded only after dv is stored: rot and d_v are dead before values and d_rot live (with generic
+        # strides the key kernel spilled 4-52 bytes on sm_80 and sm_89 with v loaded first; now 206-232 registers)
+        values = tl.load(v_base + cols[:, None] * svd + token[None, :] * svn, mask=v_mask, other=0.0).to(DOT_DTYPE)
+        if IEEE:
+            d_rot = tl.dot(d_summary, values, input_precision="ieee")  # (D, slots)
+        else:
+            d_rot = tl.dot(d_summary, values)
         if HAS_ROPE:
             r_even, r_odd = tl.split(tl.permute(tl.reshape(d_rot, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
@@ -389,12 +393,16 @@ def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, 
 
     The query kernel keeps the mixed summary ``S̃_o`` and the float32 accumulator of its gradient (Wan:
     128 x 128 each) beside one slot tile's q, g, features and gradients (two products a tile: ``dS̃_o += q̂ᵀ g'``
-    and ``S̃_o g'``, from which ``g'·out = q̂·(S̃_o g') / den`` too); the key kernel keeps ``dS_j``. With 8 warps
-    ptxas keeps both in registers at Wan's D = Dv = 128 (bf16): on sm_90 (wgmma) 242 and 177-180 registers a
-    thread with the denominator, 202 and 169-171 without, no spills (the compile test in
-    tests/attention/test_triton_mhla_backward.py; tiles of 32 slots spill); on sm_80 and sm_89 the query
-    kernel does not spill either (224-255 registers), the key kernel spills 4-52 bytes where every block is
-    full. ``block_len`` is not used: a block shorter than 16 slots is one masked tile."""
+    and ``S̃_o g'``, from which ``g'·out = q̂·(S̃_o g') / den`` too); the key kernel keeps ``dS_j`` (and its
+    transpose, the operand of ``dv``) and stores ``dv`` before it loads ``v``. With 8 warps ptxas keeps them in
+    registers at Wan's D = Dv = 128 (bf16). At the specialisations launched at Wan2.1-1.3B's shapes (unit
+    channel strides as constants, the others divisible by 16), registers a thread without / with the
+    denominator: query kernel 166-170 / 228-240 on sm_80 and sm_89, 140 / 180-184 on sm_90; key kernel
+    118-128 / 126-128 on sm_80 and sm_89, 64 / 74 on sm_90; no spills (the compile test in
+    tests/attention/test_triton_mhla_backward.py). With generic integer strides (no alignment known) they
+    take 202-255 registers, still without spills (the key kernel spilled 4-52 bytes on sm_80 and sm_89 when
+    ``v`` was loaded before ``dv`` was stored); tiles of 32 slots spilled. ``block_len`` is not used: a block
+    shorter than 16 slots is one masked tile."""
     del block_len
     block_d = _pow2(head_dim)
     block_dv = _pow2(value_dim)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -301,7 +302,8 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
     """Compile, without a GPU, exactly what the fused backward launches at Wan2.1-1.3B's shapes (both grids,
     both normalisations, shared and per-head mixing: one query and one key kernel each) for sm_80, sm_89 and
     sm_90, bound as Triton binds the captured arguments (:mod:`helpers.triton_compile`), and check in ptxas'
-    own log that nothing spills. Prints registers per kernel, specialisation and target (``pytest -s``)."""
+    own log that nothing spills, and in the PTX that rows are loaded in 16-byte vectors. Prints registers per
+    kernel, specialisation and target (``pytest -s``)."""
     triton = pytest.importorskip("triton")
     from helpers.triton_compile import bind_launch, compile_launch, unsupported
 
@@ -326,6 +328,9 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
             if key in compiled:  # the same specialisation from another launch (per-head mixing changes none)
                 continue
             launch = compiled[key] = compile_launch(jit, args, kwargs, arch)
+            # rows move in 16-byte vectors: no 2-byte global loads of q, g, k, v, the tables or the summaries
+            assert not re.search(r"ld\.global(\.\w+)*\.b16\b", launch.ptx), (name, arch)
+            assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", launch.ptx), (name, arch)
             flags = {f: spec[f][1] for f in ("HAS_VALID", "NORMALIZE")}
             report.append(
                 f"sm_{arch} {name} {flags} BLOCK_T={kwargs['BLOCK_T']} warps={kwargs['num_warps']}: "
