@@ -9,6 +9,8 @@ report in ``--output``."""
 
 from __future__ import annotations
 
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,41 @@ __all__ = ["README_HEADING", "readme_section", "replace_readme_section", "reprod
 
 README_HEADING = "## Attentions compared"
 DOC_LINK = "docs/reproduce.md"
+WIDTH = 115  # the README's and docs' line width
+#: the students whose ranks the README names (the page names all)
+README_RANK_STUDENTS = ("mhla-uniform", "mhla", "softmax")
+_GLUE = "\x00"  # a space that textwrap does not break at
+
+
+def _glued(line: str) -> str:
+    """``line`` with the spaces around `` - ``, `` + ``, `` * ``, `` > `` and before a number ending in ``.`` or
+    ``)`` made unbreakable, so that no wrapped line starts with what Markdown reads as a list item or quote."""
+    line = re.sub(r" ([-+*>]) ", lambda m: f"{_GLUE}{m.group(1)}{_GLUE}", line)
+    return re.sub(r"(\S) (\d+[.)])(?= |$)", lambda m: f"{m.group(1)}{_GLUE}{m.group(2)}", line)
+
+
+def _wrap(lines: list[str]) -> str:
+    """``lines`` joined, each prose line or bullet wrapped at :data:`WIDTH` (bullets indented by two); code
+    blocks, headings, tables and images stay as they are."""
+    out, code = [], False
+    for line in lines:
+        if line.startswith("```"):
+            code = not code
+        if code or line.startswith(("```", "#", "|", "![")) or len(line) <= WIDTH:
+            out.append(line)
+            continue
+        bullet = line.startswith("- ")
+        body = _glued(line[2:] if bullet else line)
+        wrapped = textwrap.wrap(
+            body,
+            WIDTH,
+            initial_indent="- " if bullet else "",
+            subsequent_indent="  " if bullet else "",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        out += [piece.replace(_GLUE, " ") for piece in wrapped]
+    return "\n".join(out)
 
 
 def _check(report: dict[str, Any]) -> None:
@@ -36,6 +73,10 @@ def _check(report: dict[str, Any]) -> None:
             f"the docs are written from a complete report of schema {SCHEMA!r}; this one has schema "
             f"{report.get('schema')!r} and complete={report.get('complete')!r} (finish the run first)"
         )
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _tokens(values: list[int]) -> str:
@@ -92,8 +133,8 @@ def _score_range(summary: dict[str, Any], task: str, student: str) -> str | None
     return ", ".join(f"{r['score']['mean']:.3f} at {r['tokens']}" for r in rows)
 
 
-def _rank_line(summary: dict[str, Any], task: str) -> str | None:
-    rows = [r for r in summary["rank"] if r["task"] == task]
+def _rank_line(summary: dict[str, Any], task: str, students: tuple[str, ...] | None = None) -> str | None:
+    rows = [r for r in summary["rank"] if r["task"] == task and (students is None or r["student"] in students)]
     if not rows:
         return None
     parts = []
@@ -147,7 +188,7 @@ def readme_section(report: dict[str, Any]) -> str:
         for a, b, question in PART_A_PAIRS[:4]:
             line = _short_pair(family, a, b)
             if line:
-                bits.append(f"{question} ({SHORT_NAMES[a]} - {SHORT_NAMES[b]}): {line}")
+                bits.append(f"{_capital(question)} ({SHORT_NAMES[a]} - {SHORT_NAMES[b]}): {line}")
         lines.append(
             f"- **{TASK_NAMES[task][0].upper() + TASK_NAMES[task][1:]}** ({SCORE_NAMES[task]}). "
             + ". ".join(bits)
@@ -160,7 +201,7 @@ def readme_section(report: dict[str, Any]) -> str:
             + "."
         )
     for task in s["part_a_tasks"]:
-        rank = _rank_line(summary, task)
+        rank = _rank_line(summary, task, README_RANK_STUDENTS)
         if rank and task != "recall":
             lines.append(f"- **Rank at 1e-2, {TASK_NAMES[task]}**, untrained -> trained of its bound: {rank}.")
     family = _family(summary, "Part B, held-out denoising loss")
@@ -175,7 +216,7 @@ def readme_section(report: dict[str, Any]) -> str:
             f"{_part_b_means(summary, 'mean_held_out_loss', 3)}; " + "; ".join(parts) + "."
         )
     lines += ["", f"Every number, the figures and how the experiment is built: [{DOC_LINK}]({DOC_LINK}).", ""]
-    return "\n".join(lines)
+    return _wrap(lines)
 
 
 def replace_readme_section(readme: str, section: str) -> str:
@@ -271,7 +312,7 @@ def reproduce_doc(report: dict[str, Any]) -> str:
             for a, b, question in PART_A_PAIRS:
                 line = _pair_line(family, a, b)
                 if line:
-                    lines.append(f"- {question} ({SHORT_NAMES[a]} - {SHORT_NAMES[b]}): {line}.")
+                    lines.append(f"- {_capital(question)} ({SHORT_NAMES[a]} - {SHORT_NAMES[b]}): {line}.")
         lines.append("")
     if summary["recall_dropped"]:
         lines += [
@@ -306,7 +347,7 @@ def reproduce_doc(report: dict[str, Any]) -> str:
             where = f" at t = {c['timestep']}" if "timestep" in c else ""
             lines.append(f"- {SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}{where}: {comparison_words(c)}.")
         lines.append("")
-    return "\n".join(lines)
+    return _wrap(lines)
 
 
 def write_docs(report: dict[str, Any], root: str | Path) -> list[Path]:

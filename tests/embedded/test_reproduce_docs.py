@@ -75,8 +75,8 @@ def check_numbers_come_from_report(text: str, report: dict) -> None:
 
 def check_calls_follow_corrected_p(text: str, report: dict) -> None:
     """Every comparison of a Part A family, and of Part B in the full page, appears in its own words; once
-    those are removed, no word that calls a difference remains."""
-    rest = text
+    those are removed, no word that calls a difference remains (line breaks read as spaces)."""
+    rest = " ".join(text.split())
     for family in report["summary"]["families"]:
         for c in family["comparisons"]:
             words = comparison_words(c)
@@ -87,11 +87,13 @@ def check_calls_follow_corrected_p(text: str, report: dict) -> None:
         assert word not in lowered, f"'{word}' outside a comparison's own words"
 
 
-def _made_up_report(effects: dict[str, float]) -> dict:
+def _made_up_report(effects: dict[str, float], settings: ExperimentSettings | None = None) -> dict:
     """A complete report of the smoke settings with made-up scores: ``effects[kind]`` added to every score of
     that student (seed noise 0.01), and Part B numbers with MHLA's loss clearly lower than linear's; five Part A
     seeds and four Part B seeds, as in the full run."""
-    s = dataclasses.replace(ExperimentSettings.smoke(), part_a_seeds=[0, 1, 2, 3, 4], part_b_seeds=[0, 1, 2, 3])
+    s = settings or dataclasses.replace(
+        ExperimentSettings.smoke(), part_a_seeds=[0, 1, 2, 3, 4], part_b_seeds=[0, 1, 2, 3]
+    )
     rng = np.random.default_rng(0)
     part_a = []
     for task in s.part_a_tasks:
@@ -147,6 +149,11 @@ def test_docs_of_a_made_up_report_state_only_its_numbers_and_calls():
     report = _made_up_report({"mhla": -0.2, "softmax": -0.4})  # MHLA clearly lower than every control
     section, doc = readme_section(report), reproduce_doc(report)
     for text in (section, doc):
+        code = False
+        for line in text.splitlines():  # wrapped prose; no continuation line that Markdown reads as a list item
+            code ^= line.startswith("```")
+            assert code or line.startswith(("![", "```")) or len(line) <= 115, line
+            assert not re.match(r"^\s+([-+*>]|\d+[.)]) ", line), line
         check_numbers_come_from_report(text, report)
         check_calls_follow_corrected_p(text, report)
     local = next(f for f in report["summary"]["families"] if f["family"] == "Part A, local teacher")
@@ -159,6 +166,17 @@ def test_docs_of_a_made_up_report_state_only_its_numbers_and_calls():
         assert (c["mdd"] is None) == c["established"]
     assert section.startswith(README_HEADING + "\n")
     assert "not established" in doc
+
+
+def test_the_readme_section_of_a_full_size_report_keeps_the_readme_within_300_lines():
+    from pathlib import Path
+
+    report = _made_up_report({"mhla": -0.05}, ExperimentSettings())  # the full run's tasks, sizes and seeds
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme_section(report)
+    check_numbers_come_from_report(section, report)
+    check_calls_follow_corrected_p(section, report)
+    assert len(replace_readme_section(readme, section).splitlines()) <= 300
 
 
 def test_a_made_up_difference_is_called_only_when_holm_allows():
@@ -199,3 +217,21 @@ def test_docs_of_the_smoke_run(smoke_reproduction):
     for text in (readme_section(report), reproduce_doc(report)):
         check_numbers_come_from_report(text, report)
         check_calls_follow_corrected_p(text, report)
+
+
+def test_the_docs_option_rewrites_both_files_from_the_output_folders_report(tmp_path, monkeypatch, capsys):
+    from mhla_diffusion.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# T\n\n## Attentions compared\n\nold\n\n## Layout\n")
+    assert main(["reproduce", "--docs", "--output", "run"]) == 2
+    assert "no report at run/report.json" in capsys.readouterr().err
+    report = _made_up_report({})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "report.json").write_text(json.dumps(report))
+    assert main(["reproduce", "--docs", "--output", "run"]) == 0
+    assert (tmp_path / "README.md").read_text() == replace_readme_section(
+        "# T\n\n## Attentions compared\n\nold\n\n## Layout\n", readme_section(report)
+    )
+    assert (tmp_path / "docs" / "reproduce.md").read_text() == reproduce_doc(report)
