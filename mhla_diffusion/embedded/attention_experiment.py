@@ -83,12 +83,13 @@ class ExperimentSettings:
       1,024 (batch 4; at 3e-3 it was at 60 % after 600 steps); global linear attention and MHLA at 38-40 %
       after 300 steps. Steps 400 and 800 leave room for seeds that learn later.
     * groups (rank 64), 1e-2: softmax's relative error 0.03 by step 400 at 256 tokens (0.77 at 300) and 0.05 by
-      400 at 1,024; global linear attention and MHLA at 0.87 after 600 steps (0.866 is the error of a token's
+      400 at 1,024; at 256 tokens global linear attention and MHLA at 0.87 after 600 steps (0.866: a token's
       own share alone), and at 0.18-0.20 on a rank-16 teacher (16 tags): the rank, not the optimiser, stops
       them. 600 steps at both sizes.
 
     Time: about 3,500 one-thread CPU seconds for Part A (per-step costs of these probes and of the committed
-    reproduce-2 run, times the steps; the rank measures about 10 s a unit at 1,024 tokens), which on 2 threads
+    reproduce-2 run, times the steps; the rank measures, before and after training, 0.45 s a student and
+    measurement at 1,024 tokens, about 5 s a unit), which on 2 threads
     takes about half as long in wall time (the committed run's Part A units: wall / one-thread CPU 0.48-0.55),
     so about 32 minutes; Part B unchanged, 40 minutes in the committed run; about 72 minutes in all, within the
     90 issue 50 allows. ``mhla reproduce --budget`` prints the projected time of any settings."""
