@@ -40,14 +40,14 @@ from .stages import Stages
 from .training_loop import LoopProgress
 from .video_judge import prompt_accuracy, train_video_judge
 
-__all__ = ["STREAM_MODELS", "StreamBuildSettings", "build_stream_models"]
+__all__ = ["STREAM_MODELS", "StreamBuildSettings", "build_stream_models", "causal_student_start"]
 
 logger = logging.getLogger(__name__)
 
 #: Exported folder -> run name in the work dir.
 STREAM_MODELS = {"shapes-long-mhla": "long-mhla", "shapes-long-softmax": "long-softmax"}
 DATA_SEED, HELD_OUT_SEED = 20_000, 21_000
-_WATCHED = ("checkpoints", "runs", "cache", "evaluate", "judges", "data")
+_WATCHED = ("checkpoints", "runs", "cache", "evaluate", "judges", "data", "start")
 
 
 @dataclass
@@ -60,6 +60,9 @@ class StreamBuildSettings:
     judge_held_out: int = 480
     steps: int = 800  # each fine-tune
     lr: float = 3e-4
+    # Attention-transfer steps before the MHLA fine-tune (each causal MHLA layer first learns to reproduce the
+    # softmax layer it replaces, as the main build's students do); the softmax teacher has none.
+    transfer_steps: int = 0
     batch_size: int = 8
     # Diffusion forcing: one latent frame per chunk; each frame but a clip's last is clean context with this
     # probability (a stream's context is always clean, so half the training sees what inference sees).
@@ -73,6 +76,10 @@ class StreamBuildSettings:
     # Block-causal MHLA: the video student's 6x6 blocks per latent frame, two earlier frames mixed one by one,
     # older ones summed; the output gate as the non-streaming student (LePE reads the next frame, so none).
     layout: list[int] = dataclasses.field(default_factory=lambda: [1, 6, 6])
+    # Where the MHLA fine-tune starts: "softmax" converts the softmax teacher (every MHLA weight new), "student"
+    # the embedded non-streaming MHLA student (shapes-t2v-mhla) made causal with its weights
+    # (:func:`causal_student_start`).
+    mhla_start: str = "softmax"
     causal_window: int = 2
     # How rows older than the window reach a query: "sum" (every older row at full weight, so the fold grows with
     # the video: a 65-frame stream folds 62 rows where the 9-frame clips folded at most 6) or "decay" (learned).
@@ -133,7 +140,8 @@ def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: d
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
-    values = _run_values(work, s, "long", "bouncing", _Run(name, start, s.steps, s.lr, mhla))
+    transfer = s.transfer_steps if mhla is not None else 0
+    values = _run_values(work, s, "long", "bouncing", _Run(name, start, s.steps, s.lr, mhla, transfer))
     values.update(
         height=d.height,
         width=d.width,
@@ -156,10 +164,57 @@ def _flow_shift(start: Path) -> float:
     return float(json.loads((start / "scheduler" / "scheduler_config.json").read_text())["flow_shift"])
 
 
+def causal_student_start(source: Path, output: Path, s: StreamBuildSettings) -> Path:
+    """The causal MHLA start of the streaming fine-tune made from the build ``source``'s non-streaming MHLA student
+    (``shapes-t2v-mhla``), saved as a pipeline at ``output`` (kept when already there); returns ``output``.
+
+    The softmax teacher's pipeline (``shapes-t2v-softmax``: its scheduler and the student's VAE and text encoder,
+    which are the teacher's) is converted with ``MHLAConfig(causal=True)`` and ``s``'s layout, window, fold and gate,
+    then takes every weight the student has: the projections, norms, FFN and gate, and its spatial mixing ``(S, S)``
+    for every temporal offset and the fold (``(K + 2, S, S)``), so a query first mixes the past as the student mixed
+    the whole clip. The student's LePE (a convolution that reads the next frame) is dropped; a decay fold starts at
+    its initial value. The student's layout must be ``s.layout``.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from ..config import MHLAConfig
+    from ..pipelines import MHLAWanPipeline
+
+    if (output / "model_index.json").is_file():
+        return output
+    student_dir = source / "shapes-t2v-mhla" / "transformer"
+    student_layout = json.loads((student_dir / "mhla_config.json").read_text())["mhla_config"]["layout"]
+    if list(student_layout) != list(s.layout):
+        raise ValueError(
+            f"mhla_start student: the student's layout {student_layout} is not the stream's {s.layout}; set layout "
+            f"to {student_layout}, or mhla_start to softmax"
+        )
+    pipe = MHLAWanPipeline.from_pretrained(source / "shapes-t2v-softmax")
+    config = MHLAConfig(
+        layout=tuple(s.layout), causal=True, causal_window=s.causal_window, causal_fold=s.causal_fold, gate=s.gate
+    )
+    pipe.convert_to_mhla(config)
+    own = pipe.transformer.state_dict()
+    student = load_file(student_dir / "diffusion_pytorch_model.safetensors")
+    with torch.no_grad():
+        for key, value in student.items():
+            if ".processor.lepe" in key or (".processor.gate" in key and not s.gate):
+                continue
+            own[key].copy_(value.expand_as(own[key]) if key.endswith(".processor.mixing") else value)
+    partial = output.with_name(output.name + ".partial")  # a killed save leaves no folder that looks finished
+    shutil.rmtree(partial, ignore_errors=True)
+    pipe.save_pretrained(partial)
+    partial.rename(output)
+    return output
+
+
 def _fine_tune(work: Path, s: StreamBuildSettings, name: str, start: Path) -> dict[str, Any]:
     from ..finetune.train_wan import train as train_wan
 
     mhla = None
+    if name == "mhla" and s.mhla_start == "student":
+        start = causal_student_start(start.parent, work / "start" / "long-mhla", s)
     if name == "mhla":
         mhla = {
             "layout": list(s.layout),
@@ -212,6 +267,8 @@ def build_stream_models(
     already there are replaced only with ``overwrite`` (checked before any work).
     """
     s = settings or StreamBuildSettings()
+    if s.mhla_start not in ("softmax", "student"):
+        raise ValueError(f"mhla_start must be softmax or student, got {s.mhla_start!r}")
     work = Path(work_dir)
     source = Path(from_build) if from_build is not None else EMBEDDED_ROOT
     start = source / "shapes-t2v-softmax"

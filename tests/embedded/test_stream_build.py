@@ -78,3 +78,37 @@ def test_evaluation_prompts_cover_every_shape_colour_and_direction():
     assert len(set(evaluation_prompts(48))) == 48
     with pytest.raises(ValueError, match="eval_prompts must be 1..48"):
         evaluation_prompts(49)
+
+
+def test_the_student_start_is_the_non_streaming_student_made_causal(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from mhla_diffusion.embedded.locations import EMBEDDED_ROOT
+    from mhla_diffusion.embedded.stream_build import causal_student_start
+    from mhla_diffusion.models.conversion import get_mhla_conversion
+    from mhla_diffusion.pipelines import MHLAWanStreamingPipeline
+
+    s = StreamBuildSettings(causal_fold="decay", mhla_start="student")
+    folder = causal_student_start(EMBEDDED_ROOT, tmp_path / "start", s)
+    pipe = MHLAWanStreamingPipeline.from_pretrained(folder)
+    config = get_mhla_conversion(pipe.transformer).config
+    assert (config.causal, config.causal_window, config.causal_fold, config.gate, config.lepe) == (
+        True,
+        2,
+        "decay",
+        True,
+        False,
+    )
+    student = load_file(EMBEDDED_ROOT / "shapes-t2v-mhla" / "transformer" / "diffusion_pytorch_model.safetensors")
+    own = pipe.transformer.state_dict()
+    for key, value in student.items():
+        if ".processor.lepe" in key:
+            assert key not in own
+        elif key.endswith(".processor.mixing"):  # (S, S) -> every offset 0 .. K and the fold
+            assert own[key].shape == (4, 36, 36) and torch.equal(own[key], value.expand(4, -1, -1))
+        else:
+            assert torch.equal(own[key], value), key
+    assert pipe.make_stream() is not None
+    with pytest.raises(ValueError, match=r"the student's layout \[1, 6, 6\] is not the stream's \[1, 3, 3\]"):
+        causal_student_start(EMBEDDED_ROOT, tmp_path / "other", StreamBuildSettings(layout=[1, 3, 3]))
