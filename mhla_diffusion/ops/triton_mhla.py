@@ -324,14 +324,13 @@ def _output_kernel(
         tl.store(o_base + token[:, None] * son + cols[None, :] * sod, out.to(o_ptr.dtype.element_ty), mask=o_mask)
 
 
-_KERNELS: dict[tuple[str, bool], object] = {}
+_KERNELS: dict[tuple[object, bool], object] = {}
 
 
-def _kernel(name: str, interpret: bool):
-    """The kernel ``name`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors)."""
-    key = (name, interpret)
+def _jitted(fn, interpret: bool):
+    """The kernel function ``fn`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors); cached."""
+    key = (fn, interpret)
     if key not in _KERNELS:
-        fn = globals()[name]
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -339,6 +338,11 @@ def _kernel(name: str, interpret: bool):
         else:
             _KERNELS[key] = triton.JITFunction(fn)  # compiled whatever TRITON_INTERPRET says now
     return _KERNELS[key]
+
+
+def _kernel(name: str, interpret: bool):
+    """This module's kernel ``name``, jitted or interpreted (:func:`_jitted`)."""
+    return _jitted(globals()[name], interpret)
 
 
 # ----------------------------------------------------------------------------- host side

@@ -54,6 +54,7 @@ from .triton_mhla import (
     _check_inputs,
     _compute_dtype,
     _default_dot_dtype,
+    _jitted,
     _launch_arguments,
     _launch_summaries,
     _mix,
@@ -365,21 +366,9 @@ def _key_grad_kernel(
         tl.store(dk_base + chan[:, None] * sdkd + token[None, :] * sdkn, d_k.to(dk_ptr.dtype.element_ty), mask=k_mask)
 
 
-_KERNELS: dict[tuple[str, bool], object] = {}
-
-
 def _kernel(name: str, interpret: bool):
-    """The kernel ``name`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors)."""
-    key = (name, interpret)
-    if key not in _KERNELS:
-        fn = globals()[name]
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[key] = InterpretedFunction(fn)
-        else:
-            _KERNELS[key] = triton.JITFunction(fn)  # compiled whatever TRITON_INTERPRET says now
-    return _KERNELS[key]
+    """This module's kernel ``name``, jitted or interpreted (``triton_mhla._jitted``)."""
+    return _jitted(globals()[name], interpret)
 
 
 # ----------------------------------------------------------------------------- host side

@@ -1,12 +1,7 @@
 """The committed `mhla reproduce` results (``docs/reproduce/``): made by the committed command with its default
-settings, complete, and the table, reading and figures beside the report are computed from it; once the report
-is of the current schema, so are the README section "Attentions compared" and ``docs/reproduce.md``.
-
-The committed folder holds the run made before issue 50 (schema ``reproduce-2``) until the new full run
-replaces it: that report is checked with the reader of its time (:mod:`helpers.reproduce_v2`), and the
-hand-written README section and docs page stay as they are. A report of schema
-:data:`~mhla_diffusion.embedded.attention_experiment.SCHEMA` is checked against the current settings, and the
-README section and docs page must be the ones :mod:`~mhla_diffusion.embedded.experiment_docs` writes from it.
+settings (schema :data:`~mhla_diffusion.embedded.attention_experiment.SCHEMA`), complete, and the table,
+reading and figures beside the report are computed from it; so are the README section "Attentions compared"
+and ``docs/reproduce.md`` (:mod:`~mhla_diffusion.embedded.experiment_docs` writes them from it).
 """
 
 from __future__ import annotations
@@ -16,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import reproduce_v2
 from helpers.reproduce import check_outputs_come_from_report, check_report_is_complete
 from mhla_diffusion.embedded.attention_experiment import SCHEMA, ExperimentSettings
 from mhla_diffusion.embedded.experiment_docs import readme_section, replace_readme_section, reproduce_doc
@@ -40,14 +34,6 @@ def _committed() -> dict:
 
 def test_committed_results_come_from_their_report():
     report = _committed()
-    if report.get("schema") == reproduce_v2.SCHEMA_V2:
-        assert report.get("complete") is True
-        assert reproduce_v2.summarise(report) == report["summary"]
-        assert (RESULTS / "table.md").read_text() == reproduce_v2.table_markdown(report)
-        assert (RESULTS / "reading.md").read_text() == reproduce_v2.reading_markdown(report)
-        for name in reproduce_v2.FIGURES:
-            assert (RESULTS / name).stat().st_size > 5_000, name
-        return
     assert report.get("schema") == SCHEMA, f"unknown report schema {report.get('schema')!r}"
     s = ExperimentSettings()
     check_report_is_complete(report, s)
@@ -65,11 +51,7 @@ def test_committed_results_come_from_their_report():
 
 def test_committed_readme_section_and_docs_page_come_from_the_report():
     report = _committed()
-    if report.get("schema") != SCHEMA:
-        pytest.skip(
-            f"{RESULTS / 'report.json'} has schema {report.get('schema')!r}: the README section and "
-            "docs/reproduce.md are the hand-written reading of that run until the new run replaces it"
-        )
+    assert report.get("schema") == SCHEMA, f"unknown report schema {report.get('schema')!r}"
     readme = (ROOT / "README.md").read_text()
     assert replace_readme_section(readme, readme_section(report)) == readme
     assert (ROOT / "docs" / "reproduce.md").read_text() == reproduce_doc(report)
