@@ -347,77 +347,45 @@ def _wan_launches(monkeypatch) -> list[tuple[str, object, tuple, dict]]:
 @pytest.mark.slow
 def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spills(tmp_path, monkeypatch, capsys):
     """The interpreter accepts more than the compiler: compile, without a GPU, exactly what the fused forward
-    launches at Wan2.1-1.3B's shapes, every autotuner config, for sm_80, sm_89 and sm_90, and check in ptxas'
-    own log (as Triton runs it: its flags) that nothing spills, and in the PTX that rows are loaded in 16-byte
-    vectors and that pipelined loops copy ahead (``cp.async``). The specialisation (integer widths,
-    divisibility by 16, strides of 1 as constants, pointer alignment) comes from Triton's own argument
-    binding of the captured arguments (meta tensors: aligned like fresh CUDA allocations, views at their
-    offsets). Prints registers per kernel, config and target (``pytest -s``)."""
+    launches at Wan2.1-1.3B's shapes, every autotuner config, for sm_80, sm_89 and sm_90, bound as Triton
+    binds the captured arguments (:mod:`helpers.triton_compile`), and check in ptxas' own log that nothing
+    spills, and in the PTX that rows are loaded in 16-byte vectors and that pipelined loops copy ahead
+    (``cp.async``). Prints registers per kernel, config and target (``pytest -s``)."""
     triton = pytest.importorskip("triton")
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend to compile with")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from helpers.triton_compile import bind_launch, compile_launch, unsupported
 
-    try:  # Triton's launch internals (3.8): the same binding JITFunction.run does before compiling
-        from triton.runtime.jit import create_function_from_signature
-
-        triton.knobs.nvidia.dump_ptxas_log  # noqa: B018
-    except (ImportError, AttributeError) as error:
-        pytest.skip(f"this Triton binds launch arguments differently ({error}): the capture is written for 3.8")
+    reason = unsupported(triton)
+    if reason:
+        pytest.skip(reason)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier run's cache
-    monkeypatch.setattr(triton.knobs.nvidia, "dump_ptxas_log", True)  # Triton prints ptxas -v's log
     launches = _wan_launches(monkeypatch)
     assert [name for name, *_ in launches] == ["_summaries_kernel", "_output_kernel"] * 4
     report, compiled = [], set()
     for arch in (80, 89, 90):
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
         for index, (name, tuner, args, kwargs) in enumerate(launches):
-            jit = tuner.fn
-            names = [p.name for p in jit.params]
-            bind = create_function_from_signature(jit.signature, jit.params, backend)
             for config in tuner.configs:
                 launch = {**kwargs, **config.all_kwargs()}
-                bound, specialization, options = bind(*args, **launch)
-                spec = dict(zip(names, specialization))
+                spec, key, _, _ = bind_launch(tuner.fn, args, launch, arch)
                 grid = WAN_13B["grids"][index // 4]
                 assert spec["HAS_VALID"] == ("constexpr", grid[2] % 10 != 0)  # 52 columns: uneven blocks
                 rows = ("skn", "skh", "svn", "svh") if name == "_summaries_kernel" else ("sqn", "sqh", "son", "soh")
                 assert all(spec[s] == ("i32", "D") for s in rows), spec  # 32-bit, multiples of 16
                 channels = ("skd", "svd") if name == "_summaries_kernel" else ("sqd", "sod")
                 assert all(spec[s] == ("constexpr", 1) for s in (*channels, "scd", "ssd", "s_d")), spec
-                options, signature, constexprs, attrs = jit._pack_args(backend, launch, bound, specialization, options)
-                key = (
-                    arch,
-                    name,
-                    repr(signature),
-                    repr(sorted(constexprs.items(), key=repr)),
-                    repr(attrs),
-                    repr(options),
-                )
                 if key in compiled:  # the same specialisation from another launch
                     continue
                 compiled.add(key)
-                capsys.readouterr()
-                kernel = triton.compile(
-                    ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__
-                )
-                log = capsys.readouterr().out
+                kernel = compile_launch(tuner.fn, args, launch, arch)
                 # rows move in 16-byte vectors (no 2-byte global loads), and the pipelined loops copy ahead
-                ptx = kernel.asm["ptx"]
-                assert not re.search(r"ld\.global(\.\w+)*\.b16\b", ptx), (name, arch)
-                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*, 0x10", ptx)
-                assert ("cp.async" in ptx) == (config.kwargs["NUM_STAGES"] > 1), (name, arch, config)
-                registers = re.search(r"Used (\d+) registers", log)
-                spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-                assert registers and spills, log[-2000:]
+                assert not re.search(r"ld\.global(\.\w+)*\.b16\b", kernel.ptx), (name, arch)
+                assert re.search(r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*, 0x10", kernel.ptx)
+                assert ("cp.async" in kernel.ptx) == (config.kwargs["NUM_STAGES"] > 1), (name, arch, config)
                 flags = {k: spec[k][1] for k in ("HAS_VALID", "NORMALIZE", "STORE_Z") if k in spec}
                 report.append(
                     f"sm_{arch} {name} {flags} BLOCK_T={config.kwargs['BLOCK_T']} warps={config.num_warps} "
-                    f"stages={config.num_stages}: {registers.group(1)} registers, {sum(spills)} bytes spilled"
+                    f"stages={config.num_stages}: {kernel.registers} registers, {kernel.spilled} bytes spilled"
                 )
-                assert sum(spills) == 0, report[-1]
+                assert kernel.spilled == 0, report[-1]
     # 2 kernels x 2 configs x (even, uneven) x (no denominator, denominator) x 3 targets
     assert len(report) == 2 * 2 * 2 * 2 * 3
     with capsys.disabled():

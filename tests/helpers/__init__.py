@@ -17,7 +17,6 @@ Imported as ``from helpers.<topic> import name`` (``tests/`` is on ``sys.path`` 
 * :mod:`helpers.streaming` -- tiny block-causal pipelines, their streaming call and the chunk-by-chunk reference
 * :mod:`helpers.long_video` -- a stand-in for the embedded long-video model, laid out as the build exports it
 * :mod:`helpers.reproduce` -- checks that an ``mhla reproduce`` folder is what its ``report.json`` says
-* :mod:`helpers.reproduce_v2` -- the frozen reader of the committed schema ``reproduce-2`` report
 * :mod:`helpers.triton_compile` -- ahead-of-time ptxas compiles of recorded Triton launches (registers, spills)
 * :mod:`helpers.web` -- the demo server's form defaults and a handle on a running ``python app.py``
 * :mod:`helpers.context_parallel` -- what each gloo process of the context-parallel tests runs and compares
