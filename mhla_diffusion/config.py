@@ -27,13 +27,27 @@ class MHLAConfig:
         layers: which transformer blocks get MHLA self-attention: ``"all"``, ``"hybrid"`` (the
             reference's 2/3 pattern: every block whose index ``i % 3 != 0``) or a list of indices.
         layout: blocks per token-grid axis (Wan: frames, height, width; DiT: rows, columns), or
-            ``"auto"``: chosen once at conversion from ``target_grid`` with ``M <= sqrt(N)`` (with
-            ``scalar_mixed_denominator`` only among layouts that divide ``target_grid``). The
-            layout stays fixed afterwards (the mixing weights are ``M x M``); other grids reuse it
-            through the uneven-block rule (not with ``scalar_mixed_denominator``, which refuses a
-            grid the layout does not divide).
-        target_grid: token grid the ``auto`` layout is chosen for (Wan 81x480x832 video -> (21, 30, 52)).
-            DiT defaults to its own ``sample_size / patch_size`` square.
+            ``"auto"`` (default): chosen once at conversion for the token grid of ``target_grid`` (below)
+            with ``M <= sqrt(N)`` (with ``scalar_mixed_denominator`` only among layouts that divide that
+            grid). The layout stays fixed afterwards (the mixing weights are ``M x M``); other grids reuse
+            it through the uneven-block rule (not with ``scalar_mixed_denominator``, which refuses a grid
+            the layout does not divide).
+        target_grid: token grid the ``auto`` layout is chosen for (and an explicit layout is checked
+            against). ``None`` (default): the model family's default grid, from its row in
+            :data:`~mhla_diffusion.models.families.FAMILIES` (``ModelFamily.default_grid``), so
+            ``MHLAConfig()`` converts every family:
+
+            * Wan (2.1 and 2.2): the grid of Wan2.1's published default video, 81x480x832, under the
+              transformer's own patch size and Wan2.1's VAE factors (x4 in time, x8 in space; a transformer
+              does not record its VAE): (21, 30, 52) for patch 1x2x2 (every published Wan transformer),
+              giving layout 3x5x9. Give the grid of the size you will generate where it differs, e.g.
+              Wan2.2-TI2V-5B (x16 VAE) at 121x704x1280: ``video_token_grid(121, 704, 1280,
+              vae_scale=(4, 16, 16))`` -> (31, 22, 40).
+            * DiT: its config's ``sample_size // patch_size`` square, which the model is made for
+              (DiT-XL/2 at 256 px: (16, 16), layout 4x4).
+
+            The grid and layout chosen are logged (INFO) and recorded on the returned
+            :class:`~mhla_diffusion.models.conversion.MHLAConversion` (``grid``, ``grid_origin``, ``layout``).
         transform: mixing initialisation: ``linear``, ``cos``, ``exp``, ``gaussian`` or ``local``.
         mixing_normalization: ``column`` (reference code: global max distance, columns sum to 1) or
             ``row`` (paper: per-row max distance, rows sum to 1).

@@ -300,7 +300,7 @@ def attention_table(
     """Time SDPA, global linear attention (:func:`plain_linear_attention`, and the MHLA operator with one
     block) and MHLA on the same random inputs for every case, on feature-mapped ``q, k`` and (rows ``+ φ``)
     from raw projections with the feature map included; ``mhla_over_linear`` is MHLA's time over the plain
-    linear attention's on the same inputs (on the ``mhla`` and ``mhla + φ`` rows). ``repeats`` rounds; a method
+    linear attention's on the same inputs (on the ``"mhla"`` and ``"mhla + φ"`` rows). ``repeats`` rounds; a method
     under :data:`QUICK_SECONDS` per call runs ``quick_passes`` times per round (see :func:`time_calls`)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 

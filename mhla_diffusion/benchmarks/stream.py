@@ -3,11 +3,11 @@
 One Wan2.1-1.3B-shaped transformer (random weights, a few blocks) runs a video of ``L`` chunks, ``L`` a multiple of
 a base length, three ways, on the same latents and text:
 
-* ``mhla stream``: block-causal MHLA (``MHLAConfig(causal=True)``) carried by a
+* ``"mhla stream"``: block-causal MHLA (``MHLAConfig(causal=True)``) carried by a
   :class:`~mhla_diffusion.models.streaming.CausalStream`;
-* ``softmax KV cache``: the same model with block-causal softmax self-attention whose keys and values of earlier
+* ``"softmax KV cache"``: the same model with block-causal softmax self-attention whose keys and values of earlier
   chunks are cached and concatenated for SDPA (:mod:`mhla_diffusion.models.kv_cache`);
-* ``mhla one pass``: bidirectional MHLA (the auto layout of the clip's grid) over the whole clip in one forward,
+* ``"mhla one pass"``: bidirectional MHLA (the auto layout of the clip's grid) over the whole clip in one forward,
   up to a token limit.
 
 A stream's cost at length ``L`` is that of its ``L``-th chunk, given the state (or cache) of the ``L - 1`` chunks

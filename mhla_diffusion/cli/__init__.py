@@ -79,3 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as error:  # bad input: a readable line, not a traceback
         print(f"mhla {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a generation (which says itself what it kept): one line
+        print(f"mhla {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130

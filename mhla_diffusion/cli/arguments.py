@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from ..utils.choices import ATTENTIONS, WEIGHT_DTYPES
-from ..utils.geometry import MAX_SEED
+from ..utils.geometry import MAX_SEED, WAN_480P
 from ..utils.options import ANY_NUMBER, above, at_least, between, number, parse_assignment, parse_text, state_ranges
 
 __all__ = [
@@ -41,10 +41,6 @@ __all__ = [
     "positive_int",
     "seed",
 ]
-
-#: Wan2.1's 480p clip (frames, height, width): the default video size of the generation and convert commands.
-WAN_480P = (81, 480, 832)
-
 
 # ---------------------------------------------------------------------------------- value parsers
 

@@ -66,8 +66,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=parse_sizes,
         help="pixel size for the auto layout, turned into tokens with the model's own VAE and patch "
         "factors (a pipeline folder's vae/; Wan2.1's for a transformer folder): FRAMESxHEIGHTxWIDTH "
-        f"for Wan (default {'x'.join(map(str, WAN_480P))}), HEIGHTxWIDTH for DiT (default: the model's "
-        "sample size)",
+        f"for Wan (default {'x'.join(map(str, FAMILIES['wan'].default_size))}), HEIGHTxWIDTH for DiT (default: the "
+        "model's sample size)",
     )
     p.add_argument(
         "--transform", choices=("linear", "cos", "exp", "gaussian", "local"), help="mixing init (default linear)"
@@ -140,9 +140,15 @@ def _convert_config(
             options["target_grid"] = rules.token_grid(geometry, args.target_size)
         except ValueError as error:
             raise ValueError(f"--target-size {size}: {error}") from None
-    default_size = None if rules is None else rules.default_size
-    if default_size is not None and options.get("layout", "auto") == "auto" and "target_grid" not in options:
-        options["target_grid"] = rules.token_grid(geometry, default_size)
+    spec = None if family is None else family_named(family)
+    if (
+        spec is not None
+        and not spec.fixed_grid
+        and options.get("layout", "auto") == "auto"
+        and "target_grid" not in options
+    ):
+        # the family's default grid (convert_to_mhla's rule), with this model's VAE; recorded in the saved config
+        options["target_grid"] = spec.default_grid(geometry=geometry)
     if options.get("target_grid") is not None and "layout" not in options:
         options["layout"] = "auto"
     for name in (
@@ -219,8 +225,6 @@ class _FamilyRules:
     size_example: tuple[int, ...]
     #: Pixel size -> token grid, with the model's geometry.
     token_grid: Callable[[Any, Sequence[int]], tuple[int, ...]]
-    #: The size the auto layout is chosen for when neither a size nor a grid is given (``None``: the model's grid).
-    default_size: tuple[int, ...] | None
     #: ``(transformer config, layout, equal_blocks, generator)`` -> (latents, forward kwargs) of the before/after check.
     random_inputs: Callable[..., tuple[Any, dict[str, Any]]]
     #: ``--preset`` values refused for the family, with their messages.
@@ -234,7 +238,6 @@ _RULES: dict[str, _FamilyRules] = {
         size_format="FRAMESxHEIGHTxWIDTH",
         size_example=WAN_480P,
         token_grid=_video_grid,
-        default_size=WAN_480P,
         random_inputs=_wan_inputs,
         refused_presets={
             "released-dit": "--preset released-dit is the released DiT-MHLA setting, for DiT models; "
@@ -247,7 +250,6 @@ _RULES: dict[str, _FamilyRules] = {
         size_format="HEIGHTxWIDTH",
         size_example=(256, 256),
         token_grid=_image_grid,
-        default_size=None,
         random_inputs=_dit_inputs,
         refused_presets={},
         without_vae=None,

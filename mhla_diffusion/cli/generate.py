@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..benchmarks.crossover import speed_context
 from ..embedded.locations import embedded_defaults
-from ..utils.geometry import VideoGeometry
+from ..utils.geometry import VideoGeometry, read_component_config
 from .arguments import WAN_480P, add_command, add_model_arguments, non_negative_float, positive_float, positive_int
 from .context_parallel import add_context_parallel_arguments, check_context_parallel, start_context_parallel
 
@@ -207,7 +207,8 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
         if missing:
             raise ValueError(
                 f"{args.model} has no default video size (no {RECORD_KEY} in its model_index.json, "
-                f"not an embedded or published Wan model): give {', '.join(missing)}"
+                f"not an embedded or published Wan model): give {', '.join(missing)}, or record them in the folder "
+                "(pipe.record_generation_defaults(num_frames=..., height=..., width=...), then save_pretrained)"
             )
     else:
         d = image_defaults(args.model)
@@ -352,6 +353,22 @@ def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
     return device, dtype, pipe
 
 
+def _warn_block_causal(args: argparse.Namespace, declared: list[dict[str, Any]]) -> None:
+    """Say on stderr when a run without ``--stream`` generates with a block-causal model (made to stream): it then
+    makes one block-causal pass over the whole clip, bounded by the rotary table, which ``--stream`` is not."""
+    from ..utils.stream_frames import BLOCK_CAUSAL_KEY
+
+    causal = any(meta["mhla_config"].get("causal") for meta in declared)
+    if args.attention == "softmax":
+        causal = bool((read_component_config(args.model, "transformer") or {}).get(BLOCK_CAUSAL_KEY))
+    if causal:
+        print(
+            f"note: {args.model} is block-causal (made to stream): generating the clip in one block-causal pass; "
+            "add --stream to generate it chunk by chunk (any length, memory flat)",
+            file=sys.stderr,
+        )
+
+
 # ---------------------------------------------------------------- the embedded judges
 
 
@@ -412,6 +429,7 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
+    from ..pipelines.interrupt import GenerationInterrupted, kept_line
     from ..pipelines.outputs import (
         VideoWriter,
         check_settings,
@@ -422,7 +440,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
         write_settings,
     )
     from ..utils.geometry import check_layout_fits
-    from .stream import check_stream, check_stream_model, stream_settings
+    from .stream import announce_stream, check_stream, check_stream_model, stream_grid, stream_settings
 
     _apply_defaults(args, task)  # the model folder exists from here on
     prompts = _read_prompts(args)
@@ -430,7 +448,10 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     geometry = VideoGeometry.from_folder(args.model)  # Wan2.1's factors for a hub id
     chunks = check_stream(args, geometry) if task == "text-to-video" else None  # None without --stream
     num_frames = _video_frames(args, geometry)
-    check_context_parallel(args, geometry.token_grid(num_frames, args.height, args.width))  # degree vs launch, split
+    # what attention sees: a stream's largest chunk (its length is not bounded by the rotary table), else the clip
+    grid = stream_grid(geometry, chunks, args.height, args.width) if chunks else None
+    grid = grid or geometry.token_grid(num_frames, args.height, args.width)
+    check_context_parallel(args, grid)  # degree vs launch, split
     if task == "image-to-video":
         from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
         from ..pipelines.wan_i2v import check_text_tokens
@@ -441,12 +462,15 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     declared = _declared_mhla(args) if args.attention == "mhla" else []
     if chunks is not None:
         check_stream_model(args, declared)
+    else:
+        _warn_block_causal(args, declared)
+    what = f"a {num_frames}x{args.height}x{args.width} video" + (" (the chunk's grid)" if chunks else "")
     for meta in declared:
         # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
         check_layout_fits(
-            geometry.token_grid(num_frames, args.height, args.width),
+            grid,
             meta["mhla_config"]["layout"],
-            f"a {num_frames}x{args.height}x{args.width} video",
+            what,
             meta["mhla_config"].get("normalization", "denominator"),
         )
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(prompts)]
@@ -489,7 +513,10 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
         _settings(args, pipe, device, dtype, flow_shift=flow_shift)
     )  # before generating: valid JSON sidecars
     reader = _judge_reader(args.model) if parallel is None or parallel.is_main else None
-    speed = speed_context(math.prod(pipe.token_grid(num_frames, args.height, args.width)))  # beside wall_time_s
+    # beside wall_time_s: the tokens one attention call sees (a stream's: its chunk's)
+    speed = speed_context(math.prod(grid if chunks else pipe.token_grid(num_frames, args.height, args.width)))
+    if chunks is not None:
+        announce_stream(chunks, args.fps, args.steps)
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
@@ -507,24 +534,71 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                 output_type="np",
                 max_sequence_length=args.max_sequence_length,
             )
+            recorded_run = dict(
+                task=task,
+                **recorded,
+                prompt=prompt,
+                negative_prompt=args.negative_prompt,
+                num_frames=num_frames,
+                height=args.height,
+                width=args.width,
+                fps=args.fps,
+                flow_shift=flow_shift,
+                boundary_ratio=pipe.config.get("boundary_ratio"),
+                output=str(plan.media),
+            )
+
+            def settings(**more: Any) -> dict[str, Any]:
+                return _settings(args, pipe, device, dtype, **recorded_run, **more)
+
             frames, judged_chunks = None, []
             if chunks is not None:  # each chunk's frames go into the file as they are decoded
                 with VideoWriter(plan, args.format, args.fps) as writer:
+                    progress = dict(speed=speed, **stream_settings(chunks), status="running", frames_written=0)
+                    write_settings(plan, settings(**progress))  # at the start: a killed run leaves it
 
                     def deliver(chunk: Any) -> None:
                         writer.append(chunk[0])
+                        progress.update(
+                            frames_written=writer.frames_written, chunks_written=progress.get("chunks_written", 0) + 1
+                        )
+                        write_settings(plan, settings(**progress))
                         if reader is not None:  # an embedded model's 48x48 frames, kept for its judge
                             judged_chunks.append(float_to_uint8(chunk[0]))
 
-                    pipe(
-                        **call,
-                        chunk_frames=chunks.chunk_frames,
-                        first_chunk_frames=chunks.first_frames,
-                        on_frames=deliver,
-                        return_frames=False,
+                    try:
+                        pipe(
+                            **call,
+                            chunk_frames=chunks.chunk_frames,
+                            first_chunk_frames=chunks.first_frames,
+                            on_frames=deliver,
+                            return_frames=False,
+                        )
+                    except GenerationInterrupted as interrupted:
+                        stopped = interrupted
+                    else:
+                        stopped = None
+                if stopped is not None:  # the file is closed: every finished chunk's frames are in it
+                    wall = time.perf_counter() - started
+                    progress.update(status="interrupted", frames_written=writer.frames_written)
+                    write_settings(plan, settings(**progress, wall_time_s=round(wall, 3)))
+                    kept = kept_line(writer.frames_written, num_frames, stopped.chunks_done, chunks.num_chunks)
+                    print(
+                        f"mhla {task}: interrupted: {kept} in {plan.media} (settings: {plan.settings})",
+                        file=sys.stderr,
                     )
+                    return stopped.exit_code
             else:
-                frames = pipe(**call).frames[0]
+                try:
+                    frames = pipe(**call).frames[0]
+                except KeyboardInterrupt:
+                    done = f"; the {index} finished video(s) are in {args.output_dir}" if index else ""
+                    print(
+                        f"mhla {task}: interrupted: video {index + 1} of {len(prompts)} was not finished and nothing "
+                        f"was written for it{done} (--stream writes a long video as it is made)",
+                        file=sys.stderr,
+                    )
+                    return 130
             wall = time.perf_counter() - started
             if parallel is not None and not parallel.is_main:
                 continue  # every process holds the same video; rank 0 writes it
@@ -534,27 +608,14 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                 judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
             elif judged_chunks:
                 judged, line = _judge_long_video(reader, judged_chunks, prompt)
+            done = dict(status="complete", frames_written=num_frames) if chunks is not None else {}
             write_settings(
                 plan,
-                _settings(
-                    args,
-                    pipe,
-                    device,
-                    dtype,
-                    task=task,
-                    **recorded,
-                    prompt=prompt,
-                    negative_prompt=args.negative_prompt,
-                    num_frames=num_frames,
-                    height=args.height,
-                    width=args.width,
-                    fps=args.fps,
-                    flow_shift=flow_shift,
-                    boundary_ratio=pipe.config.get("boundary_ratio"),
-                    output=str(plan.media),
+                settings(
                     wall_time_s=round(wall, 3),
                     speed=speed,
                     **(stream_settings(chunks) if chunks is not None else {}),
+                    **done,
                     **judged,
                 ),
             )

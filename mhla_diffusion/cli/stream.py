@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from ..utils.geometry import VideoGeometry, read_component_config
 from ..utils.stream_frames import BLOCK_CAUSAL_KEY, StreamChunks, stream_chunks
 from .arguments import positive_int
 
-__all__ = ["add_stream_arguments", "check_stream", "check_stream_model", "stream_settings"]
+__all__ = [
+    "add_stream_arguments",
+    "announce_stream",
+    "check_stream",
+    "check_stream_model",
+    "stream_grid",
+    "stream_settings",
+]
 
 
 def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,15 +34,17 @@ def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream",
         action="store_true",
         help="generate chunk by chunk with a block-causal model (MHLAConfig(causal=True), or a softmax model trained "
-        "with softmax_block_causal, streamed with a KV cache), appending each chunk's "
-        "frames to the video file as they come: any length, memory flat; --num-frames must be "
-        "1 + 4 (n x chunk - 1) (mp4 or frames)",
+        "with softmax_block_causal, streamed with a KV cache), appending each chunk's frames to the video file as "
+        "they come (mp4 or frames; a killed run leaves a playable file): any length, memory flat; --num-frames "
+        "must be 1 + t (n x C - 1) for n chunks of C latent frames, t the model's VAE time factor (Wan: 4; the "
+        "embedded models: 2), or 1 + t (C1 + n x C - 1) with a first chunk of C1 that the model records",
     )
     group.add_argument(
         "--chunk-frames",
         type=positive_int,
-        help="latent frames per chunk with --stream (default: 3, or 2 or 1 when 3 does not divide the video's "
-        "latent frames); the first chunk gives 1 + 4 (C - 1) frames, every later one 4 C",
+        help="latent frames per chunk with --stream (default: the chunk the model records, with its first chunk; "
+        "else 3, or 2 or 1 when 3 does not divide the video's latent frames); the first chunk gives 1 + t (C - 1) "
+        "frames, every later one t C",
     )
 
 
@@ -95,3 +105,32 @@ def stream_settings(chunks: StreamChunks) -> dict[str, Any]:
     """What a streamed run adds to the settings JSON beside its video."""
     first = {} if chunks.first_chunk_frames is None else {"first_chunk_frames": chunks.first_chunk_frames}
     return {"stream": True, "chunk_frames": chunks.chunk_frames, **first, "num_chunks": chunks.num_chunks}
+
+
+def stream_grid(geometry: VideoGeometry, chunks: StreamChunks, height: int, width: int) -> tuple[int, int, int]:
+    """The token grid of a stream's largest chunk: what one attention call sees, and what the model's size limits
+    apply to (each chunk keeps its frames' absolute positions, past the rotary table, so the video's length is
+    not one of them). A ``ValueError`` for a frame size the model cannot take."""
+    latent = max(chunks.first_frames, chunks.chunk_frames)
+    return geometry.token_grid(1 + chunks.temporal * (latent - 1), height, width)
+
+
+def announce_stream(chunks: StreamChunks, fps: int, steps: int) -> None:
+    """Say on stderr, before the first chunk, how long the stream is and what it costs: the chunks, the transformer
+    forwards (``steps`` per chunk, under guidance as one batch, plus one that adds the chunk to the state), and the
+    length at ``fps``. The progress bar then shows the time per chunk and what is left."""
+    seconds = chunks.num_frames / fps
+    length = (
+        f"{seconds:.1f} s"
+        if seconds < 120
+        else f"{seconds / 60:.1f} min"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h"
+    )
+    forwards = chunks.num_chunks * (steps + 1) - 1
+    print(
+        f"--stream: {chunks.num_frames:,} frames ({length} at {fps} fps) in {chunks.num_chunks:,} chunks: "
+        f"{forwards:,} transformer forwards; each chunk's frames are in the file as soon as it is decoded, and "
+        "Ctrl-C keeps them",
+        file=sys.stderr,
+    )

@@ -78,11 +78,26 @@ def embedded_model(task: Task = "text-to-video", attention: Attention = "mhla", 
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}; got {attention!r}")
     folder = Path(root or EMBEDDED_ROOT) / f"{_FOLDERS[task]}-{attention}"
     if not (folder / "model_index.json").is_file():
-        raise FileNotFoundError(
-            f"embedded model {folder} is missing: rebuild the demonstration models with `mhla build-embedded` "
-            "(or pass --model with a Diffusers pipeline folder)"
+        instead = (
+            "give a block-causal MHLA pipeline folder instead (`mhla web --long-model FOLDER`, "
+            "`mhla text-to-video --stream --model FOLDER`)"
+            if task == "long-video"
+            else "pass --model with a Diffusers pipeline folder"
         )
+        raise FileNotFoundError(f"embedded model {folder} is missing: {_build_hint(task)}, or {instead}")
     return folder
+
+
+def _build_hint(task: str) -> str:
+    """What builds the embedded models (and judge) of ``task``: the streaming long-video ones come from
+    ``mhla build-embedded --stream``, which no release has run yet, the others from ``mhla build-embedded``."""
+    if task == "long-video":
+        return (
+            "no long-video model ships with the package yet: build the long-video models and judge with "
+            "`mhla build-embedded --stream` (a training run on this machine that fine-tunes the package's "
+            "text-to-video softmax teacher; a killed build resumes where it stopped)"
+        )
+    return "rebuild the demonstration models with `mhla build-embedded`"
 
 
 def embedded_judge(kind: JudgeKind, root: str | Path | None = None) -> Path:
@@ -91,7 +106,8 @@ def embedded_judge(kind: JudgeKind, root: str | Path | None = None) -> Path:
         raise ValueError(f"kind must be one of {', '.join(TASK_JUDGES.values())}; got {kind!r}")
     folder = Path(root or EMBEDDED_ROOT) / "judges" / kind
     if not folder.is_dir():
-        raise FileNotFoundError(f"embedded judge {folder} is missing: rebuild with `mhla build-embedded`")
+        task = next(task for task, judge in TASK_JUDGES.items() if judge == kind)
+        raise FileNotFoundError(f"embedded judge {folder} is missing: {_build_hint(task)}")
     return folder
 
 

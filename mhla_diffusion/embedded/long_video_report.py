@@ -251,7 +251,22 @@ def _strip(videos: dict[str, np.ndarray], prompt: str, path: Path, every: int = 
     draw.text((2, 1), f'"{prompt}", every {every}th frame', fill=(0, 0, 0))
     for r, (name, frames) in enumerate(rows):
         top = 14 + r * (height + gap)
-        draw.text((2, top + height // 2 - 6), name[:28], fill=(0, 0, 0))
+        lines = _wrapped(draw, name, label_width - 4)  # whole, on as many lines as it needs
+        line_height = 11
+        draw.multiline_text(
+            (2, top + max(0, (height - line_height * len(lines)) // 2)), "\n".join(lines), fill=(0, 0, 0)
+        )
         for c, frame in enumerate(frames):
             canvas.paste(Image.fromarray(frame), (label_width + c * (width + gap), top))
     canvas.save(path)
+
+
+def _wrapped(draw, text: str, width: int) -> list[str]:
+    """``text`` cut at spaces into lines no wider than ``width`` pixels in ``draw``'s font (a longer word alone)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines

@@ -51,7 +51,7 @@ def how_to_get_i3d_weights() -> str:
 def how_to_get_clip_model() -> str:
     """Where to get a CLIP folder and how to hand it over (for error messages)."""
     return (
-        f"on a machine with internet save a CLIP model folder, e.g. `huggingface-cli download "
+        f"on a machine with internet save a CLIP model folder, e.g. `hf download "
         f"{CLIP_SUGGESTED_MODEL} --local-dir clip-vit-large-patch14` (config.json, weights, tokenizer and "
         f"preprocessor_config.json), copy it here and pass --clip-model FOLDER or set {CLIP_MODEL_ENV}=FOLDER"
     )

@@ -67,7 +67,7 @@ def check_model_source(
     if kind in ("file", "missing"):
         problem = "is not a folder" if kind == "file" else "not found"
         raise FileNotFoundError(
-            f"{what} {model} {problem}. Get the weights with `huggingface-cli download {hub_id} --local-dir "
+            f"{what} {model} {problem}. Get the weights with `hf download {hub_id} --local-dir "
             f"{model}` on a machine with internet, or pass the hub id `{hub_id}`"
         )
 
@@ -287,6 +287,26 @@ def load_transformer_file(path: str | os.PathLike, dtype: Any = None) -> Any:
     return load_transformer(path, dtype=dtype)
 
 
+@contextmanager
+def _no_loading_bars() -> Iterator[None]:
+    """Diffusers' and transformers' progress bars off while a pipeline loads from disk (nested bars that leave
+    half-drawn lines before the generation's own bar); the hub's download bars stay."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    restore = []
+    for library in (diffusers_logging, transformers_logging):
+        if not library.is_progress_bar_enabled():
+            continue
+        library.disable_progress_bar()
+        restore.append(library)
+    try:
+        yield
+    finally:
+        for library in restore:
+            library.enable_progress_bar()
+
+
 def load_pipeline(
     cls: type,
     model: str | os.PathLike,
@@ -316,7 +336,8 @@ def load_pipeline(
     kwargs: dict[str, Any] = {"dtype": {"default": dtype, **component_dtypes} if component_dtypes else dtype}
     if transformer is not None:
         kwargs["transformer"] = load_transformer_file(transformer, dtype)
-    pipe = cls.from_pretrained(model, mhla_weights=mhla_weights, mhla_weights_2=mhla_weights_2, **kwargs)
+    with _no_loading_bars():
+        pipe = cls.from_pretrained(model, mhla_weights=mhla_weights, mhla_weights_2=mhla_weights_2, **kwargs)
     softmax = [name for name, conversion in pipe.mhla_conversions.items() if conversion is None]
     if attention == "mhla" and softmax:
         what = "the model has" if len(softmax) == len(pipe.mhla_conversions) else f"{' and '.join(softmax)} has"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -33,6 +34,8 @@ __all__ = [
     "sync_mhla_config",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: The ``config.json`` entry (Diffusers' ``register_to_config``) that holds a converted transformer's resolved
 #: :class:`MHLAConfig` as a dict; absent (or ``None``) while the transformer runs softmax attention.
 MHLA_CONFIG_KEY = "mhla"
@@ -40,13 +43,20 @@ MHLA_CONFIG_KEY = "mhla"
 
 @dataclass
 class MHLAConversion:
-    """What :func:`convert_to_mhla` changed. ``config`` is resolved: explicit layers and layout."""
+    """What :func:`convert_to_mhla` changed. ``config`` is resolved: explicit layers and layout.
+
+    ``grid`` is the token grid the layout was chosen for (``layout="auto"``) or checked against: the config's
+    ``target_grid``, else the family's default (:meth:`~mhla_diffusion.models.families.ModelFamily.default_grid`);
+    ``None`` for an explicit layout with no grid to check. ``grid_origin`` says where it came from.
+    """
 
     family: str
     config: MHLAConfig
     layer_names: list[str]
     num_layers: int
     num_new_parameters: int
+    grid: tuple[int, ...] | None = None
+    grid_origin: str | None = None
 
     @property
     def layers(self) -> list[int]:
@@ -78,8 +88,9 @@ class MHLAConversion:
             [
                 f"MHLA on {len(self.layer_names)} of {self.num_layers} self-attention layers ({self.family}): "
                 + ", ".join(self.layer_names),
-                f"block layout {'x'.join(map(str, self.layout))} = {self.num_blocks} blocks, "
-                f"mixing init '{cfg.transform}' ({cfg.mixing_normalization}), "
+                f"block layout {'x'.join(map(str, self.layout))} = {self.num_blocks} blocks"
+                + (f" for token grid {'x'.join(map(str, self.grid))} ({self.grid_origin})" if self.grid else "")
+                + f", mixing init '{cfg.transform}' ({cfg.mixing_normalization}), "
                 f"{'per-head' if cfg.per_head_mixing else 'shared'} "
                 f"{'learnable' if cfg.learnable_mixing else 'frozen'} mixing",
                 f"normalisation: {cfg.normalization}; extras: {', '.join(extras) or 'none'}",
@@ -121,23 +132,26 @@ def _resolve_layers(spec: str | Sequence[int], total: int) -> list[int]:
     return list(spec)
 
 
+def _layout_grid(config: MHLAConfig, transformer: nn.Module) -> tuple[tuple[int, ...] | None, str | None]:
+    """The token grid ``config``'s layout is chosen for (``auto``) or checked against, and where it comes from:
+    ``target_grid``; else, for an ``auto`` layout or a family with a fixed grid (DiT), the family's default grid
+    (:meth:`~mhla_diffusion.models.families.ModelFamily.default_grid` of the transformer's config); else none."""
+    if config.target_grid is not None:
+        return tuple(config.target_grid), "target_grid"
+    family = family_of(transformer)
+    if config.layout == "auto" or family.fixed_grid:
+        return family.default_grid(transformer.config), family.default_grid_origin(transformer.config)
+    return None, None
+
+
 def _resolve_layout(config: MHLAConfig, transformer: nn.Module) -> tuple[int, ...]:
     family = family_of(transformer)
     axes, axis_names = len(family.grid_axes), f"({', '.join(family.grid_axes)})"
-    target = config.target_grid
+    target, _ = _layout_grid(config, transformer)
     equal_blocks = config.normalization == "scalar_mixed_denominator"  # needs a layout that divides the grid
-    if target is None and family.fixed_grid:
-        side = int(transformer.config.sample_size) // _patch_size(transformer)[0]
-        target = (side, side)
     if target is not None and len(target) != axes:
         raise ValueError(f"`target_grid` {tuple(target)} must have {axes} axes {axis_names} for {family.name}")
     if config.layout == "auto":
-        if target is None:
-            raise ValueError(
-                "`layout='auto'` needs `target_grid` for Wan: the token grid of the video size you will generate, "
-                "e.g. MHLAConfig(target_grid=video_token_grid(81, 480, 832)) -> (21, 30, 52); "
-                "or give an explicit layout"
-            )
         return auto_layout(target, equal_blocks=equal_blocks)
     layout = tuple(config.layout)
     if len(layout) != axes:
@@ -223,20 +237,43 @@ def convert_to_mhla(transformer: nn.Module, config: MHLAConfig | None = None) ->
     keeps its projections and q/k norms; cross-attention, FFNs and everything else are untouched. A
     forward pre-hook tells the processors the token grid on every call.
 
-    Returns an :class:`MHLAConversion` that says which layers changed (also ``get_mhla_conversion``).
+    ``config`` defaults to ``MHLAConfig()``, which converts every family: its ``auto`` layout is chosen for the
+    config's ``target_grid``, else for the family's default grid (Wan: Wan2.1's 81x480x832 video with the
+    transformer's patch size -> (21, 30, 52); DiT: ``sample_size / patch_size``; see
+    :meth:`~mhla_diffusion.models.families.ModelFamily.default_grid`).
+
+    Returns an :class:`MHLAConversion` that says which layers changed and which layout it chose for which token
+    grid (also ``get_mhla_conversion``); the choice is logged at INFO level too.
     """
     config = config if config is not None else MHLAConfig()
     if get_mhla_conversion(transformer) is not None:
         raise ValueError("this transformer is already converted to MHLA; call revert_mhla(transformer) first")
     context = TokenGridContext()
     resolved, processors = build_mhla_processors(transformer, config, context)
-    return install_mhla_processors(transformer, resolved, processors, context)
+    grid, origin = _layout_grid(config, transformer)
+    conversion = install_mhla_processors(transformer, resolved, processors, context, grid=grid, grid_origin=origin)
+    logger.info(
+        "MHLA (%s): block layout %s%s",
+        conversion.family,
+        "x".join(map(str, conversion.layout)),
+        f" ({'auto' if config.layout == 'auto' else 'given'}) for token grid {'x'.join(map(str, grid))} ({origin})"
+        if grid is not None
+        else " (given)",
+    )
+    return conversion
 
 
 def install_mhla_processors(
-    transformer: nn.Module, resolved: MHLAConfig, processors: dict[str, MHLAProcessor], context: TokenGridContext
+    transformer: nn.Module,
+    resolved: MHLAConfig,
+    processors: dict[str, MHLAProcessor],
+    context: TokenGridContext,
+    *,
+    grid: Sequence[int] | None = None,
+    grid_origin: str | None = None,
 ) -> MHLAConversion:
-    """Set processors made by :func:`build_mhla_processors` (sharing ``context``) and attach the grid hook."""
+    """Set processors made by :func:`build_mhla_processors` (sharing ``context``) and attach the grid hook;
+    ``grid`` / ``grid_origin``: what the returned :class:`MHLAConversion` records as the layout's token grid."""
     modules = dict(transformer.named_modules())
     originals = {}
     install_grid_hook(transformer, _patch_size(transformer), context)
@@ -256,6 +293,8 @@ def install_mhla_processors(
         layer_names=list(processors),
         num_layers=len(layers),
         num_new_parameters=sum(p.numel() for proc in processors.values() for p in proc.parameters()),
+        grid=None if grid is None else tuple(grid),
+        grid_origin=grid_origin,
     )
     transformer._mhla_conversion = conversion
     transformer._mhla_original_processors = originals

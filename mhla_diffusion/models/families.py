@@ -1,6 +1,7 @@
 """The model families MHLA supports, in one table: per family its Diffusers transformer class, the
 MHLA-preserving transformer class, the pipeline classes, the size rules (geometry), the attention
-processor and where its self-attention layers are.
+processor, where its self-attention layers are, and the token grid a default ``MHLAConfig()`` chooses its
+block layout for (:meth:`ModelFamily.default_grid`).
 
 Every place that asks "Wan or DiT?" asks this registry. Classes are named by module and attribute and
 imported when asked for, so the table itself needs no torch (the command line reads it before loading
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from ..utils.geometry import ImageGeometry, VideoGeometry
+from ..utils.geometry import WAN_480P, ImageGeometry, VideoGeometry
 
 __all__ = ["FAMILIES", "ModelFamily", "family_for_class_name", "family_named", "family_of"]
 
@@ -47,6 +48,15 @@ class ModelFamily:
     blocks_attribute: str
     #: Whether the model is made for one image size (its config's ``sample_size``), which fixes its token grid.
     fixed_grid: bool
+    #: The family's published default sample size in pixels (Wan: frames, height, width), whose token grid the
+    #: ``auto`` block layout is chosen for when the config gives no ``target_grid``; ``None`` for a
+    #: :attr:`fixed_grid` family, whose grid is its config's ``sample_size / patch_size``
+    #: (:meth:`default_grid`).
+    default_size: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.default_size is None) != self.fixed_grid:
+            raise ValueError(f"family {self.name!r}: give `default_size` exactly when the grid is not fixed")
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -78,6 +88,41 @@ class ModelFamily:
         patch = self.geometry.from_configs(transformer_config).patch_size
         return tuple(patch) if isinstance(patch, tuple) else (patch,) * len(self.grid_axes)
 
+    def default_grid(
+        self, transformer_config: Mapping[str, Any] | None = None, geometry: VideoGeometry | None = None
+    ) -> tuple[int, ...]:
+        """The token grid the ``auto`` block layout is chosen for when ``MHLAConfig.target_grid`` is not given.
+
+        * a :attr:`fixed_grid` family (DiT): ``sample_size // patch_size`` per axis of ``transformer_config``
+          (DiT-XL/2 at 256 px: 32 // 2 -> (16, 16));
+        * otherwise (Wan): the token grid of :attr:`default_size` (Wan2.1's 81x480x832) under the model's own
+          size rules, as Diffusers' pipeline takes a size (frames rounded to ``4k+1``, latents floored by the
+          patch, no position bound): ``geometry`` when given (``mhla convert`` passes a pipeline folder's, with
+          its VAE), else ``geometry.from_configs(transformer_config)``, i.e. the transformer's patch size with
+          Wan2.1's VAE factors (x4 in time, x8 in space), since a transformer does not record its VAE. Wan2.1
+          and Wan2.2-A14B (patch 1x2x2): (21, 30, 52); Wan2.2-TI2V-5B's x16 VAE needs ``geometry`` (or an
+          explicit ``target_grid``) to get (21, 15, 26).
+        """
+        if self.default_size is None:
+            if transformer_config is None or transformer_config.get("sample_size") is None:
+                raise ValueError(f"{self.label}'s default token grid needs the transformer config's `sample_size`")
+            side = int(transformer_config["sample_size"])
+            return tuple(side // patch for patch in self.patch_grid(transformer_config))
+        if geometry is None:
+            geometry = self.geometry.from_configs(transformer_config)
+        return geometry.token_grid(*self.default_size, strict=False)
+
+    def default_grid_origin(
+        self, transformer_config: Mapping[str, Any] | None = None, geometry: VideoGeometry | None = None
+    ) -> str:
+        """Where :meth:`default_grid` (with the same arguments) comes from, in words, for logs and summaries."""
+        config = transformer_config or {}
+        if self.default_size is None:
+            return f"{self.label}'s sample_size {config.get('sample_size')} / patch {self.patch_grid(config)[0]}"
+        if geometry is None:
+            geometry = self.geometry.from_configs(config)
+        return f"{self.label}'s default size {'x'.join(map(str, self.default_size))} with {geometry.describe()}"
+
 
 FAMILIES: dict[str, ModelFamily] = {
     "wan": ModelFamily(
@@ -96,6 +141,7 @@ FAMILIES: dict[str, ModelFamily] = {
         grid_axes=("frames", "height", "width"),
         blocks_attribute="blocks",
         fixed_grid=False,
+        default_size=WAN_480P,
     ),
     "dit": ModelFamily(
         name="dit",

@@ -116,7 +116,9 @@ class MHLAPipelineMixin:
             if getattr(pipe, name, None) is not None:
                 restore_block_causal(getattr(pipe, name))
         recorded = (_read_index(pretrained_model_name_or_path, kwargs) or {}).get(RECORD_KEY)
-        if recorded is not None:  # Diffusers drops private model_index.json keys on loading
+        if recorded is None:  # a published or embedded model: its known size goes with every folder saved from it
+            recorded = _known_video_size(pretrained_model_name_or_path) if pipe._generates_video else None
+        if recorded:  # Diffusers drops private model_index.json keys on loading
             pipe.record_generation_defaults(**recorded)
         return pipe
 
@@ -381,3 +383,14 @@ def mhla_weight_sources(
             "(what `mhla convert` writes for such a pipeline)"
         )
     return sources
+
+
+def _known_video_size(model: str | os.PathLike) -> dict[str, Any]:
+    """The frames, size and frame rate a video model that records none is known by (a published Wan model's, an
+    embedded model's; :func:`~mhla_diffusion.utils.model_defaults.video_defaults`), ``{}`` when unknown."""
+    from ..utils.model_defaults import video_defaults
+
+    defaults = video_defaults(model)
+    if defaults.missing_size:
+        return {}
+    return {"num_frames": defaults.num_frames, "height": defaults.height, "width": defaults.width, "fps": defaults.fps}

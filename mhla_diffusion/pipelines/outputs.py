@@ -127,7 +127,7 @@ def float_to_uint8(array: np.ndarray) -> np.ndarray:
 
 
 def save_video(frames: np.ndarray, plan: OutputPlan, fmt: str, fps: int) -> Path:
-    """Write ``frames`` ``(F, H, W, 3)`` as mp4 (H.264 via imageio-ffmpeg), gif, or a folder of PNGs."""
+    """Write ``frames`` ``(F, H, W, 3)`` as mp4 (H.264, through :class:`VideoWriter`), gif, or a folder of PNGs."""
     import imageio.v3 as iio
 
     frames = float_to_uint8(np.asarray(frames))
@@ -141,12 +141,13 @@ def save_video(frames: np.ndarray, plan: OutputPlan, fmt: str, fps: int) -> Path
 
 
 class VideoWriter:
-    """Writes a video frame by frame as the frames come (a streamed generation): mp4 (H.264 via imageio-ffmpeg,
-    each frame piped to ffmpeg as it is appended) or a folder of PNG frames (one file per frame). A GIF is
-    encoded whole at the end, so it cannot be appended to: :func:`save_video` writes it.
+    """Writes a video as its frames come (a streamed generation), so that the file is a playable video after every
+    :meth:`append`, also when the process is killed: an mp4 (H.264) whose every append is whole fragments
+    (:class:`~mhla_diffusion.pipelines.fragmented_mp4.FragmentedMP4Writer`; closing rewrites it as an ordinary mp4),
+    or a folder of PNG frames, each written whole under a temporary name and then renamed. A GIF is encoded whole
+    at the end, so it cannot be appended to: :func:`save_video` writes it.
 
-    Use as a context manager; leaving the block (also on an error or Ctrl-C) closes the file, so the frames
-    written so far stay a playable video.
+    Use as a context manager; leaving the block (also on an error or Ctrl-C) closes the file.
     """
 
     #: The formats a video can be appended to.
@@ -157,43 +158,39 @@ class VideoWriter:
             raise ValueError(f"a {fmt} video cannot be written frame by frame: choose one of {', '.join(self.FORMATS)}")
         self.plan, self.fmt, self.fps = plan, fmt, fps
         self.frames_written = 0
-        self._writer = None
+        self._mp4 = None
 
     def __enter__(self) -> "VideoWriter":
         self.plan.media.parent.mkdir(parents=True, exist_ok=True)
         if self.fmt == "mp4":
-            import imageio
+            from .fragmented_mp4 import FragmentedMP4Writer
 
-            # imageio-ffmpeg ships its own ffmpeg binary; yuv420p keeps the file playable everywhere.
-            self._writer = imageio.get_writer(
-                self.plan.media,
-                format="FFMPEG",
-                mode="I",
-                fps=self.fps,
-                codec="libx264",
-                macro_block_size=1,
-                ffmpeg_log_level="error",
-                output_params=["-pix_fmt", "yuv420p"],
-            )
+            self._mp4 = FragmentedMP4Writer(self.plan.media, self.fps)
         else:
             self.plan.media.mkdir(parents=True, exist_ok=True)
         return self
 
     def append(self, frames: np.ndarray) -> None:
-        """Add ``frames`` ``(F, H, W, 3)`` (floats in [0, 1] or ``uint8``) after those written so far."""
-        for frame in float_to_uint8(np.asarray(frames)):
-            if self._writer is not None:
-                self._writer.append_data(frame)
-            else:
-                import imageio.v3 as iio
+        """Add ``frames`` ``(F, H, W, 3)`` (floats in [0, 1] or ``uint8``) after those written so far; they are in
+        the file when this returns."""
+        frames = float_to_uint8(np.asarray(frames))
+        if self._mp4 is not None:
+            self._mp4.append(frames)
+            self.frames_written += len(frames)
+            return
+        import imageio.v3 as iio
 
-                iio.imwrite(self.plan.media / f"frame_{self.frames_written:04d}.png", frame)
+        for frame in frames:
+            path = self.plan.media / f"frame_{self.frames_written:04d}.png"
+            partial = path.with_name(f".{path.name}.partial")
+            iio.imwrite(partial, frame, extension=".png")
+            os.replace(partial, path)
             self.frames_written += 1
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._mp4 is not None:
+            self._mp4.close()
+            self._mp4 = None
 
 
 def save_image(image: np.ndarray, plan: OutputPlan) -> Path:
@@ -224,9 +221,12 @@ def _numbers(value: Any, key: str = ""):
 
 
 def write_settings(plan: OutputPlan, settings: dict[str, Any]) -> Path:
-    """Write the run's settings next to its output, as strict JSON (non-finite numbers are a ``ValueError``)."""
+    """Write the run's settings next to its output, as strict JSON (non-finite numbers are a ``ValueError``); the
+    file is replaced whole, so a reader (or a run killed while writing it) never sees half of it."""
     check_settings(settings)
     text = json.dumps(settings, indent=2, default=str, allow_nan=False)
     plan.settings.parent.mkdir(parents=True, exist_ok=True)
-    plan.settings.write_text(text + "\n")
+    partial = plan.settings.with_name(f".{plan.settings.name}.partial")
+    partial.write_text(text + "\n")
+    os.replace(partial, plan.settings)
     return plan.settings

@@ -29,6 +29,7 @@ from ..models.kv_cache import KVCacheStream, kv_cache_processors, restore_block_
 from ..models.streaming import CausalStream, ChunkStream, causal_processors
 from ..utils.model_defaults import RECORD_KEY
 from ..utils.stream_frames import StreamChunks, stream_chunks
+from .interrupt import GenerationInterrupted
 from .stream_decoder import WanStreamingDecoder
 from .wan import MHLAWanPipeline
 
@@ -219,47 +220,56 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         stream = self.make_stream()
         decoder = WanStreamingDecoder(self.vae) if output_type != "latent" else None
         kept: list[Any] = []
-        with self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar:
-            for chunk in range(chunks.num_chunks):
-                self._current_chunk = chunk
-                progress_bar.set_description(f"chunk {chunk + 1}/{chunks.num_chunks}")
-                latent_shape[2] = chunks.latent_frames_of(chunk)
-                latents = randn_tensor(tuple(latent_shape), generator=generator, device=device, dtype=torch.float32)
-                latents, prompt_embeds, negative_prompt_embeds = self._denoise_chunk(
-                    stream,
-                    latents,
-                    prompt_embeds,
-                    negative_prompt_embeds,
-                    num_inference_steps,
-                    device,
-                    progress_bar,
-                    callback_on_step_end,
-                    callback_on_step_end_tensor_inputs,
-                )
-                last = chunk == chunks.num_chunks - 1 or self.interrupt
-                if not last:  # the finished chunk joins the state the next one reads
-                    context = latents
-                    if context_noise > 0:  # as the model saw its context in training (causal_context_noise)
-                        noise = randn_tensor(latents.shape, generator=generator, device=device, dtype=latents.dtype)
-                        context = (1.0 - context_noise) * latents + context_noise * noise
-                    with stream.chunk(advance=True):
-                        text = self._text(prompt_embeds, negative_prompt_embeds)
-                        context = self._doubled(context.to(dtype))
-                        level = torch.full(
-                            (context.shape[0],), int(1000 * context_noise), device=device, dtype=torch.long
-                        ).to(self.scheduler.timesteps.dtype)
-                        self.transformer(
-                            hidden_states=context, timestep=level, encoder_hidden_states=text, return_dict=False
-                        )
-                frames = latents if decoder is None else self._decode(decoder, latents, output_type)
-                if on_frames is not None:
-                    on_frames(frames)
-                if return_frames:
-                    kept.append(frames)
-                del latents, frames
-                if last:
-                    break
-        self._current_timestep = self._current_chunk = None
+        delivered = (0, 0)  # chunks and video frames handed on so far (on_frames, kept)
+        try:
+            with self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar:
+                for chunk in range(chunks.num_chunks):
+                    self._current_chunk = chunk
+                    progress_bar.set_description(f"chunk {chunk + 1}/{chunks.num_chunks}")
+                    latent_shape[2] = chunks.latent_frames_of(chunk)
+                    latents = randn_tensor(tuple(latent_shape), generator=generator, device=device, dtype=torch.float32)
+                    latents, prompt_embeds, negative_prompt_embeds = self._denoise_chunk(
+                        stream,
+                        latents,
+                        prompt_embeds,
+                        negative_prompt_embeds,
+                        num_inference_steps,
+                        device,
+                        progress_bar,
+                        callback_on_step_end,
+                        callback_on_step_end_tensor_inputs,
+                    )
+                    last = chunk == chunks.num_chunks - 1 or self.interrupt
+                    if not last:  # the finished chunk joins the state the next one reads
+                        context = latents
+                        if context_noise > 0:  # as the model saw its context in training (causal_context_noise)
+                            noise = randn_tensor(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+                            context = (1.0 - context_noise) * latents + context_noise * noise
+                        with stream.chunk(advance=True):
+                            text = self._text(prompt_embeds, negative_prompt_embeds)
+                            context = self._doubled(context.to(dtype))
+                            level = torch.full(
+                                (context.shape[0],), int(1000 * context_noise), device=device, dtype=torch.long
+                            ).to(self.scheduler.timesteps.dtype)
+                            self.transformer(
+                                hidden_states=context, timestep=level, encoder_hidden_states=text, return_dict=False
+                            )
+                    frames = latents if decoder is None else self._decode(decoder, latents, output_type)
+                    if on_frames is not None:
+                        on_frames(frames)
+                    if return_frames:
+                        kept.append(frames)
+                    delivered = (chunk + 1, delivered[1] + chunks.video_frames(chunk))
+                    del latents, frames
+                    if last:
+                        break
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: what was delivered goes with the exception
+            if isinstance(interrupt, GenerationInterrupted):
+                raise
+            frames = _concatenate(kept, output_type) if kept else None
+            raise GenerationInterrupted(delivered[1], num_frames, delivered[0], chunks.num_chunks, frames) from None
+        finally:
+            self._current_timestep = self._current_chunk = None
         self.maybe_free_model_hooks()
         video = _concatenate(kept, output_type) if return_frames else None
         if not return_dict:

@@ -34,10 +34,16 @@ WAN_PIPELINE_SIZE_MULTIPLE = 16
 #: generators take them all). One rule for both, kept here with the other torch-free input rules.
 MAX_SEED = 2**32 - 1
 
+#: Wan2.1's published 480p clip (frames, height, width): the default video size of the generation and convert
+#: commands, and the size a Wan model's ``auto`` block layout is chosen for when no ``target_grid`` is given
+#: (:attr:`mhla_diffusion.models.families.ModelFamily.default_size`).
+WAN_480P = (81, 480, 832)
+
 __all__ = [
     "MAX_SEED",
     "ImageGeometry",
     "VideoGeometry",
+    "WAN_480P",
     "WAN_PIPELINE_SIZE_MULTIPLE",
     "check_equal_blocks",
     "check_layout_fits",

@@ -63,9 +63,10 @@ def serve(config: DemoConfig, block: bool = True):
             ssr_mode=False,
             allowed_paths=[str(outputs.root)],
             prevent_thread_lock=True,
-            quiet=False,
+            quiet=True,  # Gradio's own lines would offer a public link, which this demo never makes
             css=PAGE_CSS,
         )
+        print(f"running on {demo.local_url} (Ctrl-C stops the server)", flush=True)
         if not block:
             finished = True
             return demo, outputs

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import gradio as gr
 import numpy as np
 
+from ..pipelines.interrupt import kept_line
 from ..pipelines.outputs import float_to_uint8
 from ..utils.geometry import MAX_SEED, VideoGeometry
 from .config import DemoConfig
@@ -68,10 +69,9 @@ class StreamState:
 
     def failed_line(self) -> str:
         """The line when the model failed after some chunks: what was kept."""
-        return (
-            f"Failed after chunk {self.chunks_done} of {self.request.chunks.num_chunks}: kept {len(self.frames)} of "
-            f"{self.request.num_frames} frames. The video below holds them; its download button saves it."
-        )
+        r = self.request
+        kept = kept_line(len(self.frames), r.num_frames, self.chunks_done, r.chunks.num_chunks)
+        return f"Failed: {kept}. The video below holds them; its download button saves it."
 
     def final_line(self) -> str:
         """The line once the video has ended: complete, or stopped with what was kept."""
@@ -79,10 +79,8 @@ class StreamState:
         seconds = time.perf_counter() - self.started
         if self.complete:
             return f"Done: {r.num_frames} frames in {r.chunks.num_chunks} chunks, {seconds:.1f} s."
-        return (
-            f"Stopped after chunk {self.chunks_done} of {r.chunks.num_chunks}: kept {len(self.frames)} of "
-            f"{r.num_frames} frames ({seconds:.1f} s). The video below holds them; its download button saves it."
-        )
+        kept = kept_line(len(self.frames), r.num_frames, self.chunks_done, r.chunks.num_chunks)
+        return f"Stopped: {kept}, {seconds:.1f} s. The video below holds them; its download button saves it."
 
 
 def _stream(

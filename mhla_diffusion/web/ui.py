@@ -58,6 +58,7 @@ PAGE_CSS = f"""
 .mhla-samples .caption-label {{ position: static !important; max-width: {DISPLAY_PX}px !important;
     white-space: normal !important; transform: none !important; }}
 #t2v-unknown p {{ color: var(--error-text-color); font-weight: 600; }}
+#t2v-summary th, #c2i-summary th, #t2v-summary td:first-child, #c2i-summary td:first-child {{ white-space: nowrap; }}
 {LONG_VIDEO_CSS}"""
 #: After a video generation: the gallery's videos play, muted and looped.
 PLAY_VIDEOS = """() => { setTimeout(() => {

@@ -201,8 +201,8 @@ def test_bf16_model_gives_finite_output(tiny_wan):
 
 
 def test_conversion_errors(tiny_wan):
-    with pytest.raises(ValueError, match="target_grid"):
-        convert_to_mhla(tiny_wan, MHLAConfig())  # Wan's auto layout needs a target grid
+    with pytest.raises(ValueError, match="3 axes"):
+        convert_to_mhla(tiny_wan, MHLAConfig(target_grid=(4, 4)))  # a DiT-shaped grid for Wan
     with pytest.raises(ValueError, match="out of range"):
         convert_to_mhla(tiny_wan, MHLAConfig(layers=[0, 7], layout=(1, 2, 2)))
     with pytest.raises(ValueError, match="3 axes"):

@@ -30,7 +30,7 @@ def test_the_cpu_recipe_fine_tunes_the_embedded_model_and_generates(tmp_path):
     assert "--max_train_steps 100" in commands[1]
     for command in commands:
         command = command.replace("--max_train_steps 100", "--max_train_steps 2")
-        for folder in ("data/", "runs/", "outputs/"):  # outputs into the temporary folder
+        for folder in ("runs/", "outputs/"):  # outputs into the temporary folder
             command = command.replace(f"'{folder}", f"'{tmp_path}/{folder}").replace(
                 f" {folder}", f" {tmp_path}/{folder}"
             )
@@ -39,10 +39,20 @@ def test_the_cpu_recipe_fine_tunes_the_embedded_model_and_generates(tmp_path):
         done = subprocess.run(command, shell=True, cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
 
-    assert len((tmp_path / "data" / "shapes" / "metadata.jsonl").read_text().splitlines()) == 240
+    assert len((tmp_path / "runs" / "shapes-data" / "metadata.jsonl").read_text().splitlines()) == 240
     index = json.loads((tmp_path / "runs" / "shapes-mhla" / "pipeline" / "model_index.json").read_text())
     assert index["transformer"] == ["mhla_diffusion", "MHLAWanTransformer3DModel"]
     (sidecar,) = (tmp_path / "outputs" / "shapes").glob("*.json")
     settings = json.loads(sidecar.read_text())
     assert (settings["num_frames"], settings["height"], settings["width"]) == (9, 48, 48)
     assert (settings["guidance_scale"], settings["flow_shift"], settings["attention"]) == (2.0, 12.0, "mhla")
+
+
+def test_the_cpu_recipe_writes_only_into_folders_git_ignores():
+    """Run from a checkout, the recipe leaves no untracked files: every folder it writes is ignored."""
+    text = " ".join(_recipe())
+    written = re.findall(r"write_shapes_dataset\('([^']+)'", text) + re.findall(r"--output[_-]dir (\S+)", text)
+    assert len(written) == 3, written
+    for path in written:
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO)
+        assert ignored.returncode == 0, f"{path} is not ignored by .gitignore"

@@ -108,13 +108,14 @@ def one_pass_stream(pipe, call: dict, generator: torch.Generator) -> np.ndarray:
     return pipe.video_processor.postprocess_video(video, output_type="np")
 
 
-def text_to_video_stream(folder, out, *extra: str, steps: int = 2) -> int:
+def text_to_video_stream(folder, out, *extra: str, steps: int = 2, chunk_frames: str | None = "2") -> int:
     """``mhla text-to-video --stream`` on the causal tiny pipeline ``folder`` at :data:`STREAM_CALL`'s size (29 frames
-    in chunks of 2 latent frames; the prompt and seed are the caller's), writing into ``out``; ``extra`` comes
-    last (a repeated option there wins). The exit code."""
+    in chunks of ``chunk_frames`` latent frames, ``None``: the model's; the prompt and seed are the caller's),
+    writing into ``out``; ``extra`` comes last (a repeated option there wins). The exit code."""
     from mhla_diffusion.cli import main
 
-    size = ("--num-frames", "29", "--chunk-frames", "2", "--height", "32", "--width", "48")
+    chunks = ("--chunk-frames", chunk_frames) if chunk_frames is not None else ()
+    size = ("--num-frames", "29", *chunks, "--height", "32", "--width", "48")
     return main(
         [
             "text-to-video",

@@ -91,7 +91,7 @@ def test_more_bad_input(pipeline_dirs, tmp_path, capsys):
     assert text_to_video(pipeline_dirs, tmp_path / "o", "--prompts-file", str(empty)) == 2
     assert "has no prompts" in capsys.readouterr().err
     assert main(["text-to-video", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
-    assert "huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in capsys.readouterr().err
+    assert "hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     assert text_to_video(pipeline_dirs, blocker / "sub", "--prompt", "x") == 2

@@ -138,3 +138,163 @@ def test_chunk_frames_needs_stream(pipeline_dirs, tmp_path, capsys):
 
     assert text_to_video(pipeline_dirs, tmp_path, "--prompt", "a cat", "--chunk-frames", "2") == 2
     assert "--chunk-frames is for --stream" in capsys.readouterr().err
+
+
+def _stream_past_the_rotary_table(folder, out, num_frames: int, call: dict, chunk_frames: str | None) -> None:
+    """``--stream --num-frames num_frames`` from ``folder`` equals the pipeline's ``call`` frame for frame."""
+    from mhla_diffusion.utils.geometry import VideoGeometry
+
+    # the tiny model's rotary table holds 32 latent frames: one pass is capped at 125 frames, a stream is not
+    assert VideoGeometry.from_folder(folder).max_size()[0] < num_frames
+    extra = ("--num-frames", str(num_frames), "--format", "frames")
+    assert text_to_video_stream(folder, out, *PROMPT, *extra, steps=1, chunk_frames=chunk_frames) == 0
+    (written,) = [path for path in out.iterdir() if path.is_dir()]
+    frames = np.stack([iio.imread(path) for path in sorted(written.glob("frame_*.png"))])
+    settings = json.loads(written.with_suffix(".json").read_text())
+    assert (settings["status"], settings["frames_written"], len(frames)) == ("complete", num_frames, num_frames)
+    # one attention call sees one chunk: its latent frames x the 2 x 3 tokens of a frame
+    assert settings["speed"]["attention_tokens"] == call["chunk_frames"] * 6
+    pipe = MHLAWanStreamingPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    call = {**STREAM_CALL, "num_frames": num_frames, "num_inference_steps": 1, **call}
+    np.testing.assert_array_equal(frames, float_to_uint8(pipe(**call, generator=seeded(4)).frames[0]))
+
+
+def test_a_stream_of_129_frames_runs_past_the_rotary_table(causal_pipeline_dir, tmp_path):
+    _stream_past_the_rotary_table(causal_pipeline_dir, tmp_path, 129, {"chunk_frames": 3}, "3")
+
+
+@pytest.mark.slow  # 33 chunks, streamed twice
+def test_a_stream_of_1025_frames_in_the_models_recorded_chunks(causal_pipeline_dir, tmp_path):
+    import shutil
+
+    from mhla_diffusion.utils.model_defaults import RECORD_KEY
+
+    folder = shutil.copytree(causal_pipeline_dir, tmp_path / "model")
+    index = json.loads((folder / "model_index.json").read_text())
+    index[RECORD_KEY] = {"chunk_frames": 8, "first_chunk_frames": 1}  # 1 + 4 x (1 + 32 x 8 - 1) = 1025 frames
+    (folder / "model_index.json").write_text(json.dumps(index))
+    call = {"chunk_frames": 8, "first_chunk_frames": 1}
+    _stream_past_the_rotary_table(folder, tmp_path / "out", 1025, call, None)
+
+
+def test_ctrl_c_keeps_every_finished_chunk_and_completes_the_settings(
+    causal_pipeline_dir, tmp_path, monkeypatch, capsys
+):
+    denoise, calls = MHLAWanStreamingPipeline._denoise_chunk, []
+
+    def interrupted_in_chunk_3(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return denoise(self, *args, **kwargs)
+
+    monkeypatch.setattr(MHLAWanStreamingPipeline, "_denoise_chunk", interrupted_in_chunk_3)
+    assert text_to_video_stream(causal_pipeline_dir, tmp_path, *PROMPT) == 130
+    (video,) = tmp_path.glob("*.mp4")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1] == (
+        f"mhla text-to-video: interrupted: kept 13 of 29 frames (2 of 4 chunks) in {video} "
+        f"(settings: {video.with_suffix('.json')})"
+    )
+    settings = json.loads(video.with_suffix(".json").read_text())
+    assert (settings["status"], settings["frames_written"], settings["chunks_written"]) == ("interrupted", 13, 2)
+    assert settings["wall_time_s"] > 0
+    assert iio.imread(video, plugin="pyav").shape == (13, 32, 48, 3)
+
+
+def test_the_pipeline_call_hands_an_interrupt_what_it_delivered(causal_pipeline_dir, monkeypatch):
+    from mhla_diffusion.pipelines.interrupt import GenerationInterrupted
+
+    pipe = MHLAWanStreamingPipeline.from_pretrained(causal_pipeline_dir)
+    pipe.set_progress_bar_config(disable=True)
+    delivered = []
+
+    def on_frames(frames):
+        delivered.append(frames)
+        if len(delivered) == 3:
+            raise KeyboardInterrupt  # Ctrl-C while the third chunk is handed on
+
+    with pytest.raises(GenerationInterrupted) as raised:
+        pipe(**STREAM_CALL, generator=seeded(4), on_frames=on_frames)
+    error = raised.value
+    assert (error.frames_kept, error.chunks_done, error.num_chunks) == (13, 2, 4)
+    assert str(error) == "interrupted: kept 13 of 29 frames (2 of 4 chunks)"
+    np.testing.assert_array_equal(error.frames, np.concatenate(delivered[:2], axis=1))
+
+
+def _streamed_subprocess(folder, out, num_frames: str):
+    """``mhla text-to-video --stream`` as its own process group, 1-latent-frame chunks, and its settings JSON."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "mhla_diffusion.cli", "text-to-video", "--stream", "--model", str(folder)]
+    command += ["--output-dir", str(out), "--num-frames", num_frames, "--chunk-frames", "1", "--height", "32"]
+    command += ["--width", "48", "--max-sequence-length", "16", "--steps", "2", *PROMPT]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    return process
+
+
+def _wait_for_chunks(process, out, chunks: int) -> dict:
+    """The settings JSON once it says ``chunks`` chunks are in the file."""
+    import time
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        for path in out.glob("*.json"):
+            settings = json.loads(path.read_text())
+            if settings.get("chunks_written", 0) >= chunks:
+                return settings
+        time.sleep(0.05)
+    raise AssertionError("the stream wrote no chunks")
+
+
+@pytest.mark.slow  # starts a process and kills it
+def test_a_killed_stream_leaves_a_playable_video_with_every_finished_chunk(causal_pipeline_dir, tmp_path):
+    import os
+    import signal
+
+    import imageio
+
+    process = _streamed_subprocess(causal_pipeline_dir, tmp_path, "1001")
+    try:
+        _wait_for_chunks(process, tmp_path, 3)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    (video,) = tmp_path.glob("*.mp4")
+    settings = json.loads(video.with_suffix(".json").read_text())  # as it was after the last finished chunk
+    assert settings["status"] == "running" and settings["frames_written"] >= 9
+    for frames in (iio.imread(video, plugin="pyav"), np.stack(list(iter(imageio.get_reader(video, "FFMPEG"))))):
+        assert len(frames) >= settings["frames_written"] and frames.shape[1:] == (32, 48, 3)
+
+
+@pytest.mark.slow  # starts a process and interrupts it
+def test_ctrl_c_to_a_streaming_process_is_one_line(causal_pipeline_dir, tmp_path):
+    import os
+    import signal
+
+    process = _streamed_subprocess(causal_pipeline_dir, tmp_path, "1001")
+    try:
+        _wait_for_chunks(process, tmp_path, 2)
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends the terminal's process group
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, err
+    lines = [line for line in err.splitlines() if "interrupted" in line or "Traceback" in line]
+    (video,) = tmp_path.glob("*.mp4")
+    settings = json.loads(video.with_suffix(".json").read_text())
+    assert settings["status"] == "interrupted"
+    assert lines == [
+        f"mhla text-to-video: interrupted: kept {settings['frames_written']} of 1001 frames "
+        f"({settings['chunks_written']} of 251 chunks) in {video} (settings: {video.with_suffix('.json')})"
+    ]
+    assert len(iio.imread(video, plugin="pyav")) == settings["frames_written"]

@@ -216,7 +216,7 @@ def test_stop_saves_what_was_made_and_names_it():
     store.stop_after = 2
     updates, _, saved, error = _run_event(store, _request(num_frames=129))
     assert error is None and saved.shape[0] == _kept_frames(3) == 5
-    assert updates[-1][1].startswith("Stopped after chunk 3 of 65: kept 5 of 129 frames")
+    assert updates[-1][1].startswith("Stopped: kept 5 of 129 frames (3 of 65 chunks)")
 
 
 def test_a_failure_after_some_chunks_keeps_them_then_shows_the_error():
@@ -224,7 +224,7 @@ def test_a_failure_after_some_chunks_keeps_them_then_shows_the_error():
 
     updates, _, saved, error = _run_event(_Chunks(fail_after=2), _request(num_frames=129), unknown=["zebra"])
     assert saved.shape[0] == 3 and updates[-1][2] == "kept.mp4"
-    assert updates[-1][1].startswith("Failed after chunk 2 of 65: kept 3 of 129 frames.")
+    assert updates[-1][1].startswith("Failed: kept 3 of 129 frames (2 of 65 chunks).")
     assert "does not know 'zebra'" in updates[-1][1]
     assert isinstance(error, gr.Error) and "Generation failed (RuntimeError): out of memory" in str(error)
     updates, _, saved, error = _run_event(_Chunks(fail_after=0), _request(num_frames=129))
@@ -257,12 +257,12 @@ def test_stop_keeps_the_frames_made_and_they_are_the_streams_own(client, long_vi
     client.predict(api_name="/stop_long_video")
     newest, status, video = job.result(timeout=60)
     stopped = re.fullmatch(
-        r"Stopped after chunk (\d+) of 65: kept (\d+) of 129 frames \(\d+\.\d s\)\. The video below holds them; "
+        r"Stopped: kept (\d+) of 129 frames \((\d+) of 65 chunks\), \d+\.\d s\. The video below holds them; "
         r"its download button saves it\.",
         status,
     )
     assert stopped, status
-    chunks, frames = int(stopped.group(1)), int(stopped.group(2))
+    frames, chunks = int(stopped.group(1)), int(stopped.group(2))
     assert 2 <= chunks < 65 and frames == _kept_frames(chunks)
     video = video if isinstance(video, str) else video["video"]
     assert imageio_ffmpeg.count_frames_and_secs(video)[0] == frames
@@ -347,11 +347,11 @@ def test_a_long_video_streams_into_the_page_and_stop_keeps_it(demo_server, tmp_p
             page.locator("#long-video").get_by_text(re.compile(r"chunk \d+/65")).wait_for(timeout=30_000)
             assert page.locator("#long-video video").count() == 0
             page.locator("#long-stop").click()
-            status = page.locator("#long-status").get_by_text("Stopped after chunk")
+            status = page.locator("#long-status").get_by_text("Stopped: kept")
             status.wait_for(timeout=60_000)
-            stopped = re.search(r"Stopped after chunk (\d+) of 65: kept (\d+) of 129 frames", status.inner_text())
+            stopped = re.search(r"Stopped: kept (\d+) of 129 frames \((\d+) of 65 chunks\)", status.inner_text())
             assert stopped, status.inner_text()
-            chunks, frames = int(stopped.group(1)), int(stopped.group(2))
+            frames, chunks = int(stopped.group(1)), int(stopped.group(2))
             assert 2 <= chunks < 65 and frames == _kept_frames(chunks)
             page.wait_for_function(VIDEO_LOADED, timeout=30_000)
             with page.expect_download(timeout=30_000) as download:
