@@ -47,7 +47,9 @@ class MHLAConversion:
 
     ``grid`` is the token grid the layout was chosen for (``layout="auto"``) or checked against: the config's
     ``target_grid``, else the family's default (:meth:`~mhla_diffusion.models.families.ModelFamily.default_grid`);
-    ``None`` for an explicit layout with no grid to check. ``grid_origin`` says where it came from.
+    ``None`` for an explicit layout with no grid to check. ``grid_origin`` says where it came from. Both tell how
+    the conversion was made, not what it made: a model loaded from its saved folder (which records the resolved
+    layout, not the grid) compares equal to the one converted in place.
     """
 
     family: str
@@ -55,8 +57,8 @@ class MHLAConversion:
     layer_names: list[str]
     num_layers: int
     num_new_parameters: int
-    grid: tuple[int, ...] | None = None
-    grid_origin: str | None = None
+    grid: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
+    grid_origin: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def layers(self) -> list[int]:

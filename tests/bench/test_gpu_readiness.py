@@ -83,6 +83,7 @@ def test_converted_wan_runs_in_bf16_with_float32_accumulation(setting, monkeypat
     torch.testing.assert_close(out.float(), reference, rtol=0, atol=0.03 * scale)
 
 
+@pytest.mark.slow  # Inductor compiles a whole transformer
 @pytest.mark.parametrize("setting", sorted(CONFIGS))
 def test_whole_converted_wan_compiles_fullgraph_and_matches_eager(setting):
     """Dynamo traces the transformer with its grid hook, processors and operator as one graph
@@ -96,6 +97,7 @@ def test_whole_converted_wan_compiles_fullgraph_and_matches_eager(setting):
         torch.testing.assert_close(run(compiled, inputs), run(model, inputs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # Inductor compiles a whole transformer, forward and backward
 def test_converted_wan_compiles_with_inductor_and_matches_eager():
     """torch.compile(fullgraph=True) with Inductor, the backend users get by default, on this CPU (its C++
     build takes ~40 s here): generated kernels for the operator's feature map, RoPE and block products give

@@ -55,7 +55,8 @@ def test_readme_test_command_is_the_one_ci_runs():
         for line in (REPO / ".ci" / "run").read_text().splitlines()
         if "pytest" in line and not line.lstrip().startswith("#")
     ]
-    assert ci == [command]
+    assert ci == [command, "python -m pytest -q -m slow"]  # the README's command, then the tests it leaves out
+    assert "`python -m pytest -q -m slow`" in readme
 
 
 def test_every_readme_section_links_its_docs_page():

@@ -58,7 +58,7 @@ def _imported_by_tests() -> set[str]:
 def test_readme_test_command_installs_the_test_extras_first():
     command = _test_command()
     assert command.startswith('pip install -e ".[test]" && '), command
-    assert command.endswith("python -m pytest -q")
+    assert command.endswith('python -m pytest -q -m "not slow"')
 
 
 def test_the_test_extras_bring_what_the_tests_import():

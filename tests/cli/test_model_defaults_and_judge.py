@@ -55,6 +55,7 @@ def test_softmax_on_the_embedded_default_runs_the_softmax_teacher(tmp_path, caps
     assert f"judge: {judge['reading']} (confidence" in captured.out
 
 
+@pytest.mark.slow  # generates and judges with an embedded model
 def test_class_to_image_softmax_default_runs_the_digits_teacher_and_is_judged(tmp_path, capsys):
     assert main(["class-to-image", "--class", "7", "--attention", "softmax", "--output-dir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
@@ -68,6 +69,7 @@ def test_class_to_image_softmax_default_runs_the_digits_teacher_and_is_judged(tm
     assert f"judge: {judge['reading']} (confidence" in captured.out
 
 
+@pytest.mark.slow  # generates and judges with an embedded model
 def test_an_embedded_folder_given_as_model_runs_at_its_trained_size(tmp_path, capsys):
     """`--model <embedded softmax folder>` once fell back to Wan2.1's 81x480x832."""
     teacher = embedded_model("text-to-video", "softmax")

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mhla_diffusion.cli import main
 from mhla_diffusion.embedded.locations import EMBEDDED_ROOT
 from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
 
 
+@pytest.mark.slow  # generates with both embedded video models, prompt by prompt (about a minute)
 def test_readme_prompts_are_read_as_asked_and_match_the_build(tmp_path):
     verdicts = json.loads((EMBEDDED_ROOT / "build_report.json").read_text())["stages"]["evaluate"]["verdicts"]
     assert [v["prompt"] for v in verdicts] == list(FIGURE_PROMPTS)

@@ -48,6 +48,7 @@ def test_the_cpu_recipe_fine_tunes_the_embedded_model_and_generates(tmp_path):
     assert (settings["guidance_scale"], settings["flow_shift"], settings["attention"]) == (2.0, 12.0, "mhla")
 
 
+@pytest.mark.slow  # asks git
 def test_the_cpu_recipe_writes_only_into_folders_git_ignores():
     """Run from a checkout, the recipe leaves no untracked files: every folder it writes is ignored."""
     text = " ".join(_recipe())

@@ -298,3 +298,38 @@ def test_ctrl_c_to_a_streaming_process_is_one_line(causal_pipeline_dir, tmp_path
         f"({settings['chunks_written']} of 251 chunks) in {video} (settings: {video.with_suffix('.json')})"
     ]
     assert len(iio.imread(video, plugin="pyav")) == settings["frames_written"]
+
+
+def test_a_stream_says_its_length_and_cost_and_loading_draws_no_bars(causal_pipeline_dir, tmp_path, capsys):
+    assert text_to_video_stream(causal_pipeline_dir, tmp_path, *PROMPT, steps=1) == 0
+    err = capsys.readouterr().err
+    assert "--stream: 29 frames (1.8 s at 16 fps) in 4 chunks: 7 transformer forwards;" in err
+    assert "Loading" not in err  # Diffusers' and transformers' loading bars: only the generation's bar is drawn
+
+
+def test_a_block_causal_model_without_stream_is_said_to_stream(causal_pipeline_dir, tmp_path, capsys):
+    from mhla_diffusion.cli import main
+
+    command = ["text-to-video", "--model", str(causal_pipeline_dir), "--output-dir", str(tmp_path), *PROMPT]
+    command += ["--num-frames", "9", "--height", "32", "--width", "48", "--steps", "1", "--max-sequence-length", "16"]
+    assert main(command) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"note: {causal_pipeline_dir} is block-causal (made to stream): generating the clip in one block-causal" in err
+    )
+    assert "add --stream" in err
+
+
+def test_a_pipeline_saved_from_a_published_model_keeps_its_size(tmp_path):
+    from mhla_diffusion import MHLAConfig
+    from mhla_diffusion.models.tiny import tiny_wan_pipeline
+    from mhla_diffusion.utils.model_defaults import RECORD_KEY, video_defaults
+
+    published = tmp_path / "Wan2.1-T2V-1.3B-Diffusers"  # a published model's folder, recognised by its name
+    tiny_wan_pipeline().save_pretrained(published)
+    pipe = MHLAWanStreamingPipeline.from_pretrained(published)
+    pipe.convert_to_mhla(MHLAConfig(layout=(1, 2, 2), causal=True))
+    pipe.save_pretrained(tmp_path / "wan-causal")  # as docs/streaming.md saves it
+    record = json.loads((tmp_path / "wan-causal" / "model_index.json").read_text())[RECORD_KEY]
+    assert record == {"num_frames": 81, "height": 480, "width": 832, "fps": 16}
+    assert video_defaults(tmp_path / "wan-causal").missing_size == []
