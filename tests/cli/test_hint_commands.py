@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+import runpy
 import shutil
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -111,7 +113,9 @@ for _where, _hint in HINTS:
     for _command, _options in named_commands(_hint):
         NAMED[_command].append((_where, _hint, _options))
 MHLA = sorted(command for command in NAMED if command[0] == "mhla")
-OTHERS = sorted(command for command in NAMED if command[0] != "mhla")
+#: ``python -m mhla_diffusion...``: run in this process (their imports are this process's already).
+MODULES = sorted(command for command in NAMED if command[:2] == ("python", "-m") and command[2].startswith("mhla_"))
+OTHERS = sorted(command for command in NAMED if command[0] != "mhla" and command not in MODULES)
 
 
 def _ids(command: tuple[str, ...]) -> str:
@@ -155,13 +159,29 @@ def _argv(command: tuple[str, ...]) -> list[str]:
     return [exe, *command[1:]]
 
 
+@pytest.mark.parametrize("command", MODULES, ids=_ids)
+def test_module_hint_commands_run_and_have_the_options(command, capsys, monkeypatch):
+    module, *arguments = command[2:]
+    monkeypatch.setattr(sys, "argv", [module, *arguments, "--help"])
+    with pytest.raises(SystemExit) as stopped, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
+        runpy.run_module(module, run_name="__main__", alter_sys=False)
+    captured = capsys.readouterr()
+    assert stopped.value.code in (0, None), f"`{_ids(command)} --help` failed:\n{captured.err[-2000:]}"
+    _check_options(command, captured.out + captured.err)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", OTHERS, ids=_ids)
 def test_other_hint_commands_run_and_have_the_options(command):
     result = subprocess.run([*_argv(command), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     where = ", ".join(where for where, _, _ in NAMED[command])
     assert result.returncode == 0, f"`{_ids(command)} --help` failed ({where}):\n{result.stderr[-2000:]}"
-    text = result.stdout + result.stderr
+    _check_options(command, result.stdout + result.stderr)
+
+
+def _check_options(command: tuple[str, ...], text: str) -> None:
+    """Every option the hints give ``command`` appears in its help ``text``."""
     unknown = [
         f"{where}: `{hint}`: {option}"
         for where, hint, options in NAMED[command]

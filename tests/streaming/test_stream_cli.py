@@ -225,8 +225,9 @@ def test_the_pipeline_call_hands_an_interrupt_what_it_delivered(causal_pipeline_
 
 
 def _streamed_subprocess(folder, out, num_frames: str):
-    """``mhla text-to-video --stream`` as its own process group, 1-latent-frame chunks, and its settings JSON."""
+    """``mhla text-to-video --stream`` as its own process group, in chunks of 1 latent frame."""
     import os
+    import signal
     import subprocess
     import sys
 
@@ -234,10 +235,17 @@ def _streamed_subprocess(folder, out, num_frames: str):
     command += ["--output-dir", str(out), "--num-frames", num_frames, "--chunk-frames", "1", "--height", "32"]
     command += ["--width", "48", "--max-sequence-length", "16", "--steps", "2", *PROMPT]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    # Ctrl-C's default action even where this test runs with SIGINT ignored (a background job of a shell)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=default_sigint,
     )
-    return process
 
 
 def _wait_for_chunks(process, out, chunks: int) -> dict:
