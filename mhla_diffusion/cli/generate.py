@@ -429,11 +429,8 @@ def run_image_to_video(args: argparse.Namespace) -> int:
 
 def _run_video(args: argparse.Namespace, task: str) -> int:
     """``mhla text-to-video`` and ``mhla image-to-video`` (``task``): checks, then one video per prompt."""
-    from ..pipelines.interrupt import GenerationInterrupted, kept_line
     from ..pipelines.outputs import (
-        VideoWriter,
         check_settings,
-        float_to_uint8,
         plan_outputs,
         save_video,
         slugify,
@@ -521,73 +518,31 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     with attention:
         for index, (prompt, plan) in enumerate(zip(prompts, plans)):
             started = time.perf_counter()
+            clip = dict(prompt=prompt, negative_prompt=args.negative_prompt, num_frames=num_frames)
+            clip.update(height=args.height, width=args.width)
             call = dict(
                 **conditioning,
-                prompt=prompt,
-                negative_prompt=args.negative_prompt,
-                num_frames=num_frames,
-                height=args.height,
-                width=args.width,
+                **clip,
                 num_inference_steps=args.steps,
                 guidance_scale=args.guidance_scale,
                 generator=torch.Generator("cpu").manual_seed(args.seed),
                 output_type="np",
                 max_sequence_length=args.max_sequence_length,
             )
-            recorded_run = dict(
-                task=task,
-                **recorded,
-                prompt=prompt,
-                negative_prompt=args.negative_prompt,
-                num_frames=num_frames,
-                height=args.height,
-                width=args.width,
-                fps=args.fps,
-                flow_shift=flow_shift,
-                boundary_ratio=pipe.config.get("boundary_ratio"),
-                output=str(plan.media),
-            )
+            recorded_run = dict(task=task, **recorded, **clip, fps=args.fps, flow_shift=flow_shift)
+            recorded_run.update(boundary_ratio=pipe.config.get("boundary_ratio"), output=str(plan.media))
 
             def settings(**more: Any) -> dict[str, Any]:
                 return _settings(args, pipe, device, dtype, **recorded_run, **more)
 
             frames, judged_chunks = None, []
             if chunks is not None:  # each chunk's frames go into the file as they are decoded
-                with VideoWriter(plan, args.format, args.fps) as writer:
-                    progress = dict(speed=speed, **stream_settings(chunks), status="running", frames_written=0)
-                    write_settings(plan, settings(**progress))  # at the start: a killed run leaves it
-
-                    def deliver(chunk: Any) -> None:
-                        writer.append(chunk[0])
-                        progress.update(
-                            frames_written=writer.frames_written, chunks_written=progress.get("chunks_written", 0) + 1
-                        )
-                        write_settings(plan, settings(**progress))
-                        if reader is not None:  # an embedded model's 48x48 frames, kept for its judge
-                            judged_chunks.append(float_to_uint8(chunk[0]))
-
-                    try:
-                        pipe(
-                            **call,
-                            chunk_frames=chunks.chunk_frames,
-                            first_chunk_frames=chunks.first_frames,
-                            on_frames=deliver,
-                            return_frames=False,
-                        )
-                    except GenerationInterrupted as interrupted:
-                        stopped = interrupted
-                    else:
-                        stopped = None
-                if stopped is not None:  # the file is closed: every finished chunk's frames are in it
-                    wall = time.perf_counter() - started
-                    progress.update(status="interrupted", frames_written=writer.frames_written)
-                    write_settings(plan, settings(**progress, wall_time_s=round(wall, 3)))
-                    kept = kept_line(writer.frames_written, num_frames, stopped.chunks_done, chunks.num_chunks)
-                    print(
-                        f"mhla {task}: interrupted: {kept} in {plan.media} (settings: {plan.settings})",
-                        file=sys.stderr,
-                    )
-                    return stopped.exit_code
+                stopped = _stream_video(
+                    pipe, call, chunks, plan, args.format, args.fps, settings, speed, reader is not None
+                )
+                if isinstance(stopped, int):
+                    return stopped
+                judged_chunks = stopped
             else:
                 try:
                     frames = pipe(**call).frames[0]
@@ -608,7 +563,11 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                 judged, line = _judge(reader, frames, lambda: reader.read_videos(frames[None], [prompt])[0])
             elif judged_chunks:
                 judged, line = _judge_long_video(reader, judged_chunks, prompt)
-            done = dict(status="complete", frames_written=num_frames) if chunks is not None else {}
+            done = (
+                {}
+                if chunks is None
+                else dict(status="complete", frames_written=num_frames, chunks_written=chunks.num_chunks)
+            )
             write_settings(
                 plan,
                 settings(
@@ -623,6 +582,58 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     if parallel is not None:
         parallel.close()
     return 0
+
+
+def _stream_video(
+    pipe: Any,
+    call: dict[str, Any],
+    chunks: Any,
+    plan: Any,
+    fmt: str,
+    fps: int,
+    settings: Callable[..., dict[str, Any]],
+    speed: Any,
+    judged: bool,
+) -> list[Any] | int:
+    """One streamed video (``--stream``): each chunk's frames go into ``plan.media`` as they are decoded, and the
+    settings JSON is written before the first chunk (``status: running``) and after every chunk
+    (``frames_written``, ``chunks_written``), so a killed run leaves a playable video with a JSON that says how far it
+    got. Returns the chunks' frames as ``uint8`` for the embedded judge (``judged``; else ``[]``), or, after Ctrl-C,
+    the exit code, once the kept frames' JSON is complete and one line has said what was kept."""
+    from ..pipelines.interrupt import GenerationInterrupted, kept_line
+    from ..pipelines.outputs import VideoWriter, float_to_uint8, write_settings
+    from .stream import stream_settings
+
+    started = time.perf_counter()
+    kept_chunks: list[Any] = []
+    progress = dict(speed=speed, **stream_settings(chunks), status="running", frames_written=0, chunks_written=0)
+    with VideoWriter(plan, fmt, fps) as writer:
+        write_settings(plan, settings(**progress))
+
+        def deliver(chunk: Any) -> None:
+            writer.append(chunk[0])
+            progress.update(frames_written=writer.frames_written, chunks_written=progress["chunks_written"] + 1)
+            write_settings(plan, settings(**progress))
+            if judged:  # an embedded model's small frames, kept for its judge
+                kept_chunks.append(float_to_uint8(chunk[0]))
+
+        try:
+            pipe(
+                **call,
+                chunk_frames=chunks.chunk_frames,
+                first_chunk_frames=chunks.first_frames,
+                on_frames=deliver,
+                return_frames=False,
+            )
+            return kept_chunks
+        except GenerationInterrupted as interrupted:
+            stopped = interrupted
+    # the file is closed: every finished chunk's frames are in it
+    progress.update(status="interrupted", frames_written=writer.frames_written)
+    write_settings(plan, settings(**progress, wall_time_s=round(time.perf_counter() - started, 3)))
+    kept = kept_line(writer.frames_written, chunks.num_frames, stopped.chunks_done, chunks.num_chunks)
+    print(f"mhla text-to-video: interrupted: {kept} in {plan.media} (settings: {plan.settings})", file=sys.stderr)
+    return stopped.exit_code
 
 
 def run_class_to_image(args: argparse.Namespace) -> int:
