@@ -31,6 +31,7 @@ _EXPORTS = {
     **dict.fromkeys(
         ["MHLADiTPipeline", "MHLAWanImageToVideoPipeline", "MHLAWanPipeline", "MHLAWanStreamingPipeline"], ".pipelines"
     ),
+    "GenerationInterrupted": ".pipelines.interrupt",
     **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".models.processors"),
     **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".loaders.weights"),
     # Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a
