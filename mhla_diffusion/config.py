@@ -82,8 +82,9 @@ class MHLAConfig:
         causal_window: ``K``, how many earlier temporal block rows are mixed one by one, each offset
             ``0 .. K`` with its own ``S x S`` matrix; older rows are folded into one summary per spatial
             block with one more matrix. A stream carries ``K + 1`` rows of block summaries per layer.
-        causal_fold: how the rows older than the window are folded: ``sum``, or ``decay`` (each row of age
-            multiplied by a learnable factor in ``(0, 1)`` per head).
+        causal_fold: how the rows older than the window are folded: ``sum``, ``decay`` (each row of age
+            multiplied by a learnable factor in ``(0, 1)`` per head), or ``mean`` (averaged: the fold's scale stays
+            the same however long the video, where a sum grows with it).
     """
 
     layers: LayerSpec = "all"
@@ -104,7 +105,7 @@ class MHLAConfig:
     output_dropout: float = 0.0
     causal: bool = False
     causal_window: int = 2
-    causal_fold: Literal["sum", "decay"] = "sum"
+    causal_fold: Literal["sum", "decay", "mean"] = "sum"
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str):

@@ -82,7 +82,8 @@ class StreamBuildSettings:
     mhla_start: str = "softmax"
     causal_window: int = 2
     # How rows older than the window reach a query: "sum" (every older row at full weight, so the fold grows with
-    # the video: a 65-frame stream folds 62 rows where the 9-frame clips folded at most 6) or "decay" (learned).
+    # the video: a 65-frame stream folds 62 rows where the 9-frame clips folded at most 6), "decay" (learned) or
+    # "mean" (averaged: the same scale at any length).
     causal_fold: str = "sum"
     gate: bool = True
     eval_prompts: int = 12

@@ -13,15 +13,18 @@ two spatial places alone::
                         = 0                                    for Δ < 0
 
 ``mixing`` holds ``A_0 .. A_K, A_fold`` as one ``(K + 2, S, S)`` tensor (or ``(H, K + 2, S, S)``, one per head);
-``K`` is the *window*. ``decay`` is ``γ`` (``None``: ``γ = 1``, the older rows are summed). The output is the
-present operator's (:mod:`~mhla_diffusion.ops.attention`) with this ``W`` as its mixing::
+``K`` is the *window*. ``decay`` is ``γ`` (``None``: ``γ = 1``, the older rows are summed). With ``mean_fold`` the
+older rows are averaged instead: ``W = A_fold[s, s'] / (r - K)`` for ``Δ > K``, ``r - K`` being how many rows a
+query of row ``r`` folds, so the fold keeps its scale however long the video grows (a sum grows with it). The output
+is the present operator's (:mod:`~mhla_diffusion.ops.attention`) with this ``W`` as its mixing::
 
     out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps),   S̃_o = Σ_j W[o, j] S_j,   z̃_o = Σ_j W[o, j] z_j
 
 Since ``W`` is the same for a video of any length, every row older than the window reaches a query through one
 *folded* summary per spatial place, ``F_r[s'] = Σ_{r' <= r-K-1} γ^(r-K-1-r') S_(r', s')``, which obeys
 ``F_(r+1) = γ F_r + S_(r-K)``. The streaming state (:class:`CausalMHLAState`) is therefore ``K + 1`` rows of
-per-block summaries and key sums -- the fold and the ``K`` most recent rows -- whatever the length.
+per-block summaries and key sums -- the fold and the ``K`` most recent rows -- whatever the length. The mean fold
+carries the sum (``γ = 1``) and divides it when it is mixed, by a count the state's ``rows`` gives.
 
 Two ways to run it, equal to each other:
 
@@ -110,19 +113,28 @@ def causal_mixing_init(
     return full[-s:].view(s, window + 2, s).flip(1).transpose(0, 1).contiguous()
 
 
-def causal_mixing_matrix(mixing: torch.Tensor, rows: int, decay: torch.Tensor | float | None = None) -> torch.Tensor:
+def causal_mixing_matrix(
+    mixing: torch.Tensor, rows: int, decay: torch.Tensor | float | None = None, *, mean_fold: bool = False
+) -> torch.Tensor:
     """The block-causal ``(M, M)`` mixing ``W`` of ``rows`` temporal block rows (``M = rows * S``) from the causal
     ``mixing`` ``(K + 2, S, S)``; ``(H, M, M)`` when ``mixing`` is per head ``(H, K + 2, S, S)`` or ``decay`` is
-    ``(H,)``. Row ``o`` holds query block ``o``'s weights (see the module docstring); differentiable in both."""
+    ``(H,)``. Row ``o`` holds query block ``o``'s weights (see the module docstring); differentiable in both.
+    ``mean_fold``: the rows older than the window are averaged (``decay`` must be ``None``)."""
     if mixing.ndim not in (3, 4):
         raise ValueError(f"`mixing` must be (K + 2, S, S) or per-head (H, K + 2, S, S), got {tuple(mixing.shape)}")
     r = torch.arange(int(rows), device=mixing.device)
-    return _row_weights(mixing, decay, r[:, None] - r[None, :])
+    return _row_weights(mixing, decay, r[:, None] - r[None, :], r if mean_fold else None)
 
 
-def _row_weights(mixing: torch.Tensor, decay: torch.Tensor | float | None, deltas: torch.Tensor) -> torch.Tensor:
+def _row_weights(
+    mixing: torch.Tensor,
+    decay: torch.Tensor | float | None,
+    deltas: torch.Tensor,
+    mean_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Block weights of query rows against key rows with temporal offsets ``deltas`` ``(R_q, R_k)`` (negative: not
-    visible): ``(..., R_q * S, R_k * S)``, ``...`` the heads of ``mixing`` or ``decay`` if any."""
+    visible): ``(..., R_q * S, R_k * S)``, ``...`` the heads of ``mixing`` or ``decay`` if any. ``mean_rows``
+    ``(R_q,)``: the query rows' absolute indices, for the mean fold (each folded row weighs ``1 / (r - K)``)."""
     window = mixing.shape[-3] - 2
     s = mixing.shape[-1]
     blocks = mixing[..., deltas.clamp(0, window + 1), :, :]  # (..., R_q, R_k, S, S)
@@ -133,6 +145,9 @@ def _row_weights(mixing: torch.Tensor, decay: torch.Tensor | float | None, delta
         gamma = torch.as_tensor(decay, dtype=mixing.dtype, device=mixing.device)
         exponent = (deltas - window - 1).clamp(min=0).to(mixing.dtype)
         factor = torch.where(visible, gamma[..., None, None] ** exponent, 0.0)  # (..., R_q, R_k)
+    if mean_rows is not None:  # a query of row r folds the r - K rows before its window (none before row K + 1)
+        folded = (mean_rows - window).clamp(min=1).to(mixing.dtype)[:, None]
+        factor = torch.where(deltas > window, factor / folded, factor)
     blocks = blocks * factor[..., None, None]
     rows_q, rows_k = deltas.shape
     return blocks.transpose(-3, -2).reshape(*blocks.shape[:-4], rows_q * s, rows_k * s)
@@ -200,11 +215,14 @@ def check_causal_arguments(
     heads: int,
     decay: torch.Tensor | float | None,
     normalize: bool | str,
+    mean_fold: bool = False,
 ) -> tuple[int, str]:
     """Check the causal operators' own arguments (``layout`` already validated); return ``(K, normalize mode)``.
 
     Raises ``ValueError`` naming the first bad one.
     """
+    if mean_fold and decay is not None:
+        raise ValueError("`mean_fold` averages the rows older than the window, `decay` weighs them: give one of them")
     s = math.prod(layout[1:])
     if not isinstance(mixing, torch.Tensor) or mixing.ndim not in (3, 4) or mixing.shape[-2:] != (s, s):
         raise ValueError(
@@ -240,6 +258,7 @@ def mhla_causal_attention(
     mixing: torch.Tensor,
     *,
     decay: torch.Tensor | float | None = None,
+    mean_fold: bool = False,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
     normalize: bool | str = True,
@@ -259,14 +278,15 @@ def mhla_causal_attention(
             (:func:`causal_mixing_init`).
         decay: ``γ`` of the fold, a float in ``[0, 1]`` or a tensor ``()`` / ``(H,)`` (differentiable; its values
             are not checked, keep them in ``[0, 1]``, e.g. a sigmoid); ``None``: the older rows are summed.
+        mean_fold: average the older rows instead (``decay`` ``None``): the fold keeps its scale at any length.
         normalize: ``True`` (paper denominator) or ``False``.
 
     Returns:
         ``(B, N, H, Dv)`` in ``v``'s dtype, equal to running :func:`mhla_causal_step` over the clip's rows.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot, plan)
-    _, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize)
-    weights = causal_mixing_matrix(mixing, layout[0], decay)
+    _, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize, mean_fold)
+    weights = causal_mixing_matrix(mixing, layout[0], decay, mean_fold=mean_fold)
     return mhla_attention(
         q,
         k,
@@ -295,6 +315,7 @@ def mhla_causal_step(
     state: CausalMHLAState | None = None,
     *,
     decay: torch.Tensor | float | None = None,
+    mean_fold: bool = False,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
     normalize: bool | str = True,
@@ -314,7 +335,8 @@ def mhla_causal_step(
             :func:`~mhla_diffusion.ops.attention.mhla_attention`, for the chunk's tokens (``rotary``: the tables
             of the chunk's positions, ``(1, N_c, 1, D)``).
         grid, layout: the chunk's token grid and its block layout (first axis: time).
-        mixing, decay, normalize: as for :func:`mhla_causal_attention`; the same on every step of a stream.
+        mixing, decay, mean_fold, normalize: as for :func:`mhla_causal_attention`; the same on every step of a
+            stream.
         state: what the earlier chunks left (:class:`CausalMHLAState`); ``None`` at the start of a stream.
 
     Returns:
@@ -323,7 +345,7 @@ def mhla_causal_step(
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot, plan)
     batch, _, heads, head_dim = q.shape
-    window, normalize = check_causal_arguments(mixing, layout, heads, decay, normalize)
+    window, normalize = check_causal_arguments(mixing, layout, heads, decay, normalize, mean_fold)
     check_feature_arguments(q, q_rot, k_rot, feature_eps, rotary)
     den = normalize != "none"
     rows, s = layout[0], math.prod(layout[1:])
@@ -357,7 +379,8 @@ def mhla_causal_step(
         history_sums = None if key_sum is None else _extend(state.key_sums, key_sum, rows, s)
         i = torch.arange(rows, device=q.device)
         e = torch.arange(window + 1 + rows, device=q.device)
-        weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :]).to(state_dtype)
+        query_rows = state.rows + i if mean_fold else None  # the fold (a sum) is averaged by the rows it holds
+        weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :], query_rows).to(state_dtype)
         weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
         summaries = _Summaries(weights, None if history_sums is None else history_sums.flatten(2, 3))
         summaries.mixed = summaries.mix(history.flatten(2, 3)).to(dtype)

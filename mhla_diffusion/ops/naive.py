@@ -65,6 +65,7 @@ def mhla_causal_attention_reference(
     mixing: torch.Tensor,
     *,
     decay: torch.Tensor | float | None = None,
+    mean_fold: bool = False,
     q_rot: torch.Tensor | None = None,
     k_rot: torch.Tensor | None = None,
     normalize: bool | str = True,
@@ -79,12 +80,13 @@ def mhla_causal_attention_reference(
         0                                       Δ < 0 (a later row)
         mixing[Δ, p(t), p(s)]                   0 <= Δ <= K
         γ^(Δ - K - 1) mixing[K + 1, p(t), p(s)] Δ > K        (γ = ``decay``, 1 when None)
+        mixing[K + 1, p(t), p(s)] / (r(t) - K)  Δ > K        with ``mean_fold``
 
     and then ``out_t = Σ_s w_ts (q̂_t · k̂_s) v_s / (Σ_s w_ts (q_t · k_s) + eps)`` as in
     :func:`mhla_attention_reference`. Shapes: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)`` -> ``(B, N, H, Dv)``.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot)
-    window, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize)
+    window, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize, mean_fold)
     per_row = math.prod(layout[1:])
     block = token_block_ids(grid, layout, device=q.device)
     row, place = block // per_row, block % per_row
@@ -93,6 +95,10 @@ def mhla_causal_attention_reference(
     if decay is not None:
         gamma = torch.as_tensor(decay, dtype=mixing.dtype, device=q.device)
         pair_weight = pair_weight * gamma[..., None, None] ** (delta - window - 1).clamp(min=0).to(mixing.dtype)
+    if mean_fold:  # a query of row r(t) > K folds the r(t) - K rows before its window
+        pair_weight = torch.where(
+            delta > window, pair_weight / (row[:, None] - window).clamp(min=1).to(mixing.dtype), pair_weight
+        )
     pair_weight = torch.where(delta >= 0, pair_weight, 0.0)
     return _pair_attention(q, k, v, pair_weight, q_rot, k_rot, normalize, eps, grid, layout)
 

@@ -20,6 +20,6 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 #: :func:`~mhla_diffusion.ops.mixing.mixing_init`).
 MIXING_TRANSFORMS = ("linear", "cos", "exp", "gaussian", "local")
 #: How causal MHLA folds the temporal block rows older than its window (``causal_fold`` of
-#: :class:`~mhla_diffusion.MHLAConfig`; see :mod:`mhla_diffusion.ops.causal`): summed, or each row of age
-#: multiplied by a learnable decay.
-CAUSAL_FOLDS = ("sum", "decay")
+#: :class:`~mhla_diffusion.MHLAConfig`; see :mod:`mhla_diffusion.ops.causal`): summed, each row of age
+#: multiplied by a learnable decay, or averaged (a fold whose scale does not grow with the video).
+CAUSAL_FOLDS = ("sum", "decay", "mean")

@@ -43,7 +43,13 @@ CHUNKED = {
     "time only": ((9,), (9,), [1, 3, 1, 4]),
 }
 
-DECAYS = {"sum": None, "decay 0.6": 0.6, "per-head decay": torch.tensor([0.3, 0.7, 1.0], dtype=torch.float64)}
+#: How the rows older than the window are folded: summed, weighed by a decay (one, or one per head), averaged.
+FOLDS = {
+    "sum": {},
+    "decay 0.6": {"decay": 0.6},
+    "per-head decay": {"decay": torch.tensor([0.3, 0.7, 1.0], dtype=torch.float64)},
+    "mean": {"mean_fold": True},
+}
 
 
 def _mixing(layout, window, per_head, seed=1):
@@ -93,17 +99,17 @@ def _run_chunks(q, k, v, grid, layout, mixing, frames, state=None, **kwargs):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("window", [0, 1, 5])
-@pytest.mark.parametrize("decay", sorted(DECAYS))
+@pytest.mark.parametrize("fold", sorted(FOLDS))
 @pytest.mark.parametrize("normalize", [True, False])
-def test_one_pass_matches_reference(case, window, decay, normalize):
+def test_one_pass_matches_reference(case, window, fold, normalize):
     grid, layout = CASES[case]
     q, k, v, q_rot, k_rot = make_inputs(grid, heads=HEADS, seed=len(grid) + window)
     for per_head, rotated in ((False, False), (True, True)):
         mixing = _mixing(layout, window, per_head)
         rot = dict(q_rot=q_rot, k_rot=k_rot) if rotated else {}
         args = (q, k, v, grid, layout, mixing)
-        fast = mhla_causal_attention(*args, decay=DECAYS[decay], normalize=normalize, **rot)
-        slow = mhla_causal_attention_reference(*args, decay=DECAYS[decay], normalize=normalize, **rot)
+        fast = mhla_causal_attention(*args, **FOLDS[fold], normalize=normalize, **rot)
+        slow = mhla_causal_attention_reference(*args, **FOLDS[fold], normalize=normalize, **rot)
         assert fast.shape == v.shape and torch.isfinite(fast).all()
         torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-10)
 
@@ -126,13 +132,13 @@ def test_reference_sees_only_its_own_and_earlier_rows():
 
 @pytest.mark.parametrize("case", sorted(CHUNKED))
 @pytest.mark.parametrize("window", [0, 1, 8])
-@pytest.mark.parametrize("decay", sorted(DECAYS))
-def test_chunks_with_the_carried_state_equal_one_pass(case, window, decay):
+@pytest.mark.parametrize("fold", sorted(FOLDS))
+def test_chunks_with_the_carried_state_equal_one_pass(case, window, fold):
     grid, layout, frames = CHUNKED[case]
     q, k, v, q_rot, k_rot = make_inputs(grid, heads=HEADS, seed=window + len(frames))
     for per_head, normalize, rotated in ((False, True, False), (True, True, True), (True, False, False)):
         mixing = _mixing(layout, window, per_head)
-        options = dict(decay=DECAYS[decay], normalize=normalize)
+        options = dict(**FOLDS[fold], normalize=normalize)
         rot = dict(q_rot=q_rot, k_rot=k_rot) if rotated else {}
         whole = mhla_causal_attention(q, k, v, grid, layout, mixing, **options, **rot)
         chunked, state = _run_chunks(q, k, v, grid, layout, mixing, frames, **options, **rot)
@@ -302,6 +308,7 @@ def test_init_favours_near_blocks():
         (dict(decay=1.5), "`decay`"),
         (dict(decay=torch.rand(2)), "`decay`"),
         (dict(normalize="scalar_mixed_denominator"), "scalar_mixed_denominator"),
+        (dict(decay=0.5, mean_fold=True), "give one of them"),
     ],
 )
 def test_bad_arguments_name_the_problem(change, message):
@@ -309,9 +316,10 @@ def test_bad_arguments_name_the_problem(change, message):
     q, k, v, _, _ = make_inputs(grid, heads=HEADS, dtype=torch.float32)
     args = dict(mixing=torch.rand(3, 4, 4), decay=None, normalize=True)
     args.update(change)
+    mixing = args.pop("mixing")
     for operator in (mhla_causal_attention, mhla_causal_step, mhla_causal_attention_reference):
         with pytest.raises(ValueError, match=message):
-            operator(q, k, v, grid, layout, args["mixing"], decay=args["decay"], normalize=args["normalize"])
+            operator(q, k, v, grid, layout, mixing, **args)
 
 
 def test_a_state_from_another_stream_is_refused():
@@ -326,3 +334,28 @@ def test_a_state_from_another_stream_is_refused():
         mhla_causal_step(q, k, v, grid, layout, torch.rand(3, 4, 4), state.summaries)
     with pytest.raises(ValueError, match="causal window K"):
         causal_mixing_init((1, 4), -1)
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_the_mean_fold_keeps_its_scale_where_the_sum_grows(window):
+    """A stream of identical frames (no RoPE: every row's summaries are the same): with the mean fold a query's output
+    at row 64 is its output at row 8, however many rows were folded; with the sum fold the folded past outweighs the
+    window more and more, and the output drifts."""
+    frame, rows = (2, 3), 64
+    q1, k1, v1, _, _ = make_inputs((1, *frame), heads=HEADS, seed=5)
+    q, k, v = (x.repeat(1, rows, 1, 1) for x in (q1, k1, v1))
+    layout = (rows, 1, 2)
+    mixing = _mixing(layout, window, per_head=False)
+    per_row = math.prod(frame)
+
+    def row(out: torch.Tensor, r: int) -> torch.Tensor:
+        return out[:, (r - 1) * per_row : r * per_row]
+
+    mean = mhla_causal_attention(q, k, v, (rows, *frame), layout, mixing, mean_fold=True)
+    summed = mhla_causal_attention(q, k, v, (rows, *frame), layout, mixing)
+    torch.testing.assert_close(row(mean, 64), row(mean, 8), rtol=0, atol=1e-12)
+    assert (row(summed, 64) - row(summed, 8)).abs().max() > 1e-3
+    # the stream carries the same: chunk by chunk equals the one pass at row 64
+    chunked, state = _run_chunks(q, k, v, (rows, *frame), layout, mixing, [1, 7, 24, 32], mean_fold=True)
+    torch.testing.assert_close(chunked, mean, rtol=0, atol=1e-12)
+    assert state.rows == rows

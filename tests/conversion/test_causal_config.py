@@ -21,6 +21,7 @@ from mhla_diffusion import (
 )
 from mhla_diffusion.models.context_parallel import enable_context_parallel
 from mhla_diffusion.models.tiny import tiny_dit_transformer, tiny_wan_transformer
+from mhla_diffusion.utils.choices import CAUSAL_FOLDS
 
 LAYOUT = (4, 2, 2)  # one latent frame per temporal block row on the 4-frame grids below
 
@@ -53,7 +54,7 @@ def test_config_round_trips_and_old_configs_load():
         (dict(causal_window=-1), "`causal_window` must be an int >= 0"),
         (dict(causal_window=1.5), "`causal_window` must be an int >= 0"),
         (dict(causal_window=True), "`causal_window` must be an int >= 0"),
-        (dict(causal_fold="mean"), "`causal_fold` must be one of 'sum', 'decay'"),
+        (dict(causal_fold="max"), "`causal_fold` must be one of 'sum', 'decay', 'mean'"),
         (dict(causal=True, normalization="scalar_mixed_denominator"), "use normalization='denominator' or 'none'"),
         (dict(causal=True, lepe=True), "reads the next frame"),
     ],
@@ -63,18 +64,19 @@ def test_bad_causal_options_are_one_clear_error(options, message):
         MHLAConfig(**options)
 
 
-@pytest.mark.parametrize("fold", ["sum", "decay"])
+@pytest.mark.parametrize("fold", CAUSAL_FOLDS)
 def test_causal_processors_own_per_offset_mixing_and_decay(fold):
     model = tiny_wan_transformer(num_layers=1)
     convert_to_mhla(model, MHLAConfig(layout=LAYOUT, causal=True, causal_window=1, causal_fold=fold))
     processor = model.blocks[0].attn1.processor
     torch.testing.assert_close(processor.mixing.data, causal_mixing_init(LAYOUT[1:], 1), rtol=0, atol=0)
-    assert (processor.fold_decay is None) == (fold == "sum")
+    assert (processor.fold_decay is None) == (fold != "decay")
+    assert processor.fold_options["mean_fold"] == (fold == "mean")
     if fold == "decay":
         assert processor.fold_decay.shape == (2,) and torch.allclose(processor.fold_decay, torch.tensor(0.9))
     model.to(torch.bfloat16)  # the mixing and the decay stay float32, as the plain mixing does
     assert processor.mixing.dtype == torch.float32
-    assert fold == "sum" or processor.fold_decay_logit.dtype == torch.float32
+    assert fold != "decay" or processor.fold_decay_logit.dtype == torch.float32
     assert "block-causal: window 1" in get_mhla_conversion(model).summary()
 
 
@@ -93,7 +95,7 @@ def test_a_causal_wan_model_does_not_look_ahead():
     assert not torch.allclose(run(plain, later)[:, :, :-1], run(plain, inputs)[:, :, :-1], atol=1e-4)
 
 
-@pytest.mark.parametrize("fold", ["sum", "decay"])
+@pytest.mark.parametrize("fold", CAUSAL_FOLDS)
 def test_the_causal_setting_is_saved_and_loaded(tmp_path, fold):
     """Through ``save_mhla`` (mhla_config.json) and ``save_pretrained`` (config.json): the same config and output."""
     model = causal_wan(fold=fold, window=2, per_head_mixing=True)

@@ -9,6 +9,7 @@ import torch
 from mhla_diffusion import MHLAConfig, convert_to_mhla
 from mhla_diffusion.models.streaming import CausalStream, WanFramePositions
 from mhla_diffusion.models.tiny import tiny_wan_transformer
+from mhla_diffusion.utils.choices import CAUSAL_FOLDS
 
 SIZE = 8  # latent height and width: 4 x 4 tokens with patch (1, 2, 2)
 
@@ -35,7 +36,7 @@ def _one_pass(model, latents, timesteps_per_frame, text):
         return model(latents, per_token, text).sample
 
 
-@pytest.mark.parametrize("fold", ["sum", "decay"])
+@pytest.mark.parametrize("fold", CAUSAL_FOLDS)
 def test_chunks_with_carried_state_equal_one_causal_pass(fold):
     model = _causal_model(fold)
     generator = torch.Generator().manual_seed(1)

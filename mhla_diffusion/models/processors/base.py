@@ -20,6 +20,7 @@ and add the optional extras around it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,7 @@ class MHLAProcessor(nn.Module):
         if config.causal and config.causal_fold == "decay":
             logit = math.log(CAUSAL_DECAY_INIT / (1 - CAUSAL_DECAY_INIT))
             self.fold_decay_logit = nn.Parameter(torch.full((heads,), logit), requires_grad=config.learnable_mixing)
+        self.mean_fold = bool(config.causal and config.causal_fold == "mean")  # older rows averaged, not summed
         self.out_norm = nn.RMSNorm(head_dim, eps=1e-6) if config.output_norm else None
         self.gate = nn.Linear(inner, inner) if config.gate else None
         # affine starts as the identity (PyTorch's default init: weight 1, bias 0)
@@ -209,6 +211,11 @@ class MHLAProcessor(nn.Module):
         return None if self.fold_decay_logit is None else torch.sigmoid(self.fold_decay_logit)
 
     @property
+    def fold_options(self) -> dict[str, Any]:
+        """How the causal operators fold the rows older than the window: ``decay`` and ``mean_fold``."""
+        return {"decay": self.fold_decay, "mean_fold": self.mean_fold}
+
+    @property
     def normalize(self) -> bool:
         """Whether the output is divided by a denominator (either kind)."""
         return self.normalization != "none"
@@ -218,7 +225,7 @@ class MHLAProcessor(nn.Module):
         dropout = f", output dropout {self.output_dropout}" if self.output_dropout else ""
         causal = ""
         if self.causal:
-            fold = "sum" if self.fold_decay_logit is None else "decay"
+            fold = "mean" if self.mean_fold else "sum" if self.fold_decay_logit is None else "decay"
             causal = f", causal (window {self.mixing.shape[-3] - 2}, {fold} fold)"
         return (
             f"heads={self.heads}, head_dim={self.head_dim}, layout={self.layout}, blocks={self.num_blocks}, "
@@ -270,12 +277,11 @@ class MHLAProcessor(nn.Module):
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
         if self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
-            out, state = mhla_causal_step(
-                q, k, v, grid, layout, self.mixing, self.stream.state(self), decay=self.fold_decay, **features
-            )
+            state = self.stream.state(self)
+            out, state = mhla_causal_step(q, k, v, grid, layout, self.mixing, state, **self.fold_options, **features)
             self.stream.stage(self, state)
         elif self.causal:  # never the fused kernel: it has no causal form
-            out = mhla_causal_attention(q, k, v, grid, layout, self.mixing, decay=self.fold_decay, **features)
+            out = mhla_causal_attention(q, k, v, grid, layout, self.mixing, **self.fold_options, **features)
         elif shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
             out = mhla_attention_fused(  # Triton on CUDA (MHLA_FUSED=0 turns it off): one read of q, k, v
                 q,
