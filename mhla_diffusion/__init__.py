@@ -18,6 +18,7 @@ _EXPORTS = {
         ["CausalMHLAState", "causal_mixing_init", "causal_mixing_matrix", "mhla_causal_attention", "mhla_causal_step"],
         ".ops.causal",
     ),
+    "mhla_causal_teacher_forcing": ".ops.teacher_forcing",
     **dict.fromkeys(["auto_layout", "block_plan", "num_blocks", "token_block_ids"], ".ops.block_layout"),
     "MHLAConfig": ".config",
     "retain_freed_memory": ".ops.cpu_memory",
