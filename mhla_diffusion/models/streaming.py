@@ -52,17 +52,23 @@ class WanFramePositions(nn.Module):
         self.rope = rope
         self.theta = theta
         self.origin = 0
+        #: The position of every frame, overriding ``origin`` (teacher forcing: two copies of a clip, alike).
+        self.frame_positions: np.ndarray | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents ``(B, C, F, H, W)`` -> ``(cos, sin)``, each ``(1, F' * H' * W', 1, D)`` on the patched grid."""
         rope = self.rope
         p_t, p_h, p_w = rope.patch_size
         frames, height, width = (s // p for s, p in zip(hidden_states.shape[2:], (p_t, p_h, p_w)))
-        if self.origin == 0 and frames <= rope.max_seq_len:
+        if self.origin == 0 and self.frame_positions is None and frames <= rope.max_seq_len:
             return rope(hidden_states)
         from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
         positions = np.arange(self.origin, self.origin + frames, dtype=np.float64)
+        if self.frame_positions is not None:
+            if len(self.frame_positions) != frames:
+                raise ValueError(f"{len(self.frame_positions)} frame positions for {frames} latent frames")
+            positions = np.asarray(self.frame_positions, dtype=np.float64)
         time_cos, time_sin = get_1d_rotary_pos_embed(
             rope.t_dim, positions, self.theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
         )

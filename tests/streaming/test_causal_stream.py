@@ -109,3 +109,49 @@ def test_stream_refusals():
     with pytest.raises(RuntimeError, match="one forward"):
         with stream.chunk(advance=True):
             pass
+
+
+@pytest.mark.parametrize("fold", CAUSAL_FOLDS)
+@pytest.mark.parametrize(("chunks", "table"), [((2, 1, 3, 2), 32), ((1, 3, 3, 3), 8)])
+def test_teacher_forcing_equals_the_streams_denoising_chunk_by_chunk(fold, chunks, table):
+    """One forward of ``[clean | noisy]`` under TeacherForcing: the noisy half is, chunk by chunk, what the stream's
+    denoising forward gives against a state advanced with the clean chunks (their context level included), and the
+    clean half is one causal pass over the clean copy; also past the rotary table (10 frames, a table of 8)."""
+    from mhla_diffusion.models.teacher_forcing import TeacherForcing
+
+    model = _causal_model(fold, window=1, rope_max_seq_len=table)
+    generator = torch.Generator().manual_seed(2)
+    frames = sum(chunks)
+    clean = torch.randn(2, 16, frames, SIZE, SIZE, generator=generator, dtype=torch.float64)
+    noisy = torch.randn(2, 16, frames, SIZE, SIZE, generator=generator, dtype=torch.float64)
+    text = torch.randn(2, 5, 32, generator=generator, dtype=torch.float64)
+    context_level = 30.0  # the clean copy at a small context level, as causal_context_noise trains it
+    levels = [900.0 - 150 * c for c in range(len(chunks))]  # one level per noisy chunk
+    per_frame = torch.cat([torch.full((size,), level, dtype=torch.float64) for size, level in zip(chunks, levels)])
+    timesteps = torch.cat([torch.full((frames,), context_level, dtype=torch.float64), per_frame])
+    per_token = timesteps.repeat_interleave(_tokens_per_frame())[None].expand(2, -1)
+    with TeacherForcing(model, chunks), torch.no_grad():
+        forced = model(torch.cat([clean, noisy], dim=2), per_token, text).sample
+    assert model.rope.frame_positions is None  # positions as before once the block ends
+
+    stream, start, streamed = CausalStream(model), 0, []
+    for size, level in zip(chunks, levels):
+        with stream.chunk(), torch.no_grad():
+            streamed.append(model(noisy[:, :, start : start + size], torch.tensor([level] * 2).double(), text).sample)
+        with stream.chunk(advance=True), torch.no_grad():
+            model(clean[:, :, start : start + size], torch.tensor([context_level] * 2).double(), text)
+        start += size
+    torch.testing.assert_close(forced[:, :, frames:], torch.cat(streamed, dim=2), rtol=0, atol=1e-10)
+    context = _one_pass(model, clean, torch.full((frames,), context_level, dtype=torch.float64), text)
+    torch.testing.assert_close(forced[:, :, :frames], context, rtol=0, atol=1e-10)
+
+
+def test_teacher_forcing_refuses_an_input_that_is_not_two_copies():
+    from mhla_diffusion.models.teacher_forcing import TeacherForcing
+
+    model = _causal_model()
+    latents = torch.randn(1, 16, 6, SIZE, SIZE, dtype=torch.float64)
+    with TeacherForcing(model, [2, 2]), pytest.raises(ValueError, match="the clip twice, \\[clean \\| noisy\\]"):
+        model(latents, torch.zeros(1, dtype=torch.float64), torch.randn(1, 5, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="has none"):
+        TeacherForcing(tiny_wan_transformer(num_layers=1), [2])

@@ -28,11 +28,12 @@ from torch import nn
 
 from ...config import MHLAConfig
 from ...ops.attention import HALF_DTYPES, mhla_attention
-from ...ops.block_layout import num_blocks
+from ...ops.block_layout import block_plan, num_blocks
 from ...ops.causal import causal_mixing_init, mhla_causal_attention, mhla_causal_step
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ...ops.fused_op import mhla_attention_fused  # one custom op: torch.compile keeps the kernels
 from ...ops.mixing import mixing_init
+from ...ops.teacher_forcing import mhla_causal_teacher_forcing
 from ...ops.triton_mhla import fused_available
 from ...utils.geometry import check_equal_blocks
 from .grid import TokenGridContext
@@ -125,6 +126,8 @@ class MHLAProcessor(nn.Module):
     _parallel_config = None
     #: The :class:`~mhla_diffusion.models.streaming.CausalStream` whose chunk is running (causal layers only).
     stream = None
+    #: The :class:`~mhla_diffusion.models.teacher_forcing.TeacherForcing` in force (causal layers only).
+    forcing = None
 
     def __init__(
         self,
@@ -195,6 +198,30 @@ class MHLAProcessor(nn.Module):
                 original = kept.get(name)
                 param.data = param.data.float() if original is None else original.to(device=param.device)
         return self
+
+    def _teacher_forced(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grid: tuple[int, ...],
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Causal MHLA of a ``[clean | noisy]`` input ``(B, 2N, H, D)`` on the token grid ``(2F, h, w)``: the clean
+        copy block-causally, the noisy copy chunk by chunk against the clean copy's earlier chunks."""
+        n, half = q.shape[1] // 2, (grid[0] // 2, *grid[1:])
+        layout = self.causal_layout(half)
+        rotary = None if rotary_emb is None else tuple(t[:, :n] for t in rotary_emb)  # both copies' positions alike
+        plan = block_plan(half, layout, device=q.device)
+        features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary)
+        options = {**self.fold_options, **features}
+        clean = (q[:, :n], k[:, :n], v[:, :n])
+        out_clean = mhla_causal_attention(*clean, half, layout, self.mixing, **options)
+        rows = self.forcing.chunk_rows
+        out_noisy = mhla_causal_teacher_forcing(
+            q[:, n:], k[:, n:], v[:, n:], clean[1], clean[2], half, layout, self.mixing, rows, **options
+        )
+        return torch.cat([out_clean, out_noisy], dim=1)
 
     def causal_layout(self, grid: tuple[int, ...]) -> tuple[int, ...]:
         """The block layout of a causal layer on ``grid``: one temporal block row per latent frame, the layout's
@@ -276,7 +303,9 @@ class MHLAProcessor(nn.Module):
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
-        if self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
+        if self.causal and self.forcing is not None:  # [clean | noisy] copies of a clip (models/teacher_forcing.py)
+            out = self._teacher_forced(q, k, v, grid, rotary_emb)
+        elif self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
             state = self.stream.state(self)
             out, state = mhla_causal_step(q, k, v, grid, layout, self.mixing, state, **self.fold_options, **features)
             self.stream.stage(self, state)
