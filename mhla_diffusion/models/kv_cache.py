@@ -48,6 +48,7 @@ __all__ = [
     "KVCacheStream",
     "KVCacheWanAttnProcessor",
     "frame_causal_mask",
+    "teacher_forcing_mask",
     "is_block_causal",
     "kv_cache_processors",
     "restore_block_causal",
@@ -78,6 +79,8 @@ class KVCacheWanAttnProcessor:
         self.stream: KVCacheStream | None = None
         #: The token grid of the running forward (block-causal), or ``None`` (bidirectional within a chunk).
         self.grid_context = grid_context
+        #: The :class:`~mhla_diffusion.models.teacher_forcing.TeacherForcing` in force (block-causal layers only).
+        self.forcing = None
 
     @property
     def block_causal(self) -> bool:
@@ -110,7 +113,10 @@ class KVCacheWanAttnProcessor:
                 key, value = torch.cat([cache[0], key], dim=1), torch.cat([cache[1], value], dim=1)
             self.stream.stage(self, (key, value))
         mask = None
-        if self.grid_context is not None:
+        if self.grid_context is not None and self.forcing is not None:  # [clean | noisy] copies of a clip
+            frames = self.grid_context.require(query.shape[1])[0]
+            mask = teacher_forcing_mask(self.forcing.chunk_rows, query.shape[1] // frames, query.device)
+        elif self.grid_context is not None:
             frames = self.grid_context.require(query.shape[1])[0]
             mask = frame_causal_mask(frames, query.shape[1] // frames, key.shape[1] - query.shape[1], query.device)
         out = dispatch_attention_fn(query, key, value, attn_mask=mask, backend=self._attention_backend)
@@ -130,6 +136,22 @@ def frame_causal_mask(
     frame = torch.arange(frames, device=device).repeat_interleave(tokens_per_frame)
     own = frame[None, :] <= frame[:, None]
     seen = torch.cat([own.new_ones(own.shape[0], cached), own], dim=1)
+    return seen[None, None]
+
+
+def teacher_forcing_mask(
+    chunk_frames: list[int], tokens_per_frame: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Which keys each query sees under teacher forcing (:mod:`mhla_diffusion.models.teacher_forcing`), over the
+    ``2N`` tokens of ``[clean | noisy]``: ``(1, 1, 2N, 2N)`` booleans. A clean query sees the clean keys of its frame
+    and the frames before it; a noisy query of chunk ``c`` sees the clean keys of the chunks before ``c`` and the
+    noisy keys of its own chunk up to its frame (what a KV-cache stream's denoising forward sees)."""
+    from ..ops.teacher_forcing import teacher_forcing_offsets
+
+    noisy = teacher_forcing_offsets(chunk_frames, device) >= 0  # (F, 2F): over the clean frames, then the noisy
+    frame = torch.arange(noisy.shape[0], device=device)
+    clean = torch.cat([frame[None, :] <= frame[:, None], torch.zeros_like(noisy[:, : noisy.shape[0]])], dim=1)
+    seen = torch.cat([clean, noisy]).repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
     return seen[None, None]
 
 

@@ -11,6 +11,10 @@ layer runs
 * on the noisy copy, :func:`~mhla_diffusion.ops.teacher_forcing.mhla_causal_teacher_forcing`: each chunk against
   the clean copy's earlier chunks and its own rows, one ``(M, 2M)`` mixing of both copies' block summaries.
 
+A block-causal softmax transformer (:func:`~mhla_diffusion.models.kv_cache.use_kv_cache` with ``block_causal=True``,
+the streaming teacher) runs the same view as one softmax attention over the ``2N`` tokens with a block mask
+(:func:`~mhla_diffusion.models.kv_cache.teacher_forcing_mask`).
+
 Both copies keep the same frame positions (the noisy copy's frame ``f`` is at position ``f``, as the clean one's),
 through :class:`~mhla_diffusion.models.streaming.WanFramePositions`, so a clip may run past the rotary table as a
 stream does. Every other layer works token by token. The noisy half of the output is therefore, chunk by chunk,
@@ -33,19 +37,22 @@ __all__ = ["TeacherForcing"]
 
 
 class TeacherForcing:
-    """Context manager: inside it, ``transformer`` (block-causal MHLA Wan) takes ``[clean | noisy]`` along the frame
-    axis and trains the noisy copy as a stream denoises it (see the module docstring).
+    """Context manager: inside it, ``transformer`` (block-causal MHLA or softmax Wan) takes ``[clean | noisy]`` along
+    the frame axis and trains the noisy copy as a stream denoises it (see the module docstring).
 
     ``chunk_frames``: the clip's chunks in latent frames (token-grid frames: latent frames over the temporal patch),
     e.g. ``[1, 4, 4]`` for a first chunk of its own length; they add up to the clip's frames ``F`` (half the input's).
     """
 
     def __init__(self, transformer: nn.Module, chunk_frames: Sequence[int]) -> None:
+        from .kv_cache import kv_cache_processors
+
         self.processors = causal_processors(transformer)
+        self.processors += [p for p in kv_cache_processors(transformer) if p.block_causal]
         if not self.processors:
             raise ValueError(
                 "teacher forcing trains block-causal layers and this transformer has none: convert it with "
-                "MHLAConfig(causal=True) first"
+                "MHLAConfig(causal=True), or use_kv_cache(transformer, block_causal=True) for softmax, first"
             )
         if not chunk_frames or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in chunk_frames):
             raise ValueError(f"`chunk_frames` must be positive numbers of latent frames, got {list(chunk_frames)!r}")

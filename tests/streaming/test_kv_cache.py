@@ -195,3 +195,36 @@ def test_kv_cache_refusals():
     with pytest.raises(RuntimeError, match="one forward"):
         with stream.chunk(advance=True):
             pass
+
+
+@pytest.mark.parametrize(("chunks", "rope_max_seq_len"), [((2, 1, 3, 2), 32), ((1, 3, 3), 4)])
+def test_teacher_forcing_equals_the_cached_stream_chunk_by_chunk(chunks, rope_max_seq_len):
+    """One forward of ``[clean | noisy]`` under TeacherForcing (a block mask over 2N tokens, both copies at the same
+    positions): the noisy half is, chunk by chunk, the KV-cache stream's denoising forward against the clean chunks
+    before it; the clean half is one block-causal pass; also past the rotary table (7 frames, a table of 4)."""
+    from mhla_diffusion.models.teacher_forcing import TeacherForcing
+
+    model = _model(rope_max_seq_len)
+    use_kv_cache(model, block_causal=True)
+    generator = torch.Generator().manual_seed(3)
+    frames = sum(chunks)
+    clean = torch.randn(2, 16, frames, SIZE, SIZE, generator=generator, dtype=torch.float64)
+    noisy = torch.randn(2, 16, frames, SIZE, SIZE, generator=generator, dtype=torch.float64)
+    text = torch.randn(2, 5, 32, generator=generator, dtype=torch.float64)
+    levels = [800.0 - 100 * c for c in range(len(chunks))]
+    per_frame = torch.cat([torch.full((size,), level, dtype=torch.float64) for size, level in zip(chunks, levels)])
+    timesteps = torch.cat([torch.zeros(frames, dtype=torch.float64), per_frame])
+    with TeacherForcing(model, list(chunks)), torch.no_grad():
+        forced = model(torch.cat([clean, noisy], dim=2), _per_token(timesteps, 2), text).sample
+
+    stream, start, streamed = KVCacheStream(model), 0, []
+    for size, level in zip(chunks, levels):
+        with stream.chunk(), torch.no_grad():
+            streamed.append(model(noisy[:, :, start : start + size], torch.tensor([level] * 2).double(), text).sample)
+        with stream.chunk(advance=True), torch.no_grad():
+            model(clean[:, :, start : start + size], torch.zeros(2, dtype=torch.float64), text)
+        start += size
+    torch.testing.assert_close(forced[:, :, frames:], torch.cat(streamed, dim=2), rtol=0, atol=1e-10)
+    with torch.no_grad():
+        context = model(clean, _per_token(torch.zeros(frames, dtype=torch.float64), 2), text).sample
+    torch.testing.assert_close(forced[:, :, :frames], context, rtol=0, atol=1e-10)
