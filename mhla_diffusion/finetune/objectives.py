@@ -10,6 +10,11 @@ recipe with one noise level per *chunk* of latent frames instead of one per clip
 a chunk may instead be clean (level 0, timestep 0: the context a stream conditions on) and is then left out of the
 loss. The timesteps are per token ``(B, N)``, which Diffusers' ``WanTransformer3DModel`` takes as they are.
 
+Teacher forcing (block-causal Wan; :func:`teacher_forcing_inputs`): the clip twice along the frame axis, a clean
+copy (timestep 0, or a context level drawn *without* the shift from ``[0, context_noise)``) and a noisy copy with one
+shifted level per chunk; run under :class:`~mhla_diffusion.models.teacher_forcing.TeacherForcing`, each noisy chunk
+sees the clean chunks before it and its own frames, as a stream's denoising does. The loss is on the noisy copy only.
+
 DiT (ADM ``GaussianDiffusion`` with learned range variance, ``loss_type=MSE``): ``x_t`` from Diffusers'
 scheduler ``add_noise``, loss ``MSE(eps) + VB`` where the VB term (in bits per dimension) trains the
 variance channels against the true posterior with the predicted mean held fixed.
@@ -32,6 +37,8 @@ __all__ = [
     "flow_match_loss",
     "normal_kl",
     "discretized_gaussian_log_likelihood",
+    "teacher_forcing_inputs",
+    "training_chunks",
 ]
 
 
@@ -142,6 +149,74 @@ def diffusion_forcing_inputs(
     timesteps = (per_frame * num_train_timesteps).long().repeat_interleave(tokens_per_frame, dim=1)
     weight = keep[:, index].view(batch, 1, frames, 1, 1).float()
     return FlowMatchInputs(noisy=noisy, timesteps=timesteps, sigmas=per_frame, target=noise - latents, weight=weight)
+
+
+def training_chunks(frames: int, chunk_frames: int, first_chunk_frames: int | None = None) -> list[int]:
+    """Latent frames of each chunk of a ``frames``-frame clip, cut as :func:`diffusion_forcing_inputs` cuts it: a
+    first chunk of ``first_chunk_frames`` (``None``: ``chunk_frames``), then chunks of ``chunk_frames``, the last one
+    shorter when they do not divide what is left."""
+    first = chunk_frames if first_chunk_frames is None else first_chunk_frames
+    if first < 1 or chunk_frames < 1:
+        raise ValueError(f"chunks need at least one latent frame, got first {first}, then {chunk_frames}")
+    sizes = [min(first, frames)]
+    while sum(sizes) < frames:
+        sizes.append(min(chunk_frames, frames - sum(sizes)))
+    return sizes
+
+
+def teacher_forcing_inputs(
+    latents: torch.Tensor,
+    generator: torch.Generator | None,
+    chunk_frames: int,
+    tokens_per_frame: int,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    shift: float = 3.0,
+    num_train_timesteps: int = 1000,
+    first_chunk_frames: int | None = None,
+    context_noise: float = 0.0,
+) -> FlowMatchInputs:
+    """The inputs of one teacher-forced step (see the module docstring): ``[clean | noisy]`` ``(B, C, 2F, H, W)``.
+
+    The noisy copy's chunks (:func:`training_chunks`) each draw a shifted level as :func:`flow_match_inputs` draws one
+    per clip. The clean copy is the clip itself at timestep 0, or with ``context_noise`` ``c`` each of its chunks
+    noised to a level drawn uniformly from ``[0, c)`` (unshifted, on the timestep grid), as a stream re-noises its
+    finished chunks. ``weight`` is 0 on the clean copy and 1 on the noisy one; ``timesteps`` are per token
+    ``(B, 2 F tokens_per_frame)``, ``sigmas`` ``(B, 2F)``, ``target`` ``noise - x0`` on the noisy copy (zeros on the
+    clean one, which the loss leaves out). Draws, in order: the noisy levels, the context levels (only when
+    ``context_noise > 0``), the noisy copy's noise, the clean copy's noise (only when ``context_noise > 0``).
+    """
+    if not 0 <= context_noise < 1:
+        raise ValueError(f"context_noise must be a noise level in [0, 1), got {context_noise}")
+    batch, frames = latents.shape[0], latents.shape[2]
+    sizes = training_chunks(frames, chunk_frames, first_chunk_frames)
+    device = latents.device
+    index = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+    sigma = _shifted_sigmas(batch * len(sizes), generator, device, logit_mean, logit_std, shift, num_train_timesteps)
+    noisy_levels = sigma.view(batch, len(sizes))[:, index]  # (B, F)
+    context_levels = torch.zeros_like(noisy_levels)
+    if context_noise > 0:
+        level = torch.rand(batch, len(sizes), generator=generator, device=device) * context_noise
+        context_levels = ((level * num_train_timesteps).floor() / num_train_timesteps)[:, index]
+    noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+    s = noisy_levels.view(batch, 1, frames, 1, 1).to(latents.dtype)
+    noisy = (1.0 - s) * latents + s * noise
+    context = latents
+    if context_noise > 0:
+        context_noise_draw = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+        c = context_levels.view(batch, 1, frames, 1, 1).to(latents.dtype)
+        context = (1.0 - c) * latents + c * context_noise_draw
+    per_frame = torch.cat([context_levels, noisy_levels], dim=1)  # (B, 2F)
+    timesteps = (per_frame * num_train_timesteps).long().repeat_interleave(tokens_per_frame, dim=1)
+    weight = torch.cat([torch.zeros(batch, frames, device=device), torch.ones(batch, frames, device=device)], dim=1)
+    target = torch.cat([torch.zeros_like(latents), noise - latents], dim=2)
+    return FlowMatchInputs(
+        noisy=torch.cat([context, noisy], dim=2),
+        timesteps=timesteps,
+        sigmas=per_frame,
+        target=target,
+        weight=weight.view(batch, 1, 2 * frames, 1, 1),
+    )
 
 
 def flow_match_loss(prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

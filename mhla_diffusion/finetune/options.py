@@ -382,6 +382,13 @@ class WanTrainOptions(TrainOptions):
         "saved pipeline re-noises each finished chunk to this level when it streams (context_noise)",
         valid=between(0, 1, high_open=True, zero="clean context"),
     )
+    causal_objective: str = option(
+        "diffusion_forcing",
+        "block-causal: diffusion_forcing (a level per chunk, some chunks clean context) or teacher_forcing (the clip "
+        "as a clean copy and a noisy copy in one pass: each noisy chunk sees the clean chunks before it and its own "
+        "frames, as a stream denoises it; the loss is on the noisy copy; no gradient_checkpointing or distillation)",
+        choices=("diffusion_forcing", "teacher_forcing"),
+    )
     softmax_block_causal: bool = option(
         False,
         "attention: softmax: train softmax self-attention block-causal over latent frames (a frame sees itself and "
@@ -436,6 +443,7 @@ class WanTrainOptions(TrainOptions):
                 "replaces it: set mhla: {causal: true} for block-causal MHLA, or attention: softmax"
             )
         self.check_causal(self._causal_asked())
+        self._check_teacher_forcing()
         if self.context_parallel_degree > 1:
             if self.attention_transfer_steps:
                 raise ValueError(
@@ -500,6 +508,27 @@ class WanTrainOptions(TrainOptions):
                 "this model is not causal: set mhla: {causal: true} (attention: mhla) or softmax_block_causal: true "
                 "(attention: softmax), or drop "
                 f"{'it' if len(changed) == 1 else 'them'}"
+            )
+
+    def _check_teacher_forcing(self) -> None:
+        """What ``causal_objective: teacher_forcing`` cannot run with, named with the fix."""
+        if self.causal_objective != "teacher_forcing":
+            return
+        if self.gradient_checkpointing:
+            raise ValueError(
+                "causal_objective: teacher_forcing runs its [clean | noisy] view in the forward only, which "
+                "gradient checkpointing would recompute without it: set gradient_checkpointing: false"
+            )
+        if self.distillation_weight:
+            raise ValueError(
+                "causal_objective: teacher_forcing has no distillation (the softmax original sees no clean copy): "
+                "set distillation_weight: 0"
+            )
+        default = next(f.default for f in dataclasses.fields(self) if f.name == "causal_clean_chunks")
+        if self.causal_clean_chunks != default:
+            raise ValueError(
+                "causal_clean_chunks is diffusion forcing's; under teacher_forcing every chunk's context is the clean "
+                "copy: drop causal_clean_chunks"
             )
 
     def bucket_sizes(self) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ import copy
 import logging
 import math
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,6 +42,7 @@ from ..loaders.loading import WAN_HUB_ID, check_model_source
 from ..loaders.weights import save_mhla
 from ..models.conversion import get_mhla_conversion
 from ..models.kv_cache import is_block_causal, use_kv_cache
+from ..models.teacher_forcing import TeacherForcing
 from ..utils.geometry import VideoGeometry, check_layout_fits
 from .components import (
     load_component,
@@ -54,7 +56,14 @@ from .data import DataReport
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .latent_cache import LatentCache, encoder_identity, run_prepass
 from .latents import draw_latents, encode_posterior, wan_latent_normalization
-from .objectives import FlowMatchInputs, diffusion_forcing_inputs, flow_match_inputs, flow_match_loss
+from .objectives import (
+    FlowMatchInputs,
+    diffusion_forcing_inputs,
+    flow_match_inputs,
+    flow_match_loss,
+    teacher_forcing_inputs,
+    training_chunks,
+)
 from .options import WanTrainOptions
 from .text import encode_prompts, pad_prompt_embeds
 from .trainable import add_lora
@@ -455,9 +464,14 @@ class WanTask(Task):
         latents = draw_latents(stored.to(self.device), self.latent_channels, o.latent_sampling, generator)
         inputs = self._noised(latents, generator)
         text = pad_prompt_embeds([e.to(self.device) for e in embeds], o.max_sequence_length).float()
-        prediction = model(
-            hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text, return_dict=False
-        )[0]
+        forcing = nullcontext()
+        if self._teacher_forced():  # [clean | noisy]: each noisy chunk against the clean chunks before it
+            chunks = training_chunks(latents.shape[2], o.causal_chunk_frames, o.causal_first_chunk_frames)
+            forcing = TeacherForcing(_innermost(model), chunks)
+        with forcing:
+            prediction = model(
+                hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text, return_dict=False
+            )[0]
         loss = flow_match_loss(prediction, inputs.target, inputs.weight)
         if self.original is None or self.stage == "transfer":  # attention transfer uses only its layer losses
             return loss, {}
@@ -483,6 +497,18 @@ class WanTask(Task):
         if not self.causal:
             return flow_match_inputs(latents, generator, o.logit_mean, o.logit_std, o.flow_shift)
         _, patch_h, patch_w = self._geometry().patch_size
+        if self._teacher_forced():
+            return teacher_forcing_inputs(
+                latents,
+                generator,
+                o.causal_chunk_frames,
+                (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w),
+                o.logit_mean,
+                o.logit_std,
+                o.flow_shift,
+                first_chunk_frames=o.causal_first_chunk_frames,
+                context_noise=o.causal_context_noise,
+            )
         return diffusion_forcing_inputs(
             latents,
             generator,
@@ -495,6 +521,11 @@ class WanTask(Task):
             first_chunk_frames=o.causal_first_chunk_frames,
             context_noise=o.causal_context_noise,
         )
+
+    def _teacher_forced(self) -> bool:
+        """Whether this step trains by teacher forcing (a block-causal model's main stage; attention transfer matches
+        layers on plain inputs)."""
+        return self.causal and self.options.causal_objective == "teacher_forcing" and self.stage != "transfer"
 
     # ------------------------------------------------------------------ outputs
 
@@ -654,3 +685,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _innermost(model: nn.Module) -> nn.Module:
+    """The transformer inside Accelerate's wrappers (DDP's ``module``, ``torch.compile``'s ``_orig_mod``)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner

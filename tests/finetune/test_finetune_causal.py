@@ -24,6 +24,7 @@ from mhla_diffusion.models.conversion import get_mhla_conversion
 from mhla_diffusion.pipelines import MHLAWanPipeline
 
 CAUSAL = {"layout": [1, 2, 2], "causal": True, "causal_window": 1, "causal_fold": "decay"}
+FORCED = {"causal_objective": "teacher_forcing", "gradient_checkpointing": False}
 
 
 # ---------------------------------------------------------------------- options
@@ -38,6 +39,10 @@ CAUSAL = {"layout": [1, 2, 2], "causal": True, "causal_window": 1, "causal_fold"
         (dict(causal_first_chunk_frames=0), "`causal_first_chunk_frames` must be >= 1"),
         (dict(context_parallel_degree=2), "context parallelism has no block-causal MHLA"),
         (dict(mhla={"causal": True, "lepe": True}), "cannot take `lepe`"),
+        (dict(causal_objective="teacher_forcing", gradient_checkpointing=True), "set gradient_checkpointing: false"),
+        (dict(**FORCED, distillation_weight=0.5), "set distillation_weight: 0"),
+        (dict(**FORCED, causal_clean_chunks=0.2), "drop causal_clean_chunks"),
+        (dict(causal_objective="forcing"), "`causal_objective` must be one of"),
     ],
 )
 def test_causal_options_the_trainer_cannot_honour_are_refused(tmp_path, overrides, message):
@@ -155,3 +160,18 @@ def test_causal_resume_equals_uninterrupted(tmp_path, pipeline_dirs, video_set):
     killed_and_resumed(train_wan.train, options, tmp_path / "b", at=3)
     for tensors in assert_same_final_weights(tmp_path / "a", tmp_path / "b").values():
         assert any(k.endswith(".processor.fold_decay_logit") for k in tensors)
+
+
+@pytest.mark.slow
+def test_a_teacher_forced_run_learns_from_the_clean_copy(tmp_path, pipeline_dirs, video_set, monkeypatch):
+    base = pipeline_dirs["wan"]
+    forced, real = [], train_wan.teacher_forcing_inputs
+    monkeypatch.setattr(train_wan, "diffusion_forcing_inputs", None)  # teacher forcing never draws these
+    monkeypatch.setattr(train_wan, "teacher_forcing_inputs", lambda *a, **k: forced.append(a[2:]) or real(*a, **k))
+    evaluate = WanEvaluator(base, video_set, chunk_frames=1)  # the last latent frame after two clean ones
+    before = evaluate(base_wan_transformer(base, **{k: v for k, v in CAUSAL.items() if k != "layout"}))
+    options = dict(mhla=CAUSAL, **FORCED, max_train_steps=30)
+    final = train_wan.train(wan_options(base, video_set, tmp_path / "run", **options))
+    after = evaluate(load_mhla(final))
+    assert after < 0.8 * before, (before, after)
+    assert len(forced) == 30 and forced[0][:2] == (1, 4)  # chunks of 1 latent frame, 2 x 2 tokens

@@ -16,6 +16,8 @@ from mhla_diffusion.finetune.objectives import (
     flow_match_inputs,
     flow_match_loss,
     normal_kl,
+    teacher_forcing_inputs,
+    training_chunks,
 )
 from mhla_diffusion.finetune.text import encode_prompts, pad_prompt_embeds
 
@@ -243,3 +245,34 @@ def test_prompt_embeddings_match_the_pipeline(pipeline_dirs):
     theirs, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=16, device="cpu")
     torch.testing.assert_close(ours, theirs)
     assert not math.isnan(ours.sum().item())
+
+
+@pytest.mark.parametrize("context_noise", [0.0, 0.2])
+def test_teacher_forcing_inputs_are_a_clean_copy_then_a_noisy_copy_with_a_level_per_chunk(context_noise):
+    latents = torch.randn(2, 4, 9, 3, 3, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(1)
+    inputs = teacher_forcing_inputs(
+        latents, generator, 4, tokens_per_frame=9, shift=12.0, first_chunk_frames=1, context_noise=context_noise
+    )
+    assert training_chunks(9, 4, 1) == [1, 4, 4] and training_chunks(10, 4) == [4, 4, 2]
+    assert inputs.noisy.shape == (2, 4, 18, 3, 3) and inputs.timesteps.shape == (2, 18 * 9)
+    context, noisy = inputs.sigmas[:, :9], inputs.sigmas[:, 9:]
+    for first, last in ((0, 1), (1, 5), (5, 9)):  # one level per chunk of the noisy copy
+        assert (noisy[:, first:last] == noisy[:, first : first + 1]).all()
+    assert not torch.equal(noisy[:, 1], noisy[:, 5])
+    assert (inputs.timesteps == (inputs.sigmas * 1000).long().repeat_interleave(9, dim=1)).all()
+    if context_noise:  # unshifted, below the level asked for, on the timestep grid, one per chunk
+        assert (context < context_noise).all() and (context > 0).any()
+        assert torch.equal(context * 1000, (context * 1000).round())
+        assert (context[:, 1:5] == context[:, 1:2]).all()
+    else:  # the clean copy is the clip itself at timestep 0
+        assert (context == 0).all() and torch.equal(inputs.noisy[:, :, :9], latents)
+    s = noisy.view(2, 1, 9, 1, 1)
+    noise = (inputs.noisy[:, :, 9:] - (1 - s) * latents) / s
+    torch.testing.assert_close(inputs.target[:, :, 9:], noise - latents)
+    assert inputs.weight.view(2, 18).tolist() == [[0.0] * 9 + [1.0] * 9] * 2  # the loss sees the noisy copy only
+    # the same step draws the same inputs
+    again = teacher_forcing_inputs(
+        latents, torch.Generator().manual_seed(1), 4, 9, shift=12.0, first_chunk_frames=1, context_noise=context_noise
+    )
+    assert torch.equal(again.noisy, inputs.noisy)
