@@ -64,6 +64,10 @@ class StreamBuildSettings:
     # softmax layer it replaces, as the main build's students do); the softmax teacher has none.
     transfer_steps: int = 0
     batch_size: int = 8
+    # How the causal fine-tunes train (the trainer's causal_objective): "diffusion_forcing" (a shifted level per chunk;
+    # clean_chunks below), or "teacher_forcing" (a clean copy and a noisy copy of the clip in one pass: each noisy
+    # chunk sees the clean chunks before it, as a stream does).
+    objective: str = "diffusion_forcing"
     # Diffusion forcing: one latent frame per chunk; each frame but a clip's last is clean context with this
     # probability (a stream's context is always clean, so half the training sees what inference sees).
     chunk_frames: int = 1
@@ -137,7 +141,8 @@ def _judge(work: Path, s: StreamBuildSettings) -> dict[str, Any]:
 
 def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: dict[str, Any] | None):
     """The Wan trainer's options of the fine-tune ``runs/long-{name}``: the main build's (:func:`.build._run_values`)
-    with the bouncing clips and diffusion forcing; softmax runs block-causal (the KV-cache teacher)."""
+    with the bouncing clips and the causal objective (diffusion or teacher forcing); softmax runs block-causal (the
+    KV-cache teacher)."""
     from ..finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
@@ -150,12 +155,14 @@ def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: d
         max_sequence_length=d.max_sequence_length,
         caption_dropout=0.1,
         train_batch_size=s.batch_size,
+        causal_objective=s.objective,
         causal_chunk_frames=s.chunk_frames,
-        causal_clean_chunks=s.clean_chunks,
         causal_first_chunk_frames=s.first_chunk_frames,
         causal_context_noise=s.context_noise,
         flow_shift=_flow_shift(start),  # the teacher's training noise levels and sampler
     )
+    if s.objective != "teacher_forcing":  # teacher forcing's context is always the clean copy
+        values["causal_clean_chunks"] = s.clean_chunks
     if mhla is None:
         values["softmax_block_causal"] = True
     return options_from_dict(WanTrainOptions, values)
