@@ -497,29 +497,18 @@ class WanTask(Task):
         if not self.causal:
             return flow_match_inputs(latents, generator, o.logit_mean, o.logit_std, o.flow_shift)
         _, patch_h, patch_w = self._geometry().patch_size
-        if self._teacher_forced():
-            return teacher_forcing_inputs(
-                latents,
-                generator,
-                o.causal_chunk_frames,
-                (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w),
-                o.logit_mean,
-                o.logit_std,
-                o.flow_shift,
-                first_chunk_frames=o.causal_first_chunk_frames,
-                context_noise=o.causal_context_noise,
-            )
-        return diffusion_forcing_inputs(
-            latents,
-            generator,
-            o.causal_chunk_frames,
-            (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w),
-            o.causal_clean_chunks,
-            o.logit_mean,
-            o.logit_std,
-            o.flow_shift,
+        tokens_per_frame = (latents.shape[3] // patch_h) * (latents.shape[4] // patch_w)
+        common = dict(
+            logit_mean=o.logit_mean,
+            logit_std=o.logit_std,
+            shift=o.flow_shift,
             first_chunk_frames=o.causal_first_chunk_frames,
             context_noise=o.causal_context_noise,
+        )
+        if self._teacher_forced():
+            return teacher_forcing_inputs(latents, generator, o.causal_chunk_frames, tokens_per_frame, **common)
+        return diffusion_forcing_inputs(
+            latents, generator, o.causal_chunk_frames, tokens_per_frame, o.causal_clean_chunks, **common
         )
 
     def _teacher_forced(self) -> bool:

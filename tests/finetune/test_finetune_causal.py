@@ -122,8 +122,8 @@ def test_causal_run_learns_and_reloads_causal(tmp_path, pipeline_dirs, video_set
     steps = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 31))
     assert len(drawn) == 30 and drawn[0] == (  # chunks of 1 frame, 2 x 2 tokens
-        (1, 4, 0.5, 0.0, 1.0, 3.0),
-        {"first_chunk_frames": None, "context_noise": 0.0},
+        (1, 4, 0.5),
+        {"logit_mean": 0.0, "logit_std": 1.0, "shift": 3.0, "first_chunk_frames": None, "context_noise": 0.0},
     )
     recorded = yaml.safe_load((run / "run_config.yaml").read_text())
     assert recorded["mhla"] == CAUSAL and recorded["causal_chunk_frames"] == 1

@@ -90,3 +90,26 @@ def test_a_block_causal_softmax_run_trains_by_diffusion_forcing_and_its_pipeline
         out, out_changed = (pipe.transformer(h, torch.tensor([500.0]), text).sample for h in (x, changed))
     torch.testing.assert_close(out[:, :, :2], out_changed[:, :, :2])
     assert (out[:, :, 2] - out_changed[:, :, 2]).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+def test_a_block_causal_softmax_run_trains_by_teacher_forcing(tmp_path, pipeline_dirs, video_set, monkeypatch):
+    from mhla_diffusion.models import teacher_forcing
+
+    entered = []
+    real = teacher_forcing.TeacherForcing.__enter__
+    monkeypatch.setattr(train_wan, "diffusion_forcing_inputs", None)  # teacher forcing never draws these
+    monkeypatch.setattr(teacher_forcing.TeacherForcing, "__enter__", lambda self: entered.append(self) or real(self))
+    options = wan_options(
+        pipeline_dirs["wan"],
+        video_set,
+        tmp_path / "run",
+        **SOFTMAX,
+        softmax_block_causal=True,
+        causal_objective="teacher_forcing",
+        gradient_checkpointing=False,
+        max_train_steps=2,
+    )
+    train_wan.train(options)
+    assert len(entered) == 2 and entered[0].chunk_rows == [1, 1, 1]  # the 3 latent frames, a chunk each
+    assert all(type(p).__name__ == "KVCacheWanAttnProcessor" for p in entered[0].processors)
