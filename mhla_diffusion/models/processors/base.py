@@ -28,7 +28,7 @@ from torch import nn
 
 from ...config import MHLAConfig
 from ...ops.attention import HALF_DTYPES, mhla_attention
-from ...ops.block_layout import block_plan, num_blocks
+from ...ops.block_layout import num_blocks
 from ...ops.causal import causal_mixing_init, mhla_causal_attention, mhla_causal_step
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ...ops.fused_op import mhla_attention_fused  # one custom op: torch.compile keeps the kernels
@@ -204,22 +204,21 @@ class MHLAProcessor(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        grid: tuple[int, ...],
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+        clip: tuple[int, ...],
+        layout: tuple[int, ...],
+        features: dict[str, Any],
     ) -> torch.Tensor:
-        """Causal MHLA of a ``[clean | noisy]`` input ``(B, 2N, H, D)`` on the token grid ``(2F, h, w)``: the clean
-        copy block-causally, the noisy copy chunk by chunk against the clean copy's earlier chunks."""
-        n, half = q.shape[1] // 2, (grid[0] // 2, *grid[1:])
-        layout = self.causal_layout(half)
-        rotary = None if rotary_emb is None else tuple(t[:, :n] for t in rotary_emb)  # both copies' positions alike
-        plan = block_plan(half, layout, device=q.device)
-        features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary)
+        """Causal MHLA of a ``[clean | noisy]`` input ``(B, 2N, H, D)``, each copy on the token grid ``clip``: the
+        clean copy block-causally, the noisy copy chunk by chunk against the clean copy's earlier chunks."""
+        n, rotary = q.shape[1] // 2, features["rotary"]
+        if rotary is not None:  # both copies sit at the same positions: the clean copy's tables serve both
+            features = {**features, "rotary": tuple(t[:, :n] for t in rotary)}
         options = {**self.fold_options, **features}
         clean = (q[:, :n], k[:, :n], v[:, :n])
-        out_clean = mhla_causal_attention(*clean, half, layout, self.mixing, **options)
+        out_clean = mhla_causal_attention(*clean, clip, layout, self.mixing, **options)
         rows = self.forcing.chunk_rows
         out_noisy = mhla_causal_teacher_forcing(
-            q[:, n:], k[:, n:], v[:, n:], clean[1], clean[2], half, layout, self.mixing, rows, **options
+            q[:, n:], k[:, n:], v[:, n:], clean[1], clean[2], clip, layout, self.mixing, rows, **options
         )
         return torch.cat([out_clean, out_noisy], dim=1)
 
@@ -297,14 +296,16 @@ class MHLAProcessor(nn.Module):
         if self.causal and shard is not None:
             raise ValueError(CAUSAL_CONTEXT_PARALLEL_ERROR)
         grid = self.grid_context.require(q.shape[1] if shard is None else shard.total)
-        layout = self.causal_layout(grid) if self.causal else self.layout
-        plan = self.grid_context.plan(layout, q.device)  # built (and checked) once per transformer forward
+        forced = self.causal and self.forcing is not None  # [clean | noisy] copies (models/teacher_forcing.py)
+        clip = (grid[0] // 2, *grid[1:]) if forced else grid  # the grid each copy's attention runs on
+        layout = self.causal_layout(clip) if self.causal else self.layout
+        plan = self.grid_context.plan(layout, q.device, clip)  # built (and checked) once per transformer forward
         if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
         features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
-        if self.causal and self.forcing is not None:  # [clean | noisy] copies of a clip (models/teacher_forcing.py)
-            out = self._teacher_forced(q, k, v, grid, rotary_emb)
+        if forced:
+            out = self._teacher_forced(q, k, v, clip, layout, features)
         elif self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
             state = self.stream.state(self)
             out, state = mhla_causal_step(q, k, v, grid, layout, self.mixing, state, **self.fold_options, **features)

@@ -64,8 +64,9 @@ class TokenGridContext:
             size *= g
         return size
 
-    def plan(self, layout: Sequence[int], device: torch.device | str) -> BlockPlan:
-        """The block plan of the current grid cut by ``layout`` on ``device``, built once per forward.
+    def plan(self, layout: Sequence[int], device: torch.device | str, grid: Sequence[int] | None = None) -> BlockPlan:
+        """The block plan of the current grid (or of ``grid``, e.g. one copy of a teacher-forced input) cut by
+        ``layout`` on ``device``, built once per forward.
 
         The first call of a forward for a layout and device builds the plan, and with it checks the
         grid against the layout (a clear ``ValueError`` when their axes differ; a grid with fewer
@@ -73,12 +74,12 @@ class TokenGridContext:
         forward return the same plan. Under ``torch.compile`` the plan is built in the graph
         and not cached (the compiled graph holds no Python-side state).
         """
-        grid = self.grid
-        if grid is None:
+        if self.grid is None:
             raise RuntimeError(
                 "MHLA processor does not know the token grid: call the transformer itself (its forward "
                 "pre-hook records the grid), not the attention layer on its own"
             )
+        grid = self.grid if grid is None else tuple(int(g) for g in grid)
         layout, device = tuple(layout), torch.device(device)
         if torch.compiler.is_compiling():
             return self._build(grid, layout, device)
