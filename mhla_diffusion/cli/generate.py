@@ -446,8 +446,10 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     chunks = check_stream(args, geometry) if task == "text-to-video" else None  # None without --stream
     num_frames = _video_frames(args, geometry)
     # what attention sees: a stream's largest chunk (its length is not bounded by the rotary table), else the clip
-    grid = stream_grid(geometry, chunks, args.height, args.width) if chunks else None
-    grid = grid or geometry.token_grid(num_frames, args.height, args.width)
+    if chunks is not None:
+        grid = stream_grid(geometry, chunks, args.height, args.width)
+    else:
+        grid = geometry.token_grid(num_frames, args.height, args.width)
     check_context_parallel(args, grid)  # degree vs launch, split
     if task == "image-to-video":
         from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS

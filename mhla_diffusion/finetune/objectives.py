@@ -122,15 +122,12 @@ def diffusion_forcing_inputs(
     the noise; so one chunk with ``clean_chunks`` 0 draws exactly what :func:`flow_match_inputs` draws.
     """
     batch, frames = latents.shape[0], latents.shape[2]
-    first = chunk_frames if first_chunk_frames is None else first_chunk_frames
-    if first < 1 or chunk_frames < 1:
-        raise ValueError(f"chunks need at least one latent frame, got first {first}, then {chunk_frames}")
+    sizes = training_chunks(frames, chunk_frames, first_chunk_frames)
     if not 0 <= context_noise < 1:
         raise ValueError(f"context_noise must be a noise level in [0, 1), got {context_noise}")
-    chunks = 1 + math.ceil(max(frames - first, 0) / chunk_frames)
+    chunks = len(sizes)
     device = latents.device
-    # chunk of each latent frame (F,): 0 for the first `first` frames, then one more every chunk_frames
-    index = (torch.arange(frames, device=device) - first).div(chunk_frames, rounding_mode="floor").add(1).clamp(min=0)
+    index = _chunk_of_frame(sizes, device)
     sigma = _shifted_sigmas(batch * chunks, generator, device, logit_mean, logit_std, shift, num_train_timesteps)
     sigma = sigma.view(batch, chunks)
     keep = torch.ones(batch, chunks, dtype=torch.bool, device=device)
@@ -164,6 +161,11 @@ def training_chunks(frames: int, chunk_frames: int, first_chunk_frames: int | No
     return sizes
 
 
+def _chunk_of_frame(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The chunk of each latent frame ``(F,)`` of chunks of ``sizes`` frames."""
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+
+
 def teacher_forcing_inputs(
     latents: torch.Tensor,
     generator: torch.Generator | None,
@@ -191,7 +193,7 @@ def teacher_forcing_inputs(
     batch, frames = latents.shape[0], latents.shape[2]
     sizes = training_chunks(frames, chunk_frames, first_chunk_frames)
     device = latents.device
-    index = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+    index = _chunk_of_frame(sizes, device)
     sigma = _shifted_sigmas(batch * len(sizes), generator, device, logit_mean, logit_std, shift, num_train_timesteps)
     noisy_levels = sigma.view(batch, len(sizes))[:, index]  # (B, F)
     context_levels = torch.zeros_like(noisy_levels)

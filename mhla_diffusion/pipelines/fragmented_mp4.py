@@ -147,15 +147,14 @@ class FragmentedMP4Writer:
                             (time,) = struct.unpack_from(">I", data, payload + 4)
                             struct.pack_into(">I", data, payload + 4, time + self._ticks)
 
-    def close(self, finish: bool = True) -> None:
-        """Close the file; with ``finish`` (the default) rewrite it as an ordinary mp4 (index included, same
-        frames, no re-encoding; the fragmented file stays if that fails)."""
+    def close(self) -> None:
+        """Close the file and rewrite it as an ordinary mp4 (index included, same frames, no re-encoding; the
+        fragmented file stays if that fails)."""
         if self._file is None:
             return
         self._file.close()
         self._file = None
-        if finish:
-            _unfragment(self.path)
+        _unfragment(self.path)
 
 
 def _unfragment(path: Path) -> None:

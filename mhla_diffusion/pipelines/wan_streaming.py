@@ -220,7 +220,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         stream = self.make_stream()
         decoder = WanStreamingDecoder(self.vae) if output_type != "latent" else None
         kept: list[Any] = []
-        delivered = (0, 0)  # chunks and video frames handed on so far (on_frames, kept)
+        delivered = 0  # chunks handed on so far (on_frames, kept)
         try:
             with self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar:
                 for chunk in range(chunks.num_chunks):
@@ -259,7 +259,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
                         on_frames(frames)
                     if return_frames:
                         kept.append(frames)
-                    delivered = (chunk + 1, delivered[1] + chunks.video_frames(chunk))
+                    delivered = chunk + 1
                     del latents, frames
                     if last:
                         break
@@ -267,7 +267,8 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
             if isinstance(interrupt, GenerationInterrupted):
                 raise
             frames = _concatenate(kept, output_type) if kept else None
-            raise GenerationInterrupted(delivered[1], num_frames, delivered[0], chunks.num_chunks, frames) from None
+            frames_kept = sum(chunks.video_frames(c) for c in range(delivered))
+            raise GenerationInterrupted(frames_kept, num_frames, delivered, chunks.num_chunks, frames) from None
         finally:
             self._current_timestep = self._current_chunk = None
         self.maybe_free_model_hooks()
