@@ -115,7 +115,7 @@ class KVCacheWanAttnProcessor:
         mask = None
         if self.grid_context is not None and self.forcing is not None:  # [clean | noisy] copies of a clip
             frames = self.grid_context.require(query.shape[1])[0]
-            mask = teacher_forcing_mask(self.forcing.chunk_rows, query.shape[1] // frames, query.device)
+            mask = self.forcing.softmax_mask(query.shape[1] // frames, query.device)
         elif self.grid_context is not None:
             frames = self.grid_context.require(query.shape[1])[0]
             mask = frame_causal_mask(frames, query.shape[1] // frames, key.shape[1] - query.shape[1], query.device)

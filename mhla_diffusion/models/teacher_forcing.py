@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 from torch import nn
 
 from .streaming import causal_processors, install_frame_positions
@@ -60,6 +61,17 @@ class TeacherForcing:
         self.chunk_rows = [int(c) for c in chunk_frames]  # one temporal block row per latent frame in a causal layer
         self.frames = sum(self.chunk_rows)
         self._hook: Any = None
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def softmax_mask(self, tokens_per_frame: int, device: torch.device) -> torch.Tensor:
+        """The block mask of the softmax layers (:func:`~mhla_diffusion.models.kv_cache.teacher_forcing_mask`),
+        built once for every layer of the forward."""
+        from .kv_cache import teacher_forcing_mask
+
+        key = (tokens_per_frame, torch.device(device))
+        if key not in self._masks:
+            self._masks[key] = teacher_forcing_mask(self.chunk_rows, tokens_per_frame, device)
+        return self._masks[key]
 
     def _check_input(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
