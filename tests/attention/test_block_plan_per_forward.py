@@ -115,7 +115,8 @@ def test_model_output_identical_to_building_the_plan_in_every_call(tiny_wan, mon
     convert_to_mhla(tiny_wan, MHLAConfig(layout=(2, 3, 3), gate=True, output_norm=True))
     inputs = wan_inputs(*grid)
     cached = run(tiny_wan, inputs)
-    monkeypatch.setattr(TokenGridContext, "plan", lambda self, layout, device, grid=None: None)  # the operator builds its own
+    # the operator builds its own
+    monkeypatch.setattr(TokenGridContext, "plan", lambda self, layout, device, grid=None: None)
     assert torch.equal(run(tiny_wan, inputs), cached)
 
 
