@@ -39,6 +39,7 @@ import torch
 
 from ..utils.geometry import check_equal_blocks
 from .block_layout import BlockPlan, block_plan, num_blocks, validate_grid_layout
+from .block_pairs import pair_form_pays, pair_numerator
 from .cpu_memory import retain_freed_memory_on_first_use
 from .cpu_workers import run_chunks
 
@@ -329,6 +330,8 @@ def _mhla_blocks(
     tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
     # with RoPE the feature map's shift is folded into the rotation and the sums: φ itself is never stored
     shift = 0.0 if tables is None else float(feature_eps)
+    m, p = blocks.plan.num_blocks, blocks.plan.block_len
+    paired = split is None and pair_form_pays(q.shape[0] * q.shape[2], (m, p), (m, p), q.shape[-1], v.shape[-1])
     # One feature tensor per side (no rotation) and the paper's denominator: the key sum rides along as one
     # more value channel (see _folded_blocks). Half inputs keep their float32 key sums apart. Uneven grids
     # take it on a CPU only: its per-chunk index lists are built on the host (a sync on accelerators).
@@ -338,6 +341,7 @@ def _mhla_blocks(
         and q_rot is None
         and k_rot is None
         and split is None
+        and not paired
         and blocks.write_views
         and (blocks.even or q.device.type == "cpu")
         and dtype not in HALF_DTYPES
@@ -355,6 +359,7 @@ def _mhla_blocks(
         mixing,
         shift,
         split,
+        paired,
     )
     return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
 
@@ -843,6 +848,8 @@ class _Summaries:
     key_sum: torch.Tensor | None = None  # z_j, (B, H, M, D) in at least float32; None without a denominator
     split: SequenceSplit | None = None
     mixed: torch.Tensor | None = None  # S̃_o = Σ_j W[o, j] S_j for the query blocks, (B, H, M_q, D, Dv)
+    # or, in the pair form (:mod:`.block_pairs`), the block-major key features and values themselves
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -853,9 +860,19 @@ class _Summaries:
         mixing: torch.Tensor,
         shift: float,
         split: SequenceSplit | None = None,
+        paired: bool = False,
     ) -> "_Summaries":
         """``key_features()``: block-major (numerator's rotated key features, denominator's or None), ``shift``
-        to be added to the latter; ``values()``: block-major values with zeroed padded slots."""
+        to be added to the latter; ``values()``: block-major values with zeroed padded slots. ``paired``: keep
+        the keys and values for the pair form instead of mixing summaries (:mod:`.block_pairs`; not with a
+        ``split``)."""
+        if paired:
+            k_num, k_den = key_features()
+            key_sum = None if k_den is None else blocks.key_sum(k_den, shift)
+            vals = values()
+            batch, heads, m = vals.shape[:3]
+            weights = mixing.expand(batch, heads, -1, m).reshape(batch * heads, -1, m)
+            return cls(weights, key_sum, pairs=(k_num, vals))
         kv_summary, key_sum = block_sums(blocks, key_features, values, shift)
         batch, heads = kv_summary.shape[:2]
         rows = mixing
@@ -891,9 +908,12 @@ def _block_output(
     0). Returns ``(B, N, H, Dv)`` in ``out_dtype``.
     """
     q_num, q_den = query_features()
-    out = q_num @ summaries.mixed  # (B, H, M, P, Dv)
+    if summaries.pairs is not None:
+        out = pair_numerator(q_num, *summaries.pairs, summaries.weights)  # (B, H, M, P, Dv)
+    else:
+        out = q_num @ summaries.mixed  # (B, H, M, P, Dv)
     del q_num
-    summaries.mixed = None  # freed before the denominator and the way back to token order
+    summaries.mixed = summaries.pairs = None  # freed before the denominator and the way back to token order
     denominator = None
     key_sum = summaries.key_sum
     if normalize == "denominator":

@@ -34,6 +34,7 @@ from .attention import (
     without_autocast,
 )
 from .block_layout import BlockPlan, block_plan
+from .block_pairs import pair_form_pays
 from .causal import _row_weights, check_causal_arguments
 
 __all__ = ["mhla_causal_teacher_forcing", "teacher_forcing_offsets"]
@@ -132,13 +133,25 @@ def mhla_causal_teacher_forcing(
             )
             return kv.to(sum_dtype), None if key_sum is None else key_sum.to(sum_dtype)
 
-        clean_kv, clean_z = sums(context_k, context_k_rot, context_v)
-        noisy_kv, noisy_z = sums(k, k_rot, v)
-        history = torch.cat([clean_kv, noisy_kv], dim=2)  # (B, H, 2M, D, Dv): the clean copy's blocks first
-        history_sums = None if clean_z is None else torch.cat([clean_z, noisy_z], dim=2)
         mean_rows = torch.arange(rows, device=q.device) if mean_fold else None
         weights = _row_weights(mixing, decay, offsets, mean_rows).to(sum_dtype)  # (..., M, 2M)
         weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
-        summaries = _Summaries(weights, history_sums)
-        summaries.mixed = summaries.mix(history).to(dtype)
+        m, p = plan.num_blocks, plan.block_len
+        if pair_form_pays(batch * heads, (m, p), (2 * m, p), head_dim, v.shape[-1]):  # see .block_pairs
+            (clean_num, clean_den), (noisy_num, noisy_den) = features(context_k, context_k_rot), features(k, k_rot)
+            keys = torch.cat([clean_num, noisy_num], dim=2)  # (B, H, 2M, P, D): the clean copy's blocks first
+            values = torch.cat([blocks.gather(context_v, zero_padding=True), blocks.gather(v, zero_padding=True)], 2)
+            key_sums = (
+                None
+                if clean_den is None
+                else torch.cat([blocks.key_sum(clean_den, shift), blocks.key_sum(noisy_den, shift)], 2)
+            )
+            summaries = _Summaries(weights, None if key_sums is None else key_sums.to(sum_dtype), pairs=(keys, values))
+        else:
+            clean_kv, clean_z = sums(context_k, context_k_rot, context_v)
+            noisy_kv, noisy_z = sums(k, k_rot, v)
+            history = torch.cat([clean_kv, noisy_kv], dim=2)  # (B, H, 2M, D, Dv): the clean copy's blocks first
+            history_sums = None if clean_z is None else torch.cat([clean_z, noisy_z], dim=2)
+            summaries = _Summaries(weights, history_sums)
+            summaries.mixed = summaries.mix(history).to(dtype)
         return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
