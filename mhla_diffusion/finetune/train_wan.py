@@ -297,12 +297,22 @@ class WanTask(Task):
                 f"{frames} latent frames of num_frames {o.num_frames}: choose 1 .. {frames - 1}"
             )
         if accelerator.is_main_process:
-            logger.info(
-                "block-causal: diffusion forcing with chunks of %d latent frames, each but a clip's last clean "
-                "context with probability %g",
-                o.causal_chunk_frames,
-                o.causal_clean_chunks,
-            )
+            first = "" if o.causal_first_chunk_frames is None else f" (the first of {o.causal_first_chunk_frames})"
+            if o.causal_objective == "teacher_forcing":
+                logger.info(
+                    "block-causal: teacher forcing with chunks of %d latent frames%s: a clean copy and a noisy copy "
+                    "of each clip, each noisy chunk reading the clean chunks before it",
+                    o.causal_chunk_frames,
+                    first,
+                )
+            else:
+                logger.info(
+                    "block-causal: diffusion forcing with chunks of %d latent frames%s, each but a clip's last clean "
+                    "context with probability %g",
+                    o.causal_chunk_frames,
+                    first,
+                    o.causal_clean_chunks,
+                )
         return True
 
     def _check_buckets(self, transformer: nn.Module, samples: list[VideoSample]) -> None:

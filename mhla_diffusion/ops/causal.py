@@ -67,6 +67,7 @@ from .attention import (
     without_autocast,
 )
 from .block_layout import BlockPlan, block_plan
+from .block_pairs import pair_form_pays
 from .mixing import mixing_init
 
 __all__ = [
@@ -286,7 +287,8 @@ def mhla_causal_attention(
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot, plan)
     _, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize, mean_fold)
-    weights = causal_mixing_matrix(mixing, layout[0], decay, mean_fold=mean_fold)
+    rows = layout[0]
+    weights = causal_mixing_matrix(mixing, rows, decay, mean_fold=mean_fold)
     return mhla_attention(
         q,
         k,
@@ -303,6 +305,73 @@ def mhla_causal_attention(
         feature_eps=feature_eps,
         rotary=rotary,
     )
+
+
+def causal_block_output(
+    q: torch.Tensor,
+    copies: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+    offsets: torch.Tensor,
+    plan: BlockPlan,
+    mixing: torch.Tensor,
+    decay: torch.Tensor | float | None,
+    mean_rows: torch.Tensor | None,
+    q_rot: torch.Tensor | None,
+    normalize: str,
+    eps: float,
+    feature_eps: float | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Block-causal MHLA of the queries ``q`` ``(B, N, H, D)`` (cut by ``plan`` into ``R`` rows) against key rows
+    given as ``copies``: ``(keys, rotated keys or None, values)`` on the same grid, in order (one clip; or teacher
+    forcing's clean copy, then its noisy copy). ``offsets`` ``(R, E)``: each query row's temporal offset to each key
+    row (``-1``: not visible). ``mean_rows``: the query rows' absolute indices for the mean fold, else ``None``.
+
+    The key rows' block summaries are mixed by the ``(M, E S)`` block-causal matrix (blocks of a token or two take
+    the pair form instead, :mod:`.block_pairs`). Returns ``(B, N, H, Dv)``.
+    """
+    batch, _, heads, head_dim = q.shape
+    value_dim = copies[0][2].shape[-1]
+    dtype = torch.promote_types(q.dtype, copies[0][2].dtype)
+    sum_dtype = torch.promote_types(dtype, torch.float32)  # as a stream's state keeps them
+    den = normalize != "none"
+    with without_autocast(q.device):
+        tensors = (q, q_rot, mixing, decay, *(t for copy in copies for t in copy))
+        inplace = not (
+            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        )
+        blocks = _Blocks(plan, dtype, inplace)
+        tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
+        shift = 0.0 if tables is None else float(feature_eps)  # see _mhla_blocks
+
+        def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return blocks.features(x, x_rot, feature_eps, tables, den)
+
+        m, p = plan.num_blocks, plan.block_len
+        weights = _row_weights(mixing, decay, offsets, mean_rows).to(sum_dtype)  # (..., M, E S)
+        weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
+        if pair_form_pays(batch * heads, (m, p), (m * len(copies), p), head_dim, value_dim):
+            numerators, sums, values = [], [], []
+            for keys, keys_rot, vals in copies:
+                num, key_den = features(keys, keys_rot)
+                numerators.append(num)
+                values.append(blocks.gather(vals, zero_padding=True))
+                sums.append(None if key_den is None else blocks.key_sum(key_den, shift).to(sum_dtype))
+            key_sum = None if sums[0] is None else torch.cat(sums, dim=2)
+            summaries = _Summaries(weights, key_sum, pairs=(torch.cat(numerators, dim=2), torch.cat(values, dim=2)))
+        else:
+            kvs, sums = [], []
+            for keys, keys_rot, vals in copies:
+                kv, key_sum = block_sums(
+                    blocks,
+                    lambda keys=keys, keys_rot=keys_rot: features(keys, keys_rot),
+                    lambda vals=vals: blocks.gather(vals, zero_padding=True),
+                    shift,
+                )
+                kvs.append(kv.to(sum_dtype))
+                sums.append(None if key_sum is None else key_sum.to(sum_dtype))
+            summaries = _Summaries(weights, None if sums[0] is None else torch.cat(sums, dim=2))
+            summaries.mixed = summaries.mix(torch.cat(kvs, dim=2)).to(dtype)  # (B, H, M, D, Dv)
+        return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, copies[0][2].dtype)
 
 
 def mhla_causal_step(

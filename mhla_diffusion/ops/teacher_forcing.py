@@ -9,9 +9,11 @@ denoised). A query of the noisy copy's temporal block row ``r``, in chunk ``c`` 
   matrices, and past the window the fold: summed, decayed or averaged, as in :mod:`~mhla_diffusion.ops.causal`);
 * the noisy copy's rows ``r_c <= r' <= r`` (its own chunk, block-causally) with the same ``W``;
 
-and nothing else. Both copies keep the same positions (the same RoPE tables). So the block summaries of the two
-copies are mixed by one ``(M, 2M)`` matrix, never a ``2N x 2N`` one, and the cost stays that of one MHLA pass per
-copy. The clean copy's own output is one block-causal pass over it
+and nothing else. Both copies keep the same positions (the same RoPE tables). So the key rows are the two copies'
+block rows, ``E = 2R`` of them, whose summaries one ``(M, 2M)`` block matrix mixes (blocks of a token or two:
+token pairs, :mod:`~mhla_diffusion.ops.block_pairs`), never a ``2N x 2N`` one, and the cost stays about that of one
+MHLA pass per copy. The clean
+copy's own output is one block-causal pass over it
 (:func:`~mhla_diffusion.ops.causal.mhla_causal_attention`): in a stream it is the advance forward of each chunk.
 
 :func:`mhla_causal_teacher_forcing` returns the noisy copy's output; ``tests/attention/test_teacher_forcing.py``
@@ -24,18 +26,9 @@ from typing import Sequence
 
 import torch
 
-from .attention import (
-    _block_output,
-    _Blocks,
-    _Summaries,
-    block_sums,
-    check_feature_arguments,
-    validate_attention_inputs,
-    without_autocast,
-)
+from .attention import check_feature_arguments, validate_attention_inputs
 from .block_layout import BlockPlan, block_plan
-from .block_pairs import pair_form_pays
-from .causal import _row_weights, check_causal_arguments
+from .causal import causal_block_output, check_causal_arguments
 
 __all__ = ["mhla_causal_teacher_forcing", "teacher_forcing_offsets"]
 
@@ -104,54 +97,16 @@ def mhla_causal_teacher_forcing(
         )
     if (k_rot is None) != (context_k_rot is None):
         raise ValueError("give `context_k_rot` exactly when `k_rot` is given: both copies' keys are rotated alike")
-    batch, _, heads, head_dim = q.shape
-    _, normalize = check_causal_arguments(mixing, layout, heads, decay, normalize, mean_fold)
+    _, normalize = check_causal_arguments(mixing, layout, q.shape[2], decay, normalize, mean_fold)
     check_feature_arguments(q, q_rot, k_rot, feature_eps, rotary)
     rows = layout[0]
     if sum(chunk_rows) != rows:
         raise ValueError(f"`chunk_rows` {list(chunk_rows)} must add up to the layout's {rows} temporal block rows")
     offsets = teacher_forcing_offsets(chunk_rows, q.device)
-    den = normalize != "none"
-    dtype = torch.promote_types(q.dtype, v.dtype)
-    sum_dtype = torch.promote_types(dtype, torch.float32)  # as a stream's state keeps them
     if plan is None:
         plan = block_plan(grid, layout, device=q.device)
-
-    with without_autocast(q.device):
-        inputs = (q, k, v, context_k, context_v, q_rot, k_rot, context_k_rot, mixing, decay)
-        inplace = not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs))
-        blocks = _Blocks(plan, dtype, inplace)
-        tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
-        shift = 0.0 if tables is None else float(feature_eps)  # see _mhla_blocks
-
-        def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return blocks.features(x, x_rot, feature_eps, tables, den)
-
-        def sums(keys: torch.Tensor, keys_rot: torch.Tensor | None, values: torch.Tensor):
-            kv, key_sum = block_sums(
-                blocks, lambda: features(keys, keys_rot), lambda: blocks.gather(values, zero_padding=True), shift
-            )
-            return kv.to(sum_dtype), None if key_sum is None else key_sum.to(sum_dtype)
-
-        mean_rows = torch.arange(rows, device=q.device) if mean_fold else None
-        weights = _row_weights(mixing, decay, offsets, mean_rows).to(sum_dtype)  # (..., M, 2M)
-        weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
-        m, p = plan.num_blocks, plan.block_len
-        if pair_form_pays(batch * heads, (m, p), (2 * m, p), head_dim, v.shape[-1]):  # see .block_pairs
-            (clean_num, clean_den), (noisy_num, noisy_den) = features(context_k, context_k_rot), features(k, k_rot)
-            keys = torch.cat([clean_num, noisy_num], dim=2)  # (B, H, 2M, P, D): the clean copy's blocks first
-            values = torch.cat([blocks.gather(context_v, zero_padding=True), blocks.gather(v, zero_padding=True)], 2)
-            key_sums = (
-                None
-                if clean_den is None
-                else torch.cat([blocks.key_sum(clean_den, shift), blocks.key_sum(noisy_den, shift)], 2)
-            )
-            summaries = _Summaries(weights, None if key_sums is None else key_sums.to(sum_dtype), pairs=(keys, values))
-        else:
-            clean_kv, clean_z = sums(context_k, context_k_rot, context_v)
-            noisy_kv, noisy_z = sums(k, k_rot, v)
-            history = torch.cat([clean_kv, noisy_kv], dim=2)  # (B, H, 2M, D, Dv): the clean copy's blocks first
-            history_sums = None if clean_z is None else torch.cat([clean_z, noisy_z], dim=2)
-            summaries = _Summaries(weights, history_sums)
-            summaries.mixed = summaries.mix(history).to(dtype)
-        return _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+    mean_rows = torch.arange(rows, device=q.device) if mean_fold else None
+    copies = [(context_k, context_k_rot, context_v), (k, k_rot, v)]  # the clean copy's rows first
+    return causal_block_output(
+        q, copies, offsets, plan, mixing, decay, mean_rows, q_rot, normalize, eps, feature_eps, rotary
+    )

@@ -19,7 +19,7 @@ from mhla_diffusion import (
     mixing_init,
 )
 from mhla_diffusion.benchmarks.bench import rotary_tables
-from mhla_diffusion.ops import attention, block_pairs, teacher_forcing
+from mhla_diffusion.ops import attention, block_pairs, causal
 from mhla_diffusion.ops.naive import mhla_attention_reference, mhla_causal_attention_reference
 
 # (grid, layout): one token a block; empty blocks (more blocks than tokens on an axis); uneven blocks of 1-2 tokens
@@ -40,7 +40,7 @@ def form(request, monkeypatch):
         return request.param == "pairs"
 
     monkeypatch.setattr(attention, "pair_form_pays", pays)
-    monkeypatch.setattr(teacher_forcing, "pair_form_pays", pays)
+    monkeypatch.setattr(causal, "pair_form_pays", pays)
     yield request.param
     assert calls, "no operator asked which form to use"
 
@@ -100,7 +100,7 @@ def test_teacher_forcing_is_the_same_in_both_forms(monkeypatch, fold):
     mixing = torch.rand(3, 3, 6, 6, dtype=torch.float64) + 0.1  # per head, window 1
     outs = {}
     for form in ("pairs", "summaries"):
-        monkeypatch.setattr(teacher_forcing, "pair_form_pays", lambda *a, form=form: form == "pairs")
+        monkeypatch.setattr(causal, "pair_form_pays", lambda *a, form=form: form == "pairs")
         for normalize in (True, False):
             rot = dict(q_rot=noisy[3], k_rot=noisy[4], context_k_rot=clean[4])
             outs[form, normalize] = mhla_causal_teacher_forcing(
@@ -116,7 +116,8 @@ def test_gradients_are_the_same_in_both_forms(monkeypatch):
     mixing = causal_mixing_init(layout[1:], 1, dtype=torch.float64) + 0.05
     grads = {}
     for form in ("pairs", "summaries"):
-        monkeypatch.setattr(attention, "pair_form_pays", lambda *a, form=form: form == "pairs")
+        for module in (attention, causal):
+            monkeypatch.setattr(module, "pair_form_pays", lambda *a, form=form: form == "pairs")
         leaves = [t.clone().requires_grad_() for t in (*inputs, mixing)]
         q, k, v, q_rot, k_rot, w = leaves
         out = mhla_causal_attention(q, k, v, grid, layout, w, q_rot=q_rot, k_rot=k_rot, mean_fold=True)
@@ -134,7 +135,8 @@ def test_half_inputs_are_as_close_to_float64_as_the_block_form(monkeypatch, dtyp
     exact = mhla_causal_attention(*inputs[:3], grid, layout, mixing)
     errors = {}
     for form in ("pairs", "summaries"):
-        monkeypatch.setattr(attention, "pair_form_pays", lambda *a, form=form: form == "pairs")
+        for module in (attention, causal):
+            monkeypatch.setattr(module, "pair_form_pays", lambda *a, form=form: form == "pairs")
         out = mhla_causal_attention(*(x.to(dtype) for x in inputs[:3]), grid, layout, mixing.to(dtype))
         assert out.dtype == dtype
         errors[form] = (out.double() - exact).abs().max().item()
@@ -150,7 +152,7 @@ def test_the_pair_form_is_chosen_for_blocks_of_a_token_or_two(monkeypatch):
     assert not pays(8, (32_000, 1), (32_000, 1), 32, 32)  # 8 x 32,000^2 scores
     used = []
     real = block_pairs.pair_numerator
-    monkeypatch.setattr(attention, "pair_numerator", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(attention, "pair_numerator", lambda *a: used.append(1) or real(*a))  # the causal ops' too
     grid = (3, 4, 4)
     q, k, v, _, _ = make_inputs(grid, dim=32, value_dim=32, batch=1, dtype=torch.float32)
     mhla_causal_attention(q, k, v, grid, grid, causal_mixing_init(grid[1:], 1))
