@@ -17,6 +17,7 @@ The chunk rule (:mod:`mhla_diffusion.utils.stream_frames`): ``num_frames = 1 + 4
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import numpy as np
@@ -129,6 +130,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         chunk_frames: int | None = None,
         first_chunk_frames: int | None = None,
         context_noise: float | None = None,
+        context_latents: torch.Tensor | None = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
         num_videos_per_prompt: int = 1,
@@ -159,6 +161,12 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
                 trained with ``causal_context_noise`` saw its context (it stops small errors from compounding
                 chunk after chunk). Its frames are decoded clean. Default: the generation defaults'
                 ``context_noise``, else 0 (the clean chunk at timestep 0, no draw).
+            context_latents: the video's first chunks, given instead of generated: latents ``(B, C, F_c, h, w)`` as
+                the transformer reads them (the VAE's latents minus ``latents_mean``, over ``latents_std``), ``F_c``
+                the latent frames of the first ``k`` chunks (``B``: 1 or the batch). Those chunks are not denoised:
+                each joins the state as a finished chunk does and is decoded as the video's first frames, and the
+                stream continues from them. Their noise is still drawn, so a stream given its own first chunks
+                with the same seed continues as it did.
             generator: each chunk draws its own noise from it, in order.
             callback_on_step_end: called after every step of every chunk as in Diffusers,
                 ``callback(pipe, step, timestep, callback_kwargs)``; ``step`` counts within the chunk
@@ -180,6 +188,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
             context_noise = float((self.config.get(RECORD_KEY) or {}).get("context_noise", 0.0))
         if isinstance(context_noise, bool) or not isinstance(context_noise, (int, float)) or not 0 <= context_noise < 1:
             raise ValueError(f"context_noise must be a noise level in [0, 1), got {context_noise!r}")
+        given = self._context_chunks(chunks, context_latents, height, width)
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         self.check_inputs(
@@ -192,6 +201,14 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
             callback_on_step_end_tensor_inputs,
             None,
         )
+        if given:
+            prompts = prompt_embeds.shape[0] if prompt is None else 1 if isinstance(prompt, str) else len(prompt)
+            videos = prompts * num_videos_per_prompt
+            if context_latents.shape[0] not in (1, videos):
+                raise ValueError(
+                    f"context_latents hold {context_latents.shape[0]} videos, the call makes {videos}: give 1 (for "
+                    f"every video) or {videos}"
+                )
         self._guidance_scale = guidance_scale
         self._guidance_scale_2 = None
         self._attention_kwargs = None
@@ -228,17 +245,23 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
                     progress_bar.set_description(f"chunk {chunk + 1}/{chunks.num_chunks}")
                     latent_shape[2] = chunks.latent_frames_of(chunk)
                     latents = randn_tensor(tuple(latent_shape), generator=generator, device=device, dtype=torch.float32)
-                    latents, prompt_embeds, negative_prompt_embeds = self._denoise_chunk(
-                        stream,
-                        latents,
-                        prompt_embeds,
-                        negative_prompt_embeds,
-                        num_inference_steps,
-                        device,
-                        progress_bar,
-                        callback_on_step_end,
-                        callback_on_step_end_tensor_inputs,
-                    )
+                    if chunk < given:  # a chunk of the context: as given, not denoised
+                        start = sum(chunks.latent_frames_of(c) for c in range(chunk))
+                        frames_of = slice(start, start + latent_shape[2])
+                        latents = context_latents[:, :, frames_of].to(device, torch.float32).expand_as(latents)
+                        progress_bar.update(num_inference_steps)
+                    else:
+                        latents, prompt_embeds, negative_prompt_embeds = self._denoise_chunk(
+                            stream,
+                            latents,
+                            prompt_embeds,
+                            negative_prompt_embeds,
+                            num_inference_steps,
+                            device,
+                            progress_bar,
+                            callback_on_step_end,
+                            callback_on_step_end_tensor_inputs,
+                        )
                     last = chunk == chunks.num_chunks - 1 or self.interrupt
                     if not last:  # the finished chunk joins the state the next one reads
                         context = latents
@@ -276,6 +299,34 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         if not return_dict:
             return (video,)
         return WanPipelineOutput(frames=video)
+
+    def _context_chunks(
+        self, chunks: StreamChunks, context_latents: torch.Tensor | None, height: int, width: int
+    ) -> int:
+        """How many whole first chunks ``context_latents`` holds (0 for ``None``); ``ValueError`` for latents that
+        are not whole first chunks of this stream, before any work."""
+        if context_latents is None:
+            return 0
+        latent_size = (height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
+        channels = self.transformer.config.in_channels
+        if not isinstance(context_latents, torch.Tensor) or context_latents.ndim != 5:
+            raise ValueError(
+                "context_latents must be latents (B, C, F, h, w), got "
+                f"{getattr(context_latents, 'shape', type(context_latents).__name__)}"
+            )
+        if context_latents.shape[1] != channels or tuple(context_latents.shape[3:]) != latent_size:
+            raise ValueError(
+                f"context_latents {tuple(context_latents.shape)} do not fit this video: it needs {channels} channels "
+                f"and {latent_size[0]}x{latent_size[1]} latents for {height}x{width} frames"
+            )
+        ends = list(itertools.accumulate(chunks.latent_frames_of(c) for c in range(chunks.num_chunks - 1)))
+        if context_latents.shape[2] not in ends:
+            raise ValueError(
+                f"context_latents hold {context_latents.shape[2]} latent frames, which are not whole first chunks of "
+                f"this stream: give the first {', '.join(map(str, ends[:4]))} ... latent frames (chunks end there; at "
+                "least one chunk must be left to generate)"
+            )
+        return ends.index(context_latents.shape[2]) + 1
 
     def _doubled(self, latents: torch.Tensor) -> torch.Tensor:
         """The transformer's batch: unconditional and conditional together under guidance (one stream each)."""

@@ -232,3 +232,36 @@ def test_a_recorded_first_chunk_and_context_noise_are_the_defaults(pipe, tmp_pat
         assert sizes == [5, 8, 8, 8]
     finally:
         pipe.register_to_config(_mhla_generation_defaults=None)
+
+
+@pytest.mark.parametrize("context_noise", [0.0, 0.2])
+def test_a_stream_given_its_own_first_chunks_continues_as_it_did(pipe, block_causal_softmax_dir, context_noise):
+    """``context_latents``: the first chunks given instead of generated. Given a stream's own first chunks and the
+    same seed, the rest is the same (MHLA state and softmax KV cache); the frames decode the given latents."""
+    softmax = MHLAWanStreamingPipeline.from_pretrained(block_causal_softmax_dir)
+    softmax.set_progress_bar_config(disable=True)
+    for streaming in (pipe, softmax):
+        call = {**STREAM_CALL, "context_noise": context_noise}
+        latents = streaming(**call, output_type="latent", generator=seeded(5)).frames
+        for given in (2, 6):  # one chunk, three chunks of the four
+            context = latents[:, :, :given]
+            continued = streaming(**call, output_type="latent", generator=seeded(5), context_latents=context).frames
+            torch.testing.assert_close(continued, latents, rtol=0, atol=1e-6)
+        frames = streaming(**call, generator=seeded(5)).frames
+        given = streaming(**call, generator=seeded(5), context_latents=latents[:, :, :2]).frames
+        np.testing.assert_allclose(given, frames, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((1, 16, 3, 4, 6), "not whole first chunks"),  # 3 latent frames: chunks end at 2, 4, 6
+        ((1, 16, 8, 4, 6), "not whole first chunks"),  # the whole video: nothing left to generate
+        ((1, 3, 2, 4, 6), "16 channels"),
+        ((1, 16, 2, 4, 4), "4x6 latents"),
+        ((2, 16, 2, 4, 6), "give 1"),
+    ],
+)
+def test_context_latents_that_do_not_fit_are_refused(pipe, shape, message, no_work):
+    with pytest.raises(ValueError, match=message):
+        pipe(**STREAM_CALL, context_latents=torch.zeros(shape))
