@@ -67,6 +67,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         "teacher shapes-long-softmax, fine-tuned from the softmax teacher of --from-build, default the package's), "
         "the long-video judge and the long-video report; resumable like the main build",
     )
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="with --stream: train nothing; read the streaming models of the pilot in --work-dir at 2x and 8x its "
+        "training length and with oracle context (the true first chunks given), print the table and write it to "
+        "<work-dir>/diagnosis",
+    )
     add_settings_option(
         p, "mhla_diffusion.embedded.build", "BuildSettings", "build setting", "--set video_teacher_steps=6000"
     )
@@ -86,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.stream:
         return run_stream(args)
+    if args.diagnose:
+        raise ValueError("--diagnose reads a streaming pilot: add --stream (and its --work-dir)")
     args.work_dir = args.work_dir or DEFAULT_WORK_DIR
     check_settings(args.overrides, "mhla_diffusion.embedded.build", "BuildSettings")  # before torch loads
     from ..embedded.build import BuildSettings, build_demo_models, settings_with
@@ -130,6 +139,8 @@ def run_stream(args: argparse.Namespace) -> int:
     settings = settings_with(StreamBuildSettings.smoke() if args.smoke else StreamBuildSettings(), args.overrides)
     retain_freed_memory()
     work = args.work_dir or DEFAULT_STREAM_WORK_DIR
+    if args.diagnose:
+        return _diagnose(work, args.overrides)
     report = build_stream_models(
         work,
         None if args.no_export else args.output,
@@ -140,4 +151,24 @@ def run_stream(args: argparse.Namespace) -> int:
     )
     print((work / "evaluate" / "long_video_report.md").read_text())
     print(f"total {report['total_seconds']:.0f} s; stage results: {work / 'stages'}")
+    return 0
+
+
+def _diagnose(work: Path, overrides: list[str]) -> int:
+    """``--stream --diagnose``: the pilot's settings (its ``settings.json``, then ``--set``) and its readings."""
+    import dataclasses
+    import json
+
+    from ..embedded.build import settings_with
+    from ..embedded.long_video_diagnosis import diagnose_pilot, diagnosis_markdown
+    from ..embedded.stream_build import StreamBuildSettings
+
+    recorded = work / "settings.json"
+    if not recorded.is_file():
+        raise FileNotFoundError(f"{recorded} does not exist: give --work-dir the folder of a `--stream` pilot")
+    names = {f.name for f in dataclasses.fields(StreamBuildSettings)}
+    settings = StreamBuildSettings(**{k: v for k, v in json.loads(recorded.read_text()).items() if k in names})
+    results = diagnose_pilot(work, settings_with(settings, overrides))
+    print(diagnosis_markdown(results))
+    print(f"readings: {work / 'diagnosis'}")
     return 0

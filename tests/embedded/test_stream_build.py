@@ -67,6 +67,34 @@ def test_a_rerun_resumes_and_finished_settings_cannot_change(stream_smoke, capsy
     assert main([*args, "--set", "no_such=1"]) == 2
 
 
+@pytest.mark.slow
+def test_the_diagnosis_reads_both_models_at_2x_and_8x_and_with_oracle_context(stream_smoke, capsys):
+    from mhla_diffusion.embedded.long_video_diagnosis import DIAGNOSED_RUNS, LENGTH_FACTORS, diagnosis_markdown
+
+    root, args = stream_smoke
+    work = root / "work"
+    capsys.readouterr()
+    assert main(["build-embedded", "--stream", "--diagnose", "--work-dir", str(work)]) == 0
+    printed = capsys.readouterr().out
+    results = {run: json.loads((work / "diagnosis" / f"{run}.json").read_text()) for run in DIAGNOSED_RUNS}
+    assert diagnosis_markdown(results) in printed
+    s = StreamBuildSettings.smoke()
+    for result in results.values():
+        assert [r["frames"] for r in result["lengths"].values()] == [
+            f * (s.train_frames - 1) + 1 for f in LENGTH_FACTORS
+        ]
+        for reading in result["lengths"].values():
+            assert reading["videos"] == s.eval_prompts and 0 <= reading["windows_match"] <= 1
+        oracle = result["oracle"]["rows"][0]
+        # the given chunks: the first chunk and one more (1 + 2 (c - 1) + 2 c frames for the VAE's factor 2)
+        chunk, first = s.chunk_frames, s.first_chunk_frames or s.chunk_frames
+        assert oracle["given_frames"] == 1 + 2 * (first - 1) + 2 * chunk
+        assert oracle["made_frames"] % (2 * chunk) == 0 and oracle["made_frames"] >= max(9, 2 * 2 * chunk)
+        assert oracle["real_border_jump_px"] > 0 and set(oracle["guess_error_px"]) == {"hold", "straight_on"}
+    assert main(["build-embedded", "--diagnose", "--work-dir", str(work)]) == 2  # needs --stream
+    assert main(["build-embedded", "--stream", "--diagnose", "--work-dir", str(root / "none")]) == 2
+
+
 def test_evaluation_prompts_cover_every_shape_colour_and_direction():
     from mhla_diffusion.embedded.long_video_report import evaluation_prompts
     from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES, parse_caption
