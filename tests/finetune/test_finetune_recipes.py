@@ -28,8 +28,10 @@ def test_the_cpu_recipe_fine_tunes_the_embedded_model_and_generates(tmp_path):
     commands = _recipe()
     assert [c.split()[0] for c in commands] == ["python", "python", "mhla"]
     assert "--max_train_steps 100" in commands[1]
+    assert "write_shapes_dataset('runs/shapes-data', 240)" in commands[0]
     for command in commands:
-        command = command.replace("--max_train_steps 100", "--max_train_steps 2")
+        # 2 steps on 16 clips: the whole chain, without encoding 240 clips' latents for 2 steps
+        command = command.replace("--max_train_steps 100", "--max_train_steps 2").replace("data', 240)", "data', 16)")
         for folder in ("runs/", "outputs/"):  # outputs into the temporary folder
             command = command.replace(f"'{folder}", f"'{tmp_path}/{folder}").replace(
                 f" {folder}", f" {tmp_path}/{folder}"
@@ -39,7 +41,7 @@ def test_the_cpu_recipe_fine_tunes_the_embedded_model_and_generates(tmp_path):
         done = subprocess.run(command, shell=True, cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
 
-    assert len((tmp_path / "runs" / "shapes-data" / "metadata.jsonl").read_text().splitlines()) == 240
+    assert len((tmp_path / "runs" / "shapes-data" / "metadata.jsonl").read_text().splitlines()) == 16
     index = json.loads((tmp_path / "runs" / "shapes-mhla" / "pipeline" / "model_index.json").read_text())
     assert index["transformer"] == ["mhla_diffusion", "MHLAWanTransformer3DModel"]
     (sidecar,) = (tmp_path / "outputs" / "shapes").glob("*.json")
