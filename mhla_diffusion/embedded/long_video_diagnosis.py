@@ -32,9 +32,15 @@ import numpy as np
 
 from .bouncing_shapes import SPEED_RANGE
 from .judge_io import load_judge
-from .locations import embedded_defaults
 from .long_video import centroids, measure_long_video, stream_frames, window_readings
-from .long_video_report import EVAL_SEED, _real_video, evaluation_prompts
+from .long_video_report import (
+    EVAL_SEED,
+    _real_video,
+    evaluation_prompts,
+    generation_options,
+    largest_of,
+    windows_match,
+)
 
 __all__ = ["DIAGNOSED_RUNS", "LENGTH_FACTORS", "diagnose_pilot", "diagnosis_markdown", "frames_at"]
 
@@ -65,16 +71,12 @@ def _encode(pipe: Any, frames: np.ndarray) -> "torch.Tensor":  # noqa: F821
 
 
 def _length_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    def largest(key: str) -> float | None:
-        values = [r[key] for r in rows]
-        return None if any(v is None for v in values) else max(values)
-
     drifts = [r["speed_drift"] for r in rows if r["speed_drift"] is not None]
     return {
         "videos": len(rows),
-        "windows_match": sum(r["window_match"] * r["num_windows"] for r in rows) / sum(r["num_windows"] for r in rows),
-        "largest_border_jump_px": largest("border_jump_px"),
-        "largest_inner_jump_px": largest("inner_jump_px"),
+        "windows_match": windows_match(rows),
+        "largest_border_jump_px": largest_of(rows, "border_jump_px"),
+        "largest_inner_jump_px": largest_of(rows, "inner_jump_px"),
         "speed_drift_median": statistics.median(drifts) if drifts else None,
     }
 
@@ -156,15 +158,7 @@ def diagnose_pilot(work: Path, s: Any, runs: tuple[str, ...] | None = None) -> d
         )
     judge = load_judge(work / "judges" / "long-video")
     prompts = evaluation_prompts(s.eval_prompts)
-    d = embedded_defaults()
-    common = dict(
-        num_inference_steps=s.eval_steps,
-        guidance_scale=s.guidance_scale,
-        height=d.height,
-        width=d.width,
-        max_sequence_length=d.max_sequence_length,
-        negative_prompt="",
-    )
+    common = generation_options(s)
     chunking = dict(chunk_frames=s.chunk_frames, first_chunk_frames=s.first_chunk_frames)
     folder = work / "diagnosis"
     folder.mkdir(parents=True, exist_ok=True)

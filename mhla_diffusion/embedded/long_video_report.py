@@ -67,13 +67,10 @@ def _real_video(prompt: str, index: int, num_frames: int) -> tuple[np.ndarray, l
         k += 1
 
 
-def _method_runs(work: Path, s, source: Path) -> dict[str, Callable[[str, int, int], tuple[np.ndarray, list[int]]]]:
-    """Method key -> ``run(prompt, seed, num_frames) -> (frames uint8 (T, H, W, 3), chunk starts)``."""
-    from ..pipelines import MHLAWanPipeline, MHLAWanStreamingPipeline
-    from .long_video import independent_clips, stream_frames
-
+def generation_options(s) -> dict[str, Any]:
+    """The pipeline call's options of every evaluated video: the build's steps and guidance, the embedded size."""
     d = embedded_defaults()
-    common = dict(
+    return dict(
         num_inference_steps=s.eval_steps,
         guidance_scale=s.guidance_scale,
         height=d.height,
@@ -81,6 +78,14 @@ def _method_runs(work: Path, s, source: Path) -> dict[str, Callable[[str, int, i
         max_sequence_length=d.max_sequence_length,
         negative_prompt="",  # the command line's default
     )
+
+
+def _method_runs(work: Path, s, source: Path) -> dict[str, Callable[[str, int, int], tuple[np.ndarray, list[int]]]]:
+    """Method key -> ``run(prompt, seed, num_frames) -> (frames uint8 (T, H, W, 3), chunk starts)``."""
+    from ..pipelines import MHLAWanPipeline, MHLAWanStreamingPipeline
+    from .long_video import independent_clips, stream_frames
+
+    common = generation_options(s)
     mhla = MHLAWanStreamingPipeline.from_pretrained(work / "runs" / "long-mhla" / "pipeline")
     softmax = MHLAWanStreamingPipeline.from_pretrained(work / "runs" / "long-softmax" / "pipeline")
     clips = MHLAWanPipeline.from_pretrained(source / "shapes-t2v-mhla")
@@ -106,21 +111,28 @@ def _segment_drift(frames: np.ndarray, segment: int) -> float | None:
     return None if first_speed == 0 else round(last_speed / first_speed, 4)
 
 
+def largest_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The largest ``key`` over per-video rows; ``None`` when one video's is (a frame without a shape)."""
+    values = [r[key] for r in rows]
+    return None if any(v is None for v in values) else max(values)
+
+
+def windows_match(rows: list[dict[str, Any]]) -> float:
+    """The share of all the rows' judge windows that match their prompt."""
+    return sum(r["window_match"] * r["num_windows"] for r in rows) / sum(r["num_windows"] for r in rows)
+
+
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-video measures -> the table's numbers for one method (an undefined jump, a frame with no shape, is
     ``None`` in a row and makes the method's largest jump ``None``: shown as "shape lost")."""
-
-    def largest(key: str) -> float | None:
-        values = [r[key] for r in rows]
-        return None if any(v is None for v in values) else max(values)
 
     drifts = [r["segment_speed_drift"] for r in rows if r["segment_speed_drift"] is not None]
     seconds = [r["seconds"] for r in rows if r["seconds"] is not None]
     return {
         "videos": len(rows),
-        "windows_match": sum(r["window_match"] * r["num_windows"] for r in rows) / sum(r["num_windows"] for r in rows),
-        "largest_jump_px": largest("max_jump_px"),
-        "largest_border_jump_px": largest("border_jump_px"),
+        "windows_match": windows_match(rows),
+        "largest_jump_px": largest_of(rows, "max_jump_px"),
+        "largest_border_jump_px": largest_of(rows, "border_jump_px"),
         "videos_with_missing_frames": sum(bool(r["missing_frames"]) for r in rows),
         "speed_drift_median": statistics.median(drifts) if drifts else None,
         "speed_drift_range": [min(drifts), max(drifts)] if drifts else None,
