@@ -167,17 +167,23 @@ def diagnose_pilot(work: Path, s: Any, runs: tuple[str, ...] | None = None) -> d
         began = time.perf_counter()
         pipe = MHLAWanStreamingPipeline.from_pretrained(work / "runs" / run / "pipeline")
         pipe.set_progress_bar_config(disable=True)
-        lengths = {}
-        for factor in LENGTH_FACTORS:
-            rows = []
-            for i, prompt in enumerate(prompts):
-                frames, starts = stream_frames(
-                    pipe, prompt, frames_at(s.train_frames, factor), EVAL_SEED + i, **chunking, **common
-                )
+        counts = {factor: frames_at(s.train_frames, factor) for factor in LENGTH_FACTORS}
+        for count in counts.values():  # each length a whole number of chunks, checked before any work
+            pipe.check_stream(count, common["height"], common["width"], s.chunk_frames, "np", s.first_chunk_frames)
+        rows: dict[int, list[dict[str, Any]]] = {factor: [] for factor in LENGTH_FACTORS}
+        longest = max(counts.values())
+        for i, prompt in enumerate(prompts):
+            # a stream is causal: a shorter one with the same seed is the longest one's first frames
+            video, chunk_starts = stream_frames(pipe, prompt, longest, EVAL_SEED + i, **chunking, **common)
+            for factor, count in counts.items():
+                frames, starts = video[:count], [t for t in chunk_starts if t < count]
                 measures = measure_long_video(judge, frames, prompt, starts).to_json()
                 measures.pop("windows")
-                rows.append({"prompt": prompt, **measures, "inner_jump_px": _inner_jump(frames, starts)})
-            lengths[f"{factor}x"] = {"frames": frames_at(s.train_frames, factor), **_length_summary(rows), "rows": rows}
+                rows[factor].append({"prompt": prompt, **measures, "inner_jump_px": _inner_jump(frames, starts)})
+        lengths = {
+            f"{factor}x": {"frames": count, **_length_summary(rows[factor]), "rows": rows[factor]}
+            for factor, count in counts.items()
+        }
         oracle_rows = [_oracle(pipe, judge, p, i, EVAL_SEED + i, chunking, common) for i, p in enumerate(prompts)]
         results[run] = {
             "lengths": lengths,

@@ -136,8 +136,7 @@ def diffusion_forcing_inputs(
         keep[:, :-1] = coins >= clean_chunks
         sigma = sigma * keep
         if context_noise > 0:
-            level = torch.rand(batch, chunks, generator=generator, device=device) * context_noise
-            level = (level * num_train_timesteps).floor() / num_train_timesteps  # on the timestep grid
+            level = _context_levels(batch, chunks, context_noise, generator, device, num_train_timesteps)
             sigma = torch.where(keep, sigma, level)
     per_frame = sigma[:, index]  # (B, F)
     noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
@@ -159,6 +158,20 @@ def training_chunks(frames: int, chunk_frames: int, first_chunk_frames: int | No
     while sum(sizes) < frames:
         sizes.append(min(chunk_frames, frames - sum(sizes)))
     return sizes
+
+
+def _context_levels(
+    batch: int,
+    chunks: int,
+    context_noise: float,
+    generator: torch.Generator | None,
+    device: torch.device,
+    num_train_timesteps: int,
+) -> torch.Tensor:
+    """Context chunks' noise levels ``(B, chunks)``: uniform in ``[0, context_noise)``, unshifted, floored to the
+    timestep grid (one draw of ``torch.rand``)."""
+    level = torch.rand(batch, chunks, generator=generator, device=device) * context_noise
+    return (level * num_train_timesteps).floor() / num_train_timesteps
 
 
 def _chunk_of_frame(sizes: list[int], device: torch.device) -> torch.Tensor:
@@ -198,8 +211,8 @@ def teacher_forcing_inputs(
     noisy_levels = sigma.view(batch, len(sizes))[:, index]  # (B, F)
     context_levels = torch.zeros_like(noisy_levels)
     if context_noise > 0:
-        level = torch.rand(batch, len(sizes), generator=generator, device=device) * context_noise
-        context_levels = ((level * num_train_timesteps).floor() / num_train_timesteps)[:, index]
+        level = _context_levels(batch, len(sizes), context_noise, generator, device, num_train_timesteps)
+        context_levels = level[:, index]
     noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
     s = noisy_levels.view(batch, 1, frames, 1, 1).to(latents.dtype)
     noisy = (1.0 - s) * latents + s * noise

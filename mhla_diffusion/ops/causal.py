@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -307,6 +307,28 @@ def mhla_causal_attention(
     )
 
 
+def _block_features(
+    plan: BlockPlan,
+    dtype: torch.dtype,
+    tensors: Sequence[torch.Tensor | float | None],
+    feature_eps: float | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    den: bool,
+) -> tuple[_Blocks, Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]], float]:
+    """What the causal operators' block math starts from: the regrouping :class:`_Blocks` of ``plan`` (writing in
+    place unless one of ``tensors`` needs gradients), ``features(x, x_rot)`` (block-major numerator and denominator
+    features, as :meth:`_Blocks.features`) and the denominator's ``shift`` (see ``_mhla_blocks``)."""
+    inplace = not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))
+    blocks = _Blocks(plan, dtype, inplace)
+    tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
+    shift = 0.0 if tables is None else float(feature_eps)
+
+    def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return blocks.features(x, x_rot, feature_eps, tables, den)
+
+    return blocks, features, shift
+
+
 def causal_block_output(
     q: torch.Tensor,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
@@ -336,16 +358,7 @@ def causal_block_output(
     den = normalize != "none"
     with without_autocast(q.device):
         tensors = (q, q_rot, mixing, decay, *(t for copy in copies for t in copy))
-        inplace = not (
-            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        )
-        blocks = _Blocks(plan, dtype, inplace)
-        tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
-        shift = 0.0 if tables is None else float(feature_eps)  # see _mhla_blocks
-
-        def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return blocks.features(x, x_rot, feature_eps, tables, den)
-
+        blocks, features, shift = _block_features(plan, dtype, tensors, feature_eps, rotary, den)
         m, p = plan.num_blocks, plan.block_len
         weights = _row_weights(mixing, decay, offsets, mean_rows).to(sum_dtype)  # (..., M, E S)
         weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
@@ -431,16 +444,7 @@ def mhla_causal_step(
 
     with without_autocast(q.device):
         carried = (q, k, v, q_rot, k_rot, mixing, decay, state.summaries, state.key_sums)
-        inplace = not (
-            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in carried)
-        )
-        blocks = _Blocks(plan, dtype, inplace)
-        tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
-        shift = 0.0 if tables is None else float(feature_eps)  # see _mhla_blocks
-
-        def features(x: torch.Tensor, x_rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return blocks.features(x, x_rot, feature_eps, tables, den)
-
+        blocks, features, shift = _block_features(plan, dtype, carried, feature_eps, rotary, den)
         kv, key_sum = block_sums(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True), shift)
         # Rows e = 0 .. K + R_c: the fold (standing for row r0 - K - 1 and all before it, weighted from there),
         # the K carried rows, the chunk's rows. Chunk row i sees row e at offset i + K + 1 - e.
