@@ -531,6 +531,8 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
                 output_type="np",
                 max_sequence_length=args.max_sequence_length,
             )
+            if chunks is not None and args.state_dtype is not None:
+                call["state_dtype"] = getattr(torch, args.state_dtype)
             recorded_run = dict(task=task, **recorded, **clip, fps=args.fps, flow_shift=flow_shift)
             recorded_run.update(boundary_ratio=pipe.config.get("boundary_ratio"), output=str(plan.media))
 

@@ -46,6 +46,12 @@ def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
         "else 3, or 2 or 1 when 3 does not divide the video's latent frames); the first chunk gives 1 + t (C - 1) "
         "frames, every later one t C",
     )
+    group.add_argument(
+        "--state-dtype",
+        choices=("float32", "bfloat16"),
+        help="with --stream, the dtype a block-causal MHLA stream stores its carried block summaries in (default "
+        "float32, exact; bfloat16: half the bytes, error in docs/streaming.md); they are mixed in float32 either way",
+    )
 
 
 def check_stream(args: argparse.Namespace, geometry: VideoGeometry) -> StreamChunks | None:
@@ -54,8 +60,9 @@ def check_stream(args: argparse.Namespace, geometry: VideoGeometry) -> StreamChu
     from ..pipelines.outputs import VideoWriter
 
     if not args.stream:
-        if args.chunk_frames is not None:
-            raise ValueError("--chunk-frames is for --stream: add --stream, or leave out --chunk-frames")
+        for flag, value in (("--chunk-frames", args.chunk_frames), ("--state-dtype", args.state_dtype)):
+            if value is not None:
+                raise ValueError(f"{flag} is for --stream: add --stream, or leave out {flag}")
         return None
     if args.context_parallel != 1:
         raise ValueError(
@@ -79,6 +86,11 @@ def check_stream_model(args: argparse.Namespace, declared: list[dict[str, Any]])
     is checked by the pipeline after loading."""
     marked = bool((read_component_config(args.model, "transformer") or {}).get(BLOCK_CAUSAL_KEY))
     if args.attention == "softmax":
+        if args.state_dtype is not None:
+            raise ValueError(
+                "--state-dtype sets how a block-causal MHLA stream stores its state; --attention softmax streams with "
+                "a KV cache in the model's dtype: leave out --state-dtype"
+            )
         if marked or not os.path.isdir(args.model):
             return
         raise ValueError(

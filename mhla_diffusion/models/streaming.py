@@ -175,10 +175,19 @@ class CausalStream(ChunkStream):
 
     Inside :meth:`chunk` every causal MHLA layer runs :func:`~mhla_diffusion.ops.causal.mhla_causal_step` on the
     chunk against its carried :class:`~mhla_diffusion.ops.causal.CausalMHLAState` (``K + 1`` temporal rows of
-    block summaries): the same size after any number of chunks (:attr:`nbytes`).
+    block summaries): the same size after any number of chunks (:attr:`nbytes`). A denoising chunk only reads the
+    states; an advancing one builds the next.
+
+    ``state_dtype``: the dtype the block summaries are stored in (``None``: float32, exact; ``torch.bfloat16``: half
+    the bytes, see docs/streaming.md for the error); they are always mixed in float32 or wider.
     """
 
-    def __init__(self, transformer: nn.Module) -> None:
+    def __init__(self, transformer: nn.Module, state_dtype: torch.dtype | None = None) -> None:
+        if state_dtype is not None and not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
+            raise ValueError(
+                f"`state_dtype` must be a floating torch dtype such as torch.bfloat16, got {state_dtype!r}"
+            )
+        self.state_dtype = state_dtype
         processors = causal_processors(transformer)
         if not processors:
             raise ValueError(

@@ -23,8 +23,10 @@ is the present operator's (:mod:`~mhla_diffusion.ops.attention`) with this ``W``
 Since ``W`` is the same for a video of any length, every row older than the window reaches a query through one
 *folded* summary per spatial place, ``F_r[s'] = Σ_{r' <= r-K-1} γ^(r-K-1-r') S_(r', s')``, which obeys
 ``F_(r+1) = γ F_r + S_(r-K)``. The streaming state (:class:`CausalMHLAState`) is therefore ``K + 1`` rows of
-per-block summaries and key sums -- the fold and the ``K`` most recent rows -- whatever the length. The mean fold
-carries the sum (``γ = 1``) and divides it when it is mixed, by a count the state's ``rows`` gives.
+per-block summaries and key sums -- the fold and the ``K`` most recent rows -- whatever the length. The sum and
+mean folds (``γ = 1``) keep the fold *per folded row* (``F / c``, ``c = rows - K`` folded rows) and scale it back
+by ``c`` when they mix it (the mean fold then divides by ``r - K``): a sum grows with the stream and stops absorbing
+new rows once it is large in a narrow dtype, its mean does not.
 
 Two ways to run it, equal to each other:
 
@@ -33,8 +35,9 @@ Two ways to run it, equal to each other:
   :func:`~mhla_diffusion.ops.attention.mhla_attention` (feature map, RoPE, uneven and empty blocks, half
   precision) and its cost.
 * :func:`mhla_causal_step`: one *chunk* -- whole temporal block rows -- given the state carried from the chunks
-  before it; returns the chunk's output and the new state. Nothing is changed in place, so a pipeline can denoise
-  a chunk many times against the same state and advance the state once, with the finished chunk.
+  before it; returns the chunk's output and, with ``advance=True``, the new state. Nothing is changed in place, so
+  a pipeline can denoise a chunk many times against the same state (``advance=False``: the carried rows are mixed
+  where they lie, no new state is built) and advance the state once, with the finished chunk.
 
 A chunk's rows are cut by the floor rule of the chunk's own grid. Running chunk by chunk equals one pass when
 they are the rows the whole clip's layout cuts, which holds whenever every row has the same number of frames (a
@@ -159,14 +162,16 @@ class CausalMHLAState:
     """What a stream of block-causal MHLA carries from one chunk to the next; the same size for any length.
 
     Attributes:
-        summaries: ``(B, H, K + 1, S, D, Dv)``: row ``0`` is the folded summary ``F`` of every row older than the
-            window, rows ``1 .. K`` the key-value summaries ``S_(r, s)`` of the ``K`` most recent temporal block
-            rows, oldest first (zero where the stream has fewer rows).
+        summaries: ``(B, H, K + 1, S, D, Dv)``: row ``0`` is the fold of every row older than the window, rows
+            ``1 .. K`` the key-value summaries ``S_(r, s)`` of the ``K`` most recent temporal block rows, oldest
+            first (zero where the stream has fewer rows). A decaying fold is ``F`` itself; the sum and mean folds
+            keep ``F / c`` (``c`` = :attr:`folded_rows`, zero while ``c = 0``), see the module docstring.
         key_sums: ``(B, H, K + 1, S, D)``: the same for the key sums ``z``; ``None`` without a denominator.
         rows: temporal block rows consumed so far (the next chunk's first row).
 
-    Both tensors are kept in at least float32 (float64 for float64 inputs), whatever the inputs' precision, as
-    they accumulate over the whole stream.
+    ``key_sums`` are kept in at least float32 (float64 for float64 inputs); ``summaries`` too by default, or in the
+    narrower ``state_dtype`` a stream asks for (e.g. bfloat16: half the bytes), as they are only ever mixed in the
+    wider dtype and rounded once when stored.
     """
 
     summaries: torch.Tensor
@@ -185,12 +190,14 @@ class CausalMHLAState:
         *,
         key_sums: bool = True,
         dtype: torch.dtype = torch.float32,
+        summaries_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> "CausalMHLAState":
-        """The state before the first chunk: all summaries zero, ``rows = 0``."""
+        """The state before the first chunk: all summaries zero, ``rows = 0``. ``dtype``: the key sums' (and by
+        default the summaries'); ``summaries_dtype``: the summaries' storage dtype when narrower."""
         lead = (batch, heads, _check_window(window) + 1, blocks_per_row)
         return cls(
-            torch.zeros((*lead, head_dim, value_dim), dtype=dtype, device=device),
+            torch.zeros((*lead, head_dim, value_dim), dtype=summaries_dtype or dtype, device=device),
             torch.zeros((*lead, head_dim), dtype=dtype, device=device) if key_sums else None,
         )
 
@@ -203,6 +210,11 @@ class CausalMHLAState:
     def blocks_per_row(self) -> int:
         """``S``: blocks per temporal row."""
         return self.summaries.shape[3]
+
+    @property
+    def folded_rows(self) -> int:
+        """``c``: temporal rows folded so far (older than the window)."""
+        return max(self.rows - self.window, 0)
 
     @property
     def nbytes(self) -> int:
@@ -396,6 +408,8 @@ def mhla_causal_step(
     mixing: torch.Tensor,
     state: CausalMHLAState | None = None,
     *,
+    advance: bool = True,
+    state_dtype: torch.dtype | None = None,
     decay: torch.Tensor | float | None = None,
     mean_fold: bool = False,
     q_rot: torch.Tensor | None = None,
@@ -405,7 +419,7 @@ def mhla_causal_step(
     plan: BlockPlan | None = None,
     feature_eps: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, CausalMHLAState]:
+) -> tuple[torch.Tensor, CausalMHLAState | None]:
     """Block-causal MHLA of one chunk, given the state of the chunks before it.
 
     A *chunk* is whole temporal block rows: the tokens ``(B, N_c, H, D)`` of the chunk's grid ``grid`` (frames of
@@ -420,10 +434,15 @@ def mhla_causal_step(
         mixing, decay, mean_fold, normalize: as for :func:`mhla_causal_attention`; the same on every step of a
             stream.
         state: what the earlier chunks left (:class:`CausalMHLAState`); ``None`` at the start of a stream.
+        advance: build the state after this chunk. ``False`` (a denoising step, whose chunk is not final): the
+            carried rows are only read, mixed where they lie, and no new state is built.
+        state_dtype: the summaries' storage dtype of a new stream's state (``state`` ``None``), e.g.
+            ``torch.bfloat16`` for half the bytes; ``None``: at least float32. A carried state keeps its own.
 
     Returns:
         ``(out, new_state)``: the chunk's output ``(B, N_c, H, Dv)`` in ``v``'s dtype, and the state after it
-        (``rows`` advanced by ``R_c``). ``state`` is not modified. Differentiable through ``state`` too.
+        (``rows`` advanced by ``R_c``; ``None`` when ``advance`` is ``False``). ``state`` is not modified.
+        Differentiable through ``state`` too.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot, plan)
     batch, _, heads, head_dim = q.shape
@@ -432,10 +451,21 @@ def mhla_causal_step(
     den = normalize != "none"
     rows, s = layout[0], math.prod(layout[1:])
     dtype = torch.promote_types(q.dtype, v.dtype)
-    state_dtype = torch.promote_types(dtype, torch.float32)
+    sum_dtype = torch.promote_types(dtype, torch.float32)  # summaries are mixed and folded in it
     if state is None:
+        if state_dtype is not None and not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
+            raise ValueError(f"`state_dtype` must be a floating torch dtype (e.g. torch.bfloat16), got {state_dtype!r}")
         state = CausalMHLAState.empty(
-            batch, heads, window, s, head_dim, v.shape[-1], key_sums=den, dtype=state_dtype, device=q.device
+            batch,
+            heads,
+            window,
+            s,
+            head_dim,
+            v.shape[-1],
+            key_sums=den,
+            dtype=sum_dtype,
+            summaries_dtype=state_dtype,
+            device=q.device,
         )
     else:
         _check_state(state, (batch, heads, window + 1, s, head_dim, v.shape[-1]), den, q.device)
@@ -446,33 +476,56 @@ def mhla_causal_step(
         carried = (q, k, v, q_rot, k_rot, mixing, decay, state.summaries, state.key_sums)
         blocks, features, shift = _block_features(plan, dtype, carried, feature_eps, rotary, den)
         kv, key_sum = block_sums(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True), shift)
+        kv = kv.to(sum_dtype).unflatten(2, (rows, s))  # (B, H, R_c, S, D, Dv)
         # Rows e = 0 .. K + R_c: the fold (standing for row r0 - K - 1 and all before it, weighted from there),
         # the K carried rows, the chunk's rows. Chunk row i sees row e at offset i + K + 1 - e.
-        history = _extend(state.summaries, kv, rows, s)  # (B, H, E, S, D, Dv)
-        history_sums = None if key_sum is None else _extend(state.key_sums, key_sum, rows, s)
         i = torch.arange(rows, device=q.device)
         e = torch.arange(window + 1 + rows, device=q.device)
         query_rows = state.rows + i if mean_fold else None  # the fold (a sum) is averaged by the rows it holds
-        weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :], query_rows).to(state_dtype)
+        weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :], query_rows).to(sum_dtype)
+        if decay is None and state.folded_rows > 1:  # the stored fold is F / c: mix c times it
+            weights = torch.cat([weights[..., :s] * state.folded_rows, weights[..., s:]], dim=-1)
         weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
+        history_sums = None if key_sum is None else _extend(state.key_sums, key_sum, rows, s)
         summaries = _Summaries(weights, None if history_sums is None else history_sums.flatten(2, 3))
-        summaries.mixed = summaries.mix(history.flatten(2, 3)).to(dtype)
+        summaries.mixed = _mix_rows(weights, state.summaries, kv, sum_dtype).to(dtype)
         out = _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+        if not advance:
+            return out, None
 
         # The next chunk's first row r0 + R_c sees row e at offset R_c + K + 1 - e: rows e <= R_c fold into the new
         # fold with γ^(R_c - e), and the last K rows are carried one by one.
-        gamma = torch.ones((), dtype=state_dtype, device=q.device) if decay is None else decay
-        fold = torch.as_tensor(gamma, dtype=state_dtype, device=q.device)[..., None] ** (rows - e[: rows + 1])
+        gamma = torch.ones((), dtype=sum_dtype, device=q.device) if decay is None else decay
+        fold = torch.as_tensor(gamma, dtype=sum_dtype, device=q.device)[..., None] ** (rows - e[: rows + 1])
         fold = fold.expand(heads, rows + 1)  # (H, R_c + 1)
+        new_rows = state.rows + rows
+        scale = (state.folded_rows, max(new_rows - window, 1)) if decay is None else (1, 1)  # F / c in, out
 
-        def advance(x: torch.Tensor) -> torch.Tensor:
-            folded = torch.einsum("he,bhe...->bh...", fold, x[:, :, : rows + 1])
-            return torch.cat([folded.unsqueeze(2), x[:, :, rows + 1 :]], dim=2)
+        def advanced(carried: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+            x = carried.to(sum_dtype)
+            x = torch.cat([x[:, :, :1] * scale[0], x[:, :, 1:], chunk.to(sum_dtype)], dim=2)  # rows e = 0 .. K + R_c
+            folded = torch.einsum("he,bhe...->bh...", fold, x[:, :, : rows + 1]) / scale[1]
+            return torch.cat([folded.unsqueeze(2), x[:, :, rows + 1 :]], dim=2).to(carried.dtype)
 
         new_state = CausalMHLAState(
-            advance(history), None if history_sums is None else advance(history_sums), state.rows + rows
+            advanced(state.summaries, kv),
+            None if key_sum is None else advanced(state.key_sums, key_sum.unflatten(2, (rows, s))),
+            new_rows,
         )
     return out, new_state
+
+
+def _mix_rows(weights: torch.Tensor, carried: torch.Tensor, chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_e W[o, e] X_e`` over the carried rows ``(B, H, K + 1, S, D, Dv)`` and the chunk's ``(B, H, R_c, S, D, Dv)``
+    without joining them: the chunk's product, then the carried rows' added in place (cast first only when stored
+    narrower). ``weights`` ``(B * H, M_c, (K + 1 + R_c) S)`` -> ``(B, H, M_c, D, Dv)`` in ``dtype``."""
+    batch, heads = chunk.shape[:2]
+    tail = chunk.shape[-2:]
+    carried_cols = carried.shape[2] * carried.shape[3]
+    flat = (batch * heads, -1, tail.numel())
+    mixed = torch.bmm(weights[..., carried_cols:], chunk.reshape(flat))
+    mixed = mixed.baddbmm(weights[..., :carried_cols], carried.to(dtype).reshape(flat))
+    return mixed.view(batch, heads, -1, *tail)
 
 
 def _extend(carried: torch.Tensor, chunk: torch.Tensor, rows: int, s: int) -> torch.Tensor:

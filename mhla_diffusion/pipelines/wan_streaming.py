@@ -28,6 +28,7 @@ from diffusers.utils.torch_utils import get_module_execution_device, randn_tenso
 
 from ..models.kv_cache import KVCacheStream, kv_cache_processors, restore_block_causal
 from ..models.streaming import CausalStream, ChunkStream, causal_processors
+from ..models.text_cache import TextConditioningCache
 from ..utils.model_defaults import RECORD_KEY
 from ..utils.stream_frames import StreamChunks, stream_chunks
 from .interrupt import GenerationInterrupted
@@ -108,14 +109,20 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         geometry.check_size(chunks.video_frames(0), height, width, generation=True)
         return chunks
 
-    def make_stream(self) -> ChunkStream:
+    def make_stream(self, state_dtype: torch.dtype | None = None) -> ChunkStream:
         """A new stream of the transformer: :class:`~mhla_diffusion.models.streaming.CausalStream` for causal MHLA
-        layers, :class:`~mhla_diffusion.models.kv_cache.KVCacheStream` for softmax KV-cache layers (put back here
-        when its config records block-causal softmax); ``ValueError`` for a transformer that cannot stream."""
+        layers (its summaries stored in ``state_dtype``), :class:`~mhla_diffusion.models.kv_cache.KVCacheStream` for
+        softmax KV-cache layers (put back here when its config records block-causal softmax); ``ValueError`` for a
+        transformer that cannot stream."""
         transformer = self.transformer
         if causal_processors(transformer):
-            return CausalStream(transformer)
+            return CausalStream(transformer, state_dtype)
         if restore_block_causal(transformer) or kv_cache_processors(transformer):
+            if state_dtype is not None:
+                raise ValueError(
+                    "state_dtype sets how a block-causal MHLA stream stores its block summaries; this transformer "
+                    "streams softmax attention with a KV cache, which keeps the model's dtype: leave out state_dtype"
+                )
             return KVCacheStream(transformer)
         raise ValueError(NOT_CAUSAL_ERROR)
 
@@ -131,6 +138,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         first_chunk_frames: int | None = None,
         context_noise: float | None = None,
         context_latents: torch.Tensor | None = None,
+        state_dtype: torch.dtype | None = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
         num_videos_per_prompt: int = 1,
@@ -167,6 +175,9 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
                 each joins the state as a finished chunk does and is decoded as the video's first frames, and the
                 stream continues from them. Their noise is still drawn, so a stream given its own first chunks
                 with the same seed continues as it did.
+            state_dtype: the dtype a block-causal MHLA stream stores its carried block summaries in: ``None``
+                float32 (exact), ``torch.bfloat16`` half the bytes (its error: docs/streaming.md). They are mixed in
+                float32 either way. Not for a softmax KV cache (which keeps the model's dtype).
             generator: each chunk draws its own noise from it, in order.
             callback_on_step_end: called after every step of every chunk as in Diffusers,
                 ``callback(pipe, step, timestep, callback_kwargs)``; ``step`` counts within the chunk
@@ -189,6 +200,7 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
         if isinstance(context_noise, bool) or not isinstance(context_noise, (int, float)) or not 0 <= context_noise < 1:
             raise ValueError(f"context_noise must be a noise level in [0, 1), got {context_noise!r}")
         given = self._context_chunks(chunks, context_latents, height, width)
+        stream = self.make_stream(state_dtype)
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         self.check_inputs(
@@ -234,12 +246,14 @@ class MHLAWanStreamingPipeline(MHLAWanPipeline):
             height // self.vae_scale_factor_spatial,
             width // self.vae_scale_factor_spatial,
         ]
-        stream = self.make_stream()
         decoder = WanStreamingDecoder(self.vae) if output_type != "latent" else None
         kept: list[Any] = []
         delivered = 0  # chunks handed on so far (on_frames, kept)
         try:
-            with self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar:
+            with (
+                self.progress_bar(total=chunks.num_chunks * num_inference_steps) as progress_bar,
+                TextConditioningCache(self.transformer),  # text embedding and cross-attention K/V once per prompt
+            ):
                 for chunk in range(chunks.num_chunks):
                     self._current_chunk = chunk
                     progress_bar.set_description(f"chunk {chunk + 1}/{chunks.num_chunks}")

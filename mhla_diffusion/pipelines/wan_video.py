@@ -13,6 +13,7 @@ import inspect
 import warnings
 from typing import Any
 
+from ..models.text_cache import TextConditioningCache
 from ..utils.geometry import VideoGeometry, check_layout_fits
 from .mhla_mixin import MHLAPipelineMixin
 
@@ -112,4 +113,5 @@ class MHLAWanVideoMixin(MHLAPipelineMixin):
         bound = inspect.signature(stock_call).bind(*args, **kwargs)
         bound.apply_defaults()
         self.check_call(bound.arguments)
-        return stock_call(*args, **kwargs)
+        with TextConditioningCache(self.transformer, getattr(self, "transformer_2", None)):  # once per prompt
+            return stock_call(*args, **kwargs)

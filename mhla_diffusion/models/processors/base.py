@@ -307,9 +307,13 @@ class MHLAProcessor(nn.Module):
         if forced:
             out = self._teacher_forced(q, k, v, clip, layout, features)
         elif self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
-            state = self.stream.state(self)
-            out, state = mhla_causal_step(q, k, v, grid, layout, self.mixing, state, **self.fold_options, **features)
-            self.stream.stage(self, state)
+            stream = self.stream  # a denoising forward only reads the carried state; advancing builds the next
+            state = stream.state(self)
+            out, state = mhla_causal_step(
+                q, k, v, grid, layout, self.mixing, state, advance=stream.advancing, state_dtype=stream.state_dtype,
+                **self.fold_options, **features,
+            )  # fmt: skip
+            stream.stage(self, state)
         elif self.causal:  # never the fused kernel: it has no causal form
             out = mhla_causal_attention(q, k, v, grid, layout, self.mixing, **self.fold_options, **features)
         elif shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
