@@ -10,8 +10,8 @@ Inside ``with TextConditioningCache(transformer):`` each of those modules keeps 
 it saw. A call whose input is one of them (the same tensor unchanged, or an equal one: a pipeline that concatenates
 the image and text states anew every step) gets the kept output instead of computing it again. An equal input gives
 the same output, so results are identical, bit for bit. Keys and values of each guidance branch (or of a batch that
-holds both) are kept separately. Nothing is kept while gradients flow into the modules (training), nor after the
-block ends.
+holds both) are kept separately. Nothing is kept while gradients flow into the modules (training). What is kept
+belongs to the cache object (a pipeline makes one per call) and is reused when the object is entered again.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ class _KeptOutputs:
 
     def __init__(self, module: nn.Module, capacity: int) -> None:
         self.module = module
-        self.instance_forward = module.__dict__.get("forward")  # e.g. an offloading hook's, put back afterwards
-        self.forward = module.forward
         self.capacity = capacity
         self.kept: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []  # input, its version, output, its version
         self.hits = self.misses = 0
@@ -84,6 +82,11 @@ class _KeptOutputs:
     def _training(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.module.parameters()))
 
+    def install(self) -> None:
+        self.instance_forward = self.module.__dict__.get("forward")  # e.g. an offloading hook's, put back afterwards
+        self.forward = self.module.forward
+        self.module.forward = self
+
     def remove(self) -> None:
         if self.instance_forward is None:
             del self.module.forward
@@ -97,38 +100,44 @@ def _unchanged(entry: tuple[torch.Tensor, int, torch.Tensor, int]) -> bool:
 
 
 class TextConditioningCache:
-    """Keep the text (and image) conditioning of ``transformers`` per prompt while the ``with`` block runs.
+    """Keep the text (and image) conditioning of ``transformers`` per prompt while a ``with`` block runs.
 
     ``transformers``: Wan transformers (``None`` entries are skipped: a pipeline's absent ``transformer_2``).
-    ``capacity``: inputs kept per module (a prompt and its negative, unbatched, are two). Blocks may nest; the
-    outermost keeps the outputs. :attr:`hits` and :attr:`misses` count the module calls answered from the kept
-    outputs and computed.
+    ``capacity``: inputs kept per module (a prompt and its negative, unbatched, are two). The kept outputs belong
+    to this object: entering it again reuses them, and they go with it (a pipeline makes one per call). Blocks may
+    nest; the outermost keeps the outputs. :attr:`hits` and :attr:`misses` count the module calls answered from
+    kept outputs and computed.
     """
 
     def __init__(self, *transformers: nn.Module | None, capacity: int = 4) -> None:
         if capacity < 1:
             raise ValueError(f"`capacity` must be >= 1 inputs kept per module, got {capacity}")
         self.modules = [m for t in transformers if t is not None for m in text_conditioning_modules(t)]
-        self.capacity = capacity
-        self._kept: list[_KeptOutputs] = []
+        self._kept = [_KeptOutputs(module, capacity) for module in self.modules]
+        self._installed: list[_KeptOutputs] = []
 
     def __enter__(self) -> "TextConditioningCache":
-        self._kept = []
-        for module in self.modules:
-            if not isinstance(module.__dict__.get("forward"), _KeptOutputs):  # an outer block keeps this one's
-                kept = _KeptOutputs(module, self.capacity)
-                module.forward = kept
-                self._kept.append(kept)
+        if self._installed:
+            raise RuntimeError("this TextConditioningCache is already in use: leave its block before entering it again")
+        for kept in self._kept:
+            if not isinstance(kept.module.__dict__.get("forward"), _KeptOutputs):  # else an outer block keeps it
+                kept.install()
+                self._installed.append(kept)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for kept in reversed(self._kept):
+        for kept in reversed(self._installed):
             kept.remove()
-            kept.kept = []  # the outputs go; the counts stay
+        self._installed = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept outputs."""
+        return sum(out.numel() * out.element_size() for kept in self._kept for _, _, out, _ in kept.kept)
 
     @property
     def hits(self) -> int:
-        """Module calls answered from kept outputs (in the last ``with`` block)."""
+        """Module calls answered from kept outputs."""
         return sum(k.hits for k in self._kept)
 
     @property

@@ -162,21 +162,28 @@ class CausalMHLAState:
     """What a stream of block-causal MHLA carries from one chunk to the next; the same size for any length.
 
     Attributes:
-        summaries: ``(B, H, K + 1, S, D, Dv)``: row ``0`` is the fold of every row older than the window, rows
-            ``1 .. K`` the key-value summaries ``S_(r, s)`` of the ``K`` most recent temporal block rows, oldest
-            first (zero where the stream has fewer rows). A decaying fold is ``F`` itself; the sum and mean folds
-            keep ``F / c`` (``c`` = :attr:`folded_rows`, zero while ``c = 0``), see the module docstring.
-        key_sums: ``(B, H, K + 1, S, D)``: the same for the key sums ``z``; ``None`` without a denominator.
+        fold: ``(B, H, 1, S, D, Dv)``: the fold of every temporal block row older than the window, per spatial
+            block. A decaying fold is ``F`` itself; the sum and mean folds keep ``F / c`` (``c`` =
+            :attr:`folded_rows`; zero while ``c = 0``), see the module docstring.
+        recent: ``(B, H, K, S, D, Dv)``: the key-value summaries ``S_(r, s)`` of the ``K`` most recent rows, oldest
+            first (zero where the stream has fewer rows).
+        key_sums: ``(B, H, K + 1, S, D)``: the fold's and the recent rows' key sums ``z``; ``None`` without a
+            denominator.
         rows: temporal block rows consumed so far (the next chunk's first row).
+        fold_scale: ``(B, H, 1, S, 1, 1)`` when the fold is stored narrow: it holds ``fold / fold_scale``.
 
-    ``key_sums`` are kept in at least float32 (float64 for float64 inputs); ``summaries`` too by default, or in the
-    narrower ``state_dtype`` a stream asks for (e.g. bfloat16: half the bytes), as they are only ever mixed in the
-    wider dtype and rounded once when stored.
+    Kept in at least float32 (float64 for float64 inputs) by default. A stream may store its summaries in 2 bytes
+    (``state_dtype`` ``torch.bfloat16`` or ``torch.float16``: half the bytes): ``recent`` is then in that dtype,
+    rounded once; the fold, re-rounded on every row, in float16 scaled per block (10 fraction bits where bfloat16
+    has 7: a bfloat16 fold drifts by about 4% of itself over 1,024 rows, see docs/streaming.md). Key sums stay
+    wide. Everything is mixed and folded in the wide dtype.
     """
 
-    summaries: torch.Tensor
+    fold: torch.Tensor
+    recent: torch.Tensor
     key_sums: torch.Tensor | None
     rows: int = 0
+    fold_scale: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -195,21 +202,48 @@ class CausalMHLAState:
     ) -> "CausalMHLAState":
         """The state before the first chunk: all summaries zero, ``rows = 0``. ``dtype``: the key sums' (and by
         default the summaries'); ``summaries_dtype``: the summaries' storage dtype when narrower."""
-        lead = (batch, heads, _check_window(window) + 1, blocks_per_row)
+        window = _check_window(window)
+        lead = (batch, heads, 1, blocks_per_row)
+        narrow = summaries_dtype is not None and summaries_dtype.itemsize < 4
         return cls(
-            torch.zeros((*lead, head_dim, value_dim), dtype=summaries_dtype or dtype, device=device),
-            torch.zeros((*lead, head_dim), dtype=dtype, device=device) if key_sums else None,
+            torch.zeros((*lead, head_dim, value_dim), dtype=torch.float16 if narrow else dtype, device=device),
+            torch.zeros(
+                (batch, heads, window, blocks_per_row, head_dim, value_dim),
+                dtype=summaries_dtype or dtype,
+                device=device,
+            ),
+            torch.zeros((batch, heads, window + 1, blocks_per_row, head_dim), dtype=dtype, device=device)
+            if key_sums
+            else None,
+            fold_scale=torch.ones((*lead, 1, 1), dtype=dtype, device=device) if narrow else None,
         )
+
+    @classmethod
+    def of(cls, summaries: torch.Tensor, key_sums: torch.Tensor | None, rows: int = 0) -> "CausalMHLAState":
+        """A wide state from all its summaries ``(B, H, K + 1, S, D, Dv)`` at once: the fold, then the recent rows."""
+        return cls(summaries[:, :, :1], summaries[:, :, 1:], key_sums, rows)
+
+    @property
+    def summaries(self) -> torch.Tensor:
+        """``(B, H, K + 1, S, D, Dv)`` in the key sums' (wide) dtype: the fold as :attr:`fold` says, then the recent
+        rows."""
+        dtype = self.fold.dtype if self.fold_scale is None else self.fold_scale.dtype
+        return torch.cat([self.wide_fold(dtype), self.recent.to(dtype)], dim=2)
+
+    def wide_fold(self, dtype: torch.dtype) -> torch.Tensor:
+        """:attr:`fold` in ``dtype``, scaled back when stored narrow."""
+        fold = self.fold.to(dtype)
+        return fold if self.fold_scale is None else fold * self.fold_scale.to(dtype)
 
     @property
     def window(self) -> int:
         """``K``: rows mixed one by one before the fold."""
-        return self.summaries.shape[2] - 1
+        return self.recent.shape[2]
 
     @property
     def blocks_per_row(self) -> int:
         """``S``: blocks per temporal row."""
-        return self.summaries.shape[3]
+        return self.fold.shape[3]
 
     @property
     def folded_rows(self) -> int:
@@ -219,7 +253,14 @@ class CausalMHLAState:
     @property
     def nbytes(self) -> int:
         """Bytes held by the state's tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.summaries, self.key_sums) if t is not None)
+        tensors = (self.fold, self.recent, self.key_sums, self.fold_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _narrow_fold(fold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fold`` ``(B, H, 1, S, D, Dv)`` as float16 scaled per block (largest entry 1) and its scale."""
+    scale = fold.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (fold / scale).to(torch.float16), scale
 
 
 def check_causal_arguments(
@@ -473,7 +514,7 @@ def mhla_causal_step(
         plan = block_plan(grid, layout, device=q.device)
 
     with without_autocast(q.device):
-        carried = (q, k, v, q_rot, k_rot, mixing, decay, state.summaries, state.key_sums)
+        carried = (q, k, v, q_rot, k_rot, mixing, decay, state.fold, state.recent, state.key_sums)
         blocks, features, shift = _block_features(plan, dtype, carried, feature_eps, rotary, den)
         kv, key_sum = block_sums(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True), shift)
         kv = kv.to(sum_dtype).unflatten(2, (rows, s))  # (B, H, R_c, S, D, Dv)
@@ -488,7 +529,8 @@ def mhla_causal_step(
         weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
         history_sums = None if key_sum is None else _extend(state.key_sums, key_sum, rows, s)
         summaries = _Summaries(weights, None if history_sums is None else history_sums.flatten(2, 3))
-        summaries.mixed = _mix_rows(weights, state.summaries, kv, sum_dtype).to(dtype)
+        fold = state.wide_fold(sum_dtype)
+        summaries.mixed = _mix_rows(weights, (fold, state.recent.to(sum_dtype), kv)).to(dtype)
         out = _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
         if not advance:
             return out, None
@@ -496,35 +538,51 @@ def mhla_causal_step(
         # The next chunk's first row r0 + R_c sees row e at offset R_c + K + 1 - e: rows e <= R_c fold into the new
         # fold with γ^(R_c - e), and the last K rows are carried one by one.
         gamma = torch.ones((), dtype=sum_dtype, device=q.device) if decay is None else decay
-        fold = torch.as_tensor(gamma, dtype=sum_dtype, device=q.device)[..., None] ** (rows - e[: rows + 1])
-        fold = fold.expand(heads, rows + 1)  # (H, R_c + 1)
+        weight = torch.as_tensor(gamma, dtype=sum_dtype, device=q.device)[..., None] ** (rows - e[: rows + 1])
+        weight = weight.expand(heads, rows + 1)  # (H, R_c + 1)
         new_rows = state.rows + rows
         scale = (state.folded_rows, max(new_rows - window, 1)) if decay is None else (1, 1)  # F / c in, out
 
-        def advanced(carried: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-            x = carried.to(sum_dtype)
-            x = torch.cat([x[:, :, :1] * scale[0], x[:, :, 1:], chunk.to(sum_dtype)], dim=2)  # rows e = 0 .. K + R_c
-            folded = torch.einsum("he,bhe...->bh...", fold, x[:, :, : rows + 1]) / scale[1]
-            return torch.cat([folded.unsqueeze(2), x[:, :, rows + 1 :]], dim=2).to(carried.dtype)
+        def advanced(
+            fold: torch.Tensor, recent: torch.Tensor, chunk: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.cat([fold * scale[0], recent.to(sum_dtype), chunk.to(sum_dtype)], dim=2)  # rows e = 0 .. K + R_c
+            folded = torch.einsum("he,bhe...->bh...", weight, x[:, :, : rows + 1]).unsqueeze(2) / scale[1]
+            return folded, x[:, :, rows + 1 :]
 
+        new_fold, new_recent = advanced(fold, state.recent, kv)
+        fold_scale = None
+        if state.fold_scale is not None:
+            new_fold, fold_scale = _narrow_fold(new_fold)
+        key_fold = key_recent = None
+        if key_sum is not None:
+            key_fold, key_recent = advanced(
+                state.key_sums[:, :, :1], state.key_sums[:, :, 1:], key_sum.unflatten(2, (rows, s))
+            )
         new_state = CausalMHLAState(
-            advanced(state.summaries, kv),
-            None if key_sum is None else advanced(state.key_sums, key_sum.unflatten(2, (rows, s))),
+            new_fold.to(state.fold.dtype),
+            new_recent.to(state.recent.dtype),
+            None if key_sum is None else torch.cat([key_fold, key_recent], dim=2).to(state.key_sums.dtype),
             new_rows,
+            fold_scale,
         )
     return out, new_state
 
 
-def _mix_rows(weights: torch.Tensor, carried: torch.Tensor, chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``Σ_e W[o, e] X_e`` over the carried rows ``(B, H, K + 1, S, D, Dv)`` and the chunk's ``(B, H, R_c, S, D, Dv)``
-    without joining them: the chunk's product, then the carried rows' added in place (cast first only when stored
-    narrower). ``weights`` ``(B * H, M_c, (K + 1 + R_c) S)`` -> ``(B, H, M_c, D, Dv)`` in ``dtype``."""
-    batch, heads = chunk.shape[:2]
-    tail = chunk.shape[-2:]
-    carried_cols = carried.shape[2] * carried.shape[3]
+def _mix_rows(weights: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``Σ_e W[o, e] X_e`` over rows given in ``parts`` ``(B, H, R_i, S, D, Dv)`` (the fold, the recent rows, the
+    chunk's), without joining them: one product per part, added in place. ``weights`` ``(B * H, M_c, Σ R_i S)``
+    -> ``(B, H, M_c, D, Dv)``."""
+    batch, heads = parts[0].shape[:2]
+    tail = parts[0].shape[-2:]
     flat = (batch * heads, -1, tail.numel())
-    mixed = torch.bmm(weights[..., carried_cols:], chunk.reshape(flat))
-    mixed = mixed.baddbmm(weights[..., :carried_cols], carried.to(dtype).reshape(flat))
+    mixed, start = None, 0
+    for part in parts:
+        cols = weights[..., start : start + part.shape[2] * part.shape[3]]
+        start += cols.shape[-1]
+        if cols.shape[-1]:
+            x = part.reshape(flat)
+            mixed = torch.bmm(cols, x) if mixed is None else mixed.baddbmm(cols, x)
     return mixed.view(batch, heads, -1, *tail)
 
 
@@ -537,18 +595,19 @@ def _extend(carried: torch.Tensor, chunk: torch.Tensor, rows: int, s: int) -> to
 def _check_state(state: CausalMHLAState, shape: tuple[int, ...], den: bool, device: torch.device) -> None:
     if not isinstance(state, CausalMHLAState):
         raise ValueError(f"`state` must be a CausalMHLAState (or None to start a stream), got {type(state).__name__}")
-    if tuple(state.summaries.shape) != shape:
+    if (*state.recent.shape[:2], state.window + 1, *state.recent.shape[3:]) != shape:
         raise ValueError(
-            f"`state` summaries {tuple(state.summaries.shape)} do not fit this chunk and mixing, which need "
-            f"(B, H, K + 1, S, D, Dv) = {shape}: carry the state of the same stream (batch, heads, window, layout)"
+            f"`state` recent rows {tuple(state.recent.shape)} do not fit this chunk and mixing, which need "
+            f"(B, H, K, S, D, Dv) = {(*shape[:2], shape[2] - 1, *shape[3:])}: carry the state of the same stream "
+            "(batch, heads, window, layout)"
         )
     if (state.key_sums is not None) != den:
         raise ValueError(
             "`state` was made " + ("without" if den else "with") + " a denominator's key sums, but this call has "
             f"normalize={'True' if den else 'False'}: use the same normalize on every step of a stream"
         )
-    if state.summaries.device != device:
-        raise ValueError(f"`state` is on {state.summaries.device} but the inputs are on {device}")
+    if state.recent.device != device:
+        raise ValueError(f"`state` is on {state.recent.device} but the inputs are on {device}")
 
 
 def _check_window(window: int) -> int:

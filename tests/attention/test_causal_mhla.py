@@ -215,15 +215,15 @@ def test_gradcheck_of_a_step_with_a_carried_state():
     grid, layout = (2, 2, 3), (2, 1, 2)
     q, k, v, _, _ = make_inputs(grid, heads=2, dim=3, value_dim=2, batch=1, seed=5)
     mixing = _mixing(layout, 1, per_head=False) * 0.5
-    state = CausalMHLAState(
+    state = CausalMHLAState.of(
         torch.rand(1, 2, 2, 2, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
         torch.rand(1, 2, 2, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)),
-        rows=4,
+        4,
     )
     leaves = [t.clone().requires_grad_() for t in (q, k, v, mixing, state.summaries, state.key_sums)]
 
     def step(q, k, v, w, summaries, key_sums):
-        out, new = mhla_causal_step(q, k, v, grid, layout, w, CausalMHLAState(summaries, key_sums, 4), decay=0.7)
+        out, new = mhla_causal_step(q, k, v, grid, layout, w, CausalMHLAState.of(summaries, key_sums, 4), decay=0.7)
         return out, new.summaries, new.key_sums
 
     assert torch.autograd.gradcheck(step, leaves, eps=1e-6, atol=1e-6)
@@ -265,6 +265,57 @@ def test_a_step_leaves_its_state_alone():
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     assert torch.equal(state.summaries, kept[0]) and torch.equal(state.key_sums, kept[1])
     assert state.rows == 1 and after.rows == 2
+
+
+@pytest.mark.parametrize("fold", sorted(FOLDS))
+def test_a_denoising_read_equals_the_advancing_step_and_builds_no_state(fold):
+    """``advance=False`` mixes the carried rows where they lie: the same output as the step that builds the next
+    state, from a state several rows into the fold (its stored F / c scaled back)."""
+    grid, layout = (9, 3, 4), (9, 2, 2)
+    q, k, v, _, _ = make_inputs(grid, heads=HEADS, seed=8)
+    mixing = _mixing(layout, 1, per_head=True)
+    _, state = _run_chunks(q[:, :72], k[:, :72], v[:, :72], (6, 3, 4), (6, 2, 2), mixing, [2, 3, 1], **FOLDS[fold])
+    assert state.folded_rows == 5
+    chunk = slice(72, 108)
+    args = (q[:, chunk], k[:, chunk], v[:, chunk], (3, 3, 4), (3, 2, 2), mixing, state)
+    read, nothing = mhla_causal_step(*args, advance=False, **FOLDS[fold])
+    stepped, after = mhla_causal_step(*args, **FOLDS[fold])
+    assert nothing is None and after.rows == 9
+    torch.testing.assert_close(read, stepped, rtol=1e-12, atol=1e-12)
+    whole = mhla_causal_attention(q, k, v, grid, layout, mixing, **FOLDS[fold])
+    torch.testing.assert_close(read, whole[:, chunk], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_a_narrow_state_halves_the_bytes_and_stays_close(state_dtype):
+    """Recent rows in 2 bytes, the fold in float16 scaled per block, key sums float32: half the bytes (plus a scale
+    per block), and a stream of 64 rows within 1e-2 of the float32 state's for every fold."""
+    from mhla_diffusion.benchmarks.stream_state import storage_error
+
+    grid, layout = (2, 8, 8), (2, 2, 2)
+    q, k, v, _, _ = make_inputs(grid, heads=2, dim=32, value_dim=32, batch=1, dtype=torch.float32)
+    mixing = causal_mixing_init(layout[1:], 2)
+    _, wide = mhla_causal_step(q, k, v, grid, layout, mixing)
+    _, narrow = mhla_causal_step(q, k, v, grid, layout, mixing, state_dtype=state_dtype)
+    assert narrow.recent.dtype == state_dtype and narrow.fold.dtype == torch.float16
+    assert narrow.key_sums.dtype == wide.key_sums.dtype == torch.float32
+    summary_bytes = [sum(t.numel() * t.element_size() for t in (x.fold, x.recent)) for x in (narrow, wide)]
+    assert 2 * summary_bytes[0] == summary_bytes[1] and 0.5 < narrow.nbytes / wide.nbytes < 0.52  # D = 32: key sums
+    _, again = mhla_causal_step(q, k, v, grid, layout, mixing, narrow)  # a carried narrow state stays narrow
+    assert again.recent.dtype == state_dtype and again.fold_scale is not None
+    for fold in ("sum", "mean", "decay"):
+        errors = storage_error(fold, state_dtype, rows=(16, 64))
+        assert 0 < max(errors.values()) < 1e-2, (fold, errors)
+    with pytest.raises(ValueError, match="state_dtype"):
+        mhla_causal_step(q, k, v, grid, layout, mixing, state_dtype=torch.int8)
+
+
+def test_a_bfloat16_state_of_the_default_fold_holds_at_1024_rows():
+    """The sum fold re-rounds its fold every row; stored as float16 scaled (with F / c) it stays within 1e-2 of the
+    float32 state after 1,024 rows (a bfloat16 fold drifted to 5e-2)."""
+    from mhla_diffusion.benchmarks.stream_state import storage_error
+
+    assert storage_error("sum", torch.bfloat16, rows=(1024,), heads=1, head_dim=16)[1024] < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -119,5 +119,9 @@ def test_nested_blocks_keep_one_set_of_outputs():
             assert embedder(text) is kept and inner.hits == inner.misses == 0
         assert embedder(text) is kept and outer.hits == 2
     assert "forward" not in embedder.__dict__
+    with torch.no_grad(), outer:  # entered again: its outputs are still there
+        assert embedder(text) is kept and outer.hits == 3 and outer.nbytes == kept.numel() * kept.element_size()
+        with pytest.raises(RuntimeError, match="already in use"):
+            outer.__enter__()
     with pytest.raises(ValueError, match="capacity"):
         TextConditioningCache(transformer, capacity=0)

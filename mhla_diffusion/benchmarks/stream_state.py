@@ -1,0 +1,171 @@
+"""``mhla bench --stream-state``: what a stream's carried MHLA state weighs at real size, and what storing it narrower
+costs in accuracy.
+
+Two tables, both computed here (nothing timed):
+
+* **Size** at Wan2.1-1.3B 480p (30 layers, 12 heads of 128, 30x52 tokens a latent frame): the bytes of
+  :class:`~mhla_diffusion.ops.causal.CausalMHLAState` built empty on the meta device for each layout and storage
+  dtype (checked against ``L H S ((K + 1) D (Dv b + 4) + 4 [narrow])``, ``b`` bytes a stored number, float32 key
+  sums, a narrow fold's scales), beside a bf16 softmax KV cache of every
+  frame, a rolling cache of the last frames, and a window plus sink frames. ``smaller from`` is the length in latent
+  frames from which the state is smaller than the full cache.
+* **Error** of a narrower state: the same random stream run with the state stored in float32 and in the narrower
+  dtype, one temporal block row per chunk; at rows 64, 256 and 1,024 the chunk's output of the narrow stream
+  against the float32 stream's, as ``max |a - b| / max |b|``. For every fold (sum, mean, decay).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..config import MHLAConfig
+from ..ops.causal import CausalMHLAState, causal_mixing_init, mhla_causal_step
+from .bench import format_table
+
+__all__ = [
+    "STATE_DTYPES",
+    "state_error_rows",
+    "state_report_markdown",
+    "state_size_rows",
+    "storage_error",
+]
+
+#: Storage dtypes of the tables, by name.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Wan2.1-1.3B at 480p (832x480, latent 104x60, patch 2): layers, heads, head size, tokens per latent frame.
+WAN_480P = dict(layers=30, heads=12, head_dim=128, frame_tokens=(30, 52))
+#: The decay a ``causal_fold="decay"`` layer starts from (its fold weighs a row of age a by decay^a).
+ERROR_DECAY = 0.9
+
+SIZE_COLUMNS = (
+    ("what", "carried", ""),
+    ("layout", "blocks per frame", ""),
+    ("dtype", "stored as", ""),
+    ("mib", "MiB", ",.0f"),
+    ("smaller_from", "smaller than the full bf16 KV cache from (latent frames)", ""),
+)
+ERROR_COLUMNS = (
+    ("fold", "fold", ""),
+    ("dtype", "stored as", ""),
+    ("bytes_vs_float32", "bytes vs float32", ".3f"),
+    ("error_64", "error at 64 rows", ".1e"),
+    ("error_256", "error at 256 rows", ".1e"),
+    ("error_1024", "error at 1,024 rows", ".1e"),
+)
+
+
+def _state_bytes(layout: tuple[int, int], window: int, dtype: torch.dtype, model: dict[str, Any]) -> int:
+    """Bytes of every layer's state, measured from an empty state on the meta device (and checked by the formula)."""
+    s, d = math.prod(layout), model["head_dim"]
+    state = CausalMHLAState.empty(1, model["heads"], window, s, d, d, summaries_dtype=dtype, device="meta")
+    per_layer = state.nbytes
+    narrow = dtype.itemsize < 4  # the fold in float16 with one float32 scale per block
+    formula = model["heads"] * s * ((window + 1) * d * (d * dtype.itemsize + 4) + 4 * narrow)
+    if per_layer != formula:
+        raise AssertionError(f"state bytes {per_layer} differ from the formula's {formula}")
+    return per_layer * model["layers"]
+
+
+def state_size_rows(
+    layouts: tuple[tuple[int, int], ...] = ((3, 5), (5, 9)),
+    window: int = MHLAConfig.causal_window,
+    rolling_frames: int = 21,
+    sink_window: tuple[int, int] = (3, 12),
+    model: dict[str, Any] = WAN_480P,
+) -> list[dict[str, Any]]:
+    """The size table's rows (module docstring): every layout x storage dtype, then the KV caches."""
+    tokens = math.prod(model["frame_tokens"])
+    kv_frame = model["layers"] * tokens * model["heads"] * 2 * model["head_dim"] * torch.bfloat16.itemsize
+    rows = []
+    for layout in layouts:
+        for name in ("float32", "bfloat16"):
+            size = _state_bytes(layout, window, STATE_DTYPES[name], model)
+            rows.append(
+                {
+                    "what": f"MHLA state, K = {window}",
+                    "layout": "x".join(map(str, layout)),
+                    "dtype": name + (" (fold float16 scaled, key sums float32)" if name != "float32" else ""),
+                    "mib": size / 2**20,
+                    "smaller_from": str(math.floor(size / kv_frame) + 1),
+                }
+            )
+    sink, local = sink_window
+    for what, frames in (
+        ("bf16 KV cache, one latent frame", 1),
+        (f"bf16 rolling KV cache, last {rolling_frames} latent frames", rolling_frames),
+        (f"bf16 KV cache, {sink} sink + last {local} latent frames", sink + local),
+    ):
+        rows.append({"what": what, "layout": "", "dtype": "bfloat16", "mib": frames * kv_frame / 2**20})
+    return rows
+
+
+def storage_error(
+    fold: str,
+    dtype: torch.dtype,
+    rows: tuple[int, ...] = (64, 256, 1024),
+    *,
+    heads: int = 2,
+    layout: tuple[int, int] = (2, 2),
+    tokens: tuple[int, int] = (4, 4),
+    head_dim: int = 32,
+    window: int = MHLAConfig.causal_window,
+    seed: int = 0,
+) -> dict[int, float]:
+    """Relative error of a stream whose state is stored in ``dtype`` against the float32 stream, at each of ``rows``
+    (module docstring): ``{row: max |a - b| / max |b|}``. Random ``(1, N, H, D)`` inputs, one temporal block row of
+    ``tokens`` (cut into ``layout`` blocks) per chunk, ReLU(x) + eps features, the initial causal mixing."""
+    mixing = causal_mixing_init(layout, window)
+    options = {"decay": ERROR_DECAY} if fold == "decay" else {"mean_fold": True} if fold == "mean" else {}
+    grid, chunk_layout = (1, *tokens), (1, *layout)
+    g = torch.Generator().manual_seed(seed)
+    states: dict[str, CausalMHLAState | None] = {"exact": None, "narrow": None}
+    errors = {}
+    for row in range(1, max(rows) + 1):
+        q, k, v = (torch.randn(1, math.prod(tokens), heads, head_dim, generator=g) for _ in range(3))
+        outs = {}
+        for name, state_dtype in (("exact", None), ("narrow", dtype)):
+            outs[name], states[name] = mhla_causal_step(
+                q, k, v, grid, chunk_layout, mixing, states[name], state_dtype=state_dtype, feature_eps=1e-6, **options
+            )
+        if row in rows:
+            errors[row] = ((outs["narrow"] - outs["exact"]).abs().max() / outs["exact"].abs().max()).item()
+    return errors
+
+
+def state_error_rows(
+    folds: tuple[str, ...] = ("sum", "mean", "decay"), dtypes: tuple[str, ...] = ("bfloat16", "float16"), **kwargs: Any
+) -> list[dict[str, Any]]:
+    """The error table's rows: every fold x narrow storage dtype (``kwargs``: :func:`storage_error`'s)."""
+    model = dict(WAN_480P, layers=1)
+    rows = []
+    for fold in folds:
+        for name in dtypes:
+            errors = storage_error(fold, STATE_DTYPES[name], **kwargs)
+            ratio = _state_bytes((3, 5), 2, STATE_DTYPES[name], model) / _state_bytes((3, 5), 2, torch.float32, model)
+            rows.append(
+                {"fold": fold, "dtype": name, "bytes_vs_float32": ratio, **{f"error_{r}": e for r, e in errors.items()}}
+            )
+    return rows
+
+
+def state_report_markdown(size_rows: list[dict[str, Any]], error_rows: list[dict[str, Any]]) -> str:
+    """Both tables as Markdown, each with the line that says what it is."""
+    model = WAN_480P
+    return "\n".join(
+        [
+            f"`mhla bench --stream-state`. Size at Wan2.1-1.3B 480p ({model['layers']} layers, {model['heads']} heads "
+            f"of {model['head_dim']}, {model['frame_tokens'][0]}x{model['frame_tokens'][1]} tokens a latent frame), "
+            "batch 1, every layer:",
+            "",
+            format_table(size_rows, SIZE_COLUMNS),
+            "",
+            "Error of a state stored narrower, against the float32 state (max |a - b| / max |b| of the chunk's "
+            "output; 2 heads of 32, 2x2 blocks of 2x2 tokens, one row a chunk, K = 2, decay fold at "
+            f"{ERROR_DECAY}); bytes at 3x5 blocks, 12 heads of 128:",
+            "",
+            format_table(error_rows, ERROR_COLUMNS),
+        ]
+    )
