@@ -26,6 +26,7 @@ are medians.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -41,6 +42,10 @@ __all__ = ["STREAM_COLUMNS", "StreamSpec", "measure_stream", "stream_report_mark
 
 #: The methods of the table, in row order within a length.
 MHLA_STREAM, KV_CACHE, ONE_PASS = "mhla stream", "softmax KV cache", "mhla one pass"
+#: The same stream with its state stored in bfloat16, and as it ran before denoising only read the state (every
+#: forward built a next state) and before the text conditioning was kept per prompt.
+MHLA_STREAM_BF16, MHLA_STREAM_OLD = "mhla stream, bf16 state", "mhla stream, old path"
+STREAM_METHODS = (MHLA_STREAM, MHLA_STREAM_BF16, MHLA_STREAM_OLD, KV_CACHE)
 
 STREAM_COLUMNS = (
     ("chunks", "chunks", "d"),
@@ -51,7 +56,9 @@ STREAM_COLUMNS = (
     ("denoise_s", "denoise s / chunk", ".3f"),
     ("advance_s", "advance s / chunk", ".3f"),
     ("chunk_s", "s / chunk", ".3f"),
+    ("denoise_vs_one_pass", "denoise vs one pass", ".2f"),
     ("carried_mb", "carried MiB", ".1f"),
+    ("denoise_extra_mb", "denoise extra MiB", ".1f"),
     ("peak_mb", "peak MiB", ".1f"),
     ("chunk_s_vs_base", "s / chunk vs base", ".2f"),
     ("peak_vs_base", "peak vs base", ".2f"),
@@ -145,6 +152,7 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
     from ..models.conversion import build_mhla_processors, convert_to_mhla, self_attention_layers
     from ..models.kv_cache import KVCacheStream, KVCacheWanAttnProcessor
     from ..models.streaming import CausalStream
+    from ..models.text_cache import TextConditioningCache
     from ..ops.block_layout import auto_layout
 
     device, dtype = torch.device(spec.device), getattr(torch, spec.dtype)
@@ -175,12 +183,13 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
 
     # each stream run to the longest length once; what it carried before the L-th chunk is kept for every L
     streams: dict[str, tuple[Any, dict[str, Any], dict[int, tuple[dict, int]]]] = {}
-    for method, processors, stream_class in (
+    for method, processors, make in (
         (MHLA_STREAM, causal_processors, CausalStream),
+        (MHLA_STREAM_BF16, causal_processors, lambda model: CausalStream(model, torch.bfloat16)),
         (KV_CACHE, kv_processors, KVCacheStream),
     ):
         use(processors)
-        stream, kept = stream_class(model), {}
+        stream, kept = make(model), {}
         log(f"  {method}: running the stream to {max(spec.lengths)} chunks")
         for i in range(max(spec.lengths)):
             if i + 1 in spec.lengths:
@@ -189,29 +198,37 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
                 with torch.no_grad(), stream.chunk(advance=True):
                     model(chunk(i), clean_t, text, return_dict=False)
         streams[method] = (stream, processors, kept)
+    streams[MHLA_STREAM_OLD] = streams[MHLA_STREAM]
+    # a pipeline keeps the text embedding and cross-attention keys and values per prompt: every method but the old
+    # path reads them from here (filled by the warm-up runs)
+    text_cache = TextConditioningCache(model)
 
     def stream_call(method: str, length: int, advance: bool) -> Callable[[], object]:
         stream, processors, kept = streams[method]
+        old = method == MHLA_STREAM_OLD
 
         def run() -> object:
             use(processors)
             stream.states, stream.frames = dict(kept[length][0]), kept[length][1]  # as after L - 1 chunks
-            with stream.chunk(advance=advance):
-                return model(chunk(length - 1), clean_t if advance else noisy_t, text, return_dict=False)
+            with stream.chunk(advance=advance or old), text_cache if not old else contextlib.nullcontext():
+                out = model(chunk(length - 1), clean_t if advance else noisy_t, text, return_dict=False)
+            stream.states, stream.frames = dict(kept[length][0]), kept[length][1]  # the old denoise advanced it
+            return out
 
         return run
 
     def one_pass_call(processors: dict[str, Any], length: int) -> Callable[[], object]:
         def run() -> object:
             use(processors)
-            return model(clip[:, :, : length * frames * patch[0]], noisy_t, text, return_dict=False)
+            with text_cache:
+                return model(clip[:, :, : length * frames * patch[0]], noisy_t, text, return_dict=False)
 
         return run
 
     calls: dict[str, Callable[[], object]] = {}
     one_pass_layouts: dict[int, tuple[int, ...] | None] = {}
     for length in spec.lengths:
-        for method in (MHLA_STREAM, KV_CACHE):
+        for method in STREAM_METHODS:
             calls[f"{length}/{method}/denoise"] = stream_call(method, length, advance=False)
             calls[f"{length}/{method}/advance"] = stream_call(method, length, advance=True)
         grid = (length * frames, height, width)
@@ -225,6 +242,7 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
         for length, (states, _) in kept.items():
             stream.states = states
             carried[length, method] = stream.nbytes
+            stream.states = {}
     timings = time_calls(
         calls, spec.repeats, spec.warmup, device, lambda text: log(f"  {text}"), quick_passes=spec.quick_passes
     )
@@ -233,7 +251,8 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
     for length in spec.lengths:
         grid = (length * frames, height, width)
         case = {"chunks": length, "frames": grid[0], "tokens": math.prod(grid), "weights_mb": weights / 2**20}
-        for method in (MHLA_STREAM, KV_CACHE):
+        one_pass = timings.get(f"{length}/{ONE_PASS}")
+        for method in STREAM_METHODS:
             (denoise, denoise_peak), (advance, advance_peak) = (
                 timings[f"{length}/{method}/{step}"] for step in ("denoise", "advance")
             )
@@ -242,8 +261,9 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
                 {
                     **case,
                     "method": method,
-                    "layout": _dims(causal.layout[1:]) + " per frame" if method == MHLA_STREAM else "",
+                    "layout": _dims(causal.layout[1:]) + " per frame" if method != KV_CACHE else "",
                     "denoise_s": denoise,
+                    "denoise_vs_one_pass": None if one_pass is None else denoise / (one_pass[0] / length),
                     "advance_s": advance,
                     "chunk_s": denoise + advance,
                     "carried_mb": held / 2**20,
@@ -266,10 +286,13 @@ def stream_table(spec: StreamSpec, log: Callable[[str], None] = lambda _: None) 
                 "denoise_s": seconds / length,
                 "chunk_s": seconds / length,
                 "carried_mb": 0.0,
+                "denoise_extra_mb": peak / 2**20,
                 "peak_mb": peak / 2**20,
                 "one_pass_s": seconds,
             }
         )
+    for row in rows:
+        row["text_kept_mb"] = text_cache.nbytes / 2**20  # held by every method but the old path, not counted above
     base = {row["method"]: row for row in rows if row["chunks"] == spec.lengths[0]}
     for row in rows:
         first = base.get(row["method"])

@@ -190,6 +190,13 @@ def add_stream_arguments(p: argparse.ArgumentParser) -> None:
         "--stream-window", type=number(int, at_least(0)), help="causal window K (default: MHLAConfig's causal_window)"
     )
     stream.add_argument(
+        "--stream-state",
+        action="store_true",
+        help="instead of timing, compute what a stream's MHLA state weighs at Wan2.1-1.3B 480p per layout and "
+        "storage dtype (against bf16 KV caches), and the error of storing it in 2 bytes, per fold, at 64, 256 and "
+        "1,024 rows (about half a minute); --write-doc puts the tables in section mhla-bench:stream-state",
+    )
+    stream.add_argument(
         "--stream-one-pass-max-tokens",
         type=positive_int,
         help="skip the one-pass bidirectional MHLA rows above this many tokens (default: none skipped)",
@@ -206,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         return run_load(args)
     if args.traffic:
         return run_traffic(args)
+    if args.stream_state:
+        return run_stream_state(args)
     import json
     import sys
 
@@ -319,6 +328,27 @@ def _measure_stream(args: argparse.Namespace) -> dict:
     if device.type == "cpu":
         return measure_in_fresh_process(spec, "mhla_diffusion.benchmarks.stream")
     return measure_stream(spec, lambda text: print(text, file=sys.stderr, flush=True))
+
+
+def run_stream_state(args: argparse.Namespace) -> int:
+    """``--stream-state``: the state's size and its storage error (:mod:`mhla_diffusion.benchmarks.stream_state`)."""
+    import json
+    import sys
+
+    from ..benchmarks.bench import replace_marked_section
+    from ..benchmarks.stream_state import state_error_rows, state_report_markdown, state_size_rows
+
+    if args.write_doc is not None:  # a page without the section is refused before the half minute of work
+        replace_marked_section(args.write_doc.read_text(), "stream-state", "")
+    sizes, errors = state_size_rows(), state_error_rows()
+    tables = state_report_markdown(sizes, errors)
+    print(tables)
+    if args.output is not None:
+        args.output.write_text(json.dumps({"size": sizes, "error": errors}, indent=2) + "\n")
+    if args.write_doc is not None:
+        args.write_doc.write_text(replace_marked_section(args.write_doc.read_text(), "stream-state", tables))
+        print(f"wrote the tables into {args.write_doc} (section mhla-bench:stream-state)", file=sys.stderr)
+    return 0
 
 
 def run_traffic(args: argparse.Namespace) -> int:
