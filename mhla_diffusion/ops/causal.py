@@ -223,6 +223,23 @@ class CausalMHLAState:
         """A wide state from all its summaries ``(B, H, K + 1, S, D, Dv)`` at once: the fold, then the recent rows."""
         return cls(summaries[:, :, :1], summaries[:, :, 1:], key_sums, rows)
 
+    def heads(self, h: slice) -> "CausalMHLAState":
+        """The state of the heads ``h`` alone (views)."""
+        part = lambda x: None if x is None else x[:, h]  # noqa: E731
+        return CausalMHLAState(
+            self.fold[:, h], self.recent[:, h], part(self.key_sums), self.rows, part(self.fold_scale)
+        )
+
+    @classmethod
+    def join(cls, states: Sequence["CausalMHLAState"]) -> "CausalMHLAState":
+        """The states of consecutive groups of heads as one."""
+
+        def join(name: str) -> torch.Tensor | None:
+            parts = [getattr(x, name) for x in states]
+            return None if parts[0] is None else torch.cat(parts, dim=1)
+
+        return cls(join("fold"), join("recent"), join("key_sums"), states[0].rows, join("fold_scale"))
+
     @property
     def summaries(self) -> torch.Tensor:
         """``(B, H, K + 1, S, D, Dv)`` in the key sums' (wide) dtype: the fold as :attr:`fold` says, then the recent
@@ -460,6 +477,7 @@ def mhla_causal_step(
     plan: BlockPlan | None = None,
     feature_eps: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    heads_per_chunk: int | None = None,
 ) -> tuple[torch.Tensor, CausalMHLAState | None]:
     """Block-causal MHLA of one chunk, given the state of the chunks before it.
 
@@ -479,6 +497,9 @@ def mhla_causal_step(
             carried rows are only read, mixed where they lie, and no new state is built.
         state_dtype: the summaries' storage dtype of a new stream's state (``state`` ``None``), e.g.
             ``torch.bfloat16`` for half the bytes; ``None``: at least float32. A carried state keeps its own.
+        heads_per_chunk: run this many heads at a time (the chunk's block summaries of one group are all that is
+            held at once). Default: as many as keep a group's summaries no larger than the chunk's values,
+            ``N_c H / (M_c D)`` heads.
 
     Returns:
         ``(out, new_state)``: the chunk's output ``(B, N_c, H, Dv)`` in ``v``'s dtype, and the state after it
@@ -512,6 +533,37 @@ def mhla_causal_step(
         _check_state(state, (batch, heads, window + 1, s, head_dim, v.shape[-1]), den, q.device)
     if plan is None:
         plan = block_plan(grid, layout, device=q.device)
+    if heads_per_chunk is not None and (isinstance(heads_per_chunk, bool) or heads_per_chunk < 1):
+        raise ValueError(f"`heads_per_chunk` must be an int >= 1, got {heads_per_chunk!r}")
+    group = heads_per_chunk or max(1, v.shape[1] * heads // (rows * s * head_dim))
+    if group < heads:  # one group of heads at a time, each with its share of the state
+        outs, states = [], []
+        for start in range(0, heads, group):
+            h = slice(start, start + group)
+            part = lambda x: None if x is None else x[:, :, h]  # noqa: E731
+            out, new = mhla_causal_step(
+                q[:, :, h],
+                k[:, :, h],
+                v[:, :, h],
+                grid,
+                layout,
+                mixing if mixing.ndim == 3 else mixing[h],
+                state.heads(h),
+                advance=advance,
+                decay=decay[h] if isinstance(decay, torch.Tensor) and decay.ndim == 1 else decay,
+                mean_fold=mean_fold,
+                q_rot=part(q_rot),
+                k_rot=part(k_rot),
+                normalize=normalize,
+                eps=eps,
+                plan=plan,
+                feature_eps=feature_eps,
+                rotary=rotary,
+                heads_per_chunk=group,
+            )
+            outs.append(out)
+            states.append(new)
+        return torch.cat(outs, dim=2), CausalMHLAState.join(states) if advance else None
 
     with without_autocast(q.device):
         carried = (q, k, v, q_rot, k_rot, mixing, decay, state.fold, state.recent, state.key_sums)
