@@ -478,6 +478,7 @@ def mhla_causal_step(
     feature_eps: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     heads_per_chunk: int | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, CausalMHLAState | None]:
     """Block-causal MHLA of one chunk, given the state of the chunks before it.
 
@@ -500,6 +501,9 @@ def mhla_causal_step(
         heads_per_chunk: run this many heads at a time (the chunk's block summaries of one group are all that is
             held at once). Default: as many as keep a group's summaries no larger than the chunk's values,
             ``N_c H / (M_c D)`` heads.
+        fused: run the chunk through the fused Triton kernels (:mod:`.fused_causal`; one ``torch.library``
+            custom op, the eager operator on a CPU without ``TRITON_INTERPRET=1``) when nothing needs gradients
+            and the operator's own feature map is used (``feature_eps``, no ``q_rot``/``k_rot``).
 
     Returns:
         ``(out, new_state)``: the chunk's output ``(B, N_c, H, Dv)`` in ``v``'s dtype, and the state after it
@@ -560,16 +564,13 @@ def mhla_causal_step(
                 feature_eps=feature_eps,
                 rotary=rotary,
                 heads_per_chunk=group,
+                fused=fused,
             )
             outs.append(out)
             states.append(new)
         return torch.cat(outs, dim=2), CausalMHLAState.join(states) if advance else None
 
     with without_autocast(q.device):
-        carried = (q, k, v, q_rot, k_rot, mixing, decay, state.fold, state.recent, state.key_sums)
-        blocks, features, shift = _block_features(plan, dtype, carried, feature_eps, rotary, den)
-        kv, key_sum = block_sums(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True), shift)
-        kv = kv.to(sum_dtype).unflatten(2, (rows, s))  # (B, H, R_c, S, D, Dv)
         # Rows e = 0 .. K + R_c: the fold (standing for row r0 - K - 1 and all before it, weighted from there),
         # the K carried rows, the chunk's rows. Chunk row i sees row e at offset i + K + 1 - e.
         i = torch.arange(rows, device=q.device)
@@ -578,12 +579,24 @@ def mhla_causal_step(
         weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :], query_rows).to(sum_dtype)
         if decay is None and state.folded_rows > 1:  # the stored fold is F / c: mix c times it
             weights = torch.cat([weights[..., :s] * state.folded_rows, weights[..., s:]], dim=-1)
-        weights = weights.expand(batch, heads, *weights.shape[-2:]).reshape(batch * heads, *weights.shape[-2:])
-        history_sums = None if key_sum is None else _extend(state.key_sums, key_sum, rows, s)
-        summaries = _Summaries(weights, None if history_sums is None else history_sums.flatten(2, 3))
         fold = state.wide_fold(sum_dtype)
-        summaries.mixed = _mix_rows(weights, (fold, state.recent.to(sum_dtype), kv)).to(dtype)
-        out = _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+        carried = [fold.flatten(2, 3), state.recent.to(sum_dtype).flatten(2, 3)]
+        carried_sums = None if state.key_sums is None else state.key_sums.flatten(2, 3)
+        leaves = (q, k, v, mixing, decay, state.fold, state.recent, state.key_sums)
+        fused = fused and q_rot is None and k_rot is None and feature_eps is not None
+        if fused and not (
+            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+        ):
+            from .fused_causal import fused_causal_chunk  # the Triton kernels on CUDA, as one custom op
+
+            out, kv, key_sum = fused_causal_chunk(
+                q, k, v, plan, weights, carried, carried_sums, rotary, feature_eps, normalize, eps
+            )
+        else:
+            out, kv, key_sum = causal_chunk_output(
+                q, k, v, plan, weights, carried, carried_sums, normalize, eps, feature_eps, rotary, q_rot, k_rot
+            )
+        kv = kv.to(sum_dtype).unflatten(2, (rows, s))  # (B, H, R_c, S, D, Dv)
         if not advance:
             return out, None
 
@@ -621,27 +634,63 @@ def mhla_causal_step(
     return out, new_state
 
 
+def causal_chunk_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    weights: torch.Tensor,
+    carried: Sequence[torch.Tensor],
+    carried_sums: torch.Tensor | None,
+    normalize: str,
+    eps: float,
+    feature_eps: float | None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's block-causal output from its tokens and the carried block summaries (eager; the plain form of
+    :func:`~mhla_diffusion.ops.fused_causal.fused_causal_chunk`).
+
+    ``carried``: the carried summaries ``(B, H, C_i, D, Dv)`` in at least float32, in the order of the first
+    ``Σ C_i`` columns of ``weights`` (``(M_c, C + M_c)`` or per head ``(H, M_c, C + M_c)``: the carried blocks,
+    then the chunk's ``M_c`` blocks); ``carried_sums`` ``(B, H, C, D)`` their key sums (``None`` without a
+    denominator). Returns the output ``(B, N_c, H, Dv)`` in ``v``'s dtype, and the chunk's own block summaries
+    ``(B, H, M_c, D, Dv)`` and key sums ``(B, H, M_c, D)`` (``None`` without a denominator), which the state
+    after the chunk is made from."""
+    batch, heads = q.shape[0], q.shape[2]
+    dtype = torch.promote_types(q.dtype, v.dtype)
+    sum_dtype = torch.promote_types(dtype, torch.float32)
+    den = normalize != "none"
+    with without_autocast(q.device):
+        tensors = (q, k, v, q_rot, k_rot, weights, *carried, carried_sums)
+        blocks, features, shift = _block_features(plan, dtype, tensors, feature_eps, rotary, den)
+        kv, key_sum = block_sums(blocks, lambda: features(k, k_rot), lambda: blocks.gather(v, zero_padding=True), shift)
+        kv = kv.to(sum_dtype)
+        weights = weights.to(sum_dtype).expand(batch, heads, *weights.shape[-2:])
+        weights = weights.reshape(batch * heads, *weights.shape[-2:])
+        history_sums = None if key_sum is None else torch.cat([carried_sums, key_sum.to(sum_dtype)], dim=2)
+        summaries = _Summaries(weights, history_sums)
+        summaries.mixed = _mix_rows(weights, (*carried, kv)).to(dtype)
+        out = _block_output(blocks, summaries, lambda: features(q, q_rot), normalize, eps, shift, v.dtype)
+    return out, kv, key_sum
+
+
 def _mix_rows(weights: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``Σ_e W[o, e] X_e`` over rows given in ``parts`` ``(B, H, R_i, S, D, Dv)`` (the fold, the recent rows, the
-    chunk's), without joining them: one product per part, added in place. ``weights`` ``(B * H, M_c, Σ R_i S)``
+    """``Σ_j W[o, j] X_j`` over blocks given in ``parts`` ``(B, H, C_i, D, Dv)`` (the fold, the recent rows, the
+    chunk's), without joining them: one product per part, added in place. ``weights`` ``(B * H, M_c, Σ C_i)``
     -> ``(B, H, M_c, D, Dv)``."""
     batch, heads = parts[0].shape[:2]
     tail = parts[0].shape[-2:]
     flat = (batch * heads, -1, tail.numel())
     mixed, start = None, 0
     for part in parts:
-        cols = weights[..., start : start + part.shape[2] * part.shape[3]]
+        cols = weights[..., start : start + part.shape[2]]
         start += cols.shape[-1]
         if cols.shape[-1]:
             x = part.reshape(flat)
             mixed = torch.bmm(cols, x) if mixed is None else mixed.baddbmm(cols, x)
     return mixed.view(batch, heads, -1, *tail)
-
-
-def _extend(carried: torch.Tensor, chunk: torch.Tensor, rows: int, s: int) -> torch.Tensor:
-    """The state's rows ``(B, H, K + 1, S, ...)`` followed by the chunk's blocks ``(B, H, R_c * S, ...)``, by row."""
-    chunk = chunk.to(carried.dtype).unflatten(2, (rows, s))
-    return torch.cat([carried, chunk], dim=2)
 
 
 def _check_state(state: CausalMHLAState, shape: tuple[int, ...], den: bool, device: torch.device) -> None:

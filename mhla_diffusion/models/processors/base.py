@@ -289,8 +289,9 @@ class MHLAProcessor(nn.Module):
         Under context parallelism (``_parallel_config`` set) ``N`` is this process's share of the sequence.
 
         A causal layer (``MHLAConfig.causal``) runs :func:`~mhla_diffusion.ops.causal.mhla_causal_attention`
-        over the whole clip, always on the eager operator: the fused Triton kernel is bidirectional only, so it
-        is not chosen for causal layers. Context parallelism has no causal form and is refused.
+        over a whole clip on the eager operator (training), or, inside a stream's chunk,
+        :func:`~mhla_diffusion.ops.causal.mhla_causal_step`, on the fused kernels where they are available
+        (:mod:`~mhla_diffusion.ops.fused_causal`). Context parallelism has no causal form and is refused.
         """
         shard = self._context_shard(q.shape[1])  # None: this process holds every token
         if self.causal and shard is not None:
@@ -311,10 +312,10 @@ class MHLAProcessor(nn.Module):
             state = stream.state(self)
             out, state = mhla_causal_step(
                 q, k, v, grid, layout, self.mixing, state, advance=stream.advancing, state_dtype=stream.state_dtype,
-                **self.fold_options, **features,
+                fused=fused_available(q), **self.fold_options, **features,
             )  # fmt: skip
             stream.stage(self, state)
-        elif self.causal:  # never the fused kernel: it has no causal form
+        elif self.causal:  # a whole clip (training): eager, differentiable
             out = mhla_causal_attention(q, k, v, grid, layout, self.mixing, **self.fold_options, **features)
         elif shard is None and self.normalization != "scalar_mixed_denominator" and fused_available(q):
             out = mhla_attention_fused(  # Triton on CUDA (MHLA_FUSED=0 turns it off): one read of q, k, v

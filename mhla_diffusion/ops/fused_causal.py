@@ -1,0 +1,159 @@
+"""One chunk of a block-causal MHLA stream on the fused Triton kernels, as a ``torch.library`` custom op.
+
+The fused forward (:mod:`~mhla_diffusion.ops.triton_mhla`) runs in three steps: the chunk's block summaries
+(kernel 1), their mixing ``S̃ = W S`` (a PyTorch product), the queries against ``S̃`` (kernel 2). A stream's chunk
+only adds rows to the mixing: the blocks the state carries (the fold and the recent rows, already summaries) enter
+``S̃`` as extra mixed rows, ``S̃_o = Σ_c W[o, c] S_c + Σ_j W[o, M_carried + j] S_j``, and the kernels see nothing
+else. The op returns the chunk's own summaries and key sums too, from which the state after the chunk is made.
+
+Where it runs, as :mod:`~mhla_diffusion.ops.fused_op`'s ops: the kernels on CUDA (and on a CPU with
+``TRITON_INTERPRET=1``, through Triton's interpreter: tests); otherwise the eager
+:func:`~mhla_diffusion.ops.causal.causal_chunk_output`, so the op compiles and checks on any machine. The op has a
+fake implementation, so ``torch.compile`` keeps it as one node. It is inference-only: a chunk that needs gradients
+runs the eager operator (:func:`~mhla_diffusion.ops.causal.mhla_causal_step` chooses).
+
+The op signature uses ``typing``'s ``Optional``/``List``/``Tuple`` (not ``from __future__ import annotations``).
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .attention import without_autocast
+from .block_layout import BlockPlan
+from .fused_op import _plan, _runs_kernels
+from .triton_mhla import _compute_dtype, _default_dot_dtype, _launch_output, _launch_summaries, _mix, _rope_tables
+
+__all__ = ["fused_causal_chunk"]
+
+
+def _sum_dtype(q: Tensor, v: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
+
+
+def _fused_causal_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: BlockPlan,
+    weights: Tensor,
+    carried: List[Tensor],
+    carried_sums: Optional[Tensor],
+    cos: Optional[Tensor],
+    sin: Optional[Tensor],
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Kernel 1 on the chunk, the mixing with the carried blocks as extra rows, kernel 2."""
+    dot_dtype = _default_dot_dtype(q, v)
+    rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
+    summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
+    width = sum(part.shape[2] for part in carried)
+    mixed, mixed_sums = _mix(weights[..., width:], summaries, key_sums)  # the chunk's own blocks
+    with without_autocast(q.device):
+        batch, heads, m, d, dv = mixed.shape
+        extra, start = None, 0
+        for part in carried:  # the carried blocks, mixed in float32 and added once
+            cols = weights[..., start : start + part.shape[2]].to(part.dtype)
+            start += part.shape[2]
+            term = cols @ part.reshape(batch, heads, part.shape[2], d * dv)
+            extra = term if extra is None else extra + term
+        if extra is not None:
+            mixed.add_(extra.view(batch, heads, m, d, dv).to(mixed.dtype))
+            if mixed_sums is not None:
+                mixed_sums.add_((weights[..., :width].to(carried_sums.dtype) @ carried_sums).to(mixed_sums.dtype))
+    out = _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, dv, feature_eps, eps, dot_dtype)
+    return out, summaries, key_sums
+
+
+@torch.library.custom_op("mhla::fused_causal_chunk", mutates_args=())
+def _fused_causal_chunk_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weights: Tensor,
+    carried: List[Tensor],
+    carried_sums: Optional[Tensor],
+    cos: Optional[Tensor],
+    sin: Optional[Tensor],
+    gather: Tensor,
+    scatter: Tensor,
+    valid: Optional[Tensor],
+    grid: List[int],
+    layout: List[int],
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """See :func:`fused_causal_chunk`; the plan comes as its tensors and its grid and layout as int lists. The key
+    sums come back empty without a denominator."""
+    from .causal import causal_chunk_output
+
+    plan = _plan(gather, scatter, valid, grid, layout)
+    if _runs_kernels(q.device):
+        out, summaries, key_sums = _fused_causal_forward(
+            q, k, v, plan, weights, carried, carried_sums, cos, sin, feature_eps, normalize, eps
+        )
+    else:
+        rotary = None if cos is None else (cos, sin)
+        out, summaries, key_sums = causal_chunk_output(
+            q, k, v, plan, weights, carried, carried_sums, normalize, eps, feature_eps, rotary
+        )
+    dtype = _sum_dtype(q, v)
+    sums = q.new_empty(0, dtype=dtype) if key_sums is None else key_sums.to(dtype).contiguous()
+    return out.to(v.dtype).contiguous(), summaries.to(dtype).contiguous(), sums
+
+
+@_fused_causal_chunk_op.register_fake
+def _fused_causal_chunk_fake(
+    q, k, v, weights, carried, carried_sums, cos, sin, gather, scatter, valid, grid, layout, feature_eps, normalize, eps
+):
+    batch, _, heads, d = q.shape
+    m = 1
+    for blocks in layout:
+        m *= blocks
+    dtype = _sum_dtype(q, v)
+    sums = q.new_empty((batch, heads, m, d), dtype=dtype) if normalize == "denominator" else q.new_empty(0, dtype=dtype)
+    return v.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty((batch, heads, m, d, v.shape[-1]), dtype=dtype), sums
+
+
+def fused_causal_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: BlockPlan,
+    weights: Tensor,
+    carried: List[Tensor],
+    carried_sums: Optional[Tensor],
+    rotary: Optional[Tuple[Tensor, Tensor]],
+    feature_eps: float,
+    normalize: str,
+    eps: float,
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """One chunk of a stream through ``torch.ops.mhla.fused_causal_chunk``: as
+    :func:`~mhla_diffusion.ops.causal.causal_chunk_output` (same arguments, the operator's own feature map
+    ``ReLU(x) + feature_eps`` and RoPE ``rotary``), on checked inputs (:func:`~mhla_diffusion.ops.causal.
+    mhla_causal_step` makes them). Returns the output ``(B, N_c, H, Dv)``, the chunk's block summaries ``(B, H,
+    M_c, D, Dv)`` and key sums ``(B, H, M_c, D)`` (``None`` without a denominator), both in at least float32."""
+    cos, sin = (None, None) if rotary is None else rotary
+    out, summaries, key_sums = torch.ops.mhla.fused_causal_chunk(
+        q,
+        k,
+        v,
+        weights,
+        list(carried),
+        carried_sums,
+        cos,
+        sin,
+        plan.gather,
+        plan.scatter,
+        plan.valid,
+        list(plan.grid),
+        list(plan.layout),
+        float(feature_eps),
+        normalize,
+        float(eps),
+    )
+    return out, summaries, None if normalize != "denominator" else key_sums
