@@ -979,14 +979,16 @@ def count_path(call: Callable[[], Any], fused: bool = False) -> tuple[dict[str, 
     fused launches it made. With ``fused``, MHLA processors inside take the fused Triton path
     (:func:`~mhla_diffusion.ops.triton_mhla.recording_launches`): its kernels are counted from their
     launch (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`), every other op as dispatched."""
+    from ..ops.fused_causal import fused_causal_traffic
     from ..ops.traffic import count_traffic
     from ..ops.triton_mhla import fused_traffic, recording_launches
 
     with recording_launches() if fused else nullcontext([]) as launches:
         counter = count_traffic(call)
     items = {name: (calls, read + written) for name, (calls, read, written) in counter.by_op.items()}
-    for launch in launches:
-        for term, size in fused_traffic(**launch).items():
+    for launch in launches:  # a stream chunk's launch also mixes in its carried blocks
+        terms = fused_causal_traffic(**launch) if "carried" in launch else fused_traffic(**launch)
+        for term, size in terms.items():
             calls, before = items.get(term, (0, 0))
             items[term] = (calls + 1, before + size)
     return items, len(launches)
@@ -1137,7 +1139,8 @@ def traffic_table(
 ) -> list[dict[str, Any]]:
     """:func:`wan_attention_traffic` of the eager PyTorch path and of the fused Triton path for every grid
     and :func:`traffic_settings` entry (Wan2.1-1.3B shapes), then both again forward + backward
-    (:func:`wan_attention_training_traffic`)."""
+    (:func:`wan_attention_training_traffic`); last, a stream's denoising chunk both ways
+    (:func:`~mhla_diffusion.benchmarks.stream_state.stream_chunk_traffic`)."""
     rows = []
     for grid in grids:
         for setting, config in traffic_settings().items():
@@ -1147,4 +1150,8 @@ def traffic_table(
             for fused, path in ((False, TRAINING_PATHS[0]), (True, TRAINING_PATHS[1])):
                 row = wan_attention_training_traffic(grid, config, dtype=dtype, fused=fused)
                 rows.append({**row, "setting": setting, "path": path})
+    from .stream_state import STREAM_TRAFFIC_SETTING, stream_chunk_traffic
+
+    for fused, path in ((False, TRAFFIC_PATHS[0]), (True, TRAFFIC_PATHS[1])):
+        rows.append({**stream_chunk_traffic(dtype=dtype, fused=fused), "setting": STREAM_TRAFFIC_SETTING, "path": path})
     return rows

@@ -1,5 +1,5 @@
 """``mhla bench --stream-state``: what a stream's carried MHLA state weighs at real size, and what storing it narrower
-costs in accuracy.
+costs in accuracy; and the memory traffic of one stream chunk, a row of ``mhla bench --traffic``.
 
 Two tables, both computed here (nothing timed):
 
@@ -27,6 +27,8 @@ from .bench import format_table
 
 __all__ = [
     "STATE_DTYPES",
+    "STREAM_TRAFFIC_SETTING",
+    "stream_chunk_traffic",
     "state_error_rows",
     "state_report_markdown",
     "state_size_rows",
@@ -169,3 +171,51 @@ def state_report_markdown(size_rows: list[dict[str, Any]], error_rows: list[dict
             format_table(error_rows, ERROR_COLUMNS),
         ]
     )
+
+
+#: The ``setting`` of the stream chunk's rows in ``mhla bench --traffic``.
+STREAM_TRAFFIC_SETTING = "stream chunk: 3 latent frames, 3x5 blocks a frame, K = 2, denoising"
+
+
+def stream_chunk_traffic(
+    chunk_grid: tuple[int, int, int] = (3, 30, 52),
+    blocks: tuple[int, int] = (3, 5),
+    window: int = MHLAConfig.causal_window,
+    *,
+    heads: int = WAN_480P["heads"],
+    head_dim: int = WAN_480P["head_dim"],
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+    fused: bool = False,
+) -> dict[str, Any]:
+    """Bytes one denoising forward of a stream's chunk moves in a causal MHLA layer of Wan2.1-1.3B (the step from
+    projected ``q, k, v`` against a float32 state several rows into its fold), counted on meta tensors: the eager
+    operator op by op, or with ``fused`` the fused launch (:func:`~mhla_diffusion.ops.fused_causal.
+    fused_causal_traffic`). A row of :data:`~mhla_diffusion.benchmarks.bench.TRAFFIC_COLUMNS`; its floor: ``q, k, v``
+    read and the output written once, the chunk's summaries written and read once, the carried state read once."""
+    from ..ops.block_layout import block_plan
+    from ..ops.traffic import floor_bytes
+    from .bench import _traffic_row, count_path
+
+    layout = (chunk_grid[0], *blocks)
+    n, s = math.prod(chunk_grid), math.prod(blocks)
+    meta = dict(device="meta")
+    q, k, v = (torch.empty(batch, n, heads, head_dim, dtype=dtype, **meta) for _ in range(3))
+    rotary = tuple(torch.empty(1, n, 1, head_dim, **meta) for _ in range(2))
+    mixing = torch.empty((window + 2, s, s), **meta)
+    state = CausalMHLAState.empty(batch, heads, window, s, head_dim, head_dim, **meta)
+    state.rows = 4 * window  # older rows folded: the fold is mixed in as a stream carries it
+    plan = block_plan(chunk_grid, layout, device="meta")
+
+    def call() -> torch.Tensor:
+        out, _ = mhla_causal_step(
+            q, k, v, chunk_grid, layout, mixing, state, advance=False, plan=plan, feature_eps=1e-6,
+            rotary=rotary, fused=fused,
+        )  # fmt: skip
+        return out
+
+    items, launches = count_path(call, fused)
+    carried = batch * heads * (window + 1) * s * (head_dim * head_dim + head_dim) * 4
+    floor = floor_bytes(batch, n, heads, head_dim, head_dim, math.prod(layout), dtype) + carried
+    unit = batch * n * heads * head_dim * dtype.itemsize
+    return _traffic_row(chunk_grid, layout, dtype, unit, floor, items, launches, fused)

@@ -23,9 +23,18 @@ from torch import Tensor
 from .attention import without_autocast
 from .block_layout import BlockPlan
 from .fused_op import _plan, _runs_kernels
-from .triton_mhla import _compute_dtype, _default_dot_dtype, _launch_output, _launch_summaries, _mix, _rope_tables
+from .triton_mhla import (
+    _RECORDERS,
+    _compute_dtype,
+    _default_dot_dtype,
+    _launch_arguments,
+    _launch_output,
+    _launch_summaries,
+    _mix,
+    _rope_tables,
+)
 
-__all__ = ["fused_causal_chunk"]
+__all__ = ["fused_causal_chunk", "fused_causal_traffic"]
 
 
 def _sum_dtype(q: Tensor, v: Tensor) -> torch.dtype:
@@ -52,20 +61,60 @@ def _fused_causal_forward(
     summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     width = sum(part.shape[2] for part in carried)
     mixed, mixed_sums = _mix(weights[..., width:], summaries, key_sums)  # the chunk's own blocks
-    with without_autocast(q.device):
-        batch, heads, m, d, dv = mixed.shape
-        extra, start = None, 0
-        for part in carried:  # the carried blocks, mixed in float32 and added once
-            cols = weights[..., start : start + part.shape[2]].to(part.dtype)
-            start += part.shape[2]
-            term = cols @ part.reshape(batch, heads, part.shape[2], d * dv)
-            extra = term if extra is None else extra + term
-        if extra is not None:
-            mixed.add_(extra.view(batch, heads, m, d, dv).to(mixed.dtype))
-            if mixed_sums is not None:
-                mixed_sums.add_((weights[..., :width].to(carried_sums.dtype) @ carried_sums).to(mixed_sums.dtype))
-    out = _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, dv, feature_eps, eps, dot_dtype)
+    _add_carried(mixed, mixed_sums, weights[..., :width], carried, carried_sums)
+    out = _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, v.shape[-1], feature_eps, eps, dot_dtype)
     return out, summaries, key_sums
+
+
+def _add_carried(
+    mixed: Tensor, mixed_sums: Optional[Tensor], weights: Tensor, carried: List[Tensor], carried_sums: Optional[Tensor]
+) -> None:
+    """``S̃ += Σ_c W[:, c] S_c`` and ``z̃ += Σ_c W[:, c] z_c`` over the carried blocks, in place (the mixed summaries
+    of :func:`~mhla_diffusion.ops.triton_mhla._mix`, read by their strides). ``weights``: the carried blocks'
+    columns ``(.., M_c, C)``; the products in the carried blocks' (wide) dtype, added once."""
+    if not carried:
+        return
+    with without_autocast(mixed.device):
+        batch, heads, m, d, dv = mixed.shape
+        weights = weights.to(carried[0].dtype).expand(batch, heads, *weights.shape[-2:])
+        weights = weights.reshape(batch * heads, m, -1)
+        extra, start = None, 0
+        for part in carried:  # one float32 accumulator: each part's product added in place
+            cols = weights[..., start : start + part.shape[2]]
+            start += part.shape[2]
+            x = part.reshape(batch * heads, part.shape[2], d * dv)
+            extra = torch.bmm(cols, x) if extra is None else extra.baddbmm_(cols, x)
+        mixed.add_(extra.view(batch, heads, m, d, dv))  # rounded once to the mixed summaries' dtype
+        if mixed_sums is not None:
+            sums = torch.bmm(weights.to(carried_sums.dtype), carried_sums.reshape(batch * heads, -1, d))
+            mixed_sums.add_(sums.view(batch, heads, m, d))
+
+
+def fused_causal_traffic(carried: List[Tuple[int, ...]], carried_dtype: torch.dtype, **launch) -> dict:
+    """Bytes a stream chunk's fused launch moves, term by term: :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`
+    of the chunk's kernels and mixing (``launch``: its arguments), plus the carried blocks mixed in (shapes
+    ``carried``, ``(B, H, C_i, D, Dv)`` in ``carried_dtype``), counted op by op on meta tensors."""
+    from .traffic import count_traffic
+    from .triton_mhla import _summary_buffers, fused_traffic
+
+    terms = fused_traffic(**launch)
+    batch, heads, d, dv, m = (
+        launch["batch"],
+        launch["heads"],
+        launch["head_dim"],
+        launch["value_dim"],
+        launch["num_blocks"],
+    )
+    norm = launch["normalize"] == "denominator"
+    compute = _compute_dtype(launch["dtype"])
+    mixed, mixed_sums = _summary_buffers(batch, heads, m, d, dv, compute, norm, torch.device("meta"))
+    width = sum(shape[2] for shape in carried)
+    weights = torch.empty((heads, m, width) if launch["per_head_mixing"] else (m, width), device="meta")
+    parts = [torch.empty(shape, dtype=carried_dtype, device="meta") for shape in carried]
+    sums = torch.empty((batch, heads, width, d), dtype=carried_dtype, device="meta") if norm else None
+    count = count_traffic(lambda: _add_carried(mixed, mixed_sums, weights, parts, sums))
+    terms["carried blocks mixed in (PyTorch): W S, W z"] = count.total
+    return terms
 
 
 @torch.library.custom_op("mhla::fused_causal_chunk", mutates_args=())
@@ -138,6 +187,19 @@ def fused_causal_chunk(
     mhla_causal_step` makes them). Returns the output ``(B, N_c, H, Dv)``, the chunk's block summaries ``(B, H,
     M_c, D, Dv)`` and key sums ``(B, H, M_c, D)`` (``None`` without a denominator), both in at least float32."""
     cos, sin = (None, None) if rotary is None else rotary
+    if q.device.type == "meta":  # shapes only (counting traffic): record the launch, launch nothing
+        width = sum(part.shape[2] for part in carried)
+        for launches in _RECORDERS:
+            launch = _launch_arguments(q, v, plan, weights[..., width:], cos, normalize, sin)
+            launches.append({**launch, "carried": [tuple(p.shape) for p in carried], "carried_dtype": carried[0].dtype})
+        dtype = _sum_dtype(q, v)
+        batch, _, heads, d = q.shape
+        sums = q.new_empty((batch, heads, plan.num_blocks, d), dtype=dtype) if normalize == "denominator" else None
+        return (
+            v.new_empty((*q.shape[:3], v.shape[-1])),
+            q.new_empty((batch, heads, plan.num_blocks, d, v.shape[-1]), dtype=dtype),
+            sums,
+        )
     out, summaries, key_sums = torch.ops.mhla.fused_causal_chunk(
         q,
         k,

@@ -76,7 +76,17 @@ def test_bench_traffic_prints_the_table(tmp_path, capsys):
     assert "| 3x4x10 | 120 | paper | 3x5x10 | 150 | eager PyTorch |" in text
     assert f"| 3x4x10 | 120 | paper | 3x5x10 | 150 | {TRAFFIC_PATHS[1]} |" in text
     assert "| 3x4x10 | 120 | released |" in text and "x floor" in text
-    assert out.exists()
+    # a stream's denoising chunk (Wan2.1-1.3B, 3 latent frames at 480p) both ways: the fused launch mixes the
+    # carried blocks in as extra rows, a term of its own
+    import json
+
+    from mhla_diffusion.benchmarks.stream_state import STREAM_TRAFFIC_SETTING
+
+    stream = [r for r in json.loads(out.read_text())["traffic"] if r["setting"] == STREAM_TRAFFIC_SETTING]
+    assert [r["path"] for r in stream] == list(TRAFFIC_PATHS) and [r["fused_launches"] for r in stream] == [0, 2]
+    assert stream[0]["tokens"] == 3 * 30 * 52 and stream[1]["units"] < stream[0]["units"]
+    assert stream[1]["ops"]["carried blocks mixed in (PyTorch): W S, W z"]["calls"] == 2  # a launch per head group
+    assert f"| 3x30x52 | 4,680 | {STREAM_TRAFFIC_SETTING} | 3x3x5 | 45 | {TRAFFIC_PATHS[1]} |" in text
     assert main(["bench", "--traffic", "--traffic-grid", "3x4"]) == 2
     assert "--traffic-grid must be frames x height x width" in capsys.readouterr().err
 
