@@ -74,8 +74,8 @@ class StreamSpec:
     the causal window ``K``. The one-pass rows are skipped above ``one_pass_max_tokens`` (``None``: never).
     """
 
-    chunk_grid: tuple[int, int, int] = (1, 15, 26)
-    base_chunks: int = 4
+    chunk_grid: tuple[int, int, int] = (3, 15, 26)  # the streaming pipeline's default chunk: 3 latent frames
+    base_chunks: int = 2
     multiples: tuple[int, ...] = (1, 2, 4, 8)
     layers: int = 2
     blocks: tuple[int, int] = (3, 5)

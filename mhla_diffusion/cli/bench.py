@@ -172,10 +172,11 @@ def add_stream_arguments(p: argparse.ArgumentParser) -> None:
     stream.add_argument(
         "--stream-chunk",
         type=parse_sizes,
-        default=(1, 15, 26),
-        help="token grid of one chunk: latent frames x height x width (default 1x15x26: one latent frame of 240x416)",
+        default=(3, 15, 26),
+        help="token grid of one chunk: latent frames x height x width (default 3x15x26: the streaming pipeline's "
+        "default chunk of 3 latent frames, at 240x416)",
     )
-    stream.add_argument("--stream-base", type=positive_int, default=4, help="chunks of the base length (default 4)")
+    stream.add_argument("--stream-base", type=positive_int, default=2, help="chunks of the base length (default 2)")
     stream.add_argument(
         "--stream-multiples", type=parse_sizes, default=(1, 2, 4, 8), help="lengths in base lengths (default 1,2,4,8)"
     )
