@@ -170,8 +170,9 @@ def time_calls(
 
     The methods are interleaved -- every round runs each once -- so that a slow spell of a shared
     machine falls on all of them rather than on one; ``warmup`` untimed runs of each come first.
-    Each round starts one method later than the previous one, so that no method always runs first
-    (e.g. right after a long SDPA call). A method whose first timed run took under ``quick_seconds``
+    Each round starts ``len(fns) // repeats`` methods later than the previous one (at least one), so that no
+    method always runs first or right after the same one (e.g. a long SDPA call, or a long call that leaves the
+    caches cold: measured, the first stream calls after a whole-clip forward ran 1.2x slower). A method whose first timed run took under ``quick_seconds``
     runs ``quick_passes`` times per round, in interleaved passes over the quick methods: the slow and
     fast spells of a shared machine last seconds, and one sample per round of a table with a long SDPA
     call would leave a quick method's median to a few of them.
@@ -192,8 +193,10 @@ def time_calls(
             with PeakMemory(device) as memory:
                 fn()
             peaks[name] = memory.peak
+        stride = max(1, len(names) // repeats)  # the rounds start evenly spread over the methods
         for round_ in range(repeats):
-            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            start = round_ * stride % len(names)
+            order = names[start:] + names[:start]
             for pass_ in range(max(1, quick_passes)):
                 for name in order:
                     if pass_ == 0 or times[name][0] < quick_seconds:

@@ -8,7 +8,8 @@ Two tables, both computed here (nothing timed):
   dtype (checked against ``L H S ((K + 1) D (Dv b + 4) + 4 [narrow])``, ``b`` bytes a stored number, float32 key
   sums, a narrow fold's scales), beside a bf16 softmax KV cache of every
   frame, a rolling cache of the last frames, and a window plus sink frames. ``smaller from`` is the length in latent
-  frames from which the state is smaller than the full cache.
+  frames from which the state is smaller than the full cache; ``vs the rolling cache``: its size over the rolling
+  cache's (both constant once the video is longer than the window).
 * **Error** of a narrower state: the same random stream run with the state stored in float32 and in the narrower
   dtype, one temporal block row per chunk; at rows 64, 256 and 1,024 the chunk's output of the narrow stream
   against the float32 stream's, as ``max |a - b| / max |b|``. For every fold (sum, mean, decay).
@@ -48,6 +49,7 @@ SIZE_COLUMNS = (
     ("dtype", "stored as", ""),
     ("mib", "MiB", ",.0f"),
     ("smaller_from", "smaller than the full bf16 KV cache from (latent frames)", ""),
+    ("vs_rolling", "vs the rolling cache", ".2f"),
 )
 ERROR_COLUMNS = (
     ("fold", "fold", ""),
@@ -81,6 +83,7 @@ def state_size_rows(
     """The size table's rows (module docstring): every layout x storage dtype, then the KV caches."""
     tokens = math.prod(model["frame_tokens"])
     kv_frame = model["layers"] * tokens * model["heads"] * 2 * model["head_dim"] * torch.bfloat16.itemsize
+    rolling = rolling_frames * kv_frame
     rows = []
     for layout in layouts:
         for name in ("float32", "bfloat16"):
@@ -92,6 +95,7 @@ def state_size_rows(
                     "dtype": name + (" (fold float16 scaled, key sums float32)" if name != "float32" else ""),
                     "mib": size / 2**20,
                     "smaller_from": str(math.floor(size / kv_frame) + 1),
+                    "vs_rolling": size / rolling,
                 }
             )
     sink, local = sink_window

@@ -107,7 +107,7 @@ def test_rounds_rotate_the_order_and_repeat_quick_methods(monkeypatch):
     timings = time_calls(fns, repeats=3, warmup=1, device=torch.device("cpu"), quick_seconds=1.0, quick_passes=2)
     timed = calls[6:]  # after one warm-up and one memory-tracked run of each
     rounds = [timed[:5], timed[5:10], timed[10:]]
-    # every round starts one method later; the quick methods run once more per round, interleaved
+    # 3 methods, 3 rounds: every round starts one method later; the quick methods run once more per round
     assert rounds == [
         ["slow", "a", "b", "a", "b"],
         ["a", "b", "slow", "a", "b"],
@@ -115,6 +115,11 @@ def test_rounds_rotate_the_order_and_repeat_quick_methods(monkeypatch):
     ]
     assert timings["slow"][0] == 5.0 and timings["a"][0] == 0.1
     assert time_calls({"x": fns["a"]}, 2, 0, torch.device("cpu"))["x"][0] == 0.1 and calls[-2:] == ["a", "a"]
+    # 6 methods, 3 rounds: the rounds start 2 methods apart, so none always follows the same method
+    calls.clear()
+    many = {name: (lambda name=name: calls.append(name) or 5.0) for name in "uvwxyz"}
+    time_calls(many, repeats=3, warmup=0, device=torch.device("cpu"))
+    assert [calls[6:][i * 6] for i in range(3)] == ["u", "w", "y"]
 
 
 def test_report_header_says_how_many_runs_a_median_covers():
