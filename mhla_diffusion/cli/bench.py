@@ -341,6 +341,8 @@ def run_stream_state(args: argparse.Namespace) -> int:
 
     if args.write_doc is not None:  # a page without the section is refused before the half minute of work
         replace_marked_section(args.write_doc.read_text(), "stream-state", "")
+    if args.output is not None and args.output.exists():
+        raise FileExistsError(f"{args.output} exists; choose another --output")
     sizes, errors = state_size_rows(), state_error_rows()
     tables = state_report_markdown(sizes, errors)
     print(tables)

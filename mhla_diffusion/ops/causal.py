@@ -175,8 +175,7 @@ class CausalMHLAState:
     Kept in at least float32 (float64 for float64 inputs) by default. A stream may store its summaries in 2 bytes
     (``state_dtype`` ``torch.bfloat16`` or ``torch.float16``: half the bytes): ``recent`` is then in that dtype,
     rounded once; the fold, re-rounded on every row, in float16 scaled per block (10 fraction bits where bfloat16
-    has 7: a bfloat16 fold drifts by about 4% of itself over 1,024 rows, see docs/streaming.md). Key sums stay
-    wide. Everything is mixed and folded in the wide dtype.
+    has 7; the measured error: docs/streaming.md). Key sums stay wide. Everything is mixed and folded in the wide dtype.
     """
 
     fold: torch.Tensor

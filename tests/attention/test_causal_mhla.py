@@ -333,7 +333,7 @@ def test_a_narrow_state_halves_the_bytes_and_stays_close(state_dtype):
 
 def test_a_bfloat16_state_of_the_default_fold_holds_at_1024_rows():
     """The sum fold re-rounds its fold every row; stored as float16 scaled (with F / c) it stays within 1e-2 of the
-    float32 state after 1,024 rows (a bfloat16 fold drifted to 5e-2)."""
+    float32 state after 1,024 rows."""
     from mhla_diffusion.benchmarks.stream_state import storage_error
 
     assert storage_error("sum", torch.bfloat16, rows=(1024,), heads=1, head_dim=16)[1024] < 1e-2

@@ -153,3 +153,7 @@ def test_stream_state_command_refuses_a_page_without_its_section_before_the_work
     page.write_text("# no section\n")
     assert main(["bench", "--stream-state", "--write-doc", str(page)]) == 2
     assert "mhla-bench:stream-state" in capsys.readouterr().err
+    kept = tmp_path / "state.json"
+    kept.write_text("an earlier result")
+    assert main(["bench", "--stream-state", "--output", str(kept)]) == 2
+    assert "exists" in capsys.readouterr().err and kept.read_text() == "an earlier result"
