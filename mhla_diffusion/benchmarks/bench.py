@@ -171,9 +171,9 @@ def time_calls(
     The methods are interleaved -- every round runs each once -- so that a slow spell of a shared
     machine falls on all of them rather than on one; ``warmup`` untimed runs of each come first.
     Each round starts ``len(fns) // repeats`` methods later than the previous one (at least one), so that no
-    method always runs first or right after the same one (e.g. a long SDPA call, or a long call that leaves the
-    caches cold: measured, the first stream calls after a whole-clip forward ran 1.2x slower). A method whose first timed run took under ``quick_seconds``
-    runs ``quick_passes`` times per round, in interleaved passes over the quick methods: the slow and
+    method always runs first or right after the same one (e.g. a long SDPA call, or a whole-clip forward that
+    leaves the caches cold). A method whose first timed run took under ``quick_seconds`` runs ``quick_passes``
+    times per round, in interleaved passes over the quick methods: the slow and
     fast spells of a shared machine last seconds, and one sample per round of a table with a long SDPA
     call would leave a quick method's median to a few of them.
     On CUDA a run is timed by CUDA events around it (device time, no host synchronisation inside the
