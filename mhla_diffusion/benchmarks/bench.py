@@ -1142,8 +1142,7 @@ def traffic_table(
 ) -> list[dict[str, Any]]:
     """:func:`wan_attention_traffic` of the eager PyTorch path and of the fused Triton path for every grid
     and :func:`traffic_settings` entry (Wan2.1-1.3B shapes), then both again forward + backward
-    (:func:`wan_attention_training_traffic`); last, a stream's denoising chunk both ways
-    (:func:`~mhla_diffusion.benchmarks.stream_state.stream_chunk_traffic`)."""
+    (:func:`wan_attention_training_traffic`)."""
     rows = []
     for grid in grids:
         for setting, config in traffic_settings().items():
@@ -1153,8 +1152,4 @@ def traffic_table(
             for fused, path in ((False, TRAINING_PATHS[0]), (True, TRAINING_PATHS[1])):
                 row = wan_attention_training_traffic(grid, config, dtype=dtype, fused=fused)
                 rows.append({**row, "setting": setting, "path": path})
-    from .stream_state import STREAM_TRAFFIC_SETTING, stream_chunk_traffic
-
-    for fused, path in ((False, TRAFFIC_PATHS[0]), (True, TRAFFIC_PATHS[1])):
-        rows.append({**stream_chunk_traffic(dtype=dtype, fused=fused), "setting": STREAM_TRAFFIC_SETTING, "path": path})
     return rows

@@ -360,7 +360,7 @@ def run_traffic(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..benchmarks.bench import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, format_table, traffic_table
+    from ..benchmarks.bench import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, TRAFFIC_PATHS, format_table, traffic_table
 
     grids = args.traffic_grid or TRAFFIC_GRIDS
     for grid in grids:
@@ -369,7 +369,11 @@ def run_traffic(args: argparse.Namespace) -> int:
     if args.output is not None and args.output.exists():
         raise FileExistsError(f"{args.output} exists; choose another --output")
     dtype = getattr(torch, args.dtype or "bfloat16")
+    from ..benchmarks.stream_state import STREAM_TRAFFIC_SETTING, stream_chunk_traffic
+
     rows = traffic_table(grids, dtype)
+    for fused, path in ((False, TRAFFIC_PATHS[0]), (True, TRAFFIC_PATHS[1])):  # last, a stream's denoising chunk
+        rows.append({**stream_chunk_traffic(dtype=dtype, fused=fused), "setting": STREAM_TRAFFIC_SETTING, "path": path})
     print(
         f"# mhla bench --traffic: one MHLA self-attention call of Wan2.1-1.3B (12 heads x 128, {dtype}), "
         f"counted op by op on meta tensors; U = N x 12 x 128 x {dtype.itemsize} bytes\n"

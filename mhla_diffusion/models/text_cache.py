@@ -76,7 +76,7 @@ class _KeptOutputs:
         out = self.forward(x)
         self.misses += 1
         if isinstance(out, torch.Tensor):
-            self.kept = [*self.kept, (x, x._version, out, out._version)][-self.capacity :]
+            self.kept = [*self.kept, (x, _version(x), out, _version(out))][-self.capacity :]
         return out
 
     def _training(self, x: torch.Tensor) -> bool:
@@ -96,7 +96,13 @@ class _KeptOutputs:
 
 def _unchanged(entry: tuple[torch.Tensor, int, torch.Tensor, int]) -> bool:
     seen, seen_version, out, out_version = entry
-    return seen._version == seen_version and out._version == out_version
+    return _version(seen) == seen_version and _version(out) == out_version
+
+
+def _version(t: torch.Tensor) -> int:
+    """How often ``t`` was written in place; 0 for an inference tensor (``torch.inference_mode``), which counts
+    nothing: a write into one between two calls goes unnoticed (the pipelines never write their prompt states)."""
+    return 0 if t.is_inference() else t._version
 
 
 class TextConditioningCache:

@@ -8,7 +8,7 @@ else. The op returns the chunk's own summaries and key sums too, from which the 
 
 Where it runs, as :mod:`~mhla_diffusion.ops.fused_op`'s ops: the kernels on CUDA (and on a CPU with
 ``TRITON_INTERPRET=1``, through Triton's interpreter: tests); otherwise the eager
-:func:`~mhla_diffusion.ops.causal.causal_chunk_output`, so the op compiles and checks on any machine. The op has a
+:func:`~mhla_diffusion.ops.causal_chunk.causal_chunk_output`, so the op compiles and checks on any machine. The op has a
 fake implementation, so ``torch.compile`` keeps it as one node. It is inference-only: a chunk that needs gradients
 runs the eager operator (:func:`~mhla_diffusion.ops.causal.mhla_causal_step` chooses).
 
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .attention import without_autocast
 from .block_layout import BlockPlan
+from .causal_chunk import causal_chunk_output
 from .fused_op import _plan, _runs_kernels
 from .triton_mhla import (
     _RECORDERS,
@@ -138,8 +139,6 @@ def _fused_causal_chunk_op(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """See :func:`fused_causal_chunk`; the plan comes as its tensors and its grid and layout as int lists. The key
     sums come back empty without a denominator."""
-    from .causal import causal_chunk_output
-
     plan = _plan(gather, scatter, valid, grid, layout)
     if _runs_kernels(q.device):
         out, summaries, key_sums = _fused_causal_forward(
@@ -182,7 +181,7 @@ def fused_causal_chunk(
     eps: float,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """One chunk of a stream through ``torch.ops.mhla.fused_causal_chunk``: as
-    :func:`~mhla_diffusion.ops.causal.causal_chunk_output` (same arguments, the operator's own feature map
+    :func:`~mhla_diffusion.ops.causal_chunk.causal_chunk_output` (same arguments, the operator's own feature map
     ``ReLU(x) + feature_eps`` and RoPE ``rotary``), on checked inputs (:func:`~mhla_diffusion.ops.causal.
     mhla_causal_step` makes them). Returns the output ``(B, N_c, H, Dv)``, the chunk's block summaries ``(B, H,
     M_c, D, Dv)`` and key sums ``(B, H, M_c, D)`` (``None`` without a denominator), both in at least float32."""

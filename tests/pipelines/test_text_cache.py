@@ -125,3 +125,13 @@ def test_nested_blocks_keep_one_set_of_outputs():
             outer.__enter__()
     with pytest.raises(ValueError, match="capacity"):
         TextConditioningCache(transformer, capacity=0)
+
+
+def test_inference_mode_inputs_are_kept_too():
+    """``torch.inference_mode`` tensors count no writes; the cache keys them by identity and content alone."""
+    transformer = tiny_wan_transformer(num_layers=1).eval()
+    embedder = transformer.condition_embedder.text_embedder
+    with torch.inference_mode(), TextConditioningCache(transformer) as cache:
+        text = torch.randn(1, 5, transformer.config.text_dim)
+        first = embedder(text)
+        assert embedder(text) is first and embedder(text.clone()) is first and cache.misses == 1
