@@ -476,8 +476,8 @@ def mhla_causal_step(
         state_dtype: the summaries' storage dtype of a new stream's state (``state`` ``None``), e.g.
             ``torch.bfloat16`` for half the bytes; ``None``: at least float32. A carried state keeps its own.
         heads_per_chunk: run this many heads at a time (the chunk's block summaries of one group are all that is
-            held at once). Default: as many as keep a group's summaries no larger than the chunk's values,
-            ``N_c H / (M_c D)`` heads.
+            held at once). Default: every head when the chunk's summaries are small (up to 2^20 numbers), else as
+            many as keep a group's summaries no larger than the chunk's values, ``N_c H / (M_c D)`` heads.
         fused: run the chunk through the fused Triton kernels (:mod:`.fused_causal`; one ``torch.library``
             custom op, the eager operator on a CPU without ``TRITON_INTERPRET=1``) when nothing needs gradients
             and the operator's own feature map is used (``feature_eps``, no ``q_rot``/``k_rot``).
@@ -516,7 +516,7 @@ def mhla_causal_step(
         plan = block_plan(grid, layout, device=q.device)
     if heads_per_chunk is not None and (isinstance(heads_per_chunk, bool) or heads_per_chunk < 1):
         raise ValueError(f"`heads_per_chunk` must be an int >= 1, got {heads_per_chunk!r}")
-    group = heads_per_chunk or max(1, v.shape[1] * heads // (rows * s * head_dim))
+    group = heads_per_chunk or _head_group(v.shape[1], heads, rows * s, head_dim, v.shape[-1])
     if group < heads:  # one group of heads at a time, each with its share of the state
         outs, states = [], []
         for start in range(0, heads, group):
@@ -609,6 +609,18 @@ def mhla_causal_step(
             fold_scale,
         )
     return out, new_state
+
+
+#: Chunk summaries (numbers, all heads) up to which a chunk runs every head at once: splitting small ones only adds
+#: calls (a small model's stream on a CPU is bound by them).
+SPLIT_ABOVE = 2**20
+
+
+def _head_group(tokens: int, heads: int, blocks: int, head_dim: int, value_dim: int) -> int:
+    """Heads a chunk runs at a time by default (see :func:`mhla_causal_step`'s ``heads_per_chunk``)."""
+    if heads * blocks * head_dim * value_dim <= SPLIT_ABOVE:
+        return heads
+    return max(1, tokens * heads // (blocks * head_dim))
 
 
 def _check_state(state: CausalMHLAState, shape: tuple[int, ...], den: bool, device: torch.device) -> None:

@@ -288,23 +288,32 @@ def test_a_denoising_read_equals_the_advancing_step_and_builds_no_state(fold):
 
 @pytest.mark.parametrize("fold", sorted(FOLDS))
 def test_heads_a_group_at_a_time_equal_all_heads_at_once(fold):
-    """``heads_per_chunk`` (and the default rule, which splits them here too) splits the heads, their mixing,
-    decays and state: the same outputs and next state as every head at once."""
+    """``heads_per_chunk`` splits the heads, their mixing, decays and state: the same outputs and next state as
+    every head at once."""
     grid, layout = (6, 4, 4), (6, 2, 2)
     q, k, v, _, _ = make_inputs(grid, heads=HEADS, dim=8, value_dim=8, seed=9)
     mixing = _mixing(layout, 1, per_head=True)
     runs = {}
-    for group in (1, None, HEADS):
+    for group in (1, 2, HEADS):
         out, state = _run_chunks(q, k, v, grid, layout, mixing, [2, 1, 3], heads_per_chunk=group, **FOLDS[fold])
         read, _ = mhla_causal_step(q[:, :16], k[:, :16], v[:, :16], (1, 4, 4), (1, 2, 2), mixing, state,
                                    advance=False, heads_per_chunk=group, **FOLDS[fold])  # fmt: skip
         runs[group] = (out, state.summaries, state.key_sums, read)
-    assert 16 * 3 * HEADS // (4 * 8) == 4 and 16 * HEADS // (4 * 8) == 1  # the rule: 4 heads for 3 rows, 1 for 1
-    for group in (1, None):
+    for group in (1, 2):
         for a, b in zip(runs[group], runs[HEADS]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="heads_per_chunk"):
         mhla_causal_step(q, k, v, grid, layout, mixing, heads_per_chunk=0)
+
+
+def test_the_default_head_groups():
+    """Small chunk summaries run every head at once; large ones a group whose summaries are no larger than the
+    chunk's values (Wan2.1-1.3B: 12 heads of 128, 3x5 blocks a latent frame)."""
+    from mhla_diffusion.ops.causal import _head_group
+
+    assert _head_group(24, 3, 4, 8, 8) == 3
+    assert _head_group(390, 12, 15, 128, 128) == 2  # a chunk of 1 latent frame: 15 blocks of 26 tokens
+    assert _head_group(3 * 1560, 12, 45, 128, 128) == 9  # 3 latent frames at 480p
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
