@@ -112,7 +112,8 @@ class PeakMemory(TorchDispatchMode):
         super().__init__()
         self.device = torch.device(device)
         self.peak = 0
-        self._live: dict[int, tuple[int, list[weakref.ref]]] = {}
+        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, live tensors on it]
+        self._total = 0
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
@@ -131,21 +132,32 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        # forget what was freed since the last op first: new memory may sit at a freed tensor's address
-        self._live = {k: (n, refs) for k, (n, refs) in self._live.items() if any(r() is not None for r in refs)}
+        inputs = None
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
                 key = storage.data_ptr()
-                if key in self._live:
-                    self._live[key][1].append(weakref.ref(tensor))
-                elif key not in inputs and storage.nbytes():  # a view of untracked memory is not new memory
-                    self._live[key] = (storage.nbytes(), [weakref.ref(tensor)])
-        self.peak = max(self.peak, sum(n for n, _ in self._live.values()))
+                entry = self._live.get(key)
+                if entry is None:
+                    if inputs is None:
+                        leaves = pytree.tree_leaves((args, kwargs))
+                        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+                    if key in inputs or not storage.nbytes():  # a view of untracked memory is not new memory
+                        continue
+                    entry = self._live[key] = [storage.nbytes(), 0]
+                    self._total += entry[0]
+                entry[1] += 1  # one more live tensor on this storage; its finalizer takes it off
+                weakref.finalize(tensor, self._release, key, entry)
+        self.peak = max(self.peak, self._total)
         return out
+
+    def _release(self, key: int, entry: list[int]) -> None:
+        """A tracked tensor was freed: its storage stops counting with the last of its tensors (at once, so new
+        memory at a freed address is never taken for the old)."""
+        entry[1] -= 1
+        if entry[1] == 0 and self._live.get(key) is entry:
+            del self._live[key]
+            self._total -= entry[0]
 
 
 def time_call(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> tuple[float, int]:
