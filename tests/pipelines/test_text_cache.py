@@ -5,8 +5,6 @@ gradients flow (training)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -94,10 +92,14 @@ def test_a_stream_equals_the_uncached_one_and_projects_text_once(causal_pipeline
     assert cache.hits == (forwards - 1) * cache.misses
 
 
-def test_an_input_changed_in_place_is_computed_again_and_training_keeps_nothing():
+def _one_layer():
+    """A one-layer tiny Wan transformer, its text embedder and a text input for it."""
     transformer = tiny_wan_transformer(num_layers=1).eval()
-    embedder = transformer.condition_embedder.text_embedder
-    text = torch.randn(1, 5, transformer.config.text_dim)
+    return transformer, transformer.condition_embedder.text_embedder, torch.randn(1, 5, transformer.config.text_dim)
+
+
+def test_an_input_changed_in_place_is_computed_again_and_training_keeps_nothing():
+    transformer, embedder, text = _one_layer()
     with torch.no_grad(), TextConditioningCache(transformer) as cache:
         first = embedder(text)
         assert embedder(text) is first and embedder(text.clone()) is first and cache.hits == 2
@@ -110,12 +112,10 @@ def test_an_input_changed_in_place_is_computed_again_and_training_keeps_nothing(
 
 
 def test_nested_blocks_keep_one_set_of_outputs():
-    transformer = tiny_wan_transformer(num_layers=1).eval()
-    embedder = transformer.condition_embedder.text_embedder
-    text = torch.randn(1, 5, transformer.config.text_dim)
+    transformer, embedder, text = _one_layer()
     with torch.no_grad(), TextConditioningCache(transformer) as outer:
         kept = embedder(text)
-        with TextConditioningCache(transformer) as inner, contextlib.nullcontext():
+        with TextConditioningCache(transformer) as inner:
             assert embedder(text) is kept and inner.hits == inner.misses == 0
         assert embedder(text) is kept and outer.hits == 2
     assert "forward" not in embedder.__dict__
@@ -129,8 +129,7 @@ def test_nested_blocks_keep_one_set_of_outputs():
 
 def test_inference_mode_inputs_are_kept_too():
     """``torch.inference_mode`` tensors count no writes; the cache keys them by identity and content alone."""
-    transformer = tiny_wan_transformer(num_layers=1).eval()
-    embedder = transformer.condition_embedder.text_embedder
+    transformer, embedder, _ = _one_layer()
     with torch.inference_mode(), TextConditioningCache(transformer) as cache:
         text = torch.randn(1, 5, transformer.config.text_dim)
         first = embedder(text)
