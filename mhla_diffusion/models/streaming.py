@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..ops.causal import CausalMHLAState
+from ..ops.causal import CausalMHLAState, check_state_dtype
 
 __all__ = ["CausalStream", "ChunkStream", "WanFramePositions", "causal_processors", "install_frame_positions"]
 
@@ -183,10 +183,7 @@ class CausalStream(ChunkStream):
     """
 
     def __init__(self, transformer: nn.Module, state_dtype: torch.dtype | None = None) -> None:
-        if state_dtype is not None and not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
-            raise ValueError(
-                f"`state_dtype` must be a floating torch dtype such as torch.bfloat16, got {state_dtype!r}"
-            )
+        check_state_dtype(state_dtype)  # before any chunk runs
         self.state_dtype = state_dtype
         processors = causal_processors(transformer)
         if not processors:

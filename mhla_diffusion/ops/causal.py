@@ -70,7 +70,7 @@ from .attention import (
 )
 from .block_layout import BlockPlan, block_plan
 from .block_pairs import pair_form_pays
-from .causal_chunk import _block_features, causal_chunk_output
+from .causal_chunk import _block_features, causal_chunk_output, needs_grad
 from .mixing import mixing_init
 
 __all__ = [
@@ -277,6 +277,12 @@ def _narrow_fold(fold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``fold`` ``(B, H, 1, S, D, Dv)`` as float16 scaled per block (largest entry 1) and its scale."""
     scale = fold.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return (fold / scale).to(torch.float16), scale
+
+
+def check_state_dtype(state_dtype: torch.dtype | None) -> None:
+    """Raise ``ValueError`` unless ``state_dtype`` is ``None`` or a floating torch dtype (a state's storage)."""
+    if state_dtype is not None and not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
+        raise ValueError(f"`state_dtype` must be a floating torch dtype (e.g. torch.bfloat16), got {state_dtype!r}")
 
 
 def check_causal_arguments(
@@ -496,8 +502,7 @@ def mhla_causal_step(
     dtype = torch.promote_types(q.dtype, v.dtype)
     sum_dtype = torch.promote_types(dtype, torch.float32)  # summaries are mixed and folded in it
     if state is None:
-        if state_dtype is not None and not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
-            raise ValueError(f"`state_dtype` must be a floating torch dtype (e.g. torch.bfloat16), got {state_dtype!r}")
+        check_state_dtype(state_dtype)
         state = CausalMHLAState.empty(
             batch,
             heads,
@@ -556,14 +561,12 @@ def mhla_causal_step(
         weights = _row_weights(mixing, decay, i[:, None] + window + 1 - e[None, :], query_rows).to(sum_dtype)
         if decay is None and state.folded_rows > 1:  # the stored fold is F / c: mix c times it
             weights = torch.cat([weights[..., :s] * state.folded_rows, weights[..., s:]], dim=-1)
-        fold = state.wide_fold(sum_dtype)
-        carried = [fold.flatten(2, 3), state.recent.to(sum_dtype).flatten(2, 3)]
+        fold, recent = state.wide_fold(sum_dtype), state.recent.to(sum_dtype)
+        carried = [fold.flatten(2, 3), recent.flatten(2, 3)]
         carried_sums = None if state.key_sums is None else state.key_sums.flatten(2, 3)
         leaves = (q, k, v, mixing, decay, state.fold, state.recent, state.key_sums)
         fused = fused and q_rot is None and k_rot is None and feature_eps is not None
-        if fused and not (
-            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
-        ):
+        if fused and not needs_grad(leaves):
             from .fused_causal import fused_causal_chunk  # the Triton kernels on CUDA, as one custom op
 
             out, kv, key_sum = fused_causal_chunk(
@@ -588,11 +591,11 @@ def mhla_causal_step(
         def advanced(
             fold: torch.Tensor, recent: torch.Tensor, chunk: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            x = torch.cat([fold * scale[0], recent.to(sum_dtype), chunk.to(sum_dtype)], dim=2)  # rows e = 0 .. K + R_c
+            x = torch.cat([fold * scale[0], recent, chunk.to(sum_dtype)], dim=2)  # rows e = 0 .. K + R_c
             folded = torch.einsum("he,bhe...->bh...", weight, x[:, :, : rows + 1]).unsqueeze(2) / scale[1]
             return folded, x[:, :, rows + 1 :]
 
-        new_fold, new_recent = advanced(fold, state.recent, kv)
+        new_fold, new_recent = advanced(fold, recent, kv)
         fold_scale = None
         if state.fold_scale is not None:
             new_fold, fold_scale = _narrow_fold(new_fold)

@@ -17,6 +17,11 @@ from .block_layout import BlockPlan
 __all__ = ["causal_chunk_output"]
 
 
+def needs_grad(tensors: Sequence[torch.Tensor | float | None]) -> bool:
+    """Whether autograd records through any of ``tensors`` here (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _block_features(
     plan: BlockPlan,
     dtype: torch.dtype,
@@ -28,7 +33,7 @@ def _block_features(
     """What the causal operators' block math starts from: the regrouping :class:`_Blocks` of ``plan`` (writing in
     place unless one of ``tensors`` needs gradients), ``features(x, x_rot)`` (block-major numerator and denominator
     features, as :meth:`_Blocks.features`) and the denominator's ``shift`` (see ``_mhla_blocks``)."""
-    inplace = not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))
+    inplace = not needs_grad(tensors)
     blocks = _Blocks(plan, dtype, inplace)
     tables = None if feature_eps is None or rotary is None else blocks.rotary_tables(rotary, feature_eps)
     shift = 0.0 if tables is None else float(feature_eps)

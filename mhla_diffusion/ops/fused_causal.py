@@ -154,17 +154,26 @@ def _fused_causal_chunk_op(
     return out.to(v.dtype).contiguous(), summaries.to(dtype).contiguous(), sums
 
 
+def _empty_outputs(q: Tensor, v: Tensor, num_blocks: int, normalize: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Empty tensors shaped as the op's outputs (its fake implementation, and a meta call's result)."""
+    batch, _, heads, d = q.shape
+    dtype = _sum_dtype(q, v)
+    sums = (batch, heads, num_blocks, d) if normalize == "denominator" else (0,)
+    return (
+        v.new_empty((*q.shape[:3], v.shape[-1])),
+        q.new_empty((batch, heads, num_blocks, d, v.shape[-1]), dtype=dtype),
+        q.new_empty(sums, dtype=dtype),
+    )
+
+
 @_fused_causal_chunk_op.register_fake
 def _fused_causal_chunk_fake(
     q, k, v, weights, carried, carried_sums, cos, sin, gather, scatter, valid, grid, layout, feature_eps, normalize, eps
 ):
-    batch, _, heads, d = q.shape
     m = 1
     for blocks in layout:
         m *= blocks
-    dtype = _sum_dtype(q, v)
-    sums = q.new_empty((batch, heads, m, d), dtype=dtype) if normalize == "denominator" else q.new_empty(0, dtype=dtype)
-    return v.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty((batch, heads, m, d, v.shape[-1]), dtype=dtype), sums
+    return _empty_outputs(q, v, m, normalize)
 
 
 def fused_causal_chunk(
@@ -191,14 +200,8 @@ def fused_causal_chunk(
         for launches in _RECORDERS:
             launch = _launch_arguments(q, v, plan, weights[..., width:], cos, normalize, sin)
             launches.append({**launch, "carried": [tuple(p.shape) for p in carried], "carried_dtype": carried[0].dtype})
-        dtype = _sum_dtype(q, v)
-        batch, _, heads, d = q.shape
-        sums = q.new_empty((batch, heads, plan.num_blocks, d), dtype=dtype) if normalize == "denominator" else None
-        return (
-            v.new_empty((*q.shape[:3], v.shape[-1])),
-            q.new_empty((batch, heads, plan.num_blocks, d, v.shape[-1]), dtype=dtype),
-            sums,
-        )
+        out, summaries, key_sums = _empty_outputs(q, v, plan.num_blocks, normalize)
+        return out, summaries, None if normalize != "denominator" else key_sums
     out, summaries, key_sums = torch.ops.mhla.fused_causal_chunk(
         q,
         k,
