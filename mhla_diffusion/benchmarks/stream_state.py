@@ -18,7 +18,7 @@ Two tables, both computed here (nothing timed):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -110,7 +110,7 @@ def state_size_rows(
 
 def storage_error(
     fold: str,
-    dtype: torch.dtype,
+    dtypes: Sequence[torch.dtype],
     rows: tuple[int, ...] = (64, 256, 1024),
     *,
     heads: int = 2,
@@ -119,25 +119,28 @@ def storage_error(
     head_dim: int = 32,
     window: int = MHLAConfig.causal_window,
     seed: int = 0,
-) -> dict[int, float]:
-    """Relative error of a stream whose state is stored in ``dtype`` against the float32 stream, at each of ``rows``
-    (module docstring): ``{row: max |a - b| / max |b|}``. Random ``(1, N, H, D)`` inputs, one temporal block row of
-    ``tokens`` (cut into ``layout`` blocks) per chunk, ReLU(x) + eps features, the initial causal mixing."""
+) -> dict[torch.dtype, dict[int, float]]:
+    """Relative error of streams whose state is stored in each of ``dtypes`` against the float32 stream (run once
+    for all), at each of ``rows`` (module docstring): ``{dtype: {row: max |a - b| / max |b|}}``. Random ``(1, N, H,
+    D)`` inputs, one temporal block row of ``tokens`` (cut into ``layout`` blocks) per chunk, ReLU(x) + eps
+    features, the initial causal mixing."""
     mixing = causal_mixing_init(layout, window)
     options = {"decay": ERROR_DECAY} if fold == "decay" else {"mean_fold": True} if fold == "mean" else {}
     grid, chunk_layout = (1, *tokens), (1, *layout)
     g = torch.Generator().manual_seed(seed)
-    states: dict[str, CausalMHLAState | None] = {"exact": None, "narrow": None}
-    errors = {}
+    storages = (None, *dtypes)  # None: the float32 stream, first
+    states: dict[torch.dtype | None, CausalMHLAState | None] = dict.fromkeys(storages)
+    errors: dict[torch.dtype, dict[int, float]] = {dtype: {} for dtype in dtypes}
     for row in range(1, max(rows) + 1):
         q, k, v = (torch.randn(1, math.prod(tokens), heads, head_dim, generator=g) for _ in range(3))
         outs = {}
-        for name, state_dtype in (("exact", None), ("narrow", dtype)):
-            outs[name], states[name] = mhla_causal_step(
-                q, k, v, grid, chunk_layout, mixing, states[name], state_dtype=state_dtype, feature_eps=1e-6, **options
+        for storage in storages:
+            outs[storage], states[storage] = mhla_causal_step(
+                q, k, v, grid, chunk_layout, mixing, states[storage], state_dtype=storage, feature_eps=1e-6, **options
             )
         if row in rows:
-            errors[row] = ((outs["narrow"] - outs["exact"]).abs().max() / outs["exact"].abs().max()).item()
+            for dtype in dtypes:
+                errors[dtype][row] = ((outs[dtype] - outs[None]).abs().max() / outs[None].abs().max()).item()
     return errors
 
 
@@ -146,14 +149,14 @@ def state_error_rows(
 ) -> list[dict[str, Any]]:
     """The error table's rows: every fold x narrow storage dtype (``kwargs``: :func:`storage_error`'s)."""
     model = dict(WAN_480P, layers=1)
+    wide = _state_bytes((3, 5), MHLAConfig.causal_window, torch.float32, model)
+    ratios = {name: _state_bytes((3, 5), MHLAConfig.causal_window, STATE_DTYPES[name], model) / wide for name in dtypes}
     rows = []
     for fold in folds:
+        errors = storage_error(fold, [STATE_DTYPES[name] for name in dtypes], **kwargs)
         for name in dtypes:
-            errors = storage_error(fold, STATE_DTYPES[name], **kwargs)
-            ratio = _state_bytes((3, 5), 2, STATE_DTYPES[name], model) / _state_bytes((3, 5), 2, torch.float32, model)
-            rows.append(
-                {"fold": fold, "dtype": name, "bytes_vs_float32": ratio, **{f"error_{r}": e for r, e in errors.items()}}
-            )
+            by_row = {f"error_{r}": e for r, e in errors[STATE_DTYPES[name]].items()}
+            rows.append({"fold": fold, "dtype": name, "bytes_vs_float32": ratios[name], **by_row})
     return rows
 
 

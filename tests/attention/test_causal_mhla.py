@@ -334,7 +334,7 @@ def test_a_narrow_state_halves_the_bytes_and_stays_close(state_dtype):
     _, again = mhla_causal_step(q, k, v, grid, layout, mixing, narrow)  # a carried narrow state stays narrow
     assert again.recent.dtype == state_dtype and again.fold_scale is not None
     for fold in ("sum", "mean", "decay"):
-        errors = storage_error(fold, state_dtype, rows=(16, 64))
+        errors = storage_error(fold, [state_dtype], rows=(16, 64))[state_dtype]
         assert 0 < max(errors.values()) < 1e-2, (fold, errors)
     with pytest.raises(ValueError, match="state_dtype"):
         mhla_causal_step(q, k, v, grid, layout, mixing, state_dtype=torch.int8)
@@ -345,7 +345,7 @@ def test_a_bfloat16_state_of_the_default_fold_holds_at_1024_rows():
     float32 state after 1,024 rows."""
     from mhla_diffusion.benchmarks.stream_state import storage_error
 
-    assert storage_error("sum", torch.bfloat16, rows=(1024,), heads=1, head_dim=16)[1024] < 1e-2
+    assert storage_error("sum", [torch.bfloat16], rows=(1024,), heads=1, head_dim=16)[torch.bfloat16][1024] < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
