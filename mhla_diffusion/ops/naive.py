@@ -15,8 +15,9 @@ from ..utils.geometry import check_equal_blocks
 from .attention import normalization_mode, validate_attention_inputs
 from .block_layout import token_block_ids
 from .causal import check_causal_arguments
+from .joint import check_joint_arguments
 
-__all__ = ["mhla_attention_reference", "mhla_causal_attention_reference"]
+__all__ = ["mhla_attention_reference", "mhla_causal_attention_reference", "mhla_joint_attention_reference"]
 
 
 def mhla_attention_reference(
@@ -101,6 +102,45 @@ def mhla_causal_attention_reference(
         )
     pair_weight = torch.where(delta >= 0, pair_weight, 0.0)
     return _pair_attention(q, k, v, pair_weight, q_rot, k_rot, normalize, eps, grid, layout)
+
+
+def mhla_joint_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    text_q: torch.Tensor,
+    text_k: torch.Tensor,
+    text_v: torch.Tensor,
+    grid: Sequence[int],
+    layout: Sequence[int],
+    mixing: torch.Tensor,
+    *,
+    text_mask: torch.Tensor | None = None,
+    q_rot: torch.Tensor | None = None,
+    k_rot: torch.Tensor | None = None,
+    normalize: bool | str = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`~mhla_diffusion.ops.joint.mhla_joint_attention` (features only), token pair by pair.
+
+    The image tokens and then the text tokens form one sequence; token ``t`` lies in block ``b(t)`` (an image
+    block, or ``M`` for every text token), and the pair ``(t, s)`` weighs ``W[b(t), b(s)]``, or 0 when ``s`` is a
+    padded text token. Text tokens are their own rotated features. Returns (image output, text output).
+    """
+    grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot)
+    check_joint_arguments(q, text_q, text_k, text_v, text_mask, layout, mixing, v)
+    normalize = normalization_mode(normalize)
+    n, length = q.shape[1], text_q.shape[1]
+    block = torch.cat([token_block_ids(grid, layout, device=q.device), torch.full((length,), math.prod(layout), device=q.device)])
+    pair_weight = mixing[..., block[:, None], block[None, :]]  # (N + L, N + L) or (H, N + L, N + L)
+    if text_mask is not None:  # padded text tokens are no keys: (B, 1 or H, N + L, N + L)
+        keys = torch.cat([text_mask.new_ones(q.shape[0], n), text_mask], dim=1)
+        pair_weight = pair_weight.reshape(1, -1, n + length, n + length) * keys[:, None, None, :]
+    joint_q, joint_k, joint_v = (torch.cat([a, b], dim=1) for a, b in ((q, text_q), (k, text_k), (v, text_v)))
+    q_hat = None if q_rot is None else torch.cat([q_rot, text_q], dim=1)
+    k_hat = None if k_rot is None else torch.cat([k_rot, text_k], dim=1)
+    out = _pair_attention(joint_q, joint_k, joint_v, pair_weight, q_hat, k_hat, normalize, eps, grid, layout)
+    return out[:, :n], out[:, n:]
 
 
 def _pair_attention(
