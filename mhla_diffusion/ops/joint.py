@@ -9,8 +9,9 @@ summary and key sum run over the valid text tokens of each sample (``text_mask``
 The mixing is ``(M + 1, M + 1)`` (or per head ``(H, M + 1, M + 1)``): row ``o < M`` is image block ``o``'s, with
 ``W[o, T]`` its weight of the text; row ``T`` is every text token's, over every image block and the text block::
 
-    image token t:  out_t = q̂_t · (Σ_j W[b(t), j] S_j + W[b(t), T] S_T) / (q_t · (Σ_j W[b(t), j] z_j + W[b(t), T] z_T) + eps)
-    text token t:   out_t = q_t · (Σ_j W[T, j] S_j + W[T, T] S_T) / (q_t · (Σ_j W[T, j] z_j + W[T, T] z_T) + eps)
+    S̃_o = Σ_j W[o, j] S_j + W[o, T] S_T,    z̃_o = Σ_j W[o, j] z_j + W[o, T] z_T      (o: an image block, or T)
+    image token t:  out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps)
+    text token t:   out_t = q_t · S̃_T / (q_t · z̃_T + eps)
 
 (``q̂``: the numerator's rotated features; text tokens are not rotated.) The cost is O((N + L) D Dv + (M + 1)^2 D Dv)
 for ``N`` image and ``L`` text tokens: linear in both. Padded text tokens (``text_mask`` false) are left out as keys;

@@ -131,7 +131,8 @@ def mhla_joint_attention_reference(
     check_joint_arguments(q, text_q, text_k, text_v, text_mask, layout, mixing, v)
     normalize = normalization_mode(normalize)
     n, length = q.shape[1], text_q.shape[1]
-    block = torch.cat([token_block_ids(grid, layout, device=q.device), torch.full((length,), math.prod(layout), device=q.device)])
+    text_block = torch.full((length,), math.prod(layout), device=q.device)
+    block = torch.cat([token_block_ids(grid, layout, device=q.device), text_block])
     pair_weight = mixing[..., block[:, None], block[None, :]]  # (N + L, N + L) or (H, N + L, N + L)
     if text_mask is not None:  # padded text tokens are no keys: (B, 1 or H, N + L, N + L)
         keys = torch.cat([text_mask.new_ones(q.shape[0], n), text_mask], dim=1)

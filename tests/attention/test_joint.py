@@ -123,4 +123,6 @@ def test_bad_text_arguments_are_named():
     with pytest.raises(ValueError, match=r"joint `mixing` must be \(4, 4\)"):
         mhla_joint_attention(q, k, v, text_q, text_k, text_v, grid, layout, mixing[:3, :3])
     with pytest.raises(ValueError, match="no 'scalar_mixed_denominator'"):
-        mhla_joint_attention(q, k, v, text_q, text_k, text_v, grid, layout, mixing, normalize="scalar_mixed_denominator")
+        mhla_joint_attention(
+            q, k, v, text_q, text_k, text_v, grid, layout, mixing, normalize="scalar_mixed_denominator"
+        )
