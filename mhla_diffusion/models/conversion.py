@@ -113,9 +113,13 @@ def model_family(transformer: nn.Module) -> str:
 
 
 def self_attention_layers(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, attention module)`` of every block's self-attention, in block order."""
-    blocks = family_of(transformer).blocks_attribute
-    return [(f"{blocks}.{i}.attn1", block.attn1) for i, block in enumerate(getattr(transformer, blocks))]
+    """``(name, attention module)`` of every block's self-attention (joint or not), in the family's site order
+    (:attr:`~mhla_diffusion.models.families.ModelFamily.attention_sites`), then block order."""
+    return [
+        (f"{blocks}.{i}.{name}", getattr(block, name))
+        for blocks, name in family_of(transformer).attention_sites
+        for i, block in enumerate(getattr(transformer, blocks))
+    ]
 
 
 def _patch_size(transformer: nn.Module) -> tuple[int, ...]:
@@ -278,7 +282,7 @@ def install_mhla_processors(
     ``grid`` / ``grid_origin``: what the returned :class:`MHLAConversion` records as the layout's token grid."""
     modules = dict(transformer.named_modules())
     originals = {}
-    install_grid_hook(transformer, _patch_size(transformer), context)
+    install_grid_hook(transformer, family_of(transformer).grid_reader(transformer.config), context)
     if resolved.causal:  # a stream's frames run past Wan's rotary table
         from .streaming import install_frame_positions
 

@@ -41,11 +41,13 @@ class ModelFamily:
     pipeline_paths: tuple[str, ...]
     #: The builder of a tiny transformer of this family (:mod:`mhla_diffusion.models.tiny`).
     tiny_path: str
-    geometry: type[VideoGeometry] | type[ImageGeometry]
+    #: Size rules of the family's own pipelines (Wan, DiT); ``None`` where the stock Diffusers pipeline checks sizes.
+    geometry: type[VideoGeometry] | type[ImageGeometry] | None
     #: The token-grid axes a block layout has, in order.
     grid_axes: tuple[str, ...]
-    #: The attribute holding the transformer blocks (each with its self-attention ``attn1``).
-    blocks_attribute: str
+    #: Where the self-attention layers are: ``(blocks attribute, attention attribute)`` per kind of block, in the
+    #: order layer indices count them (Flux: its double-stream blocks, then its single-stream blocks).
+    attention_sites: tuple[tuple[str, str], ...]
     #: Whether the model is made for one image size (its config's ``sample_size``), which fixes its token grid.
     fixed_grid: bool
     #: The family's published default sample size in pixels (Wan: frames, height, width), whose token grid the
@@ -53,10 +55,25 @@ class ModelFamily:
     #: :attr:`fixed_grid` family, whose grid is its config's ``sample_size / patch_size``
     #: (:meth:`default_grid`).
     default_size: tuple[int, ...] | None = None
+    #: Or, for a family without :attr:`geometry`, the token grid of its published default size itself, and that
+    #: size in pixels (frames, height, width or height, width) for messages.
+    default_tokens: tuple[int, ...] | None = None
+    default_pixels: tuple[int, ...] | None = None
+    #: Where a forward call gives the token grid: ``"latents"`` ``(B, C, *sizes)``, ``"frames_first"``
+    #: ``(B, F, C, H, W)``, ``"size_arguments"`` (``num_frames``, ``height``, ``width``) or ``"image_ids"``
+    #: (``img_ids``); see :mod:`mhla_diffusion.models.processors.grid`.
+    grid_source: str = "latents"
+    #: Per grid axis, the transformer config key of its patch size, or a number (a missing or null key counts 1; a
+    #: key holding a list gives several axes);
+    #: ``None``: :attr:`geometry`'s patch size.
+    patch_keys: tuple[str | int, ...] | None = None
+    #: Self-attention over a joint sequence of image and text tokens (:mod:`mhla_diffusion.ops.joint`).
+    joint: bool = False
 
     def __post_init__(self) -> None:
-        if (self.default_size is None) != self.fixed_grid:
-            raise ValueError(f"family {self.name!r}: give `default_size` exactly when the grid is not fixed")
+        defaults = (self.default_size is not None) + (self.default_tokens is not None) + self.fixed_grid
+        if defaults != 1:
+            raise ValueError(f"family {self.name!r}: give exactly one of `default_size`, `default_tokens`, `fixed_grid`")
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -85,8 +102,25 @@ class ModelFamily:
 
     def patch_grid(self, transformer_config: Any) -> tuple[int, ...]:
         """The patch size per token-grid axis of a transformer with ``transformer_config``."""
+        if self.patch_keys is not None:
+            config, patch = transformer_config or {}, []
+            for key in self.patch_keys:
+                value = key if isinstance(key, int) else config.get(key)
+                patch.extend(int(p) for p in value) if isinstance(value, (list, tuple)) else patch.append(int(value or 1))
+            return tuple(patch)
         patch = self.geometry.from_configs(transformer_config).patch_size
         return tuple(patch) if isinstance(patch, tuple) else (patch,) * len(self.grid_axes)
+
+    def grid_reader(self, transformer_config: Any) -> Any:
+        """What reads a forward call's token grid for a transformer with ``transformer_config`` (the grid hook's)."""
+        from .processors.grid import LatentGrid, PositionIdGrid, SizeArgumentGrid
+
+        if self.grid_source == "image_ids":
+            return PositionIdGrid()
+        patch = self.patch_grid(transformer_config)
+        if self.grid_source == "size_arguments":
+            return SizeArgumentGrid(patch)
+        return LatentGrid(patch, frames_first=self.grid_source == "frames_first")
 
     def default_grid(
         self, transformer_config: Mapping[str, Any] | None = None, geometry: VideoGeometry | None = None
@@ -103,6 +137,8 @@ class ModelFamily:
           and Wan2.2-A14B (patch 1x2x2): (21, 30, 52); Wan2.2-TI2V-5B's x16 VAE needs ``geometry`` (or an
           explicit ``target_grid``) to get (21, 15, 26).
         """
+        if self.default_tokens is not None:
+            return self.default_tokens
         if self.default_size is None:
             if transformer_config is None or transformer_config.get("sample_size") is None:
                 raise ValueError(f"{self.label}'s default token grid needs the transformer config's `sample_size`")
@@ -117,6 +153,8 @@ class ModelFamily:
     ) -> str:
         """Where :meth:`default_grid` (with the same arguments) comes from, in words, for logs and summaries."""
         config = transformer_config or {}
+        if self.default_tokens is not None:
+            return f"{self.label}'s default size {'x'.join(map(str, self.default_pixels))}"
         if self.default_size is None:
             return f"{self.label}'s sample_size {config.get('sample_size')} / patch {self.patch_grid(config)[0]}"
         if geometry is None:
@@ -139,7 +177,7 @@ FAMILIES: dict[str, ModelFamily] = {
         tiny_path="mhla_diffusion.models.tiny:tiny_wan_transformer",
         geometry=VideoGeometry,
         grid_axes=("frames", "height", "width"),
-        blocks_attribute="blocks",
+        attention_sites=(("blocks", "attn1"),),
         fixed_grid=False,
         default_size=WAN_480P,
     ),
@@ -154,8 +192,119 @@ FAMILIES: dict[str, ModelFamily] = {
         tiny_path="mhla_diffusion.models.tiny:tiny_dit_transformer",
         geometry=ImageGeometry,
         grid_axes=("rows", "columns"),
-        blocks_attribute="transformer_blocks",
+        attention_sites=(("transformer_blocks", "attn1"),),
         fixed_grid=True,
+    ),
+    "skyreels-v2": ModelFamily(
+        name="skyreels-v2",
+        label="SkyReels-V2",
+        transformer_class_name="SkyReelsV2Transformer3DModel",
+        legacy_class_names=(),
+        mhla_transformer_path="mhla_diffusion.models.transformers:MHLASkyReelsV2Transformer3DModel",
+        processor_path="mhla_diffusion.models.processors.skyreels:SkyReelsV2MHLAProcessor",
+        pipeline_paths=(
+            "diffusers:SkyReelsV2Pipeline",
+            "diffusers:SkyReelsV2DiffusionForcingPipeline",
+            "diffusers:SkyReelsV2ImageToVideoPipeline",
+        ),
+        tiny_path="mhla_diffusion.models.tiny_families:tiny_skyreels_v2_transformer",
+        geometry=None,
+        grid_axes=("frames", "height", "width"),
+        attention_sites=(("blocks", "attn1"),),
+        fixed_grid=False,
+        default_tokens=(25, 34, 60),  # 97x544x960, VAE 4x8x8, patch 1x2x2
+        default_pixels=(97, 544, 960),
+        patch_keys=("patch_size",),
+    ),
+    "hunyuan-video": ModelFamily(
+        name="hunyuan-video",
+        label="HunyuanVideo",
+        transformer_class_name="HunyuanVideoTransformer3DModel",
+        legacy_class_names=(),
+        mhla_transformer_path="mhla_diffusion.models.transformers:MHLAHunyuanVideoTransformer3DModel",
+        processor_path="mhla_diffusion.models.processors.hunyuan_video:HunyuanVideoMHLAProcessor",
+        pipeline_paths=("diffusers:HunyuanVideoPipeline", "diffusers:HunyuanVideoImageToVideoPipeline"),
+        tiny_path="mhla_diffusion.models.tiny_families:tiny_hunyuan_video_transformer",
+        geometry=None,
+        grid_axes=("frames", "height", "width"),
+        attention_sites=(("transformer_blocks", "attn"), ("single_transformer_blocks", "attn")),
+        fixed_grid=False,
+        default_tokens=(33, 45, 80),  # 129x720x1280, VAE 4x8x8, patch 1x2x2
+        default_pixels=(129, 720, 1280),
+        patch_keys=("patch_size_t", "patch_size", "patch_size"),
+        joint=True,
+    ),
+    "ltx-video": ModelFamily(
+        name="ltx-video",
+        label="LTX-Video",
+        transformer_class_name="LTXVideoTransformer3DModel",
+        legacy_class_names=(),
+        mhla_transformer_path="mhla_diffusion.models.transformers:MHLALTXVideoTransformer3DModel",
+        processor_path="mhla_diffusion.models.processors.ltx_video:LTXVideoMHLAProcessor",
+        pipeline_paths=("diffusers:LTXPipeline", "diffusers:LTXImageToVideoPipeline"),
+        tiny_path="mhla_diffusion.models.tiny_families:tiny_ltx_video_transformer",
+        geometry=None,
+        grid_axes=("frames", "height", "width"),
+        attention_sites=(("transformer_blocks", "attn1"),),
+        fixed_grid=False,
+        default_tokens=(21, 16, 22),  # 161x512x704, VAE 8x32x32, patch 1x1x1
+        default_pixels=(161, 512, 704),
+        grid_source="size_arguments",
+        patch_keys=("patch_size_t", "patch_size", "patch_size"),
+    ),
+    "cogvideox": ModelFamily(
+        name="cogvideox",
+        label="CogVideoX",
+        transformer_class_name="CogVideoXTransformer3DModel",
+        legacy_class_names=(),
+        mhla_transformer_path="mhla_diffusion.models.transformers:MHLACogVideoXTransformer3DModel",
+        processor_path="mhla_diffusion.models.processors.cogvideox:CogVideoXMHLAProcessor",
+        pipeline_paths=("diffusers:CogVideoXPipeline", "diffusers:CogVideoXImageToVideoPipeline"),
+        tiny_path="mhla_diffusion.models.tiny_families:tiny_cogvideox_transformer",
+        geometry=None,
+        grid_axes=("frames", "height", "width"),
+        attention_sites=(("transformer_blocks", "attn1"),),
+        fixed_grid=False,
+        default_tokens=(13, 30, 45),  # 49x480x720, VAE 4x8x8, patch 1x2x2 (CogVideoX 1.0)
+        default_pixels=(49, 480, 720),
+        grid_source="frames_first",
+        patch_keys=("patch_size_t", "patch_size", "patch_size"),
+        joint=True,
+    ),
+    "sana-video": ModelFamily(
+        name="sana-video",
+        label="SANA-Video",
+        transformer_class_name="SanaVideoTransformer3DModel",
+        legacy_class_names=(),
+        mhla_transformer_path="mhla_diffusion.models.transformers:MHLASanaVideoTransformer3DModel",
+        processor_path="mhla_diffusion.models.processors.sana_video:SanaVideoMHLAProcessor",
+        pipeline_paths=("diffusers:SanaVideoPipeline", "diffusers:SanaImageToVideoPipeline"),
+        tiny_path="mhla_diffusion.models.tiny_families:tiny_sana_video_transformer",
+        geometry=None,
+        grid_axes=("frames", "height", "width"),
+        attention_sites=(("transformer_blocks", "attn1"),),
+        fixed_grid=False,
+        default_tokens=(21, 30, 52),  # 81x480x832, VAE 4x8x8, patch 1x2x2
+        default_pixels=(81, 480, 832),
+        patch_keys=("patch_size",),
+    ),
+    "flux": ModelFamily(
+        name="flux",
+        label="Flux",
+        transformer_class_name="FluxTransformer2DModel",
+        legacy_class_names=(),
+        mhla_transformer_path="mhla_diffusion.models.transformers:MHLAFluxTransformer2DModel",
+        processor_path="mhla_diffusion.models.processors.flux:FluxMHLAProcessor",
+        pipeline_paths=("diffusers:FluxPipeline", "diffusers:FluxImg2ImgPipeline"),
+        tiny_path="mhla_diffusion.models.tiny_families:tiny_flux_transformer",
+        geometry=None,
+        grid_axes=("rows", "columns"),
+        attention_sites=(("transformer_blocks", "attn"), ("single_transformer_blocks", "attn")),
+        fixed_grid=False,
+        default_tokens=(64, 64),  # 1024x1024, VAE x8, 2x2 packing
+        default_pixels=(1024, 1024),
+        grid_source="image_ids",
+        joint=True,
     ),
 }
 
@@ -163,7 +312,7 @@ FAMILIES: dict[str, ModelFamily] = {
 def family_named(name: str) -> ModelFamily:
     """The family called ``name`` (``"wan"`` or ``"dit"``), or a ``ValueError`` naming the choices."""
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}: expected {' or '.join(map(repr, FAMILIES))}")
+        raise ValueError(f"unknown model family {name!r}: expected one of {', '.join(map(repr, FAMILIES))}")
     return FAMILIES[name]
 
 
@@ -172,7 +321,7 @@ def family_of(transformer: Any) -> ModelFamily:
     for family in FAMILIES.values():
         if isinstance(transformer, family.transformer_class()):
             return family
-    supported = " and ".join(f.transformer_class_name for f in FAMILIES.values())
+    supported = ", ".join(f.transformer_class_name for f in FAMILIES.values())
     raise TypeError(f"MHLA supports Diffusers' {supported}, got {type(transformer).__name__}")
 
 

@@ -23,7 +23,16 @@ import re
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from diffusers import DiTTransformer2DModel, WanTransformer3DModel
+from diffusers import (
+    CogVideoXTransformer3DModel,
+    DiTTransformer2DModel,
+    FluxTransformer2DModel,
+    HunyuanVideoTransformer3DModel,
+    LTXVideoTransformer3DModel,
+    SanaVideoTransformer3DModel,
+    SkyReelsV2Transformer3DModel,
+    WanTransformer3DModel,
+)
 from diffusers.configuration_utils import register_to_config
 
 from ..config import MHLAConfig
@@ -32,7 +41,13 @@ from .conversion import MHLA_CONFIG_KEY, convert_to_mhla, sync_mhla_config
 from .processors.base import FP32_PARAMETERS
 
 __all__ = [
+    "MHLACogVideoXTransformer3DModel",
     "MHLADiTTransformer2DModel",
+    "MHLAFluxTransformer2DModel",
+    "MHLAHunyuanVideoTransformer3DModel",
+    "MHLALTXVideoTransformer3DModel",
+    "MHLASanaVideoTransformer3DModel",
+    "MHLASkyReelsV2Transformer3DModel",
     "MHLAWanTransformer3DModel",
     "apply_timestep_freq_shift",
     "set_timestep_freq_shift",
@@ -176,3 +191,32 @@ class MHLADiTTransformer2DModel(_MHLAConfigLoading, DiTTransformer2DModel):
             out = super().from_config(config, return_unused_kwargs=return_unused_kwargs, **kwargs)
         apply_timestep_freq_shift(out[0] if return_unused_kwargs else out)
         return out
+
+
+def _mhla_class(base: type) -> type:
+    """``base`` (a Diffusers transformer class) whose config holds its MHLA setting, as
+    :class:`MHLAWanTransformer3DModel` is for Wan: named ``MHLA<base name>``, defined in this module."""
+
+    @register_to_config
+    @_with_mhla_parameter(base.__init__)
+    def __init__(self: Any, *args: Any, mhla: MHLAConfig | dict | None = None, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        _init_mhla(self, mhla)
+
+    name = f"MHLA{base.__name__}"
+    namespace = {
+        "__init__": __init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"``{base.__name__}`` whose config holds its MHLA setting (``mhla``, see the module docstring).",
+        "_keep_in_fp32_modules": [*(getattr(base, "_keep_in_fp32_modules", None) or ()), *FP32_PARAMETERS],
+    }
+    return type(name, (_MHLAConfigLoading, base), namespace)
+
+
+MHLASkyReelsV2Transformer3DModel = _mhla_class(SkyReelsV2Transformer3DModel)
+MHLAHunyuanVideoTransformer3DModel = _mhla_class(HunyuanVideoTransformer3DModel)
+MHLALTXVideoTransformer3DModel = _mhla_class(LTXVideoTransformer3DModel)
+MHLACogVideoXTransformer3DModel = _mhla_class(CogVideoXTransformer3DModel)
+MHLASanaVideoTransformer3DModel = _mhla_class(SanaVideoTransformer3DModel)
+MHLAFluxTransformer2DModel = _mhla_class(FluxTransformer2DModel)

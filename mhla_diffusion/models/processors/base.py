@@ -32,6 +32,7 @@ from ...ops.block_layout import num_blocks
 from ...ops.causal import causal_mixing_init, mhla_causal_attention, mhla_causal_step
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ...ops.fused_op import mhla_attention_fused  # one custom op: torch.compile keeps the kernels
+from ...ops.joint import joint_mixing_init, mhla_joint_attention
 from ...ops.mixing import mixing_init
 from ...ops.teacher_forcing import mhla_causal_teacher_forcing
 from ...ops.triton_mhla import fused_available
@@ -120,6 +121,11 @@ class MHLAProcessor(nn.Module):
     num_axes: int = 0
     #: Initialise LePE as the identity (centre tap 1) instead of PyTorch's default init.
     lepe_identity_init: bool = False
+    #: Whether the layer attends over image and text tokens together: its mixing has one more row and column,
+    #: the text block's (:mod:`~mhla_diffusion.ops.joint`).
+    text_block: bool = False
+    #: Whether the family runs block-causal MHLA (Wan's attention: Wan, SkyReels-V2).
+    causal_support: bool = False
     #: Diffusers' ``enable_parallelism`` sets its ``ParallelConfig`` here (on every processor that has the
     #: attribute); with context parallelism each call then holds one process's tokens
     #: (:mod:`mhla_diffusion.ops.context_parallel`).
@@ -148,11 +154,19 @@ class MHLAProcessor(nn.Module):
         inner = heads * head_dim
 
         self.causal = config.causal
-        if config.causal and self.num_axes != 3:
+        if config.causal and not self.causal_support:
             raise ValueError(
-                f"`causal` MHLA runs forwards in time over video frames: {type(self).__name__} has no time axis; "
-                "use it with a Wan model, or convert without causal"
+                f"`causal` MHLA runs forwards in time over the video frames of Wan's attention: {type(self).__name__} "
+                "has no causal form; use it with a Wan or SkyReels-V2 model, or convert without causal"
             )
+        if self.text_block:
+            refused = [name for name, on in (("gate", config.gate), ("input_norm", config.input_norm)) if on]
+            if refused or config.normalization == "scalar_mixed_denominator":
+                what = ", ".join(refused) or "normalization='scalar_mixed_denominator'"
+                raise ValueError(
+                    f"joint text-image MHLA ({type(self).__name__}) has no {what}: those act on image tokens "
+                    "alone, or need equal-size blocks; convert without them"
+                )
         init = dict(
             normalization=config.mixing_normalization,
             exp_sigma=config.exp_sigma,
@@ -162,6 +176,8 @@ class MHLAProcessor(nn.Module):
             mixing = causal_mixing_init(layout[1:], config.causal_window, config.transform, **init)
         else:
             mixing = mixing_init(layout, config.transform, **init)
+        if self.text_block:  # (M + 1, M + 1): the text block last
+            mixing = joint_mixing_init(mixing)
         if config.per_head_mixing:
             mixing = mixing.expand(heads, *mixing.shape).clone()
         self.mixing = nn.Parameter(mixing, requires_grad=config.learnable_mixing)
@@ -230,6 +246,11 @@ class MHLAProcessor(nn.Module):
     @property
     def num_blocks(self) -> int:
         return num_blocks(self.layout)
+
+    @property
+    def feature_offset(self) -> float:
+        """The feature map's offset: ``φ(x) = ReLU(x) + feature_offset`` (the config's ``eps``)."""
+        return self.eps
 
     @property
     def fold_decay(self) -> torch.Tensor | None:
@@ -304,7 +325,9 @@ class MHLAProcessor(nn.Module):
         if self.normalization == "scalar_mixed_denominator" and plan.valid is not None:  # uneven or empty blocks
             check_equal_blocks(grid, self.layout, "this forward's token grid (latent size // patch size)")
         # the operator applies the feature map ReLU(x) + eps and RoPE (after it, numerator only) itself
-        features = dict(normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.eps, rotary=rotary_emb)
+        features = dict(
+            normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.feature_offset, rotary=rotary_emb
+        )
         if forced:
             out = self._teacher_forced(q, k, v, clip, layout, features)
         elif self.causal and self.stream is not None:  # one chunk of a stream (models/streaming.py)
@@ -326,7 +349,7 @@ class MHLAProcessor(nn.Module):
                 self.mixing,
                 cos=None if rotary_emb is None else rotary_emb[0],
                 sin=None if rotary_emb is None else rotary_emb[1],
-                feature_eps=self.eps,
+                feature_eps=self.feature_offset,
                 normalize=self.normalization,
                 eps=self.eps,
             )
@@ -337,6 +360,17 @@ class MHLAProcessor(nn.Module):
             out = mhla_attention_context_parallel(
                 q, k, v, grid, self.layout, self.mixing, shard, local_plan=local_plan, **features
             )
+        return self.extras(out, layer_input, v, grid, shard)
+
+    def extras(
+        self,
+        out: torch.Tensor,
+        layer_input: torch.Tensor | None,
+        v: torch.Tensor,
+        grid: tuple[int, ...],
+        shard: TokenShard | None = None,
+    ) -> torch.Tensor:
+        """The attention output ``(B, N, H, Dv)`` through the optional output RMSNorm, gate and LePE -> ``(B, N, H*Dv)``."""
         if self.out_norm is not None:
             out = head_rms_norm(out.to(v.dtype), self.out_norm.weight, self.out_norm.eps)
         out = out.flatten(2)
@@ -345,6 +379,58 @@ class MHLAProcessor(nn.Module):
         if self.lepe is not None:
             out = out + self._lepe(v.flatten(2), grid, shard)
         return out
+
+    def attend_features(
+        self,
+        layer_input: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_rot: torch.Tensor | None = None,
+        k_rot: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """MHLA of feature-mapped ``q, k`` ``(B, N, H, D)`` whose numerator's RoPE the family applied itself
+        (``q_rot``, ``k_rot``; LTX-Video rotates across the whole inner dim), plus the extras -> ``(B, N, H*D)``."""
+        self._refuse_context_parallel()
+        grid = self.grid_context.require(q.shape[1])
+        plan = self.grid_context.plan(self.layout, q.device)
+        out = mhla_attention(
+            q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization,
+            eps=self.eps, plan=plan,
+        )  # fmt: skip
+        return self.extras(out, layer_input, v, grid)
+
+    def attend_joint(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        text_q: torch.Tensor,
+        text_k: torch.Tensor,
+        text_v: torch.Tensor,
+        text_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Joint MHLA (:func:`~mhla_diffusion.ops.joint.mhla_joint_attention`) of the image tokens' projections ``q, k,
+        v`` ``(B, N, H, D)`` and the text tokens' ``(B, L, H, D)``; ``rotary_emb``: the image tokens' RoPE tables
+        ``(cos, sin)``, ``(1, N, 1, D)``. Returns ``(image (B, N, H*D), text (B, L, H*D))`` after the output RMSNorm
+        (both) and LePE (image)."""
+        self._refuse_context_parallel()
+        grid = self.grid_context.require(q.shape[1])
+        plan = self.grid_context.plan(self.layout, q.device)
+        image, text = mhla_joint_attention(
+            q, k, v, text_q, text_k, text_v, grid, self.layout, self.mixing, text_mask=text_mask,
+            normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.feature_offset, rotary=rotary_emb,
+        )  # fmt: skip
+        if self.out_norm is not None:
+            text = head_rms_norm(text.to(text_v.dtype), self.out_norm.weight, self.out_norm.eps)
+        return self.extras(image, None, v, grid), text.flatten(2)
+
+    def _refuse_context_parallel(self) -> None:
+        if self._parallel_config is not None:
+            raise ValueError(
+                f"{type(self).__name__} has no context-parallel form (Wan and DiT have one): run it on one process"
+            )
 
     def _context_shard(self, num_tokens: int) -> TokenShard | None:
         """This process's share of the sequence under context parallelism (``None`` without), checked

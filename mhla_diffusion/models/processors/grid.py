@@ -18,7 +18,15 @@ import torch
 from ...ops.block_layout import BlockPlan, block_plan
 from ...ops.context_parallel import LocalBlockPlan, local_block_plan
 
-__all__ = ["TokenGridContext", "TokenGridHook", "install_grid_hook", "remove_grid_hook"]
+__all__ = [
+    "LatentGrid",
+    "PositionIdGrid",
+    "SizeArgumentGrid",
+    "TokenGridContext",
+    "TokenGridHook",
+    "install_grid_hook",
+    "remove_grid_hook",
+]
 
 
 class TokenGridContext:
@@ -118,31 +126,89 @@ class TokenGridContext:
         return {**self.__dict__, "_plans": {}}
 
 
+class LatentGrid:
+    """The token grid of a latent input ``(B, C, *sizes)`` (``frames_first``: ``(B, F, C, H, W)``, CogVideoX):
+    ``sizes // patch_size`` per axis."""
+
+    def __init__(self, patch_size: Sequence[int], frames_first: bool = False) -> None:
+        self.patch_size, self.frames_first = tuple(int(p) for p in patch_size), frames_first
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        shape = tuple(latents.shape)
+        sizes = (shape[1], *shape[3:]) if self.frames_first else shape[2:]
+        if len(sizes) != len(self.patch_size) or len(shape) != len(self.patch_size) + 2:
+            layout = "(B, F, C, H, W)" if self.frames_first else f"(B, C, {len(self.patch_size)} grid axes)"
+            raise ValueError(f"expected latents {layout}, got shape {shape}")
+        return tuple(int(s) // p for s, p in zip(sizes, self.patch_size))
+
+
+class SizeArgumentGrid:
+    """The token grid of a packed input ``(B, N, C)`` whose forward takes its latent sizes as arguments (LTX-Video:
+    ``num_frames``, ``height``, ``width``), divided by the patch size per axis."""
+
+    def __init__(self, patch_size: Sequence[int], names: Sequence[str] = ("num_frames", "height", "width")) -> None:
+        self.patch_size, self.names = tuple(int(p) for p in patch_size), tuple(names)
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        missing = [name for name in self.names if kwargs.get(name) is None]
+        if missing:
+            raise ValueError(
+                f"MHLA needs the token grid: call the transformer with {', '.join(f'`{n}=`' for n in self.names)} "
+                f"(the latent sizes; missing {', '.join(missing)})"
+            )
+        return tuple(int(kwargs[name]) // p for name, p in zip(self.names, self.patch_size))
+
+
+class PositionIdGrid:
+    """The token grid of packed image tokens whose positions come as ids ``(N, 3)`` = ``(0, row, column)`` in
+    row-major order (Flux: ``img_ids``; a deprecated ``(B, N, 3)`` is read from its first sample)."""
+
+    def __init__(self, name: str = "img_ids") -> None:
+        self.name = name
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        ids = kwargs.get(self.name)
+        if ids is None:
+            raise ValueError(f"MHLA needs the token grid: call the transformer with `{self.name}=` (the image ids)")
+        ids = ids[0] if ids.ndim == 3 else ids
+        rows, columns = (int(ids[:, axis].max().item()) + 1 for axis in (1, 2))
+        expected = torch.stack(
+            torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij"), dim=-1
+        ).reshape(-1, 2)
+        if ids.shape[0] != rows * columns or not torch.equal(ids[:, 1:].round().long().cpu(), expected):
+            raise ValueError(
+                f"MHLA cannot know the token grid: `{self.name}` {tuple(ids.shape)} are not the (0, row, column) ids of "
+                "one row-major image (as FluxPipeline makes them); pass the image's own ids"
+            )
+        return rows, columns
+
+
 class TokenGridHook:
-    """Forward pre-hook that records ``latent spatial shape // patch size`` in a :class:`TokenGridContext`.
+    """Forward pre-hook that records the token grid of every call in a :class:`TokenGridContext`, as ``grid_of``
+    (a :class:`LatentGrid`, :class:`SizeArgumentGrid` or :class:`PositionIdGrid`) reads it from the call.
 
     A callable object rather than a closure, so that ``copy.deepcopy(transformer)`` (EMA copies)
     gives the copy its own context shared with the copy's processors.
     """
 
-    def __init__(self, context: TokenGridContext, patch_size: tuple[int, ...]) -> None:
+    def __init__(self, context: TokenGridContext, grid_of: Any) -> None:
         self.context = context
-        self.patch_size = tuple(int(p) for p in patch_size)
+        self.grid_of = grid_of if callable(grid_of) else LatentGrid(grid_of)  # a patch size: latents (B, C, ...)
+
+    @property
+    def patch_size(self) -> tuple[int, ...]:
+        return self.grid_of.patch_size
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        spatial = latents.shape[2:]
-        if len(spatial) != len(self.patch_size):
-            raise ValueError(
-                f"expected latents with {len(self.patch_size)} grid axes after (B, C), got shape {tuple(latents.shape)}"
-            )
-        self.context.set_grid(tuple(int(s) // p for s, p in zip(spatial, self.patch_size)))
+        self.context.set_grid(self.grid_of(args, kwargs))
 
 
-def install_grid_hook(transformer: torch.nn.Module, patch_size: tuple[int, ...], context: TokenGridContext) -> None:
-    """Make ``transformer`` record its token grid in ``context`` (replacing an earlier grid hook)."""
+def install_grid_hook(transformer: torch.nn.Module, grid_of: Any, context: TokenGridContext) -> None:
+    """Make ``transformer`` record its token grid in ``context`` (replacing an earlier grid hook); ``grid_of``: a
+    grid reader (:class:`LatentGrid`, ...) or the patch size of a latent input ``(B, C, *sizes)``."""
     remove_grid_hook(transformer)
-    transformer.register_forward_pre_hook(TokenGridHook(context, patch_size), with_kwargs=True)
+    transformer.register_forward_pre_hook(TokenGridHook(context, grid_of), with_kwargs=True)
 
 
 def remove_grid_hook(transformer: torch.nn.Module) -> None:

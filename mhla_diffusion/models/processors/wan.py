@@ -30,6 +30,7 @@ class WanMHLAProcessor(MHLAProcessor):
     """
 
     num_axes = 3
+    causal_support = True
 
     def forward(
         self,
