@@ -115,8 +115,8 @@ def _convert_config(
     until a model is loaded), which turn ``--target-size`` (and Wan's 480p default) into a token grid."""
     from ..config import MHLAConfig
 
-    rules = None if family is None else _RULES[family]
-    if geometry is None and family is not None:
+    rules = None if family is None else _rules(family)
+    if geometry is None and family is not None and family_named(family).geometry is not None:
         geometry = family_named(family).geometry()
     if rules is not None and args.preset in rules.refused_presets:
         raise ValueError(rules.refused_presets[args.preset])
@@ -133,6 +133,9 @@ def _convert_config(
         options["target_grid"] = args.target_grid
     if args.target_size is not None and rules is not None:
         size = "x".join(map(str, args.target_size))
+        if rules.token_grid is None:
+            label = family_named(family).label
+            raise ValueError(f"--target-size needs Wan's or DiT's size rules; for {label} give --target-grid (tokens)")
         if len(args.target_size) != len(rules.size_example):
             example = "x".join(map(str, rules.size_example))
             raise ValueError(f"--target-size for {family_named(family).label} is {rules.size_format}, e.g. {example}")
@@ -223,8 +226,8 @@ class _FamilyRules:
     #: How ``--target-size`` is written for the family, and an example size.
     size_format: str
     size_example: tuple[int, ...]
-    #: Pixel size -> token grid, with the model's geometry.
-    token_grid: Callable[[Any, Sequence[int]], tuple[int, ...]]
+    #: Pixel size -> token grid, with the model's geometry (``None``: the family has no size rules of ours).
+    token_grid: Callable[[Any, Sequence[int]], tuple[int, ...]] | None
     #: ``(transformer config, layout, equal_blocks, generator)`` -> (latents, forward kwargs) of the before/after check.
     random_inputs: Callable[..., tuple[Any, dict[str, Any]]]
     #: ``--preset`` values refused for the family, with their messages.
@@ -257,6 +260,34 @@ _RULES: dict[str, _FamilyRules] = {
 }
 
 
+def _stock_family_inputs(family: str) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    """The before/after check's input of a family converted through its stock Diffusers classes: random
+    inputs from the transformer's config on a token grid of one token per block."""
+
+    def inputs(cfg, layout: Sequence[int], equal_blocks: bool, g) -> tuple[Any, dict[str, Any]]:
+        from ..models.tiny_families import tiny_family_inputs
+
+        kwargs = tiny_family_inputs(family, tuple(layout), batch=1, seed=int(g.initial_seed()), config=cfg)
+        return kwargs.pop("hidden_states"), kwargs
+
+    return inputs
+
+
+def _rules(family: str) -> _FamilyRules:
+    """What ``mhla convert`` does for ``family``: its row of :data:`_RULES`, or the stock-pipeline families' rules."""
+    if family in _RULES:
+        return _RULES[family]
+    axes = len(family_named(family).grid_axes)
+    return _FamilyRules(
+        size_format="a token grid (--target-grid)",
+        size_example=(1,) * axes,
+        token_grid=None,
+        random_inputs=_stock_family_inputs(family),
+        refused_presets={},
+        without_vae=None,
+    )
+
+
 def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks: bool = False):
     """A small random input for the before/after check (fixed seed), with a token grid >= the layout
     (a multiple of it with ``equal_blocks``, which the scalar-mixed denominator needs), on the model's device
@@ -264,14 +295,18 @@ def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks
     import torch
 
     parameter = next(transformer.parameters())
-    latents, kwargs = _RULES[family].random_inputs(
+    latents, kwargs = _rules(family).random_inputs(
         transformer.config, layout, equal_blocks, torch.Generator().manual_seed(0)
     )
 
-    def place(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_floating_point():
-            return tensor.to(parameter.device, parameter.dtype)
-        return tensor.to(parameter.device)
+    def place(value: Any) -> Any:
+        if isinstance(value, tuple):  # RoPE tables
+            return tuple(place(table) for table in value)
+        if not isinstance(value, torch.Tensor):  # sizes
+            return value
+        if value.is_floating_point():
+            return value.to(parameter.device, parameter.dtype)
+        return value.to(parameter.device)
 
     return place(latents), {name: place(value) for name, value in kwargs.items()}
 
@@ -374,9 +409,10 @@ def run(args: argparse.Namespace) -> int:
         transformer = load().eval()
         family = model_family(transformer)
         if config is None:  # from the first transformer: a pipeline's transformers share their architecture
-            geometry = family_named(family).geometry.from_configs(transformer.config, vae_config)
+            spec = family_named(family)
+            geometry = None if spec.geometry is None else spec.geometry.from_configs(transformer.config, vae_config)
             uses_size = args.target_size is not None or (args.layout in (None, "auto") and args.target_grid is None)
-            note = _RULES[family].without_vae
+            note = _rules(family).without_vae
             if note is not None and vae_config is None and uses_size and args.tiny is None:
                 print(note)
             config = _convert_config(args, family, geometry)

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..models.conversion import get_mhla_conversion, mhla_parameter_names, sync_mhla_config
-from ..models.families import family_for_class_name, family_named
+from ..models.families import FAMILIES, family_for_class_name, family_named
 from .weight_files import (
     DIFFUSERS_INDEX,
     DIFFUSERS_WEIGHTS,
@@ -181,7 +181,7 @@ def load_mhla(
 
 
 def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None, **kwargs: Any) -> nn.Module:
-    """Load a base Wan or DiT transformer from a local folder or hub id with Diffusers' ``from_pretrained``.
+    """Load a base transformer of a supported family (:data:`~mhla_diffusion.models.families.FAMILIES`) from a local folder or hub id with Diffusers' ``from_pretrained``.
 
     ``source`` may be a transformer folder or a whole pipeline folder (then ``subfolder`` defaults
     to ``"transformer"``). ``kwargs`` (``dtype``, ``revision``, ...) pass through.
@@ -199,7 +199,8 @@ def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None,
     family = family_for_class_name(class_name)  # hub DiT checkpoints (facebook/DiT-XL-2-256) record a legacy name
     if family is None:
         raise ValueError(
-            f"{source} holds a {class_name!r}; MHLA supports WanTransformer3DModel and DiTTransformer2DModel"
+            f"{source} holds a {class_name!r}; MHLA supports "
+            + ", ".join(f.transformer_class_name for f in FAMILIES.values())
         )
     import diffusers
 

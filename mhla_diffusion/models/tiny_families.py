@@ -7,7 +7,7 @@ Each builder returns the model in eval mode and a matching forward input (``(arg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -22,111 +22,164 @@ __all__ = [
 ]
 
 
-def _build(class_name: str, config: dict[str, Any], overrides: dict[str, Any], seed: int) -> Any:
+#: The tiny configs (Diffusers' model tests' sizes), by family; ``num_layers`` is the builders' argument.
+_TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "skyreels-v2": dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=256, ffn_dim=32, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ),
+    "hunyuan-video": dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_single_layers=1,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
+        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+    ),
+    "ltx-video": dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+        qk_norm="rms_norm_across_heads", caption_channels=16,
+    ),
+    # CogVideoX 1.5's layout (RoPE, patch 2x2x2), with heads of 16 so that its 3-D RoPE splits evenly
+    "cogvideox": dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=2,
+        text_embed_dim=8, sample_width=8, sample_height=8, sample_frames=8, patch_size=2, patch_size_t=2,
+        temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True,
+    ),
+    "sana-video": dict(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=12, num_cross_attention_heads=2,
+        cross_attention_head_dim=12, cross_attention_dim=24, caption_channels=16, mlp_ratio=2.5, dropout=0.0,
+        attention_bias=False, sample_size=8, patch_size=(1, 2, 2), norm_elementwise_affine=False, norm_eps=1e-6,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    ),
+    "flux": dict(
+        patch_size=1, in_channels=4, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    ),
+}  # fmt: skip
+_CLASSES = {
+    "skyreels-v2": "SkyReelsV2Transformer3DModel",
+    "hunyuan-video": "HunyuanVideoTransformer3DModel",
+    "ltx-video": "LTXVideoTransformer3DModel",
+    "cogvideox": "CogVideoXTransformer3DModel",
+    "sana-video": "SanaVideoTransformer3DModel",
+    "flux": "FluxTransformer2DModel",
+}
+
+
+def _build(family: str, num_layers: int, seed: int, overrides: dict[str, Any]) -> Any:
     import diffusers
 
     torch.manual_seed(seed)
-    return getattr(diffusers, class_name)(**{**config, **overrides}).eval()
+    config = {**_TINY_CONFIGS[family], "num_layers": num_layers, **overrides}
+    return getattr(diffusers, _CLASSES[family])(**config).eval()
 
 
 def tiny_skyreels_v2_transformer(num_layers: int = 2, seed: int = 0, **overrides: Any) -> Any:
     """A ``SkyReelsV2Transformer3DModel``: 2 heads of 12, patch 1x2x2."""
-    config = dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=256, ffn_dim=32, num_layers=num_layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    )  # fmt: skip
-    return _build("SkyReelsV2Transformer3DModel", config, overrides, seed)
+    return _build("skyreels-v2", num_layers, seed, overrides)
 
 
 def tiny_hunyuan_video_transformer(num_layers: int = 1, seed: int = 0, **overrides: Any) -> Any:
     """A ``HunyuanVideoTransformer3DModel``: 2 heads of 10, one double- and one single-stream block, patch 1."""
-    config = dict(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=num_layers,
-        num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
-        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
-    )  # fmt: skip
-    return _build("HunyuanVideoTransformer3DModel", config, overrides, seed)
+    return _build("hunyuan-video", num_layers, seed, overrides)
 
 
 def tiny_ltx_video_transformer(num_layers: int = 1, seed: int = 0, **overrides: Any) -> Any:
     """An ``LTXVideoTransformer3DModel``: 2 heads of 8, patch 1."""
-    config = dict(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
-        num_layers=num_layers, qk_norm="rms_norm_across_heads", caption_channels=16,
-    )  # fmt: skip
-    return _build("LTXVideoTransformer3DModel", config, overrides, seed)
+    return _build("ltx-video", num_layers, seed, overrides)
 
 
 def tiny_cogvideox_transformer(num_layers: int = 2, seed: int = 0, **overrides: Any) -> Any:
     """A ``CogVideoXTransformer3DModel`` (1.5 layout: RoPE, patch 2x2x2): 2 heads of 16, 8 text tokens."""
-    config = dict(
-        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=2,
-        text_embed_dim=8, num_layers=num_layers, sample_width=8, sample_height=8, sample_frames=8, patch_size=2,
-        patch_size_t=2, temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True,
-    )  # fmt: skip
-    return _build("CogVideoXTransformer3DModel", config, overrides, seed)
+    return _build("cogvideox", num_layers, seed, overrides)
 
 
 def tiny_sana_video_transformer(num_layers: int = 2, seed: int = 0, **overrides: Any) -> Any:
     """A ``SanaVideoTransformer3DModel``: 2 heads of 12, patch 1x2x2."""
-    config = dict(
-        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=12, num_layers=num_layers,
-        num_cross_attention_heads=2, cross_attention_head_dim=12, cross_attention_dim=24, caption_channels=16,
-        mlp_ratio=2.5, dropout=0.0, attention_bias=False, sample_size=8, patch_size=(1, 2, 2),
-        norm_elementwise_affine=False, norm_eps=1e-6, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    )  # fmt: skip
-    return _build("SanaVideoTransformer3DModel", config, overrides, seed)
+    return _build("sana-video", num_layers, seed, overrides)
 
 
 def tiny_flux_transformer(num_layers: int = 1, seed: int = 0, **overrides: Any) -> Any:
     """A ``FluxTransformer2DModel``: 2 heads of 16, one double- and one single-stream block."""
-    config = dict(
-        patch_size=1, in_channels=4, num_layers=num_layers, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
-    )  # fmt: skip
-    return _build("FluxTransformer2DModel", config, overrides, seed)
+    return _build("flux", num_layers, seed, overrides)
 
 
-def tiny_family_inputs(family: str, grid: tuple[int, ...] = (2, 4, 6), batch: int = 2, seed: int = 0,
-                       text_length: int = 5) -> dict[str, Any]:  # fmt: skip
-    """Keyword arguments of one forward of the tiny ``family`` transformer on the token ``grid`` (frames, height,
-    width; Flux: rows, columns), with ``text_length`` text tokens (the second sample's prompt 2 shorter where
-    the family takes a text mask)."""
+def tiny_family_inputs(
+    family: str,
+    grid: tuple[int, ...] = (2, 4, 6),
+    batch: int = 2,
+    seed: int = 0,
+    text_length: int = 5,
+    config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of one random forward of a ``family`` transformer (the tiny one, or one with ``config``) on
+    the token ``grid`` (frames, height, width; Flux: rows, columns), with ``text_length`` text tokens (HunyuanVideo:
+    the last sample's prompt 2 tokens shorter, right-padded as its pipeline pads)."""
+    config = config if config is not None else _TINY_CONFIGS[family]
     g = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    timestep = torch.tensor([500.0] * batch)
-    if family == "skyreels-v2":
-        f, h, w = grid
-        return dict(hidden_states=randn(batch, 4, f, 2 * h, 2 * w), timestep=timestep,
-                    encoder_hidden_states=randn(batch, text_length, 16))  # fmt: skip
-    if family == "sana-video":
-        f, h, w = grid
-        return dict(hidden_states=randn(batch, 16, f, 2 * h, 2 * w), timestep=timestep,
-                    encoder_hidden_states=randn(batch, text_length, 16))  # fmt: skip
+    timestep = torch.full((batch,), 500.0)
+    channels = config.get("in_channels", 4)
+    if family in ("skyreels-v2", "sana-video"):
+        (pt, ph, pw), (f, h, w) = config.get("patch_size", (1, 2, 2)), grid
+        text_dim = config["text_dim"] if family == "skyreels-v2" else config["caption_channels"]
+        return dict(
+            hidden_states=randn(batch, channels, f * pt, h * ph, w * pw),
+            timestep=timestep,
+            encoder_hidden_states=randn(batch, text_length, text_dim),
+        )
     if family == "hunyuan-video":
+        pt, p = config.get("patch_size_t", 1), config.get("patch_size", 2)
+        f, h, w = grid
         mask = torch.ones(batch, text_length)
-        mask[-1, text_length - 2 :] = 0  # right-padded, as HunyuanVideoPipeline pads
-        return dict(hidden_states=randn(batch, 4, *grid), timestep=timestep, encoder_hidden_states=randn(batch, text_length, 16),
-                    encoder_attention_mask=mask, pooled_projections=randn(batch, 8), guidance=torch.tensor([3.0] * batch))  # fmt: skip
+        mask[-1, text_length - 2 :] = 0
+        guidance = dict(guidance=torch.full((batch,), 3.0)) if config.get("guidance_embeds", True) else {}
+        return dict(
+            hidden_states=randn(batch, channels, f * pt, h * p, w * p),
+            timestep=timestep,
+            encoder_hidden_states=randn(batch, text_length, config["text_embed_dim"]),
+            encoder_attention_mask=mask,
+            pooled_projections=randn(batch, config["pooled_projection_dim"]),
+            **guidance,
+        )
     if family == "ltx-video":
         f, h, w = grid
-        return dict(hidden_states=randn(batch, f * h * w, 4), encoder_hidden_states=randn(batch, text_length, 16),
-                    timestep=timestep.long(), encoder_attention_mask=torch.ones(batch, text_length, dtype=torch.bool),
-                    num_frames=f, height=h, width=w)  # fmt: skip
+        return dict(
+            hidden_states=randn(batch, f * h * w, channels),
+            encoder_hidden_states=randn(batch, text_length, config["caption_channels"]),
+            timestep=timestep.long(),
+            encoder_attention_mask=torch.ones(batch, text_length, dtype=torch.bool),
+            num_frames=f,
+            height=h,
+            width=w,
+        )
     if family == "cogvideox":
+        pt, p = config.get("patch_size_t") or 1, config["patch_size"]
         f, h, w = grid
-        return dict(hidden_states=randn(batch, 2 * f, 4, 2 * h, 2 * w), encoder_hidden_states=randn(batch, 8, 8),
-                    timestep=timestep.long(), image_rotary_emb=_cogvideox_rotary((f, h, w), 16))  # fmt: skip
+        rotary = {}
+        if config.get("use_rotary_positional_embeddings"):
+            rotary = dict(image_rotary_emb=_cogvideox_rotary(grid, config["attention_head_dim"]))
+        return dict(
+            hidden_states=randn(batch, f * pt, channels, h * p, w * p),
+            encoder_hidden_states=randn(batch, config["max_text_seq_length"], config["text_embed_dim"]),
+            timestep=timestep.long(),
+            **rotary,
+        )
     if family == "flux":
         rows, columns = grid
         ids = torch.zeros(rows, columns, 3)
         ids[..., 1] += torch.arange(rows)[:, None]
         ids[..., 2] += torch.arange(columns)[None, :]
-        return dict(hidden_states=randn(batch, rows * columns, 4), encoder_hidden_states=randn(batch, text_length, 32),
-                    pooled_projections=randn(batch, 32), timestep=timestep / 1000, img_ids=ids.reshape(-1, 3),
-                    txt_ids=torch.zeros(text_length, 3))  # fmt: skip
-    raise ValueError(f"no tiny inputs for family {family!r}")
+        guidance = dict(guidance=torch.full((batch,), 3.5)) if config.get("guidance_embeds") else {}
+        return dict(
+            hidden_states=randn(batch, rows * columns, channels),
+            encoder_hidden_states=randn(batch, text_length, config["joint_attention_dim"]),
+            pooled_projections=randn(batch, config["pooled_projection_dim"]),
+            timestep=timestep / 1000,
+            img_ids=ids.reshape(-1, 3),
+            txt_ids=torch.zeros(text_length, 3),
+            **guidance,
+        )
+    raise ValueError(f"no inputs for family {family!r}")
 
 
 def _cogvideox_rotary(grid: tuple[int, int, int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,7 +119,7 @@ def test_the_causal_setting_is_saved_and_loaded(tmp_path, fold):
 
 
 def test_dit_refuses_the_causal_setting():
-    with pytest.raises(ValueError, match="no time axis"):
+    with pytest.raises(ValueError, match="has no causal form"):
         convert_to_mhla(tiny_dit_transformer(), MHLAConfig(causal=True))
 
 

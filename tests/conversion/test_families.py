@@ -31,7 +31,7 @@ def test_each_family_names_its_classes_geometry_and_processor(request, name, bas
     assert all(issubclass(cls, pipeline) for cls in family.pipeline_classes()[:1])
     assert len(family.patch_grid(transformer.config)) == len(family.grid_axes)
     layers = [n for n, _ in self_attention_layers(transformer)]
-    assert layers and all(n.startswith(f"{family.blocks_attribute}.") for n in layers)
+    assert layers and all(n.startswith(f"{family.attention_sites[0][0]}.") for n in layers)
     layout = (1,) * len(family.grid_axes) if name == "dit" else (1, 2, 2)
     conversion = convert_to_mhla(transformer, MHLAConfig(layers=[0], layout=layout, target_grid=None))
     processor = dict(transformer.named_modules())[conversion.layer_names[0]].processor
@@ -41,8 +41,8 @@ def test_each_family_names_its_classes_geometry_and_processor(request, name, bas
 def test_unknown_families_and_class_names_are_named():
     assert family_for_class_name("Transformer2DModel") is FAMILIES["dit"]  # the legacy name hub DiT configs record
     assert family_for_class_name("UNet2DConditionModel") is None
-    with pytest.raises(ValueError, match="unknown model family 'sd': expected 'wan' or 'dit'"):
+    with pytest.raises(ValueError, match="unknown model family 'sd': expected one of 'wan', 'dit', 'skyreels-v2',"):
         family_named("sd")
-    supported = "MHLA supports Diffusers' WanTransformer3DModel and DiTTransformer2DModel, got Linear"
+    supported = "MHLA supports Diffusers' WanTransformer3DModel, DiTTransformer2DModel, SkyReelsV2Transformer3DModel, .*got Linear"
     with pytest.raises(TypeError, match=supported):
         family_of(torch.nn.Linear(2, 2))

@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhla_diffusion import MHLAConfig, convert_to_mhla, get_mhla_conversion, revert_mhla, softmax_attention
+from mhla_diffusion import (
+    MHLAConfig,
+    auto_layout,
+    convert_to_mhla,
+    get_mhla_conversion,
+    revert_mhla,
+    softmax_attention,
+    video_token_grid,
+)
 from mhla_diffusion.models.conversion import mhla_parameter_names, self_attention_layers
 from mhla_diffusion.models.families import FAMILIES, family_of
 from mhla_diffusion.models.processors.base import MHLAProcessor
@@ -159,3 +167,26 @@ def test_skyreels_block_causal_mask_is_replaced_by_causal_mhla():
     assert not torch.allclose(out_later[:, :, 2:], out[:, :, 2:])
     processor = model.blocks[0].attn1.processor
     assert processor.frames_per_row == 2 and processor.causal_layout((4, 2, 3)) == (2, 2, 3)
+
+
+#: Each family's published default size in the size rules of its VAE (time, space) and patch (time, space).
+DEFAULT_RULES = {
+    "skyreels-v2": ((4, 8, 8), (1, 2, 2)),
+    "hunyuan-video": ((4, 8, 8), (1, 2, 2)),
+    "ltx-video": ((8, 32, 32), (1, 1, 1)),
+    "cogvideox": ((4, 8, 8), (1, 2, 2)),
+    "sana-video": ((4, 8, 8), (1, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_the_default_layout_is_chosen_for_the_published_default_size(name):
+    family = FAMILIES[name]
+    if name == "flux":  # 1024 px, VAE x8 and Flux's 2x2 packing
+        grid = tuple(side // 16 for side in family.default_pixels)
+    else:
+        vae, patch = DEFAULT_RULES[name]
+        grid = video_token_grid(*family.default_pixels, patch_size=patch, vae_scale=vae)
+    conversion = convert_to_mhla(family.tiny_transformer(), MHLAConfig())
+    assert conversion.grid == grid and conversion.layout == auto_layout(grid)
+    assert "x".join(map(str, family.default_pixels)) in conversion.grid_origin
