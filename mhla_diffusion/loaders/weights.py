@@ -181,7 +181,8 @@ def load_mhla(
 
 
 def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None, **kwargs: Any) -> nn.Module:
-    """Load a base transformer of a supported family (:data:`~mhla_diffusion.models.families.FAMILIES`) from a local folder or hub id with Diffusers' ``from_pretrained``.
+    """Load a base transformer of a supported family (:data:`~mhla_diffusion.models.families.FAMILIES`) from a local
+    folder or hub id with Diffusers' ``from_pretrained``.
 
     ``source`` may be a transformer folder or a whole pipeline folder (then ``subfolder`` defaults
     to ``"transformer"``). ``kwargs`` (``dtype``, ``revision``, ...) pass through.

@@ -73,7 +73,9 @@ class ModelFamily:
     def __post_init__(self) -> None:
         defaults = (self.default_size is not None) + (self.default_tokens is not None) + self.fixed_grid
         if defaults != 1:
-            raise ValueError(f"family {self.name!r}: give exactly one of `default_size`, `default_tokens`, `fixed_grid`")
+            raise ValueError(
+                f"family {self.name!r}: give exactly one of `default_size`, `default_tokens`, `fixed_grid`"
+            )
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -106,7 +108,10 @@ class ModelFamily:
             config, patch = transformer_config or {}, []
             for key in self.patch_keys:
                 value = key if isinstance(key, int) else config.get(key)
-                patch.extend(int(p) for p in value) if isinstance(value, (list, tuple)) else patch.append(int(value or 1))
+                if isinstance(value, (list, tuple)):
+                    patch.extend(int(p) for p in value)
+                else:
+                    patch.append(int(value or 1))
             return tuple(patch)
         patch = self.geometry.from_configs(transformer_config).patch_size
         return tuple(patch) if isinstance(patch, tuple) else (patch,) * len(self.grid_axes)

@@ -370,7 +370,8 @@ class MHLAProcessor(nn.Module):
         grid: tuple[int, ...],
         shard: TokenShard | None = None,
     ) -> torch.Tensor:
-        """The attention output ``(B, N, H, Dv)`` through the optional output RMSNorm, gate and LePE -> ``(B, N, H*Dv)``."""
+        """The attention output ``(B, N, H, Dv)`` through the optional output RMSNorm, gate and LePE ->
+        ``(B, N, H*Dv)``."""
         if self.out_norm is not None:
             out = head_rms_norm(out.to(v.dtype), self.out_norm.weight, self.out_norm.eps)
         out = out.flatten(2)

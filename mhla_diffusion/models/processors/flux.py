@@ -19,7 +19,8 @@ __all__ = ["FluxMHLAProcessor"]
 def _projections(attn: torch.nn.Module, x: torch.Tensor, added: bool) -> tuple[torch.Tensor, ...]:
     """``q, k, v`` ``(B, S, H, D)`` of one stream of a ``FluxAttention``, normed per head (fused or separate)."""
     if added:
-        fused, separate, norms = "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k")
+        fused, separate = "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")
+        norms = ("norm_added_q", "norm_added_k")
     else:
         fused, separate, norms = "to_qkv", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k")
     if getattr(attn, "fused_projections", False) and hasattr(attn, fused):

@@ -178,8 +178,8 @@ class PositionIdGrid:
         ).reshape(-1, 2)
         if ids.shape[0] != rows * columns or not torch.equal(ids[:, 1:].round().long().cpu(), expected):
             raise ValueError(
-                f"MHLA cannot know the token grid: `{self.name}` {tuple(ids.shape)} are not the (0, row, column) ids of "
-                "one row-major image (as FluxPipeline makes them); pass the image's own ids"
+                f"MHLA cannot know the token grid: `{self.name}` {tuple(ids.shape)} are not the (0, row, column) "
+                "ids of one row-major image (as FluxPipeline makes them); pass the image's own ids"
             )
         return rows, columns
 
