@@ -69,7 +69,7 @@ def test_default_layout_with_equal_blocks_divides_the_default_grid(request):
         assert all(g % b == 0 for g, b in zip(grid, conversion.layout))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", SIZED)
 def test_mhla_convert_chooses_the_same_default_layout(tmp_path, capsys, request, name):
     """``mhla convert`` with no layout, size or grid uses the same rule as ``convert_to_mhla``."""
     out = tmp_path / "mhla"

@@ -9,7 +9,10 @@ converted model. Used by ``run.sh``; it is not part of this project's own suite 
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
 
 from mhla_diffusion import MHLAConfig
 from mhla_diffusion.models.families import family_for_class_name
@@ -35,7 +38,32 @@ def _mhla_config_class(config_class: type) -> None:
 
     config_class.model_class = property(lambda self: mhla_class)
     config_class.get_init_dict = get_init_dict
+    if os.environ.get("MHLA_IMAGE_IDS") == "1" and hasattr(config_class, "get_dummy_inputs"):
+        config_class.get_dummy_inputs = _with_image_ids(config_class.get_dummy_inputs)
     config_class._mhla_patched = True
+
+
+def _with_image_ids(get_dummy_inputs: Any) -> Any:
+    """``get_dummy_inputs`` whose Flux ``img_ids`` / ``txt_ids`` are the ones ``FluxPipeline`` makes (``(0, row,
+    column)`` of one image, text ids 0) instead of random numbers, which give no token grid (``MHLA_IMAGE_IDS=1``)."""
+
+    def inputs(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = get_dummy_inputs(self, *args, **kwargs)
+        if "img_ids" not in out:
+            return out
+        ids = out["img_ids"]
+        n = ids.shape[-2]
+        rows = int(n**0.5)
+        while n % rows:
+            rows -= 1
+        grid = torch.zeros(rows, n // rows, 3, dtype=ids.dtype, device=ids.device)
+        grid[..., 1] += torch.arange(rows, device=ids.device)[:, None].to(ids.dtype)
+        grid[..., 2] += torch.arange(n // rows, device=ids.device)[None, :].to(ids.dtype)
+        out["img_ids"] = grid.reshape(-1, 3).expand(ids.shape).clone()
+        out["txt_ids"] = torch.zeros_like(out["txt_ids"])
+        return out
+
+    return inputs
 
 
 def pytest_collection_modifyitems(session: Any, config: Any, items: list) -> None:

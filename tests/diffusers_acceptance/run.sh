@@ -12,7 +12,7 @@ trap 'rm -rf "$work"' EXIT
 git -C "$repo" archive HEAD tests | tar -x -C "$work"
 cd "$work"
 files=()
-for name in wan dit skyreels_v2 hunyuan_video ltx cogvideox sana_video flux; do
+for name in ${MHLA_FAMILIES:-wan dit skyreels_v2 hunyuan_video ltx cogvideox sana_video flux}; do
     case "$name" in dit) file=tests/models/transformers/test_models_dit_transformer2d.py ;;
                     *) file=tests/models/transformers/test_models_transformer_${name}.py ;; esac
     files+=("$file")
