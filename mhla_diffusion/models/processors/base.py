@@ -47,6 +47,7 @@ __all__ = [
     "apply_interleaved_rotary",
     "head_rms_norm",
     "kept_in_fp32",
+    "rotary_rows",
 ]
 
 #: The processor parameters (by first name component) that stay float32 when the model is cast to a half
@@ -89,6 +90,13 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     scale = torch.rsqrt(mean_square + eps).to(x.dtype)
     out = x * scale
     return out.mul_(weight.to(x.dtype))
+
+
+def rotary_rows(tables: tuple[torch.Tensor, torch.Tensor] | None, rows: slice) -> tuple[torch.Tensor, ...] | None:
+    """Diffusers' shared RoPE tables ``(S, D)`` (every head alike) as the operator's ``(1, n, 1, D)``, for ``rows``."""
+    if tables is None:
+        return None
+    return tuple(table[rows][None, :, None, :] for table in tables)
 
 
 #: The refusal of context parallelism for causal MHLA layers (by :func:`enable_context_parallel` and the processors).

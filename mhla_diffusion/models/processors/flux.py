@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MHLAProcessor
-from .hunyuan_video import rotary_rows
+from .base import MHLAProcessor, rotary_rows
 
 __all__ = ["FluxMHLAProcessor"]
 

@@ -196,10 +196,6 @@ class TokenGridHook:
         self.context = context
         self.grid_of = grid_of if callable(grid_of) else LatentGrid(grid_of)  # a patch size: latents (B, C, ...)
 
-    @property
-    def patch_size(self) -> tuple[int, ...]:
-        return self.grid_of.patch_size
-
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         self.context.set_grid(self.grid_of(args, kwargs))
 

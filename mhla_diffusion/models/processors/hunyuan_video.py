@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MHLAProcessor
+from .base import MHLAProcessor, rotary_rows
 
 __all__ = ["HunyuanVideoMHLAProcessor", "text_mask_of"]
 
@@ -24,13 +24,6 @@ def text_mask_of(attention_mask: torch.Tensor | None, num_image: int, text_last:
         raise ValueError(f"joint MHLA takes a boolean attention mask (True: attend), got {attention_mask.dtype}")
     keys = attention_mask.reshape(attention_mask.shape[0], -1)
     return keys[:, num_image:] if text_last else keys[:, : keys.shape[1] - num_image]
-
-
-def rotary_rows(tables: tuple[torch.Tensor, torch.Tensor] | None, rows: slice) -> tuple[torch.Tensor, ...] | None:
-    """Diffusers' shared RoPE tables ``(S, D)`` (every head alike) as the operator's ``(1, n, 1, D)``, for ``rows``."""
-    if tables is None:
-        return None
-    return tuple(table[rows][None, :, None, :] for table in tables)
 
 
 class HunyuanVideoMHLAProcessor(MHLAProcessor):
