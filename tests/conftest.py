@@ -250,3 +250,27 @@ def wan_family_dirs(tmp_path_factory):
         pipe.save_mhla(root / f"{variant}-mhla")
         dirs[variant], dirs[f"{variant}-mhla"] = root / variant, root / f"{variant}-mhla"
     return dirs
+
+
+@pytest.fixture(scope="session")
+def family_pipeline_dirs(tmp_path_factory):
+    """Tiny stock pipelines of other families (``tiny_family_pipeline``: ``skyreels-v2``, ``hunyuan-video``) saved
+    to disk, and beside each (``"<family>-mhla"``) MHLA weights for its transformer (``save_mhla`` after
+    ``convert_to_mhla(MHLAConfig())``, block 0's mixing scaled x1.5 so that weights left unloaded change the
+    output)."""
+    from mhla_diffusion import MHLAConfig, convert_to_mhla, save_mhla
+    from mhla_diffusion.models.conversion import get_mhla_conversion
+    from mhla_diffusion.models.tiny_families import tiny_family_pipeline
+
+    root = tmp_path_factory.mktemp("family_pipelines")
+    dirs = {}
+    for family in ("skyreels-v2", "hunyuan-video"):
+        pipe = tiny_family_pipeline(family)
+        pipe.save_pretrained(root / family)
+        convert_to_mhla(pipe.transformer, MHLAConfig())
+        first = get_mhla_conversion(pipe.transformer).layer_names[0]
+        with torch.no_grad():
+            pipe.transformer.get_submodule(first).processor.mixing.mul_(1.5)
+        save_mhla(pipe.transformer, root / f"{family}-mhla")
+        dirs[family], dirs[f"{family}-mhla"] = root / family, root / f"{family}-mhla"
+    return dirs

@@ -6,6 +6,7 @@
     mhla text-to-video --model ... --mhla-weights mhla_init/ --prompt "a cat surfing"
     mhla image-to-video --model Wan-AI/Wan2.1-I2V-14B-480P-Diffusers --mhla-weights ... --image cat.png --prompt "..."
     mhla class-to-image --model facebook/DiT-XL-2-256 --mhla-weights ... --class 207
+    mhla generate --model SKYREELS_HUNYUAN_LTX_COGVIDEOX_SANA_OR_FLUX_PIPELINE --mhla-weights ... --prompt "..."
     mhla import-wan released.safetensors --output wan_mhla_transformer/
     mhla import-dit DiT-XL-2-256x256.pt --output dit_transformer/   # or a released DiT-MHLA checkpoint
     mhla eval / eval-ref / eval-sample            # ADM-style FID, sFID, IS, precision/recall
@@ -16,7 +17,8 @@
     mhla web                                      # Gradio web demo on 127.0.0.1 (pip install .[demo])
     mhla --version
 
-:mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.import_wan`,
+:mod:`.convert`, :mod:`.generate` (text-to-video, image-to-video, class-to-image), :mod:`.generate_family`
+(generate, with the other families' stock pipelines), :mod:`.import_wan`,
 :mod:`.import_dit`, :mod:`.evaluate`, :mod:`.evaluate_video`, :mod:`.bench`, :mod:`.build_embedded`,
 :mod:`.reproduce` and :mod:`.web` each parse their command and print its results; :mod:`.arguments` holds what
 they parse alike. They
@@ -32,7 +34,19 @@ import sys
 from typing import Sequence
 
 from .. import __version__
-from . import bench, build_embedded, convert, evaluate, evaluate_video, generate, import_dit, import_wan, reproduce, web
+from . import (
+    bench,
+    build_embedded,
+    convert,
+    evaluate,
+    evaluate_video,
+    generate,
+    generate_family,
+    import_dit,
+    import_wan,
+    reproduce,
+    web,
+)
 from .arguments import CommandParser
 
 __all__ = ["build_parser", "main"]
@@ -41,6 +55,7 @@ __all__ = ["build_parser", "main"]
 COMMAND_MODULES = (
     convert,
     generate,
+    generate_family,
     import_wan,
     import_dit,
     evaluate,

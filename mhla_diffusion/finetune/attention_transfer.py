@@ -30,7 +30,7 @@ class AttentionTransfer:
     """Layer-wise distillation of MHLA layers from their softmax originals (use as a context manager).
 
     Args:
-        transformer: a converted Wan or DiT transformer (unwrapped).
+        transformer: a converted transformer of any family (unwrapped).
         params: ``mhla`` or ``attention`` (see module docstring).
         teacher_forcing: pass the softmax output on to the rest of the network.
     """
@@ -82,8 +82,12 @@ class AttentionTransfer:
                     target = self.teachers[name](*args, **kwargs)
                 else:
                     target = self.originals[name](student, *args, **kwargs)
-            self.losses[name] = F.mse_loss(output.float(), target.float())
-            return target.to(output.dtype) if self.teacher_forcing else None
+            self.losses[name] = _mse(output, target)
+            if not self.teacher_forcing:
+                return None
+            if isinstance(output, tuple):  # joint attention: (image, text) outputs
+                return tuple(t.to(o.dtype) for t, o in zip(target, output))
+            return target.to(output.dtype)
 
         return hook
 
@@ -121,3 +125,13 @@ class AttentionTransfer:
         return {
             f"transfer/{name}": float(self.losses[name].detach()) for name in self.layer_names if name in self.losses
         }
+
+
+def _mse(output: torch.Tensor | tuple, target: torch.Tensor | tuple) -> torch.Tensor:
+    """Mean squared error over every element of a layer's output: one tensor, or the image and text outputs of a
+    joint-attention layer (HunyuanVideo, CogVideoX, Flux) taken together."""
+    if not isinstance(output, tuple):
+        return F.mse_loss(output.float(), target.float())
+    pairs = [(o, t) for o, t in zip(output, target) if o is not None]
+    total = sum(F.mse_loss(o.float(), t.float(), reduction="sum") for o, t in pairs)
+    return total / sum(o.numel() for o, _ in pairs)

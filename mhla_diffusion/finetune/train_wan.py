@@ -1,5 +1,7 @@
-"""Text-to-video fine-tuning: Wan2.1 converted to MHLA (or, with ``attention: softmax``, as it is),
-trained with flow matching.
+"""Text-to-video fine-tuning: Wan2.1 / 2.2, SkyReels-V2 or HunyuanVideo converted to MHLA (or, with
+``attention: softmax``, as it is), trained with flow matching. The family is the one of the transformer that
+``pretrained_model``'s ``model_index.json`` names; what differs per family (text encoders, VAE normalisation, the
+pipeline) is in :mod:`mhla_diffusion.finetune.video_families`.
 
     python -m mhla_diffusion.finetune.train_wan --config wan.yaml [--key value ...]
     accelerate launch -m mhla_diffusion.finetune.train_wan --config wan.yaml      # DDP / FSDP via accelerate config
@@ -55,7 +57,7 @@ from .components import (
 from .data import DataReport
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .latent_cache import LatentCache, encoder_identity, run_prepass
-from .latents import draw_latents, encode_posterior, wan_latent_normalization
+from .latents import draw_latents, encode_posterior
 from .objectives import (
     FlowMatchInputs,
     diffusion_forcing_inputs,
@@ -65,7 +67,6 @@ from .objectives import (
     training_chunks,
 )
 from .options import WanTrainOptions
-from .text import encode_prompts, pad_prompt_embeds
 from .trainable import add_lora
 from .video_data import (
     CachedVideoDataset,
@@ -76,6 +77,7 @@ from .video_data import (
     index_video_folder,
     latent_identity,
 )
+from .video_families import VideoRecipe, WanRecipe, video_recipe_for
 
 __all__ = ["WanTask", "main", "train"]
 
@@ -87,9 +89,11 @@ class WanTask(Task):
 
     def __init__(self, options: WanTrainOptions) -> None:
         self.options = options
-        self.vae = self.text_encoder = self.tokenizer = None
+        self.vae = None
         self.cache: LatentCache | None = None
-        self._prompt_cache: dict[str, torch.Tensor] = {}
+        self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._recipe: VideoRecipe | None = None
+        self.encoders: dict[str, Any] = {}  # the text components, once loaded
         self.original: nn.Module | None = None  # the frozen softmax original (distillation_weight > 0)
         self.causal = False  # block-causal MHLA or softmax: one noise level per chunk (diffusion forcing)
         self.stage = "train"
@@ -100,11 +104,17 @@ class WanTask(Task):
         o = self.options
         check_model_source(o.pretrained_model, WAN_HUB_ID, what="pretrained_model", revision=o.revision)
         index = pipeline_index(o.pretrained_model, o.revision)
-        for name in ("vae", "text_encoder", "tokenizer", "transformer"):
+        for name in ("vae", *self.recipe.text_components, "transformer"):
             if not index.get(name) or index[name][0] is None:
                 raise ValueError(
-                    f"pretrained_model {o.pretrained_model} has no `{name}`: give a Wan text-to-video pipeline"
+                    f"pretrained_model {o.pretrained_model} has no `{name}`: give a {self.recipe.label} text-to-video "
+                    "pipeline"
                 )
+        if o.context_parallel_degree > 1 and not isinstance(self.recipe, WanRecipe):
+            raise ValueError(
+                f"context_parallel_degree {o.context_parallel_degree}: context parallelism trains Wan only; "
+                f"train this {self.recipe.label} model with context_parallel_degree: 1"
+            )
         self.device = accelerator.device
         self.encoder_dtype = {
             n: resolve_dtype(getattr(o, n), accelerator, wrapped=False) for n in ("vae_dtype", "text_encoder_dtype")
@@ -147,6 +157,16 @@ class WanTask(Task):
             enter_stage=self._enter_stage,
         )
 
+    @property
+    def recipe(self) -> VideoRecipe:
+        """The family's side of training (:mod:`~mhla_diffusion.finetune.video_families`), from the transformer
+        class ``pretrained_model``'s ``model_index.json`` names (read once)."""
+        if self._recipe is None:
+            o = self.options
+            entry = pipeline_index(o.pretrained_model, o.revision).get("transformer") or (None, None)
+            self._recipe = video_recipe_for(entry[1], o.pretrained_model)
+        return self._recipe
+
     def _enter_stage(self, stage: str) -> None:
         self.stage = stage
 
@@ -181,7 +201,7 @@ class WanTask(Task):
         o = self.options
         return {
             "task": "wan",
-            **encoder_identity(o.pretrained_model, o.revision, ("vae", "text_encoder", "tokenizer")),
+            **encoder_identity(o.pretrained_model, o.revision, ("vae", *self.recipe.text_components)),
             "data_dir": str(Path(o.data_dir).resolve()),
             "resolution_buckets": o.bucket_sizes(),
             "frame_buckets": o.frame_counts(),
@@ -234,16 +254,19 @@ class WanTask(Task):
 
     def _geometry(self) -> VideoGeometry:
         """The model's size rules, from its transformer and VAE configs (nothing loaded; read once)."""
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-
         if getattr(self, "_video_geometry", None) is None:
-            o = self.options
-            transformer = WanTransformer3DModel.load_config(
-                o.pretrained_model, subfolder="transformer", revision=o.revision
-            )
-            vae = AutoencoderKLWan.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
-            self._video_geometry = VideoGeometry.from_configs(transformer, vae)
+            self._video_geometry = self.recipe.geometry(self._config("transformer"), self._config("vae"))
         return self._video_geometry
+
+    def _config(self, component: str) -> dict[str, Any]:
+        """The ``config.json`` of one component of ``pretrained_model`` (nothing loaded)."""
+        from diffusers.configuration_utils import ConfigMixin
+
+        class _Reader(ConfigMixin):
+            config_name = "config.json"
+
+        o = self.options
+        return dict(_Reader.load_config(o.pretrained_model, subfolder=component, revision=o.revision))
 
     def _check_sizes(self) -> None:
         """Every training and validation size must be a whole number of patches of latents (see
@@ -277,6 +300,12 @@ class WanTask(Task):
         o.check_causal(causal)
         if not causal:
             return False
+        if not self.recipe.causal:
+            raise ValueError(
+                f"{o.pretrained_model}'s transformer is block-causal, but the trainer trains block-causal "
+                f"{self.recipe.label} models not yet (only Wan's forward takes per-token timesteps): train it "
+                "without causal"
+            )
         geometry = self._geometry()
         if geometry.patch_size[0] != 1:
             raise ValueError(
@@ -368,23 +397,23 @@ class WanTask(Task):
         if vae and self.vae is None:
             self.vae = load_component(o.pretrained_model, "vae", o.revision, self.encoder_dtype["vae_dtype"])
             self.vae.requires_grad_(False).eval().to(self.device)
-            channels = int(self.vae.config.z_dim)
-            self.latent_shift, self.latent_scale = wan_latent_normalization(self.vae, channels)
-        if text and self.text_encoder is None:
-            self.tokenizer = load_component(o.pretrained_model, "tokenizer", o.revision)
-            self.text_encoder = load_component(
-                o.pretrained_model, "text_encoder", o.revision, self.encoder_dtype["text_encoder_dtype"]
-            )
-            self.text_encoder.requires_grad_(False).eval().to(self.device)
+            self.latent_shift, self.latent_scale = self.recipe.latent_normalization(self.vae)
+        if text and not self.encoders:
+            for name in self.recipe.text_components:
+                if name.startswith("tokenizer"):
+                    self.encoders[name] = load_component(o.pretrained_model, name, o.revision)
+                else:
+                    dtype = self.encoder_dtype["text_encoder_dtype"]
+                    encoder = load_component(o.pretrained_model, name, o.revision, dtype)
+                    self.encoders[name] = encoder.requires_grad_(False).eval().to(self.device)
+
+    def _encode(self, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Each prompt's unpadded text tensors (:meth:`VideoRecipe.encode`), loading the text encoders if needed."""
+        self._load_encoders(vae=False, text=True)
+        return self.recipe.encode(self.encoders, prompts, self.options.max_sequence_length)
 
     def _latent_channels(self) -> int:
-        from diffusers import AutoencoderKLWan
-
-        return int(
-            AutoencoderKLWan.load_config(
-                self.options.pretrained_model, subfolder="vae", revision=self.options.revision
-            )["z_dim"]
-        )
+        return self.recipe.latent_channels(self._config("vae"))
 
     # ------------------------------------------------------------------ latent cache pre-pass
 
@@ -425,15 +454,14 @@ class WanTask(Task):
         if need_prompts:
 
             def encode_prompt(i: int) -> dict[str, torch.Tensor]:
-                embeds = encode_prompts(self.tokenizer, self.text_encoder, [prompts[i]], o.max_sequence_length)[0]
-                return {"prompt_embeds": embeds.to(dtype)}
+                return {name: t.to(dtype) for name, t in self._encode([prompts[i]])[0].items()}
 
             run_prepass(accelerator, cache, "prompts", prompts, encode_prompt, "caching prompts")
         if accelerator.is_main_process:
             cache.write_index({"samples": [s.to_dict() for s in samples], "report": report.to_dict()})
         accelerator.wait_for_everyone()
         # Training reads the cache: the text encoder is never needed again; the VAE only to decode samples.
-        self.text_encoder = self.tokenizer = None
+        self.encoders = {}
         if o.validation_prompts or o.validation_fid_reference:
             self._load_encoders(vae=True, text=False)
         else:
@@ -442,18 +470,18 @@ class WanTask(Task):
 
     # ------------------------------------------------------------------ one step
 
-    def _empty_embed(self) -> torch.Tensor:
+    def _empty_embed(self) -> dict[str, torch.Tensor]:
         return self._embed("")
 
-    def _embed(self, prompt: str) -> torch.Tensor:
-        """Unpadded ``(L, D)`` embedding of a prompt (cache or text encoder), kept on the device."""
+    def _embed(self, prompt: str) -> dict[str, torch.Tensor]:
+        """A prompt's unpadded text tensors (Wan: ``{"prompt_embeds": (L, D)}``; cache or text encoders), kept on
+        the device."""
         if prompt not in self._prompt_cache:
             if self.cache is not None and self.cache.has("prompts", prompt):
-                embed = self.cache.read("prompts", prompt)["prompt_embeds"]
+                encoded = self.cache.read("prompts", prompt)
             else:
-                self._load_encoders(vae=False, text=True)
-                embed = encode_prompts(self.tokenizer, self.text_encoder, [prompt], self.options.max_sequence_length)[0]
-            self._prompt_cache[prompt] = embed.to(self.device)
+                encoded = self._encode([prompt])[0]
+            self._prompt_cache[prompt] = {name: t.to(self.device) for name, t in encoded.items()}
         return self._prompt_cache[prompt]
 
     def batch_loss(
@@ -466,22 +494,21 @@ class WanTask(Task):
         drop = (torch.rand(size, generator=generator, device=generator.device) < o.caption_dropout).tolist()
         if "latents" in batch:
             stored = batch["latents"]
-            embeds = [self._empty_embed() if d else e for d, e in zip(drop, batch["prompt_embeds"])]
+            encoded = [self._empty_embed() if d else e for d, e in zip(drop, batch["text"])]
         else:
             stored = encode_posterior(self.vae, batch["pixels"], self.latent_shift, self.latent_scale)
-            captions = ["" if d else c for d, c in zip(drop, batch["captions"])]
-            embeds = encode_prompts(self.tokenizer, self.text_encoder, captions, o.max_sequence_length)
+            encoded = self._encode(["" if d else c for d, c in zip(drop, batch["captions"])])
         latents = draw_latents(stored.to(self.device), self.latent_channels, o.latent_sampling, generator)
         inputs = self._noised(latents, generator)
-        text = pad_prompt_embeds([e.to(self.device) for e in embeds], o.max_sequence_length).float()
+        encoded = [{name: t.to(self.device) for name, t in e.items()} for e in encoded]
+        text = self.recipe.transformer_text(encoded, o.max_sequence_length)
+        text.update(self.recipe.forward_extras(size, self.generation_defaults()["guidance_scale"], self.device))
         forcing = nullcontext()
         if self._teacher_forced():  # [clean | noisy]: each noisy chunk against the clean chunks before it
             chunks = training_chunks(latents.shape[2], o.causal_chunk_frames, o.causal_first_chunk_frames)
             forcing = TeacherForcing(_innermost(model), chunks)
         with forcing:
-            prediction = model(
-                hidden_states=inputs.noisy, timestep=inputs.timesteps, encoder_hidden_states=text, return_dict=False
-            )[0]
+            prediction = model(hidden_states=inputs.noisy, timestep=inputs.timesteps, **text, return_dict=False)[0]
         loss = flow_match_loss(prediction, inputs.target, inputs.weight)
         if self.original is None or self.stage == "transfer":  # attention transfer uses only its layer losses
             return loss, {}
@@ -489,7 +516,7 @@ class WanTask(Task):
             target = self.original(
                 hidden_states=inputs.noisy.to(self.original.dtype),
                 timestep=inputs.timesteps,
-                encoder_hidden_states=text.to(self.original.dtype),
+                **{k: v.to(self.original.dtype) if v.is_floating_point() else v for k, v in text.items()},
                 return_dict=False,
             )[0]
         distillation = flow_match_loss(prediction, target, inputs.weight)
@@ -542,10 +569,10 @@ class WanTask(Task):
         else:
             save_mhla(model, folder, include_base=True, overwrite=True)
         if o.trainable == "lora":
-            from diffusers import WanPipeline
             from peft.utils import get_peft_model_state_dict
 
-            WanPipeline.save_lora_weights(  # the adapter metadata keeps lora_alpha (scale alpha / rank) on reload
+            # the adapter metadata keeps lora_alpha (scale alpha / rank) on reload
+            self.recipe.pipeline_class().save_lora_weights(
                 folder,
                 transformer_lora_layers=get_peft_model_state_dict(model),
                 transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
@@ -566,8 +593,12 @@ class WanTask(Task):
         from ..utils.model_defaults import video_defaults
 
         o = self.options
-        start = video_defaults(o.pretrained_model)
+        if getattr(self, "_model_defaults", None) is None:  # read once (every training step asks the guidance)
+            self._model_defaults = video_defaults(o.pretrained_model)
+        start = self._model_defaults
         guidance = o.validation_guidance_scale
+        if guidance is None and not isinstance(self.recipe, WanRecipe):
+            guidance = self.recipe.default_guidance_scale  # the Wan defaults do not apply
         return {
             "num_frames": o.num_frames,
             "height": o.height,
@@ -586,36 +617,32 @@ class WanTask(Task):
         }
 
     def _pipeline(self, transformer: nn.Module, with_text: bool):
-        from ..pipelines import MHLAWanPipeline
-
+        """The family's pipeline around ``transformer`` (``MHLAWanPipeline`` for Wan, the stock one otherwise),
+        with the flow shift it trained with, without text encoders unless ``with_text``."""
         o = self.options
         self._load_encoders(vae=True, text=with_text)
         scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
         shift = next((key for key in ("flow_shift", "shift") if key in scheduler.config), None)
         if shift is not None:  # validation samples and the saved pipeline use the shift it trained with
             scheduler = type(scheduler).from_config(scheduler.config, **{shift: o.flow_shift})
-        pipe = MHLAWanPipeline(
-            tokenizer=self.tokenizer if with_text else None,
-            text_encoder=self.text_encoder if with_text else None,
-            vae=self.vae,
-            transformer=transformer,
-            scheduler=scheduler,
-        )
+        text = {name: self.encoders[name] if with_text else None for name in self.recipe.text_components}
+        pipe = self.recipe.pipeline_class()(**text, vae=self.vae, transformer=transformer, scheduler=scheduler)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
     def validate(self, model: nn.Module, step: int) -> None:
-        from .validation import write_wan_samples
+        from .validation import write_video_samples
 
         o = self.options
         pipe = self._pipeline(model, with_text=False)
-        embeds = [pad_prompt_embeds([self._embed(p)], o.max_sequence_length) for p in o.validation_prompts]
-        negative = pad_prompt_embeds([self._embed(o.validation_negative_prompt)], o.max_sequence_length)
-        write_wan_samples(
+        negative = self._embed(o.validation_negative_prompt)
+        texts = [
+            self.recipe.pipeline_text(self._embed(p), negative, o.max_sequence_length) for p in o.validation_prompts
+        ]
+        write_video_samples(
             pipe,
             o.validation_prompts,
-            embeds,
-            negative,
+            texts,
             o.output_dir,
             step,
             num_frames=o.validation_num_frames or o.num_frames,
@@ -636,14 +663,12 @@ class WanTask(Task):
 
         o = self.options
         pipe = self._pipeline(model, with_text=False)
-        negative = pad_prompt_embeds([self._embed(o.validation_negative_prompt)], o.max_sequence_length)
+        negative = self._embed(o.validation_negative_prompt)
         frames = []
         for i in indices:
             prompt = o.validation_prompts[i % len(o.validation_prompts)]
-            embeds = pad_prompt_embeds([self._embed(prompt)], o.max_sequence_length)
             clip = pipe(
-                prompt_embeds=embeds,
-                negative_prompt_embeds=negative,
+                **self.recipe.pipeline_text(self._embed(prompt), negative, o.max_sequence_length),
                 num_frames=o.validation_num_frames or o.num_frames,
                 height=o.validation_height or o.height,
                 width=o.validation_width or o.width,
@@ -658,7 +683,11 @@ class WanTask(Task):
     def save_pipeline(self, model: nn.Module) -> None:
         """``<output_dir>/pipeline``: a full MHLAWanPipeline folder (LoRA fused into the base weights); a
         plain WanPipeline folder for ``attention: softmax``. Either records its :meth:`generation_defaults`, so
-        ``mhla text-to-video --model <output_dir>/pipeline`` needs no size."""
+        ``mhla text-to-video --model <output_dir>/pipeline`` needs no size.
+
+        Other families: the stock pipeline's folder, whose ``transformer/`` holds the whole MHLA transformer
+        (``save_mhla(include_base=True)``: its ``config.json`` has the MHLA setting, so ``load_mhla`` and
+        ``mhla generate`` rebuild MHLA; Diffusers' own loader would load it as softmax, with a warning)."""
         transformer = model
         if self.options.trainable == "lora":
             transformer = copy.deepcopy(model)
@@ -666,8 +695,13 @@ class WanTask(Task):
             transformer.unload_lora()
         folder = Path(self.options.output_dir) / "pipeline"
         pipe = self._pipeline(transformer, with_text=True)
-        pipe.record_generation_defaults(**self.generation_defaults())
-        pipe.save_pretrained(folder)
+        if isinstance(self.recipe, WanRecipe):
+            pipe.record_generation_defaults(**self.generation_defaults())
+            pipe.save_pretrained(folder)
+        else:
+            pipe.save_pretrained(folder)
+            if get_mhla_conversion(transformer) is not None:
+                save_mhla(transformer, folder / "transformer", include_base=True, overwrite=True)
         logger.info("saved pipeline %s", folder)
 
 

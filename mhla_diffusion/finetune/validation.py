@@ -13,18 +13,17 @@ import torch
 
 from ..pipelines.outputs import plan_outputs, save_image, save_video, slugify, write_settings
 
-__all__ = ["write_dit_samples", "write_wan_samples"]
+__all__ = ["write_dit_samples", "write_video_samples"]
 
 
 def _folder(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "validation" / f"step-{step:08d}"
 
 
-def write_wan_samples(
+def write_video_samples(
     pipeline,
     prompts: Sequence[str],
-    prompt_embeds: Sequence[torch.Tensor],
-    negative_embeds: torch.Tensor,
+    texts: Sequence[dict[str, Any]],
     output_dir: str | Path,
     step: int,
     *,
@@ -36,15 +35,15 @@ def write_wan_samples(
     seed: int,
     fps: int,
 ) -> list[Path]:
-    """One mp4 per prompt from ``MHLAWanPipeline`` fed precomputed ``(1, L, D)`` prompt embeddings."""
+    """One mp4 per prompt from a text-to-video pipeline fed each prompt's precomputed text arguments (``texts``:
+    e.g. ``{"prompt_embeds": (1, L, D), "negative_prompt_embeds": ...}``)."""
     stems = [f"{i:02d}-{slugify(p)}" for i, p in enumerate(prompts)]
     plans = plan_outputs(_folder(output_dir, step), stems, "mp4", overwrite=True)
     written = []
-    for prompt, embeds, plan in zip(prompts, prompt_embeds, plans):
+    for prompt, text, plan in zip(prompts, texts, plans):
         generator = torch.Generator("cpu").manual_seed(seed)
         frames = pipeline(
-            prompt_embeds=embeds,
-            negative_prompt_embeds=negative_embeds,
+            **text,
             num_frames=num_frames,
             height=height,
             width=width,

@@ -325,7 +325,8 @@ def latent_identity(sample: VideoSample) -> list:
 
 class CachedVideoDataset(Dataset):
     """Items from a :class:`~mhla_diffusion.finetune.latent_cache.LatentCache`:
-    ``{"latents": (2C or C, f, h, w), "prompt_embeds": (L, D), "index": int}``."""
+    ``{"latents": (2C or C, f, h, w), "text": {"prompt_embeds": (L, D), ...}, "index": int}`` (``text``: the
+    caption's cached text tensors, as :meth:`~mhla_diffusion.finetune.video_families.VideoRecipe.encode` made them)."""
 
     def __init__(self, cache, samples: list[VideoSample]) -> None:
         self.cache, self.samples = cache, samples
@@ -338,15 +339,15 @@ class CachedVideoDataset(Dataset):
         sample = self.samples[index]
         return {
             "latents": self.cache.read("latents", latent_identity(sample))["latents"],
-            "prompt_embeds": self.cache.read("prompts", sample.caption)["prompt_embeds"],
+            "text": self.cache.read("prompts", sample.caption),
             "index": index,
         }
 
 
 def collate_cached_video(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """``latents`` ``(B, ...)``, ``prompt_embeds`` (list of ``(L_i, D)``), ``indices`` ``(B,)``."""
+    """``latents`` ``(B, ...)``, ``text`` (a list of per-caption dicts of unpadded tensors), ``indices`` ``(B,)``."""
     return {
         "latents": torch.stack([item["latents"] for item in items]),
-        "prompt_embeds": [item["prompt_embeds"] for item in items],
+        "text": [item["text"] for item in items],
         "indices": torch.tensor([item["index"] for item in items]),
     }

@@ -161,7 +161,10 @@ def _meta_of_model_config(
         "contents": "transformer",
         "family": family.name,
         "transformer_class": family.transformer_class_name,
-        "num_layers": config.get("num_layers"),
+        # Flux / HunyuanVideo count their double-stream, then their single-stream blocks
+        "num_layers": sum(
+            config.get(key) or 0 for key in ("num_layers", "num_single_layers")[: len(family.attention_sites)]
+        ),
         "heads": config.get("num_attention_heads"),
         "head_dim": config.get("attention_head_dim"),
         "mhla_config": setting,

@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "tiny_cogvideox_transformer",
     "tiny_family_inputs",
+    "tiny_family_pipeline",
     "tiny_flux_transformer",
     "tiny_hunyuan_video_transformer",
     "tiny_ltx_video_transformer",
@@ -188,3 +189,72 @@ def _cogvideox_rotary(grid: tuple[int, int, int], head_dim: int) -> tuple[torch.
 
     f, h, w = grid
     return get_3d_rotary_pos_embed(head_dim, (0, 0), (h, w), f, grid_type="slice", max_size=(h, w))
+
+
+def tiny_family_pipeline(family: str, num_layers: int = 1, seed: int = 0) -> Any:
+    """A complete stock Diffusers pipeline of ``family`` at toy size, every component built here (no downloads):
+    ``"skyreels-v2"`` (``SkyReelsV2Pipeline``: Wan's tiny tokenizer, UMT5 encoder and VAE) or ``"hunyuan-video"``
+    (``HunyuanVideoPipeline``: a tiny Llama and CLIP text encoder with word-level tokenizers, the VAE of Diffusers'
+    pipeline test). Both sample 9x32x32 in a second or so on a CPU."""
+    from .tiny import tiny_text_encoder, tiny_tokenizer, tiny_wan_vae
+
+    if family == "skyreels-v2":
+        from diffusers import SkyReelsV2Pipeline, UniPCMultistepScheduler
+
+        tokenizer = tiny_tokenizer()
+        return SkyReelsV2Pipeline(
+            tokenizer=tokenizer,
+            text_encoder=tiny_text_encoder(len(tokenizer), seed=seed),
+            vae=tiny_wan_vae("2.1", seed=seed),
+            transformer=tiny_skyreels_v2_transformer(num_layers, seed, in_channels=16, out_channels=16, text_dim=32),
+            scheduler=UniPCMultistepScheduler(
+                prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=8.0
+            ),
+        )
+    if family == "hunyuan-video":
+        from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+        from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+        tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_tokenizer(max_length=77)
+        words = dict(
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(seed)
+        text_encoder = LlamaModel(
+            LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_hidden_layers=3, **words)
+        ).eval()
+        text_encoder_2 = CLIPTextModel(
+            CLIPTextConfig(
+                hidden_size=8,
+                intermediate_size=16,
+                num_attention_heads=2,
+                num_hidden_layers=2,
+                projection_dim=8,
+                **words,
+            )
+        ).eval()
+        blocks = 4
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * blocks,
+            up_block_types=("HunyuanVideoUpBlock3D",) * blocks,
+            block_out_channels=(8,) * blocks,
+            layers_per_block=1,
+            norm_num_groups=4,
+            scaling_factor=0.476986,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
+        ).eval()
+        return HunyuanVideoPipeline(
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=tiny_hunyuan_video_transformer(num_layers, seed),
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+        )
+    raise ValueError(f"no tiny pipeline for family {family!r}: choose skyreels-v2 or hunyuan-video")

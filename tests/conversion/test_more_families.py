@@ -13,6 +13,7 @@ from mhla_diffusion import (
     auto_layout,
     convert_to_mhla,
     get_mhla_conversion,
+    load_mhla,
     revert_mhla,
     softmax_attention,
     video_token_grid,
@@ -101,6 +102,10 @@ def test_saves_and_reloads_with_its_mhla_weights(converted, tmp_path):
     saved, again = model.state_dict(), loaded.state_dict()
     assert all(torch.equal(saved[key], again[key]) for key in saved)
     torch.testing.assert_close(_run(loaded, inputs), _run(model, inputs), rtol=0, atol=0)
+    # the folder's MHLA weights also load onto a stock model of the same shape (its layer count read from the
+    # config: Flux and HunyuanVideo count their single-stream blocks too)
+    onto = load_mhla(tmp_path, FAMILIES[name].tiny_transformer())
+    assert all(torch.equal(saved[key], onto.state_dict()[key]) for key in names)
 
 
 @pytest.mark.parametrize("name", NEW)
