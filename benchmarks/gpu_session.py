@@ -62,6 +62,10 @@ On CUDA each stage runs in its own process under its limit (a kernel fault or a 
                  the fused backward where one is registered, else recomputes eagerly), the eager operator,
                  SDPA's backward per kernel, FlashAttention-2 / -3; which kernels the fused backward launched.
 ``profile``      torch.profiler's top ops of one processor call and one fused call.
+``families``     each model family's self-attention at its published size (``mhla bench --families``: Wan,
+                 SkyReels-V2, HunyuanVideo, LTX-Video, CogVideoX, SANA-Video, Flux; the joint ones with their
+                 text tokens), SDPA against global linear attention and the eager MHLA operator; last, on what
+                 time is left, one family after the other.
 
 Timing (:func:`time_loops`): after warm-up calls, each method is timed as a loop of back-to-back calls with one
 pair of CUDA events around the whole loop (not around each sub-millisecond call, which would put the host's
@@ -1552,6 +1556,29 @@ def stage_profile(ctx: StageContext) -> None:
         ctx.data["tables"][name] = profile_table(call, ctx.device)
 
 
+def stage_families(ctx: StageContext) -> None:
+    """Each model family's self-attention at its published size (``mhla bench --families``): SDPA, global linear
+    attention and MHLA (joint with the text block for HunyuanVideo, CogVideoX and Flux), bf16, one call each per
+    round (smoke: 2 heads of 8 on tiny grids)."""
+    from mhla_diffusion.benchmarks.families import FAMILY_MODELS, family_attention_table
+
+    tiny = {"flux": (4, 6)}
+    grids = {name: tiny.get(name, (2, 4, 4)) for name in FAMILY_MODELS} if ctx.smoke else None
+    small = dict(heads=2, head_dim=8) if ctx.smoke else {}
+    ctx.data["repeats"] = repeats = 1 if ctx.smoke else 3
+    ctx.data["dtype"] = str(ctx.dtype).removeprefix("torch.")
+    ctx.data["rows"] = []
+    for name in FAMILY_MODELS:  # one family at a time, saved as it comes
+        if ctx.left() < 5:
+            ctx.data.setdefault("notes", []).append(f"stopped before {name}: the stage's time ran out")
+            break
+        rows = family_attention_table(
+            [name], grids, dtype=ctx.dtype, device=ctx.device, repeats=repeats, warmup=1, **small
+        )
+        ctx.data["rows"] += rows
+        ctx.save()
+
+
 # ----------------------------------------------------------------------------- running the stages
 
 
@@ -1572,6 +1599,7 @@ STAGES = (
     Stage("timing", stage_timing, 40, 100),
     Stage("training", stage_training, 30, 75),
     Stage("profile", stage_profile, 10, 30),
+    Stage("families", stage_families, 15, 45),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
@@ -1903,6 +1931,20 @@ def render_markdown(session: dict[str, Any]) -> str:
         for grid, kernels in training.get("fused_backward_kernels", {}).items():
             listed = ", ".join(f"{name} x{n}" for name, n in kernels.items())
             lines += [f"Kernels of one fused forward + backward at {grid}: {listed}.", ""]
+
+    families = stages.get("families", {})
+    lines += _status_line(session, "families")
+    if families.get("rows"):
+        from mhla_diffusion.benchmarks.families import FAMILY_COLUMNS
+
+        lines += [
+            f"Each family's self-attention at its published size (`mhla bench --families`), {families['dtype']}, "
+            f"median of {families['repeats']} interleaved rounds, from the raw projections; SDPA over image + text "
+            "tokens.",
+            "",
+            format_table(families["rows"], FAMILY_COLUMNS),
+            "",
+        ]
 
     profile = stages.get("profile", {})
     lines += _status_line(session, "profile")

@@ -42,8 +42,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=parse_case,
         help=f"GRID or GRID:LAYOUT (repeatable; default {' '.join(DEFAULT_CASES)})",
     )
-    p.add_argument("--heads", type=positive_int, default=12, help="attention heads (default 12, Wan2.1-1.3B)")
-    p.add_argument("--head-dim", type=positive_int, default=128, help="head dim (default 128)")
+    p.add_argument(
+        "--heads", type=positive_int, help="attention heads (default 12, Wan2.1-1.3B; --families: each model's)"
+    )
+    p.add_argument("--head-dim", type=positive_int, help="head dim (default 128; --families: each model's)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per measurement; the median is shown")
     p.add_argument(
         "--quick-passes",
@@ -153,8 +155,34 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="keep the written weights here and reuse them on the next "
         "run (default: a temporary folder, removed afterwards)",
     )
+    families = p.add_argument_group(
+        "families (--families): each model family's self-attention at its published size, MHLA beside SDPA"
+    )
+    families.add_argument(
+        "--families",
+        action="store_true",
+        help="time one self-attention of each family's published model (Wan, SkyReels-V2, HunyuanVideo, LTX-Video, "
+        "CogVideoX, SANA-Video, Flux) at its default size, joint text tokens included; SDPA skipped above "
+        f"--sdpa-max-tokens (default on a CPU {FAMILIES_CPU_SDPA_MAX_TOKENS:,})",
+    )
+    families.add_argument(
+        "--family",
+        action="append",
+        type=parse_family,
+        help="NAME or NAME:GRID, one family's row (repeatable; default every family at its published size)",
+    )
     add_stream_arguments(p)
     p.set_defaults(func=run)
+
+
+#: ``--families`` on a CPU: SDPA above this many tokens takes minutes per call, and is left out.
+FAMILIES_CPU_SDPA_MAX_TOKENS = 20_000
+
+
+def parse_family(text: str) -> tuple[str, tuple[int, ...] | None]:
+    """``NAME`` or ``NAME:GRID`` (``flux:32x32``) of ``--family``."""
+    name, _, grid = text.partition(":")
+    return name.strip(), parse_sizes(grid) if grid else None
 
 
 def add_stream_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.load:
         return run_load(args)
+    if args.families or args.family:
+        return run_families(args)
     if args.traffic:
         return run_traffic(args)
     if args.stream_state:
@@ -263,8 +293,8 @@ def _measure(args: argparse.Namespace) -> dict:
     layers = args.transformer_layers if args.transformer_layers is not None else (4 if device.type == "cuda" else 0)
     spec = BenchSpec(
         cases=[(case.grid, None if case.auto else case.layout) for case in cases],
-        heads=args.heads,
-        head_dim=args.head_dim,
+        heads=args.heads or 12,
+        head_dim=args.head_dim or 128,
         dtype=args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
         device=str(device),
         repeats=args.repeats,
@@ -381,6 +411,56 @@ def run_traffic(args: argparse.Namespace) -> int:
     print(format_table(rows, TRAFFIC_COLUMNS))
     if args.output is not None:
         args.output.write_text(json.dumps({"traffic": rows}, indent=2) + "\n")
+    return 0
+
+
+def run_families(args: argparse.Namespace) -> int:
+    """``mhla bench --families``: the table of :func:`mhla_diffusion.benchmarks.families.family_attention_table`."""
+    import json
+    import sys
+
+    import torch
+
+    from ..benchmarks.bench import format_table
+    from ..benchmarks.families import FAMILY_COLUMNS, FAMILY_MODELS, family_attention_table
+
+    chosen = args.family or [(name, None) for name in FAMILY_MODELS]
+    unknown = [name for name, _ in chosen if name not in FAMILY_MODELS]
+    if unknown:
+        raise ValueError(f"--family {', '.join(unknown)}: choose from {', '.join(FAMILY_MODELS)}")
+    if args.output is not None and args.output.exists():
+        raise FileExistsError(f"{args.output} exists; choose another --output")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cap = args.sdpa_max_tokens or (FAMILIES_CPU_SDPA_MAX_TOKENS if device.type == "cpu" else None)
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    rows = family_attention_table(
+        [name for name, _ in chosen],
+        {name: grid for name, grid in chosen if grid is not None},
+        args.heads,
+        args.head_dim,
+        dtype,
+        device,
+        args.repeats,
+        args.warmup,
+        cap,
+        log,
+    )
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    print(
+        f"# mhla bench --families: one self-attention call per family, {device.type}"
+        + (f" ({threads} threads)" if threads else "")
+        + f", {str(dtype).removeprefix('torch.')}, median of {args.repeats} interleaved rounds; seconds from the "
+        "raw projections (projections, norms and RoPE left out); SDPA over image + text tokens"
+        + (f", skipped above {cap:,} tokens" if cap else "")
+        + "\n"
+    )
+    print(format_table(rows, FAMILY_COLUMNS))
+    if args.output is not None:
+        result = {"device": device.type, "dtype": str(dtype), "threads": threads, "families": rows}
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

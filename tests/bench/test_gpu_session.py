@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhla_diffusion.benchmarks.families import FAMILY_MODELS
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.py"
 
@@ -389,6 +391,11 @@ def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     assert list(stages) == list(gpu_session.STAGE_NAMES)
     assert {name: entry["status"] for name, entry in stages.items()} == dict.fromkeys(gpu_session.STAGE_NAMES, "ok")
     assert seconds < 240  # about 55 s on two shared cores
+
+    families = stages["families"]
+    assert [r["family"] for r in families["rows"]] == list(FAMILY_MODELS)
+    assert all(r["sdpa_s"] > 0 and r["mhla_s"] > 0 for r in families["rows"])
+    assert "Each family's self-attention" in gpu_session.render_markdown(session)
 
     versions = stages["versions"]
     assert versions["versions"]["torch"] and set(versions["sdpa_kernels"]) == {"flash", "cudnn", "efficient", "math"}
