@@ -138,6 +138,10 @@ def test_a_call_whose_grid_cannot_be_known_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^MHLA cannot know the token grid: `img_ids` \(24, 3\) are not") as error:
         _run(flux, inputs)
     assert "\n" not in str(error.value)
+    inputs = tiny_family_inputs("flux", (4, 6))
+    inputs["txt_ids"][:, 1] = torch.arange(5.0)  # rotated text: MHLA's text block has no positions
+    with pytest.raises(ValueError, match=r"Flux's text tokens must not rotate \(`txt_ids` all zero"):
+        _run(flux, inputs)
     ltx = FAMILIES["ltx-video"].tiny_transformer()
     convert_to_mhla(ltx, MHLAConfig())
     inputs = tiny_family_inputs("ltx-video", (2, 4, 6))

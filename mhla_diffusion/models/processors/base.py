@@ -28,7 +28,7 @@ from torch import nn
 
 from ...config import MHLAConfig
 from ...ops.attention import HALF_DTYPES, mhla_attention
-from ...ops.block_layout import num_blocks
+from ...ops.block_layout import BlockPlan, num_blocks
 from ...ops.causal import causal_mixing_init, mhla_causal_attention, mhla_causal_step
 from ...ops.context_parallel import TokenShard, grid_conv_context_parallel, mhla_attention_context_parallel
 from ...ops.fused_op import mhla_attention_fused  # one custom op: torch.compile keeps the kernels
@@ -400,9 +400,7 @@ class MHLAProcessor(nn.Module):
     ) -> torch.Tensor:
         """MHLA of feature-mapped ``q, k`` ``(B, N, H, D)`` whose numerator's RoPE the family applied itself
         (``q_rot``, ``k_rot``; LTX-Video rotates across the whole inner dim), plus the extras -> ``(B, N, H*D)``."""
-        self._refuse_context_parallel()
-        grid = self.grid_context.require(q.shape[1])
-        plan = self.grid_context.plan(self.layout, q.device)
+        grid, plan = self._whole_grid(q)
         out = mhla_attention(
             q, k, v, grid, self.layout, self.mixing, q_rot=q_rot, k_rot=k_rot, normalize=self.normalization,
             eps=self.eps, plan=plan,
@@ -424,9 +422,7 @@ class MHLAProcessor(nn.Module):
         v`` ``(B, N, H, D)`` and the text tokens' ``(B, L, H, D)``; ``rotary_emb``: the image tokens' RoPE tables
         ``(cos, sin)``, ``(1, N, 1, D)``. Returns ``(image (B, N, H*D), text (B, L, H*D))`` after the output RMSNorm
         (both) and LePE (image)."""
-        self._refuse_context_parallel()
-        grid = self.grid_context.require(q.shape[1])
-        plan = self.grid_context.plan(self.layout, q.device)
+        grid, plan = self._whole_grid(q)
         image, text = mhla_joint_attention(
             q, k, v, text_q, text_k, text_v, grid, self.layout, self.mixing, text_mask=text_mask,
             normalize=self.normalization, eps=self.eps, plan=plan, feature_eps=self.feature_offset, rotary=rotary_emb,
@@ -435,11 +431,14 @@ class MHLAProcessor(nn.Module):
             text = head_rms_norm(text.to(text_v.dtype), self.out_norm.weight, self.out_norm.eps)
         return self.extras(image, None, v, grid), text.flatten(2)
 
-    def _refuse_context_parallel(self) -> None:
+    def _whole_grid(self, q: torch.Tensor) -> tuple[tuple[int, ...], BlockPlan]:
+        """The grid and block plan of a call that sees every image token ``q`` ``(B, N, H, D)``: the families
+        without a context-parallel form refuse a split sequence."""
         if self._parallel_config is not None:
             raise ValueError(
                 f"{type(self).__name__} has no context-parallel form (Wan and DiT have one): run it on one process"
             )
+        return self.grid_context.require(q.shape[1]), self.grid_context.plan(self.layout, q.device)
 
     def _context_shard(self, num_tokens: int) -> TokenShard | None:
         """This process's share of the sequence under context parallelism (``None`` without), checked

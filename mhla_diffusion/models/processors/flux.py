@@ -56,14 +56,7 @@ class FluxMHLAProcessor(MHLAProcessor):
             text_in, image_in = hidden_states[:, :length], hidden_states[:, length:]
         q, k, v = _projections(attn, image_in, added=False)
         text_q, text_k, text_v = _projections(attn, text_in, added=double)
-        length = text_in.shape[1]
-        if image_rotary_emb is not None:
-            cos, sin = (table[:length] for table in image_rotary_emb)
-            if not (torch.all(cos == 1) and torch.all(sin == 0)):
-                raise ValueError(
-                    "MHLA's text block has no positions: Flux's text tokens must not rotate (txt_ids all zero, as "
-                    "FluxPipeline makes them)"
-                )
+        length = text_in.shape[1]  # the text rows of the RoPE tables are identities (txt_ids zero: grid.py checks)
         image, text = self.attend_joint(
             q, k, v, text_q, text_k, text_v, rotary_emb=rotary_rows(image_rotary_emb, slice(length, None))
         )

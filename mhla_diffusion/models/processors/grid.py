@@ -162,12 +162,20 @@ class SizeArgumentGrid:
 
 class PositionIdGrid:
     """The token grid of packed image tokens whose positions come as ids ``(N, 3)`` = ``(0, row, column)`` in
-    row-major order (Flux: ``img_ids``; a deprecated ``(B, N, 3)`` is read from its first sample)."""
+    row-major order (Flux: ``img_ids``; a deprecated ``(B, N, 3)`` is read from its first sample). The text ids
+    (``txt_ids``) must be all zero, as ``FluxPipeline`` makes them: RoPE then leaves the text tokens unrotated,
+    and MHLA's text block has no positions. Both are checked once per forward, here."""
 
-    def __init__(self, name: str = "img_ids") -> None:
-        self.name = name
+    def __init__(self, name: str = "img_ids", text_name: str = "txt_ids") -> None:
+        self.name, self.text_name = name, text_name
 
     def __call__(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        text_ids = kwargs.get(self.text_name)
+        if text_ids is not None and bool(text_ids.any()):
+            raise ValueError(
+                "MHLA's text block has no positions: Flux's text tokens must not rotate (`txt_ids` all zero, as "
+                "FluxPipeline makes them)"
+            )
         ids = kwargs.get(self.name)
         if ids is None:
             raise ValueError(f"MHLA needs the token grid: call the transformer with `{self.name}=` (the image ids)")
