@@ -2,13 +2,21 @@
 
 For query token ``t`` in block ``b(t)``:
 
-    out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps)        (denominator only when ``normalize``)
+    out_t = q̂_t · S̃_b(t) / (max(q_t · z̃_b(t), 0) + eps)        (denominator only when ``normalize``)
     S̃_o = Σ_j W[o, j] S_j,   S_j = Σ_{s in block j} k̂_s v_sᵀ     (key-value summary of block j)
     z̃_o = Σ_j W[o, j] z_j,   z_j = Σ_{s in block j} k_s           (key sum of block j)
 
-which equals ``Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s`` divided by ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps``,
+which equals ``Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s`` divided by ``max(Σ_s W[b(t), b(s)] (q_t · k_s), 0) + eps``,
 the O(N^2) form kept in :mod:`mhla_diffusion.ops.naive`. Cost is O(N D Dv + M^2 D Dv) per
 head and no N x N matrix is ever formed.
+
+The denominator's guard, ``max(·, 0) + eps``: with non-negative features and non-negative mixing (the start
+of every conversion) ``q_t · z̃ >= 0`` and the guard changes nothing. The mixing is unconstrained, though, and
+fine-tuning can make it signed; then ``q_t · z̃`` can reach 0 or below and a plain ``+ eps`` would divide by
+~0 or flip the output's sign. Every path computes the same guarded denominator (this operator, its chunked CPU
+path, the joint and causal forms built on it, the reference in :mod:`~mhla_diffusion.ops.naive`, and the fused
+Triton forward and backward), and its gradient is zero where the guard holds (``eps`` is a constant there), so
+a fine-tune whose mixing turns negative gets finite outputs and gradients everywhere.
 
 A grid with fewer tokens than blocks on some axis leaves *empty* blocks (see
 :mod:`mhla_diffusion.ops.block_layout`): their ``S_j`` and ``z_j`` are zero, so they add nothing to any
@@ -19,7 +27,7 @@ The released DiT-MHLA (``MHLA4DiT``) divides instead by a mix of per-block *scal
 (``normalize="scalar_mixed_denominator"``): for the token ``t = (o, w)`` at within-block position
 ``w`` of block ``o``,
 
-    den(o, w) = Σ_j W[o, j] (q_(j,w) · z_j) + eps
+    den(o, w) = max(Σ_j W[o, j] (q_(j,w) · z_j), 0) + eps
 
 where ``q_(j,w)`` is the query of the token at the same position ``w`` in block ``j``. It equals the
 paper's denominator only when ``W`` is diagonal, and it needs equal-size blocks (a layout that
@@ -187,9 +195,9 @@ def mhla_attention(
         mixing: ``(M, M)`` or per-head ``(H, M, M)``; row ``o`` weighs the key blocks for query block ``o``.
         q_rot, k_rot: rotated features for the numerator (RoPE after the feature map); default ``q``, ``k``.
         normalize: ``True`` (or ``"denominator"``): divide by the paper's mixed denominator
-            ``q_t · z̃_b(t) + eps``; ``False`` (or ``"none"``): no denominator;
+            ``max(q_t · z̃_b(t), 0) + eps``; ``False`` (or ``"none"``): no denominator;
             ``"scalar_mixed_denominator"``: divide the token ``(o, w)`` (position ``w`` of block ``o``)
-            by the released DiT's ``Σ_j W[o, j] (q_(j,w) · z_j) + eps``, computed as the ``(B, H, M, P)``
+            by the released DiT's ``max(Σ_j W[o, j] (q_(j,w) · z_j), 0) + eps``, computed as the ``(B, H, M, P)``
             scalars ``q_(j,w) · z_j`` mixed over ``j`` by ``W``; it needs a layout that divides
             ``grid`` (equal-size blocks) and raises ``ValueError`` naming grid, layout and a fix
             otherwise. Denominators use the un-rotated ``q``, ``k``.
@@ -513,11 +521,11 @@ class _EvenChunks:
         eps: float,
     ) -> None:
         """The chunk's queries against their blocks' ``[S̃_o | z̃_o]`` (in ``out`` ``(C, H, T, Dv + 1)``), the
-        numerator divided by ``q · z̃ + eps`` straight into token order in ``result`` ``(B, N, H, Dv)``."""
+        numerator divided by ``max(q · z̃, 0) + eps`` straight into token order in ``result`` ``(B, N, H, Dv)``."""
         _blocks_by_heads_bmm(queries.permute(0, 2, 1, 3), self._blocks_of(mixed, chunk), out)
         target = self.view(result)
         numerator = out.permute(0, 2, 1, 3).view(*target.shape[self.level : -1], out.shape[-1])
-        torch.div(numerator[..., :-1], numerator[..., -1:].add_(eps), out=target[chunk])
+        torch.div(numerator[..., :-1], numerator[..., -1:].clamp_min_(0).add_(eps), out=target[chunk])
 
 
 class _GatheredChunks:
@@ -585,7 +593,7 @@ class _GatheredChunks:
         eps: float,
     ) -> None:
         """The chunk's queries against their blocks' ``[S̃_o | z̃_o]`` (in ``out`` ``(1, H, R, Dv + 1)``, packed
-        as the queries), the numerator divided by ``q · z̃ + eps`` into the tokens' rows of ``result``."""
+        as the queries), the numerator divided by ``max(q · z̃, 0) + eps`` into the tokens' rows of ``result``."""
         b, run = chunk
         first, spans, tokens = self._runs[run]
         for j, (start, length) in enumerate(spans, first):
@@ -593,7 +601,8 @@ class _GatheredChunks:
                 rows = slice(start, start + length)
                 torch.bmm(queries[rows].permute(1, 0, 2), mixed[b, j], out=out[0, :, rows])
         numerator = out[0, :, : len(tokens)].transpose(0, 1)  # (R_chunk, H, Dv + 1)
-        result[b].index_copy_(0, tokens, numerator[..., :-1].div_(numerator[..., -1:].add_(eps)).to(result.dtype))
+        denominator = numerator[..., -1:].clamp_min_(0).add_(eps)
+        result[b].index_copy_(0, tokens, numerator[..., :-1].div_(denominator).to(result.dtype))
 
 
 def _blocks_by_heads_bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
@@ -919,7 +928,7 @@ def _block_output(
     if normalize == "denominator":
         mixed_sum = summaries.mix(key_sum)  # z̃_o: (B, H, M, D)
         denominator = _matmul(q_den, mixed_sum.unsqueeze(-1))  # q_(o,w) · z̃_o: (B, H, M, P, 1)
-        denominator = denominator + (shift * mixed_sum.sum(-1) + eps)[..., None, None]
+        denominator = (denominator + (shift * mixed_sum.sum(-1))[..., None, None]).clamp_min(0) + eps
     elif normalize == "scalar_mixed_denominator":  # equal blocks: slot p of every block is the same position w
         split = summaries.split
         own = key_sum if split is None else key_sum.index_select(2, split.blocks)  # z of the query blocks
@@ -930,7 +939,7 @@ def _block_output(
         mixed = summaries.mix(scalars)  # Σ_j W[o, j] q_(j,w) · z_j: (B, H, M_q, P)
         if split is not None:  # each local slot reads its own position w
             mixed = mixed.gather(3, split.slot_positions.expand(*mixed.shape[:2], -1, -1))
-        denominator = (mixed + eps).unsqueeze(-1)
+        denominator = (mixed.clamp_min(0) + eps).unsqueeze(-1)
     del q_den
     if denominator is not None and blocks.plan.valid is not None:  # padded slots are dropped: divide them by 1
         denominator = denominator.masked_fill(~blocks.plan.valid[:, :, None], 1.0)

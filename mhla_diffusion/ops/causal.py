@@ -18,7 +18,7 @@ older rows are averaged instead: ``W = A_fold[s, s'] / (r - K)`` for ``Δ > K``,
 query of row ``r`` folds, so the fold keeps its scale however long the video grows (a sum grows with it). The output
 is the present operator's (:mod:`~mhla_diffusion.ops.attention`) with this ``W`` as its mixing::
 
-    out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps),   S̃_o = Σ_j W[o, j] S_j,   z̃_o = Σ_j W[o, j] z_j
+    out_t = q̂_t · S̃_b(t) / (max(q_t · z̃_b(t), 0) + eps),   S̃_o = Σ_j W[o, j] S_j,   z̃_o = Σ_j W[o, j] z_j
 
 Since ``W`` is the same for a video of any length, every row older than the window reaches a query through one
 *folded* summary per spatial place, ``F_r[s'] = Σ_{r' <= r-K-1} γ^(r-K-1-r') S_(r', s')``, which obeys

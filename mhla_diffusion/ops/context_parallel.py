@@ -7,7 +7,7 @@ processes included -- and one all-reduce of the ``(B, H, M, D*Dv [+ D])`` partia
 process every block's full summary. Each process then mixes the rows of the blocks its queries sit
 in and answers its own queries:
 
-    out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps),   S̃_o = Σ_j W[o, j] S_j    (as :func:`mhla_attention`)
+    out_t = q̂_t · S̃_b(t) / (max(q_t · z̃_b(t), 0) + eps),   S̃_o = Σ_j W[o, j] S_j    (as :func:`mhla_attention`)
 
 The result equals the one-process operator (up to float summation order), and the traffic per layer
 is ``B x H x M x D x Dv`` (+ ``B x H x M x D`` with a denominator) numbers whatever the sequence

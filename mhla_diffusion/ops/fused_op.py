@@ -280,7 +280,7 @@ def mhla_attention_fused(
             ``i`` (see :func:`~mhla_diffusion.models.processors.base.apply_interleaved_rotary`), after the feature
             map, on the numerator path only. ``None``: no rotation.
         feature_eps: the feature map is ``phi(x) = relu(x) + feature_eps``.
-        normalize: ``"denominator"`` (or ``True``): divide by ``phi(q_t) · z̃_b(t) + eps``; ``"none"`` (or
+        normalize: ``"denominator"`` (or ``True``): divide by ``max(phi(q_t) · z̃_b(t), 0) + eps``; ``"none"`` (or
             ``False``): no denominator. ``"scalar_mixed_denominator"`` raises ``NotImplementedError``.
         eps: added to the denominator.
         dot_dtype: operand dtype of the kernels' ``tl.dot`` (float32, bfloat16 or float16); ``None``: the

@@ -10,8 +10,8 @@ The mixing is ``(M + 1, M + 1)`` (or per head ``(H, M + 1, M + 1)``): row ``o < 
 ``W[o, T]`` its weight of the text; row ``T`` is every text token's, over every image block and the text block::
 
     S̃_o = Σ_j W[o, j] S_j + W[o, T] S_T,    z̃_o = Σ_j W[o, j] z_j + W[o, T] z_T      (o: an image block, or T)
-    image token t:  out_t = q̂_t · S̃_b(t) / (q_t · z̃_b(t) + eps)
-    text token t:   out_t = q_t · S̃_T / (q_t · z̃_T + eps)
+    image token t:  out_t = q̂_t · S̃_b(t) / (max(q_t · z̃_b(t), 0) + eps)
+    text token t:   out_t = q_t · S̃_T / (max(q_t · z̃_T, 0) + eps)
 
 (``q̂``: the numerator's rotated features; text tokens are not rotated.) The cost is O((N + L) D Dv + (M + 1)^2 D Dv)
 for ``N`` image and ``L`` text tokens: linear in both. Padded text tokens (``text_mask`` false) are left out as keys;
@@ -197,7 +197,7 @@ def _joint_blocks(
     out_text = queries @ text_mixed.to(compute)  # (B, H, L, Dv)
     if den:
         mixed_sum = text.mix(key_sum).squeeze(2)  # z̃_T: (B, H, D)
-        out_text = out_text / (queries @ mixed_sum.to(compute).unsqueeze(-1) + eps)
+        out_text = out_text / ((queries @ mixed_sum.to(compute).unsqueeze(-1)).clamp_min(0) + eps)
     return out_image, out_text.transpose(1, 2).to(v.dtype)
 
 

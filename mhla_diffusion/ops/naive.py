@@ -37,8 +37,8 @@ def mhla_attention_reference(
 
     ``out_t = Σ_s W[b(t), b(s)] (q̂_t · k̂_s) v_s``, divided by
 
-    * ``Σ_s W[b(t), b(s)] (q_t · k_s) + eps`` when ``normalize`` is ``True`` / ``"denominator"``;
-    * ``Σ_s W[b(t), b(s)] (q_(b(s), w(t)) · k_s) + eps`` when ``normalize="scalar_mixed_denominator"``
+    * ``max(Σ_s W[b(t), b(s)] (q_t · k_s), 0) + eps`` when ``normalize`` is ``True`` / ``"denominator"``;
+    * ``max(Σ_s W[b(t), b(s)] (q_(b(s), w(t)) · k_s), 0) + eps`` when ``normalize="scalar_mixed_denominator"``
       (released DiT-MHLA), where ``q_(j, w)`` is the query of the token at within-block position ``w``
       (row-major offsets inside the block) of block ``j``: each pair ``(t, s)`` uses the query of
       ``t``'s counterpart in ``s``'s block. Needs equal-size blocks.
@@ -83,7 +83,7 @@ def mhla_causal_attention_reference(
         γ^(Δ - K - 1) mixing[K + 1, p(t), p(s)] Δ > K        (γ = ``decay``, 1 when None)
         mixing[K + 1, p(t), p(s)] / (r(t) - K)  Δ > K        with ``mean_fold``
 
-    and then ``out_t = Σ_s w_ts (q̂_t · k̂_s) v_s / (Σ_s w_ts (q_t · k_s) + eps)`` as in
+    and then ``out_t = Σ_s w_ts (q̂_t · k̂_s) v_s / (max(Σ_s w_ts (q_t · k_s), 0) + eps)`` as in
     :func:`mhla_attention_reference`. Shapes: ``q, k`` ``(B, N, H, D)``, ``v`` ``(B, N, H, Dv)`` -> ``(B, N, H, Dv)``.
     """
     grid, layout = validate_attention_inputs(q, k, v, grid, layout, None, q_rot, k_rot)
@@ -173,7 +173,7 @@ def _pair_attention(
             counterpart = _counterparts(grid, layout, q.device)  # (N, N)
             plain = plain.gather(2, counterpart.expand(plain.shape))
         plain = plain * pair_weight
-        out = out / (plain.sum(dim=-1) + eps).transpose(1, 2).unsqueeze(-1)
+        out = out / (plain.sum(dim=-1).clamp_min(0) + eps).transpose(1, 2).unsqueeze(-1)
     return out.to(v.dtype)
 
 

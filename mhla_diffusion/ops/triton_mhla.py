@@ -10,20 +10,21 @@ interleaved RoPE), in three steps:
    tile of ``k`` and ``v`` as whole rows at their native strides, applies ``phi`` and RoPE in registers and
    accumulates in float32 ``S_m = Σ k̂ vᵀ`` ``(D, Dv)`` and ``z_m = Σ phi(k)`` ``(D,)``. Up to Dv = 128
    there is one Dv tile, so ``k`` is read once.
-2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: one small matmul in PyTorch (float32 and bf16 summaries
-   carry ``z`` as one more row of their transposed storage, ``[Sᵀ; zᵀ]``; float16 ones keep it apart in float32: two).
+2. The ``M x M`` mixing ``S̃ = W S``, ``z̃ = W z``: small matmuls in PyTorch (float32 summaries carry ``z`` as
+   one more row of their transposed storage, ``[Sᵀ; zᵀ]``: one product; half ones keep it apart in float32: two).
 3. ``_output_kernel``, one program per (batch x head, block): loads ``S̃_m`` and ``z̃_m`` once, then
    walks the block's slots in tiles (software-pipelined), loading each query once (``phi`` and RoPE in
-   registers): ``out = q̂ S̃_m``, divided by ``phi(q) · z̃_m + eps`` when normalizing, written straight to
+   registers): ``out = q̂ S̃_m``, divided by ``max(phi(q) · z̃_m, 0) + eps`` when normalizing (the guard of
+   :mod:`~mhla_diffusion.ops.attention`: finite once the mixing is signed), written straight to
    the tokens' positions in ``v``'s dtype.
 
 Precision: products accumulate in float32. The summaries ``S`` and ``S̃`` are stored in the inputs'
 half dtype when the inputs are bf16/fp16 (float32 otherwise), as the eager operator stores them; the
-key sums are summed in float32 and stored with them (see :func:`_summary_buffers` for the measured
-effect of a bf16 row). RoPE tables are read as their even channels (each angle once) in that same
-dtype: a copy made from Wan's float32 tables for half inputs once per transformer forward (the same
-tables come to every layer: :func:`_converted_rope_tables`). Both halve the bytes of the two terms that
-are read most after ``q, k, v`` and the output: :func:`fused_traffic` counts the launch term by term
+key sums are summed, stored and mixed in float32 (see :func:`_summary_buffers` for why not in a bf16 row).
+RoPE tables are read as their even channels (each angle once) in that same dtype: a copy made from Wan's
+float32 tables for half inputs once per transformer forward (the same tables come to every layer:
+:func:`_converted_rope_tables`). Both halve the bytes of the two terms that are read most after ``q, k, v`` and
+the output: :func:`fused_traffic` counts the launch term by term
 (8.8 U at Wan2.1-1.3B's 21x30x50 tokens for one lone call with the denominator and RoPE, where the floor
 is 6.5 U).
 
@@ -298,7 +299,7 @@ def _output_kernel(
         queries = tl.load(q_base + token[:, None] * sqn + chan[None, :] * sqd, mask=q_mask, other=0.0)
         queries = tl.maximum(queries.to(tl.float32), 0.0) + feature_eps  # padded channels meet zero rows of S̃, z̃
         if NORMALIZE:  # un-rotated features against the mixed key sum
-            den = tl.reduce(queries * z[None, :], 1, _add_combine) + eps
+            den = tl.maximum(tl.reduce(queries * z[None, :], 1, _add_combine), 0.0) + eps  # the guard
         if HAS_ROPE:
             half = tl.arange(0, BLOCK_D // 2)
             if D == BLOCK_D:
@@ -586,19 +587,17 @@ def _summary_buffers(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Empty summaries ``S`` ``(B, H, M, D, Dv)`` in ``dtype`` and key sums ``z`` ``(B, H, M, D)`` (``None``
     without ``norm``), as views of transposed storage: ``Sᵀ`` ``(B, H, M, Dv, D)``, so that every stored row
-    is ``D`` contiguous channels (aligned: the kernels move it in 16-byte vectors). Float32 and bfloat16
-    summaries carry the key sums as one more row, ``[Sᵀ; zᵀ]`` ``(B, H, M, Dv + 1, D)``, so that
-    :func:`_mix` mixes both in one product; float16 ones keep ``z`` apart in float32 (a sum of a block's
-    features may pass float16's range).
+    is ``D`` contiguous channels (aligned: the kernels move it in 16-byte vectors). Float32 summaries carry the
+    key sums as one more row, ``[Sᵀ; zᵀ]`` ``(B, H, M, Dv + 1, D)``, so that :func:`_mix` mixes both in one
+    product; bfloat16 and float16 ones keep ``z`` apart in float32.
 
-    The key sums are accumulated in float32 either way; a bfloat16 row rounds them (and ``z̃``) to 8 bits,
-    yet the output comes out closer to the reference: ``S̃`` and ``z̃`` are then mixed by the same
-    bf16-rounded ``W``, whose rounding cancels between the numerator and the denominator. Measured under
-    the interpreter (bf16 inputs, 6x8x10 tokens in 2x2x2 blocks of 60, 2 heads of 32, RoPE, float64
-    reference, 3 seeds): largest error / largest output 6.2e-3 to 6.6e-3 and RMS 3.9e-3 to 4.3e-3 with the
-    row, against 7.8e-3 to 8.7e-3 and 5.8e-3 to 6.3e-3 with float32 key sums mixed by a float32 ``W``
-    (the output's own bf16 rounding: 2.5e-3 and 1.6e-3)."""
-    fold = norm and dtype in (torch.float32, torch.bfloat16)
+    The key sums are accumulated and kept in float32 for every dtype, and mixed by a float32 ``W``, as the
+    eager operator keeps them (issue 61). A bfloat16 row ``[Sᵀ; zᵀ]`` rounded ``z`` and ``z̃`` to 8 bits: with
+    non-negative mixing that rounding cancelled between numerator and denominator, but once training makes the
+    mixing signed, ``z̃ = W z`` cancels and the rounded denominator did not: under the interpreter (round to
+    nearest patched in; bf16, 3x6x8 tokens in 1x2x2 blocks, 2 heads of 128, 56 % of ``W`` negative) the output's
+    error against float64 was 0.59 of its largest value with the row, against 2.3e-2 for the eager operator."""
+    fold = norm and dtype == torch.float32
     storage = torch.empty((batch, heads, m, dv + fold, d), device=device, dtype=dtype)
     summaries = storage[..., :dv, :].transpose(-1, -2)
     if fold:
@@ -639,8 +638,8 @@ def _mix(
     """The mixing between the kernels, in PyTorch, outside ``torch.autocast``: ``S̃ = W S`` ``(B, H, M, D,
     Dv)`` in the summaries' dtype (half summaries: a half GEMM, float32 accumulation, ``W`` rounded to the
     half type as the eager operator does) and ``z̃ = W z`` ``(B, H, M, D)`` in float32 (``None`` without
-    key sums). Folded summaries ``[Sᵀ; zᵀ]`` (float32 and bf16, :func:`_summary_buffers`) are mixed in one
-    product, returned as views of ``[S̃ᵀ; z̃ᵀ]`` (``z̃`` then in the summaries' dtype); float16 ones in two.
+    key sums). Folded float32 summaries ``[Sᵀ; zᵀ]`` (:func:`_summary_buffers`) are mixed in one product,
+    returned as views of ``[S̃ᵀ; z̃ᵀ]``; half ones in two.
     ``S̃`` has the layout of ``S`` (transposed storage stays transposed)."""
     batch, heads, m, d, dv = summaries.shape
     augmented = _augmented(summaries, key_sums)
@@ -691,7 +690,7 @@ def _launch_summaries(
     """Kernel 1 on validated inputs: the block summaries ``S`` ``(B, H, M, D, Dv)`` (in the compute dtype,
     rows in natural channel order) and key sums ``z`` ``(B, H, M, D)`` (float32; ``None`` without a
     denominator). ``rope``: the even-channel tables of :func:`_rope_tables`, or ``None``. Both outputs may
-    be strided views (``S`` of transposed storage; float32 and bf16 ``z`` a row of it:
+    be strided views (``S`` of transposed storage; float32 ``z`` a row of it:
     :func:`_summary_buffers`): callers read them by their strides. The backward recomputes the summaries with this."""
     batch, _, heads, d = k.shape
     dv = v.shape[-1]
@@ -884,9 +883,9 @@ def fused_traffic(
     terms["summaries kernel: RoPE tables"] = rope * tiles.value_tiles * bh * tokens * pairs * 2 * compute_size
     terms["summaries kernel: v"] = bh * tokens * value_dim * size
     terms["summaries kernel: S stored"] = bh * m * head_dim * value_dim * compute_size
-    sums_size = 0 if key_sums is None else key_sums.element_size()  # float32, or bf16 in [Sᵀ; zᵀ]
+    sums_size = 0 if key_sums is None else key_sums.element_size()  # float32
     terms["summaries kernel: z stored"] = norm * bh * m * head_dim * sums_size
-    # PyTorch: S̃ = W S, z̃ = W z (one product of [Sᵀ; zᵀ] for float32 and bf16 summaries, two for float16)
+    # PyTorch: S̃ = W S, z̃ = W z (one product of [Sᵀ; zᵀ] for float32 summaries, two for half ones)
     mixing = torch.empty((heads, m, m) if per_head_mixing else (m, m), dtype=torch.float32, **meta)
     terms["mixing (PyTorch): W S, W z"] = count_traffic(lambda: _mix(mixing, summaries, key_sums)).total
     # _output_kernel, grid (B*H, M); per program: S̃ and z̃ of its block once, then per slot tile the plan

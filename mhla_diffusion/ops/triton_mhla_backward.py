@@ -4,8 +4,10 @@
 Per batch ``b`` and head ``h``, with ``phi(x) = relu(x) + feature_eps``, ``q̂ = R(phi(q))``, ``k̂ = R(phi(k))``
 (``R`` Wan's interleaved RoPE), block sums ``S_j = Σ_{s∈j} k̂_s v_sᵀ`` ``(D, Dv)``, ``z_j = Σ_{s∈j} phi(k_s)``,
 the mixing ``S̃_o = Σ_j W[o, j] S_j``, ``z̃_o = Σ_j W[o, j] z_j`` and, for a query ``t`` of block ``o``,
-``den_t = phi(q_t) · z̃_o + eps`` (1 without a denominator) and ``out_t = q̂_t S̃_o / den_t``, the gradient of
-``out`` against ``g`` is, with ``g'_t = g_t / den_t``:
+``den_t = max(phi(q_t) · z̃_o, 0) + eps`` (1 without a denominator; the guard of
+:mod:`~mhla_diffusion.ops.attention`) and ``out_t = q̂_t S̃_o / den_t``, the gradient of ``out`` against ``g`` is,
+with ``g'_t = g_t / den_t`` (and the ``dz̃``, ``z̃`` terms below zero where ``phi(q_t) · z̃_o < 0``: ``den_t`` is the
+constant ``eps`` there):
 
 - ``dS̃_o = Σ_{t∈o} q̂_tᵀ g'_t``, ``dz̃_o = -Σ_{t∈o} (g'_t · out_t) phi(q_t)``;
 - ``dphi(q_t) = Rᵀ(S̃_o g'_t) - (g'_t · out_t) z̃_o`` and ``dq = dphi(q) [q > 0]``;
@@ -30,7 +32,7 @@ It launches, in order:
 Precision follows the forward: dots take ``dot_dtype`` operands (float32 at IEEE precision under the
 interpreter) and accumulate in float32; the summaries ``S, S̃`` and their gradients ``dS̃, dS`` are stored in the
 inputs' half dtype for bf16/fp16 inputs (float32 otherwise), the key sums and theirs in float32; ``dW`` is
-accumulated per (batch, head) in that dtype and summed in float32. ``dq, dk, dv`` come in ``q, k, v``'s dtypes,
+multiplied and summed in float32. ``dq, dk, dv`` come in ``q, k, v``'s dtypes,
 ``dW`` in ``mixing``'s. Kernel conventions are :mod:`~mhla_diffusion.ops.triton_mhla`'s: slots from
 ``plan.gather``, padding masked by ``plan.valid`` (a padded slot loads and stores nothing; its denominator is 1,
 so empty blocks give zeros, never NaN), RoPE as even/odd half tiles, head dims padded to a power of two,
@@ -189,7 +191,9 @@ def _query_grad_kernel(
         feats = tl.where(q_mask, tl.maximum(raw.to(tl.float32), 0.0) + feature_eps, 0.0)  # phi(q); padding: zero
         grad = tl.load(g_base + cols[:, None] * sgd + token[None, :] * sgn, mask=g_mask, other=0.0).to(tl.float32)
         if NORMALIZE:  # padded slots: denominator 1, so no 0/0 even with eps = 0
-            den = tl.where(used, tl.reduce(feats * z[:, None], 0, _add_combine) + eps, 1.0)
+            dot = tl.reduce(feats * z[:, None], 0, _add_combine)
+            live = dot >= 0.0  # the guard max(q·z̃, 0) + eps: constant (no gradient) where q·z̃ < 0
+            den = tl.where(used, tl.maximum(dot, 0.0) + eps, 1.0)
             grad = grad / den[None, :]  # g'
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables stay in their dtype until used
             half = tl.arange(0, BLOCK_D // 2)
@@ -214,7 +218,7 @@ def _query_grad_kernel(
             ds = tl.dot(rot, tl.trans(grad), ds)
             d_rot = tl.dot(summary, grad)
         if NORMALIZE:  # g'·out = g'·(q̂ S̃)/den = q̂·(S̃ g')/den: no product for the output; then dz̃
-            g_out = tl.reduce(rot.to(tl.float32) * d_rot, 0, _add_combine) / den
+            g_out = tl.where(live, tl.reduce(rot.to(tl.float32) * d_rot, 0, _add_combine) / den, 0.0)
             dz -= tl.reduce(feats * g_out[None, :], 1, _add_combine)
         if HAS_ROPE:  # Rᵀ: rotate back by -angle
             r_even, r_odd = tl.split(tl.permute(tl.reshape(d_rot, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
@@ -459,8 +463,8 @@ def _unmix(
 
     Returns ``dS = Wᵀ dS̃`` ``(B, H, M, D, Dv)`` in ``dS̃``'s dtype (``W`` rounded to it, as the forward's
     product rounds it), ``dz = Wᵀ dz̃`` (or ``None``), and ``dW`` float32 in ``mixing``'s shape:
-    ``Σ <dS̃_o, S_j> + <dz̃_o, z_j>`` over batch and heads (over batch only for per-head mixing), each (batch,
-    head)'s product accumulated in float32 and rounded to ``dS̃``'s dtype before the float32 sum. Where
+    ``Σ <dS̃_o, S_j> + <dz̃_o, z_j>`` over batch and heads (over batch only for per-head mixing), every product
+    and sum in float32 (:func:`_float32_product`). Where
     ``S, z`` (and ``dS̃, dz̃``) are views of one ``[S | z]`` tensor, one product each mixes and contracts both.
     """
     reduce_dims = (0,) if mixing.ndim == 3 else (0, 1)
@@ -474,13 +478,26 @@ def _unmix(
             return d_unmixed[..., :-1], d_unmixed[..., -1], d_mixing
         d_flat, flat, swapped = _flat_pair(d_mixed, summaries)
         d_summaries = _unflat(mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat, d_mixed.shape, swapped)
-        d_mixing = (d_flat @ flat.transpose(-1, -2)).to(torch.float32)
+        d_mixing = _float32_product(d_flat, flat)
         d_sums = None
         if d_mixed_sums is not None:
             d_sums = mix.transpose(-1, -2) @ d_mixed_sums
             d_mixing = d_mixing + d_mixed_sums @ key_sums.to(torch.float32).transpose(-1, -2)
         d_mixing = d_mixing.sum(reduce_dims)
     return d_summaries, d_sums, d_mixing
+
+
+def _float32_product(grad: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``grad @ valueᵀ`` ``(B, H, M, M)`` in float32 for ``(B, H, M, K)`` operands: half operands multiply into a
+    float32 result (CUDA: one batched GEMM with ``out_dtype``; on a CPU on float32 copies), so that ``dW`` is never
+    rounded to the half type per (batch, head) before the sum over them."""
+    if grad.dtype == torch.float32:
+        return grad @ value.transpose(-1, -2)
+    if grad.device.type in ("cuda", "meta"):  # meta: what CUDA runs, for the traffic counts
+        batch = grad.shape[:2]
+        grad3, value3 = grad.reshape(-1, *grad.shape[2:]), value.reshape(-1, *value.shape[2:])
+        return torch.bmm(grad3, value3.transpose(-1, -2), out_dtype=torch.float32).view(*batch, *grad.shape[2:3] * 2)
+    return grad.to(torch.float32) @ value.to(torch.float32).transpose(-1, -2)
 
 
 def _plan_pointers(plan: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
