@@ -52,6 +52,9 @@ On CUDA each stage runs in its own process under its limit (a kernel fault or a 
                  attention path the compiled graph holds (:class:`GraphRecorder`: the MHLA custom op's
                  calls, or none when Dynamo traced the eager operator; the fused kernels' launches in one
                  profiled compiled forward).
+``gradients``    before the attention is timed: the fused bf16 forward and backward at the first timing grid
+                 with signed mixing, output and ``dq, dk, dv, dW`` against a float32 eager reference, beside
+                 the bf16 eager operator's errors (a row passes within 1.5x of eager's).
 ``timing``       attention forwards at 21x30x50 and 21x30x52 (B=1, H=12, D=128, bf16): the MHLA operator
                  (plan per call, precomputed, with RoPE), the Wan processor's path in both settings, the
                  fused kernel, a plain einsum linear attention, SDPA flash / cuDNN / memory-efficient,
@@ -835,6 +838,76 @@ def stage_correctness(ctx: StageContext) -> None:
     ctx.data["failed"] = len(checks) - ctx.data["passed"]
 
 
+#: A gradient row passes when the fused path's error is within this factor of the eager operator's (issue 61).
+GRADIENT_FACTOR = 1.5
+
+
+def stage_gradients(ctx: StageContext) -> None:
+    """Gradients before the attention is timed (issue 61): at the first timing grid (Wan2.1-1.3B: 21x30x50, 12
+    heads x 128, the paper layout) with signed mixing (the linear start plus noise, about 20 % negative, as
+    fine-tuning can leave it), the output and every gradient (``dq, dk, dv, dW``) of the fused bf16 forward and
+    backward and of the bf16 eager operator, each against a float32 eager reference on the device (largest error
+    over largest value). A row passes when the fused error is within :data:`GRADIENT_FACTOR` of the eager one."""
+    from mhla_diffusion.ops.attention import mhla_attention
+    from mhla_diffusion.ops.block_layout import block_plan
+    from mhla_diffusion.ops.mixing import mixing_init
+
+    sizes, device = ctx.sizes, ctx.device
+    grid, layout, eps = sizes.timing_grids[0], sizes.layout, 1e-6
+    fused, status = fused_kernel()
+    n = math.prod(grid)
+    g = torch.Generator().manual_seed(61)
+    raw = [torch.randn(1, n, sizes.heads, sizes.head_dim, generator=g) for _ in range(3)]
+    cos, sin = (t.to(device) for t in rotary_tables(n, sizes.head_dim, "cpu", g))
+    start = mixing_init(layout)
+    mixing = start + 3 * start.std() * torch.randn(start.shape, generator=g)  # about 20 % negative at 3x5x10
+    weight = torch.randn(raw[2].shape, generator=g).to(device)
+    ctx.data.update(
+        grid=_grid_label(grid),
+        layout=_grid_label(layout),
+        heads=sizes.heads,
+        head_dim=sizes.head_dim,
+        dtype=str(ctx.dtype).removeprefix("torch."),
+        negative_share=round(float((mixing < 0).float().mean()), 3),
+        fused=status,
+        factor=GRADIENT_FACTOR,
+        rows=[],
+    )
+
+    def run(call: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [x.detach().to(device, dtype).clone().requires_grad_() for x in raw]
+        w = mixing.detach().to(device).clone().requires_grad_()
+        out = call(*leaves, w)
+        (out.float() * weight).sum().backward()
+        return [t.detach().float() for t in (out, *(x.grad for x in leaves), w.grad)]
+
+    def eager(q, k, v, w):
+        return mhla_attention(q, k, v, grid, layout, w, feature_eps=eps, eps=eps, rotary=(cos, sin))
+
+    truth = run(eager, torch.float32)
+    base = run(eager, ctx.dtype)
+    got = None
+    if ctx.fused_runs(fused, "the fused path's gradients"):
+        plan = block_plan(grid, layout, device)
+
+        def fused_call(q, k, v, w):
+            return fused(q, k, v, plan, w, cos=cos, sin=sin, feature_eps=eps, eps=eps, dot_dtype=_dot_dtype())
+
+        got = run(fused_call, ctx.dtype)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if torch.isfinite(a).all() else math.inf
+
+    for index, name in enumerate(("out", "dq", "dk", "dv", "dW")):
+        row = {"tensor": name, "eager": error(base[index], truth[index])}
+        if got is not None:
+            row["fused"] = error(got[index], truth[index])
+            row["fused_over_eager"] = row["fused"] / max(row["eager"], 1e-30)
+            row["ok"] = row["fused"] <= GRADIENT_FACTOR * row["eager"]
+        ctx.data["rows"].append(row)
+    ctx.data["failed"] = sum(not r.get("ok", True) for r in ctx.data["rows"])
+
+
 # ----------------------------------------------------------------------------- attention calls
 
 
@@ -1596,10 +1669,11 @@ STAGES = (
     Stage("versions", stage_versions, 10, 45),
     Stage("correctness", stage_correctness, 20, 75),
     Stage("endtoend", stage_endtoend, 90, 240),
+    Stage("gradients", stage_gradients, 15, 45),
     Stage("timing", stage_timing, 40, 100),
     Stage("training", stage_training, 30, 75),
     Stage("profile", stage_profile, 10, 30),
-    Stage("families", stage_families, 15, 45),
+    Stage("families", stage_families, 5, 45),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
@@ -1763,6 +1837,13 @@ CORRECTNESS_COLUMNS = (
     ("worst_rel_err", "worst ‖out − ref‖ / ‖ref‖", ".1e"),
     ("failed", "failed", "d"),
 )
+GRADIENT_COLUMNS = (
+    ("tensor", "tensor", ""),
+    ("eager", "eager bf16 error", ".1e"),
+    ("fused", "fused bf16 error", ".1e"),
+    ("fused_over_eager", "fused / eager", ".2f"),
+    ("ok", "ok", ""),
+)
 ENDTOEND_COLUMNS = (
     ("method", "method", ""),
     ("attention", "self-attention", ""),
@@ -1879,6 +1960,21 @@ def render_markdown(session: dict[str, Any]) -> str:
         ]
         lines += [
             f"- {c['path']} {c['setting']} {c['grid']}: {c['error']}" for c in correctness["checks"] if c.get("error")
+        ]
+
+    gradients = stages.get("gradients", {})
+    lines += _status_line(session, "gradients")
+    if gradients.get("rows"):
+        lines += [
+            f"Gradients before timing: at {gradients['grid']} tokens ({gradients['heads']} heads x "
+            f"{gradients['head_dim']}, layout {gradients['layout']}), mixing {gradients['negative_share']:.0%} "
+            f"negative, {gradients['dtype']} against a float32 eager reference on the device (largest error / largest "
+            f"value); fused: {gradients['fused']}. A row passes when the fused error is within "
+            f"{gradients['factor']}x the eager operator's: {len(gradients['rows']) - gradients['failed']} of "
+            f"{len(gradients['rows'])} pass.",
+            "",
+            format_table(gradients["rows"], GRADIENT_COLUMNS),
+            "",
         ]
 
     endtoend = stages.get("endtoend", {})

@@ -392,6 +392,12 @@ def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     assert {name: entry["status"] for name, entry in stages.items()} == dict.fromkeys(gpu_session.STAGE_NAMES, "ok")
     assert seconds < 240  # about 55 s on two shared cores
 
+    gradients = stages["gradients"]
+    assert [r["tensor"] for r in gradients["rows"]] == ["out", "dq", "dk", "dv", "dW"]
+    assert all(0 < r["eager"] < 0.1 for r in gradients["rows"]) and 0 < gradients["negative_share"] < 1
+    assert any("CUDA-only" in note and "gradients" in note for note in gradients["notes"])  # no fused path here
+    assert "Gradients before timing" in gpu_session.render_markdown(session)
+
     families = stages["families"]
     assert [r["family"] for r in families["rows"]] == list(FAMILY_MODELS)
     assert all(r["sdpa_s"] > 0 and r["mhla_s"] > 0 for r in families["rows"])
