@@ -32,6 +32,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # dependence, so the bit-exact reload tests test the loading, not the CPU. Read when MKL first runs: set it here,
 # before torch (subprocesses inherit it).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Inductor's on-disk graph cache keys a compiled graph without TRITON_INTERPRET, yet the fused op's fake outputs
+# (the block summaries it keeps) depend on it: a graph compiled by another process with the interpreter on (a
+# developer's session, the GPU session's smoke run) would be reused with it off and fail. The suite keeps its own
+# cache, where every compile runs with the interpreter off (the compile tests unset it), warm across runs.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"torchinductor-mhla-tests-{os.getuid() if hasattr(os, 'getuid') else 0}"
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

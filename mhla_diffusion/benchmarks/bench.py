@@ -119,14 +119,14 @@ class PeakMemory(TorchDispatchMode):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
+            self._allocated_before = torch.cuda.memory_allocated(self.device)
             return self
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._allocated_before
             return None
         return super().__exit__(*exc)
 

@@ -45,6 +45,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 from tqdm.auto import tqdm
 
+from ..utils.tensor_versions import write_count
 from .features import FeatureExtractor, TensorFeatures, as_feature_extractor, exact_float32, flatten_spatial
 from .frechet import GaussianStats, frechet_distance, gaussian_from_sums
 from .images import ImageSource
@@ -93,9 +94,10 @@ _LAST_FEATURES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyD
 
 
 def _weights_versions(network: nn.Module) -> tuple[int, ...]:
-    """Version counters of the weights (bumped by any in-place change, e.g. ``load_state_dict``);
-    inference-mode tensors keep none."""
-    return tuple(-1 if p.is_inference() else p._version for p in network.parameters())
+    """Version counters of the weights (bumped by any in-place change, e.g. ``load_state_dict``;
+    :func:`~mhla_diffusion.utils.tensor_versions.write_count`); inference-mode tensors keep none (-1); ``None`` where
+    PyTorch cannot tell (then the features are never reused)."""
+    return tuple(-1 if p.is_inference() else write_count(p) for p in network.parameters())
 
 
 def shared_features(extractor: FeatureExtractor, images: torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
@@ -106,6 +108,7 @@ def shared_features(extractor: FeatureExtractor, images: torch.Tensor | np.ndarr
     last = _LAST_FEATURES.get(network)
     if (
         last is not None
+        and None not in versions
         and last[1] == versions
         and last[0].shape == x.shape
         and last[0].device == x.device

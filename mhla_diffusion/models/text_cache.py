@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils.tensor_versions import write_count
+
 __all__ = ["TextConditioningCache", "text_conditioning_modules"]
 
 #: What a cross-attention layer computes from the conditioning alone (Diffusers' attribute names).
@@ -94,15 +96,17 @@ class _KeptOutputs:
             self.module.forward = self.instance_forward
 
 
-def _unchanged(entry: tuple[torch.Tensor, int, torch.Tensor, int]) -> bool:
+def _unchanged(entry: tuple[torch.Tensor, int | None, torch.Tensor, int | None]) -> bool:
     seen, seen_version, out, out_version = entry
-    return _version(seen) == seen_version and _version(out) == out_version
+    now = (_version(seen), _version(out))
+    return None not in now and now == (seen_version, out_version)
 
 
-def _version(t: torch.Tensor) -> int:
-    """How often ``t`` was written in place; 0 for an inference tensor (``torch.inference_mode``), which counts
-    nothing: a write into one between two calls goes unnoticed (the pipelines never write their prompt states)."""
-    return 0 if t.is_inference() else t._version
+def _version(t: torch.Tensor) -> int | None:
+    """How often ``t`` was written in place (:func:`~mhla_diffusion.utils.tensor_versions.write_count`; ``None``:
+    PyTorch cannot tell, never reused); 0 for an inference tensor (``torch.inference_mode``), which counts nothing:
+    a write into one between two calls goes unnoticed (the pipelines never write their prompt states)."""
+    return 0 if t.is_inference() else write_count(t)
 
 
 class TextConditioningCache:

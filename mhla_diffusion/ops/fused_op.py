@@ -46,6 +46,7 @@ from .triton_mhla import (
     _eager_forward,
     _fused_forward,
     _launch_arguments,
+    folds_key_sums,
     triton,
 )
 
@@ -97,7 +98,7 @@ def _kept_shapes(q: Tensor, k: Tensor, v: Tensor, layout: List[int], normalize: 
     batch, _, heads, d = q.shape
     dtype = _compute_dtype(k.dtype, v.dtype)
     norm = normalize == "denominator"
-    fold = norm and dtype in (torch.float32, torch.bfloat16)
+    fold = folds_key_sums(dtype, norm)
     storage = ((batch, heads, m, v.shape[-1] + fold, d), dtype)
     sums = ((batch, heads, m, d), torch.float32) if norm and not fold else ((0,), dtype)
     return storage, sums
@@ -114,15 +115,36 @@ def _triton_backward() -> Optional[Callable]:
     return getattr(triton_mhla_backward, "mhla_attention_fused_backward", None)
 
 
+#: Whether this PyTorch has the dispatcher's private key-set guard :func:`_autograd_inside_op` uses (every release
+#: from 2.4 to 2.14 does); without it the eager recompute takes the public ``torch.func.vjp`` (:func:`_eager_grads`).
+_FORCED_KEYS = all(
+    hasattr(torch._C, name)
+    for name in ("_dispatch_tls_local_exclude_set", "_dispatch_tls_local_include_set", "_ForceDispatchKeyGuard")
+)
+
+
 @contextmanager
 def _autograd_inside_op() -> Iterator[None]:
     """Autograd on inside a custom op's kernel, which the dispatcher calls with autograd's dispatch key
     excluded (so nothing it computes would record a graph): the eager recompute of the backward needs it.
-    ``torch.func.vjp`` would do without, but its wrapped tensors fail under dispatch modes that read storage
-    (``torch.library.opcheck``'s schema check)."""
+    Private dispatcher API, used only where :data:`_FORCED_KEYS` says it exists."""
     exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
         yield
+
+
+def _eager_grads(forward: Callable[..., Tensor], inputs: tuple[Tensor, ...], grad_out: Tensor) -> tuple[Tensor, ...]:
+    """The gradients of ``forward(*inputs)`` against ``grad_out``, computed inside a custom op's kernel: by autograd
+    with the dispatch key put back (:func:`_autograd_inside_op`), or, where PyTorch lacks that private guard, by the
+    public ``torch.func.vjp`` (whose wrapped tensors fail only under dispatch modes that read storage, such as
+    ``torch.library.opcheck``'s schema check)."""
+    if _FORCED_KEYS:
+        with _autograd_inside_op():
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            out = forward(*leaves)
+            return torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    out, vjp = torch.func.vjp(forward, *inputs)
+    return vjp(grad_out.to(out.dtype))
 
 
 @torch.library.custom_op("mhla::fused_attention", mutates_args=())
@@ -206,10 +228,11 @@ def fused_attention_backward(
         saved = _summaries_from(kept, kept_sums, v.shape[-1], normalize) if kept.numel() else None
         grads = backward(grad_out, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype, saved=saved)
     else:
-        with _autograd_inside_op():
-            inputs = [t.detach().requires_grad_() for t in (q, k, v, mixing)]
-            out = _eager_forward(*inputs[:3], plan, inputs[3], cos, sin, feature_eps, normalize, eps)
-            grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+
+        def forward(q: Tensor, k: Tensor, v: Tensor, mixing: Tensor) -> Tensor:
+            return _eager_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps)
+
+        grads = _eager_grads(forward, (q, k, v, mixing), grad_out)
     return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v, mixing)))
 
 

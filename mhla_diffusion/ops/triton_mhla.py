@@ -59,6 +59,7 @@ from typing import Iterator
 
 import torch
 
+from ..utils.tensor_versions import write_count
 from .attention import mhla_attention, normalization_mode, validate_attention_inputs, without_autocast
 from .block_layout import BlockPlan
 
@@ -332,12 +333,17 @@ def _jitted(fn, interpret: bool):
     """The kernel function ``fn`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors); cached."""
     key = (fn, interpret)
     if key not in _KERNELS:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[key] = InterpretedFunction(fn)
-        else:
-            _KERNELS[key] = triton.JITFunction(fn)  # compiled whatever TRITON_INTERPRET says now
+        # triton.jit makes an interpreted function or a GPU one as TRITON_INTERPRET says when it is called (public
+        # API in every Triton this project supports): set it for the one call
+        before = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            _KERNELS[key] = triton.jit(fn)
+        finally:
+            if before is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = before
     return _KERNELS[key]
 
 
@@ -516,9 +522,8 @@ class _RopeCache:
 
     @staticmethod
     def _key(table: torch.Tensor) -> tuple | None:
-        try:
-            version = table._version  # bumped by every in-place write to the tensor or a view of its storage
-        except RuntimeError:  # an inference tensor has no version counter: never reused
+        version = write_count(table)  # bumped by every in-place write to the tensor or a view of its storage
+        if version is None:  # an inference tensor keeps no count: never reused
             return None
         return (
             version,
@@ -582,6 +587,12 @@ def _convert_tables(tables: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtyp
     return out[0], out[1]
 
 
+def folds_key_sums(dtype: torch.dtype, norm: bool) -> bool:
+    """Whether summaries of ``dtype`` carry the key sums as one more row (:func:`_summary_buffers`): float32 ones
+    with a denominator; half ones keep them apart in float32."""
+    return norm and dtype == torch.float32
+
+
 def _summary_buffers(
     batch: int, heads: int, m: int, d: int, dv: int, dtype: torch.dtype, norm: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -597,7 +608,7 @@ def _summary_buffers(
     mixing signed, ``z̃ = W z`` cancels and the rounded denominator did not: under the interpreter (round to
     nearest patched in; bf16, 3x6x8 tokens in 1x2x2 blocks, 2 heads of 128, 56 % of ``W`` negative) the output's
     error against float64 was 0.59 of its largest value with the row, against 2.3e-2 for the eager operator."""
-    fold = norm and dtype == torch.float32
+    fold = folds_key_sums(dtype, norm)
     storage = torch.empty((batch, heads, m, dv + fold, d), device=device, dtype=dtype)
     summaries = storage[..., :dv, :].transpose(-1, -2)
     if fold:

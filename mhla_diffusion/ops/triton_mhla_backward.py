@@ -407,11 +407,12 @@ def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, 
 def _joint(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
     """The ``[S | z]`` tensor ``(B, H, M, D, Dv + 1)`` that ``summaries`` and ``key_sums`` are the two views of
     (the forward keeps float32 key sums as one more column of the summaries), or ``None`` when they lie apart."""
-    base = summaries._base
-    if key_sums is None or base is None or key_sums._base is not base or key_sums.dtype != summaries.dtype:
+    if key_sums is None or key_sums.dtype != summaries.dtype:
+        return None
+    if key_sums.untyped_storage().data_ptr() != summaries.untyped_storage().data_ptr():
         return None
     b, h, m, d, dv = summaries.shape
-    joint = base.as_strided((b, h, m, d, dv + 1), summaries.stride(), summaries.storage_offset())
+    joint = summaries.as_strided((b, h, m, d, dv + 1), summaries.stride(), summaries.storage_offset())
     if key_sums.stride() != joint[..., dv].stride() or key_sums.storage_offset() != joint[..., dv].storage_offset():
         return None
     return joint

@@ -84,9 +84,12 @@ def test_opcheck(case, monkeypatch):
     torch.library.opcheck(BACKWARD, (grad_out, *detached[:6], *kept, *detached[6:]))
 
 
-def test_op_forward_and_backward_equal_the_eager_operator(monkeypatch):
-    """On CPU without the interpreter the ops are the eager operator and its gradients (to rounding)."""
+@pytest.mark.parametrize("private_guard", [True, False], ids=["dispatch-guard", "public-vjp"])
+def test_op_forward_and_backward_equal_the_eager_operator(monkeypatch, private_guard):
+    """On CPU without the interpreter the ops are the eager operator and its gradients (to rounding), whether the
+    backward recomputes under the dispatcher's private guard or, where PyTorch lacks it, with ``torch.func.vjp``."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fused_op, "_FORCED_KEYS", fused_op._FORCED_KEYS and private_guard)
     q, k, v, mixing, cos, sin, plan = _inputs(UNEVEN, per_head=True)
     mixing = mixing.double()
     weight = torch.randn(v.shape, dtype=v.dtype, generator=torch.Generator().manual_seed(2))
@@ -241,3 +244,18 @@ def test_compiled_wan_keeps_the_fused_op_forward_and_backward(config, monkeypatc
     assert got_grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fake_kept_summaries_are_laid_out_as_the_real_ones(dtype):
+    """What ``torch.compile`` is told the forward keeps (shapes and dtypes of the summaries and key sums) is what the
+    kernels' buffers are, for every dtype (half ones keep float32 key sums apart)."""
+    from mhla_diffusion.ops.triton_mhla import _summary_buffers
+
+    q = torch.empty(1, 24, 2, 16, dtype=dtype)
+    storage, sums = fused_op._kept_shapes(q, q, q, [1, 2, 2], "denominator")
+    summaries, key_sums = _summary_buffers(1, 2, 4, 16, 16, dtype, True, "cpu")
+    folded = dtype == torch.float32  # [Sᵀ; zᵀ]: the key sums one more row of the (transposed) summaries
+    assert storage == ((1, 2, 4, 16 + folded, 16), dtype) and summaries.dtype == dtype
+    assert key_sums.dtype == torch.float32
+    assert sums == (((0,), dtype) if folded else (tuple(key_sums.shape), torch.float32))

@@ -13,6 +13,7 @@ from mhla_diffusion.finetune.video_families import video_recipe_for
 from mhla_diffusion.models.conversion import get_mhla_conversion
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["skyreels-v2", "hunyuan-video"])
 def test_attention_transfer_and_fine_tuning_save_a_pipeline_that_reloads_as_mhla(
     tmp_path, family_pipeline_dirs, video_set, family
