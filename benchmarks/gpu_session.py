@@ -981,11 +981,24 @@ def counted_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, fused
 
 def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normalize: str) -> int:
     """Bytes of one call of :func:`_fused_calls`'s kernel, counted from its launch."""
+    return sum(fused_terms(grid, sizes, dtype, normalize).values())
+
+
+def fused_dram_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normalize: str) -> int:
+    """:func:`fused_bytes` less what a GPU's L2 serves (the RoPE tables and slot indices every head reads again:
+    :func:`~mhla_diffusion.ops.traffic.dram_estimate`)."""
+    from mhla_diffusion.ops.traffic import dram_estimate
+
+    return dram_estimate(fused_terms(grid, sizes, dtype, normalize), sizes.heads)[0]
+
+
+def fused_terms(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normalize: str) -> dict[str, int]:
+    """The launch's counted terms (:func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`)."""
     from mhla_diffusion.ops.block_layout import block_plan
     from mhla_diffusion.ops.triton_mhla import fused_traffic
 
     plan = block_plan(grid, sizes.layout)
-    return sum(
+    return dict(
         fused_traffic(
             1,
             math.prod(grid),
@@ -997,7 +1010,7 @@ def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normali
             padded=plan.valid is not None,
             dtype=dtype,
             normalize=normalize,
-        ).values()
+        )
     )
 
 
@@ -1347,14 +1360,25 @@ def attention_calls(
             calls[name] = call
             mode = name.split(", ")[1].split()[0]
             bytes_of[name], basis[name] = fused_bytes(grid, sizes, dtype, mode), "counted from the launch"
+            bytes_of[f"{name}, DRAM"] = fused_dram_bytes(grid, sizes, dtype, mode)
     return calls, bytes_of, basis, errors
+
+
+#: The rows the timing stage times first on each grid (and saves), before the rest: what a reader looks for.
+HEADLINE_ROWS = ("SDPA flash", "SDPA cuDNN", "Wan processor path, paper", _fused_name("denominator"))
+
+
+def headline_first(names: list[str]) -> tuple[list[str], list[str]]:
+    """``names`` split into the headline rows (:data:`HEADLINE_ROWS`, by prefix) and the rest, each in order."""
+    headline = [name for name in names if name.startswith(HEADLINE_ROWS)]
+    return headline, [name for name in names if name not in headline]
 
 
 def stage_timing(ctx: StageContext) -> None:
     """Device time of every attention forward on each timing grid (loops of calls), GB/s against the counted
-    bytes; then (CUDA) every timed call again as CUDA graph replays, after all grids' loops, so that a capture
-    that upsets the device costs only graph columns."""
-    from mhla_diffusion.benchmarks.bench import PeakMemory
+    bytes; the headline rows (:data:`HEADLINE_ROWS`) of a grid are timed first and saved before its other rows,
+    so a stage cut short keeps them; then (CUDA) every timed call again as CUDA graph replays, after all grids'
+    loops, so that a capture that upsets the device costs only graph columns."""
     from mhla_diffusion.ops.traffic import floor_bytes
 
     sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
@@ -1379,31 +1403,16 @@ def stage_timing(ctx: StageContext) -> None:
         unit = n * sizes.heads * sizes.head_dim * torch.empty((), dtype=dtype).element_size()
         floor = floor_bytes(1, n, sizes.heads, sizes.head_dim, sizes.head_dim, math.prod(sizes.layout), dtype)
         calls, bytes_of, basis, errors = attention_calls(grid, sizes, device, dtype, fused, tf32)
-        with torch.no_grad():
-            timings, failed = time_loops(calls, ctx.timer, plan, ctx.log)
-        errors.update(failed)
-        torch.set_float32_matmul_precision("highest")
         timed[grid] = {}
-        for name, timing in timings.items():
-            seconds = timing.per_call_s
-            with torch.no_grad(), PeakMemory(device) as memory:
-                calls[name]()
+        for group in headline_first(list(calls)):
+            if not group:
+                continue
+            with torch.no_grad():
+                timings, failed = time_loops({name: calls[name] for name in group}, ctx.timer, plan, ctx.log)
+            errors.update(failed)
             torch.set_float32_matmul_precision("highest")
-            row = {
-                "grid": label,
-                "tokens": n,
-                "method": name,
-                "calls": timing.calls,
-                "median_ms": seconds * 1e3,
-                "spread": timing.spread,
-                "counted_units": bytes_of[name] / unit,
-                "bytes_basis": basis[name],
-                "gb_per_s": bytes_of[name] / seconds / 1e9,
-                "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
-                "peak_extra_mb": memory.peak / 2**20,
-            }
-            timed[grid][name] = row
-            ctx.data["rows"].append(row)
+            _timing_rows(ctx, calls, timings, timed[grid], label, n, unit, floor, bytes_of, basis)
+            ctx.save()
         for name, error in errors.items():
             ctx.data["rows"].append({"grid": label, "tokens": n, "method": name, "median_ms": None, "error": error})
         ctx.data.setdefault("floor_units", {})[label] = floor / unit
@@ -1411,7 +1420,50 @@ def stage_timing(ctx: StageContext) -> None:
         del calls
     if not graphs:
         return
-    # the same calls replayed from a CUDA graph: device time without the host's launches
+    _graph_replays(ctx, timed, sizes, device, dtype, fused, tf32, plan)
+
+
+def _timing_rows(
+    ctx: StageContext,
+    calls: dict[str, Callable[[], object]],
+    timings: dict[str, Any],
+    timed: dict[str, dict[str, Any]],
+    label: str,
+    n: int,
+    unit: int,
+    floor: int,
+    bytes_of: dict[str, int],
+    basis: dict[str, str],
+) -> None:
+    """One timing row per timed method (its peak memory measured by one more call), into ``ctx`` and ``timed``."""
+    from mhla_diffusion.benchmarks.bench import PeakMemory
+
+    for name, timing in timings.items():
+        seconds = timing.per_call_s
+        with torch.no_grad(), PeakMemory(ctx.device) as memory:
+            calls[name]()
+        torch.set_float32_matmul_precision("highest")
+        row = {
+            "grid": label,
+            "tokens": n,
+            "method": name,
+            "calls": timing.calls,
+            "median_ms": seconds * 1e3,
+            "spread": timing.spread,
+            "counted_units": bytes_of[name] / unit,
+            "bytes_basis": basis[name],
+            "gb_per_s": bytes_of[name] / seconds / 1e9,
+            "dram_units": bytes_of[f"{name}, DRAM"] / unit if f"{name}, DRAM" in bytes_of else None,
+            "dram_gb_per_s": bytes_of[f"{name}, DRAM"] / seconds / 1e9 if f"{name}, DRAM" in bytes_of else None,
+            "floor_gb_per_s": floor / seconds / 1e9 if name.startswith(MHLA_ROWS) else None,
+            "peak_extra_mb": memory.peak / 2**20,
+        }
+        timed[name] = row
+        ctx.data["rows"].append(row)
+
+
+def _graph_replays(ctx, timed, sizes, device, dtype, fused, tf32, plan) -> None:
+    """The timed calls replayed from a CUDA graph: device time without the host's launches."""
     replay_plan = dataclasses.replace(plan, repeats=max(3, plan.repeats // 2), warmup=1)
     for grid, rows in timed.items():
         calls = attention_calls(grid, sizes, device, dtype, fused, tf32)[0]
@@ -1814,6 +1866,8 @@ TIMING_COLUMNS = (
     ("counted_units", "bytes (U)", ".1f"),
     ("bytes_basis", "bytes are", ""),
     ("gb_per_s", "GB/s", ".0f"),
+    ("dram_units", "DRAM estimate (U)", ".1f"),
+    ("dram_gb_per_s", "DRAM GB/s", ".0f"),
     ("floor_gb_per_s", "floor GB/s", ".0f"),
     ("peak_extra_mb", "peak extra MiB", ".0f"),
     ("error", "error", ""),
@@ -2006,6 +2060,8 @@ def render_markdown(session: dict[str, Any]) -> str:
             f"layout {timing['layout']}; {timing['timer']}, per call = median loop / calls over "
             f"{timing['repeats']} rounds (spread: slowest / fastest loop); graph: the call replayed from a CUDA "
             f"graph; bytes counted on meta tensors in U = N x H x D x 2 bytes (floor of an MHLA call: {floors}); "
+            "DRAM estimate (fused rows): the counted bytes less the RoPE tables and slot indices that every head "
+            "reads again, which L2 serves after the first head; "
             f"fused kernel: {timing.get('fused')}. {_fa3_line(timing)}",
             "",
             format_table(timing["rows"], TIMING_COLUMNS),

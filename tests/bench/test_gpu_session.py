@@ -570,6 +570,7 @@ def test_the_fused_kernel_is_checked_timed_trained_and_profiled_when_it_runs(gpu
         (grid, mode) for grid in ("3x5x10", "3x5x12") for mode in ("denominator", "none")
     }
     assert all(r["bytes_basis"] == "counted from the launch" and r["median_ms"] > 0 for r in rows)
+    assert all(0 < r["dram_units"] < r["counted_units"] for r in rows)  # L2 serves the heads' shared reads
     timing = session["stages"]["timing"]
     dtype = getattr(torch, timing["dtype"])
     for r in rows:  # the bytes each row is divided by: its launch's count (fused_traffic)
@@ -600,3 +601,17 @@ def test_training_calls_give_the_gradients_of_each_attention(gpu_session):
     assert len(flash) == 3
     assert all(g.shape == (1, sizes.heads, 150, sizes.head_dim) and g.abs().sum() > 0 for g in flash)
     assert set(errors) <= {"SDPA cudnn (FA3 stand-in)", "SDPA cudnn", "SDPA efficient"}
+
+
+def test_the_headline_rows_are_timed_first(gpu_session):
+    names = [
+        "MHLA operator, paper",
+        "SDPA flash",
+        "Wan processor path, paper (feature map, RoPE)",
+        "SDPA efficient",
+        "fused Triton kernel, denominator (feature map, RoPE)",
+        "fused Triton kernel, none (feature map, RoPE)",
+    ]
+    headline, rest = gpu_session.headline_first(names)
+    assert headline == [names[1], names[2], names[4]] and rest == [names[0], names[3], names[5]]
+
