@@ -614,4 +614,3 @@ def test_the_headline_rows_are_timed_first(gpu_session):
     ]
     headline, rest = gpu_session.headline_first(names)
     assert headline == [names[1], names[2], names[4]] and rest == [names[0], names[3], names[5]]
-

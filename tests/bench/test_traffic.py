@@ -267,4 +267,3 @@ def test_the_dram_estimate_reads_what_every_head_shares_once():
     shared = sum(v for k, v in terms.items() if k.endswith((": RoPE tables", ": plan index")))
     assert served == pytest.approx(shared * 11 / 12, rel=1e-6)
     assert dram_estimate(terms, 1) == (sum(terms.values()), 0)
-
