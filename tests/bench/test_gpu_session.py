@@ -436,7 +436,8 @@ def test_smoke_runs_every_stage_and_writes_its_entry(smoke, gpu_session):
     assert all(r["rel_diff_vs_eager"] < 1e-2 for r in compiled)  # aot_eager: the same ops
     # on the CPU the processors take the eager operator, which Dynamo traces in; the stock model keeps SDPA
     assert compiled[0]["attention_path"].startswith(("eager MHLA operator traced", "MHLA custom op kept"))
-    assert compiled[1]["sdpa_calls"] == 2 * gpu_session.SMOKE.transformer_layers  # self- and cross-attention
+    # one block's graph, reused by every block (regional compilation): its self- and cross-attention
+    assert compiled[1]["sdpa_calls"] == 2 and gpu_session.SMOKE.transformer_layers > 1
 
     timing = stages["timing"]
     methods = {row["method"] for row in timing["rows"]}
