@@ -14,11 +14,11 @@ from them (no index is recomputed).
 Where each op runs:
 
 * CUDA: the Triton kernels (:func:`~mhla_diffusion.ops.triton_mhla._fused_forward`); the forward op
-  also returns the block summaries it computed, which autograd keeps for the backward (0.61 U a layer at
-  Wan2.1-1.3B's 21x30x50 tokens, one bf16 copy of ``q`` being 1 U), and the backward is the fused Triton
-  backward of :mod:`mhla_diffusion.ops.triton_mhla_backward` on them (the summaries are mixed again, not
-  recomputed from ``k, v``), or the eager operator recomputed and differentiated where that module does
-  not import.
+  also returns the block summaries it computed and their mixing, which autograd keeps for the backward (1.2 U a
+  layer at Wan2.1-1.3B's 21x30x50 tokens, one bf16 copy of ``q`` being 1 U), and the backward is the fused Triton
+  backward of :mod:`mhla_diffusion.ops.triton_mhla_backward` on them (neither recomputed from ``k, v`` nor mixed
+  again: 1.2 U of traffic less than mixing again), or the eager operator recomputed and differentiated where that
+  module does not import.
 * CPU with ``TRITON_INTERPRET=1`` in the environment: the same kernels through Triton's interpreter
   (slow; tests).
 * CPU otherwise: the eager operator (:func:`~mhla_diffusion.ops.triton_mhla._eager_forward`) and its
@@ -164,10 +164,10 @@ def fused_attention(
     normalize: str,
     eps: float,
     dot_dtype: torch.dtype,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """The fused forward on validated inputs: ``(B, N, H, Dv)`` in ``v``'s dtype, contiguous, and the block
-    summaries it was computed from, kept for the backward (:func:`_kept_summaries`; two empty tensors where
-    the eager operator runs, whose backward recomputes).
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused forward on validated inputs: ``(B, N, H, Dv)`` in ``v``'s dtype, contiguous, then the block
+    summaries it was computed from and their mixing, kept for the backward (:func:`_kept_summaries` of ``S, z``
+    and of ``S̃, z̃``; four empty tensors where the eager operator runs, whose backward recomputes).
 
     ``q, k`` ``(B, N, H, D)`` raw projections, ``v`` ``(B, N, H, Dv)``, ``mixing`` ``(M, M)`` or
     ``(H, M, M)``, ``cos, sin`` ``(1, N, 1, D)`` or ``None``; ``gather`` ``(M * P,)``, ``scatter``
@@ -176,12 +176,12 @@ def fused_attention(
     """
     plan = _plan(gather, scatter, valid, grid, layout)
     if _runs_kernels(q.device):
-        out, summaries, key_sums = _fused_forward(
+        out, summaries, key_sums, mixed, mixed_sums = _fused_forward(
             q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps, dot_dtype
         )
-        return (out, *_kept_summaries(summaries, key_sums))
+        return (out, *_kept_summaries(summaries, key_sums), *_kept_summaries(mixed, mixed_sums))
     out = _eager_forward(q, k, v, plan, mixing, cos, sin, feature_eps, normalize, eps)
-    return out.to(v.dtype).contiguous(), q.new_empty(0), q.new_empty(0)
+    return out.to(v.dtype).contiguous(), *(q.new_empty(0) for _ in range(4))
 
 
 @fused_attention.register_fake
@@ -190,8 +190,10 @@ def _fused_attention_fake(
 ):
     out = v.new_empty((*q.shape[:3], v.shape[-1]))
     if not _runs_kernels(q.device):
-        return out, q.new_empty(0), q.new_empty(0)
-    return (out, *(q.new_empty(shape, dtype=dtype) for shape, dtype in _kept_shapes(q, k, v, layout, normalize)))
+        return out, *(q.new_empty(0) for _ in range(4))
+    kept = [q.new_empty(shape, dtype=dtype) for shape, dtype in _kept_shapes(q, k, v, layout, normalize)]
+    mixed = [q.new_empty(shape, dtype=dtype) for shape, dtype in _kept_shapes(q, k, v, layout, normalize)]
+    return out, *kept, *mixed
 
 
 @torch.library.custom_op("mhla::fused_attention_backward", mutates_args=())
@@ -205,6 +207,8 @@ def fused_attention_backward(
     sin: Optional[Tensor],
     kept: Tensor,
     kept_sums: Tensor,
+    kept_mixed: Tensor,
+    kept_mixed_sums: Tensor,
     gather: Tensor,
     scatter: Tensor,
     valid: Optional[Tensor],
@@ -216,16 +220,21 @@ def fused_attention_backward(
     dot_dtype: torch.dtype,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, dmixing)`` of :func:`fused_attention` for ``grad_out`` ``(B, N, H, Dv)``,
-    each contiguous in its input's shape and dtype; ``kept, kept_sums``: the block summaries the forward
-    returned; the other arguments as :func:`fused_attention` took them.
+    each contiguous in its input's shape and dtype; ``kept, kept_sums, kept_mixed, kept_mixed_sums``: the block
+    summaries and their mixing the forward returned; the other arguments as :func:`fused_attention` took them.
 
-    The fused Triton backward where the forward runs the kernels and that backward exists (it mixes the kept
-    summaries again rather than recomputing them); else the eager operator recomputed and differentiated
-    (in the inputs' dtype)."""
+    The fused Triton backward where the forward runs the kernels and that backward exists (it takes the kept
+    summaries and their mixing rather than recomputing or mixing again); else the eager operator recomputed and
+    differentiated (in the inputs' dtype)."""
     plan = _plan(gather, scatter, valid, grid, layout)
     backward = _triton_backward() if _runs_kernels(q.device) else None
     if backward is not None:
-        saved = _summaries_from(kept, kept_sums, v.shape[-1], normalize) if kept.numel() else None
+        saved = None
+        if kept.numel():
+            saved = (
+                *_summaries_from(kept, kept_sums, v.shape[-1], normalize),
+                *_summaries_from(kept_mixed, kept_mixed_sums, v.shape[-1], normalize),
+            )
         grads = backward(grad_out, q, k, v, mixing, cos, sin, plan, feature_eps, normalize, eps, dot_dtype, saved=saved)
     else:
 
@@ -247,6 +256,8 @@ def _fused_attention_backward_fake(
     sin,
     kept,
     kept_sums,
+    kept_mixed,
+    kept_mixed_sums,
     gather,
     scatter,
     valid,
@@ -262,9 +273,9 @@ def _fused_attention_backward_fake(
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, mixing, cos, sin, gather, scatter, valid, *settings = inputs
-    _, kept, kept_sums = output
-    ctx.mark_non_differentiable(kept, kept_sums)
-    ctx.save_for_backward(q, k, v, mixing, cos, sin, kept, kept_sums, gather, scatter, valid)
+    _, *kept = output  # S, z and S̃, z̃ as _kept_summaries returns them
+    ctx.mark_non_differentiable(*kept)
+    ctx.save_for_backward(q, k, v, mixing, cos, sin, *kept, gather, scatter, valid)
     ctx.settings = settings  # grid, layout, feature_eps, normalize, eps, dot_dtype
 
 
@@ -330,7 +341,7 @@ def mhla_attention_fused(
         return v.new_empty((*q.shape[:3], v.shape[-1]))
     if dot_dtype is None:
         dot_dtype = _default_dot_dtype(q, v)
-    out, _, _ = torch.ops.mhla.fused_attention(
+    out, *_kept = torch.ops.mhla.fused_attention(
         q,
         k,
         v,

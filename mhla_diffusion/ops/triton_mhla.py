@@ -815,16 +815,17 @@ def _fused_forward(
     normalize: str,
     eps: float,
     dot_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Launch summaries -> mixing -> output on validated inputs (see
-    :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused`): the output ``(B, N, H, Dv)`` and the block
-    summaries ``S`` and key sums ``z`` it was computed from (as :func:`_launch_summaries` returns them; the
-    fused backward takes them instead of recomputing)."""
+    :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused`): the output ``(B, N, H, Dv)``, the block
+    summaries ``S`` and key sums ``z`` it was computed from (as :func:`_launch_summaries` returns them) and their
+    mixing ``S̃``, ``z̃`` (as :func:`_mix` returns them): the fused backward takes all four instead of
+    recomputing or mixing again."""
     rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
     summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     out = _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, v.shape[-1], feature_eps, eps, dot_dtype)
-    return out, summaries, key_sums
+    return out, summaries, key_sums, mixed, mixed_sums
 
 
 _INDEX_BYTES = 8  # plan.gather, int64

@@ -16,11 +16,11 @@ constant ``eps`` there):
 
 It launches, in order:
 
-1. the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch (:func:`~mhla_diffusion.ops.triton_mhla._mix`)
-   on the summaries ``S``, ``z`` the forward kept (the custom op saves them: 0.61 U a layer at Wan2.1-1.3B's
-   21x30x50 tokens, against 3.6 U for rereading ``k, v`` in the summaries kernel again), or on ones
-   recomputed by the forward's summaries kernel (:func:`~mhla_diffusion.ops.triton_mhla._launch_summaries`)
-   when none are given;
+1. nothing where the forward kept the summaries ``S``, ``z`` and their mixing ``S̃``, ``z̃`` (the custom op saves
+   them: 1.2 U a layer at Wan2.1-1.3B's 21x30x50 tokens, against 3.6 U for rereading ``k, v`` in the summaries
+   kernel and 1.2 U for mixing again); else the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch
+   (:func:`~mhla_diffusion.ops.triton_mhla._mix`) on the kept ``S``, ``z`` or on ones recomputed by the forward's
+   summaries kernel (:func:`~mhla_diffusion.ops.triton_mhla._launch_summaries`);
 2. ``_query_grad_kernel``, one program per (batch x head, block): loads ``S̃_o`` and ``z̃_o`` once, walks the
    block's query slots in tiles (``q`` and ``g`` loaded once each; ``phi``, RoPE and the denominator
    recomputed in registers, and ``g'·out = q̂·(S̃_o g') / den`` from the product ``dq`` needs anyway), writes
@@ -672,7 +672,7 @@ def mhla_attention_fused_backward(
     eps: float,
     dot_dtype: torch.dtype | None,
     *,
-    saved: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    saved: tuple[torch.Tensor | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` in fused Triton kernels.
 
@@ -683,12 +683,14 @@ def mhla_attention_fused_backward(
             the feature map, ``v`` ``(B, N, H, Dv)``, mixing ``(M, M)`` or ``(H, M, M)``, Diffusers' RoPE tables
             ``(1, N, 1, D)`` or ``None``, ``normalize`` ``"denominator"``/``"none"`` (or ``True``/``False``);
             ``dot_dtype`` ``None``: the forward's default).
-        saved: optionally, the block summaries the forward computed on these inputs: ``(S, z)`` as
+        saved: optionally, what the forward computed on these inputs: the block summaries ``(S, z)`` as
             :func:`~mhla_diffusion.ops.triton_mhla._launch_summaries` returned them (``z`` ``None`` without a
-            denominator; the custom op keeps them from its forward). Then the summaries kernel is not run
-            again, only their mixing: at Wan2.1-1.3B's 21x30x50 tokens (bf16, RoPE) the backward moves
-            14.6 U instead of 18.3 U (:func:`fused_backward_traffic` with ``recompute=False``), for 0.61 U of
-            memory kept per layer. ``None``: recomputed.
+            denominator), or those and their mixing ``(S, z, S̃, z̃)`` as
+            :func:`~mhla_diffusion.ops.triton_mhla._mix` returned it (what the custom op keeps from its forward).
+            Then the summaries kernel is not run again, nor, given ``S̃, z̃``, the mixing: at Wan2.1-1.3B's
+            21x30x50 tokens (bf16, RoPE) the backward moves 13.5 U instead of 18.4 U (:func:`fused_backward_traffic`
+            with ``recompute=False`` and ``remix=False``), for 1.2 U of memory kept per layer. ``None``:
+            recomputed.
 
     Returns:
         ``(dq, dk, dv, dmixing)``: ``dq, dk`` ``(B, N, H, D)``, ``dv`` ``(B, N, H, Dv)`` in ``q, k, v``'s dtypes
@@ -705,6 +707,8 @@ def mhla_attention_fused_backward(
             launches.append({**_launch_arguments(q, v, plan, mixing, cos, mode), "rope_converted": False})
         return empty
     del empty
+    if saved is not None and len(saved) not in (2, 4):
+        raise ValueError(f"`saved` must be (S, z) or (S, z, S̃, z̃), got {len(saved)} tensors")
     if saved is not None and (saved[1] is None) != (mode == "none"):
         raise ValueError(f"`saved` must hold the key sums z exactly when normalize='denominator' (got {mode!r})")
     if dot_dtype is None:
@@ -725,9 +729,9 @@ def _fused_backward(
     normalize: str,
     eps: float,
     dot_dtype: torch.dtype,
-    saved: tuple[torch.Tensor, torch.Tensor | None] | None,
+    saved: tuple[torch.Tensor | None, ...] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch (summaries ->) mixing -> query kernel -> unmixing -> key kernel on validated inputs
+    """Launch (summaries -> mixing ->) query kernel -> unmixing -> key kernel on validated inputs
     (``normalize`` ``"denominator"``/``"none"``, ``dot_dtype`` given; see
     :func:`mhla_attention_fused_backward`). On ``meta`` tensors with ``_kernel`` swapped for a recorder (the
     compile test), the launches are exactly the ones a CUDA call of these shapes makes."""
@@ -735,8 +739,11 @@ def _fused_backward(
     if saved is None:
         summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     else:
-        summaries, key_sums = saved
-    mixed, mixed_sums = _mix(mixing, summaries, key_sums)
+        summaries, key_sums = saved[:2]
+    if saved is not None and len(saved) == 4:
+        mixed, mixed_sums = saved[2:]
+    else:
+        mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     dq, d_mixed, d_mixed_sums = _launch_query_grad(
         grad_out, q, plan, rope, summaries, key_sums, mixed, mixed_sums, feature_eps, eps, dot_dtype
     )
@@ -774,16 +781,17 @@ def fused_backward_traffic(
     per_head_mixing: bool = False,
     rope_converted: bool = False,
     recompute: bool = False,
+    remix: bool = False,
 ) -> dict[str, int]:
     """Bytes that :func:`mhla_attention_fused_backward` reads and writes in global memory, term by term, as
     it launches (the arguments and rules of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`; the
     gradient ``grad_out`` is in ``dtype`` too). ``rope_converted``: whether this call converts the RoPE
     tables to the summaries' dtype; in a training step the forward converted them and the backward finds
     the copy in the forward's cache (``False``, the default). ``recompute``: whether the summaries are
-    recomputed (``False``: the forward's, passed as ``saved``, as the custom op does). Their mixing is
-    recomputed either way.
+    recomputed (``False``: the forward's, passed as ``saved``, as the custom op does); ``remix``: whether their
+    mixing is (``False``: the forward's ``S̃, z̃``, kept by the custom op; always with ``recompute``).
 
-    The recomputation is the forward's own count, prefixed ``"recompute: "``: its mixing term of
+    The recomputation is the forward's own count, prefixed ``"recompute: "``: with ``remix`` its mixing term of
     :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`, and with ``recompute`` its summaries kernel's too (every
     term but the output kernel's and the table conversion's). Then the query kernel (per (batch x head, block)
     ``S̃_o`` and ``z̃_o`` once; per real slot ``q``, ``g``, the tables and ``dq``; ``dS̃_o``, ``dz̃_o`` stored), the
@@ -824,7 +832,8 @@ def fused_backward_traffic(
     conversion = sum(moved for term, moved in forward.items() if term.startswith("RoPE tables"))
     terms = {"RoPE tables to the summaries' dtype (PyTorch)": conversion if rope_converted else 0}
     for term, moved in forward.items():
-        if term.startswith("mixing") or (recompute and not term.startswith(("output kernel", "RoPE tables"))):
+        mixing_term = term.startswith("mixing") and (remix or recompute)
+        if mixing_term or (recompute and not term.startswith(("mixing", "output kernel", "RoPE tables"))):
             terms[f"recompute: {term}"] = moved
     # _query_grad_kernel, grid (B*H, M)
     terms["query grad kernel: mixed summary"] = summary
