@@ -102,7 +102,7 @@ def _mhla_source(args: argparse.Namespace, family: Any) -> str | None:
     return None
 
 
-def _load(args: argparse.Namespace, source: str | None, family: Any) -> tuple[Any, str, Any]:
+def _load(args: argparse.Namespace, source: str | None) -> tuple[Any, str, Any]:
     """The stock pipeline with its transformer loaded through the MHLA loader; also the device and dtype."""
     from diffusers import DiffusionPipeline
 
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(args.prompt)]
     plans = plan_outputs(args.output_dir, stems, fmt, args.overwrite)
 
-    pipe, device, dtype = _load(args, source, family)
+    pipe, device, dtype = _load(args, source)
     given = {
         "num_frames": args.num_frames,
         "height": args.height,

@@ -298,9 +298,9 @@ class WanTask(Task):
             return False
         if not self.recipe.causal:
             raise ValueError(
-                f"{o.pretrained_model}'s transformer is block-causal, but the trainer trains block-causal "
-                f"{self.recipe.label} models not yet (only Wan's forward takes per-token timesteps): train it "
-                "without causal"
+                f"block-causal training (`mhla.causal`, or a causal model to start from) trains Wan only, whose "
+                f"forward takes per-token timesteps; {o.pretrained_model} is a {self.recipe.label} pipeline: train "
+                "it without causal"
             )
         geometry = self._geometry()
         if geometry.patch_size[0] != 1:

@@ -10,7 +10,10 @@ cannot tell a write from none and recomputes instead of reusing (the public fall
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the utils package imports no torch (tests/cli/test_imports.py)
+    import torch
 
 __all__ = ["write_count"]
 
