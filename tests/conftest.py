@@ -261,8 +261,8 @@ def wan_family_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def family_pipeline_dirs(tmp_path_factory):
-    """Tiny stock pipelines of other families (``tiny_family_pipeline``: ``skyreels-v2``, ``hunyuan-video``) saved
-    to disk, and beside each (``"<family>-mhla"``) MHLA weights for its transformer (``save_mhla`` after
+    """Tiny stock pipelines of other families (``tiny_family_pipeline``: ``skyreels-v2``, ``hunyuan-video``,
+    ``flux``) saved to disk, and beside each (``"<family>-mhla"``) MHLA weights for its transformer (``save_mhla`` after
     ``convert_to_mhla(MHLAConfig())``, block 0's mixing scaled x1.5 so that weights left unloaded change the
     output)."""
     from mhla_diffusion import MHLAConfig, convert_to_mhla, save_mhla
@@ -271,7 +271,7 @@ def family_pipeline_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("family_pipelines")
     dirs = {}
-    for family in ("skyreels-v2", "hunyuan-video"):
+    for family in ("skyreels-v2", "hunyuan-video", "flux"):
         pipe = tiny_family_pipeline(family)
         pipe.save_pretrained(root / family)
         convert_to_mhla(pipe.transformer, MHLAConfig())

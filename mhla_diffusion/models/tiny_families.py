@@ -193,9 +193,10 @@ def _cogvideox_rotary(grid: tuple[int, int, int], head_dim: int) -> tuple[torch.
 
 def tiny_family_pipeline(family: str, num_layers: int = 1, seed: int = 0) -> Any:
     """A complete stock Diffusers pipeline of ``family`` at toy size, every component built here (no downloads):
-    ``"skyreels-v2"`` (``SkyReelsV2Pipeline``: Wan's tiny tokenizer, UMT5 encoder and VAE) or ``"hunyuan-video"``
+    ``"skyreels-v2"`` (``SkyReelsV2Pipeline``: Wan's tiny tokenizer, UMT5 encoder and VAE), ``"hunyuan-video"``
     (``HunyuanVideoPipeline``: a tiny Llama and CLIP text encoder with word-level tokenizers, the VAE of Diffusers'
-    pipeline test). Both sample 9x32x32 in a second or so on a CPU."""
+    pipeline test) or ``"flux"`` (``FluxPipeline``: tiny CLIP and T5 encoders, the VAE of Diffusers' pipeline test,
+    no latent compression: 32x32 px are 16x16 packed tokens). Each samples in a second or so on a CPU."""
     from .tiny import tiny_text_encoder, tiny_tokenizer, tiny_wan_vae
 
     if family == "skyreels-v2":
@@ -257,4 +258,45 @@ def tiny_family_pipeline(family: str, num_layers: int = 1, seed: int = 0) -> Any
             text_encoder_2=text_encoder_2,
             tokenizer_2=tokenizer_2,
         )
-    raise ValueError(f"no tiny pipeline for family {family!r}: choose skyreels-v2 or hunyuan-video")
+    if family == "flux":
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+        tokenizer, tokenizer_2 = tiny_tokenizer(max_length=77), tiny_tokenizer()
+        torch.manual_seed(seed)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=37,
+                num_attention_heads=4,
+                num_hidden_layers=2,
+                projection_dim=32,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.eos_token_id,
+            )
+        ).eval()
+        text_encoder_2 = T5EncoderModel(
+            T5Config(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+        ).eval()
+        vae = AutoencoderKL(
+            block_out_channels=(4,),
+            layers_per_block=1,
+            latent_channels=1,
+            norm_num_groups=1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        ).eval()
+        return FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+            transformer=tiny_flux_transformer(num_layers, seed),
+        )
+    raise ValueError(f"no tiny pipeline for family {family!r}: choose skyreels-v2, hunyuan-video or flux")

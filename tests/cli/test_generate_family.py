@@ -56,6 +56,28 @@ def test_generates_with_the_stock_pipeline_and_the_mhla_weights(tmp_path, family
     assert not np.array_equal(_frames(softmax), _frames(video))  # MHLA, not softmax
 
 
+def test_flux_writes_the_images_of_the_stock_pipeline(tmp_path, family_pipeline_dirs):
+    """Flux makes images: PNGs, the ones ``FluxPipeline`` makes with the MHLA transformer passed in (its own
+    ``img_ids`` give the token grid); ``--num-frames`` is refused."""
+    import imageio.v3 as iio
+    from diffusers import FluxPipeline
+
+    from mhla_diffusion.pipelines.outputs import float_to_uint8
+
+    dirs, weights = family_pipeline_dirs, str(family_pipeline_dirs["flux-mhla"])
+    image = ("--height", "32", "--width", "32", "--steps", "2", "--max-sequence-length", "16")
+    command = ["generate", "--model", str(dirs["flux"]), "--prompt", "a red square", "--mhla-weights", weights]
+    assert main([*command, "--output-dir", str(tmp_path), *image]) == 0
+    (png,) = tmp_path.glob("*.png")
+    assert json.loads(png.with_suffix(".json").read_text())["family"] == "flux"
+    pipe = FluxPipeline.from_pretrained(dirs["flux"], transformer=load_mhla(weights, load_transformer(dirs["flux"])))
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(height=32, width=32, num_inference_steps=2, max_sequence_length=16, output_type="np")
+    expected = pipe("a red square", generator=torch.Generator().manual_seed(0), **call).images[0]
+    np.testing.assert_array_equal(iio.imread(png), float_to_uint8(expected))
+    assert main([*command, "--output-dir", str(tmp_path / "video"), *image, "--num-frames", "9"]) == 2
+
+
 def test_mistakes_are_refused_before_any_model_loads(
     tmp_path, family_pipeline_dirs, pipeline_dirs, monkeypatch, capsys
 ):
