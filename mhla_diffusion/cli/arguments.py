@@ -139,12 +139,13 @@ TRANSFORMER_HELP = {
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, hub_id: str, embedded: bool = True, family: str = "wan"
+    parser: argparse.ArgumentParser, hub_id: str, embedded: bool = True, family: str | None = "wan"
 ) -> None:
     """The model, attention, seed, output and device options of the generation commands.
 
     ``embedded``: without ``--model`` the command runs the embedded demonstration model; else ``--model`` is required.
-    ``family`` (``wan`` or ``dit``) words the ``--transformer`` help (:data:`TRANSFORMER_HELP`).
+    ``family`` (``wan`` or ``dit``) words the ``--transformer`` help (:data:`TRANSFORMER_HELP`); ``None``: no
+    ``--transformer`` option (the other families load their transformer from the pipeline or ``--mhla-weights``).
     """
     if embedded:
         parser.add_argument(
@@ -155,7 +156,8 @@ def add_model_arguments(
     else:
         parser.add_argument("--model", required=True, help=f"Diffusers pipeline folder or hub id (e.g. {hub_id})")
     parser.add_argument("--mhla-weights", type=Path, help="folder written by save_mhla / `mhla convert --output`")
-    parser.add_argument("--transformer", type=Path, help=TRANSFORMER_HELP[family])
+    if family is not None:
+        parser.add_argument("--transformer", type=Path, help=TRANSFORMER_HELP[family])
     parser.add_argument(
         "--attention",
         choices=ATTENTIONS,

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", embedded=False)
+    add_model_arguments(parser, "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", embedded=False, family=None)
     parser.add_argument("--prompt", action="append", default=[], required=True, help="a prompt (repeat for several)")
     parser.add_argument("--negative-prompt", help="negative prompt, for the pipelines that take one")
     parser.add_argument("--num-frames", type=positive_int, help="frames of a video (default: the pipeline's)")
@@ -126,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
     from ..models.conversion import softmax_attention
     from ..pipelines.outputs import plan_outputs, save_image, save_video, slugify, write_settings
 
-    if args.transformer is not None:
-        raise ValueError("--transformer is for the Wan and DiT commands; give a pipeline folder and --mhla-weights")
     family = _family_of_pipeline(args.model)
     source = _mhla_source(args, family)
     image = len(family.grid_axes) == 2

@@ -97,7 +97,6 @@ def test_mistakes_are_refused_before_any_model_loads(
         ),
         ("skyreels-v2", [], "has no MHLA layers: pass --mhla-weights"),
         ("skyreels-v2", ["--mhla-weights", str(tmp_path / "missing")], "is not a folder"),
-        ("skyreels-v2", ["--transformer", str(tmp_path), *weights], "--transformer is for the Wan and DiT commands"),
         ("wan", [], "is a Wan pipeline: generate with `mhla text-to-video"),
     ]
     (tmp_path / "taken").mkdir()
