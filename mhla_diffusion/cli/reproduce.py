@@ -1,5 +1,5 @@
 """``mhla reproduce``: the attentions compared where their differences can stand above their own noise
-(:mod:`mhla_diffusion.embedded.attention_experiment`)."""
+(:mod:`mhla_diffusion.reproduce.experiment`)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     add_settings_option(
         p,
-        "mhla_diffusion.embedded.attention_experiment",
+        "mhla_diffusion.reproduce.experiment",
         "ExperimentSettings",
         "setting",
         "--set part_a_seeds=0,1,2 --set part_b_steps=300",
@@ -67,15 +67,15 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    check_settings(args.overrides, "mhla_diffusion.embedded.attention_experiment", "ExperimentSettings")
-    from ..embedded.attention_experiment import ExperimentSettings, budget_markdown, estimate_budget, run_experiment
+    check_settings(args.overrides, "mhla_diffusion.reproduce.experiment", "ExperimentSettings")
     from ..embedded.build import settings_with
+    from ..reproduce.experiment import ExperimentSettings, budget_markdown, estimate_budget, run_experiment
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.docs:
         import json
 
-        from ..embedded.experiment_docs import write_docs
+        from ..reproduce.docs import write_docs
 
         path = args.output / "report.json"
         if not path.is_file():

@@ -113,12 +113,12 @@ def test_a_setting_with_no_close_name_is_one_short_line(tmp_path, capsys):
 
 def test_help_lists_every_setting(capsys):
     from mhla_diffusion.cli.arguments import dataclass_field_names
-    from mhla_diffusion.embedded.attention_experiment import ExperimentSettings
     from mhla_diffusion.embedded.build import BuildSettings
+    from mhla_diffusion.reproduce.experiment import ExperimentSettings
 
     for command, module, settings in (
         ("build-embedded", "mhla_diffusion.embedded.build", BuildSettings),
-        ("reproduce", "mhla_diffusion.embedded.attention_experiment", ExperimentSettings),
+        ("reproduce", "mhla_diffusion.reproduce.experiment", ExperimentSettings),
     ):
         names = [f.name for f in dataclasses.fields(settings)]
         assert dataclass_field_names(module, settings.__name__) == names

@@ -12,16 +12,13 @@ import torch
 from scipy import stats
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.embedded.attention_experiment import ExperimentSettings, estimate_budget, run_experiment
 from mhla_diffusion.embedded.build import settings_with
-from mhla_diffusion.embedded.experiment_statistics import (
-    holm,
-    interval,
-    minimal_detectable_difference,
-    paired_difference,
-)
-from mhla_diffusion.embedded.generative_check import ARMS, asymmetry, mirror_images, new_denoiser, sample_scale
-from mhla_diffusion.embedded.operator_experiment import (
+from mhla_diffusion.models.conversion import get_mhla_conversion
+from mhla_diffusion.ops.attention import mhla_attention
+from mhla_diffusion.ops.mixing import mixing_init
+from mhla_diffusion.reproduce.experiment import ExperimentSettings, estimate_budget, run_experiment
+from mhla_diffusion.reproduce.generative import ARMS, asymmetry, mirror_images, new_denoiser, sample_scale
+from mhla_diffusion.reproduce.operators import (
     FEATURE_EPS,
     STUDENTS,
     AttentionStudent,
@@ -32,9 +29,12 @@ from mhla_diffusion.embedded.operator_experiment import (
     rank_bound,
     shuffled_mixing,
 )
-from mhla_diffusion.models.conversion import get_mhla_conversion
-from mhla_diffusion.ops.attention import mhla_attention
-from mhla_diffusion.ops.mixing import mixing_init
+from mhla_diffusion.reproduce.statistics import (
+    holm,
+    interval,
+    minimal_detectable_difference,
+    paired_difference,
+)
 
 
 class _Killed(Exception):
@@ -157,7 +157,7 @@ def test_interval_and_paired_difference():
     assert diff["t"] == pytest.approx(stats.ttest_rel(a, b).statistic)
     assert (diff["low"], diff["high"]) == pytest.approx(stats.t.interval(0.95, 3, loc=d.mean(), scale=stats.sem(d)))
     assert diff["se"] == pytest.approx(stats.sem(d)) and diff["sd"] == pytest.approx(np.std(d, ddof=1))
-    assert "called" not in diff  # calls are made on Holm-corrected p (experiment_report), not here
+    assert "called" not in diff  # calls are made on Holm-corrected p (reproduce/report.py), not here
     same = paired_difference([1.0, 2.0], [0.0, 1.0])
     assert (same["se"], same["p"], same["t"], same["low"], same["high"]) == (0.0, 0.0, None, 1.0, 1.0)
     with pytest.raises(ValueError, match="equally long"):

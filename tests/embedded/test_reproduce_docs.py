@@ -1,5 +1,5 @@
 """The README section and ``docs/reproduce.md`` written from a ``mhla reproduce`` report
-(:mod:`mhla_diffusion.embedded.experiment_docs`): every number in them is a setting or summary value of the
+(:mod:`mhla_diffusion.reproduce.docs`): every number in them is a setting or summary value of the
 report, every comparison is there in the words of its corrected p, and no sentence calls a difference the
 corrected p does not establish. Checked on a made-up report of the current schema (no training) and on the
 smoke run's report."""
@@ -14,16 +14,16 @@ import re
 import numpy as np
 import pytest
 
-from mhla_diffusion.embedded.attention_experiment import SCHEMA, ExperimentSettings
-from mhla_diffusion.embedded.experiment_docs import (
+from mhla_diffusion.reproduce.docs import (
     README_HEADING,
     readme_section,
     replace_readme_section,
     reproduce_doc,
     write_docs,
 )
-from mhla_diffusion.embedded.experiment_report import comparison_words, summarise
-from mhla_diffusion.embedded.operator_experiment import RANK_MEASURES, rank_bound
+from mhla_diffusion.reproduce.experiment import SCHEMA, ExperimentSettings
+from mhla_diffusion.reproduce.operators import RANK_MEASURES, rank_bound
+from mhla_diffusion.reproduce.report import comparison_words, summarise
 
 NUMBER = re.compile(r"(?<![\w.\-])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?%?")
 #: numbers the prose states as design constants, not results: 1 - corr, Holm's 0.05, 80 % power, 95 % intervals,

@@ -1,7 +1,7 @@
 """The committed `mhla reproduce` results (``docs/reproduce/``): made by the committed command with its default
-settings (schema :data:`~mhla_diffusion.embedded.attention_experiment.SCHEMA`), complete, and the table,
+settings (schema :data:`~mhla_diffusion.reproduce.experiment.SCHEMA`), complete, and the table,
 reading and figures beside the report are computed from it; so are the README section "Attentions compared"
-and ``docs/reproduce.md`` (:mod:`~mhla_diffusion.embedded.experiment_docs` writes them from it).
+and ``docs/reproduce.md`` (:mod:`~mhla_diffusion.reproduce.docs` writes them from it).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers.reproduce import check_outputs_come_from_report, check_report_is_complete
-from mhla_diffusion.embedded.attention_experiment import SCHEMA, ExperimentSettings
-from mhla_diffusion.embedded.experiment_docs import readme_section, replace_readme_section, reproduce_doc
+from mhla_diffusion.reproduce.docs import readme_section, replace_readme_section, reproduce_doc
+from mhla_diffusion.reproduce.experiment import SCHEMA, ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "reproduce"

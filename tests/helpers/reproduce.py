@@ -7,8 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from mhla_diffusion.embedded.attention_experiment import ExperimentSettings
-from mhla_diffusion.embedded.experiment_report import FIGURES, reading_markdown, summarise, table_markdown
+from mhla_diffusion.reproduce.experiment import ExperimentSettings
+from mhla_diffusion.reproduce.report import FIGURES, reading_markdown, summarise, table_markdown
 
 
 def check_report_is_complete(report: dict, settings: ExperimentSettings) -> None:

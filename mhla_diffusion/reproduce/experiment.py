@@ -1,7 +1,7 @@
 """``mhla reproduce``: experiments whose differences between attentions are measured against their own
 noise.
 
-* Part A (:mod:`.operator_experiment`): one attention layer (head dim 32) fitted to fixed teachers (a sharp
+* Part A (:mod:`.operators`): one attention layer (head dim 32) fitted to fixed teachers (a sharp
   local softmax attention; a non-local teacher whose attention matrix has rank 64; associative recall with 64
   pairs) on 2-D grids, by the controls that separate locality from rank: global linear attention with LePE,
   MHLA with uniform mixing frozen (global linear attention), with shuffled (non-local) mixing frozen, with
@@ -9,18 +9,18 @@ noise.
   ``part_a_seeds``: held-out error (or recall accuracy) with 95 % intervals, and the rank of each student's
   N x N attention matrix before and after training beside its bound (up to ``rank_max_tokens``). Each task has
   its own token counts, batch sizes, steps and learning rate (``<task>_tokens`` ...).
-* Part B (:mod:`.generative_check`): a small DiT denoiser trained from scratch on mirror-symmetric images
+* Part B (:mod:`.generative`): a small DiT denoiser trained from scratch on mirror-symmetric images
   of 1,024 tokens with each arm, over ``part_b_seeds``: held-out denoising loss and sample asymmetry,
   compared arm against arm seed by seed.
 
 Comparisons are paired by seed and grouped in named families; a difference is called only where its
-Holm-corrected p is below 0.05 (:mod:`.experiment_statistics`, :mod:`.experiment_report`).
+Holm-corrected p is below 0.05 (:mod:`.statistics`, :mod:`.report`).
 
 Every unit of work (Part A: one task, token count and seed, all students in lockstep; Part B: one arm and
 seed) is a :class:`~.stages.Stages` step: ``report.json`` is rewritten as each one finishes, and a rerun
 skips finished ones (a Part B run also resumes inside from its checkpoint). The table, reading and figures are
-computed from ``report.json`` alone (:mod:`.experiment_report`), and so are the README section and
-``docs/reproduce.md`` (:mod:`.experiment_docs`).
+computed from ``report.json`` alone (:mod:`.report`), and so are the README section and
+``docs/reproduce.md`` (:mod:`.docs`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 import torch
 
-from .experiment_report import reading_markdown, summarise, table_markdown, write_figures
-from .generative_check import ARMS, train_and_measure
-from .operator_experiment import (
+from ..embedded.stages import Stages
+from .generative import ARMS, train_and_measure
+from .operators import (
     GROUPS,
     RECALL_KEYS,
     RECALL_PAIRS,
@@ -50,7 +50,7 @@ from .operator_experiment import (
     grid_side,
     train_students,
 )
-from .stages import Stages
+from .report import reading_markdown, summarise, table_markdown, write_figures
 
 __all__ = ["SCHEMA", "ExperimentSettings", "PartAPlan", "estimate_budget", "run_experiment", "write_outputs"]
 
@@ -364,7 +364,7 @@ def _estimate(s: ExperimentSettings, probe_steps: int) -> dict[str, Any]:
 
 
 def _denoiser_step_seconds(s: ExperimentSettings, arm: str, probe_steps: int) -> float:
-    from .generative_check import _noise_prediction, mirror_images, new_denoiser
+    from .generative import _noise_prediction, mirror_images, new_denoiser
 
     side = grid_side(s.part_b_tokens)
     model = new_denoiser(arm, side, s.part_b_layers, s.heads, s.head_dim, 0)

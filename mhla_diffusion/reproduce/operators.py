@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..embedded.training_loop import step_generator
 from ..ops.attention import mhla_attention
 from ..ops.block_layout import block_plan, num_blocks
 from ..ops.mixing import mixing_init
-from .training_loop import step_generator
 
 __all__ = [
     "STUDENTS",

@@ -4,7 +4,7 @@ paired comparisons with Holm-corrected p-values, ranks before and after training
 
 A family is a named set of paired comparisons corrected together (:data:`PART_A_PAIRS` at every token count of
 one Part A task; the Part B pairs of one measure). A comparison is ``established`` where its Holm-corrected p
-is below :data:`~.experiment_statistics.ALPHA`; otherwise it carries ``mdd``, the smallest true difference the
+is below :data:`~.statistics.ALPHA`; otherwise it carries ``mdd``, the smallest true difference the
 paired t test would call with 80 % power at the level Holm's first step asks of its family (``ALPHA / m``), from
 the differences' own standard deviation."""
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .experiment_statistics import ALPHA, POWER, holm, interval, minimal_detectable_difference, paired_difference
-from .operator_experiment import RANK_MEASURES
+from .operators import RANK_MEASURES
+from .statistics import ALPHA, POWER, holm, interval, minimal_detectable_difference, paired_difference
 
 __all__ = [
     "FIGURES",

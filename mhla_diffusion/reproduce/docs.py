@@ -3,7 +3,7 @@
 
 Every number in them is a setting or a summary value of the report (``tests/embedded/test_reproduce_docs.py``
 checks each one), and every comparison is worded by its Holm-corrected p
-(:func:`~.experiment_report.comparison_words`): "lower" / "higher" only where established, else "not
+(:func:`~.report.comparison_words`): "lower" / "higher" only where established, else "not
 established" with the minimal detectable difference. ``mhla reproduce --docs`` rewrites both files from the
 report in ``--output``."""
 
@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .experiment_report import (
+from .report import (
     FIGURES,
     NAMES,
     PART_A_PAIRS,
@@ -66,7 +66,7 @@ def _wrap(lines: list[str]) -> str:
 
 
 def _check(report: dict[str, Any]) -> None:
-    from .attention_experiment import SCHEMA
+    from .experiment import SCHEMA
 
     if report.get("schema") != SCHEMA or not report.get("complete"):
         raise ValueError(
