@@ -2,7 +2,8 @@
 
 On a CPU, :func:`~mhla_diffusion.ops.attention.mhla_attention` processes its blocks a cache-sized chunk at a
 time: copy a chunk's keys and values into a reused buffer, multiply, then the same for the queries (see
-``_folded_blocks`` there). Run as torch ops on torch's intra-op threads, every such op is split over all
+``_folded_blocks`` in :mod:`~mhla_diffusion.ops.folded_cpu`). Run as torch ops on torch's intra-op threads, every
+such op is split over all
 threads: at Wan's 21x30x50 grid one call makes 924 OpenMP parallel regions (against 6 for a plain einsum
 linear attention), and the threads hand every chunk to each other. Thread 0 copies the first half of a
 buffer and the product's thread 1 reads it, and the next copy overwrites lines that the other thread's

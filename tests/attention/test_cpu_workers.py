@@ -10,7 +10,7 @@ import torch
 
 from helpers.attention import make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, num_blocks
-from mhla_diffusion.ops import attention, cpu_workers
+from mhla_diffusion.ops import cpu_workers, folded_cpu
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def threads():
 def reader_threads(monkeypatch):
     """The names of the threads that regrouped chunks (both chunk kinds), in call order."""
     names: list[str] = []
-    for cls in (attention._EvenChunks, attention._GatheredChunks):
+    for cls in (folded_cpu._EvenChunks, folded_cpu._GatheredChunks):
         read = cls.read
         monkeypatch.setattr(
             cls, "read", lambda *a, read=read, **kw: names.append(threading.current_thread().name) or read(*a, **kw)
@@ -44,8 +44,8 @@ def test_workers_match_reference(monkeypatch, threads, reader_threads, count, ch
     """With several torch threads every chunk runs on a worker; results equal the O(N^2) reference. Chunks of
     part of a block (200 bytes), one block (600) and everything (1 GiB, a single group: the calling thread)."""
     threads(count)
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(attention, "CPU_MIN_PART_TOKENS", 1)
+    monkeypatch.setattr(folded_cpu, "CPU_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(folded_cpu, "CPU_MIN_PART_TOKENS", 1)
     monkeypatch.delenv(cpu_workers.CPU_WORKERS_ENV, raising=False)
     q, k, v, _, _ = make_inputs(grid, seed=4)
     if feature_eps is not None:
@@ -67,7 +67,7 @@ def test_workers_match_reference(monkeypatch, threads, reader_threads, count, ch
 
 def test_one_thread_or_switched_off_runs_in_the_caller(monkeypatch, threads, reader_threads):
     """One torch thread, or MHLA_CPU_WORKERS=0, keeps the chunk loops in the calling thread: same result."""
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 600)
+    monkeypatch.setattr(folded_cpu, "CPU_CHUNK_BYTES", 600)
     grid, layout = (4, 6), (2, 3)
     q, k, v, _, _ = make_inputs(grid, seed=6)
     mixing = torch.rand((6, 6), generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.1
@@ -89,7 +89,7 @@ def test_active_modes_keep_the_chunks_in_the_caller(monkeypatch, threads, reader
     from mhla_diffusion.benchmarks.bench import PeakMemory
 
     threads(2)
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 600)
+    monkeypatch.setattr(folded_cpu, "CPU_CHUNK_BYTES", 600)
     monkeypatch.delenv(cpu_workers.CPU_WORKERS_ENV, raising=False)
     grid, layout = (4, 6), (2, 3)
     q, k, v, _, _ = make_inputs(grid, seed=8)
@@ -109,7 +109,7 @@ def test_inference_mode_reaches_the_workers(monkeypatch, threads, reader_threads
     """Under torch.inference_mode the buffers are inference tensors, which only inference mode may write in
     place: the workers run in the caller's mode."""
     threads(2)
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 600)
+    monkeypatch.setattr(folded_cpu, "CPU_CHUNK_BYTES", 600)
     monkeypatch.delenv(cpu_workers.CPU_WORKERS_ENV, raising=False)
     grid, layout = (5, 7), (2, 3)
     q, k, v, _, _ = make_inputs(grid, seed=7)

@@ -56,9 +56,10 @@ def test_cpu_chunks_match_reference(monkeypatch, chunk_bytes, grid, layout, feat
     On grids that the layout does not divide (the last three, the last with an empty block) a chunk is a run
     of whole blocks read by index, with their padded slots."""
     import mhla_diffusion.ops.attention as attention
+    import mhla_diffusion.ops.folded_cpu as folded_cpu
 
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(attention, "CPU_MIN_PART_TOKENS", 1)  # let these tiny grids be cut as finely as asked
+    monkeypatch.setattr(folded_cpu, "CPU_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(folded_cpu, "CPU_MIN_PART_TOKENS", 1)  # let these tiny grids be cut as finely as asked
     folded = []
     monkeypatch.setattr(attention, "_folded_blocks", lambda *a, f=attention._folded_blocks: folded.append(1) or f(*a))
     q, k, v, _, _ = make_inputs(grid, seed=3)
@@ -87,14 +88,14 @@ def test_cpu_uneven_blocks_return_the_values_dtype():
 def test_cpu_parts_keep_a_minimum_length(monkeypatch):
     """A block larger than the chunk is cut no finer than CPU_MIN_PART_TOKENS allows: one block of 4x6
     tokens with a 1-byte chunk and a 2-token minimum is cut into its 4 rows of 6, not into 24 single tokens."""
-    import mhla_diffusion.ops.attention as attention
+    import mhla_diffusion.ops.folded_cpu as folded_cpu
 
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 1)
-    monkeypatch.setattr(attention, "CPU_MIN_PART_TOKENS", 2)
+    monkeypatch.setattr(folded_cpu, "CPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(folded_cpu, "CPU_MIN_PART_TOKENS", 2)
     products = []
-    counted = attention._blocks_by_heads_bmm
+    counted = folded_cpu._blocks_by_heads_bmm
     monkeypatch.setattr(
-        attention, "_blocks_by_heads_bmm", lambda *a, **kw: products.append(a[0].shape) or counted(*a, **kw)
+        folded_cpu, "_blocks_by_heads_bmm", lambda *a, **kw: products.append(a[0].shape) or counted(*a, **kw)
     )
     q, k, v, _, _ = make_inputs((4, 6), seed=4)
     one = torch.ones(1, 1, dtype=torch.float64)
