@@ -126,14 +126,12 @@ if str(ROOT) not in sys.path:  # run as a script: import mhla_diffusion from thi
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mhla_diffusion.benchmarks.bench import (  # noqa: E402
-    format_table,
-    plain_linear_attention,
-    replace_marked_section,
+from mhla_diffusion.benchmarks.attention_traffic import (  # noqa: E402
     rotary_tables,
     traffic_settings,
     wan_self_attention,
 )
+from mhla_diffusion.benchmarks.bench import format_table, plain_linear_attention, replace_marked_section  # noqa: E402
 
 FORMAT = "mhla-gpu-session/2"
 JSON_NAME, MARKDOWN_NAME = "gpu_session.json", "gpu_session.md"
@@ -677,7 +675,8 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 
 
 def settings(layout: tuple[int, ...]) -> dict[str, Any]:
-    """The paper and released settings (:func:`~mhla_diffusion.benchmarks.bench.traffic_settings`) on ``layout``."""
+    """The paper and released settings (:func:`~mhla_diffusion.benchmarks.attention_traffic.traffic_settings`) on
+    ``layout``."""
     return {name: dataclasses.replace(config, layout=layout) for name, config in traffic_settings().items()}
 
 
@@ -976,7 +975,7 @@ def counted_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, fused
     """Bytes read and written by every call of :func:`operator_calls`, counted on meta tensors; with ``fused``
     (the fused kernels run on the timing device, so the processors take them) the processor rows' kernels
     counted from their launch."""
-    from mhla_diffusion.benchmarks.bench import count_path
+    from mhla_diffusion.benchmarks.attention_traffic import count_path
 
     calls = operator_calls(grid, sizes, "meta", dtype)
     return {name: sum(size for _, size in count_path(call, fused)[0].values()) for name, call in calls.items()}

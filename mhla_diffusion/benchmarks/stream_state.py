@@ -198,11 +198,12 @@ def stream_chunk_traffic(
     """Bytes one denoising forward of a stream's chunk moves in a causal MHLA layer of Wan2.1-1.3B (the step from
     projected ``q, k, v`` against a float32 state several rows into its fold), counted on meta tensors: the eager
     operator op by op, or with ``fused`` the fused launch (:func:`~mhla_diffusion.ops.fused_causal.
-    fused_causal_traffic`). A row of :data:`~mhla_diffusion.benchmarks.bench.TRAFFIC_COLUMNS`; its floor: ``q, k, v``
-    read and the output written once, the chunk's summaries written and read once, the carried state read once."""
+    fused_causal_traffic`). A row of :data:`~mhla_diffusion.benchmarks.attention_traffic.TRAFFIC_COLUMNS`; its
+    floor: ``q, k, v`` read and the output written once, the chunk's summaries written and read once, the carried
+    state read once."""
     from ..ops.block_layout import block_plan
     from ..ops.traffic import floor_bytes
-    from .bench import _traffic_row, count_path
+    from .attention_traffic import _traffic_row, count_path
 
     layout = (chunk_grid[0], *blocks)
     n, s = math.prod(chunk_grid), math.prod(blocks)

@@ -385,12 +385,13 @@ def run_stream_state(args: argparse.Namespace) -> int:
 
 
 def run_traffic(args: argparse.Namespace) -> int:
-    """``mhla bench --traffic``: the table of :func:`mhla_diffusion.benchmarks.bench.traffic_table`."""
+    """``mhla bench --traffic``: the table of :func:`mhla_diffusion.benchmarks.attention_traffic.traffic_table`."""
     import json
 
     import torch
 
-    from ..benchmarks.bench import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, TRAFFIC_PATHS, format_table, traffic_table
+    from ..benchmarks.attention_traffic import TRAFFIC_COLUMNS, TRAFFIC_GRIDS, TRAFFIC_PATHS, traffic_table
+    from ..benchmarks.bench import format_table
 
     grids = args.traffic_grid or TRAFFIC_GRIDS
     for grid in grids:

@@ -18,7 +18,7 @@ from mhla_diffusion import (
     mhla_causal_teacher_forcing,
     mixing_init,
 )
-from mhla_diffusion.benchmarks.bench import rotary_tables
+from mhla_diffusion.benchmarks.attention_traffic import rotary_tables
 from mhla_diffusion.ops import attention, block_pairs, causal
 from mhla_diffusion.ops.naive import mhla_attention_reference, mhla_causal_attention_reference
 

@@ -19,7 +19,7 @@ from mhla_diffusion import (
     mhla_causal_attention_reference,
     mhla_causal_step,
 )
-from mhla_diffusion.benchmarks.bench import rotary_tables
+from mhla_diffusion.benchmarks.attention_traffic import rotary_tables
 from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
 HEADS = 3

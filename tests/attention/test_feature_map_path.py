@@ -8,7 +8,7 @@ import torch
 
 from helpers.attention import make_inputs
 from mhla_diffusion import mhla_attention, mhla_attention_reference, num_blocks
-from mhla_diffusion.benchmarks.bench import rotary_tables
+from mhla_diffusion.benchmarks.attention_traffic import rotary_tables
 from mhla_diffusion.models.processors.base import apply_interleaved_rotary
 
 EPS = 1e-3  # large enough that a misplaced feature-map shift shows
@@ -21,7 +21,8 @@ CASES = [
 
 
 def _rotary(n: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random RoPE tables of Wan's layout (:func:`mhla_diffusion.benchmarks.bench.rotary_tables`) in ``dtype``."""
+    """Random RoPE tables of Wan's layout (:func:`mhla_diffusion.benchmarks.attention_traffic.rotary_tables`) in
+    ``dtype``."""
     return tuple(t.to(dtype) for t in rotary_tables(n, dim, generator=torch.Generator().manual_seed(7)))
 
 

@@ -12,7 +12,7 @@ import torch
 
 from helpers.attention import make_inputs
 from mhla_diffusion import mhla_causal_step, mhla_causal_teacher_forcing
-from mhla_diffusion.benchmarks.bench import rotary_tables
+from mhla_diffusion.benchmarks.attention_traffic import rotary_tables
 from mhla_diffusion.ops.teacher_forcing import teacher_forcing_offsets
 
 HEADS = 3

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mhla_diffusion import MHLAConfig
-from mhla_diffusion.benchmarks.bench import TRAFFIC_PATHS, traffic_settings, wan_attention_traffic
+from mhla_diffusion.benchmarks.attention_traffic import TRAFFIC_PATHS, traffic_settings, wan_attention_traffic
 from mhla_diffusion.cli import main
 from mhla_diffusion.ops import triton_mhla
 from mhla_diffusion.ops.block_layout import block_plan
@@ -237,7 +237,7 @@ def test_training_rows_count_the_fused_backward():
     """The forward + backward rows (autograd on meta tensors), paper setting at 21x30x50: the fused one is
     the fused kernels' forward and backward as launched (nothing else runs around the operator), far below
     the eager one, and at most 3x the fused forward (the backward mixes the summaries the forward kept)."""
-    from mhla_diffusion.benchmarks.bench import wan_attention_training_traffic
+    from mhla_diffusion.benchmarks.attention_traffic import wan_attention_training_traffic
     from mhla_diffusion.ops.triton_mhla_backward import fused_backward_traffic
 
     config, unit = traffic_settings()["paper"], 31_500 * 12 * 128 * 2
