@@ -27,10 +27,14 @@ from ..utils.geometry import VideoGeometry
 from .latents import wan_latent_normalization
 from .text import encode_prompts, pad_prompt_embeds
 
-__all__ = ["HunyuanVideoRecipe", "VideoRecipe", "WanRecipe", "TRAINABLE_VIDEO_FAMILIES", "video_recipe_for"]
-
-#: The families the text-to-video trainer trains (their transformer class names are what it accepts).
-TRAINABLE_VIDEO_FAMILIES = ("wan", "skyreels-v2", "hunyuan-video")
+__all__ = [
+    "HunyuanVideoRecipe",
+    "SkyReelsV2Recipe",
+    "TRAINABLE_VIDEO_FAMILIES",
+    "VideoRecipe",
+    "WanRecipe",
+    "video_recipe_for",
+]
 
 
 class VideoRecipe:
@@ -175,6 +179,8 @@ _RECIPES: dict[str, type[VideoRecipe]] = {
     "skyreels-v2": SkyReelsV2Recipe,
     "hunyuan-video": HunyuanVideoRecipe,
 }
+#: The families the text-to-video trainer trains (their transformer class names are what it accepts).
+TRAINABLE_VIDEO_FAMILIES = tuple(_RECIPES)
 
 
 def video_recipe_for(transformer_class_name: str | None, source: str) -> VideoRecipe:
