@@ -99,6 +99,24 @@ def rotary_rows(tables: tuple[torch.Tensor, torch.Tensor] | None, rows: slice) -
     return tuple(table[rows][None, :, None, :] for table in tables)
 
 
+def joint_projections(attn: torch.nn.Module, x: torch.Tensor, added: bool = False) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` ``(B, S, H, D)`` of one stream of a joint-attention layer (HunyuanVideo, CogVideoX, Flux): the
+    image stream's projections (``to_q``, ...; ``to_qkv`` once fused) or, with ``added``, the text stream's own
+    (``add_q_proj``, ...; ``to_added_qkv``), each query and key through its per-head norm where the layer has one."""
+    if added:
+        fused, separate = "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")
+        norms = ("norm_added_q", "norm_added_k")
+    else:
+        fused, separate, norms = "to_qkv", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k")
+    if getattr(attn, "fused_projections", False) and getattr(attn, fused, None) is not None:
+        q, k, v = getattr(attn, fused)(x).chunk(3, dim=-1)
+    else:
+        q, k, v = (getattr(attn, name)(x) for name in separate)
+    q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in (q, k, v))
+    norm_q, norm_k = (getattr(attn, name, None) for name in norms)
+    return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
+
+
 #: The refusal of context parallelism for causal MHLA layers (by :func:`enable_context_parallel` and the processors).
 CAUSAL_CONTEXT_PARALLEL_ERROR = (
     "context parallelism has no block-causal MHLA (MHLAConfig(causal=True)): its all-reduced block summaries are "

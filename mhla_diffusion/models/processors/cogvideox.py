@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MHLAProcessor, rotary_rows
+from .base import MHLAProcessor, joint_projections, rotary_rows
 
 __all__ = ["CogVideoXMHLAProcessor"]
 
@@ -44,19 +44,9 @@ class CogVideoXMHLAProcessor(MHLAProcessor):
             raise ValueError("CogVideoXMHLAProcessor is joint attention: it needs the text (encoder_hidden_states)")
         if attention_mask is not None:
             raise ValueError("CogVideoXMHLAProcessor takes no attention mask (CogVideoX's blocks pass none)")
-
-        def project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            heads = (attn.heads, -1)
-            q, k, v = (proj(x).unflatten(2, heads) for proj in (attn.to_q, attn.to_k, attn.to_v))
-            if attn.norm_q is not None:
-                q = attn.norm_q(q)
-            if attn.norm_k is not None:
-                k = attn.norm_k(k)
-            return q, k, v
-
-        q, k, v = project(hidden_states)
+        q, k, v = joint_projections(attn, hidden_states)  # one set of projections for both streams
         image, text = self.attend_joint(
-            q, k, v, *project(encoder_hidden_states),
+            q, k, v, *joint_projections(attn, encoder_hidden_states),
             rotary_emb=rotary_rows(image_rotary_emb, slice(None)),
         )  # fmt: skip
         out = torch.cat([text, image], dim=1).to(q.dtype)  # one output projection over [text, image], as stock

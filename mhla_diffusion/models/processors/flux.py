@@ -10,24 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import MHLAProcessor, rotary_rows
+from .base import MHLAProcessor, joint_projections, rotary_rows
 
 __all__ = ["FluxMHLAProcessor"]
-
-
-def _projections(attn: torch.nn.Module, x: torch.Tensor, added: bool) -> tuple[torch.Tensor, ...]:
-    """``q, k, v`` ``(B, S, H, D)`` of one stream of a ``FluxAttention``, normed per head (fused or separate)."""
-    if added:
-        fused, separate = "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj")
-        norms = ("norm_added_q", "norm_added_k")
-    else:
-        fused, separate, norms = "to_qkv", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k")
-    if getattr(attn, "fused_projections", False) and hasattr(attn, fused):
-        q, k, v = getattr(attn, fused)(x).chunk(3, dim=-1)
-    else:
-        q, k, v = (getattr(attn, name)(x) for name in separate)
-    q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
-    return getattr(attn, norms[0])(q), getattr(attn, norms[1])(k), v
 
 
 class FluxMHLAProcessor(MHLAProcessor):
@@ -54,8 +39,8 @@ class FluxMHLAProcessor(MHLAProcessor):
         else:  # the text tokens come first; the grid says how many image tokens follow
             length = hidden_states.shape[1] - self.grid_context.require_total()
             text_in, image_in = hidden_states[:, :length], hidden_states[:, length:]
-        q, k, v = _projections(attn, image_in, added=False)
-        text_q, text_k, text_v = _projections(attn, text_in, added=double)
+        q, k, v = joint_projections(attn, image_in)
+        text_q, text_k, text_v = joint_projections(attn, text_in, added=double)
         length = text_in.shape[1]  # the text rows of the RoPE tables are identities (txt_ids zero: grid.py checks)
         image, text = self.attend_joint(
             q, k, v, text_q, text_k, text_v, rotary_emb=rotary_rows(image_rotary_emb, slice(length, None))

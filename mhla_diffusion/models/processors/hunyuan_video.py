@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import MHLAProcessor, rotary_rows
+from .base import MHLAProcessor, joint_projections, rotary_rows
 
 __all__ = ["HunyuanVideoMHLAProcessor", "text_mask_of"]
 
@@ -54,18 +54,9 @@ class HunyuanVideoMHLAProcessor(MHLAProcessor):
         """Image ``hidden_states`` ``(B, N, C)`` and text ``encoder_hidden_states`` ``(B, L, C)`` -> both, attended."""
         if encoder_hidden_states is None:
             raise ValueError("HunyuanVideoMHLAProcessor is joint attention: it needs the text (encoder_hidden_states)")
-        heads = (attn.heads, -1)
-        q = attn.norm_q(attn.to_q(hidden_states).unflatten(2, heads))
-        k = attn.norm_k(attn.to_k(hidden_states).unflatten(2, heads))
-        v = attn.to_v(hidden_states).unflatten(2, heads)
-        if attn.add_q_proj is None:  # single-stream: one set of projections for both
-            text_q = attn.norm_q(attn.to_q(encoder_hidden_states).unflatten(2, heads))
-            text_k = attn.norm_k(attn.to_k(encoder_hidden_states).unflatten(2, heads))
-            text_v = attn.to_v(encoder_hidden_states).unflatten(2, heads)
-        else:
-            text_q = attn.norm_added_q(attn.add_q_proj(encoder_hidden_states).unflatten(2, heads))
-            text_k = attn.norm_added_k(attn.add_k_proj(encoder_hidden_states).unflatten(2, heads))
-            text_v = attn.add_v_proj(encoder_hidden_states).unflatten(2, heads)
+        q, k, v = joint_projections(attn, hidden_states)
+        # single-stream blocks have one set of projections for both streams
+        text_q, text_k, text_v = joint_projections(attn, encoder_hidden_states, added=attn.add_q_proj is not None)
         image, text = self.attend_joint(
             q, k, v, text_q, text_k, text_v,
             text_mask_of(attention_mask, hidden_states.shape[1]),
