@@ -94,6 +94,8 @@ class WanTask(Task):
         self.cache: LatentCache | None = None
         self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
         self._recipe: VideoRecipe | None = None
+        self._model_index: dict[str, Any] | None = None
+        self._model_defaults = None  # the pretrained model's generation defaults (read once)
         self.encoders: dict[str, Any] = {}  # the text components, once loaded
         self.original: nn.Module | None = None  # the frozen softmax original (distillation_weight > 0)
         self.causal = False  # block-causal MHLA or softmax: one noise level per chunk (diffusion forcing)
@@ -104,7 +106,7 @@ class WanTask(Task):
     def setup(self, accelerator) -> TaskParts:
         o = self.options
         check_model_source(o.pretrained_model, WAN_HUB_ID, what="pretrained_model", revision=o.revision)
-        index = pipeline_index(o.pretrained_model, o.revision)
+        index = self._index()
         for name in ("vae", *self.recipe.text_components, "transformer"):
             if not index.get(name) or index[name][0] is None:
                 raise ValueError(
@@ -164,9 +166,15 @@ class WanTask(Task):
         class ``pretrained_model``'s ``model_index.json`` names (read once)."""
         if self._recipe is None:
             o = self.options
-            entry = pipeline_index(o.pretrained_model, o.revision).get("transformer") or (None, None)
+            entry = self._index().get("transformer") or (None, None)
             self._recipe = video_recipe_for(entry[1], o.pretrained_model)
         return self._recipe
+
+    def _index(self) -> dict[str, Any]:
+        """``pretrained_model``'s ``model_index.json`` (read once)."""
+        if self._model_index is None:
+            self._model_index = pipeline_index(self.options.pretrained_model, self.options.revision)
+        return self._model_index
 
     def _enter_stage(self, stage: str) -> None:
         self.stage = stage
@@ -589,7 +597,7 @@ class WanTask(Task):
         from ..utils.model_defaults import video_defaults
 
         o = self.options
-        if getattr(self, "_model_defaults", None) is None:  # read once (every training step asks the guidance)
+        if self._model_defaults is None:  # read once (every training step asks the guidance)
             self._model_defaults = video_defaults(o.pretrained_model)
         start = self._model_defaults
         guidance = o.validation_guidance_scale

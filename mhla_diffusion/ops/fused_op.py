@@ -191,9 +191,8 @@ def _fused_attention_fake(
     out = v.new_empty((*q.shape[:3], v.shape[-1]))
     if not _runs_kernels(q.device):
         return out, *(q.new_empty(0) for _ in range(4))
-    kept = [q.new_empty(shape, dtype=dtype) for shape, dtype in _kept_shapes(q, k, v, layout, normalize)]
-    mixed = [q.new_empty(shape, dtype=dtype) for shape, dtype in _kept_shapes(q, k, v, layout, normalize)]
-    return out, *kept, *mixed
+    shapes = _kept_shapes(q, k, v, layout, normalize)  # S, z and their mixing S̃, z̃ are laid out alike
+    return out, *(q.new_empty(shape, dtype=dtype) for _ in range(2) for shape, dtype in shapes)
 
 
 @torch.library.custom_op("mhla::fused_attention_backward", mutates_args=())
