@@ -24,6 +24,7 @@ from .attention import without_autocast
 from .block_layout import BlockPlan
 from .causal_chunk import causal_chunk_output
 from .fused_op import _plan, _runs_kernels
+from .rope_tables import _rope_tables
 from .triton_mhla import (
     _RECORDERS,
     _compute_dtype,
@@ -32,7 +33,6 @@ from .triton_mhla import (
     _launch_output,
     _launch_summaries,
     _mix,
-    _rope_tables,
 )
 
 __all__ = ["fused_causal_chunk", "fused_causal_traffic"]

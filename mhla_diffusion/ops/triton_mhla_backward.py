@@ -50,6 +50,7 @@ import torch
 from . import triton_mhla
 from .attention import without_autocast
 from .block_layout import BlockPlan
+from .rope_tables import _rope_tables
 from .triton_mhla import (
     _INDEX_BYTES,
     _VALID_BYTES,
@@ -61,7 +62,6 @@ from .triton_mhla import (
     _launch_summaries,
     _mix,
     _pow2,
-    _rope_tables,
     _tl_dtype,
     fused_traffic,
 )

@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from mhla_diffusion import mhla_attention_reference, num_blocks
 from mhla_diffusion.models.processors.base import apply_interleaved_rotary
-from mhla_diffusion.ops import triton_mhla
+from mhla_diffusion.ops import rope_tables, triton_mhla
 from mhla_diffusion.ops.block_layout import block_plan
 from mhla_diffusion.ops.fused_op import mhla_attention_fused
 from mhla_diffusion.ops.triton_mhla import fused_available
@@ -148,7 +148,7 @@ def test_rope_tables_are_converted_once_for_the_same_tables():
     """The half copy of the tables is made once for the tensors a transformer forward passes to all its
     layers, and made again whenever they may differ: other objects, an in-place write, another dtype, or
     inference tensors (no version counter)."""
-    convert = triton_mhla._converted_rope_tables
+    convert = rope_tables._converted_rope_tables
     cos, sin = _rope(EVEN[0], 16)
     first, converted = convert(cos, sin, torch.bfloat16)
     assert converted and first[0].dtype == torch.bfloat16 and first[0].is_contiguous() and first[1].is_contiguous()
@@ -171,10 +171,10 @@ def test_rope_tables_are_converted_once_for_the_same_tables():
 
 def test_rope_tables_are_converted_every_call_while_a_cuda_graph_is_captured(monkeypatch):
     cos, sin = _rope(EVEN[0], 16)
-    triton_mhla._converted_rope_tables(cos, sin, torch.bfloat16)  # cached before the capture
-    monkeypatch.setattr(triton_mhla, "_capturing", lambda device: True)
-    first, converted = triton_mhla._converted_rope_tables(cos, sin, torch.bfloat16)
-    assert converted and triton_mhla._converted_rope_tables(cos, sin, torch.bfloat16)[1]
+    rope_tables._converted_rope_tables(cos, sin, torch.bfloat16)  # cached before the capture
+    monkeypatch.setattr(rope_tables, "_capturing", lambda device: True)
+    first, converted = rope_tables._converted_rope_tables(cos, sin, torch.bfloat16)
+    assert converted and rope_tables._converted_rope_tables(cos, sin, torch.bfloat16)[1]
     assert torch.equal(first[0], cos[0, :, 0, 0::2].bfloat16())
 
 
