@@ -120,6 +120,8 @@ class HunyuanVideoRecipe(VideoRecipe):
     text_components = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
     pipeline_path = "diffusers:HunyuanVideoPipeline"
     default_guidance_scale = 6.0
+    #: The text-only pipeline :meth:`encode` calls ``encode_prompt`` on (built on first use).
+    _text_pipeline: Any = None
 
     def geometry(self, transformer: Mapping[str, Any], vae: Mapping[str, Any]) -> VideoGeometry:
         patch = int(transformer.get("patch_size") or 2)
@@ -140,9 +142,12 @@ class HunyuanVideoRecipe(VideoRecipe):
     def encode(self, encoders: Mapping[str, Any], prompts: Sequence[str], max_length: int) -> list[dict[str, Any]]:
         """``{"prompt_embeds": (L, D), "pooled_prompt_embeds": (D2,)}`` per prompt, exactly as
         ``HunyuanVideoPipeline.encode_prompt`` makes them (the padding dropped: ``L`` is the prompt's own tokens)."""
-        pipe = self.pipeline_class()(
-            **{name: encoders[name] for name in self.text_components}, transformer=None, vae=None, scheduler=None
-        )
+        pipe = self._text_pipeline
+        if pipe is None or pipe.text_encoder is not encoders["text_encoder"]:  # built once per set of encoders
+            pipe = self.pipeline_class()(
+                **{name: encoders[name] for name in self.text_components}, transformer=None, vae=None, scheduler=None
+            )
+            self._text_pipeline = pipe
         device = next(encoders["text_encoder"].parameters()).device
         embeds, pooled, mask = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_length)
         lengths = mask.gt(0).sum(dim=1).tolist()
