@@ -24,7 +24,7 @@ from .attention import without_autocast
 from .block_layout import BlockPlan
 from .causal_chunk import causal_chunk_output
 from .fused_op import _plan, _runs_kernels
-from .rope_tables import _rope_tables
+from .rope_tables import rotary_operand
 from .triton_mhla import (
     _RECORDERS,
     _compute_dtype,
@@ -58,7 +58,7 @@ def _fused_causal_forward(
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Kernel 1 on the chunk, the mixing with the carried blocks as extra rows, kernel 2."""
     dot_dtype = _default_dot_dtype(q, v)
-    rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
+    rope = None if cos is None else rotary_operand(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype), plan.grid)
     summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     width = sum(part.shape[2] for part in carried)
     mixed, mixed_sums = _mix(weights[..., width:], summaries, key_sums)  # the chunk's own blocks

@@ -60,7 +60,7 @@ import torch
 
 from .attention import mhla_attention, normalization_mode, validate_attention_inputs, without_autocast
 from .block_layout import BlockPlan
-from .rope_tables import _convert_tables, _converted_rope_tables, _rope_tables
+from .rope_tables import Rotary, _angle_plan, _convert_tables, _grid3, _prepared_rotary, rotary_arguments, rotary_operand
 
 try:
     import triton
@@ -141,6 +141,8 @@ def _summaries_kernel(
     scd,
     ssn,
     ssd,
+    rope_plane,
+    rope_width,
     s_b,
     s_h,
     s_m,
@@ -158,6 +160,8 @@ def _summaries_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    ROPE_ANGLES: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
     STORE_Z: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -175,6 +179,11 @@ def _summaries_kernel(
     v_base = v_ptr + b * svb + h * svh
     acc = tl.full((BLOCK_D, BLOCK_DV), 0.0, tl.float32)
     z_tiles = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)  # summed over the slots after the loop
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
+        half = tl.arange(0, BLOCK_D // 2)
+        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
+        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
+        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
     for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -190,15 +199,31 @@ def _summaries_kernel(
         if STORE_Z:
             z_tiles += tl.where(used[:, None], keys, 0.0)
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i
-            half = tl.arange(0, BLOCK_D // 2)
-            if D == BLOCK_D:
-                t_mask = used[:, None]
+            if ROPE_ANGLES:
+                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
+                frame = flat // rope_plane
+                row = (flat - frame * rope_plane) // rope_width
+                col = flat - frame * rope_plane - row * rope_width
+                pos = tl.where(axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])).to(tl.float32)
+                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                turns = tl.floor((pos * step[None, :] + phase[None, :]) * 0.15915494309189535 + 0.5)
+                angle = tl.fma(pos, step[None, :], turns * -6.28125) + phase[None, :] - turns * 0.0019353071795864769
+                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
+                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    cos = tl.cos(angle)
+                    sin = tl.sin(angle)
             else:
-                t_mask = used[:, None] & (half < D // 2)[None, :]
-            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
-            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
-            cos = cos.to(tl.float32)
-            sin = sin.to(tl.float32)
+                half = tl.arange(0, BLOCK_D // 2)
+                if D == BLOCK_D:
+                    t_mask = used[:, None]
+                else:
+                    t_mask = used[:, None] & (half < D // 2)[None, :]
+                cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
+                sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
+                cos = cos.to(tl.float32)
+                sin = sin.to(tl.float32)
             k_even, k_odd = tl.split(tl.reshape(keys, (BLOCK_T, BLOCK_D // 2, 2)))
             keys = tl.reshape(tl.join(k_even * cos - k_odd * sin, k_even * sin + k_odd * cos), (BLOCK_T, BLOCK_D))
         if DV == BLOCK_DV:
@@ -246,6 +271,8 @@ def _output_kernel(
     scd,
     ssn,
     ssd,
+    rope_plane,
+    rope_width,
     s_b,
     s_h,
     s_m,
@@ -264,6 +291,8 @@ def _output_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    ROPE_ANGLES: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
     NORMALIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -286,6 +315,11 @@ def _output_kernel(
         z = tl.load(z_ptr + b * z_b + h * z_h + m * z_m + chan * z_d, mask=chan < D, other=0.0).to(tl.float32)
     q_base = q_ptr + b * sqb + h * sqh
     o_base = o_ptr + b * sob + h * soh
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
+        half = tl.arange(0, BLOCK_D // 2)
+        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
+        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
+        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
     for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -301,15 +335,31 @@ def _output_kernel(
         if NORMALIZE:  # un-rotated features against the mixed key sum
             den = tl.maximum(tl.reduce(queries * z[None, :], 1, _add_combine), 0.0) + eps  # the guard
         if HAS_ROPE:
-            half = tl.arange(0, BLOCK_D // 2)
-            if D == BLOCK_D:
-                t_mask = used[:, None]
+            if ROPE_ANGLES:
+                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
+                frame = flat // rope_plane
+                row = (flat - frame * rope_plane) // rope_width
+                col = flat - frame * rope_plane - row * rope_width
+                pos = tl.where(axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])).to(tl.float32)
+                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                turns = tl.floor((pos * step[None, :] + phase[None, :]) * 0.15915494309189535 + 0.5)
+                angle = tl.fma(pos, step[None, :], turns * -6.28125) + phase[None, :] - turns * 0.0019353071795864769
+                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
+                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    cos = tl.cos(angle)
+                    sin = tl.sin(angle)
             else:
-                t_mask = used[:, None] & (half < D // 2)[None, :]
-            cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
-            sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
-            cos = cos.to(tl.float32)
-            sin = sin.to(tl.float32)
+                half = tl.arange(0, BLOCK_D // 2)
+                if D == BLOCK_D:
+                    t_mask = used[:, None]
+                else:
+                    t_mask = used[:, None] & (half < D // 2)[None, :]
+                cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
+                sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
+                cos = cos.to(tl.float32)
+                sin = sin.to(tl.float32)
             q_even, q_odd = tl.split(tl.reshape(queries, (BLOCK_T, BLOCK_D // 2, 2)))
             queries = tl.reshape(tl.join(q_even * cos - q_odd * sin, q_even * sin + q_odd * cos), (BLOCK_T, BLOCK_D))
         if IEEE:
@@ -609,7 +659,7 @@ def _launch_summaries(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: BlockPlan,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: Rotary | None,
     feature_eps: float,
     normalize: str,
     dot_dtype: torch.dtype,
@@ -627,8 +677,7 @@ def _launch_summaries(
     has_valid = plan.valid is not None
     gather = plan.gather.contiguous()  # (M * P,) int64, already contiguous from block_plan: no copy
     valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather  # unused pointer when all valid
-    tables = rope if rope is not None else (k, k)  # unused pointers without RoPE
-    rope_strides = (*tables[0].stride(), *tables[1].stride()) if rope is not None else (0, 0, 0, 0)
+    tables, rope_numbers, rope_flags = rotary_arguments(rope, k)
     summaries, key_sums = _summary_buffers(batch, heads, m, d, dv, _compute_dtype(k.dtype, v.dtype), norm, k.device)
     sums = key_sums if norm else summaries[..., 0]  # (B, H, M, D); unused pointer without a denominator
     kernel, options = _tuned("_summaries_kernel", k.device.type == "cpu", tiles)
@@ -644,7 +693,7 @@ def _launch_summaries(
         p,
         *k.stride(),
         *v.stride(),
-        *rope_strides,
+        *rope_numbers,
         *summaries.stride(),
         *sums.stride(),
         float(feature_eps),
@@ -654,6 +703,7 @@ def _launch_summaries(
         BLOCK_DV=tiles.block_dv,
         HAS_VALID=has_valid,
         HAS_ROPE=rope is not None,
+        **rope_flags,
         STORE_Z=norm,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
@@ -665,7 +715,7 @@ def _launch_summaries(
 def _launch_output(
     q: torch.Tensor,
     plan: BlockPlan,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: Rotary | None,
     mixed: torch.Tensor,
     mixed_sums: torch.Tensor | None,
     out_dtype: torch.dtype,
@@ -683,8 +733,7 @@ def _launch_output(
     has_valid = plan.valid is not None
     gather = plan.gather.contiguous()
     valid = plan.valid.contiguous().view(torch.uint8) if has_valid else gather
-    tables = rope if rope is not None else (q, q)
-    rope_strides = (*tables[0].stride(), *tables[1].stride()) if rope is not None else (0, 0, 0, 0)
+    tables, rope_numbers, rope_flags = rotary_arguments(rope, q)
     sums = mixed[..., 0] if mixed_sums is None else mixed_sums  # unused pointer without a denominator
     out = torch.empty((batch, n, heads, value_dim), device=q.device, dtype=out_dtype)
     kernel, options = _tuned("_output_kernel", q.device.type == "cpu", tiles)
@@ -700,7 +749,7 @@ def _launch_output(
         p,
         *q.stride(),
         *out.stride(),
-        *rope_strides,
+        *rope_numbers,
         *mixed.stride(),
         *sums.stride(),
         float(feature_eps),
@@ -711,6 +760,7 @@ def _launch_output(
         BLOCK_DV=tiles.out_dv,
         HAS_VALID=has_valid,
         HAS_ROPE=rope is not None,
+        **rope_flags,
         NORMALIZE=mixed_sums is not None,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
@@ -737,7 +787,7 @@ def _fused_forward(
     summaries ``S`` and key sums ``z`` it was computed from (as :func:`_launch_summaries` returns them) and their
     mixing ``S̃``, ``z̃`` (as :func:`_mix` returns them): the fused backward takes all four instead of
     recomputing or mixing again."""
-    rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
+    rope = None if cos is None else rotary_operand(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype), plan.grid)
     summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     mixed, mixed_sums = _mix(mixing, summaries, key_sums)
     out = _launch_output(q, plan, rope, mixed, mixed_sums, v.dtype, v.shape[-1], feature_eps, eps, dot_dtype)
@@ -763,6 +813,7 @@ def fused_traffic(
     normalize: str = "denominator",
     per_head_mixing: bool = False,
     rope_converted: bool = True,
+    rope_angles: bool = True,
 ) -> dict[str, int]:
     """Bytes that :func:`~mhla_diffusion.ops.fused_op.mhla_attention_fused` reads and writes in global memory,
     term by term, as :func:`_fused_forward` launches its kernels: what each program's ``tl.load``/``tl.store``
@@ -797,18 +848,26 @@ def fused_traffic(
     meta = dict(device="meta")
     terms: dict[str, int] = {}
     summaries, key_sums = _summary_buffers(batch, heads, m, head_dim, value_dim, compute, norm, torch.device("meta"))
-    # PyTorch, once per forward (its first call): the even channels of the tables in the compute dtype (none
-    # when already in it)
-    table = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)[0, :, 0, 0::2]
-    convert = bool(rope) and rope_converted and table.dtype != compute
-    terms["RoPE tables to the summaries' dtype (PyTorch, once per forward)"] = (
-        convert * count_traffic(lambda: _convert_tables((table, table), compute)).total
-    )
+    # PyTorch, once per forward (its first call): the angle plan fitted to the tables and checked against them, or
+    # the even channels of the tables in the compute dtype (none when already in it)
+    full = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)
+    if rope_angles:
+        plan = rope and rope_converted and count_traffic(lambda: _angle_plan(full, full, (1, 1, tokens))).total
+        terms["RoPE angle plan from the tables (PyTorch, once per forward)"] = int(plan)
+    else:
+        table = full[0, :, 0, 0::2]
+        convert = bool(rope) and rope_converted and table.dtype != compute
+        terms["RoPE tables to the summaries' dtype (PyTorch, once per forward)"] = (
+            convert * count_traffic(lambda: _convert_tables((table, table), compute)).total
+        )
+    # per program (angles) or per real slot and head (tables)
+    rotation = rope * (bh * m * 3 * pairs * 4 if rope_angles else bh * tokens * pairs * 2 * compute_size)
+    rope_term = ": RoPE angle plan" if rope_angles else ": RoPE tables"
     # _summaries_kernel, grid (value tiles, B*H, M); per program: plan entries, then per real slot k (D
     # channels), the tables (pairs, cos and sin), v (its tile's columns); then S (D x tile) and z (tile 0)
     terms["summaries kernel: plan index"] = tiles.value_tiles * bh * m * index
     terms["summaries kernel: k"] = tiles.value_tiles * bh * tokens * head_dim * size
-    terms["summaries kernel: RoPE tables"] = rope * tiles.value_tiles * bh * tokens * pairs * 2 * compute_size
+    terms["summaries kernel" + rope_term] = tiles.value_tiles * rotation
     terms["summaries kernel: v"] = bh * tokens * value_dim * size
     terms["summaries kernel: S stored"] = bh * m * head_dim * value_dim * compute_size
     sums_size = 0 if key_sums is None else key_sums.element_size()  # float32
@@ -822,7 +881,7 @@ def fused_traffic(
     terms["output kernel: mixed key sum"] = norm * bh * m * head_dim * sums_size
     terms["output kernel: plan index"] = bh * m * index
     terms["output kernel: q"] = bh * tokens * head_dim * size
-    terms["output kernel: RoPE tables"] = rope * bh * tokens * pairs * 2 * compute_size
+    terms["output kernel" + rope_term] = rotation
     terms["output kernel: output stored"] = bh * tokens * value_dim * size
     return terms
 
@@ -852,9 +911,10 @@ def _launch_arguments(q, v, plan, mixing, cos, normalize, sin=None) -> dict:
     these tables converted by an earlier one (a later layer of the same forward) counts no conversion;
     without it, every call counts one."""
     batch, n, heads, d = q.shape
-    converted = True
+    converted, angles = True, _grid3(plan.grid) is not None
     if cos is not None and sin is not None:
-        converted = _converted_rope_tables(cos, sin, _compute_dtype(q.dtype, v.dtype))[1]
+        operand, converted = _prepared_rotary(cos, sin, _compute_dtype(q.dtype, v.dtype), plan.grid)
+        angles = operand.angles
     return dict(
         batch=batch,
         tokens=n,
@@ -869,6 +929,7 @@ def _launch_arguments(q, v, plan, mixing, cos, normalize, sin=None) -> dict:
         normalize=normalize,
         per_head_mixing=mixing.ndim == 3,
         rope_converted=converted,
+        rope_angles=angles,
     )
 
 

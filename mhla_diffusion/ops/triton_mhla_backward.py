@@ -50,7 +50,7 @@ import torch
 from . import triton_mhla
 from .attention import without_autocast
 from .block_layout import BlockPlan
-from .rope_tables import _rope_tables
+from .rope_tables import Rotary, rotary_arguments, rotary_operand
 from .triton_mhla import (
     _INDEX_BYTES,
     _VALID_BYTES,
@@ -120,6 +120,8 @@ def _query_grad_kernel(
     scd,
     ssn,
     ssd,
+    rope_plane,
+    rope_width,
     st_b,
     st_h,
     st_m,
@@ -147,6 +149,8 @@ def _query_grad_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    ROPE_ANGLES: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
     NORMALIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -172,6 +176,11 @@ def _query_grad_kernel(
     q_base = q_ptr + b * sqb + h * sqh
     g_base = g_ptr + b * sgb + h * sgh
     dq_base = dq_ptr + b * sdb + h * sdh
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
+        half = tl.arange(0, BLOCK_D // 2)
+        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
+        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
+        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
     for start in range(0, P, BLOCK_T):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -196,13 +205,29 @@ def _query_grad_kernel(
             den = tl.where(used, tl.maximum(dot, 0.0) + eps, 1.0)
             grad = grad / den[None, :]  # g'
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables stay in their dtype until used
-            half = tl.arange(0, BLOCK_D // 2)
-            if D == BLOCK_D:
-                t_mask = used[None, :]
+            if ROPE_ANGLES:
+                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
+                frame = flat // rope_plane
+                row = (flat - frame * rope_plane) // rope_width
+                col = flat - frame * rope_plane - row * rope_width
+                pos = tl.where(axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])).to(tl.float32)
+                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                turns = tl.floor((pos * step[:, None] + phase[:, None]) * 0.15915494309189535 + 0.5)
+                angle = tl.fma(pos, step[:, None], turns * -6.28125) + phase[:, None] - turns * 0.0019353071795864769
+                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
+                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    cos = tl.cos(angle)
+                    sin = tl.sin(angle)
             else:
-                t_mask = (half < D // 2)[:, None] & used[None, :]
-            cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
-            sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
+                half = tl.arange(0, BLOCK_D // 2)
+                if D == BLOCK_D:
+                    t_mask = used[None, :]
+                else:
+                    t_mask = (half < D // 2)[:, None] & used[None, :]
+                cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
+                sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
             f_even, f_odd = tl.split(tl.permute(tl.reshape(feats, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
             s = sin.to(tl.float32)
@@ -272,6 +297,8 @@ def _key_grad_kernel(
     scd,
     ssn,
     ssd,
+    rope_plane,
+    rope_width,
     ds_b,
     ds_h,
     ds_m,
@@ -289,6 +316,8 @@ def _key_grad_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    ROPE_ANGLES: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
     NORMALIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
@@ -312,6 +341,11 @@ def _key_grad_kernel(
     v_base = v_ptr + b * svb + h * svh
     dk_base = dk_ptr + b * sdkb + h * sdkh
     dv_base = dv_ptr + b * sdvb + h * sdvh
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
+        half = tl.arange(0, BLOCK_D // 2)
+        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
+        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
+        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
     for start in range(0, P, BLOCK_T):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -330,13 +364,29 @@ def _key_grad_kernel(
         raw = tl.load(k_base + chan[:, None] * skd + token[None, :] * skn, mask=k_mask, other=0.0)  # k's dtype
         feats = tl.where(k_mask, tl.maximum(raw.to(tl.float32), 0.0) + feature_eps, 0.0)  # phi(k)
         if HAS_ROPE:
-            half = tl.arange(0, BLOCK_D // 2)
-            if D == BLOCK_D:
-                t_mask = used[None, :]
+            if ROPE_ANGLES:
+                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
+                frame = flat // rope_plane
+                row = (flat - frame * rope_plane) // rope_width
+                col = flat - frame * rope_plane - row * rope_width
+                pos = tl.where(axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])).to(tl.float32)
+                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                turns = tl.floor((pos * step[:, None] + phase[:, None]) * 0.15915494309189535 + 0.5)
+                angle = tl.fma(pos, step[:, None], turns * -6.28125) + phase[:, None] - turns * 0.0019353071795864769
+                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
+                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                else:
+                    cos = tl.cos(angle)
+                    sin = tl.sin(angle)
             else:
-                t_mask = (half < D // 2)[:, None] & used[None, :]
-            cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
-            sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
+                half = tl.arange(0, BLOCK_D // 2)
+                if D == BLOCK_D:
+                    t_mask = used[None, :]
+                else:
+                    t_mask = (half < D // 2)[:, None] & used[None, :]
+                cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
+                sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
             f_even, f_odd = tl.split(tl.permute(tl.reshape(feats, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
             s = sin.to(tl.float32)
@@ -508,18 +558,11 @@ def _plan_pointers(plan: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:
     return gather, plan.valid.contiguous().view(torch.uint8) if plan.valid is not None else gather
 
 
-def _rope_arguments(rope, like: torch.Tensor) -> tuple:
-    """The tables and their strides as the kernels take them (unused pointers and zero strides without RoPE)."""
-    if rope is None:
-        return (like, like), (0, 0, 0, 0)
-    return rope, (*rope[0].stride(), *rope[1].stride())
-
-
 def _launch_query_grad(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     plan: BlockPlan,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: Rotary | None,
     summaries: torch.Tensor,
     key_sums: torch.Tensor | None,
     mixed: torch.Tensor,
@@ -537,7 +580,7 @@ def _launch_query_grad(
     norm = mixed_sums is not None
     tiles = _backward_tiles(plan.block_len, d, dv)["query"]
     gather, valid = _plan_pointers(plan)
-    tables, rope_strides = _rope_arguments(rope, q)
+    tables, rope_numbers, rope_flags = rotary_arguments(rope, q)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     d_mixed, d_mixed_sums = _gradient_buffers(summaries, key_sums if norm else None)
     no_sums = (0, 0, 0, 0)
@@ -557,7 +600,7 @@ def _launch_query_grad(
         *q.stride(),
         *grad_out.stride(),
         *dq.stride(),
-        *rope_strides,
+        *rope_numbers,
         *mixed.stride(),
         *(mixed_sums.stride() if norm else no_sums),
         *d_mixed.stride(),
@@ -568,6 +611,7 @@ def _launch_query_grad(
         DV=dv,
         HAS_VALID=plan.valid is not None,
         HAS_ROPE=rope is not None,
+        **rope_flags,
         NORMALIZE=norm,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
@@ -580,7 +624,7 @@ def _launch_key_grad(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: BlockPlan,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rope: Rotary | None,
     d_summaries: torch.Tensor,
     d_sums: torch.Tensor | None,
     feature_eps: float,
@@ -593,7 +637,7 @@ def _launch_key_grad(
     dv_dim = v.shape[-1]
     tiles = _backward_tiles(plan.block_len, d, dv_dim)["key"]
     gather, valid = _plan_pointers(plan)
-    tables, rope_strides = _rope_arguments(rope, k)
+    tables, rope_numbers, rope_flags = rotary_arguments(rope, k)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     _kernel("_key_grad_kernel", k.device.type == "cpu")[(batch * heads, plan.num_blocks)](
@@ -612,7 +656,7 @@ def _launch_key_grad(
         *v.stride(),
         *dk.stride(),
         *dv.stride(),
-        *rope_strides,
+        *rope_numbers,
         *d_summaries.stride(),
         *(d_sums.stride() if d_sums is not None else (0, 0, 0, 0)),
         float(feature_eps),
@@ -620,6 +664,7 @@ def _launch_key_grad(
         DV=dv_dim,
         HAS_VALID=plan.valid is not None,
         HAS_ROPE=rope is not None,
+        **rope_flags,
         NORMALIZE=d_sums is not None,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
@@ -735,7 +780,7 @@ def _fused_backward(
     (``normalize`` ``"denominator"``/``"none"``, ``dot_dtype`` given; see
     :func:`mhla_attention_fused_backward`). On ``meta`` tensors with ``_kernel`` swapped for a recorder (the
     compile test), the launches are exactly the ones a CUDA call of these shapes makes."""
-    rope = _rope_tables(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype)) if cos is not None else None
+    rope = None if cos is None else rotary_operand(cos, sin, _compute_dtype(q.dtype, k.dtype, v.dtype), plan.grid)
     if saved is None:
         summaries, key_sums = _launch_summaries(k, v, plan, rope, feature_eps, normalize, dot_dtype)
     else:
@@ -782,6 +827,7 @@ def fused_backward_traffic(
     rope_converted: bool = False,
     recompute: bool = False,
     remix: bool = False,
+    rope_angles: bool = True,
 ) -> dict[str, int]:
     """Bytes that :func:`mhla_attention_fused_backward` reads and writes in global memory, term by term, as
     it launches (the arguments and rules of :func:`~mhla_diffusion.ops.triton_mhla.fused_traffic`; the
@@ -814,7 +860,9 @@ def fused_backward_traffic(
     # the summaries and key sums as the forward lays them out (z float32, or a row of [S | z] in S's dtype)
     summaries, key_sums = _forward_buffers(batch, heads, m, head_dim, value_dim, compute, norm)
     key_sum = 0 if key_sums is None else bh * m * head_dim * key_sums.element_size()
-    tables = rope * bh * tokens * pairs * 2 * compute_size
+    # the angle plan once per program, or the tables per real slot and head
+    rotation = rope * (bh * m * 3 * pairs * 4 if rope_angles else bh * tokens * pairs * 2 * compute_size)
+    rope_term = ": RoPE angle plan" if rope_angles else ": RoPE tables"
     forward = fused_traffic(
         batch,
         tokens,
@@ -828,12 +876,13 @@ def fused_backward_traffic(
         rope_dtype=rope_dtype,
         normalize=normalize,
         per_head_mixing=per_head_mixing,
+        rope_angles=rope_angles,
     )
-    conversion = sum(moved for term, moved in forward.items() if term.startswith("RoPE tables"))
-    terms = {"RoPE tables to the summaries' dtype (PyTorch)": conversion if rope_converted else 0}
+    preparation = [(term, moved) for term, moved in forward.items() if term.startswith("RoPE")]
+    terms = {term.replace(", once per forward", ""): moved if rope_converted else 0 for term, moved in preparation}
     for term, moved in forward.items():
         mixing_term = term.startswith("mixing") and (remix or recompute)
-        if mixing_term or (recompute and not term.startswith(("mixing", "output kernel", "RoPE tables"))):
+        if mixing_term or (recompute and not term.startswith(("mixing", "output kernel", "RoPE"))):
             terms[f"recompute: {term}"] = moved
     # _query_grad_kernel, grid (B*H, M)
     terms["query grad kernel: mixed summary"] = summary
@@ -841,7 +890,7 @@ def fused_backward_traffic(
     terms["query grad kernel: plan index"] = bh * m * index
     terms["query grad kernel: q"] = bh * tokens * head_dim * size
     terms["query grad kernel: output gradient"] = bh * tokens * value_dim * size
-    terms["query grad kernel: RoPE tables"] = tables
+    terms["query grad kernel" + rope_term] = rotation
     terms["query grad kernel: dq stored"] = bh * tokens * head_dim * size
     terms["query grad kernel: dS̃ stored"] = summary
     terms["query grad kernel: dz̃ stored"] = key_sum
@@ -858,7 +907,7 @@ def fused_backward_traffic(
     terms["key grad kernel: plan index"] = bh * m * index
     terms["key grad kernel: k"] = bh * tokens * head_dim * size
     terms["key grad kernel: v"] = bh * tokens * value_dim * size
-    terms["key grad kernel: RoPE tables"] = tables
+    terms["key grad kernel" + rope_term] = rotation
     terms["key grad kernel: dk stored"] = bh * tokens * head_dim * size
     terms["key grad kernel: dv stored"] = bh * tokens * value_dim * size
     return terms

@@ -144,43 +144,89 @@ def test_half_inputs(dtype):
     _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin), rtol=1e-2)
 
 
-def test_rope_tables_are_converted_once_for_the_same_tables():
-    """The half copy of the tables is made once for the tensors a transformer forward passes to all its
-    layers, and made again whenever they may differ: other objects, an in-place write, another dtype, or
-    inference tensors (no version counter)."""
-    convert = rope_tables._converted_rope_tables
+def _random_rope(n: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables ``(1, n, 1, dim)`` of random angles (each pair's channels equal): no grid axis explains them."""
+    angle = torch.rand(1, n, 1, dim // 2, generator=torch.Generator().manual_seed(seed)) * 6.0 - 3.0
+    angle = angle.repeat_interleave(2, dim=-1)
+    return angle.cos(), angle.sin()
+
+
+def test_wan_tables_become_an_angle_plan_and_other_tables_are_read():
+    """Diffusers' Wan tables are computed from the grid (the plan reproduces them within 2e-6 at Wan2.1-1.3B's
+    21x30x52 tokens, float32); random angles, or Wan's tables on a grid whose axes they do not follow, are read."""
+    cos, sin = _rope((21, 30, 52), 128)
+    plan, deviation = rope_tables._angle_plan(cos, sin, (21, 30, 52))
+    assert deviation.item() < 2e-6 and plan.shape == (3, 64) and plan.dtype == torch.float32
+    assert plan[2].tolist() == [0.0] * 22 + [1.0] * 21 + [2.0] * 21  # Wan's frames, rows, columns split
+    operand = rope_tables.rotary_operand(cos, sin, torch.bfloat16, (21, 30, 52))
+    assert operand.angles and (operand.plane, operand.width) == (30 * 52, 52) and torch.equal(operand.first, plan)
     cos, sin = _rope(EVEN[0], 16)
-    first, converted = convert(cos, sin, torch.bfloat16)
-    assert converted and first[0].dtype == torch.bfloat16 and first[0].is_contiguous() and first[1].is_contiguous()
-    assert torch.equal(first[0], cos[0, :, 0, 0::2].bfloat16()) and torch.equal(first[1], sin[0, :, 0, 0::2].bfloat16())
-    again, converted = convert(cos, sin, torch.bfloat16)
-    assert not converted and again[0] is first[0] and again[1] is first[1]
-    assert convert(cos.clone(), sin, torch.bfloat16)[1]  # another object with equal values
+    assert not rope_tables.rotary_operand(cos, sin, torch.float32, EVEN[0][::-1]).angles
+    cos, sin = _random_rope(96, 16)
+    tables = rope_tables.rotary_operand(cos, sin, torch.bfloat16, EVEN[0])
+    assert not tables.angles and torch.equal(tables.second, sin[0, :, 0, 0::2].bfloat16())
+
+
+@pytest.mark.parametrize("grid", [EVEN, UNEVEN], ids=["even", "uneven"])
+def test_tables_that_no_grid_explains_are_read(grid):
+    """The table path of the kernels (random angles: no fit), forward and backward against the reference."""
+    q, k, v, mixing = _inputs(grid, seed=12)
+    plan = block_plan(*grid)
+    cos, sin = _random_rope(q.shape[1], 16, seed=3)
+    assert not rope_tables.rotary_operand(cos, sin, torch.float32, plan.grid).angles
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
+    out = mhla_attention_fused(*leaves[:3], plan, leaves[3], cos=cos, sin=sin, **FP32)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
+    want = _reference(*ref_leaves[:3], plan, ref_leaves[3], cos.double(), sin.double())
+    _assert_matches(out, want)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+    out.backward(grad)
+    want.backward(grad.double())
+    for got, expected in zip(leaves, ref_leaves):
+        _assert_matches(got.grad, expected.grad)
+
+
+def test_rotary_operand_is_made_once_for_the_same_tables():
+    """The angle plan (or the half copy of tables) is made once for the tensors a transformer forward passes to
+    all its layers, and made again whenever they may differ: other objects, an in-place write, another dtype or
+    grid. Inference tensors (no version counter) are read as tables, converted every call (no fit to repeat)."""
+    make = rope_tables._prepared_rotary
     cos, sin = _rope(EVEN[0], 16)
-    convert(cos, sin, torch.bfloat16)
-    sin[..., :4].mul_(-1.0)  # through a view: the shared version counter moves
-    changed, converted = convert(cos, sin, torch.bfloat16)
-    assert converted and torch.equal(changed[1], sin[0, :, 0, 0::2].bfloat16())
-    assert convert(cos, sin, torch.float16)[1]
-    views, converted = convert(cos, sin, torch.float32)  # already in the dtype: views, nothing converted
-    assert not converted and views[0].data_ptr() == cos.data_ptr()
+    first, made = make(cos, sin, torch.bfloat16, EVEN[0])
+    assert made and first.angles and first.first.dtype == torch.float32
+    again, made = make(cos, sin, torch.bfloat16, EVEN[0])
+    assert not made and again is first
+    assert make(cos.clone(), sin, torch.bfloat16, EVEN[0])[1]  # another object with equal values
+    assert make(cos, sin, torch.float16, EVEN[0])[1]
+    assert make(cos, sin, torch.float16, (1, 16, 6))[1]
+    cos, sin = _rope(EVEN[0], 16)
+    make(cos, sin, torch.bfloat16, EVEN[0])
+    sin[..., :4].add_(0.25)  # through a view: the shared version counter moves
+    changed, made = make(cos, sin, torch.bfloat16, EVEN[0])
+    assert made and not changed.angles  # cos² + sin² is no longer 1 in the first pairs: no angle gives them
     with torch.inference_mode():
         cos, sin = _rope(EVEN[0], 16)
-    assert convert(cos, sin, torch.bfloat16)[1] and convert(cos, sin, torch.bfloat16)[1]
+    for _ in range(2):
+        tables, made = make(cos, sin, torch.bfloat16, EVEN[0])
+        assert made and not tables.angles and torch.equal(tables.first, cos[0, :, 0, 0::2].bfloat16())
+    views, made = make(cos, sin, torch.float32, EVEN[0])  # already in the dtype: views, nothing converted
+    assert views.first.data_ptr() == cos.data_ptr()
 
 
-def test_rope_tables_are_converted_every_call_while_a_cuda_graph_is_captured(monkeypatch):
+def test_rope_tables_are_read_while_a_cuda_graph_is_captured(monkeypatch):
+    """No fit (a host sync) while a CUDA graph is captured, and nothing cached: converted tables every call."""
     cos, sin = _rope(EVEN[0], 16)
-    rope_tables._converted_rope_tables(cos, sin, torch.bfloat16)  # cached before the capture
+    rope_tables._prepared_rotary(cos, sin, torch.bfloat16, EVEN[0])  # cached before the capture
     monkeypatch.setattr(rope_tables, "_capturing", lambda device: True)
-    first, converted = rope_tables._converted_rope_tables(cos, sin, torch.bfloat16)
-    assert converted and rope_tables._converted_rope_tables(cos, sin, torch.bfloat16)[1]
-    assert torch.equal(first[0], cos[0, :, 0, 0::2].bfloat16())
+    first, made = rope_tables._prepared_rotary(cos, sin, torch.bfloat16, EVEN[0])
+    assert made and not first.angles and rope_tables._prepared_rotary(cos, sin, torch.bfloat16, EVEN[0])[1]
+    assert torch.equal(first.first, cos[0, :, 0, 0::2].bfloat16())
 
 
 def test_changed_rope_tables_are_never_read_stale():
     """Two fused calls with the same table objects, written in place between them: the second call uses the
-    new angles (bf16 inputs: the kernels read the cached bf16 copy)."""
+    new angles (the kernels compute them from the angle plan cached by the first call until the write).
+    Then a write that leaves no plan: the tables are read."""
     q, k, v, mixing = _inputs(UNEVEN, dtype=torch.bfloat16, seed=11)
     plan = block_plan(*UNEVEN)
     cos, sin = _rope(UNEVEN[0], 16)
@@ -188,6 +234,11 @@ def test_changed_rope_tables_are_never_read_stale():
     angle = torch.atan2(sin, cos) + 0.5
     cos.copy_(angle.cos())
     sin.copy_(angle.sin())
+    out = mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, **FP32)
+    _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin), rtol=1e-2)
+    random_cos, random_sin = _random_rope(cos.shape[1], 16)
+    cos.copy_(random_cos)
+    sin.copy_(random_sin)
     out = mhla_attention_fused(q, k, v, plan, mixing, cos=cos, sin=sin, **FP32)
     _assert_matches(out, _reference(q, k, v, plan, mixing, cos, sin), rtol=1e-2)
 
@@ -349,10 +400,11 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
     """The interpreter accepts more than the compiler: compile, without a GPU, exactly what the fused forward
     launches at Wan2.1-1.3B's shapes, every autotuner config, for sm_80, sm_89 and sm_90, bound as Triton
     binds the captured arguments (:mod:`helpers.triton_compile`), and check in ptxas' own log that nothing
-    spills, and in the PTX that rows are loaded in 16-byte vectors and that pipelined loops copy ahead
+    spills, in the PTX and Triton's GPU IR that every tile of rows is loaded in 16-byte vectors (the 8-byte copies
+    left are the int64 slot indices, one a thread), and that pipelined loops copy ahead
     (``cp.async``). Prints registers per kernel, config and target (``pytest -s``)."""
     triton = pytest.importorskip("triton")
-    from helpers.triton_compile import bind_launch, compile_launch, unsupported
+    from helpers.triton_compile import bind_launch, compile_launch, tile_load_widths, unsupported
 
     reason = unsupported(triton)
     if reason:
@@ -380,6 +432,9 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
                 assert not re.search(r"ld\.global(\.\w+)*\.b16\b", kernel.ptx), (name, arch)
                 assert re.search(r"ld\.global(\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global.*, 0x10", kernel.ptx)
                 assert ("cp.async" in kernel.ptx) == (config.kwargs["NUM_STAGES"] > 1), (name, arch, config)
+                # every tile of rows (k, v, q, the summaries) in 16-byte accesses: 8 bf16 channels a thread
+                widths = tile_load_widths(kernel.ttgir)
+                assert len(widths) >= 2 and all(width == 16 for _, width in widths), (name, arch, widths)
                 flags = {k: spec[k][1] for k in ("HAS_VALID", "NORMALIZE", "STORE_Z") if k in spec}
                 report.append(
                     f"sm_{arch} {name} {flags} BLOCK_T={config.kwargs['BLOCK_T']} warps={config.num_warps} "

@@ -23,7 +23,8 @@ class CompiledLaunch:
     ``spec``: parameter name -> Triton's ``(type, specialisation)`` (e.g. ``("i32", "D")`` for a 32-bit
     integer divisible by 16, ``("constexpr", 1)``); ``key``: what identifies the compiled specialisation
     (the same key from another launch is the same binary); ``registers`` per thread and ``spilled`` bytes
-    (spill stores + spill loads) from ptxas' log; ``ptx``: the PTX text."""
+    (spill stores + spill loads) from ptxas' log; ``ptx``: the PTX text; ``ttgir``: Triton's GPU IR (loads with
+    their register layouts)."""
 
     spec: dict
     key: tuple
@@ -31,6 +32,7 @@ class CompiledLaunch:
     spilled: int
     ptx: str
     log: str
+    ttgir: str = ""
 
 
 def unsupported(triton) -> str | None:
@@ -91,4 +93,30 @@ def compile_launch(jit, args: tuple, kwargs: dict, arch: int) -> CompiledLaunch:
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     if registers is None or not spills:
         pytest.fail(f"no ptxas log for {jit.fn.__name__} on sm_{arch} (a cached compile?): {log[-2000:]!r}")
-    return CompiledLaunch(spec, key, int(registers.group(1)), sum(spills), kernel.asm["ptx"], log)
+    return CompiledLaunch(spec, key, int(registers.group(1)), sum(spills), kernel.asm["ptx"], log, kernel.asm["ttgir"])
+
+
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i64": 8, "i32": 4, "i8": 1}
+
+
+def tile_load_widths(ttgir: str) -> list[tuple[str, int]]:
+    """Every load of a 2-D tile in a kernel's Triton GPU IR (``tt.load`` or an async copy to shared memory), as
+    ``(tensor type, bytes a thread moves in one contiguous access)``: the layout's elements per thread along its
+    fastest dimension times the element size (the width of the vector loads the tile becomes)."""
+    blocked = {
+        name: ([int(n) for n in size.split(",")], [int(n) for n in order.split(",")])
+        for name, size, order in re.findall(
+            r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\][^}]*order = \[([\d, ]+)\]", ttgir, re.M
+        )
+    }
+    widths = []
+    for line in ttgir.splitlines():
+        if "tt.load " not in line and "async_copy_global_to_local" not in line:
+            continue
+        match = re.search(r": tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>, (#\w+)>", line)
+        if match is None:  # 1-D (indices, the angle plan) or a scalar
+            continue
+        rows, cols, dtype, layout = match.groups()
+        size, order = blocked[layout]
+        widths.append((f"{rows}x{cols}x{dtype}", size[order[0]] * _BYTES[dtype]))
+    return widths
