@@ -127,7 +127,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhla_diffusion.benchmarks.attention_traffic import (  # noqa: E402
-    rotary_tables,
+    wan_rotary_tables,
     traffic_settings,
     wan_self_attention,
 )
@@ -748,7 +748,7 @@ def stage_correctness(ctx: StageContext) -> None:
         n = math.prod(grid)
         g = torch.Generator().manual_seed(n)
         raw_q, raw_k, v = (torch.randn(1, n, sizes.heads, sizes.head_dim, generator=g).to(dtype) for _ in range(3))
-        cos, sin = rotary_tables(n, sizes.head_dim, "cpu", g)
+        cos, sin = wan_rotary_tables(grid, sizes.head_dim, "cpu")
         layer_input = torch.randn(1, n, sizes.heads * sizes.head_dim, generator=g).to(dtype)
         for setting, config in settings(layout).items():
             mode = config.normalization
@@ -860,7 +860,7 @@ def stage_gradients(ctx: StageContext) -> None:
     n = math.prod(grid)
     g = torch.Generator().manual_seed(61)
     raw = [torch.randn(1, n, sizes.heads, sizes.head_dim, generator=g) for _ in range(3)]
-    cos, sin = (t.to(device) for t in rotary_tables(n, sizes.head_dim, "cpu", g))
+    cos, sin = wan_rotary_tables(grid, sizes.head_dim, device)
     start = mixing_init(layout)
     mixing = start + 3 * start.std() * torch.randn(start.shape, generator=g)  # about 20 % negative at 3x5x10
     weight = torch.randn(raw[2].shape, generator=g).to(device)
@@ -935,7 +935,7 @@ def operator_calls(
         g = torch.Generator().manual_seed(0)
         qf, kf = (torch.rand(shape, generator=g).to(device, dtype) for _ in range(2))  # non-negative features
         v = torch.randn(shape, generator=g).to(device, dtype)
-        cos, sin = rotary_tables(n, sizes.head_dim, device, g)
+        cos, sin = wan_rotary_tables(grid, sizes.head_dim, device)
     q_rot, k_rot = (apply_interleaved_rotary(x, cos, sin) for x in (qf, kf))
     plan = block_plan(grid, layout, device)
     mixing = mixing_init(layout).to(device)
@@ -987,7 +987,7 @@ def fused_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normali
 
 
 def fused_dram_bytes(grid: tuple[int, ...], sizes: Sizes, dtype: torch.dtype, normalize: str) -> int:
-    """:func:`fused_bytes` less what a GPU's L2 serves (the RoPE tables and slot indices every head reads again:
+    """:func:`fused_bytes` less what a GPU's L2 serves (the RoPE angle plan and slot indices every head reads again:
     :func:`~mhla_diffusion.ops.traffic.dram_estimate`)."""
     from mhla_diffusion.ops.traffic import dram_estimate
 
@@ -1026,7 +1026,7 @@ def _fused_calls(
     n = math.prod(grid)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, n, sizes.heads, sizes.head_dim, generator=g).to(device, dtype) for _ in range(3))
-    cos, sin = rotary_tables(n, sizes.head_dim, device, g)
+    cos, sin = wan_rotary_tables(grid, sizes.head_dim, device)
     plan, mixing = block_plan(grid, sizes.layout, device), mixing_init(sizes.layout).to(device)
     return {
         _fused_name(mode): (
@@ -1514,7 +1514,7 @@ def training_calls(
     shape = (1, n, sizes.heads, sizes.head_dim)
     q, k, v = (torch.randn(shape, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
     grad_out = torch.randn(shape, generator=g).to(device, dtype)
-    cos, sin = rotary_tables(n, sizes.head_dim, device, g)
+    cos, sin = wan_rotary_tables(grid, sizes.head_dim, device)
     plan = block_plan(grid, sizes.layout, device)
     mixing = (mixing_init(sizes.layout) + 0.01 * torch.rand(plan.num_blocks, plan.num_blocks, generator=g)).to(device)
     mixing.requires_grad_()
@@ -2064,7 +2064,7 @@ def render_markdown(session: dict[str, Any]) -> str:
             f"layout {timing['layout']}; {timing['timer']}, per call = median loop / calls over "
             f"{timing['repeats']} rounds (spread: slowest / fastest loop); graph: the call replayed from a CUDA "
             f"graph; bytes counted on meta tensors in U = N x H x D x 2 bytes (floor of an MHLA call: {floors}); "
-            "DRAM estimate (fused rows): the counted bytes less the RoPE tables and slot indices that every head "
+            "DRAM estimate (fused rows): the counted bytes less the RoPE angle plan and slot indices that every head "
             "reads again, which L2 serves after the first head; "
             f"fused kernel: {timing.get('fused')}. {_fa3_line(timing)}",
             "",

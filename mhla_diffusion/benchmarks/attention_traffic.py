@@ -1,7 +1,7 @@
 """``mhla bench --traffic``: the bytes one MHLA self-attention call of Wan2.1-1.3B moves, counted op by op on meta
 tensors (:mod:`mhla_diffusion.ops.traffic`), eager and fused, forward and forward + backward, in the paper's and the
 released setting; and the Wan self-attention and RoPE tables the benchmarks build (:func:`wan_self_attention`,
-:func:`rotary_tables`). The command line is :mod:`mhla_diffusion.cli.bench`.
+:func:`wan_rotary_tables`; :func:`rotary_tables`: random ones). The command line is :mod:`mhla_diffusion.cli.bench`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,18 @@ def rotary_tables(
     return angles.cos(), angles.sin()
 
 
+def wan_rotary_tables(
+    grid: Sequence[int], head_dim: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diffusers' Wan RoPE tables for a latent token ``grid`` (frames, rows, columns; patch size 1): ``cos`` and
+    ``sin`` ``(1, N, 1, D)`` float32, exactly what ``WanTransformer3DModel`` gives its processors (the fused kernels
+    compute them from an angle plan: :mod:`mhla_diffusion.ops.rope_tables`)."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    cos, sin = WanRotaryPosEmbed(head_dim, (1, 1, 1), max_seq_len=1024)(torch.zeros(1, 1, *grid))
+    return cos.to(device), sin.to(device)
+
+
 def wan_self_attention(
     grid: Sequence[int],
     config: "MHLAConfig",
@@ -77,7 +89,7 @@ def wan_self_attention(
     projected ``q, k, v`` ``(B, N, H, D)`` to the attention output (feature map, RoPE, blocks, products,
     denominator, output norm and gate: :meth:`~mhla_diffusion.models.processors.base.MHLAProcessor.attend`).
     On ``meta`` the inputs are empty (for counting traffic); elsewhere random (seeded by ``seed``),
-    with the RoPE tables of :func:`rotary_tables`."""
+    with Wan's RoPE tables of the grid (:func:`wan_rotary_tables`)."""
     from ..models.processors.grid import TokenGridContext
     from ..models.processors.wan import WanMHLAProcessor
 
@@ -114,7 +126,7 @@ def _attention_inputs(
         g = torch.Generator().manual_seed(seed)
         layer_input = torch.randn(batch, n, inner, generator=g).to(device, dtype)
         q, k, v = (torch.randn(batch, n, heads, head_dim, generator=g).to(device, dtype) for _ in range(3))
-        rotary = rotary_tables(n, head_dim, device, g)
+        rotary = wan_rotary_tables(grid, head_dim, device)
     for t in (layer_input, q, k, v):
         t.requires_grad_(requires_grad)
     return layer_input, q, k, v, rotary

@@ -324,8 +324,9 @@ def mhla_attention_fused(
         ``(B, N, H, Dv)`` in ``v``'s dtype, token order. Equals
         :func:`~mhla_diffusion.ops.naive.mhla_attention_reference` of ``phi(q), phi(k), v`` with
         ``q_rot = R(phi(q))``, ``k_rot = R(phi(k))``, to float32 accumulation (float64 inputs are computed
-        in float32 too; bf16/fp16 inputs store the block summaries and read the RoPE tables in their dtype,
-        as the eager operator does). Differentiable in ``q, k, v, mixing``.
+        in float32 too; bf16/fp16 inputs store the block summaries in their dtype, as the eager operator does;
+        the rotation is computed from the grid position where an angle plan fits the tables, else the tables
+        are read in that dtype: :mod:`~mhla_diffusion.ops.rope_tables`). Differentiable in ``q, k, v, mixing``.
 
     One custom op, ``torch.ops.mhla.fused_attention`` (its backward ``torch.ops.mhla.fused_attention_backward``),
     so ``torch.compile(fullgraph=True)`` keeps it as one node. The kernels run on CUDA, and on CPU tensors

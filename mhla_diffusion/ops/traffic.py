@@ -124,7 +124,7 @@ def floor_bytes(
     return io + kept
 
 
-#: The launch terms every head's programs read alike (the RoPE tables of the tokens, the plan's slot indices): a
+#: The launch terms every head's programs read alike (the RoPE angle plan or tables, the plan's slot indices): a
 #: GPU's L2 cache (50 MB on an H100 or H200; Wan2.1-1.3B's bf16 tables at 31,500 tokens are 8 MB) serves all reads
 #: but the first from the chip.
 SHARED_BY_HEADS = (": RoPE tables", ": RoPE angle plan", ": plan index")

@@ -21,12 +21,13 @@ interleaved RoPE), in three steps:
 Precision: products accumulate in float32. The summaries ``S`` and ``S̃`` are stored in the inputs'
 half dtype when the inputs are bf16/fp16 (float32 otherwise), as the eager operator stores them; the
 key sums are summed, stored and mixed in float32 (see :func:`_summary_buffers` for why not in a bf16 row).
-RoPE tables are read as their even channels (each angle once) in that same dtype: a copy made from Wan's
-float32 tables for half inputs once per transformer forward (the same tables come to every layer:
-:func:`_converted_rope_tables`). Both halve the bytes of the two terms that are read most after ``q, k, v`` and
-the output: :func:`fused_traffic` counts the launch term by term
-(8.8 U at Wan2.1-1.3B's 21x30x50 tokens for one lone call with the denominator and RoPE, where the floor
-is 6.5 U).
+RoPE: Wan's tables are not read. Each program loads the angle plan of :mod:`~mhla_diffusion.ops.rope_tables`
+(each channel pair's phase, step and grid axis, fitted to the tables once per transformer forward) and computes the
+rotation of each slot from its token's grid position (``ROPE_ANGLES``; on CUDA with the fast ``sin.approx`` and
+``cos.approx`` after an exact range reduction, ``FAST_TRIG``). Tables that no plan fits are read as their even
+channels (each angle once) in the summaries' dtype. :func:`fused_traffic` counts the launch term by term (6.8 U at
+Wan2.1-1.3B's 21x30x50 tokens for one lone call with the denominator and RoPE, where the floor is 6.5 U; 8.8 U with
+the tables read).
 
 Memory access: a tile of ``q`` or ``k`` is ``(BLOCK_T, D)`` whole head rows (16-byte vector loads where a
 row's channels are contiguous), split into even and odd channels in registers for RoPE and joined back,

@@ -17,7 +17,7 @@ constant ``eps`` there):
 It launches, in order:
 
 1. nothing where the forward kept the summaries ``S``, ``z`` and their mixing ``S̃``, ``z̃`` (the custom op saves
-   them: 1.2 U a layer at Wan2.1-1.3B's 21x30x50 tokens, against 3.6 U for rereading ``k, v`` in the summaries
+   them: 1.2 U a layer at Wan2.1-1.3B's 21x30x50 tokens, against 2.7 U for rereading ``k, v`` in the summaries
    kernel and 1.2 U for mixing again); else the forward's mixing ``S̃ = W S``, ``z̃ = W z`` in PyTorch
    (:func:`~mhla_diffusion.ops.triton_mhla._mix`) on the kept ``S``, ``z`` or on ones recomputed by the forward's
    summaries kernel (:func:`~mhla_diffusion.ops.triton_mhla._launch_summaries`);
@@ -429,29 +429,48 @@ def _kernel(name: str, interpret: bool):
 
 
 def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, dict[str, int]]:
-    """Tiles and warps of the two backward kernels: ``{"query" | "key": dict(BLOCK_T, BLOCK_D, BLOCK_DV,
-    num_warps)}``. Both hold whole head rows and all of Dv, padded to powers of two (at least 16), and walk
-    a block's slots 16 at a time, as ``(channels, slots)`` tiles: every product then has D or Dv rows (the
-    tensor cores' M), the slots as its N or K.
+    """Tiles and warps of the two backward kernels under the interpreter, and the tile widths on CUDA:
+    ``{"query" | "key": dict(BLOCK_T, BLOCK_D, BLOCK_DV, num_warps)}`` (on CUDA the autotuner picks ``BLOCK_T``
+    and the warps among :data:`_BACKWARD_AUTOTUNE`). Both kernels hold whole head rows and all of Dv, padded to
+    powers of two (at least 16), and walk a block's slots as ``(channels, slots)`` tiles: every product then has
+    D or Dv rows (the tensor cores' M), the slots as its N or K.
 
     The query kernel keeps the mixed summary ``S̃_o`` and the float32 accumulator of its gradient (Wan:
     128 x 128 each) beside one slot tile's q, g, features and gradients (two products a tile: ``dS̃_o += q̂ᵀ g'``
     and ``S̃_o g'``, from which ``g'·out = q̂·(S̃_o g') / den`` too); the key kernel keeps ``dS_j`` (and its
-    transpose, the operand of ``dv``) and stores ``dv`` before it loads ``v``. With 8 warps ptxas keeps them in
-    registers at Wan's D = Dv = 128 (bf16). At the specialisations launched at Wan2.1-1.3B's shapes (unit
-    channel strides as constants, the others divisible by 16), registers a thread without / with the
-    denominator: query kernel 166-170 / 228-240 on sm_80 and sm_89, 140 / 180-184 on sm_90; key kernel
-    118-128 / 126-128 on sm_80 and sm_89, 64 / 74 on sm_90; no spills (the compile test in
-    tests/attention/test_triton_mhla_backward.py). With generic integer strides (no alignment known) they
-    take 202-255 registers, still without spills (the key kernel spilled 4-52 bytes on sm_80 and sm_89 when
-    ``v`` was loaded before ``dv`` was stored); tiles of 32 slots spilled. ``block_len`` is not used: a block
-    shorter than 16 slots is one masked tile."""
+    transpose, the operand of ``dv``) and stores ``dv`` before it loads ``v``. Registers a thread and spills at
+    each specialisation launched at Wan2.1-1.3B's shapes are printed by the compile test in
+    tests/attention/test_triton_mhla_backward.py (``pytest -s``); none spills. ``block_len`` is not used: a block
+    shorter than a tile is one masked tile."""
     del block_len
     block_d = _pow2(head_dim)
     block_dv = _pow2(value_dim)
     warps = 8 if block_d * block_dv >= 128 * 64 else 4
     tiles = dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return {"query": dict(tiles), "key": dict(tiles)}
+
+
+#: The autotuner's choices on CUDA, per backward kernel: ``(BLOCK_T, num_warps)``, each compiling without spills on
+#: sm_80, sm_89 and sm_90 at Wan2.1-1.3B's launches (the compile test). The query kernel keeps one: with its float32
+#: ``dS̃`` accumulator beside ``S̃``, tiles of 32 slots spill on sm_80 (uneven grid, denominator) and 4 warps spill.
+_BACKWARD_AUTOTUNE: dict[str, tuple[tuple[int, int], ...]] = {
+    "_query_grad_kernel": ((16, 8),),
+    "_key_grad_kernel": ((16, 8), (32, 8), (64, 8), (32, 4)),
+}
+
+_TUNED_BACKWARD: dict[str, object] = {}
+
+
+def _tuned_backward(name: str, interpret: bool, tiles: dict[str, int]) -> tuple[object, dict[str, int]]:
+    """Kernel ``name`` and the launch options it takes beside its arguments: the interpreter's fixed ``tiles``;
+    on CUDA the tile widths only, the autotuner (keyed on the head dims and the block length) picking ``BLOCK_T``
+    and the warps among :data:`_BACKWARD_AUTOTUNE` (the kernels only store: running a config again is harmless)."""
+    if interpret:
+        return _kernel(name, True), dict(tiles)
+    if name not in _TUNED_BACKWARD:
+        configs = [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in _BACKWARD_AUTOTUNE[name]]
+        _TUNED_BACKWARD[name] = triton.autotune(configs=configs, key=["D", "DV", "P"])(_kernel(name, False))
+    return _TUNED_BACKWARD[name], {k: v for k, v in tiles.items() if k not in ("BLOCK_T", "num_warps")}
 
 
 def _joint(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
@@ -584,7 +603,8 @@ def _launch_query_grad(
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     d_mixed, d_mixed_sums = _gradient_buffers(summaries, key_sums if norm else None)
     no_sums = (0, 0, 0, 0)
-    _kernel("_query_grad_kernel", q.device.type == "cpu")[(batch * heads, plan.num_blocks)](
+    kernel, options = _tuned_backward("_query_grad_kernel", q.device.type == "cpu", tiles)
+    kernel[(batch * heads, plan.num_blocks)](
         q,
         grad_out,
         *tables,
@@ -615,7 +635,7 @@ def _launch_query_grad(
         NORMALIZE=norm,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
-        **tiles,
+        **options,
     )
     return dq, d_mixed, d_mixed_sums
 
@@ -640,7 +660,8 @@ def _launch_key_grad(
     tables, rope_numbers, rope_flags = rotary_arguments(rope, k)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    _kernel("_key_grad_kernel", k.device.type == "cpu")[(batch * heads, plan.num_blocks)](
+    kernel, options = _tuned_backward("_key_grad_kernel", k.device.type == "cpu", tiles)
+    kernel[(batch * heads, plan.num_blocks)](
         k,
         v,
         *tables,
@@ -668,7 +689,7 @@ def _launch_key_grad(
         NORMALIZE=d_sums is not None,
         DOT_DTYPE=_tl_dtype(dot_dtype),
         IEEE=dot_dtype == torch.float32,
-        **tiles,
+        **options,
     )
     return dk, dv
 
@@ -733,7 +754,7 @@ def mhla_attention_fused_backward(
             denominator), or those and their mixing ``(S, z, S̃, z̃)`` as
             :func:`~mhla_diffusion.ops.triton_mhla._mix` returned it (what the custom op keeps from its forward).
             Then the summaries kernel is not run again, nor, given ``S̃, z̃``, the mixing: at Wan2.1-1.3B's
-            21x30x50 tokens (bf16, RoPE) the backward moves 13.5 U instead of 18.4 U (:func:`fused_backward_traffic`
+            21x30x50 tokens (bf16, RoPE) the backward moves 11.5 U instead of 15.4 U (:func:`fused_backward_traffic`
             with ``recompute=False`` and ``remix=False``), for 1.2 U of memory kept per layer. ``None``:
             recomputed.
 

@@ -258,27 +258,28 @@ def _wan_backward_launches(monkeypatch) -> list[tuple[str, object, tuple, dict, 
     bf16 (contiguous, as autograd gives the op's contiguous output's), float32 RoPE tables ``(1, N, 1, 128)``,
     a plan of the released layout, bf16 dots, and the summaries the forward kept (``saved``: made by the
     forward's ``_summary_buffers``, returned by the op's ``_kept_summaries`` and read back by its
-    ``_summaries_from``), with the kernels swapped for a recorder. Per launch: kernel name, the JITFunction,
-    args, kwargs and the case (grid, normalisation, per-head mixing)."""
+    ``_summaries_from``), with the autotuned kernels swapped for a recorder. Per launch: kernel name, the
+    autotuner, args, kwargs and the case (grid, normalisation, per-head mixing)."""
     from mhla_diffusion import MHLAConfig
     from mhla_diffusion.ops import fused_op, triton_mhla
 
     launches = []
-    kernel = triton_mhla_backward._kernel
+    tuned = triton_mhla_backward._tuned_backward
 
     class Recorder:
-        def __init__(self, name, jit, case):
-            self.name, self.jit, self.case = name, jit, case
+        def __init__(self, name, tuner, case):
+            self.name, self.tuner, self.case = name, tuner, case
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, self.jit, args, kwargs, self.case))
+            return lambda *args, **kwargs: launches.append((self.name, self.tuner, args, kwargs, self.case))
 
-    def recording(name, interpret):
-        assert not interpret  # meta tensors take CUDA's path
-        return Recorder(name, kernel(name, False), dict(case))
+    def recording(name, interpret, tiles):
+        kernel, options = tuned(name, interpret, tiles)
+        assert not interpret and "BLOCK_T" not in options  # meta tensors take CUDA's path: the autotuner chooses
+        return Recorder(name, kernel, dict(case)), options
 
     case = {}
-    monkeypatch.setattr(triton_mhla_backward, "_kernel", recording)
+    monkeypatch.setattr(triton_mhla_backward, "_tuned_backward", recording)
     layout = tuple(MHLAConfig.released_wan().layout)
     assert layout == (3, 5, 10)
     b, h, d = WAN_13B["batch"], WAN_13B["heads"], WAN_13B["dim"]
@@ -323,7 +324,10 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
     assert [name for name, *_ in launches] == ["_query_grad_kernel", "_key_grad_kernel"] * 8
     report, compiled, keys = [], {}, set()
     for arch in (80, 89, 90):
-        for name, jit, args, kwargs, case in launches:
+        for name, tuner, args, launch_kwargs, case, config in (
+            (*launch, config) for launch in launches for config in launch[1].configs
+        ):
+            jit, kwargs = tuner.fn, {**launch_kwargs, **config.all_kwargs()}
             spec, key, _, _ = bind_launch(jit, args, kwargs, arch)
             keys.add(key)
             assert spec["HAS_VALID"] == ("constexpr", case["grid"][2] % 10 != 0)  # 52 columns: uneven blocks
@@ -348,8 +352,9 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
                 f"{launch.registers} registers, {launch.spilled} bytes spilled"
             )
     print("\n" + "\n".join(report))
-    # 2 kernels x (even, uneven) x (no denominator, denominator) x 3 targets
-    assert len(compiled) == len(keys) == 2 * 2 * 2 * 3
+    # the kernels' autotuner choices x (even, uneven) x (no denominator, denominator) x 3 targets
+    choices = sum(len(c) for c in triton_mhla_backward._BACKWARD_AUTOTUNE.values())
+    assert len(compiled) == len(keys) == choices * 2 * 2 * 3
     assert all(launch.spilled == 0 for launch in compiled.values()), "\n".join(report)
 
 
