@@ -127,8 +127,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mhla_diffusion.benchmarks.attention_traffic import (  # noqa: E402
-    wan_rotary_tables,
     traffic_settings,
+    wan_rotary_tables,
     wan_self_attention,
 )
 from mhla_diffusion.benchmarks.bench import format_table, plain_linear_attention, replace_marked_section  # noqa: E402

@@ -42,7 +42,6 @@ class Rotary(NamedTuple):
     width: int
 
 
-
 def rotary_arguments(rope: Rotary | None, like: torch.Tensor) -> tuple[tuple, tuple, dict]:
     """The kernels' rotary arguments: the two pointers; their four strides, plane and width; and the constexprs
     ``ROPE_ANGLES``, ``FAST_TRIG`` (the GPU's fast sine and cosine, not under the interpreter). Without RoPE
@@ -53,9 +52,7 @@ def rotary_arguments(rope: Rotary | None, like: torch.Tensor) -> tuple[tuple, tu
     return (rope.first, rope.second), numbers, dict(ROPE_ANGLES=rope.angles, FAST_TRIG=like.device.type != "cpu")
 
 
-def rotary_operand(
-    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, grid: tuple[int, ...]
-) -> Rotary:
+def rotary_operand(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, grid: tuple[int, ...]) -> Rotary:
     """Diffusers' ``(1, N, 1, D)`` tables for a launch on ``grid`` (row-major tokens) whose summaries are in
     ``dtype``: :func:`_prepared_rotary` without the flag."""
     return _prepared_rotary(cos, sin, dtype, grid)[0]

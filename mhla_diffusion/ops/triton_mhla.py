@@ -51,7 +51,6 @@ keeps them. On CPU tensors the kernels run through Triton's interpreter (slow, f
 # No `from __future__ import annotations`: the kernels' `tl.constexpr` annotations must be the objects, not
 # strings, for Triton 3.0's interpreter (it matches the annotation's name, "constexpr", to find them).
 
-import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,9 +58,19 @@ from typing import Iterator
 
 import torch
 
-from .attention import mhla_attention, normalization_mode, validate_attention_inputs, without_autocast
+from .attention import mhla_attention, normalization_mode
 from .block_layout import BlockPlan
-from .rope_tables import Rotary, _angle_plan, _convert_tables, _grid3, _prepared_rotary, rotary_arguments, rotary_operand
+from .fused_checks import _DOT_DTYPES, _check_inputs, _check_rotary  # noqa: F401 (the backward imports them here)
+from .fused_mixing import _augmented, _blocks_flat, _mix, _summary_buffers, folds_key_sums  # noqa: F401
+from .rope_tables import (
+    Rotary,
+    _angle_plan,
+    _convert_tables,
+    _grid3,
+    _prepared_rotary,
+    rotary_arguments,
+    rotary_operand,
+)
 
 try:
     import triton
@@ -74,8 +83,6 @@ __all__ = ["FUSED", "fused_available", "fused_traffic", "recording_launches"]
 #: Module-level switch: ``MHLA_FUSED=0`` in the environment (read at import) turns the fused path off
 #: for :func:`fused_available`; callers may also set it at run time.
 FUSED: bool = os.environ.get("MHLA_FUSED", "1").strip().lower() not in ("0", "false", "off", "no")
-
-_DOT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}  # name in tl
 
 
 def fused_available(tensor: torch.Tensor) -> bool:
@@ -205,13 +212,19 @@ def _summaries_kernel(
                 frame = flat // rope_plane
                 row = (flat - frame * rope_plane) // rope_width
                 col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])).to(tl.float32)
-                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                pos = tl.where(
+                    axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])
+                ).to(tl.float32)
+                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
                 turns = tl.floor((pos * step[None, :] + phase[None, :]) * 0.15915494309189535 + 0.5)
                 angle = tl.fma(pos, step[None, :], turns * -6.28125) + phase[None, :] - turns * 0.0019353071795864769
                 if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
-                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    cos = tl.inline_asm_elementwise(
+                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
+                    sin = tl.inline_asm_elementwise(
+                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
                 else:
                     cos = tl.cos(angle)
                     sin = tl.sin(angle)
@@ -341,13 +354,19 @@ def _output_kernel(
                 frame = flat // rope_plane
                 row = (flat - frame * rope_plane) // rope_width
                 col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])).to(tl.float32)
-                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                pos = tl.where(
+                    axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])
+                ).to(tl.float32)
+                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
                 turns = tl.floor((pos * step[None, :] + phase[None, :]) * 0.15915494309189535 + 0.5)
                 angle = tl.fma(pos, step[None, :], turns * -6.28125) + phase[None, :] - turns * 0.0019353071795864769
                 if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
-                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    cos = tl.inline_asm_elementwise(
+                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
+                    sin = tl.inline_asm_elementwise(
+                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
                 else:
                     cos = tl.cos(angle)
                     sin = tl.sin(angle)
@@ -466,71 +485,6 @@ def _configs(choices: tuple[tuple[int, int, int], ...]) -> list:
     ]
 
 
-def _check_rotary(name: str, table: torch.Tensor | None, q: torch.Tensor) -> None:
-    """``cos``/``sin`` must be Diffusers' ``(1, N, 1, D)`` tables on ``q``'s device."""
-    if table is None:
-        return
-    b, n, _, d = q.shape
-    if (
-        not isinstance(table, torch.Tensor)
-        or table.ndim != 4
-        or table.shape[0] != 1
-        or table.shape[2] != 1
-        or table.shape[1] != n
-        or table.shape[3] != d
-    ):
-        raise ValueError(
-            f"`{name}` must be Diffusers' RoPE table of shape (1, {n}, 1, {d}) for q {tuple(q.shape)}, "
-            f"got {tuple(getattr(table, 'shape', ()))}"
-        )
-    if table.device != q.device:
-        raise ValueError(f"`{name}` is on {table.device} but q is on {q.device}: move the RoPE tables to q's device")
-
-
-def _check_inputs(q, k, v, plan, mixing, cos, sin, normalize, dot_dtype) -> str:
-    """Validate the fused operator's arguments (one-line ``ValueError``s); returns the normalize mode."""
-    if (
-        isinstance(plan, BlockPlan)
-        and isinstance(q, torch.Tensor)
-        and q.ndim == 4
-        and math.prod(plan.grid) != q.shape[1]
-    ):
-        raise ValueError(
-            f"`plan` was built for grid {plan.grid} ({math.prod(plan.grid)} tokens) but q has N={q.shape[1]}: "
-            f"build it with block_plan(grid, layout, device) for these inputs"
-        )
-    validate_attention_inputs(q, k, v, getattr(plan, "grid", ()), getattr(plan, "layout", ()), mixing, None, None, plan)
-    mode = normalization_mode(normalize)
-    if mode == "scalar_mixed_denominator":
-        raise NotImplementedError(
-            "mhla_attention_fused does not implement normalize='scalar_mixed_denominator' (released DiT): "
-            "use mhla_diffusion.ops.attention.mhla_attention for it"
-        )
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_floating_point():
-            raise ValueError(f"`{name}` must be a floating-point tensor, got {t.dtype}")
-    if (cos is None) != (sin is None):
-        raise ValueError("`cos` and `sin` must be given together (both RoPE tables) or both left None")
-    _check_rotary("cos", cos, q)
-    _check_rotary("sin", sin, q)
-    if cos is not None and q.shape[-1] % 2:
-        raise ValueError(f"RoPE needs an even head dim, got D={q.shape[-1]}: pass cos=sin=None or use an even D")
-    if dot_dtype is not None and dot_dtype not in _DOT_DTYPES:
-        raise ValueError(f"`dot_dtype` must be torch.float32, torch.bfloat16 or torch.float16, got {dot_dtype}")
-    if dot_dtype == torch.bfloat16 and q.device.type == "cpu":
-        raise ValueError(
-            "`dot_dtype=torch.bfloat16` is wrong under Triton's interpreter (CPU tensors): its bf16 tl.dot "
-            "multiplies raw bit patterns; pass torch.float32 (or None)"
-        )
-    if q.device.type == "meta":
-        return mode
-    if triton is None:
-        raise RuntimeError("mhla_attention_fused needs Triton, which does not import here: use mhla_attention")
-    if q.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"mhla_attention_fused runs on CUDA (or CPU through Triton's interpreter), got {q.device}")
-    return mode
-
-
 def _default_dot_dtype(q: torch.Tensor, v: torch.Tensor) -> torch.dtype:
     """The inputs' half type on CUDA; float32 otherwise (and always under the interpreter, whose
     bfloat16 ``tl.dot`` multiplies raw bit patterns)."""
@@ -552,87 +506,6 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for other in dtypes[1:]:
         dtype = torch.promote_types(dtype, other)
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
-def folds_key_sums(dtype: torch.dtype, norm: bool) -> bool:
-    """Whether summaries of ``dtype`` carry the key sums as one more row (:func:`_summary_buffers`): float32 ones
-    with a denominator; half ones keep them apart in float32."""
-    return norm and dtype == torch.float32
-
-
-def _summary_buffers(
-    batch: int, heads: int, m: int, d: int, dv: int, dtype: torch.dtype, norm: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Empty summaries ``S`` ``(B, H, M, D, Dv)`` in ``dtype`` and key sums ``z`` ``(B, H, M, D)`` (``None``
-    without ``norm``), as views of transposed storage: ``Sᵀ`` ``(B, H, M, Dv, D)``, so that every stored row
-    is ``D`` contiguous channels (aligned: the kernels move it in 16-byte vectors). Float32 summaries carry the
-    key sums as one more row, ``[Sᵀ; zᵀ]`` ``(B, H, M, Dv + 1, D)``, so that :func:`_mix` mixes both in one
-    product; bfloat16 and float16 ones keep ``z`` apart in float32.
-
-    The key sums are accumulated and kept in float32 for every dtype, and mixed by a float32 ``W``, as the
-    eager operator keeps them (issue 61). A bfloat16 row ``[Sᵀ; zᵀ]`` rounded ``z`` and ``z̃`` to 8 bits: with
-    non-negative mixing that rounding cancelled between numerator and denominator, but once training makes the
-    mixing signed, ``z̃ = W z`` cancels and the rounded denominator did not: under the interpreter (round to
-    nearest patched in; bf16, 3x6x8 tokens in 1x2x2 blocks, 2 heads of 128, 56 % of ``W`` negative) the output's
-    error against float64 was 0.59 of its largest value with the row, against 2.3e-2 for the eager operator."""
-    fold = folds_key_sums(dtype, norm)
-    storage = torch.empty((batch, heads, m, dv + fold, d), device=device, dtype=dtype)
-    summaries = storage[..., :dv, :].transpose(-1, -2)
-    if fold:
-        return summaries, storage[..., dv, :]
-    key_sums = torch.empty((batch, heads, m, d), device=device, dtype=torch.float32) if norm else None
-    return summaries, key_sums
-
-
-def _augmented(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``[Sᵀ; zᵀ]`` tensor ``(B, H, M, Dv + 1, D)`` that ``summaries`` and ``key_sums`` are views of (as
-    :func:`_summary_buffers` makes them), or ``None`` when they lie apart."""
-    if key_sums is None or key_sums.dtype != summaries.dtype:
-        return None
-    b, h, m, d, dv = summaries.shape
-    strides = (h * m * (dv + 1) * d, m * (dv + 1) * d, (dv + 1) * d, d, 1)
-    if (
-        summaries.stride() != (*strides[:3], 1, d)
-        or key_sums.stride() != (*strides[:3], 1)
-        or key_sums.untyped_storage().data_ptr() != summaries.untyped_storage().data_ptr()
-        or key_sums.storage_offset() != summaries.storage_offset() + dv * d
-    ):
-        return None
-    return summaries.as_strided((b, h, m, dv + 1, d), strides)
-
-
-def _blocks_flat(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(B, H, M, D, Dv)`` as ``(B, H, M, D * Dv)`` in memory order (a view when either of the last two
-    dims is contiguous over the other) and whether that order is the transposed one."""
-    batch, heads, m, d, dv = x.shape
-    if x.transpose(-1, -2).is_contiguous():
-        return x.transpose(-1, -2).reshape(batch, heads, m, dv * d), True
-    return x.reshape(batch, heads, m, d * dv), False
-
-
-def _mix(
-    mixing: torch.Tensor, summaries: torch.Tensor, key_sums: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The mixing between the kernels, in PyTorch, outside ``torch.autocast``: ``S̃ = W S`` ``(B, H, M, D,
-    Dv)`` in the summaries' dtype (half summaries: a half GEMM, float32 accumulation, ``W`` rounded to the
-    half type as the eager operator does) and ``z̃ = W z`` ``(B, H, M, D)`` in float32 (``None`` without
-    key sums). Folded float32 summaries ``[Sᵀ; zᵀ]`` (:func:`_summary_buffers`) are mixed in one product,
-    returned as views of ``[S̃ᵀ; z̃ᵀ]``; half ones in two.
-    ``S̃`` has the layout of ``S`` (transposed storage stays transposed)."""
-    batch, heads, m, d, dv = summaries.shape
-    augmented = _augmented(summaries, key_sums)
-    with without_autocast(summaries.device):
-        mix = mixing.to(torch.float32)
-        if augmented is not None:
-            mixed = mix.to(augmented.dtype) @ augmented.view(batch, heads, m, (dv + 1) * d)
-            mixed = mixed.view(batch, heads, m, dv + 1, d)
-            return mixed[..., :dv, :].transpose(-1, -2), mixed[..., dv, :]
-        flat, transposed = _blocks_flat(summaries)
-        mixed = mix.to(summaries.dtype) @ flat
-        mixed_sums = None if key_sums is None else mix @ key_sums
-    if transposed:
-        return mixed.view(batch, heads, m, dv, d).transpose(-1, -2), mixed_sums
-    return mixed.view(batch, heads, m, d, dv), mixed_sums
 
 
 def _tuned(name: str, interpret: bool, tiles: _Tiles) -> tuple[object, dict]:

@@ -48,8 +48,8 @@ from typing import Iterator
 import torch
 
 from . import triton_mhla
-from .attention import without_autocast
 from .block_layout import BlockPlan
+from .fused_mixing import _flat_pair, _float32_product, _gradient_buffers, _joint, _unflat, _unmix  # noqa: F401
 from .rope_tables import Rotary, rotary_arguments, rotary_operand
 from .triton_mhla import (
     _INDEX_BYTES,
@@ -210,13 +210,19 @@ def _query_grad_kernel(
                 frame = flat // rope_plane
                 row = (flat - frame * rope_plane) // rope_width
                 col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])).to(tl.float32)
-                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                pos = tl.where(
+                    axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])
+                ).to(tl.float32)
+                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
                 turns = tl.floor((pos * step[:, None] + phase[:, None]) * 0.15915494309189535 + 0.5)
                 angle = tl.fma(pos, step[:, None], turns * -6.28125) + phase[:, None] - turns * 0.0019353071795864769
                 if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
-                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    cos = tl.inline_asm_elementwise(
+                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
+                    sin = tl.inline_asm_elementwise(
+                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
                 else:
                     cos = tl.cos(angle)
                     sin = tl.sin(angle)
@@ -369,13 +375,19 @@ def _key_grad_kernel(
                 frame = flat // rope_plane
                 row = (flat - frame * rope_plane) // rope_width
                 col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])).to(tl.float32)
-                # angle = phase + pos * step less whole turns: one rounding (fma) below pi, 2 pi split in two for exact turns
+                pos = tl.where(
+                    axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])
+                ).to(tl.float32)
+                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
                 turns = tl.floor((pos * step[:, None] + phase[:, None]) * 0.15915494309189535 + 0.5)
                 angle = tl.fma(pos, step[:, None], turns * -6.28125) + phase[:, None] - turns * 0.0019353071795864769
                 if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
-                    sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1)
+                    cos = tl.inline_asm_elementwise(
+                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
+                    sin = tl.inline_asm_elementwise(
+                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+                    )
                 else:
                     cos = tl.cos(angle)
                     sin = tl.sin(angle)
@@ -471,103 +483,6 @@ def _tuned_backward(name: str, interpret: bool, tiles: dict[str, int]) -> tuple[
         configs = [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in _BACKWARD_AUTOTUNE[name]]
         _TUNED_BACKWARD[name] = triton.autotune(configs=configs, key=["D", "DV", "P"])(_kernel(name, False))
     return _TUNED_BACKWARD[name], {k: v for k, v in tiles.items() if k not in ("BLOCK_T", "num_warps")}
-
-
-def _joint(summaries: torch.Tensor, key_sums: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``[S | z]`` tensor ``(B, H, M, D, Dv + 1)`` that ``summaries`` and ``key_sums`` are the two views of
-    (the forward keeps float32 key sums as one more column of the summaries), or ``None`` when they lie apart."""
-    if key_sums is None or key_sums.dtype != summaries.dtype:
-        return None
-    if key_sums.untyped_storage().data_ptr() != summaries.untyped_storage().data_ptr():
-        return None
-    b, h, m, d, dv = summaries.shape
-    joint = summaries.as_strided((b, h, m, d, dv + 1), summaries.stride(), summaries.storage_offset())
-    if key_sums.stride() != joint[..., dv].stride() or key_sums.storage_offset() != joint[..., dv].storage_offset():
-        return None
-    return joint
-
-
-def _flat_pair(grad: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``grad`` and ``value`` ``(B, H, M, a, b)`` as ``(B, H, M, a * b)``, both in ``grad``'s storage order
-    (views where the blocks are dense in that order, as :func:`_gradient_buffers` lays them out; else
-    copies), and whether that order is ``(b, a)``."""
-    swapped = grad.stride(-2) < grad.stride(-1)
-    if swapped:
-        grad, value = grad.transpose(-1, -2), value.transpose(-1, -2)
-    return grad.reshape(*grad.shape[:3], -1), value.reshape(*value.shape[:3], -1), swapped
-
-
-def _unflat(flat: torch.Tensor, shape: torch.Size, swapped: bool) -> torch.Tensor:
-    """``flat`` ``(B, H, M, a * b)`` (contiguous, in the order :func:`_flat_pair` gave) as ``(B, H, M, a, b)``."""
-    if swapped:
-        return flat.view(*shape[:3], shape[4], shape[3]).transpose(-1, -2)
-    return flat.view(shape)
-
-
-def _gradient_buffers(
-    summaries: torch.Tensor, key_sums: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Empty ``dS̃`` and ``dz̃`` laid out as the forward's ``S`` and ``z``: two views of one ``[dS̃ | dz̃]``
-    buffer where those are views of one ``[S | z]`` (float32), else ``dS̃`` in ``S``'s dtype and layout and
-    ``dz̃`` float32; so that :func:`_unmix` pairs their elements without copies."""
-    joint = _joint(summaries, key_sums)
-    if joint is not None:
-        d_joint = torch.empty_like(joint)  # the same strides (a dense tensor)
-        return d_joint[..., :-1], d_joint[..., -1]
-    d_sums = None if key_sums is None else torch.empty(key_sums.shape, device=key_sums.device, dtype=torch.float32)
-    return torch.empty_like(summaries), d_sums
-
-
-def _unmix(
-    mixing: torch.Tensor,
-    summaries: torch.Tensor,
-    key_sums: torch.Tensor | None,
-    d_mixed: torch.Tensor,
-    d_mixed_sums: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The backward of :func:`~mhla_diffusion.ops.triton_mhla._mix`, in PyTorch outside ``torch.autocast``.
-
-    Args: ``mixing`` ``(M, M)`` or ``(H, M, M)``; the forward's summaries ``S`` ``(B, H, M, D, Dv)`` and key
-    sums ``z`` ``(B, H, M, D)`` (``None`` without a denominator), and the gradients ``dS̃``, ``dz̃`` of the
-    mixed ones, laid out by :func:`_gradient_buffers`.
-
-    Returns ``dS = Wᵀ dS̃`` ``(B, H, M, D, Dv)`` in ``dS̃``'s dtype (``W`` rounded to it, as the forward's
-    product rounds it), ``dz = Wᵀ dz̃`` (or ``None``), and ``dW`` float32 in ``mixing``'s shape:
-    ``Σ <dS̃_o, S_j> + <dz̃_o, z_j>`` over batch and heads (over batch only for per-head mixing), every product
-    and sum in float32 (:func:`_float32_product`). Where
-    ``S, z`` (and ``dS̃, dz̃``) are views of one ``[S | z]`` tensor, one product each mixes and contracts both.
-    """
-    reduce_dims = (0,) if mixing.ndim == 3 else (0, 1)
-    joint, d_joint = _joint(summaries, key_sums), _joint(d_mixed, d_mixed_sums)
-    with without_autocast(d_mixed.device):
-        mix = mixing.to(torch.float32)
-        if joint is not None and d_joint is not None:
-            d_flat, flat, swapped = _flat_pair(d_joint, joint)
-            d_unmixed = _unflat(mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat, d_joint.shape, swapped)
-            d_mixing = (d_flat @ flat.transpose(-1, -2)).to(torch.float32).sum(reduce_dims)
-            return d_unmixed[..., :-1], d_unmixed[..., -1], d_mixing
-        d_flat, flat, swapped = _flat_pair(d_mixed, summaries)
-        d_summaries = _unflat(mix.to(d_flat.dtype).transpose(-1, -2) @ d_flat, d_mixed.shape, swapped)
-        d_mixing = _float32_product(d_flat, flat)
-        d_sums = None
-        if d_mixed_sums is not None:
-            d_sums = mix.transpose(-1, -2) @ d_mixed_sums
-            d_mixing = d_mixing + d_mixed_sums @ key_sums.to(torch.float32).transpose(-1, -2)
-        d_mixing = d_mixing.sum(reduce_dims)
-    return d_summaries, d_sums, d_mixing
-
-
-def _float32_product(grad: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``grad @ valueᵀ`` ``(B, H, M, M)`` in float32 for ``(B, H, M, K)`` operands: half operands multiply into a
-    float32 result (CUDA: one batched GEMM with ``out_dtype``; on a CPU on float32 copies), so that ``dW`` is never
-    rounded to the half type per (batch, head) before the sum over them."""
-    if grad.dtype == torch.float32:
-        return grad @ value.transpose(-1, -2)
-    if grad.device.type in ("cuda", "meta"):  # meta: what CUDA runs, for the traffic counts
-        batch = grad.shape[:2]
-        grad3, value3 = grad.reshape(-1, *grad.shape[2:]), value.reshape(-1, *value.shape[2:])
-        return torch.bmm(grad3, value3.transpose(-1, -2), out_dtype=torch.float32).view(*batch, *grad.shape[2:3] * 2)
-    return grad.to(torch.float32) @ value.to(torch.float32).transpose(-1, -2)
 
 
 def _plan_pointers(plan: BlockPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,7 +214,10 @@ def test_backward_count_by_hand():
     angles = fused_backward_traffic(1, 16, 2, 16, 16, 4, 4, recompute=True)
     plan = 2 * 4 * 3 * 8 * 4  # the (3, 8) float32 plan, once per (batch x head, block) program
     assert angles["query grad kernel: RoPE angle plan"] == angles["key grad kernel: RoPE angle plan"] == plan
-    assert angles["recompute: summaries kernel: RoPE angle plan"] == plan and angles["RoPE angle plan from the tables (PyTorch)"] == 0
+    assert (
+        angles["recompute: summaries kernel: RoPE angle plan"] == plan
+        and angles["RoPE angle plan from the tables (PyTorch)"] == 0
+    )
     same = {k: v for k, v in terms.items() if "RoPE" not in k}
     assert {k: v for k, v in angles.items() if "RoPE" not in k} == same
 
@@ -392,5 +395,7 @@ def test_saved_summaries_skip_the_recompute():
     print(f"forward {forward / unit:.2f} U; backward {recomputed / unit:.2f}, {remixed / unit:.2f}, {kept / unit:.2f}")
     assert (recomputed - remixed) / unit > 2.5 and (remixed - kept) / unit > 1.2
     assert (forward + kept) / unit < 18.5 < (forward + remixed) / unit
-    tables = sum(fused_traffic(*wan, rope_angles=False).values()) + sum(fused_backward_traffic(*wan, rope_angles=False).values())
+    tables = sum(fused_traffic(*wan, rope_angles=False).values()) + sum(
+        fused_backward_traffic(*wan, rope_angles=False).values()
+    )
     assert round(tables / unit, 1) == 22.3

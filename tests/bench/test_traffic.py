@@ -151,6 +151,7 @@ def test_fused_count_by_hand():
         normalize="none",
         padded=True,
         per_head_mixing=True,
+        rope_angles=False,
     )
     assert (
         float32["RoPE tables to the summaries' dtype (PyTorch, once per forward)"]
@@ -174,7 +175,9 @@ def test_the_angle_plan_is_fitted_in_one_read_of_the_tables():
     """Fitting and checking the plan (once per forward) reads each float32 table's even channels once, plus the
     check's boolean: at most 6 bytes an angle of each table beyond 0.1 %, against 12 to convert them to bf16."""
     tokens = 31_500
-    fit = fused_traffic(1, tokens, 12, 128, 128, 150, 210)["RoPE angle plan from the tables (PyTorch, once per forward)"]
+    fit = fused_traffic(1, tokens, 12, 128, 128, 150, 210)[
+        "RoPE angle plan from the tables (PyTorch, once per forward)"
+    ]
     angles = 2 * tokens * 64  # cos and sin, 64 pairs a token
     assert 4 * angles <= fit <= 6 * angles * 1.001
 
