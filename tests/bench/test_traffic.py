@@ -173,13 +173,13 @@ def test_fused_count_by_hand():
 
 def test_the_angle_plan_is_fitted_in_one_read_of_the_tables():
     """Fitting and checking the plan (once per forward) reads each float32 table's even channels once, plus the
-    check's boolean: at most 6 bytes an angle of each table beyond 0.1 %, against 12 to convert them to bf16."""
+    check's boolean: at most 6 bytes an angle of each table beyond 1 %, against 12 to convert them to bf16."""
     tokens = 31_500
     fit = fused_traffic(1, tokens, 12, 128, 128, 150, 210)[
         "RoPE angle plan from the tables (PyTorch, once per forward)"
     ]
     angles = 2 * tokens * 64  # cos and sin, 64 pairs a token
-    assert 4 * angles <= fit <= 6 * angles * 1.001
+    assert 4 * angles <= fit <= 6 * angles * 1.01
 
 
 def test_fused_count_takes_the_launch_tiles():
