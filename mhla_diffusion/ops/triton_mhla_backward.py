@@ -467,7 +467,7 @@ def _backward_tiles(block_len: int, head_dim: int, value_dim: int) -> dict[str, 
 #: ``dS̃`` accumulator beside ``S̃``, tiles of 32 slots spill on sm_80 (uneven grid, denominator) and 4 warps spill.
 _BACKWARD_AUTOTUNE: dict[str, tuple[tuple[int, int], ...]] = {
     "_query_grad_kernel": ((16, 8),),
-    "_key_grad_kernel": ((16, 8), (32, 8), (64, 8), (32, 4)),
+    "_key_grad_kernel": ((16, 8), (32, 8)),
 }
 
 _TUNED_BACKWARD: dict[str, object] = {}
