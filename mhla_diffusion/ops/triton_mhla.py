@@ -52,6 +52,7 @@ keeps them. On CPU tensors the kernels run through Triton's interpreter (slow, f
 # strings, for Triton 3.0's interpreter (it matches the annotation's name, "constexpr", to find them).
 
 import os
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -107,9 +108,10 @@ def fused_available(tensor: torch.Tensor) -> bool:
 # TRITON_INTERPRET said when Triton was imported. That setting decides whether triton.language's own @jit
 # helpers (tl.sum, tl.zeros, ...) are built for the interpreter: when it was unset, calling one from an
 # interpreted kernel raises ("Cannot call @triton.jit'd outside of the scope of a kernel"). So the kernels
-# call no @jit helper: tl.full instead of tl.zeros, and sums as the public tl.reduce with a combiner of our
+# call none of those: tl.full instead of tl.zeros, and sums as the public tl.reduce with a combiner of our
 # own (`_add`), which both the compiler (a @jit function) and the interpreter (it calls the combiner's
-# Python function) take in either import mode.
+# Python function) take in either import mode. Our own helpers (`_HELPERS`) are @jit functions built for the
+# compiler, which an interpreted kernel cannot call either: `_jitted` gives it their plain functions instead.
 #
 # Memory access: each tile of q or k is a (BLOCK_T, D) tile of whole head rows (one token's D channels are
 # contiguous: 16-byte vector loads), split into the even and odd channels in registers for RoPE
@@ -124,6 +126,47 @@ def _add(a, b):
 
 
 _add_combine = triton.jit(_add) if triton is not None else None
+
+
+def _plan_rows_fn(plan_ptr, row_stride, col_stride, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The angle plan's three rows (:class:`~mhla_diffusion.ops.rope_tables.Rotary`): each channel pair's phase, step
+    and axis ``(BLOCK_D / 2,)``, the padded pairs zero."""
+    half = tl.arange(0, BLOCK_D // 2)
+    phase = tl.load(plan_ptr + half * col_stride, mask=half < D // 2, other=0.0)
+    step = tl.load(plan_ptr + row_stride + half * col_stride, mask=half < D // 2, other=0.0)
+    axis = tl.load(plan_ptr + 2 * row_stride + half * col_stride, mask=half < D // 2, other=0.0)
+    return phase, step, axis
+
+
+def _rotation_fn(token, phase, step, axis, plane, width, FAST_TRIG: tl.constexpr):
+    """``cos`` and ``sin`` (float32) of each slot's angle ``phase + pos * step`` per channel pair, ``pos`` the slot's
+    frame, row or column as the pair's ``axis`` says, computed from its token index (``plane`` = rows x columns,
+    ``width`` = columns). The caller broadcasts: ``token`` along one dimension, the plan's rows along the other
+    (slots x pairs in the forward, pairs x slots in the backward)."""
+    flat = token.to(tl.int32)
+    frame = flat // plane
+    row = (flat - frame * plane) // width
+    col = flat - frame * plane - row * width
+    pos = tl.where(axis == 0.0, frame, tl.where(axis == 1.0, row, col)).to(tl.float32)
+    # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
+    turns = tl.floor((pos * step + phase) * 0.15915494309189535 + 0.5)
+    angle = tl.fma(pos, step, turns * -6.28125) + phase - turns * 0.0019353071795864769
+    if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
+        cos = tl.inline_asm_elementwise(
+            "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+        )
+        sin = tl.inline_asm_elementwise(
+            "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    return cos, sin
+
+
+#: The kernels' helpers, by the names the kernels call them: plain functions here; jitted for the compiler below,
+#: and swapped back in for the interpreter (:func:`_jitted`).
+_HELPERS = {"_plan_rows": _plan_rows_fn, "_rotation": _rotation_fn}
 
 
 def _summaries_kernel(
@@ -187,11 +230,8 @@ def _summaries_kernel(
     v_base = v_ptr + b * svb + h * svh
     acc = tl.full((BLOCK_D, BLOCK_DV), 0.0, tl.float32)
     z_tiles = tl.full((BLOCK_T, BLOCK_D), 0.0, tl.float32)  # summed over the slots after the loop
-    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
-        half = tl.arange(0, BLOCK_D // 2)
-        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
-        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
-        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary), once per program
+        phase, step, axis = _plan_rows(cos_ptr, scn, scd, D, BLOCK_D)
     for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -208,26 +248,9 @@ def _summaries_kernel(
             z_tiles += tl.where(used[:, None], keys, 0.0)
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i
             if ROPE_ANGLES:
-                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
-                frame = flat // rope_plane
-                row = (flat - frame * rope_plane) // rope_width
-                col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(
-                    axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])
-                ).to(tl.float32)
-                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
-                turns = tl.floor((pos * step[None, :] + phase[None, :]) * 0.15915494309189535 + 0.5)
-                angle = tl.fma(pos, step[None, :], turns * -6.28125) + phase[None, :] - turns * 0.0019353071795864769
-                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise(
-                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                    sin = tl.inline_asm_elementwise(
-                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                else:
-                    cos = tl.cos(angle)
-                    sin = tl.sin(angle)
+                cos, sin = _rotation(
+                    token[:, None], phase[None, :], step[None, :], axis[None, :], rope_plane, rope_width, FAST_TRIG
+                )  # the slots' angles from their grid positions
             else:
                 half = tl.arange(0, BLOCK_D // 2)
                 if D == BLOCK_D:
@@ -329,11 +352,8 @@ def _output_kernel(
         z = tl.load(z_ptr + b * z_b + h * z_h + m * z_m + chan * z_d, mask=chan < D, other=0.0).to(tl.float32)
     q_base = q_ptr + b * sqb + h * sqh
     o_base = o_ptr + b * sob + h * soh
-    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
-        half = tl.arange(0, BLOCK_D // 2)
-        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
-        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
-        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary), once per program
+        phase, step, axis = _plan_rows(cos_ptr, scn, scd, D, BLOCK_D)
     for start in tl.range(0, P, BLOCK_T, num_stages=NUM_STAGES):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -350,26 +370,9 @@ def _output_kernel(
             den = tl.maximum(tl.reduce(queries * z[None, :], 1, _add_combine), 0.0) + eps  # the guard
         if HAS_ROPE:
             if ROPE_ANGLES:
-                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
-                frame = flat // rope_plane
-                row = (flat - frame * rope_plane) // rope_width
-                col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(
-                    axis[None, :] == 0.0, frame[:, None], tl.where(axis[None, :] == 1.0, row[:, None], col[:, None])
-                ).to(tl.float32)
-                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
-                turns = tl.floor((pos * step[None, :] + phase[None, :]) * 0.15915494309189535 + 0.5)
-                angle = tl.fma(pos, step[None, :], turns * -6.28125) + phase[None, :] - turns * 0.0019353071795864769
-                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise(
-                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                    sin = tl.inline_asm_elementwise(
-                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                else:
-                    cos = tl.cos(angle)
-                    sin = tl.sin(angle)
+                cos, sin = _rotation(
+                    token[:, None], phase[None, :], step[None, :], axis[None, :], rope_plane, rope_width, FAST_TRIG
+                )  # the slots' angles from their grid positions
             else:
                 half = tl.arange(0, BLOCK_D // 2)
                 if D == BLOCK_D:
@@ -399,9 +402,12 @@ _KERNELS: dict[tuple[object, bool], object] = {}
 
 
 def _jitted(fn, interpret: bool):
-    """The kernel function ``fn`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors); cached."""
+    """The kernel function ``fn`` jitted for a GPU, or wrapped for Triton's interpreter (CPU tensors), with the
+    plain :data:`_HELPERS` it calls in place of their GPU builds (:func:`_calling_plain_helpers`); cached."""
     key = (fn, interpret)
     if key not in _KERNELS:
+        if interpret:
+            fn = _calling_plain_helpers(fn)
         # triton.jit makes an interpreted function or a GPU one as TRITON_INTERPRET says when it is called (public
         # API in every Triton this project supports): set it for the one call
         before = os.environ.get("TRITON_INTERPRET")
@@ -419,6 +425,22 @@ def _jitted(fn, interpret: bool):
 def _kernel(name: str, interpret: bool):
     """This module's kernel ``name``, jitted or interpreted (:func:`_jitted`)."""
     return _jitted(globals()[name], interpret)
+
+
+def _calling_plain_helpers(fn):
+    """``fn`` (same code, source and annotations) looking up the :data:`_HELPERS` it calls as their plain functions:
+    the interpreter runs a kernel as Python, and a helper built for the compiler refuses to be called from it."""
+    helpers = {name: plain for name, plain in _HELPERS.items() if name in fn.__code__.co_names}
+    if not helpers:
+        return fn
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__annotations__, copy.__doc__ = fn.__annotations__, fn.__doc__
+    copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
+    return copy
+
+
+_plan_rows = _jitted(_plan_rows_fn, False) if triton is not None else None
+_rotation = _jitted(_rotation_fn, False) if triton is not None else None
 
 
 # ----------------------------------------------------------------------------- host side

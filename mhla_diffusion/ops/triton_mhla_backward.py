@@ -61,7 +61,9 @@ from .triton_mhla import (
     _launch_arguments,
     _launch_summaries,
     _mix,
+    _plan_rows,
     _pow2,
+    _rotation,
     _tl_dtype,
     fused_traffic,
 )
@@ -176,11 +178,8 @@ def _query_grad_kernel(
     q_base = q_ptr + b * sqb + h * sqh
     g_base = g_ptr + b * sgb + h * sgh
     dq_base = dq_ptr + b * sdb + h * sdh
-    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
-        half = tl.arange(0, BLOCK_D // 2)
-        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
-        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
-        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary), once per program
+        phase, step, axis = _plan_rows(cos_ptr, scn, scd, D, BLOCK_D)
     for start in range(0, P, BLOCK_T):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -206,26 +205,9 @@ def _query_grad_kernel(
             grad = grad / den[None, :]  # g'
         if HAS_ROPE:  # channels (2i, 2i+1) rotate by angle i; the tables stay in their dtype until used
             if ROPE_ANGLES:
-                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
-                frame = flat // rope_plane
-                row = (flat - frame * rope_plane) // rope_width
-                col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(
-                    axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])
-                ).to(tl.float32)
-                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
-                turns = tl.floor((pos * step[:, None] + phase[:, None]) * 0.15915494309189535 + 0.5)
-                angle = tl.fma(pos, step[:, None], turns * -6.28125) + phase[:, None] - turns * 0.0019353071795864769
-                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise(
-                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                    sin = tl.inline_asm_elementwise(
-                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                else:
-                    cos = tl.cos(angle)
-                    sin = tl.sin(angle)
+                cos, sin = _rotation(
+                    token[None, :], phase[:, None], step[:, None], axis[:, None], rope_plane, rope_width, FAST_TRIG
+                )  # the slots' angles from their grid positions
             else:
                 half = tl.arange(0, BLOCK_D // 2)
                 if D == BLOCK_D:
@@ -347,11 +329,8 @@ def _key_grad_kernel(
     v_base = v_ptr + b * svb + h * svh
     dk_base = dk_ptr + b * sdkb + h * sdkh
     dv_base = dv_ptr + b * sdvb + h * sdvh
-    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary): phase, step and axis of each channel pair
-        half = tl.arange(0, BLOCK_D // 2)
-        phase = tl.load(cos_ptr + half * scd, mask=half < D // 2, other=0.0)
-        step = tl.load(cos_ptr + scn + half * scd, mask=half < D // 2, other=0.0)
-        axis = tl.load(cos_ptr + 2 * scn + half * scd, mask=half < D // 2, other=0.0)
+    if HAS_ROPE and ROPE_ANGLES:  # the angle plan (ops.rope_tables.Rotary), once per program
+        phase, step, axis = _plan_rows(cos_ptr, scn, scd, D, BLOCK_D)
     for start in range(0, P, BLOCK_T):
         slot = start + tl.arange(0, BLOCK_T)
         used = slot < P
@@ -371,26 +350,9 @@ def _key_grad_kernel(
         feats = tl.where(k_mask, tl.maximum(raw.to(tl.float32), 0.0) + feature_eps, 0.0)  # phi(k)
         if HAS_ROPE:
             if ROPE_ANGLES:
-                flat = token.to(tl.int32)  # the slot's grid position (frame, row, column)
-                frame = flat // rope_plane
-                row = (flat - frame * rope_plane) // rope_width
-                col = flat - frame * rope_plane - row * rope_width
-                pos = tl.where(
-                    axis[:, None] == 0.0, frame[None, :], tl.where(axis[:, None] == 1.0, row[None, :], col[None, :])
-                ).to(tl.float32)
-                # phase + pos * step less whole turns: one rounding (fma); 2 pi split in two, exact turns
-                turns = tl.floor((pos * step[:, None] + phase[:, None]) * 0.15915494309189535 + 0.5)
-                angle = tl.fma(pos, step[:, None], turns * -6.28125) + phase[:, None] - turns * 0.0019353071795864769
-                if FAST_TRIG:  # the GPU's fast sine and cosine: absolute error below 2^-20.9 on [-pi, pi]
-                    cos = tl.inline_asm_elementwise(
-                        "cos.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                    sin = tl.inline_asm_elementwise(
-                        "sin.approx.f32 $0, $1;", "=r,r", [angle], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                else:
-                    cos = tl.cos(angle)
-                    sin = tl.sin(angle)
+                cos, sin = _rotation(
+                    token[None, :], phase[:, None], step[:, None], axis[:, None], rope_plane, rope_width, FAST_TRIG
+                )  # the slots' angles from their grid positions
             else:
                 half = tl.arange(0, BLOCK_D // 2)
                 if D == BLOCK_D:
