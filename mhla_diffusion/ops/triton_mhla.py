@@ -164,9 +164,30 @@ def _rotation_fn(token, phase, step, axis, plane, width, FAST_TRIG: tl.constexpr
     return cos, sin
 
 
+def _read_rotation_fn(
+    cos_ptr, sin_ptr, token, used, scn, scd, ssn, ssd, D: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS_FIRST: tl.constexpr
+):
+    """``cos`` and ``sin`` of the slots' tokens read from the tables' even channels ``(N, D/2)``, in the tables'
+    dtype (the backward keeps them so until used), as ``(slots, pairs)`` tiles (``SLOTS_FIRST``) or ``(pairs,
+    slots)``; unused slots and padded pairs read zero. A power-of-two head dim masks by the slot only (the mask
+    constant along a row keeps the loads vectorised)."""
+    half = tl.arange(0, BLOCK_D // 2)
+    if SLOTS_FIRST:
+        tokens, pairs, mask = token[:, None], half[None, :], used[:, None]
+        if D != BLOCK_D:
+            mask = mask & (half < D // 2)[None, :]
+    else:
+        tokens, pairs, mask = token[None, :], half[:, None], used[None, :]
+        if D != BLOCK_D:
+            mask = (half < D // 2)[:, None] & mask
+    cos = tl.load(cos_ptr + tokens * scn + pairs * scd, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + tokens * ssn + pairs * ssd, mask=mask, other=0.0)
+    return cos, sin
+
+
 #: The kernels' helpers, by the names the kernels call them: plain functions here; jitted for the compiler below,
 #: and swapped back in for the interpreter (:func:`_jitted`).
-_HELPERS = {"_plan_rows": _plan_rows_fn, "_rotation": _rotation_fn}
+_HELPERS = {"_plan_rows": _plan_rows_fn, "_rotation": _rotation_fn, "_read_rotation": _read_rotation_fn}
 
 
 def _summaries_kernel(
@@ -252,13 +273,9 @@ def _summaries_kernel(
                     token[:, None], phase[None, :], step[None, :], axis[None, :], rope_plane, rope_width, FAST_TRIG
                 )  # the slots' angles from their grid positions
             else:
-                half = tl.arange(0, BLOCK_D // 2)
-                if D == BLOCK_D:
-                    t_mask = used[:, None]
-                else:
-                    t_mask = used[:, None] & (half < D // 2)[None, :]
-                cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
-                sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
+                cos, sin = _read_rotation(
+                    cos_ptr, sin_ptr, token, used, scn, scd, ssn, ssd, D, BLOCK_D, True
+                )  # the tables' rows of the slots
                 cos = cos.to(tl.float32)
                 sin = sin.to(tl.float32)
             k_even, k_odd = tl.split(tl.reshape(keys, (BLOCK_T, BLOCK_D // 2, 2)))
@@ -374,13 +391,9 @@ def _output_kernel(
                     token[:, None], phase[None, :], step[None, :], axis[None, :], rope_plane, rope_width, FAST_TRIG
                 )  # the slots' angles from their grid positions
             else:
-                half = tl.arange(0, BLOCK_D // 2)
-                if D == BLOCK_D:
-                    t_mask = used[:, None]
-                else:
-                    t_mask = used[:, None] & (half < D // 2)[None, :]
-                cos = tl.load(cos_ptr + token[:, None] * scn + half[None, :] * scd, mask=t_mask, other=0.0)
-                sin = tl.load(sin_ptr + token[:, None] * ssn + half[None, :] * ssd, mask=t_mask, other=0.0)
+                cos, sin = _read_rotation(
+                    cos_ptr, sin_ptr, token, used, scn, scd, ssn, ssd, D, BLOCK_D, True
+                )  # the tables' rows of the slots
                 cos = cos.to(tl.float32)
                 sin = sin.to(tl.float32)
             q_even, q_odd = tl.split(tl.reshape(queries, (BLOCK_T, BLOCK_D // 2, 2)))
@@ -441,6 +454,7 @@ def _calling_plain_helpers(fn):
 
 _plan_rows = _jitted(_plan_rows_fn, False) if triton is not None else None
 _rotation = _jitted(_rotation_fn, False) if triton is not None else None
+_read_rotation = _jitted(_read_rotation_fn, False) if triton is not None else None
 
 
 # ----------------------------------------------------------------------------- host side

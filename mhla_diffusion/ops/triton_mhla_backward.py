@@ -63,6 +63,7 @@ from .triton_mhla import (
     _mix,
     _plan_rows,
     _pow2,
+    _read_rotation,
     _rotation,
     _tl_dtype,
     fused_traffic,
@@ -209,13 +210,9 @@ def _query_grad_kernel(
                     token[None, :], phase[:, None], step[:, None], axis[:, None], rope_plane, rope_width, FAST_TRIG
                 )  # the slots' angles from their grid positions
             else:
-                half = tl.arange(0, BLOCK_D // 2)
-                if D == BLOCK_D:
-                    t_mask = used[None, :]
-                else:
-                    t_mask = (half < D // 2)[:, None] & used[None, :]
-                cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
-                sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
+                cos, sin = _read_rotation(
+                    cos_ptr, sin_ptr, token, used, scn, scd, ssn, ssd, D, BLOCK_D, False
+                )  # the tables' rows of the slots
             f_even, f_odd = tl.split(tl.permute(tl.reshape(feats, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
             s = sin.to(tl.float32)
@@ -354,13 +351,9 @@ def _key_grad_kernel(
                     token[None, :], phase[:, None], step[:, None], axis[:, None], rope_plane, rope_width, FAST_TRIG
                 )  # the slots' angles from their grid positions
             else:
-                half = tl.arange(0, BLOCK_D // 2)
-                if D == BLOCK_D:
-                    t_mask = used[None, :]
-                else:
-                    t_mask = (half < D // 2)[:, None] & used[None, :]
-                cos = tl.load(cos_ptr + half[:, None] * scd + token[None, :] * scn, mask=t_mask, other=0.0)
-                sin = tl.load(sin_ptr + half[:, None] * ssd + token[None, :] * ssn, mask=t_mask, other=0.0)
+                cos, sin = _read_rotation(
+                    cos_ptr, sin_ptr, token, used, scn, scd, ssn, ssd, D, BLOCK_D, False
+                )  # the tables' rows of the slots
             f_even, f_odd = tl.split(tl.permute(tl.reshape(feats, (BLOCK_D // 2, 2, BLOCK_T)), (0, 2, 1)))
             c = cos.to(tl.float32)
             s = sin.to(tl.float32)

@@ -361,6 +361,66 @@ def test_launched_specialisations_compile_for_ampere_ada_and_hopper_without_spil
     assert all(launch.spilled == 0 for launch in compiled.values()), "\n".join(report)
 
 
+@pytest.mark.slow
+def test_the_table_path_compiles_without_spills(tmp_path, monkeypatch):
+    """Tables that no angle plan fits are read by all four kernels: the heaviest launches of that path at
+    Wan2.1-1.3B's shapes (uneven grid, denominator; each kernel's first autotune choice) compile for sm_90 without
+    spills, forward and backward."""
+    triton = pytest.importorskip("triton")
+    from helpers.triton_compile import compile_launch, unsupported
+    from mhla_diffusion.ops import rope_tables, triton_mhla
+
+    reason = unsupported(triton)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    tables = lambda cos, sin, dtype, grid: rope_tables._table_operand(cos, sin, dtype)  # noqa: E731
+    for module in (triton_mhla, triton_mhla_backward):
+        monkeypatch.setattr(module, "rotary_operand", tables)
+    launches = []
+
+    class Recorder:
+        def __init__(self, name, tuner):
+            self.name, self.tuner = name, tuner
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, self.tuner, args, kwargs))
+
+    for module, tuner_name in ((triton_mhla, "_tuned"), (triton_mhla_backward, "_tuned_backward")):
+        tuned = getattr(module, tuner_name)
+        monkeypatch.setattr(
+            module,
+            tuner_name,
+            lambda name, interpret, tiles, tuned=tuned: (
+                Recorder(name, tuned(name, interpret, tiles)[0]),
+                tuned(name, interpret, tiles)[1],
+            ),
+        )
+    grid, (b, h, d) = WAN_13B["grids"][1], (WAN_13B["batch"], WAN_13B["heads"], WAN_13B["dim"])
+    n = math.prod(grid)
+    q, k, v, grad_out = (torch.empty(b, n, h, d, device="meta", dtype=torch.bfloat16) for _ in range(4))
+    cos, sin = (torch.empty(1, n, 1, d, device="meta") for _ in "cs")
+    plan = block_plan(grid, (3, 5, 10), "meta")
+    mixing = torch.empty(plan.num_blocks, plan.num_blocks, device="meta")
+    triton_mhla._fused_forward(q, k, v, plan, mixing, cos, sin, 1e-6, "denominator", 1e-6, torch.bfloat16)
+    triton_mhla_backward._fused_backward(
+        grad_out, q, k, v, mixing, cos, sin, plan, 1e-6, "denominator", 1e-6, torch.bfloat16, None
+    )
+    names = [name for name, *_ in launches]
+    assert names == [
+        "_summaries_kernel",
+        "_output_kernel",
+        "_summaries_kernel",
+        "_query_grad_kernel",
+        "_key_grad_kernel",
+    ]
+    for name, tuner, args, kwargs in launches[:2] + launches[3:]:
+        launch = {**kwargs, **tuner.configs[0].all_kwargs()}
+        assert launch["ROPE_ANGLES"] is False and launch["HAS_ROPE"] is True
+        compiled = compile_launch(tuner.fn, args, launch, 90)
+        assert compiled.spilled == 0, (name, compiled.registers, compiled.spilled)
+
+
 def test_saved_summaries_skip_the_recompute():
     """Given the forward's ``S, z`` the backward does not launch the summaries kernel again, and given ``S̃, z̃``
     too it does not mix again; the gradients are the same. Counted at Wan's 21x30x50, forward + backward stays
