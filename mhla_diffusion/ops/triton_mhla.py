@@ -762,8 +762,9 @@ def fused_traffic(
     # the even channels of the tables in the compute dtype (none when already in it)
     full = torch.empty((1, tokens, 1, head_dim), dtype=rope_dtype or compute, **meta)
     if rope_angles:
-        plan = rope and rope_converted and count_traffic(lambda: _angle_plan(full, full, (1, 1, tokens))).total
-        terms["RoPE angle plan from the tables (PyTorch, once per forward)"] = int(plan)
+        # its reads and writes depend on the tokens, not on how the grid splits them
+        fit = count_traffic(lambda: _angle_plan(full, full, (1, 1, tokens))).total if rope and rope_converted else 0
+        terms["RoPE angle plan from the tables (PyTorch, once per forward)"] = fit
     else:
         table = full[0, :, 0, 0::2]
         convert = bool(rope) and rope_converted and table.dtype != compute
