@@ -191,6 +191,16 @@ def _cogvideox_rotary(grid: tuple[int, int, int], head_dim: int) -> tuple[torch.
     return get_3d_rotary_pos_embed(head_dim, (0, 0), (h, w), f, grid_type="slice", max_size=(h, w))
 
 
+def _vocabulary(tokenizer) -> dict[str, int]:
+    """A tiny text encoder's config entries for ``tokenizer``: its vocabulary size and special tokens (begin = end)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def tiny_family_pipeline(family: str, num_layers: int = 1, seed: int = 0) -> Any:
     """A complete stock Diffusers pipeline of ``family`` at toy size, every component built here (no downloads):
     ``"skyreels-v2"`` (``SkyReelsV2Pipeline``: Wan's tiny tokenizer, UMT5 encoder and VAE), ``"hunyuan-video"``
@@ -217,12 +227,7 @@ def tiny_family_pipeline(family: str, num_layers: int = 1, seed: int = 0) -> Any
         from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
 
         tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_tokenizer(max_length=77)
-        words = dict(
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.eos_token_id,
-        )
+        words = _vocabulary(tokenizer)
         torch.manual_seed(seed)
         text_encoder = LlamaModel(
             LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_hidden_layers=3, **words)
@@ -266,15 +271,12 @@ def tiny_family_pipeline(family: str, num_layers: int = 1, seed: int = 0) -> Any
         torch.manual_seed(seed)
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
-                vocab_size=len(tokenizer),
                 hidden_size=32,
                 intermediate_size=37,
                 num_attention_heads=4,
                 num_hidden_layers=2,
                 projection_dim=32,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=tokenizer.eos_token_id,
+                **_vocabulary(tokenizer),
             )
         ).eval()
         text_encoder_2 = T5EncoderModel(
