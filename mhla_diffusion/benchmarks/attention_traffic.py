@@ -145,11 +145,15 @@ def count_path(call: Callable[[], Any], fused: bool = False) -> tuple[dict[str, 
         counter = count_traffic(call)
     items = {name: (calls, read + written) for name, (calls, read, written) in counter.by_op.items()}
     for launch in launches:  # a stream chunk's launch also mixes in its carried blocks
-        terms = fused_causal_traffic(**launch) if "carried" in launch else fused_traffic(**launch)
-        for term, size in terms.items():
-            calls, before = items.get(term, (0, 0))
-            items[term] = (calls + 1, before + size)
+        _add_launch(items, fused_causal_traffic(**launch) if "carried" in launch else fused_traffic(**launch))
     return items, len(launches)
+
+
+def _add_launch(items: dict[str, tuple[int, int]], terms: dict[str, int]) -> None:
+    """Add one launch's ``{term: bytes}`` to ``items`` ``{op or kernel term: (calls, bytes)}``: one call each."""
+    for term, size in terms.items():
+        calls, before = items.get(term, (0, 0))
+        items[term] = (calls + 1, before + size)
 
 
 def wan_attention_traffic(
@@ -275,10 +279,8 @@ def wan_attention_training_traffic(
         with torch.no_grad(), recording_launches() as recorded:
             processor.attend(layer_input, q, k, v, rotary)
         for launch in recorded:
-            backward = fused_backward_traffic(**{**launch, "rope_converted": False})  # the forward's copy, cached
-            for term, size in [*fused_traffic(**launch).items(), *((f"backward: {t}", b) for t, b in backward.items())]:
-                calls, before = items.get(term, (0, 0))
-                items[term] = (calls + 1, before + size)
+            backward = fused_backward_traffic(**{**launch, "rope_converted": False})  # the forward's, cached
+            _add_launch(items, {**fused_traffic(**launch), **{f"backward: {t}": b for t, b in backward.items()}})
         launches = len(recorded)
     size = dtype.itemsize
     kept = 2 * batch * heads * num_blocks(layout) * (head_dim * head_dim + head_dim) * 4
