@@ -153,10 +153,12 @@ def _random_rope(n: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.T
 
 def test_wan_tables_become_an_angle_plan_and_other_tables_are_read():
     """Diffusers' Wan tables are computed from the grid (the plan reproduces them within 2e-6 at Wan2.1-1.3B's
-    21x30x52 tokens, float32); random angles, or Wan's tables on a grid whose axes they do not follow, are read."""
-    cos, sin = _rope((21, 30, 52), 128)
-    plan, deviation = rope_tables._angle_plan(cos, sin, (21, 30, 52))
-    assert deviation.item() < 2e-6 and plan.shape == (3, 64) and plan.dtype == torch.float32
+    21x30x50 and 21x30x52 tokens, float32); random angles, or Wan's tables on a grid whose axes they do not follow,
+    are read."""
+    for grid in ((21, 30, 50), (21, 30, 52)):
+        cos, sin = _rope(grid, 128)
+        plan, deviation = rope_tables._angle_plan(cos, sin, grid)
+        assert deviation.item() < 2e-6 and plan.shape == (3, 64) and plan.dtype == torch.float32
     assert plan[2].tolist() == [0.0] * 22 + [1.0] * 21 + [2.0] * 21  # Wan's frames, rows, columns split
     operand = rope_tables.rotary_operand(cos, sin, torch.bfloat16, (21, 30, 52))
     assert operand.angles and (operand.plane, operand.width) == (30 * 52, 52) and torch.equal(operand.first, plan)
