@@ -45,78 +45,122 @@ from .operators import (
     RECALL_PAIRS,
     STUDENTS,
     TASKS,
+    TEACHER_SEED,
     Task,
+    block_layout,
     check_task_tokens,
     grid_side,
     train_students,
 )
 from .report import reading_markdown, summarise, table_markdown, write_figures
 
-__all__ = ["SCHEMA", "ExperimentSettings", "PartAPlan", "estimate_budget", "run_experiment", "write_outputs"]
+__all__ = [
+    "SCHEMA",
+    "ExperimentSettings",
+    "PartAPlan",
+    "choose_rates",
+    "estimate_budget",
+    "run_experiment",
+    "write_outputs",
+]
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = "reproduce-3"  # report.json layout: Part A runs (three tasks, ranks before and after), Part B, summary
+SCHEMA = "reproduce-4"  # report.json: Part A runs and learning-rate sweeps (fixed blocks, a teacher per seed), Part B
+
+
+#: The Part A students of the local and groups teachers: the controls that separate locality from rank. Recall
+#: keeps global linear attention (with and without LePE), MHLA (with and without LePE) and softmax: it needs
+#: 1,200 steps and a learning-rate sweep to leave the chance plateau, and the wide heads alone cost more than
+#: softmax at 1,024 tokens.
+CONTROLS = (
+    "linear-lepe",
+    "mhla-uniform",
+    "mhla-shuffled",
+    "mhla-frozen",
+    "mhla",
+    "mhla-permuted",
+    "linear-wide",
+    "mhla-lepe",
+    "softmax",
+)
 
 
 @dataclass(frozen=True)
 class PartAPlan:
-    """One Part A cell's training: task, token count, batch size, steps and learning rate."""
+    """One Part A cell's training: task, token count, batch size, steps and the learning rates it may use (one,
+    or several for a sweep)."""
 
     task: str
     tokens: int
     batch_size: int
     steps: int
-    lr: float
+    lrs: tuple[float, ...]
 
 
 @dataclass
 class ExperimentSettings:
-    """Every setting of one experiment (defaults: the run issue 50 asks for; :meth:`smoke`: the tests).
+    """Every setting of one experiment (defaults: the run issue 62 asks for; :meth:`smoke`: the tests).
 
-    Part A: per task, the token counts, a batch size and a step count per token count, and a learning rate.
-    Recall and groups run at 256 and 1,024 tokens only: softmax, which must learn them, cost 1.4 s a step at
-    4,096 tokens (batch 1, one CPU thread, held-out scoring included), and a rank-64 teacher needs two tokens per
-    tag. The step counts come from probes (one thread, seed 0, 16 held-out grids, an idle machine):
+    Part A: per task, the token counts, a batch size and a step count per token count, and its learning rates
+    (``<task>_lrs``). One rate is used as it is. Several are a sweep: before the seeds, every student is trained
+    once at each rate on ``sweep_seed`` (not one of ``part_a_seeds``), and then uses, at each token count, the
+    rate whose training loss over the last tenth of the sweep's steps was lowest (ties: the smaller rate); this
+    rule is fixed before the run. ``block_side``: every MHLA student's blocks are that many tokens on a side at
+    every token count (``None``: the paper's ``M <= sqrt(N)`` rule, blocks growing with N). Batch sizes are the
+    same at every token count. The local and groups teachers are drawn anew for every seed.
 
-    * recall, 64 pairs, learning rate 1e-2: softmax at 100 % by step 185 at 256 tokens (batch 16) and by 375 at
-      1,024 (batch 4; at 3e-3 it was at 60 % after 600 steps); global linear attention and MHLA at 38-40 %
-      after 300 steps. Steps 400 and 800 leave room for seeds that learn later.
-    * groups (rank 64), 1e-2: softmax's relative error 0.03 by step 400 at 256 tokens (0.77 at 300) and 0.05 by
-      400 at 1,024; at 256 tokens global linear attention and MHLA at 0.87 after 600 steps (0.866: a token's
-      own share alone), and at 0.18-0.20 on a rank-16 teacher (16 tags): the rank, not the optimiser, stops
-      them. 600 steps at both sizes.
+    ``<task>_margin``, ``part_b_loss_margin`` and ``part_b_asymmetry_margin`` are the smallest effects of
+    interest, fixed before the run: a difference whose 95 % interval lies within ``+-margin`` is reported as
+    equivalent (and, if established, as practically nil). Relative error 0.01 is about 1.5 % of the gap between
+    global linear attention and softmax on the local teacher (0.6-0.8 in the reproduce-3 run); recall accuracy
+    0.05 is 5 points; Part B's loss 0.005 is about 5 % of the gap between linear attention and softmax there
+    (0.09), and asymmetry 0.05 is 5 % of unrelated halves.
 
-    Time: about 3,500 one-thread CPU seconds for Part A (per-step costs of these probes and of the committed
-    reproduce-2 run, times the steps; the rank measures, before and after training, 0.45 s a student and
-    measurement at 1,024 tokens, about 5 s a unit), which on 2 threads
-    takes about half as long in wall time (the committed run's Part A units: wall / one-thread CPU 0.48-0.55),
-    so about 32 minutes; Part B unchanged, 40 minutes in the committed run; about 72 minutes in all, within the
-    90 issue 50 allows. ``mhla reproduce --budget`` prints the projected time of any settings."""
+    Probes (seed 100, one thread): at batch 4, softmax on the groups teacher at 256 tokens was still at relative
+    error 0.70 after 600 steps (it learns it in about 400 steps at batch 16), hence 1,200 steps there; on recall
+    at 1,024 tokens after 800 steps, linear + LePE was at chance at every rate of 1e-3, 3e-3 and 1e-2, MHLA left
+    the plateau after about 500 steps at 3e-3 and 1e-2 and not at 1e-3, and softmax at 256 tokens learned at
+    3e-3 and 1e-2 only: hence the rates 3e-3 and 1e-2 and 1,200 steps.
+
+    Time (``mhla reproduce --budget``: one-thread CPU seconds per step of these settings times the steps, about
+    160 minutes; the reproduce-3 run took half its projection on two threads): about 80 minutes, within the 90
+    issue 62 allows.
+    """
 
     heads: int = 2
     head_dim: int = 32
     part_a_tasks: list[str] = field(default_factory=lambda: list(TASKS))
-    part_a_students: list[str] = field(
-        default_factory=lambda: ["linear-lepe", "mhla-uniform", "mhla-shuffled", "mhla-frozen", "mhla", "softmax"]
+    local_students: list[str] = field(default_factory=lambda: list(CONTROLS))
+    groups_students: list[str] = field(default_factory=lambda: list(CONTROLS))
+    recall_students: list[str] = field(
+        default_factory=lambda: ["linear-lepe", "mhla-uniform", "mhla", "mhla-lepe", "softmax"]
     )
     part_a_seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    local_tokens: list[int] = field(default_factory=lambda: [64, 256, 1024, 4096])
-    local_batch_sizes: list[int] = field(default_factory=lambda: [32, 16, 4, 1])
-    local_steps: list[int] = field(default_factory=lambda: [600, 600, 600, 600])
-    local_lr: float = 3e-3
+    sweep_seed: int = 100
+    block_side: int | None = 8
+    local_tokens: list[int] = field(default_factory=lambda: [256, 1024])
+    local_batch_sizes: list[int] = field(default_factory=lambda: [4, 4])
+    local_steps: list[int] = field(default_factory=lambda: [600, 600])
+    local_lrs: list[float] = field(default_factory=lambda: [3e-3])
+    local_margin: float = 0.01
     groups_tokens: list[int] = field(default_factory=lambda: [256, 1024])
-    groups_batch_sizes: list[int] = field(default_factory=lambda: [16, 4])
-    groups_steps: list[int] = field(default_factory=lambda: [600, 600])
-    groups_lr: float = 1e-2
+    groups_batch_sizes: list[int] = field(default_factory=lambda: [4, 4])
+    groups_steps: list[int] = field(default_factory=lambda: [1200, 600])
+    groups_lrs: list[float] = field(default_factory=lambda: [1e-2])
+    groups_margin: float = 0.01
     groups: int = GROUPS
     recall_tokens: list[int] = field(default_factory=lambda: [256, 1024])
-    recall_batch_sizes: list[int] = field(default_factory=lambda: [16, 4])
-    recall_steps: list[int] = field(default_factory=lambda: [400, 800])
-    recall_lr: float = 1e-2
+    recall_batch_sizes: list[int] = field(default_factory=lambda: [4, 4])
+    recall_steps: list[int] = field(default_factory=lambda: [1200, 1200])
+    recall_lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-2])
+    recall_margin: float = 0.05
     recall_pairs: int = RECALL_PAIRS
     recall_keys: int = RECALL_KEYS
     recall_softmax_floor: float = 0.9  # recall is compared only where softmax's mean accuracy reaches it
+    # a student that ends any seed with its training loss (last tenth of the steps) above this share of the chance
+    # loss (recall: ln of the number of values) did not train, and is kept out of the calls
+    chance_fraction: float = 0.9
     part_a_eval_size: int = 16
     softmax_max_tokens: int = 1024
     rank_max_tokens: int = 1024
@@ -130,14 +174,17 @@ class ExperimentSettings:
     part_b_eval_images: int = 32
     part_b_samples: int = 32
     part_b_sample_steps: int = 20
+    part_b_loss_margin: float = 0.005
+    part_b_asymmetry_margin: float = 0.05
     checkpoint_every: int = 50
 
     @classmethod
     def smoke(cls) -> "ExperimentSettings":
-        """A few steps on tiny grids (small groups and recall tasks): checks the whole chain in well under a
-        minute."""
+        """A few steps on tiny grids (small groups and recall tasks, a two-rate sweep): checks the whole chain in
+        well under a minute."""
         return cls(
             part_a_seeds=[0, 1],
+            block_side=4,
             local_tokens=[16, 64],
             local_batch_sizes=[2, 2],
             local_steps=[3, 3],
@@ -148,6 +195,7 @@ class ExperimentSettings:
             recall_tokens=[16],
             recall_batch_sizes=[2],
             recall_steps=[3],
+            recall_lrs=[1e-3, 1e-2],
             recall_pairs=4,
             recall_keys=8,
             part_a_eval_size=2,
@@ -165,9 +213,9 @@ class ExperimentSettings:
         )
 
     def part_a_plan(self, task: str) -> list[PartAPlan]:
-        """The cells of ``task``: one per token count, with its batch size, steps and the task's learning rate."""
+        """The cells of ``task``: one per token count, with its batch size, steps and the task's learning rates."""
         return [
-            PartAPlan(task, n, batch, steps, getattr(self, f"{task}_lr"))
+            PartAPlan(task, n, batch, steps, tuple(getattr(self, f"{task}_lrs")))
             for n, batch, steps in zip(
                 getattr(self, f"{task}_tokens"), getattr(self, f"{task}_batch_sizes"), getattr(self, f"{task}_steps")
             )
@@ -177,7 +225,7 @@ class ExperimentSettings:
         """Raise ``ValueError`` naming the first bad setting and how to fix it."""
         for name, chosen, known in (
             ("part_a_tasks", self.part_a_tasks, TASKS),
-            ("part_a_students", self.part_a_students, STUDENTS),
+            *((f"{task}_students", getattr(self, f"{task}_students"), STUDENTS) for task in TASKS),
             ("part_b_arms", self.part_b_arms, tuple(ARMS)),
         ):
             unknown = [v for v in chosen if v not in known]
@@ -197,33 +245,62 @@ class ExperimentSettings:
                     raise ValueError(
                         f"{task}_{what} ({values}) needs one entry per token count of {task}_tokens ({tokens})"
                     )
+            lrs = getattr(self, f"{task}_lrs")
+            if not lrs or len(set(lrs)) != len(lrs) or min(lrs) <= 0:
+                raise ValueError(f"{task}_lrs ({lrs}) must be one or more distinct positive learning rates")
             for n in tokens:
                 check_task_tokens(task, n, self.groups, self.recall_pairs)
+                block_layout(grid_side(n), self.block_side)
         grid_side(self.part_b_tokens)
         for name in ("part_a_seeds", "part_b_seeds"):
             seeds = getattr(self, name)
             if len(seeds) < 2 or len(set(seeds)) != len(seeds):
                 raise ValueError(f"{name} must be at least two distinct seeds (intervals need two), got {seeds}")
+        if self.sweep_seed in self.part_a_seeds:
+            raise ValueError(
+                f"sweep_seed ({self.sweep_seed}) is one of part_a_seeds {self.part_a_seeds}: the learning rates must "
+                "be chosen on a seed that is not reported; pick another"
+            )
 
-    def students_at(self, tokens: int) -> list[str]:
-        """The Part A students trained at ``tokens`` (softmax only up to ``softmax_max_tokens``)."""
-        return [k for k in self.part_a_students if k != "softmax" or tokens <= self.softmax_max_tokens]
+    def students_at(self, task: str, tokens: int) -> list[str]:
+        """The Part A students of ``task`` trained at ``tokens`` (softmax only up to ``softmax_max_tokens``)."""
+        return [k for k in getattr(self, f"{task}_students") if k != "softmax" or tokens <= self.softmax_max_tokens]
 
-    def task(self, name: str, tokens: int) -> Task:
-        """The Part A task ``name`` at ``tokens`` with these settings' sizes."""
+    def task(self, name: str, tokens: int, seed: int) -> Task:
+        """The Part A task ``name`` at ``tokens`` with these settings' sizes and blocks, its teacher drawn for
+        ``seed``."""
         return Task(
-            name, tokens, self.heads, self.head_dim, groups=self.groups, pairs=self.recall_pairs, keys=self.recall_keys
+            name,
+            tokens,
+            self.heads,
+            self.head_dim,
+            groups=self.groups,
+            pairs=self.recall_pairs,
+            keys=self.recall_keys,
+            block_side=self.block_side,
+            teacher_seed=TEACHER_SEED + seed,
         )
 
 
-def _part_a_unit(s: ExperimentSettings, plan: PartAPlan, seed: int) -> dict[str, Any]:
+def choose_rates(sweep: list[dict[str, Any]]) -> dict[str, float]:
+    """Student -> the learning rate of its sweep run (one per rate, one cell) whose training loss over the last
+    tenth of the steps was lowest; ties go to the smaller rate."""
+    best: dict[str, tuple[float, float]] = {}
+    for run in sweep:
+        key = (run["loss_curve"][-1], run["lr"])
+        if run["student"] not in best or key < best[run["student"]]:
+            best[run["student"]] = key
+    return {student: lr for student, (_, lr) in best.items()}
+
+
+def _part_a_unit(s: ExperimentSettings, plan: PartAPlan, seed: int, lr: float | dict[str, float]) -> dict[str, Any]:
     runs = train_students(
-        s.task(plan.task, plan.tokens),
-        s.students_at(plan.tokens),
+        s.task(plan.task, plan.tokens, seed),
+        s.students_at(plan.task, plan.tokens),
         seed,
         plan.steps,
         plan.batch_size,
-        plan.lr,
+        lr,
         s.part_a_eval_size,
         s.rank_max_tokens,
     )
@@ -257,15 +334,29 @@ def run_experiment(
         "schema": SCHEMA,
         "settings": dataclasses.asdict(s),
         "torch_threads": torch.get_num_threads(),
+        "sweeps": [],
         "part_a": [],
         "part_b": [],
     }
-    units_a = [(plan, seed) for task in s.part_a_tasks for plan in s.part_a_plan(task) for seed in s.part_a_seeds]
-    stages = Stages(out, total=len(units_a) + len(s.part_b_arms) * len(s.part_b_seeds), watched=("runs",), noun="unit")
-    for plan, seed in units_a:
-        unit = stages.run(f"a-{plan.task}-{plan.tokens}tok-seed{seed}", lambda: _part_a_unit(s, plan, seed))
-        report["part_a"] += [run | {"unit_seconds": unit["seconds"]} for run in unit["runs"]]
-        _save(out, report)
+    plans = [plan for task in s.part_a_tasks for plan in s.part_a_plan(task)]
+    sweeps = sum(len(plan.lrs) for plan in plans if len(plan.lrs) > 1)
+    total = sweeps + len(plans) * len(s.part_a_seeds) + len(s.part_b_arms) * len(s.part_b_seeds)
+    stages = Stages(out, total=total, watched=("runs",), noun="unit")
+    for plan in plans:
+        cell = f"a-{plan.task}-{plan.tokens}tok"
+        lr: float | dict[str, float] = plan.lrs[0]
+        if len(plan.lrs) > 1:
+            sweep = []
+            for rate in plan.lrs:
+                unit = stages.run(f"{cell}-sweep-lr{rate:g}", lambda: _part_a_unit(s, plan, s.sweep_seed, rate))
+                sweep += [run | {"unit_seconds": unit["seconds"]} for run in unit["runs"]]
+            report["sweeps"] += sweep
+            lr = choose_rates(sweep)
+            _save(out, report)
+        for seed in s.part_a_seeds:
+            unit = stages.run(f"{cell}-seed{seed}", lambda: _part_a_unit(s, plan, seed, lr))
+            report["part_a"] += [run | {"unit_seconds": unit["seconds"]} for run in unit["runs"]]
+            _save(out, report)
     for seed in s.part_b_seeds:
         for arm in s.part_b_arms:
             name = f"b-{arm}-{s.part_b_tokens}tok-seed{seed}"
@@ -298,7 +389,8 @@ def _save(out: Path, report: dict[str, Any]) -> None:
 def _unit_seconds(report: dict[str, Any]) -> float:
     """Wall seconds of every finished unit, every attempt included (a Part A unit is counted once, not per student)."""
     part_a = {(r["task"], r["tokens"], r["seed"]): r["unit_seconds"] for r in report["part_a"]}
-    return sum(part_a.values()) + sum(r["seconds"] for r in report["part_b"])
+    sweeps = {(r["task"], r["tokens"], r["lr"]): r["unit_seconds"] for r in report["sweeps"]}
+    return sum(part_a.values()) + sum(sweeps.values()) + sum(r["seconds"] for r in report["part_b"])
 
 
 def write_outputs(out: Path, report: dict[str, Any]) -> None:
@@ -338,15 +430,18 @@ def _estimate(s: ExperimentSettings, probe_steps: int) -> dict[str, Any]:
     rows = []
     for task in s.part_a_tasks:
         for plan in s.part_a_plan(task):
-            kinds = s.students_at(plan.tokens)
-            runs = train_students(s.task(task, plan.tokens), kinds, 0, probe_steps, plan.batch_size, plan.lr, 1, 0)
+            kinds = s.students_at(task, plan.tokens)
+            task_at = s.task(task, plan.tokens, 0)
+            runs = train_students(task_at, kinds, 0, probe_steps, plan.batch_size, plan.lrs[0], 1, 0)
             per_step = sum(r["cpu_seconds_per_step"] for r in runs) + runs[0]["teacher_cpu_seconds_per_step"]
+            trainings = len(s.part_a_seeds) + (len(plan.lrs) if len(plan.lrs) > 1 else 0)
             rows.append(
                 {
                     "part": "A",
-                    "what": f"{task} {plan.tokens} tokens, batch {plan.batch_size} ({', '.join(kinds)})",
+                    "what": f"{task} {plan.tokens} tokens, batch {plan.batch_size}, {trainings} trainings "
+                    f"({', '.join(kinds)})",
                     "seconds_per_step": per_step,
-                    "projected_seconds": per_step * plan.steps * len(s.part_a_seeds),
+                    "projected_seconds": per_step * plan.steps * trainings,
                 }
             )
     for arm in s.part_b_arms:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -67,6 +67,12 @@ STUDENT_KINDS = {
     "frozen: blocks and the same weights, no locality",
     "mhla-frozen": "MHLA with locality-initialised mixing, frozen",
     "mhla": "MHLA with locality-initialised mixing, learned",
+    "mhla-permuted": "MHLA (locality-initialised mixing, learned) on the tokens in a fixed random order: the same "
+    "number and size of blocks and the same learned mixing, each block a random set of tokens, so the blocks "
+    "add rank without spatial meaning",
+    "linear-wide": "global linear attention whose query and key heads are as wide as MHLA's rank bound (values "
+    "stay d wide): rank without blocks",
+    "mhla-lepe": "MHLA (locality-initialised mixing, learned) plus LePE",
     "mhla-per-head": "MHLA with one learned locality-initialised mixing matrix per head",
     "softmax": "softmax attention",
 }
@@ -77,7 +83,7 @@ POSITION_FREQUENCIES = 8  # per axis and per sin / cos: 32 position features
 LOCAL_WIDTH = 1.5  # the local teacher's positional bias width, in tokens
 GROUPS = 64  # the groups teacher's tags: the rank of its attention matrix
 RECALL_KEYS, RECALL_VALUES, RECALL_PAIRS = 128, 16, 64
-TEACHER_SEED, EVAL_SEED, SHUFFLE_SEED = 1234, 5678, 4321
+TEACHER_SEED, EVAL_SEED, SHUFFLE_SEED, PERMUTE_SEED = 1234, 5678, 4321, 8765
 FEATURE_EPS = 1e-6
 RANK_TOLERANCES = (1e-3, 1e-2)  # numerical rank: singular values above this fraction of the largest
 
@@ -89,6 +95,20 @@ def mhla_layout(side: int) -> tuple[int, int]:
     while side % (2 * k) == 0 and (2 * k) ** 2 <= side:
         k *= 2
     return (k, k)
+
+
+def block_layout(side: int, block_side: int | None) -> tuple[int, int]:
+    """The block layout on a ``side`` x ``side`` grid: blocks of ``block_side`` x ``block_side`` tokens, so
+    the block size stays the same across grids (``None``: :func:`mhla_layout`'s rule, whose blocks grow with
+    the grid). Raises naming both sizes when the block side does not divide the grid side."""
+    if block_side is None:
+        return mhla_layout(side)
+    if block_side < 1 or side % block_side:
+        raise ValueError(
+            f"blocks of {block_side}x{block_side} tokens do not tile a {side}x{side} grid; choose a block side "
+            f"that divides {side}"
+        )
+    return (side // block_side, side // block_side)
 
 
 def grid_side(tokens: int) -> int:
@@ -133,7 +153,9 @@ def check_task_tokens(name: str, tokens: int, groups: int = GROUPS, pairs: int =
 
 class Task:
     """One teacher at one grid size: draws batches (a pure function of the generator) and scores students.
-    ``groups`` (tags of the groups teacher, its rank), ``pairs`` and ``keys`` (recall) size the tasks."""
+    ``groups`` (tags of the groups teacher, its rank), ``pairs`` and ``keys`` (recall) size the tasks;
+    ``block_side`` sets the MHLA students' blocks (:func:`block_layout`); ``teacher_seed`` draws the local and
+    groups teachers' weights (the experiment draws one per seed)."""
 
     def __init__(
         self,
@@ -145,6 +167,8 @@ class Task:
         groups: int = GROUPS,
         pairs: int = RECALL_PAIRS,
         keys: int = RECALL_KEYS,
+        block_side: int | None = None,
+        teacher_seed: int = TEACHER_SEED,
     ) -> None:
         if name not in TASKS:
             raise ValueError(f"unknown task {name!r}: choose from {', '.join(TASKS)}")
@@ -155,7 +179,8 @@ class Task:
         self.groups, self.pairs, self.keys = groups, pairs, keys
         self.positions = position_features(self.side)
         self.heads, self.head_dim = heads, head_dim
-        g = torch.Generator().manual_seed(TEACHER_SEED)  # one teacher for every grid size and seed
+        self.layout = block_layout(self.side, block_side)  # the MHLA students' blocks
+        g = torch.Generator().manual_seed(teacher_seed)
         if name == "local":
             scale = CONTENT_DIM**-0.5
             self.teacher = {w: torch.randn(CONTENT_DIM, heads * head_dim, generator=g) * scale for w in "qkv"}
@@ -177,6 +202,12 @@ class Task:
     @property
     def out_dim(self) -> int:
         return RECALL_VALUES if self.name == "recall" else CONTENT_DIM
+
+    @property
+    def chance_loss(self) -> float | None:
+        """The loss of a student that answers at chance, where the task has one (recall: ``ln`` of the number of
+        values, the cross-entropy of a uniform guess)."""
+        return math.log(RECALL_VALUES) if self.name == "recall" else None
 
     @property
     def teacher_rank(self) -> int | None:
@@ -294,17 +325,44 @@ def shuffled_mixing(layout: tuple[int, int]) -> torch.Tensor:
             return mixing[:, perm]
 
 
-class AttentionStudent(nn.Module):
-    """One attention layer of ``kind`` (:data:`STUDENTS`) between linear maps, on a ``side`` x ``side`` grid."""
+def mhla_rank_bound(tokens: int, layout: tuple[int, int], head_dim: int) -> int:
+    """``sum_b min(n_b, d)`` over the equal blocks of ``layout`` on ``tokens`` tokens: the most the rank of an MHLA
+    attention matrix can be (each query block's rows are ``phi(Q_b)`` times one ``d`` x ``N`` matrix)."""
+    blocks = num_blocks(layout)
+    return blocks * min(tokens // blocks, head_dim)
 
-    def __init__(self, kind: str, in_dim: int, out_dim: int, side: int, heads: int, head_dim: int) -> None:
+
+def token_permutation(tokens: int) -> torch.Tensor:
+    """The fixed random order (from :data:`PERMUTE_SEED`) in which ``mhla-permuted`` lays ``tokens`` tokens on
+    its grid."""
+    return torch.randperm(tokens, generator=torch.Generator().manual_seed(PERMUTE_SEED))
+
+
+class AttentionStudent(nn.Module):
+    """One attention layer of ``kind`` (:data:`STUDENTS`) between linear maps, on a ``side`` x ``side`` grid;
+    the MHLA kinds cut it into ``layout`` blocks (default :func:`mhla_layout`)."""
+
+    def __init__(
+        self,
+        kind: str,
+        in_dim: int,
+        out_dim: int,
+        side: int,
+        heads: int,
+        head_dim: int,
+        layout: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         if kind not in STUDENTS:
             raise ValueError(f"unknown student {kind!r}: choose from {', '.join(STUDENTS)}")
         self.kind, self.grid, self.heads = kind, (side, side), heads
-        self.qkv = nn.Linear(in_dim, 3 * heads * head_dim)
+        blocks = layout or mhla_layout(side)
+        # linear-wide: queries and keys as wide as MHLA's rank bound at these blocks, values d wide
+        self.key_dim = mhla_rank_bound(side * side, blocks, head_dim) if kind == "linear-wide" else head_dim
+        self.qk = nn.Linear(in_dim, 2 * heads * self.key_dim)
+        self.v = nn.Linear(in_dim, heads * head_dim)
         self.out = nn.Linear(heads * head_dim, out_dim)
-        self.layout = mhla_layout(side) if kind.startswith("mhla") else (1, 1)
+        self.layout = blocks if kind.startswith("mhla") else (1, 1)
         m = num_blocks(self.layout)
         if kind == "mhla-uniform":
             mixing = torch.full((m, m), 1.0 / m)
@@ -314,19 +372,22 @@ class AttentionStudent(nn.Module):
             mixing = mixing_init(self.layout)  # locality-initialised; [[1]] for one block
         if kind == "mhla-per-head":
             mixing = mixing.expand(heads, -1, -1).clone()
-        if kind in ("mhla", "mhla-per-head"):
+        if kind in ("mhla", "mhla-per-head", "mhla-permuted", "mhla-lepe"):
             self.mixing = nn.Parameter(mixing)
         else:
             self.register_buffer("mixing", mixing, persistent=False)
         self.lepe = None
-        if kind == "linear-lepe":
+        if kind in ("linear-lepe", "mhla-lepe"):
             inner = heads * head_dim
             self.lepe = nn.Conv2d(inner, inner, kernel_size=3, padding=1, groups=inner)
+        self.order = token_permutation(side * side) if kind == "mhla-permuted" else None
         self.plan = block_plan(self.grid, self.layout)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values ``(B, N, H, D)`` (raw projections: the operator applies the feature map)."""
-        return tuple(t.unflatten(-1, (self.heads, -1)) for t in self.qkv(x).chunk(3, dim=-1))  # type: ignore[return-value]
+        """Queries and keys ``(B, N, H, key_dim)``, values ``(B, N, H, D)`` (raw projections: the operator applies
+        the feature map)."""
+        q, k = (t.unflatten(-1, (self.heads, -1)) for t in self.qk(x).chunk(2, dim=-1))
+        return q, k, self.v(x).unflatten(-1, (self.heads, -1))
 
     def lepe_term(self, v: torch.Tensor) -> torch.Tensor:
         """LePE's ``(B, N, H * D)`` term for values ``(B, N, H, D)``: a depthwise 3x3 convolution over the grid
@@ -338,6 +399,23 @@ class AttentionStudent(nn.Module):
         image = flat.transpose(1, 2).reshape(batch, channels, *self.grid)
         return self.lepe(image).reshape(batch, channels, n).transpose(1, 2)
 
+    def _linear(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The operator on ``(B, N, H, .)`` inputs, with ``mhla-permuted``'s tokens laid on the grid in its order."""
+        if self.order is None:
+            return mhla_attention(q, k, v, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS, plan=self.plan)
+        order = self.order
+        out = mhla_attention(
+            q[:, order],
+            k[:, order],
+            v[:, order],
+            self.grid,
+            self.layout,
+            self.mixing,
+            feature_eps=FEATURE_EPS,
+            plan=self.plan,
+        )
+        return torch.empty_like(out).index_copy_(1, order, out)  # back to grid order
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x)
         if self.kind == "softmax":
@@ -345,7 +423,7 @@ class AttentionStudent(nn.Module):
                 1, 2
             )
         else:
-            out = mhla_attention(q, k, v, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS, plan=self.plan)
+            out = self._linear(q, k, v)
         out = out.flatten(2)
         if self.lepe is not None:
             out = out + self.lepe_term(v)
@@ -363,16 +441,14 @@ class AttentionStudent(nn.Module):
             return scores.softmax(dim=-1)[0]
         n = x.shape[0]
         identity = torch.eye(n).expand(1, self.heads, n, n).transpose(1, 2)  # values (1, N, H, N)
-        return mhla_attention(
-            q, k, identity, self.grid, self.layout, self.mixing, feature_eps=FEATURE_EPS, plan=self.plan
-        )[0].transpose(0, 1)
+        return self._linear(q, k, identity)[0].transpose(0, 1)
 
 
-def rank_bound(kind: str, tokens: int, head_dim: int) -> int:
+def rank_bound(kind: str, tokens: int, head_dim: int, layout: tuple[int, int] | None = None) -> int:
     """The most the rank of a student's N x N attention matrix can be: ``d`` for global linear attention
     (with or without LePE, whose convolution is outside the matrix) and for uniform mixing (every query block
-    reads the same mixed summary), ``sum_b min(n_b, d)`` over the blocks for the other MHLA kinds (each query
-    block's rows are ``phi(Q_b)`` times one ``d`` x ``N`` matrix), ``N`` for softmax."""
+    reads the same mixed summary); :func:`mhla_rank_bound` at ``layout`` (default :func:`mhla_layout`) for the
+    other MHLA kinds and, through its wide heads, for ``linear-wide``; ``N`` for softmax."""
     side = grid_side(tokens)
     if kind not in STUDENTS:
         raise ValueError(f"unknown student {kind!r}: choose from {', '.join(STUDENTS)}")
@@ -380,9 +456,7 @@ def rank_bound(kind: str, tokens: int, head_dim: int) -> int:
         return tokens
     if kind in ("linear", "linear-lepe", "mhla-uniform"):
         return min(tokens, head_dim)
-    layout = mhla_layout(side)
-    block_tokens = tokens // num_blocks(layout)  # mhla_layout divides the grid: equal blocks
-    return num_blocks(layout) * min(block_tokens, head_dim)
+    return min(tokens, mhla_rank_bound(tokens, layout or mhla_layout(side), head_dim))
 
 
 def _rank_key(tolerance: float) -> str:
@@ -420,26 +494,29 @@ def train_students(
     seed: int,
     steps: int,
     batch_size: int,
-    lr: float,
+    lr: float | Mapping[str, float],
     eval_size: int,
     rank_max_tokens: int,
 ) -> list[dict[str, Any]]:
     """Fit one student of each of ``kinds`` to ``task`` from ``seed``, in lockstep on the same batches (one
-    teacher call per step serves them all). Per student: its held-out score, its training-loss curve (the mean
-    of each tenth of the steps), its CPU seconds per training step, and for ``N <= rank_max_tokens`` the
-    measures of each head's attention matrix on the first held-out input, averaged over heads, after training
-    (``rank``) and before (``rank_untrained``)."""
+    teacher call per step serves them all), with learning rate ``lr`` (or ``lr[kind]``). Per student: its
+    held-out score, its training-loss curve (the mean of each tenth of the steps), its CPU seconds per training
+    step, and for ``N <= rank_max_tokens`` the measures of each head's attention matrix on the first held-out
+    input, averaged over heads, after training (``rank``) and before (``rank_untrained``)."""
+    rates = {kind: float(lr[kind] if isinstance(lr, Mapping) else lr) for kind in kinds}
     students = {}
     for kind in kinds:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            students[kind] = AttentionStudent(kind, task.in_dim, task.out_dim, task.side, task.heads, task.head_dim)
+            students[kind] = AttentionStudent(
+                kind, task.in_dim, task.out_dim, task.side, task.heads, task.head_dim, task.layout
+            )
     held_out = task.held_out(eval_size)
     untrained = {
         kind: _rank_measures(student, held_out) if task.tokens <= rank_max_tokens else None
         for kind, student in students.items()
     }
-    optimizers = {kind: torch.optim.Adam(student.parameters(), lr=lr) for kind, student in students.items()}
+    optimizers = {kind: torch.optim.Adam(student.parameters(), lr=rates[kind]) for kind, student in students.items()}
     losses: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu = dict.fromkeys(kinds, 0.0) | {"teacher": 0.0}
     for step in range(steps):
@@ -456,7 +533,7 @@ def train_students(
             cpu[kind] += time.process_time() - began
     return [
         _measure(task, kind, student, held_out, seed, steps, losses[kind], cpu, rank_max_tokens)
-        | {"rank_untrained": untrained[kind]}
+        | {"lr": rates[kind], "rank_untrained": untrained[kind]}
         for kind, student in students.items()
     ]
 
@@ -499,7 +576,8 @@ def _measure(
         "cpu_seconds_per_step": round(cpu[kind] / max(steps, 1), 4),
         "teacher_cpu_seconds_per_step": round(cpu["teacher"] / max(steps, 1), 4),
         "layout": list(student.layout),
-        "rank_bound": rank_bound(kind, task.tokens, task.head_dim),
+        "rank_bound": rank_bound(kind, task.tokens, task.head_dim, task.layout),
         "teacher_rank": task.teacher_rank,
+        "chance_loss": task.chance_loss,
         "rank": _rank_measures(student, held_out) if task.tokens <= rank_max_tokens else None,
     }

@@ -32,7 +32,12 @@ __all__ = [
 #: Part A comparisons (a, b), a - b seed by seed, and the question each answers.
 PART_A_PAIRS = (
     ("mhla", "mhla-uniform", "MHLA against global linear attention"),
+    ("mhla-lepe", "linear-lepe", "MHLA + LePE against linear + LePE"),
     ("mhla", "linear-lepe", "MHLA against locality without blocks"),
+    ("mhla", "mhla-permuted", "locality: MHLA against the same blocks on permuted tokens"),
+    ("mhla-permuted", "mhla-uniform", "rank without locality: blocks of permuted tokens against no blocks"),
+    ("linear-wide", "mhla-uniform", "rank without blocks: wide heads against global linear attention"),
+    ("mhla", "linear-wide", "MHLA against wide-head linear attention of the same rank bound"),
     ("mhla-shuffled", "mhla-uniform", "blocks without locality against no blocks"),
     ("mhla-frozen", "mhla-shuffled", "local mixing against shuffled mixing"),
     ("mhla", "mhla-frozen", "learning the mixing"),
@@ -60,6 +65,9 @@ TASK_NAMES = {
     "recall": "associative recall",
 }
 NAMES = {
+    "mhla-permuted": "MHLA on permuted tokens (blocks without spatial meaning)",
+    "linear-wide": "wide-head global linear attention (MHLA's rank bound)",
+    "mhla-lepe": "MHLA (learned) with LePE",
     "linear": "global linear attention",
     "linear-lepe": "global linear attention with LePE",
     "mhla-uniform": "MHLA with uniform mixing, frozen (= global linear attention)",
@@ -70,6 +78,9 @@ NAMES = {
     "softmax": "softmax",
 }
 SHORT_NAMES = {
+    "mhla-permuted": "MHLA permuted",
+    "linear-wide": "linear wide",
+    "mhla-lepe": "MHLA + LePE",
     "linear": "linear",
     "linear-lepe": "linear + LePE",
     "mhla-uniform": "MHLA uniform (frozen)",
@@ -104,8 +115,16 @@ def _paired(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]], value: C
     return {"seeds": seeds, **paired_difference([a[s] for s in seeds], [b[s] for s in seeds])}
 
 
-def _correct(name: str, comparisons: list[dict[str, Any]]) -> dict[str, Any]:
-    """The family ``name``: Holm-corrected p per comparison, the call, and the MDD of those not established."""
+def _margin(settings: dict[str, Any], c: dict[str, Any]) -> float | None:
+    """The smallest effect of interest of comparison ``c``: its task's (Part A) or its measure's (Part B)."""
+    if "task" in c:
+        return settings.get(f"{c['task']}_margin")
+    return settings.get("part_b_asymmetry_margin" if c["metric"] == "asymmetry" else "part_b_loss_margin")
+
+
+def _correct(name: str, comparisons: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The family ``name``: Holm-corrected p per comparison, the call, the MDD of those not established, and
+    whether the 95 % interval lies within the smallest effect of interest (``equivalent``)."""
     adjusted = holm([c["p"] for c in comparisons])
     m = sum(p is not None for p in adjusted)
     for c, p in zip(comparisons, adjusted):
@@ -116,6 +135,9 @@ def _correct(name: str, comparisons: list[dict[str, Any]]) -> dict[str, Any]:
             if not c["established"] and c["sd"] is not None and m
             else None
         )
+        margin = _margin(settings, c)
+        c["margin"] = margin
+        c["equivalent"] = margin is not None and c["low"] is not None and -margin <= c["low"] and c["high"] <= margin
     return {"family": name, "size": m, "alpha": ALPHA, "power": POWER, "comparisons": comparisons}
 
 
@@ -134,10 +156,79 @@ def recall_reported(report: dict[str, Any]) -> dict[int, str]:
     return dropped
 
 
+def did_not_train(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The students (task, token count) that ended a seed with their training loss over the last tenth of the
+    steps above ``chance_fraction`` of the chance loss, with those seeds: kept out of the comparisons."""
+    fraction = report["settings"]["chance_fraction"]
+    out = []
+    for (task, student, tokens), runs in _groups(report["part_a"], "task", "student", "tokens").items():
+        stuck = [r["seed"] for r in runs if r["chance_loss"] and r["loss_curve"][-1] > fraction * r["chance_loss"]]
+        if stuck:
+            out.append({"task": task, "student": student, "tokens": tokens, "seeds": sorted(stuck)})
+    return out
+
+
+def _sweeps(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per swept cell and student: the training loss over the last tenth of the steps at each learning rate,
+    and the rate chosen (the lowest loss)."""
+    from .experiment import choose_rates
+
+    rows = []
+    for (task, tokens), runs in _groups(report["sweeps"], "task", "tokens").items():
+        chosen = choose_rates(runs)
+        for (student,), members in _groups(runs, "student").items():
+            rows.append(
+                {
+                    "task": task,
+                    "tokens": tokens,
+                    "student": student,
+                    "final_loss": {f"{r['lr']:g}": r["loss_curve"][-1] for r in members},
+                    "chosen": chosen[student],
+                }
+            )
+    return rows
+
+
+def _gap_closed(part_a: dict[tuple, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Where softmax ran on a teacher scored by its error: the share of the gap between global linear attention
+    (uniform mixing) and softmax that MHLA closes, ``(uniform - MHLA) / (uniform - softmax)`` seed by seed, as
+    mean and 95 % interval."""
+    out = []
+    for (task, student, tokens), runs in part_a.items():
+        if student != "mhla" or task == "recall":
+            continue
+        uniform, softmax = part_a.get((task, "mhla-uniform", tokens)), part_a.get((task, "softmax", tokens))
+        if not uniform or not softmax:
+            continue
+        by_seed = [{r["seed"]: r["score"] for r in group} for group in (runs, uniform, softmax)]
+        seeds = sorted(set(by_seed[0]) & set(by_seed[1]) & set(by_seed[2]))
+        shares = [(by_seed[1][s] - by_seed[0][s]) / (by_seed[1][s] - by_seed[2][s]) for s in seeds]
+        if shares:
+            out.append({"task": task, "tokens": tokens, "share": interval(shares)})
+    return out
+
+
+def _overall(families: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every comparison of every family under one Holm correction: how many stay established."""
+    everything = [c for f in families for c in f["comparisons"]]
+    adjusted = holm([c["p"] for c in everything])
+    in_families = sum(c["established"] for c in everything)
+    overall = sum(p is not None and p < ALPHA for p in adjusted)
+    lost = sum(c["established"] and not (p is not None and p < ALPHA) for c, p in zip(everything, adjusted))
+    return {
+        "size": sum(p is not None for p in adjusted),
+        "established_in_families": in_families,
+        "established_overall": overall,
+        "lost": lost,
+    }
+
+
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
     """Intervals per (task, student, N); the rank measures after and before training against their bounds;
-    the recall token counts left out; and the named families of paired comparisons (Part A per task, Part B
-    per measure), each Holm-corrected; Part B's intervals per arm."""
+    the learning-rate sweeps; the students that did not train and the recall token counts left out; the named
+    families of paired comparisons (Part A per task, Part B per measure), each Holm-corrected, with the count
+    that survives one correction over all; MHLA's share of the gap to softmax; Part B's intervals per arm."""
+    settings = report["settings"]
     part_a = _groups(report["part_a"], "task", "student", "tokens")
     scores = [
         {"task": t, "student": k, "tokens": n, "score": interval([r["score"] for r in runs])}
@@ -157,12 +248,14 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         if runs[0]["rank"] is not None
     ]
     dropped = recall_reported(report) if any(r["task"] == "recall" for r in report["part_a"]) else {}
+    untrained = did_not_train(report)
+    stuck = {(d["task"], d["student"], d["tokens"]) for d in untrained}
     families = []
     for (task,), runs in _groups(report["part_a"], "task").items():
         comparisons = []
         for a, b, question in PART_A_PAIRS:
             for n in sorted({r["tokens"] for r in runs}):
-                if task == "recall" and n in dropped:
+                if task == "recall" and n in dropped or (task, a, n) in stuck or (task, b, n) in stuck:
                     continue
                 if (task, a, n) in part_a and (task, b, n) in part_a:
                     diff = _paired(part_a[task, a, n], part_a[task, b, n], lambda r: r["score"])
@@ -171,7 +264,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
                             {"task": task, "tokens": n, "a": a, "b": b, "question": question, "metric": "score"} | diff
                         )
         if comparisons:
-            families.append(_correct(f"Part A, {TASK_NAMES[task]}", comparisons))
+            families.append(_correct(f"Part A, {TASK_NAMES[task]}", comparisons, settings))
     part_b = _groups(report["part_b"], "arm")
     arms = [
         {
@@ -190,7 +283,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
             and (diff := _paired(part_b[a,], part_b[b,], lambda r, m=metric: r[m])) is not None
         ]
         if comparisons:
-            families.append(_correct(f"Part B, {MEASURE_NAMES[metric]}", comparisons))
+            families.append(_correct(f"Part B, {MEASURE_NAMES[metric]}", comparisons, settings))
     timesteps = list(report["part_b"][0]["held_out_loss"]) if report["part_b"] else []
     comparisons = [
         {"a": a, "b": b, "metric": "held_out_loss", "timestep": t} | diff
@@ -201,12 +294,16 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         and (diff := _paired(part_b[a,], part_b[b,], lambda r, t=t: r["held_out_loss"][t])) is not None
     ]
     if comparisons:
-        families.append(_correct("Part B, held-out denoising loss per timestep", comparisons))
+        families.append(_correct("Part B, held-out denoising loss per timestep", comparisons, settings))
     return {
         "part_a": scores,
         "rank": ranks,
+        "sweeps": _sweeps(report),
+        "did_not_train": untrained,
         "recall_dropped": [{"tokens": n, "why": why} for n, why in sorted(dropped.items())],
         "families": families,
+        "overall": _overall(families),
+        "gap_closed": _gap_closed(part_a),
         "part_b": arms,
     }
 
@@ -285,7 +382,10 @@ def table_markdown(report: dict[str, Any]) -> str:
             f"**Part A, {TASK_NAMES[task]}** ({SCORE_NAMES[task]}; held out; mean [95 % interval] over "
             f"{len(s['part_a_seeds'])} seeds; steps / batch: "
             + ", ".join(f"{steps[n]} / {batches[n]} at {n}" for n in tokens)
-            + f"; learning rate {s[f'{task}_lr']:g})",
+            + "; learning rate "
+            + ("swept over " if len(s[f"{task}_lrs"]) > 1 else "")
+            + ", ".join(f"{lr:g}" for lr in s[f"{task}_lrs"])
+            + ")",
             "",
             *_header(["attention", *[f"{n} tokens" for n in tokens]]),
         ]
