@@ -223,6 +223,31 @@ def _overall(families: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _tallies(families: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per Part A task and pair of :data:`PART_A_PAIRS`: over its token counts, how many comparisons are
+    established in ``a``'s favour, in ``b``'s, practically nil (established, interval within the margin) and
+    equivalent (not established, interval within the margin)."""
+    out = []
+    for family in families:
+        for a, b, _ in PART_A_PAIRS:
+            found = [c for c in family["comparisons"] if c.get("task") and c["a"] == a and c["b"] == b]
+            if not found:
+                continue
+            out.append(
+                {
+                    "task": found[0]["task"],
+                    "a": a,
+                    "b": b,
+                    "cells": len(found),
+                    "a_better": sum(c["established"] and _better(c) and not c["equivalent"] for c in found),
+                    "b_better": sum(c["established"] and not _better(c) and not c["equivalent"] for c in found),
+                    "nil": sum(c["established"] and c["equivalent"] for c in found),
+                    "equivalent": sum(not c["established"] and c["equivalent"] for c in found),
+                }
+            )
+    return out
+
+
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
     """Intervals per (task, student, N); the rank measures after and before training against their bounds;
     the learning-rate sweeps; the students that did not train and the recall token counts left out; the named
@@ -303,6 +328,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "recall_dropped": [{"tokens": n, "why": why} for n, why in sorted(dropped.items())],
         "families": families,
         "overall": _overall(families),
+        "tallies": _tallies(families),
         "gap_closed": _gap_closed(part_a),
         "part_b": arms,
     }
@@ -338,16 +364,25 @@ def _lower_is_better(c: dict[str, Any]) -> bool:
     return c.get("task") != "recall"
 
 
+def _better(c: dict[str, Any]) -> bool:
+    """Whether ``a`` did better than ``b`` in comparison ``c`` (whatever its call)."""
+    return (c["mean"] < 0) == _lower_is_better(c)
+
+
 def comparison_words(c: dict[str, Any]) -> str:
     """One comparison in words, no stronger than its corrected p: ``lower by ...`` / ``higher by ...`` only
-    where established, else ``not established`` with the minimal detectable difference."""
+    where established (and then ``practically nil`` where its interval lies within the smallest effect of
+    interest), else ``not established``, with ``equivalent within +-margin`` where the interval says so and the
+    minimal detectable difference."""
     stats = f"{_diff_interval(c)}, p = {_p(c['p'])}, Holm p = {_p(c['p_holm'])}, {c['n']} seeds"
+    margin = c.get("margin")
     if c["established"]:
         direction = "lower" if c["mean"] < 0 else "higher"
-        better = (c["mean"] < 0) == _lower_is_better(c)
-        return f"{direction} ({'better' if better else 'worse'}): {stats}"
+        nil = f"; practically nil (interval within ±{margin:g})" if c.get("equivalent") else ""
+        return f"{direction} ({'better' if _better(c) else 'worse'}): {stats}{nil}"
+    equivalent = f", equivalent within ±{margin:g}" if c.get("equivalent") else ""
     mdd = "" if c["mdd"] is None else f"; 80 % power only for differences of at least {_num(c['mdd'], 2)}"
-    return f"not established: {stats}{mdd}"
+    return f"not established{equivalent}: {stats}{mdd}"
 
 
 def _where(c: dict[str, Any]) -> str:
