@@ -24,13 +24,19 @@ from .report import (
     comparison_words,
 )
 
-__all__ = ["README_HEADING", "readme_section", "replace_readme_section", "reproduce_doc", "write_docs"]
+__all__ = [
+    "README_HEADING",
+    "conclusion",
+    "readme_section",
+    "recommendation",
+    "replace_readme_section",
+    "reproduce_doc",
+    "write_docs",
+]
 
 README_HEADING = "## Attentions compared"
 DOC_LINK = "docs/reproduce.md"
 WIDTH = 115  # the README's and docs' line width
-#: the students whose ranks the README names (the page names all)
-README_RANK_STUDENTS = ("mhla-uniform", "mhla", "softmax")
 _GLUE = "\x00"  # a space that textwrap does not break at
 
 
@@ -101,7 +107,8 @@ def _pair_line(family: dict[str, Any], a: str, b: str) -> str | None:
 
 
 def _short_pair(family: dict[str, Any], a: str, b: str) -> str | None:
-    """The calls of ``a - b`` over token counts, briefly: where established (with the differences), where not."""
+    """The calls of ``a - b`` over token counts, briefly: where established (with the differences, and
+    ``practically nil`` where the interval lies within the margin), where not (with the equivalence or the MDD)."""
     found = [c for c in family["comparisons"] if c["a"] == a and c["b"] == b]
     if not found:
         return None
@@ -111,13 +118,21 @@ def _short_pair(family: dict[str, Any], a: str, b: str) -> str | None:
     if called:
         parts.append(
             "established at "
-            + ", ".join(f"{c['tokens']} ({c['mean']:+.2g}, Holm p = {c['p_holm']:.2g})" for c in called)
+            + ", ".join(
+                f"{c['tokens']} ({c['mean']:+.2g}, Holm p = {c['p_holm']:.2g}"
+                + (f", practically nil: within ±{c['margin']:g}" if c["equivalent"] else "")
+                + ")"
+                for c in called
+            )
         )
     if rest:
         parts.append(
             "not established at "
             + ", ".join(
-                f"{c['tokens']} ({c['mean']:+.2g}" + ("" if c["mdd"] is None else f", MDD {c['mdd']:.2g}") + ")"
+                f"{c['tokens']} ({c['mean']:+.2g}"
+                + (f", equivalent within ±{c['margin']:g}" if c["equivalent"] else "")
+                + ("" if c["mdd"] is None else f", MDD {c['mdd']:.2g}")
+                + ")"
                 for c in rest
             )
         )
@@ -133,40 +148,232 @@ def _score_range(summary: dict[str, Any], task: str, student: str) -> str | None
     return ", ".join(f"{r['score']['mean']:.3f} at {r['tokens']}" for r in rows)
 
 
-def _rank_line(summary: dict[str, Any], task: str, students: tuple[str, ...] | None = None) -> str | None:
-    rows = [r for r in summary["rank"] if r["task"] == task and (students is None or r["student"] in students)]
+def _rank_line(summary: dict[str, Any], task: str, untrained: bool = True) -> str | None:
+    """Every student's numerical rank at 1e-2 (``untrained``: untrained -> trained, with the 1e-3 ranks) of its
+    bound, at each token count."""
+    rows = [r for r in summary["rank"] if r["task"] == task]
     if not rows:
         return None
     parts = []
     for student in dict.fromkeys(r["student"] for r in rows):
         cells = ", ".join(
-            f"{r['untrained']['rank_1e-2']['mean']:.0f} -> {r['trained']['rank_1e-2']['mean']:.0f} "
-            f"(1e-3: {r['untrained']['rank_1e-3']['mean']:.0f} -> {r['trained']['rank_1e-3']['mean']:.0f}) of "
-            f"{r['bound']} at {r['tokens']}"
+            (
+                f"{r['untrained']['rank_1e-2']['mean']:.0f} -> {r['trained']['rank_1e-2']['mean']:.0f} "
+                f"(1e-3: {r['untrained']['rank_1e-3']['mean']:.0f} -> {r['trained']['rank_1e-3']['mean']:.0f})"
+                if untrained
+                else f"{r['trained']['rank_1e-2']['mean']:.0f}"
+            )
+            + f" of {r['bound']} at {r['tokens']}"
             for r in sorted((r for r in rows if r["student"] == student), key=lambda r: r["tokens"])
         )
         parts.append(f"{SHORT_NAMES[student]} {cells}")
     return "; ".join(parts)
 
 
+def _trained_ranks(summary: dict[str, Any], task: str) -> str | None:
+    """Every student's trained rank at 1e-2 over its bound at each token count, briefly (``MHLA 120/128, 400/512``)."""
+    rows = [r for r in summary["rank"] if r["task"] == task]
+    if not rows:
+        return None
+    return ", ".join(
+        f"{SHORT_NAMES[student]} "
+        + " ".join(
+            f"{r['trained']['rank_1e-2']['mean']:.0f}/{r['bound']}"
+            for r in sorted((r for r in rows if r["student"] == student), key=lambda r: r["tokens"])
+        )
+        for student in dict.fromkeys(r["student"] for r in rows)
+    )
+
+
 def _part_b_means(summary: dict[str, Any], measure: str, digits: int) -> str:
     return ", ".join(f"{SHORT_NAMES[r['arm']]} {r[measure]['mean']:.{digits}f}" for r in summary["part_b"])
 
 
+def _tally(summary: dict[str, Any], a: str, b: str, tasks: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [t for t in summary["tallies"] if t["a"] == a and t["b"] == b and t["task"] in tasks]
+
+
+def _tally_words(tallies: list[dict[str, Any]], side: str) -> str:
+    """``local teacher 2 of 2 token counts, groups teacher 0 of 2`` for ``side`` (``a_better`` / ``b_better``)."""
+    return ", ".join(f"{TASK_NAMES[t['task']].split(' (')[0]} {t[side]} of {t['cells']}" for t in tallies)
+
+
+TEACHERS = ("local", "groups")
+
+
+def conclusion(summary: dict[str, Any]) -> list[str]:
+    """What the controls support, from the tallies of the local and groups teachers: locality (MHLA against the
+    same blocks on permuted tokens), rank without locality (blocks of permuted tokens and wide heads, each against
+    global linear attention), as sentences that state only established calls."""
+    locality = _tally(summary, "mhla", "mhla-permuted", TEACHERS)
+    permuted = _tally(summary, "mhla-permuted", "mhla-uniform", TEACHERS)
+    wide = _tally(summary, "linear-wide", "mhla-uniform", TEACHERS)
+    if not locality or not permuted or not wide:
+        return []
+    local_gain = sum(t["a_better"] for t in locality)
+    rank_gain = sum(t["a_better"] for t in permuted + wide)
+    if local_gain and not rank_gain:
+        verdict = (
+            "The controls point to locality, not rank: extra rank without spatial meaning (blocks of permuted "
+            "tokens, or wide heads with MHLA's rank bound) is established in its favour against global linear "
+            "attention nowhere, while MHLA's blocks on the grid are, against the same blocks on permuted tokens."
+        )
+    elif local_gain and rank_gain:
+        verdict = (
+            "The controls show both: the same blocks on the grid are established in MHLA's favour against the "
+            "same blocks on permuted tokens, and extra rank without spatial meaning is too, against global linear "
+            "attention."
+        )
+    elif rank_gain:
+        verdict = (
+            "The controls point to rank, not locality: extra rank without spatial meaning is established in its "
+            "favour against global linear attention, while MHLA's blocks on the grid are not, against the same "
+            "blocks on permuted tokens."
+        )
+    else:
+        verdict = (
+            "Neither locality nor rank alone is established to help on these teachers: neither MHLA against the "
+            "same blocks on permuted tokens nor extra rank against global linear attention."
+        )
+    return [
+        verdict,
+        f"Cells established in favour of MHLA against MHLA permuted: {_tally_words(locality, 'a_better')}; of "
+        f"MHLA permuted against global linear attention: {_tally_words(permuted, 'a_better')}; of wide heads "
+        f"against global linear attention: {_tally_words(wide, 'a_better')}.",
+    ]
+
+
+def recommendation(summary: dict[str, Any]) -> str | None:
+    """What to convert to, from MHLA + LePE against linear + LePE on every task: established calls only."""
+    tallies = _tally(summary, "mhla-lepe", "linear-lepe", ("local", "groups", "recall"))
+    if not tallies:
+        return None
+    ahead = [t for t in tallies if t["a_better"]]
+    behind = [t for t in tallies if t["b_better"]]
+    names = lambda ts: ", ".join(TASK_NAMES[t["task"]].split(" (")[0] for t in ts)  # noqa: E731
+    if ahead and not behind:
+        return (
+            f"Convert to MHLA + LePE rather than linear attention + LePE: it is established ahead on the "
+            f"{names(ahead)} and behind nowhere."
+        )
+    if behind and not ahead:
+        return (
+            f"Linear attention + LePE is the conversion these tasks support: MHLA + LePE is established behind it "
+            f"on the {names(behind)} and ahead nowhere."
+        )
+    if ahead and behind:
+        return (
+            f"No single recommendation: MHLA + LePE is established ahead of linear attention + LePE on the "
+            f"{names(ahead)} and behind it on the {names(behind)}."
+        )
+    return "MHLA + LePE and linear attention + LePE are not told apart on any task: either converts as well."
+
+
+def _gap_words(summary: dict[str, Any]) -> str | None:
+    rows = summary["gap_closed"]
+    if not rows:
+        return None
+    return "; ".join(
+        f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens "
+        f"{g['share']['mean']:.0%} [{g['share']['low']:.0%}, {g['share']['high']:.0%}]"
+        if g["share"]["low"] is not None
+        else f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens {g['share']['mean']:.0%}"
+        for g in rows
+    )
+
+
+def _recall_words(summary: dict[str, Any]) -> list[str]:
+    """The recall sweep's chosen rates and the students that did not train."""
+    out = []
+    for (task, tokens), rows in _by_cell(summary["sweeps"]).items():
+        out.append(f"{tokens} tokens: " + ", ".join(f"{SHORT_NAMES[r['student']]} {r['chosen']:g}" for r in rows))
+    chosen = "; ".join(out)
+    stuck = [d for d in summary["did_not_train"]]
+    parts = []
+    if chosen:
+        parts.append(f"learning rates chosen on the sweep seed: {chosen}")
+    if stuck:
+        parts.append(
+            "did not train (kept out of the calls): "
+            + ", ".join(f"{SHORT_NAMES[d['student']]} at {d['tokens']}" for d in stuck)
+        )
+    else:
+        parts.append("every student left the chance plateau on every seed")
+    return parts
+
+
+def _by_cell(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["task"], r["tokens"]), []).append(r)
+    return cells
+
+
+#: the Part A pairs the README names per teacher, grouped by the question they answer
+README_PAIRS = (
+    ("Locality", (("mhla", "mhla-permuted"), ("mhla-frozen", "mhla-shuffled"))),
+    ("Rank without locality", (("mhla-permuted", "mhla-uniform"), ("linear-wide", "mhla-uniform"))),
+    ("MHLA against global linear attention", (("mhla", "mhla-uniform"),)),
+    ("What to convert to", (("mhla-lepe", "linear-lepe"),)),
+)
+
+
+def _pairs_words(summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) -> str:
+    out = []
+    for task in ("local", "groups", "recall"):
+        family = _family(summary, f"Part A, {TASK_NAMES[task]}")
+        if family is None:
+            continue
+        bits = [f"{SHORT_NAMES[a]} - {SHORT_NAMES[b]} {line}" for a, b in pairs if (line := _short_pair(family, a, b))]
+        if bits:
+            out.append(f"{TASK_NAMES[task].split(' (')[0]}: " + "; ".join(bits))
+    return ". ".join(out)
+
+
+def _part_b_words(summary: dict[str, Any], s: dict[str, Any]) -> str | None:
+    loss = _family(summary, "Part B, held-out denoising loss")
+    symmetry = _family(summary, "Part B, sample asymmetry")
+    if loss is None:
+        return None
+    wanted = (("mhla", "linear"), ("mhla", "linear-lepe"))
+    parts = [
+        f"loss {SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}: {comparison_words(c)}"
+        for c in loss["comparisons"]
+        if (c["a"], c["b"]) in wanted
+    ]
+    if symmetry is not None:
+        parts += [
+            f"asymmetry {SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}: {comparison_words(c)}"
+            for c in symmetry["comparisons"]
+            if (c["a"], c["b"]) in wanted
+        ]
+    return (
+        f"**Denoising mirror-symmetric images ({s['part_b_tokens']} tokens).** Held-out loss "
+        f"{_part_b_means(summary, 'mean_held_out_loss', 3)}; sample asymmetry (0: symmetric) "
+        f"{_part_b_means(summary, 'asymmetry', 2)}; " + "; ".join(parts) + "."
+    )
+
+
+def _overall_words(summary: dict[str, Any]) -> str:
+    o = summary["overall"]
+    return (
+        f"Of {o['size']} comparisons, {o['established_in_families']} are established within their families and "
+        f"{o['established_overall']} under one Holm correction over all of them."
+    )
+
+
 def readme_section(report: dict[str, Any]) -> str:
-    """The README's "Attentions compared" section (heading included, ending in a blank line)."""
+    """The README's "Attentions compared" section (heading included, ending in a blank line): the conclusion the
+    controls support first, then each question's calls with their sizes."""
     _check(report)
     s, summary = report["settings"], report["summary"]
     lines = [
         README_HEADING,
         "",
-        f"`mhla reproduce` fits one attention layer to three fixed teachers (a local softmax attention, a "
-        f"non-local teacher whose attention matrix has rank {s['groups']}, associative recall with "
-        f"{s['recall_pairs']} pairs; head dimension {s['head_dim']}) with controls that separate locality from "
-        "rank: global linear attention with LePE, MHLA with uniform mixing (which is global linear attention), "
-        "with shuffled non-local mixing, with local mixing frozen and learned, and softmax. It then trains a small "
-        "DiT denoiser from scratch on mirror-symmetric images with softmax, linear attention and MHLA, paired by "
-        "seed:",
+        f"`mhla reproduce` fits one attention layer to a local teacher, a non-local teacher of rank {s['groups']} "
+        f"and associative recall, with controls that separate locality from rank (MHLA's blocks on permuted "
+        "tokens, linear attention with heads as wide as MHLA's rank bound, shuffled mixing, LePE with and without "
+        "MHLA, softmax), then trains a small DiT denoiser on mirror-symmetric images:",
         "",
         "```bash",
         f"mhla reproduce            # the full run: {_minutes(report['seconds'])} minutes with "
@@ -175,46 +382,36 @@ def readme_section(report: dict[str, Any]) -> str:
         "```",
         "",
         f"What the committed run ([docs/reproduce/](docs/reproduce/table.md), {len(s['part_a_seeds'])} seeds in "
-        f"Part A, {len(s['part_b_seeds'])} in Part B) shows. Differences are paired by seed and called only where "
-        "the Holm-corrected p within their family is below 0.05; MDD is the difference the design detects with "
-        "80 % power:",
+        f"Part A, a teacher drawn per seed, {len(s['part_b_seeds'])} in Part B) shows. Differences are paired by "
+        "seed and called only where the Holm-corrected p within their family is below 0.05; MDD is the difference "
+        "the design detects with 80 % power; smallest effects of interest, fixed before the run: relative error "
+        f"±{s['local_margin']:g}, recall accuracy ±{s['recall_margin']:g}, Part B loss "
+        f"±{s['part_b_loss_margin']:g} and asymmetry ±{s['part_b_asymmetry_margin']:g}.",
         "",
     ]
-    for task in s["part_a_tasks"]:
-        family = _family(summary, f"Part A, {TASK_NAMES[task]}")
-        if family is None:
-            continue
-        bits = []
-        for a, b, question in PART_A_PAIRS[:4]:
-            line = _short_pair(family, a, b)
-            if line:
-                bits.append(f"{_capital(question)} ({SHORT_NAMES[a]} - {SHORT_NAMES[b]}): {line}")
-        lines.append(
-            f"- **{TASK_NAMES[task][0].upper() + TASK_NAMES[task][1:]}** ({SCORE_NAMES[task]}). "
-            + ". ".join(bits)
-            + "."
-        )
-    if summary["recall_dropped"]:
-        lines.append(
-            "- **Recall left out** at "
-            + "; ".join(f"{d['tokens']} tokens ({d['why']})" for d in summary["recall_dropped"])
-            + "."
-        )
-    for task in s["part_a_tasks"]:
-        rank = _rank_line(summary, task, README_RANK_STUDENTS)
-        if rank and task != "recall":
-            lines.append(f"- **Rank at 1e-2, {TASK_NAMES[task]}**, untrained -> trained of its bound: {rank}.")
-    family = _family(summary, "Part B, held-out denoising loss")
-    if family:
-        parts = [
-            f"{SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}: {comparison_words(c)}"
-            for c in family["comparisons"]
-            if (c["a"], c["b"]) in (("mhla", "linear"), ("mhla", "linear-lepe"))
-        ]
-        lines.append(
-            f"- **Denoising mirror-symmetric images ({s['part_b_tokens']} tokens)**, held-out loss "
-            f"{_part_b_means(summary, 'mean_held_out_loss', 3)}; " + "; ".join(parts) + "."
-        )
+    lead = conclusion(summary)
+    if lead:
+        lines += [f"**{lead[0]}**", ""]
+    for title, pairs in README_PAIRS:
+        words = _pairs_words(summary, pairs)
+        if words:
+            lines.append(f"- **{title}** (a - b). {words}.")
+    gap = _gap_words(summary)
+    if gap:
+        lines.append(f"- **How much of the gap to softmax MHLA closes** (relative error): {gap}.")
+    advice = recommendation(summary)
+    if advice:
+        lines.append(f"- **Recommendation.** {advice}")
+    recall = _recall_words(summary)
+    if recall:
+        lines.append("- **Recall**: " + "; ".join(recall) + ".")
+    ranks = [f"{TASK_NAMES[t].split(' (')[0]}: {line}" for t in TEACHERS if (line := _trained_ranks(summary, t))]
+    if ranks:
+        lines.append("- **Trained rank at 1e-2 / its bound**, per token count: " + ". ".join(ranks) + ".")
+    part_b = _part_b_words(summary, s)
+    if part_b:
+        lines.append(f"- {part_b}")
+    lines.append(f"- {_overall_words(summary)}")
     lines += ["", f"Every number, the figures and how the experiment is built: [{DOC_LINK}]({DOC_LINK}).", ""]
     return _wrap(lines)
 
@@ -229,13 +426,25 @@ def replace_readme_section(readme: str, section: str) -> str:
     return readme[:start] + section + readme[end:]
 
 
+def _students(s: dict[str, Any], task: str) -> str:
+    return ", ".join(SHORT_NAMES[k] for k in s[f"{task}_students"])
+
+
+def _plans(s: dict[str, Any], task: str) -> str:
+    """``1000 steps at 256, 600 at 1024`` for ``task``."""
+    steps = [f"{n}" for n in s[f"{task}_steps"]]
+    return ", ".join(
+        f"{st} steps at {n}" if i == 0 else f"{st} at {n}" for i, (st, n) in enumerate(zip(steps, s[f"{task}_tokens"]))
+    )
+
+
 def reproduce_doc(report: dict[str, Any]) -> str:
     """The whole ``docs/reproduce.md``: the design (from the settings), how to run it, and the results (from the
-    summary), each comparison with its corrected p."""
+    summary): the conclusion first, then every comparison with its corrected p."""
     _check(report)
     s, summary = report["settings"], report["summary"]
     seeds_a, seeds_b = len(s["part_a_seeds"]), len(s["part_b_seeds"])
-    kinds = ", ".join(NAMES[k] for k in s["part_a_students"])
+    batches = sorted({b for task in s["part_a_tasks"] for b in s[f"{task}_batch_sizes"]})
     lines = [
         "# Attentions compared (`mhla reproduce`)",
         "",
@@ -243,32 +452,63 @@ def reproduce_doc(report: dict[str, Any]) -> str:
         "written from the committed run's `report.json` by `mhla reproduce --docs` (so is the README section).",
         "",
         f"**Part A, the operator in isolation.** One attention layer ({s['heads']} heads of dimension "
-        f"{s['head_dim']}) is fitted to a fixed teacher on square token grids, {seeds_a} seeds per cell. Three "
-        f"teachers: a sharp local softmax attention (local teacher; {_tokens(s['local_tokens'])} tokens); a "
-        f"teacher that is not local, each token's output the mean over the tokens sharing its tag of "
-        f"{s['groups']} (groups teacher: its attention matrix has rank {s['groups']} by construction; "
-        f"{_tokens(s['groups_tokens'])} tokens); and associative recall with {s['recall_pairs']} key-value pairs "
-        f"(keys from {s['recall_keys']}; {_tokens(s['recall_tokens'])} tokens), reported only where softmax "
-        f"recalls at least {s['recall_softmax_floor']:.0%} on average. Students: {kinds} (softmax up to "
-        f"{s['softmax_max_tokens']} tokens). MHLA with uniform mixing computes global linear attention; shuffled "
-        "mixing gives MHLA's blocks the same weights with no relation to distance, so blocks without locality "
-        "against no blocks isolates the rank MHLA's blocks add, and local against shuffled mixing its locality. "
-        "The students of one task, token count and seed train on the same batches. Reported: the held-out "
-        "relative error against the teacher (recall accuracy for recall) as mean and 95 % interval; and, for "
-        f"N <= {s['rank_max_tokens']}, each student's N x N attention matrix before and after training: its "
-        "numerical rank at tolerances 1e-3 and 1e-2, effective rank and row entropy, beside its bound.",
+        f"{s['head_dim']}) is fitted to a teacher on square token grids, {seeds_a} seeds per cell; the local and "
+        "groups teachers are drawn anew for every seed, so seeds vary the teacher as well as the initial weights "
+        "and batches. Three tasks: a sharp local softmax attention (local teacher; "
+        f"{_tokens(s['local_tokens'])} tokens); a teacher that is not local, each token's output the mean over "
+        f"the tokens sharing its tag of {s['groups']} (groups teacher: its attention matrix has rank "
+        f"{s['groups']} by construction; {_tokens(s['groups_tokens'])} tokens); and associative recall with "
+        f"{s['recall_pairs']} key-value pairs (keys from {s['recall_keys']}; {_tokens(s['recall_tokens'])} "
+        f"tokens), compared only where softmax recalls at least {s['recall_softmax_floor']:.0%} on average.",
+        "",
+        f"Students of the local and groups teachers: {_students(s, 'local')}. Of recall: "
+        f"{_students(s, 'recall')} (recall needs a learning-rate sweep and more steps, and the wide heads cost "
+        "more than softmax on the largest grids). What they are: "
+        + "; ".join(f"{SHORT_NAMES[k]}: {NAMES[k]}" for k in dict.fromkeys(s["local_students"] + s["recall_students"]))
+        + ". MHLA with uniform mixing computes global linear attention. Blocks on permuted tokens have MHLA's "
+        "number and size of blocks and its learned mixing, but each block is a fixed random set of tokens: against "
+        "MHLA they isolate locality, against global linear attention the rank blocks add without it. Wide heads "
+        "give global linear attention MHLA's rank bound without blocks. Shuffled mixing (frozen) gives the blocks "
+        "the locality-initialised weights with no relation to distance.",
+        "",
+        f"Held fixed across token counts: the batch size ({', '.join(str(b) for b in batches)}) and the MHLA "
+        f"blocks ({s['block_side']}x{s['block_side']} tokens, so their number grows with N; the local teacher's "
+        "width is fixed in tokens too). What still moves with N: the number of blocks and the rank bound, and "
+        f"the steps (local: {_plans(s, 'local')}; groups: {_plans(s, 'groups')}; recall: {_plans(s, 'recall')}). "
+        "Learning rates: "
+        + "; ".join(
+            f"{task} "
+            + (
+                f"swept over {', '.join(f'{lr:g}' for lr in s[f'{task}_lrs'])}"
+                if len(s[f"{task}_lrs"]) > 1
+                else f"{s[f'{task}_lrs'][0]:g}"
+            )
+            for task in s["part_a_tasks"]
+        )
+        + f". A sweep trains every student once per rate on seed {s['sweep_seed']} (not reported), and each "
+        "student then uses, at each token count, the rate with the lowest training loss over the last tenth of the "
+        "steps; this rule was fixed before the run. A student that ends any seed with its training loss above "
+        f"{s['chance_fraction']:g} of the chance loss did not train and is kept out of the comparisons. Reported: "
+        "the held-out relative error against the teacher (recall accuracy for recall) as mean and 95 % interval; "
+        f"and, for N <= {s['rank_max_tokens']}, each student's N x N attention matrix before and after training: "
+        "its numerical rank at tolerances 1e-3 and 1e-2, effective rank and row entropy, beside its bound.",
         "",
         f"**Part B, a generative check where long range matters by construction.** Mirror-symmetric images of "
         f"{s['part_b_tokens']} tokens, generated, never downloaded; a small DiT-shaped denoiser trained from "
-        f"scratch with {', '.join(NAMES[a] for a in s['part_b_arms'])}, {seeds_b} seeds, paired by seed. Measured: "
-        "held-out denoising loss at fixed timesteps and noise, and the asymmetry of generated samples "
-        "(1 - corr(x, mirror(x))) beside their contrast against the data's.",
+        f"scratch for {s['part_b_steps']} steps with {', '.join(NAMES[a] for a in s['part_b_arms'])}, {seeds_b} "
+        "seeds, paired by seed. Measured: held-out denoising loss at fixed timesteps and noise, and the asymmetry "
+        "of generated samples (1 - corr(x, mirror(x))) beside their contrast against the data's.",
         "",
         "**Statistics.** Differences are paired by seed: mean, 95 % t interval and the paired t test. The "
         "comparisons are grouped in named families (one per Part A task, over all its token counts; one per "
         "Part B measure) and Holm-corrected within each; a difference is called only where its corrected p is "
-        "below 0.05. For every comparison not established, MDD is the smallest true difference the paired t test "
-        "would detect with 80 % power at the level Holm's first step asks of its family.",
+        "below 0.05; how many calls survive one correction over all comparisons is given too. For every "
+        "comparison not established, MDD is the smallest true difference the paired t test would detect with "
+        "80 % power at the level Holm's first step asks of its family. Smallest effects of interest, fixed before "
+        f"the run: relative error ±{s['local_margin']:g} (local) and ±{s['groups_margin']:g} (groups), recall "
+        f"accuracy ±{s['recall_margin']:g}, Part B loss ±{s['part_b_loss_margin']:g} and asymmetry "
+        f"±{s['part_b_asymmetry_margin']:g}; a comparison whose 95 % interval lies within them is equivalent "
+        "(not established) or practically nil (established).",
         "",
         "## Run it",
         "",
@@ -280,9 +520,9 @@ def reproduce_doc(report: dict[str, Any]) -> str:
         "```",
         "",
         "`runs/reproduce/` (or `--output`) receives `report.json` (every setting, seed, per-run number, loss curve "
-        "and time; rewritten after each finished unit, so a killed run resumes where it was), `table.md`, "
-        "`reading.md` and three figures, all computed from `report.json` alone. `--set NAME=VALUE` changes a "
-        "setting (`mhla reproduce --help` lists them); a folder made with other settings is refused.",
+        "and time, the sweeps included; rewritten after each finished unit, so a killed run resumes where it was), "
+        "`table.md`, `reading.md` and three figures, all computed from `report.json` alone. `--set NAME=VALUE` "
+        "changes a setting (`mhla reproduce --help` lists them); a folder made with other settings is refused.",
         "",
         "## Results",
         "",
@@ -291,6 +531,18 @@ def reproduce_doc(report: dict[str, Any]) -> str:
         "minutes of units). `tests/embedded/test_reproduce_results.py` checks that the table, reading, figures, "
         "this page and the README section are the ones computed from that report.",
         "",
+    ]
+    lead = conclusion(summary)
+    if lead:
+        lines += [f"**{lead[0]}**", *lead[1:], ""]
+    advice = recommendation(summary)
+    if advice:
+        lines += [f"**Recommendation.** {advice}", ""]
+    gap = _gap_words(summary)
+    if gap:
+        lines += [f"**How much of the gap to softmax MHLA closes** (relative error): {gap}.", ""]
+    lines += [_overall_words(summary), ""]
+    lines += [
         f"![Part A: held-out score against the token count, mean and 95 % interval](reproduce/{FIGURES[0]})",
         "",
         f"![Part A: rank at 1e-2 of the attention matrix, trained (dotted: untrained), with its bound]"
@@ -302,10 +554,12 @@ def reproduce_doc(report: dict[str, Any]) -> str:
     ]
     for task in s["part_a_tasks"]:
         family = _family(summary, f"Part A, {TASK_NAMES[task]}")
-        title = TASK_NAMES[task][0].upper() + TASK_NAMES[task][1:]
+        title = _capital(TASK_NAMES[task])
         lines.append(f"**Part A, {TASK_NAMES[task]}** ({SCORE_NAMES[task]}).")
-        scores = [f"{SHORT_NAMES[k]} {line}" for k in s["part_a_students"] if (line := _score_range(summary, task, k))]
+        scores = [f"{SHORT_NAMES[k]} {line}" for k in s[f"{task}_students"] if (line := _score_range(summary, task, k))]
         lines.append(f"{title}, mean score by token count: " + "; ".join(scores) + ".")
+        if task == "recall":
+            lines += [_capital("; ".join(_recall_words(summary))) + "."]
         if family is not None:
             lines.append(f"Family of {family['size']} comparisons (a - b):")
             lines.append("")

@@ -50,10 +50,13 @@ __all__ = [
     "AttentionStudent",
     "Task",
     "attention_measures",
+    "block_layout",
     "check_task_tokens",
     "mhla_layout",
+    "mhla_rank_bound",
     "rank_bound",
     "shuffled_mixing",
+    "token_permutation",
     "train_students",
 ]
 

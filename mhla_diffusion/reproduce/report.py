@@ -360,6 +360,10 @@ def _diff_interval(c: dict[str, Any]) -> str:
     return f"{c['mean']:+.3g} [{c['low']:+.3g}, {c['high']:+.3g}]"
 
 
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _lower_is_better(c: dict[str, Any]) -> bool:
     return c.get("task") != "recall"
 
@@ -383,6 +387,13 @@ def comparison_words(c: dict[str, Any]) -> str:
     equivalent = f", equivalent within ±{margin:g}" if c.get("equivalent") else ""
     mdd = "" if c["mdd"] is None else f"; 80 % power only for differences of at least {_num(c['mdd'], 2)}"
     return f"not established{equivalent}: {stats}{mdd}"
+
+
+def _within(c: dict[str, Any]) -> str:
+    """The table's margin cell: equivalent / practically nil where the interval lies within the margin."""
+    if not c.get("equivalent"):
+        return ""
+    return f"{'practically nil' if c['established'] else 'equivalent'} (±{c['margin']:g})"
 
 
 def _where(c: dict[str, Any]) -> str:
@@ -434,13 +445,49 @@ def table_markdown(report: dict[str, Any]) -> str:
             + "; ".join(f"{d['tokens']} tokens ({d['why']})" for d in summary["recall_dropped"]),
             "",
         ]
+    if summary["sweeps"]:
+        rates = sorted({lr for r in summary["sweeps"] for lr in r["final_loss"]}, key=float)
+        lines += [
+            f"**Learning-rate sweeps** (seed {s['sweep_seed']}, not reported; training loss over the last tenth of "
+            "the steps at each rate; chosen: the lowest, used for every reported seed)",
+            "",
+            *_header(["task", "tokens", "attention", *[f"loss at {lr}" for lr in rates], "chosen"]),
+        ]
+        lines += [
+            _row(
+                [
+                    r["task"],
+                    r["tokens"],
+                    SHORT_NAMES[r["student"]],
+                    *[f"{r['final_loss'][lr]:.3f}" if lr in r["final_loss"] else "" for lr in rates],
+                    f"{r['chosen']:g}",
+                ]
+            )
+            for r in summary["sweeps"]
+        ]
+        lines.append("")
+    for d in summary["did_not_train"]:
+        lines += [
+            f"Did not train (kept out of the comparisons): {SHORT_NAMES[d['student']]}, {d['task']}, {d['tokens']} "
+            f"tokens: its training loss stayed above {s['chance_fraction']:g} of the chance loss on seeds "
+            + ", ".join(str(x) for x in d["seeds"])
+            + ".",
+            "",
+        ]
+    if summary["gap_closed"]:
+        lines += [
+            "**The share of the gap to softmax that MHLA closes**, (uniform - MHLA) / (uniform - softmax) seed by "
+            "seed (MHLA uniform (frozen) is global linear attention), mean [95 % interval]: "
+            + "; ".join(f"{g['task']} {g['tokens']} tokens {_cell(g['share'])}" for g in summary["gap_closed"]),
+            "",
+        ]
     for family in summary["families"]:
         lines += [
             f"**{family['family']}** (a family of {family['size']} paired comparisons, Holm-corrected; called where "
             f"Holm p < {family['alpha']:g}; MDD: the difference detected with {family['power']:.0%} power at "
             f"{family['alpha']:g} / {family['size']})",
             "",
-            *_header(["a - b", "where", "difference [95 % interval]", "p", "Holm p", "call", "MDD"]),
+            *_header(["a - b", "where", "difference [95 % interval]", "p", "Holm p", "call", "MDD", "within ±margin"]),
         ]
         lines += [
             _row(
@@ -452,11 +499,18 @@ def table_markdown(report: dict[str, Any]) -> str:
                     _p(c["p_holm"]),
                     "established" if c["established"] else "not established",
                     "" if c["mdd"] is None else _num(c["mdd"], 2),
+                    _within(c),
                 ]
             )
             for c in family["comparisons"]
         ]
         lines.append("")
+    o = summary["overall"]
+    lines += [
+        f"**All {o['size']} comparisons under one Holm correction**: {o['established_overall']} established "
+        f"({o['established_in_families']} within their families; {o['lost']} not under one correction).",
+        "",
+    ]
     lines += [
         "**The rank of the N x N attention matrix** (first held-out input, mean over heads and seeds; numerical "
         "rank: singular values above 1e-3 or 1e-2 of the largest, untrained -> trained; bound: d for linear "
@@ -522,6 +576,28 @@ def reading_markdown(report: dict[str, Any]) -> str:
         out.append(f"Part A, {TASK_NAMES[task]}, {NAMES[student]}: {SCORE_NAMES[task]} {cells} (mean [95 % interval]).")
     for d in summary["recall_dropped"]:
         out.append(f"Recall at {d['tokens']} tokens is left out of the comparisons: {d['why']}.")
+    for r in summary["sweeps"]:
+        losses = ", ".join(f"{loss:.3f} at {lr}" for lr, loss in r["final_loss"].items())
+        out.append(
+            f"Learning-rate sweep, {TASK_NAMES[r['task']]}, {r['tokens']} tokens, {NAMES[r['student']]}: final "
+            f"training loss {losses}; chosen {r['chosen']:g}."
+        )
+    for d in summary["did_not_train"]:
+        out.append(
+            f"{_capital(NAMES[d['student']])}, {TASK_NAMES[d['task']]}, {d['tokens']} tokens, did not train (seeds "
+            + ", ".join(str(x) for x in d["seeds"])
+            + ") and is kept out of the comparisons."
+        )
+    for g in summary["gap_closed"]:
+        out.append(
+            f"{_capital(TASK_NAMES[g['task']])}, {g['tokens']} tokens: MHLA closes {_cell(g['share'])} of the gap "
+            "between global linear attention and softmax (mean [95 % interval] over seeds)."
+        )
+    o = summary["overall"]
+    out.append(
+        f"Under one Holm correction over all {o['size']} comparisons, {o['established_overall']} are established "
+        f"({o['established_in_families']} within their families)."
+    )
     for family in summary["families"]:
         for c in family["comparisons"]:
             where = _where(c)

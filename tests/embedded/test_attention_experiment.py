@@ -16,7 +16,7 @@ from mhla_diffusion.embedded.build import settings_with
 from mhla_diffusion.models.conversion import get_mhla_conversion
 from mhla_diffusion.ops.attention import mhla_attention
 from mhla_diffusion.ops.mixing import mixing_init
-from mhla_diffusion.reproduce.experiment import ExperimentSettings, estimate_budget, run_experiment
+from mhla_diffusion.reproduce.experiment import ExperimentSettings, choose_rates, estimate_budget, run_experiment
 from mhla_diffusion.reproduce.generative import ARMS, asymmetry, mirror_images, new_denoiser, sample_scale
 from mhla_diffusion.reproduce.operators import (
     FEATURE_EPS,
@@ -24,10 +24,12 @@ from mhla_diffusion.reproduce.operators import (
     AttentionStudent,
     Task,
     attention_measures,
+    block_layout,
     loss_curve,
     mhla_layout,
     rank_bound,
     shuffled_mixing,
+    token_permutation,
 )
 from mhla_diffusion.reproduce.statistics import (
     holm,
@@ -76,6 +78,55 @@ def test_lepe_term_is_a_depthwise_3x3_convolution_over_the_grid():
     assert _student("mhla", task).lepe is None and not _student("mhla", task).lepe_term(v).any()
 
 
+def test_permuted_mhla_is_mhla_on_the_tokens_in_a_fixed_random_order():
+    task = Task("local", 256, heads=2, head_dim=8)
+    permuted, plain = _student("mhla-permuted", task), _student("mhla", task)
+    plain.load_state_dict(permuted.state_dict())  # the same weights and mixing
+    x = task.held_out(2).x
+    order = token_permutation(256)
+    assert torch.equal(permuted.order, order) and sorted(order.tolist()) == list(range(256))
+    # the plain student on the reordered input, its output put back in grid order
+    expected = torch.zeros_like(plain(x))
+    expected[:, order] = plain(x[:, order])
+    torch.testing.assert_close(permuted(x), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(permuted(x), plain(x), atol=1e-3)  # blocks of other tokens: another function
+
+
+def test_wide_head_linear_attention_is_global_linear_attention_with_mhlas_rank_bound():
+    task = Task("local", 256, heads=2, head_dim=8, block_side=8)
+    student = AttentionStudent("linear-wide", task.in_dim, task.out_dim, task.side, 2, 8, task.layout)
+    assert student.key_dim == rank_bound("mhla", 256, 8, task.layout) == 4 * 8  # 2x2 blocks of 64 tokens
+    x = task.held_out(2).x
+    q, k, v = student._qkv(x)
+    assert q.shape == (2, 256, 2, 32) and v.shape == (2, 256, 2, 8)
+    fq, fk = torch.relu(q) + FEATURE_EPS, torch.relu(k) + FEATURE_EPS  # plain einsum global linear attention
+    numerator = torch.einsum("bnhd,bmhd,bmhe->bnhe", fq, fk, v)
+    denominator = torch.einsum("bnhd,bmhd->bnh", fq, fk)[..., None] + 1e-6
+    torch.testing.assert_close(student(x), student.out((numerator / denominator).flatten(2)), atol=1e-5, rtol=1e-5)
+
+
+def test_teachers_are_drawn_per_seed():
+    s = ExperimentSettings()
+    for name in ("local", "groups"):
+        one, other, again = (s.task(name, 256, seed) for seed in (0, 1, 0))
+        batch = one.batch(1, torch.Generator().manual_seed(0))
+        assert torch.equal(again.batch(1, torch.Generator().manual_seed(0)).target, batch.target)
+        assert not torch.allclose(other.batch(1, torch.Generator().manual_seed(0)).target, batch.target)
+        assert one.layout == (2, 2)  # 8x8-token blocks
+
+
+def test_learning_rates_are_chosen_by_the_lowest_final_training_loss_ties_to_the_smaller():
+    runs = [
+        {"student": "a", "lr": 1e-2, "loss_curve": [2.0, 1.0]},
+        {"student": "a", "lr": 3e-3, "loss_curve": [2.0, 0.5]},
+        {"student": "b", "lr": 1e-2, "loss_curve": [2.0, 0.7]},
+        {"student": "b", "lr": 3e-3, "loss_curve": [2.0, 0.7]},
+        {"student": "c", "lr": 1e-2, "loss_curve": [2.0, 0.1]},
+        {"student": "c", "lr": 3e-3, "loss_curve": [0.0, 0.2]},  # only the last tenth counts
+    ]
+    assert choose_rates(runs) == {"a": 3e-3, "b": 3e-3, "c": 1e-2}
+
+
 def test_uniform_mixing_computes_global_linear_attention():
     # every query block reads (1/M) sum_b S_b over (1/M) sum_b z_b + eps: global linear attention whose
     # denominator eps is M times larger (it matters only for a query whose features are all near eps)
@@ -102,18 +153,23 @@ def test_mixing_of_each_kind_and_what_trains():
     columns = [next(j for j in range(16) if torch.equal(shuffled[:, i], local[:, j])) for i in range(16)]
     assert sorted(columns) == list(range(16)) and all(i != j for i, j in enumerate(columns))  # a derangement
     trained = {kind for kind, st in students.items() if any(n == "mixing" for n, _ in st.named_parameters())}
-    assert trained == {"mhla", "mhla-per-head"}
-    assert students["linear-lepe"].lepe is not None and {k for k, st in students.items() if st.lepe} == {"linear-lepe"}
+    assert trained == {"mhla", "mhla-per-head", "mhla-permuted", "mhla-lepe"}
+    assert {k for k, st in students.items() if st.lepe} == {"linear-lepe", "mhla-lepe"}
     assert torch.equal(shuffled_mixing((1, 1)), torch.ones(1, 1))
 
 
 def test_rank_bounds_and_measured_ranks():
     assert [mhla_layout(side) for side in (8, 16, 32, 64)] == [(2, 2), (4, 4), (4, 4), (8, 8)]  # M <= sqrt(N)
+    assert [block_layout(side, 8) for side in (16, 32, 64)] == [(2, 2), (4, 4), (8, 8)]  # fixed 8x8-token blocks
+    assert block_layout(32, None) == mhla_layout(32)
+    with pytest.raises(ValueError, match="do not tile a 20x20 grid"):
+        block_layout(20, 8)
     for kind in ("linear", "linear-lepe", "mhla-uniform"):
         assert [rank_bound(kind, n, 32) for n in (16, 64, 1024)] == [16, 32, 32]
     # sum over blocks of min(n_b, d): 4 x 16, 16 x 16, 16 x min(64, 32), 64 x min(64, 32)
-    for kind in ("mhla", "mhla-frozen", "mhla-shuffled", "mhla-per-head"):
+    for kind in ("mhla", "mhla-frozen", "mhla-shuffled", "mhla-per-head", "mhla-permuted", "mhla-lepe", "linear-wide"):
         assert [rank_bound(kind, n, 32) for n in (64, 256, 1024, 4096)] == [64, 256, 512, 2048]
+        assert [rank_bound(kind, n, 32, block_layout(math.isqrt(n), 8)) for n in (256, 1024)] == [128, 512]
     assert rank_bound("softmax", 1024, 32) == 1024
     with pytest.raises(ValueError, match="unknown student"):
         rank_bound("bogus", 64, 32)
@@ -278,8 +334,13 @@ def test_smoke_run_covers_every_arm(smoke_reproduction):
     report = json.loads((smoke_reproduction / "report.json").read_text())
     s = ExperimentSettings.smoke()
     assert {(r["task"], r["student"]) for r in report["part_a"]} == {
-        (task, kind) for task in s.part_a_tasks for kind in s.part_a_students
+        (task, kind) for task in s.part_a_tasks for kind in getattr(s, f"{task}_students")
     }
+    assert {(r["student"], r["lr"]) for r in report["sweeps"]} == {
+        (kind, lr) for kind in s.recall_students for lr in s.recall_lrs
+    }
+    chosen = {r["student"]: r["chosen"] for r in report["summary"]["sweeps"]}
+    assert all(r["lr"] == chosen[r["student"]] for r in report["part_a"] if r["task"] == "recall")
     for run in report["part_a"]:
         for ranks in (run["rank"], run["rank_untrained"]):
             assert ranks["rank_1e-2"] <= ranks["rank_1e-3"] <= run["rank_bound"]
@@ -297,7 +358,10 @@ def test_smoke_run_covers_every_arm(smoke_reproduction):
 def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
     out = tmp_path / "out"
     for setting, message in [
-        ("part_a_students=linear,bogus", "part_a_students: ['bogus'] not known"),
+        ("local_students=linear,bogus", "local_students: ['bogus'] not known"),
+        ("recall_lrs=0.01,0.01", "recall_lrs ([0.01, 0.01]) must be one or more distinct positive"),
+        ("sweep_seed=1", "sweep_seed (1) is one of part_a_seeds"),
+        ("block_side=3", "blocks of 3x3 tokens do not tile a 4x4 grid"),
         ("local_batch_sizes=2", "one entry per token count of local_tokens"),
         ("recall_steps=3,3", "one entry per token count of recall_tokens"),
         ("part_b_seeds=0", "at least two distinct seeds"),
@@ -319,7 +383,7 @@ def _tiny() -> ExperimentSettings:
             "local_batch_sizes=2",
             "local_steps=3",
             "part_a_tasks=local",
-            "part_a_students=mhla-uniform",
+            "local_students=mhla-uniform",
             "part_b_arms=mhla",
             "part_b_tokens=16",
             "part_b_steps=4",

@@ -16,7 +16,9 @@ import pytest
 
 from mhla_diffusion.reproduce.docs import (
     README_HEADING,
+    conclusion,
     readme_section,
+    recommendation,
     replace_readme_section,
     reproduce_doc,
     write_docs,
@@ -24,6 +26,7 @@ from mhla_diffusion.reproduce.docs import (
 from mhla_diffusion.reproduce.experiment import SCHEMA, ExperimentSettings
 from mhla_diffusion.reproduce.operators import RANK_MEASURES, rank_bound
 from mhla_diffusion.reproduce.report import comparison_words, summarise
+from mhla_diffusion.reproduce.statistics import holm
 
 NUMBER = re.compile(r"(?<![\w.\-])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?%?")
 #: numbers the prose states as design constants, not results: 1 - corr, Holm's 0.05, 80 % power, 95 % intervals,
@@ -95,28 +98,32 @@ def _made_up_report(effects: dict[str, float], settings: ExperimentSettings | No
         ExperimentSettings.smoke(), part_a_seeds=[0, 1, 2, 3, 4], part_b_seeds=[0, 1, 2, 3]
     )
     rng = np.random.default_rng(0)
-    part_a = []
+    part_a, sweeps = [], []
     for task in s.part_a_tasks:
         for plan in s.part_a_plan(task):
-            for seed in s.part_a_seeds:
+            layout = s.task(task, plan.tokens, 0).layout
+            swept = [(lr, s.sweep_seed) for lr in plan.lrs] if len(plan.lrs) > 1 else []
+            for lr, seed in [*swept, *((plan.lrs[0], seed) for seed in s.part_a_seeds)]:
                 noise = rng.normal(0, 0.01)
-                for kind in s.students_at(plan.tokens):
+                for kind in s.students_at(task, plan.tokens):
                     ranks = {m: float(rng.uniform(1, 8)) for m in RANK_MEASURES}
                     base = 0.95 if task == "recall" else 0.5
-                    part_a.append(
-                        {
-                            "task": task,
-                            "student": kind,
-                            "tokens": plan.tokens,
-                            "seed": seed,
-                            "score": base + effects.get(kind, 0.0) + noise + rng.normal(0, 0.01),
-                            "rank_bound": rank_bound(kind, plan.tokens, s.head_dim),
-                            "teacher_rank": s.groups if task == "groups" else None,
-                            "rank": ranks,
-                            "rank_untrained": ranks,
-                            "unit_seconds": 1.0,
-                        }
-                    )
+                    run = {
+                        "task": task,
+                        "student": kind,
+                        "tokens": plan.tokens,
+                        "seed": seed,
+                        "lr": lr,
+                        "score": base + effects.get(kind, 0.0) + noise + rng.normal(0, 0.01),
+                        "loss_curve": [2.0, float(rng.uniform(0.5, 1.5))],
+                        "chance_loss": 2.77 if task == "recall" else None,
+                        "rank_bound": rank_bound(kind, plan.tokens, s.head_dim, layout),
+                        "teacher_rank": s.groups if task == "groups" else None,
+                        "rank": ranks,
+                        "rank_untrained": ranks,
+                        "unit_seconds": 1.0,
+                    }
+                    (sweeps if seed == s.sweep_seed else part_a).append(run)
     part_b = []
     for seed in s.part_b_seeds:
         for arm in s.part_b_arms:
@@ -136,6 +143,7 @@ def _made_up_report(effects: dict[str, float], settings: ExperimentSettings | No
         "schema": SCHEMA,
         "settings": dataclasses.asdict(s),
         "torch_threads": 2,
+        "sweeps": sweeps,
         "part_a": part_a,
         "part_b": part_b,
         "complete": True,
@@ -235,3 +243,77 @@ def test_the_docs_option_rewrites_both_files_from_the_output_folders_report(tmp_
         "# T\n\n## Attentions compared\n\nold\n\n## Layout\n", readme_section(report)
     )
     assert (tmp_path / "docs" / "reproduce.md").read_text() == reproduce_doc(report)
+
+
+def test_equivalence_follows_the_interval_and_the_margin_fixed_before_the_run():
+    report = _made_up_report({"mhla": -0.2})
+    s = report["settings"]
+    seen = set()
+    for family in report["summary"]["families"]:
+        for c in family["comparisons"]:
+            margin = s[f"{c['task']}_margin"] if "task" in c else None
+            if margin is not None:
+                assert c["margin"] == margin
+                assert c["equivalent"] == (-margin <= c["low"] and c["high"] <= margin)
+            words = comparison_words(c)
+            assert ("equivalent within" in words) == (c["equivalent"] and not c["established"])
+            assert ("practically nil" in words) == (c["equivalent"] and c["established"])
+            if not c["established"]:
+                assert c["mdd"] > 0 and "80 % power only for differences of at least" in words
+            seen.add(c["equivalent"])
+    assert seen == {True, False}  # recall's margin (0.05) holds the seed noise (0.01), the error margin does not
+
+
+def test_a_student_left_at_chance_is_reported_and_kept_out_of_the_calls():
+    report = _made_up_report({})
+    stuck = next(r for r in report["part_a"] if r["task"] == "recall" and r["student"] == "linear-lepe")
+    stuck["loss_curve"][-1] = 0.95 * stuck["chance_loss"]  # above 0.9 of chance on one seed
+    report["summary"] = summarise(report)
+    assert report["summary"]["did_not_train"] == [
+        {"task": "recall", "student": "linear-lepe", "tokens": stuck["tokens"], "seeds": [stuck["seed"]]}
+    ]
+    recall = next(f for f in report["summary"]["families"] if f["family"] == "Part A, associative recall")
+    assert all("linear-lepe" not in (c["a"], c["b"]) for c in recall["comparisons"] if c["tokens"] == stuck["tokens"])
+    assert "did not train (kept out of the calls): linear + LePE at" in " ".join(readme_section(report).split())
+
+
+def test_one_holm_correction_over_all_and_the_share_of_the_gap_mhla_closes():
+    report = _made_up_report({"mhla": -0.2, "softmax": -0.4})
+    summary = report["summary"]
+    everything = [c for f in summary["families"] for c in f["comparisons"]]
+    calls = sum(p < 0.05 for p in holm([c["p"] for c in everything]))  # Holm over all (holm is tested on its own)
+    assert summary["overall"]["established_overall"] == calls <= summary["overall"]["established_in_families"]
+    for g in summary["gap_closed"]:
+        scores = {
+            kind: {
+                r["seed"]: r["score"]
+                for r in report["part_a"]
+                if (r["task"], r["tokens"], r["student"]) == (g["task"], g["tokens"], kind)
+            }
+            for kind in ("mhla", "mhla-uniform", "softmax")
+        }
+        shares = [
+            (scores["mhla-uniform"][s] - scores["mhla"][s]) / (scores["mhla-uniform"][s] - scores["softmax"][s])
+            for s in scores["mhla"]
+        ]
+        assert g["share"]["mean"] == pytest.approx(np.mean(shares))
+        assert g["share"]["mean"] == pytest.approx(0.5, abs=0.1)  # 0.2 of a gap of 0.4
+
+
+@pytest.mark.parametrize(
+    "effects, verdict, advice",
+    [
+        ({"mhla": -0.2, "mhla-lepe": -0.2}, "point to locality, not rank", "No single recommendation"),
+        ({"mhla": -0.2, "mhla-permuted": -0.2, "linear-wide": -0.2}, "point to rank, not locality", "not told apart"),
+        ({"mhla": -0.4, "mhla-permuted": -0.2}, "show both", "not told apart"),
+        ({}, "Neither locality nor rank", "not told apart"),
+    ],
+)
+def test_the_conclusion_and_the_recommendation_follow_the_established_calls(effects, verdict, advice):
+    # recall scores accuracy (higher is better): an effect of -0.2 there puts a student behind
+    report = _made_up_report(effects)
+    assert verdict in conclusion(report["summary"])[0]
+    assert advice in recommendation(report["summary"])
+    section = readme_section(report)
+    check_numbers_come_from_report(section, report)
+    check_calls_follow_corrected_p(section, report)

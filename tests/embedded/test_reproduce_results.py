@@ -38,9 +38,17 @@ def test_committed_results_come_from_their_report():
     s = ExperimentSettings()
     check_report_is_complete(report, s)
     check_outputs_come_from_report(RESULTS)
-    # the issue's minimum design: five controls on the local and groups teachers, at least 5 seeds per cell
-    assert {"linear-lepe", "mhla-uniform", "mhla-frozen", "mhla", "softmax"} <= set(s.part_a_students)
-    assert {"local", "groups", "recall"} <= set(s.part_a_tasks) and len(s.part_a_seeds) >= 5
+    # the issues' minimum design: the controls on the local and groups teachers, at least 5 seeds per cell, the
+    # new arms at 256 and 1,024 tokens, blocks and batch size held fixed across N, and recall's rates swept
+    controls = {"linear-lepe", "mhla-uniform", "mhla-frozen", "mhla", "mhla-permuted", "linear-wide", "mhla-lepe"}
+    for task in ("local", "groups"):
+        assert controls | {"softmax"} <= set(s.students_at(task, 1024)) and {256, 1024} <= set(
+            getattr(s, f"{task}_tokens")
+        )
+        assert len(set(getattr(s, f"{task}_batch_sizes"))) == 1
+    assert {"linear-lepe", "mhla", "mhla-lepe"} <= set(s.recall_students) and len(s.recall_lrs) > 1
+    assert s.block_side is not None and {"local", "groups", "recall"} <= set(s.part_a_tasks)
+    assert len(s.part_a_seeds) >= 5 and report["sweeps"]
     # recall compared only where softmax learned it
     summary = report["summary"]
     dropped = {d["tokens"] for d in summary["recall_dropped"]}

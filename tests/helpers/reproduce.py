@@ -20,13 +20,24 @@ def check_report_is_complete(report: dict, settings: ExperimentSettings) -> None
         (task, kind, plan.tokens, seed)
         for task in s.part_a_tasks
         for plan in s.part_a_plan(task)
-        for kind in s.students_at(plan.tokens)
+        for kind in s.students_at(task, plan.tokens)
         for seed in s.part_a_seeds
     }
     assert sorted((r["task"], r["student"], r["tokens"], r["seed"]) for r in report["part_a"]) == sorted(expected_a)
+    swept = {
+        (task, kind, plan.tokens, lr)
+        for task in s.part_a_tasks
+        for plan in s.part_a_plan(task)
+        if len(plan.lrs) > 1
+        for kind in s.students_at(task, plan.tokens)
+        for lr in plan.lrs
+    }
+    assert sorted((r["task"], r["student"], r["tokens"], r["lr"]) for r in report["sweeps"]) == sorted(swept)
+    assert {r["seed"] for r in report["sweeps"]} <= {s.sweep_seed}
     expected_b = {(arm, seed) for arm in s.part_b_arms for seed in s.part_b_seeds}
     assert sorted((r["arm"], r["seed"]) for r in report["part_b"]) == sorted(expected_b)
     unit_seconds = {(r["task"], r["tokens"], r["seed"]): r["unit_seconds"] for r in report["part_a"]}
+    unit_seconds |= {(r["task"], r["tokens"], r["lr"]): r["unit_seconds"] for r in report["sweeps"]}
     assert report["seconds"] == round(sum(unit_seconds.values()) + sum(r["seconds"] for r in report["part_b"]), 1)
 
 
