@@ -21,14 +21,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compare softmax, global linear attention and MHLA: operator fits, attention rank, a paired generative "
         "check",
         description="Part A: one attention layer fitted to a local softmax teacher, to a non-local teacher whose "
-        "attention matrix has rank 64 and to associative recall with 64 pairs, by controls that separate locality "
-        "from rank (linear + LePE; MHLA with uniform, shuffled and local mixing frozen; MHLA learned; softmax), "
-        "over 5 seeds: held-out error with 95 % intervals, and the rank of each N x N attention matrix before and "
-        "after training beside its bound. Part B: a small DiT denoiser trained from scratch on mirror-symmetric "
-        "1,024-token images with softmax, linear, MHLA and linear + LePE, over 4 seeds: held-out denoising loss "
-        "and sample asymmetry, paired by seed. Comparisons are Holm-corrected within named families. Planned to "
-        "fit 90 minutes on 2 CPU cores with the machine to itself; resumable. Writes report.json (after every "
-        "unit), table.md, reading.md and three figures to --output.",
+        "attention matrix has rank 64 (both drawn anew per seed) and to associative recall with 64 pairs, by "
+        "controls that separate locality from rank (MHLA's blocks on permuted tokens; linear attention with heads "
+        "as wide as MHLA's rank bound; uniform, shuffled and local mixing frozen; MHLA learned; LePE with and "
+        "without MHLA; softmax), with blocks and batch size fixed across token counts and recall's learning rates "
+        "from a sweep on a held-out seed, over 5 seeds: held-out error with 95 % intervals, and the rank of each "
+        "N x N attention matrix before and after training beside its bound. Part B: a small DiT denoiser trained "
+        "from scratch on mirror-symmetric 1,024-token images with softmax, linear, MHLA and linear + LePE, over 4 "
+        "seeds: held-out denoising loss and sample asymmetry, paired by seed. Comparisons are Holm-corrected "
+        "within named families, with equivalence against margins fixed before the run. Planned to fit 90 minutes "
+        "on 2 CPU cores with the machine to itself; resumable. Writes report.json (after every unit), table.md, "
+        "reading.md and three figures to --output.",
     )
 
 
@@ -51,8 +54,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--docs",
         action="store_true",
-        help="rewrite README.md's 'Attentions compared' section and docs/reproduce.md (in the current folder, the "
-        "repository root) from --output's complete report.json, and exit (runs nothing)",
+        help="recompute the summary, table, reading and figures in --output from its complete report.json, rewrite "
+        "README.md's 'Attentions compared' section and docs/reproduce.md (in the current folder, the repository "
+        "root) from it, and exit (trains nothing)",
     )
     add_settings_option(
         p,
@@ -73,14 +77,16 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.docs:
-        import json
 
         from ..reproduce.docs import write_docs
 
         path = args.output / "report.json"
         if not path.is_file():
             raise ValueError(f"mhla reproduce --docs: no report at {path}; run the experiment or name its --output")
-        for written in write_docs(json.loads(path.read_text()), Path.cwd()):
+        from ..reproduce.experiment import rewrite_outputs
+
+        report = rewrite_outputs(args.output)
+        for written in write_docs(report, Path.cwd()):
             print(f"wrote {written}")
         return 0
     settings = settings_with(ExperimentSettings.smoke() if args.smoke else ExperimentSettings(), args.overrides)

@@ -60,6 +60,7 @@ __all__ = [
     "PartAPlan",
     "choose_rates",
     "estimate_budget",
+    "rewrite_outputs",
     "run_experiment",
     "write_outputs",
 ]
@@ -394,6 +395,21 @@ def _unit_seconds(report: dict[str, Any]) -> float:
     part_a = {(r["task"], r["tokens"], r["seed"]): r["unit_seconds"] for r in report["part_a"]}
     sweeps = {(r["task"], r["tokens"], r["lr"]): r["unit_seconds"] for r in report["sweeps"]}
     return sum(part_a.values()) + sum(sweeps.values()) + sum(r["seconds"] for r in report["part_b"])
+
+
+def rewrite_outputs(out: str | Path) -> dict[str, Any]:
+    """Recompute the summary of ``out/report.json`` (a complete run's) from its runs, rewrite the report, the
+    table, the reading and the figures with it, and return the report: what ``mhla reproduce --docs`` does
+    first, so that what the docs are written from is what the current code computes from the runs."""
+    out = Path(out)
+    report = json.loads((out / "report.json").read_text())
+    if not report.get("complete"):
+        raise ValueError(
+            f"{out / 'report.json'} is not a finished run; run `mhla reproduce --output {out}` to finish it"
+        )
+    _save(out, report)
+    write_outputs(out, report)
+    return report
 
 
 def write_outputs(out: Path, report: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from helpers.reproduce import check_outputs_come_from_report
 from mhla_diffusion.reproduce.docs import (
     README_HEADING,
     conclusion,
@@ -237,12 +238,19 @@ def test_the_docs_option_rewrites_both_files_from_the_output_folders_report(tmp_
     assert "no report at run/report.json" in capsys.readouterr().err
     report = _made_up_report({})
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "report.json").write_text(json.dumps(report))
+    (tmp_path / "run" / "report.json").write_text(json.dumps(report | {"complete": False}))
+    assert main(["reproduce", "--docs", "--output", "run"]) == 2
+    assert "is not a finished run" in capsys.readouterr().err
+    (tmp_path / "run" / "report.json").write_text(json.dumps(report | {"summary": {}, "seconds": 0}))
     assert main(["reproduce", "--docs", "--output", "run"]) == 0
+    # the summary and the seconds are computed again from the runs, and the outputs beside the report with them
+    rewritten = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert rewritten["summary"] == report["summary"] and rewritten["seconds"] > 0
+    check_outputs_come_from_report(tmp_path / "run")
     assert (tmp_path / "README.md").read_text() == replace_readme_section(
-        "# T\n\n## Attentions compared\n\nold\n\n## Layout\n", readme_section(report)
+        "# T\n\n## Attentions compared\n\nold\n\n## Layout\n", readme_section(rewritten)
     )
-    assert (tmp_path / "docs" / "reproduce.md").read_text() == reproduce_doc(report)
+    assert (tmp_path / "docs" / "reproduce.md").read_text() == reproduce_doc(rewritten)
 
 
 def test_equivalence_follows_the_interval_and_the_margin_fixed_before_the_run():
