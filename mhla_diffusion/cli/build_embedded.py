@@ -1,6 +1,6 @@
 """``mhla build-embedded``: train the embedded demonstration models and the reproduction table from scratch.
 
-The build itself is :mod:`mhla_diffusion.embedded.build`.
+The build itself is :mod:`mhla_diffusion.embedded.builds.build`.
 """
 
 from __future__ import annotations
@@ -75,17 +75,18 @@ def configure(p: argparse.ArgumentParser) -> None:
         "<work-dir>/diagnosis",
     )
     add_settings_option(
-        p, "mhla_diffusion.embedded.build", "BuildSettings", "build setting", "--set video_teacher_steps=6000"
+        p, "mhla_diffusion.embedded.builds.build", "BuildSettings", "build setting", "--set video_teacher_steps=6000"
     )
     overrides = next(action for action in p._actions if action.dest == "overrides")
-    overrides.help += ". With --stream, the fields of mhla_diffusion.embedded.stream_build.StreamBuildSettings: " + (
-        ", ".join(dataclass_field_names(*STREAM_SETTINGS))
+    overrides.help += (
+        ". With --stream, the fields of mhla_diffusion.embedded.builds.stream_build.StreamBuildSettings: "
+        + (", ".join(dataclass_field_names(*STREAM_SETTINGS)))
     )
     p.set_defaults(func=run)
 
 
 #: The streaming build's settings dataclass (``--stream``).
-STREAM_SETTINGS = ("mhla_diffusion.embedded.stream_build", "StreamBuildSettings")
+STREAM_SETTINGS = ("mhla_diffusion.embedded.builds.stream_build", "StreamBuildSettings")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.diagnose:
         raise ValueError("--diagnose reads a streaming pilot: add --stream (and its --work-dir)")
     args.work_dir = args.work_dir or DEFAULT_WORK_DIR
-    check_settings(args.overrides, "mhla_diffusion.embedded.build", "BuildSettings")  # before torch loads
-    from ..embedded.build import BuildSettings, build_demo_models, settings_with
+    check_settings(args.overrides, "mhla_diffusion.embedded.builds.build", "BuildSettings")  # before torch loads
+    from ..embedded.builds.build import BuildSettings, build_demo_models, settings_with
     from ..ops.cpu_memory import retain_freed_memory
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_stream(args: argparse.Namespace) -> int:
-    """``mhla build-embedded --stream`` (:mod:`mhla_diffusion.embedded.stream_build`)."""
+    """``mhla build-embedded --stream`` (:mod:`mhla_diffusion.embedded.builds.stream_build`)."""
     import logging
 
     check_settings(args.overrides, *STREAM_SETTINGS)  # before torch loads
@@ -131,8 +132,8 @@ def run_stream(args: argparse.Namespace) -> int:
         raise ValueError(
             "--smoke models are untrained: give --output for them (or --no-export), not the package folder"
         )
-    from ..embedded.build import settings_with
-    from ..embedded.stream_build import StreamBuildSettings, build_stream_models
+    from ..embedded.builds.build import settings_with
+    from ..embedded.builds.stream_build import StreamBuildSettings, build_stream_models
     from ..ops.cpu_memory import retain_freed_memory
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -159,9 +160,9 @@ def _diagnose(work: Path, overrides: list[str]) -> int:
     import dataclasses
     import json
 
-    from ..embedded.build import settings_with
-    from ..embedded.long_video_diagnosis import diagnose_pilot, diagnosis_markdown
-    from ..embedded.stream_build import StreamBuildSettings
+    from ..embedded.builds.build import settings_with
+    from ..embedded.builds.long_video_diagnosis import diagnose_pilot, diagnosis_markdown
+    from ..embedded.builds.stream_build import StreamBuildSettings
 
     recorded = work / "settings.json"
     if not recorded.is_file():

@@ -74,16 +74,16 @@ def _device(name: str | None) -> str:
 
 
 def _judge_metrics(samples: Path, ref: Path | None, prompts: list[str]) -> tuple[dict, dict]:
-    """Per-attribute accuracy and judge-feature FID / precision / recall (``embedded.reproduction.score_clips``),
+    """Per-attribute accuracy and judge-feature FID / precision / recall (``embedded.builds.reproduction.score_clips``),
     with a note where precision/recall are not computed and warnings for sets too small for FID; and the
     judge's network record."""
     import numpy as np
 
-    from ..embedded.build import REFERENCE_SEED, BuildSettings
-    from ..embedded.judge_io import load_judge_features
+    from ..embedded.builds.build import REFERENCE_SEED, BuildSettings
+    from ..embedded.builds.reproduction import PR_K, score_clips
+    from ..embedded.judges.judge_io import load_judge_features
     from ..embedded.locations import embedded_judge
-    from ..embedded.moving_shapes import generate_clips, parse_caption
-    from ..embedded.reproduction import PR_K, score_clips
+    from ..embedded.worlds.moving_shapes import generate_clips, parse_caption
     from ..eval.video import iter_videos
     from ..eval.video_files import list_videos
 

@@ -379,7 +379,7 @@ def _judge_reader(model: str) -> Any:
     folder = embedded_folder(model)
     if folder is None:
         return None
-    from ..embedded.judge_reading import JudgeReader
+    from ..embedded.judges.judge_reading import JudgeReader
 
     return JudgeReader(folder.judge())
 
@@ -397,11 +397,11 @@ def _judge(reader: Any, sample: Any, read: Callable[[], Any]) -> tuple[dict[str,
 
 
 def _judge_long_video(reader: Any, chunks: list[Any], prompt: str) -> tuple[dict[str, Any], str]:
-    """A streamed embedded video's judge reading (:func:`~mhla_diffusion.embedded.long_video.measure_long_video`:
+    """A streamed embedded video's judge reading (:func:`~mhla_diffusion.embedded.builds.long_video.measure_long_video`:
     shape and colour per 9-frame window, the centroid's largest jump) for its JSON and printed line."""
     import numpy as np
 
-    from ..embedded.long_video import measure_long_video
+    from ..embedded.builds.long_video import measure_long_video
 
     starts = [int(s) for s in np.cumsum([len(chunk) for chunk in chunks])[:-1]]
     try:

@@ -72,12 +72,11 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     check_settings(args.overrides, "mhla_diffusion.reproduce.experiment", "ExperimentSettings")
-    from ..embedded.build import settings_with
+    from ..embedded.builds.build import settings_with
     from ..reproduce.experiment import ExperimentSettings, budget_markdown, estimate_budget, run_experiment
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.docs:
-
         from ..reproduce.docs import write_docs
 
         path = args.output / "report.json"

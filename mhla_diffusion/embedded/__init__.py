@@ -1,16 +1,10 @@
-"""The embedded demonstration models: where they are, and everything that builds them (no downloads).
+"""The embedded demonstration models: where they are (:mod:`.locations`; the weights in ``models/``), and, in
+one subpackage per job, everything that makes them (no downloads):
 
-``mhla build-embedded`` (:mod:`.build`) trains them from scratch into ``mhla_diffusion/embedded/models/``:
-
-* :mod:`.locations`: the model folders, the judges and the settings the models were trained for;
-* :mod:`.moving_shapes` / :mod:`.shapes_dataset`: procedural text-to-video clips and their folder;
-* :mod:`.digits`: scikit-learn's handwritten digits as a class-to-image folder;
-* :mod:`.video_judge` / :mod:`.image_judge`: classifiers trained on that ground truth;
-* :mod:`.judge_features` / :mod:`.judge_io`: the judges as ``mhla_diffusion.eval`` feature networks, save/load;
-* :mod:`.judge_reading`: what a judge reads in one generated sample, with its confidence;
-* :mod:`.long_video`: a long video's measures (judged windows, centroid jumps, speed drift) and the ways to make one;
-* :mod:`.autoencoders`: tiny Wan (video) and SD-style (image) VAEs trained here on that data;
-* :mod:`.build` / :mod:`.reproduction`: the build's stages and the reproduction table.
+* :mod:`.worlds`: the synthetic data (moving and bouncing shapes, handwritten digits) and their folders;
+* :mod:`.judges`: classifiers trained on that ground truth, as readers of one sample and as feature networks;
+* :mod:`.builds`: ``mhla build-embedded``'s stages, the tiny VAEs, the streaming student, the long-video
+  measures, the side-by-side figure and the reproduction table.
 
 Names are re-exported lazily: ``from mhla_diffusion.embedded import embedded_model`` does not import torch.
 """
@@ -28,18 +22,18 @@ _EXPORTS = {
             "train_image_vae",
             "train_video_vae",
         ],
-        ".autoencoders",
+        ".builds.autoencoders",
     ),
     **dict.fromkeys(
         ["DIGIT_SIZE", "NUM_DIGIT_CLASSES", "DigitSplit", "load_digits_images", "split_digits", "write_digits_folder"],
-        ".digits",
+        ".worlds.digits",
     ),
-    **dict.fromkeys(["ImageJudge", "class_accuracy", "predict_classes", "train_image_judge"], ".image_judge"),
+    **dict.fromkeys(["ImageJudge", "class_accuracy", "predict_classes", "train_image_judge"], ".judges.image_judge"),
     **dict.fromkeys(
         ["ImageJudgeFeatures", "VideoJudgeFeatures", "clips_to_filmstrips", "filmstrips_to_clips", "judge_features"],
-        ".judge_features",
+        ".judges.judge_features",
     ),
-    **dict.fromkeys(["load_judge", "load_judge_features", "save_judge"], ".judge_io"),
+    **dict.fromkeys(["load_judge", "load_judge_features", "save_judge"], ".judges.judge_io"),
     **dict.fromkeys(
         [
             "ATTRIBUTES",
@@ -57,10 +51,12 @@ _EXPORTS = {
             "render_clip",
             "shape_clip",
         ],
-        ".moving_shapes",
+        ".worlds.moving_shapes",
     ),
-    **dict.fromkeys(["write_shapes_dataset"], ".shapes_dataset"),
-    **dict.fromkeys(["VideoJudge", "predict_attributes", "prompt_accuracy", "train_video_judge"], ".video_judge"),
+    **dict.fromkeys(["write_shapes_dataset"], ".worlds.shapes_dataset"),
+    **dict.fromkeys(
+        ["VideoJudge", "predict_attributes", "prompt_accuracy", "train_video_judge"], ".judges.video_judge"
+    ),
     **dict.fromkeys(
         [
             "EMBEDDED_ROOT",
@@ -73,7 +69,7 @@ _EXPORTS = {
         ],
         ".locations",
     ),
-    **dict.fromkeys(["ImageReading", "JudgeReader", "VideoReading", "requested_attributes"], ".judge_reading"),
+    **dict.fromkeys(["ImageReading", "JudgeReader", "VideoReading", "requested_attributes"], ".judges.judge_reading"),
     **dict.fromkeys(
         [
             "LongVideoMeasures",
@@ -86,7 +82,7 @@ _EXPORTS = {
             "timed",
             "window_readings",
         ],
-        ".long_video",
+        ".builds.long_video",
     ),
 }
 

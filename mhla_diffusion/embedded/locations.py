@@ -1,6 +1,6 @@
 """The small demonstration models that ship inside the package (no download, seconds on a CPU).
 
-``mhla build-embedded`` (:mod:`mhla_diffusion.embedded.build`) trains them from scratch and writes them to
+``mhla build-embedded`` (:mod:`mhla_diffusion.embedded.builds.build`) trains them from scratch and writes them to
 ``mhla_diffusion/embedded/models/``:
 
 * ``shapes-t2v-softmax`` / ``shapes-t2v-mhla``: text-to-video, Wan2.1 architecture (our

@@ -8,7 +8,7 @@ The reference for FVD is a folder of videos or an ``.npz`` of I3D ``mu``/``sigma
 (:func:`~.fvd.save_fvd_reference`, ``mhla eval-video --save-ref``). Networks are built by the caller
 from files it resolved (:mod:`.video_weights`); this module never downloads anything. The embedded
 models' judge-based numbers are added by the command (``mhla eval-video --judge embedded``) with
-:mod:`mhla_diffusion.embedded.reproduction`.
+:mod:`mhla_diffusion.embedded.builds.reproduction`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The README section "Attentions compared" (short) and ``docs/reproduce.md`` (full), written from a
 ``mhla reproduce`` report of schema ``reproduce-3`` alone.
 
-Every number in them is a setting or a summary value of the report (``tests/embedded/test_reproduce_docs.py``
+Every number in them is a setting or a summary value of the report (``tests/reproduce/test_reproduce_docs.py``
 checks each one), and every comparison is worded by its Holm-corrected p
 (:func:`~.report.comparison_words`): "lower" / "higher" only where established, else "not
 established" with the minimal detectable difference. ``mhla reproduce --docs`` rewrites both files from the
@@ -528,7 +528,7 @@ def reproduce_doc(report: dict[str, Any]) -> str:
         "",
         "The committed run is [reproduce/](reproduce/): its [table](reproduce/table.md), its "
         f"[reading](reproduce/reading.md), the figures below and `report.json` ({_minutes(report['seconds'])} "
-        "minutes of units). `tests/embedded/test_reproduce_results.py` checks that the table, reading, figures, "
+        "minutes of units). `tests/reproduce/test_reproduce_results.py` checks that the table, reading, figures, "
         "this page and the README section are the ones computed from that report.",
         "",
     ]

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..embedded.stages import Stages
+from ..training.stages import Stages
 from .generative import ARMS, train_and_measure
 from .operators import (
     GROUPS,
@@ -49,6 +49,7 @@ from .operators import (
     Task,
     block_layout,
     check_task_tokens,
+    choose_rates,
     grid_side,
     train_students,
 )
@@ -58,7 +59,6 @@ __all__ = [
     "SCHEMA",
     "ExperimentSettings",
     "PartAPlan",
-    "choose_rates",
     "estimate_budget",
     "rewrite_outputs",
     "run_experiment",
@@ -284,17 +284,6 @@ class ExperimentSettings:
             block_side=self.block_side,
             teacher_seed=TEACHER_SEED + seed,
         )
-
-
-def choose_rates(sweep: list[dict[str, Any]]) -> dict[str, float]:
-    """Student -> the learning rate of its sweep run (one per rate, one cell) whose training loss over the last
-    tenth of the steps was lowest; ties go to the smaller rate."""
-    best: dict[str, tuple[float, float]] = {}
-    for run in sweep:
-        key = (run["loss_curve"][-1], run["lr"])
-        if run["student"] not in best or key < best[run["student"]]:
-            best[run["student"]] = key
-    return {student: lr for student, (_, lr) in best.items()}
 
 
 def _part_a_unit(s: ExperimentSettings, plan: PartAPlan, seed: int, lr: float | dict[str, float]) -> dict[str, Any]:

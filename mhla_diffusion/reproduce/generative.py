@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MHLAConfig
-from ..embedded.training_loop import LoopProgress, run_loop, step_generator
+from ..training.loop import LoopProgress, run_loop, step_generator
 from .operators import grid_side, mhla_layout
 
 __all__ = ["ARMS", "EVAL_TIMESTEPS", "asymmetry", "mirror_images", "new_denoiser", "sample_scale", "train_and_measure"]

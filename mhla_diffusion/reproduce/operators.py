@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..embedded.training_loop import step_generator
 from ..ops.attention import mhla_attention
 from ..ops.block_layout import block_plan, num_blocks
 from ..ops.mixing import mixing_init
+from ..training.loop import step_generator
 
 __all__ = [
     "STUDENTS",
@@ -52,6 +52,7 @@ __all__ = [
     "attention_measures",
     "block_layout",
     "check_task_tokens",
+    "choose_rates",
     "mhla_layout",
     "mhla_rank_bound",
     "rank_bound",
@@ -584,3 +585,14 @@ def _measure(
         "chance_loss": task.chance_loss,
         "rank": _rank_measures(student, held_out) if task.tokens <= rank_max_tokens else None,
     }
+
+
+def choose_rates(sweep: list[dict[str, Any]]) -> dict[str, float]:
+    """Student -> the learning rate of its sweep run (one per rate, one cell) whose training loss over the last
+    tenth of the steps was lowest; ties go to the smaller rate."""
+    best: dict[str, tuple[float, float]] = {}
+    for run in sweep:
+        key = (run["loss_curve"][-1], run["lr"])
+        if run["student"] not in best or key < best[run["student"]]:
+            best[run["student"]] = key
+    return {student: lr for student, (_, lr) in best.items()}

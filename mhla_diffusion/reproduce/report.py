@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .operators import RANK_MEASURES
+from .operators import RANK_MEASURES, choose_rates
 from .statistics import ALPHA, POWER, holm, interval, minimal_detectable_difference, paired_difference
 
 __all__ = [
@@ -171,8 +171,6 @@ def did_not_train(report: dict[str, Any]) -> list[dict[str, Any]]:
 def _sweeps(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per swept cell and student: the training loss over the last tenth of the steps at each learning rate,
     and the rate chosen (the lowest loss)."""
-    from .experiment import choose_rates
-
     rows = []
     for (task, tokens), runs in _groups(report["sweeps"], "task", "tokens").items():
         chosen = choose_rates(runs)

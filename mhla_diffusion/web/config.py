@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal
 
 from ..cli.arguments import parse_device
 from ..embedded import embedded_defaults, embedded_model
-from ..embedded.bouncing_shapes import BOUNCE_FRAMES
+from ..embedded.worlds.bouncing_shapes import BOUNCE_FRAMES
 from ..loaders.loading import DIT_HUB_ID, WAN_HUB_ID, check_model_source
 from ..utils.choices import WEIGHT_DTYPES
 from ..utils.geometry import WAN_PIPELINE_SIZE_MULTIPLE, VideoGeometry

@@ -8,7 +8,7 @@ A click generates several samples in one batch, sample ``i`` from its own seed (
 is what that seed alone gives. The denoising loop is timed alone: each step ends with a timestamp
 (``callback_on_step_end``), the first step is the warm-up, and :attr:`Generated.step_seconds` is the
 median of the others. For an embedded model the judge reads every sample
-(:mod:`mhla_diffusion.embedded.judge_reading`).
+(:mod:`mhla_diffusion.embedded.judges.judge_reading`).
 
 The "Long video" task (``"long-video"``) streams one video chunk by chunk with
 :class:`~mhla_diffusion.pipelines.wan_streaming.MHLAWanStreamingPipeline` (:meth:`ModelStore.stream_video`).
@@ -241,7 +241,7 @@ class ModelStore:
                 folder = embedded_folder(self._models(task).model)
                 reader = None
                 if folder is not None:
-                    from ..embedded.judge_reading import JudgeReader
+                    from ..embedded.judges.judge_reading import JudgeReader
 
                     reader = JudgeReader(folder.judge())
                 self._readers[task] = reader

@@ -10,7 +10,7 @@ import itertools
 from typing import Any, Sequence
 
 from ..benchmarks.crossover import speed_context
-from ..embedded.moving_shapes import ATTRIBUTES, caption_for
+from ..embedded.worlds.moving_shapes import ATTRIBUTES, caption_for
 
 __all__ = [
     "TITLES",

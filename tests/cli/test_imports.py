@@ -131,3 +131,20 @@ def test_utils_import_no_torch():
     result = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(modules) >= 5 and result.stdout.split("\n")[-2] == "[]", result.stdout
+
+
+def test_the_embedded_subpackages_and_the_experiment_import_in_one_direction():
+    """``docs/architecture.md``: ``embedded/worlds`` imports no other job of ``embedded/``, ``judges`` only the
+    worlds, and ``mhla reproduce``'s package nothing of ``embedded/`` (it is not an embedded model)."""
+    forbidden = {
+        "mhla_diffusion.embedded.worlds": ("mhla_diffusion.embedded.judges", "mhla_diffusion.embedded.builds"),
+        "mhla_diffusion.embedded.judges": ("mhla_diffusion.embedded.builds",),
+        "mhla_diffusion.reproduce": ("mhla_diffusion.embedded",),
+    }
+    checked = 0
+    for package, targets in forbidden.items():
+        for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
+            checked += 1
+            wrong = sorted(i for i in imports_of(module) if i.startswith(targets))
+            assert not wrong, f"{module} imports {wrong}, against the layering in docs/architecture.md"
+    assert checked >= 15

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mhla_diffusion.cli import main
+from mhla_diffusion.embedded.builds.side_by_side import FIGURE_PROMPTS
 from mhla_diffusion.embedded.locations import EMBEDDED_ROOT
-from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
 
 
 @pytest.mark.slow  # generates with both embedded video models, prompt by prompt (about a minute)
@@ -65,7 +65,7 @@ def test_readme_python_example_compares_with_the_clis_softmax_model(tmp_path):
 
     from mhla_diffusion import MHLAConfig
     from mhla_diffusion.embedded import embedded_judge
-    from mhla_diffusion.embedded.judge_reading import JudgeReader
+    from mhla_diffusion.embedded.judges.judge_reading import JudgeReader
     from mhla_diffusion.pipelines import MHLAWanPipeline
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()

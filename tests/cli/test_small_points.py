@@ -1,7 +1,7 @@
 """Small points a newcomer tripped on (issue 44, item 8): `mhla --version`, `mhla web` without Gradio, the
 `--transformer` help of class-to-image. (The trainers' usage line and warmup warning are in
 tests/finetune/test_finetune_options.py, eval-video's Inception Score in tests/eval/test_eval_video.py,
-`reproduce --budget` in tests/embedded/test_attention_experiment.py.)"""
+`reproduce --budget` in tests/reproduce/test_experiment.py.)"""
 
 from __future__ import annotations
 

@@ -8,15 +8,15 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from mhla_diffusion.embedded.bouncing_shapes import (
+from mhla_diffusion.embedded.worlds.bouncing_shapes import (
     SPEED_RANGE,
     bounce_path,
     bouncing_clip,
     bouncing_windows,
     render_bouncing,
 )
-from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES, DIRECTIONS, FRAME_SIZE
-from mhla_diffusion.embedded.shapes_dataset import write_shapes_dataset
+from mhla_diffusion.embedded.worlds.moving_shapes import ATTRIBUTES, DIRECTIONS, FRAME_SIZE
+from mhla_diffusion.embedded.worlds.shapes_dataset import write_shapes_dataset
 
 
 def test_bounce_path_reflects_at_both_ends_and_keeps_its_speed():

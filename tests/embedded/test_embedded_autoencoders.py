@@ -14,9 +14,9 @@ from mhla_diffusion.embedded import (
     train_image_vae,
     train_video_vae,
 )
-from mhla_diffusion.embedded.image_judge import images_to_tensor
-from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE, NUM_FRAMES
-from mhla_diffusion.embedded.video_judge import clips_to_tensor
+from mhla_diffusion.embedded.judges.image_judge import images_to_tensor
+from mhla_diffusion.embedded.judges.video_judge import clips_to_tensor
+from mhla_diffusion.embedded.worlds.moving_shapes import FRAME_SIZE, NUM_FRAMES
 
 
 def _small_clips(count: int = 2) -> np.ndarray:

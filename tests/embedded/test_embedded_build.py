@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from mhla_diffusion.embedded import embedded_judge, embedded_model
-from mhla_diffusion.embedded.build import STUDENTS, BuildSettings, build_demo_models
+from mhla_diffusion.embedded.builds.build import STUDENTS, BuildSettings, build_demo_models
+from mhla_diffusion.embedded.builds.side_by_side import FIGURE_PROMPTS
 from mhla_diffusion.embedded.locations import embedded_defaults
-from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE
-from mhla_diffusion.embedded.side_by_side import FIGURE_PROMPTS
+from mhla_diffusion.embedded.worlds.moving_shapes import FRAME_SIZE
 
 
 class _Killed(Exception):
@@ -157,8 +157,8 @@ def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path, last
     import os
     import time
 
-    from mhla_diffusion.embedded.build import _WATCHED
-    from mhla_diffusion.embedded.stages import Stages
+    from mhla_diffusion.embedded.builds.build import _WATCHED
+    from mhla_diffusion.training.stages import Stages
 
     work = tmp_path / "work"
     (work / "stages").mkdir(parents=True)
@@ -174,7 +174,7 @@ def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path, last
 
 
 def test_settings_of_unfinished_stages_may_change(tmp_path):
-    from mhla_diffusion.embedded.build import _check_settings_change
+    from mhla_diffusion.embedded.builds.build import _check_settings_change
 
     work = tmp_path / "work"
     (work / "stages").mkdir(parents=True)
@@ -186,7 +186,7 @@ def test_settings_of_unfinished_stages_may_change(tmp_path):
 
 
 def test_settings_overrides_are_checked():
-    from mhla_diffusion.embedded.build import settings_with
+    from mhla_diffusion.embedded.builds.build import settings_with
 
     changed = settings_with(BuildSettings(), ["video_teacher_steps=6000", "teacher_lr=1e-3", "train_digits=100"])
     assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)

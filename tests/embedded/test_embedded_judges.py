@@ -23,7 +23,7 @@ from mhla_diffusion.embedded import (
     train_image_judge,
     train_video_judge,
 )
-from mhla_diffusion.embedded.moving_shapes import FRAME_SIZE, NUM_FRAMES
+from mhla_diffusion.embedded.worlds.moving_shapes import FRAME_SIZE, NUM_FRAMES
 from mhla_diffusion.eval import ArrayImages, Reference, compute_activations, evaluate, frechet_distance
 
 

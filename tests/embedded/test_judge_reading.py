@@ -10,10 +10,10 @@ from mhla_diffusion.embedded import (
     JudgeReader,
     embedded_judge,
     generate_clips,
-    judge_reading,
     requested_attributes,
     split_digits,
 )
+from mhla_diffusion.embedded.judges import judge_reading
 from mhla_diffusion.pipelines.outputs import OutputPlan, save_image, save_video
 
 #: Every level k / 255 and every half-step (k + 0.5) / 255 between them (the last one clamps to 255).

@@ -1,4 +1,4 @@
-"""Long-video measures (mhla_diffusion.embedded.long_video): centroids, the judge's windows, jumps and drift on
+"""Long-video measures (mhla_diffusion.embedded.builds.long_video): centroids, the judge's windows, jumps and drift on
 bouncing-shapes clips with known motion, the two ways to make a long video on tiny pipelines, and the refusals."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from mhla_diffusion.embedded import (
     timed,
     window_readings,
 )
-from mhla_diffusion.embedded.bouncing_shapes import SPEED_RANGE, bouncing_clip
-from mhla_diffusion.embedded.video_judge import clips_to_tensor, soften_clips
+from mhla_diffusion.embedded.judges.video_judge import clips_to_tensor, soften_clips
+from mhla_diffusion.embedded.worlds.bouncing_shapes import SPEED_RANGE, bouncing_clip
 from mhla_diffusion.pipelines.outputs import float_to_uint8
 
 PROMPT = "a red circle moving left"

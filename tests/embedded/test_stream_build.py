@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.embedded.long_video_report import CLI_PROMPT, METHODS, report_markdown
-from mhla_diffusion.embedded.stream_build import STREAM_MODELS, StreamBuildSettings
+from mhla_diffusion.embedded.builds.long_video_report import CLI_PROMPT, METHODS, report_markdown
+from mhla_diffusion.embedded.builds.stream_build import STREAM_MODELS, StreamBuildSettings
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def stream_smoke(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_smoke_build_exports_models_judge_report_and_strip(stream_smoke):
-    from mhla_diffusion.embedded.judge_io import load_judge
+    from mhla_diffusion.embedded.judges.judge_io import load_judge
     from mhla_diffusion.pipelines import MHLAWanStreamingPipeline
 
     root, _ = stream_smoke
@@ -69,7 +69,7 @@ def test_a_rerun_resumes_and_finished_settings_cannot_change(stream_smoke, capsy
 
 @pytest.mark.slow
 def test_the_diagnosis_reads_both_models_at_2x_and_8x_and_with_oracle_context(stream_smoke, capsys):
-    from mhla_diffusion.embedded.long_video_diagnosis import DIAGNOSED_RUNS, LENGTH_FACTORS, diagnosis_markdown
+    from mhla_diffusion.embedded.builds.long_video_diagnosis import DIAGNOSED_RUNS, LENGTH_FACTORS, diagnosis_markdown
 
     root, args = stream_smoke
     work = root / "work"
@@ -95,8 +95,8 @@ def test_the_diagnosis_reads_both_models_at_2x_and_8x_and_with_oracle_context(st
 
 
 def test_evaluation_prompts_cover_every_shape_colour_and_direction():
-    from mhla_diffusion.embedded.long_video_report import evaluation_prompts
-    from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES, parse_caption
+    from mhla_diffusion.embedded.builds.long_video_report import evaluation_prompts
+    from mhla_diffusion.embedded.worlds.moving_shapes import ATTRIBUTES, parse_caption
 
     prompts = evaluation_prompts(12)
     assert len(set(prompts)) == 12
@@ -111,8 +111,8 @@ def test_the_student_start_is_the_non_streaming_student_made_causal(tmp_path):
     import torch
     from safetensors.torch import load_file
 
+    from mhla_diffusion.embedded.builds.stream_build import causal_student_start
     from mhla_diffusion.embedded.locations import EMBEDDED_ROOT
-    from mhla_diffusion.embedded.stream_build import causal_student_start
     from mhla_diffusion.models.conversion import get_mhla_conversion
     from mhla_diffusion.pipelines import MHLAWanStreamingPipeline
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mhla_diffusion.embedded import generate_clips, tiny_video_vae, train_image_judge, train_video_vae
-from mhla_diffusion.embedded.digits import split_digits
-from mhla_diffusion.embedded.training_loop import LoopProgress, epoch_batch, run_loop, step_generator
+from mhla_diffusion.embedded.worlds.digits import split_digits
+from mhla_diffusion.training.loop import LoopProgress, epoch_batch, run_loop, step_generator
 
 
 class _Stop(Exception):

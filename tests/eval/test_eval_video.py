@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.embedded.moving_shapes import DIRECTIONS, FRAME_SIZE, NUM_FRAMES, render_clip, shape_clip
+from mhla_diffusion.embedded.worlds.moving_shapes import DIRECTIONS, FRAME_SIZE, NUM_FRAMES, render_clip, shape_clip
 from mhla_diffusion.eval.fvd import FVD_FRAMES, FVD_SIZE, I3DFeatures, preprocess_clips
 from mhla_diffusion.eval.video_files import read_video
 from mhla_diffusion.pipelines.outputs import OutputPlan, save_video

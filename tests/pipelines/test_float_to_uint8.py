@@ -26,7 +26,7 @@ def test_uint8_passes_through_unchanged():
 def test_decoded_pixels_in_minus_one_to_one_round_by_the_same_rule():
     """The embedded models' decoder output (float32 in [-1, 1]) near every half-step: the bytes are the rule
     applied to the exact value of each pixel, not to a float32 product rounded onto a tie."""
-    from mhla_diffusion.embedded.image_judge import tensor_to_uint8
+    from mhla_diffusion.embedded.judges.image_judge import tensor_to_uint8
 
     near_half_steps = np.float32((2 * np.arange(256) + 1) / 255 - 1)
     pixels = np.concatenate([near_half_steps, np.nextafter(near_half_steps, 2), np.float32([-1.5, 1.5])])

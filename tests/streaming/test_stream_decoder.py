@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhla_diffusion.embedded.autoencoders import tiny_video_vae
+from mhla_diffusion.embedded.builds.autoencoders import tiny_video_vae
 from mhla_diffusion.models.tiny import tiny_wan_vae
 from mhla_diffusion.pipelines.stream_decoder import WanStreamingDecoder
 

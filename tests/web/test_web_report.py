@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from mhla_diffusion.embedded import VideoReading
-from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES, parse_caption
+from mhla_diffusion.embedded.worlds.moving_shapes import ATTRIBUTES, parse_caption
 from mhla_diffusion.web.models import Generated
 from mhla_diffusion.web.report import caption, example_prompts, summary, vocabulary_markdown
 

@@ -19,7 +19,7 @@ pytest.importorskip("gradio", reason="the web demo needs gradio (pip install -e 
 gradio_client = pytest.importorskip("gradio_client")
 
 from mhla_diffusion.embedded.locations import embedded_defaults  # noqa: E402
-from mhla_diffusion.embedded.moving_shapes import ATTRIBUTES  # noqa: E402
+from mhla_diffusion.embedded.worlds.moving_shapes import ATTRIBUTES  # noqa: E402
 from mhla_diffusion.utils.geometry import MAX_SEED  # noqa: E402
 from mhla_diffusion.web.report import example_prompts  # noqa: E402
 

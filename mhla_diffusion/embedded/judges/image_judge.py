@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..pipelines.outputs import float_to_uint8
-from .digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
+from ...pipelines.outputs import float_to_uint8
+from ...training.loop import LoopProgress, step_generator
+from ..worlds.digits import DIGIT_SIZE, NUM_DIGIT_CLASSES
 from .judge_training import fit_judge
-from .training_loop import LoopProgress, step_generator
 
 __all__ = [
     "ImageJudge",
@@ -132,7 +132,7 @@ def train_image_judge(
     """Train an :class:`ImageJudge` on uint8 ``images`` ``(N, S, S, 3)`` and ``labels`` ``(N,)``.
 
     Seeded minibatches with random shifts of up to ``max_shift`` pixels, AdamW with cosine decay.
-    ``progress``: bar and resumable checkpoint (:class:`~.training_loop.LoopProgress`).
+    ``progress``: bar and resumable checkpoint (:class:`~mhla_diffusion.training.loop.LoopProgress`).
     """
     images, labels = np.asarray(images), np.asarray(labels)
     if steps < 1 or batch_size < 1 or lr <= 0:

@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .judge_reading import JudgeReader
-from .locations import embedded_defaults
-from .moving_shapes import NUM_FRAMES
+from ..judges.judge_reading import JudgeReader
+from ..locations import embedded_defaults
+from ..worlds.moving_shapes import NUM_FRAMES
 from .reproduction import sample_clips
 
 __all__ = ["FIGURE_PROMPTS", "FRAMES_SHOWN", "draw_side_by_side", "side_by_side_samples"]
@@ -39,7 +39,7 @@ def side_by_side_samples(
     embedded defaults' size and ``seed``, with ``steps`` and ``guidance_scale`` (``None``: the embedded
     defaults, what the command line uses); returns ``{model: uint8 clips (P, F, H, W, 3)}`` and one
     verdict per prompt: ``{"prompt", "seed", <model>: judge reading as JSON}``."""
-    from ..pipelines import MHLAWanPipeline
+    from ...pipelines import MHLAWanPipeline
 
     d = embedded_defaults()
     steps = d.video_steps if steps is None else steps

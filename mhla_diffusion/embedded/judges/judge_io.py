@@ -9,7 +9,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from ..loaders.weight_files import read_checkpoint_file
+from ...loaders.weight_files import read_checkpoint_file
 from .image_judge import ImageJudge
 from .judge_features import ImageJudgeFeatures, VideoJudgeFeatures, judge_features
 from .video_judge import VideoJudge

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bouncing_shapes import BOUNCE_FRAMES, bouncing_windows
+from ...training.loop import LoopProgress
+from ...training.stages import Stages
+from ..judges.judge_io import save_judge
+from ..judges.video_judge import prompt_accuracy, train_video_judge
+from ..locations import EMBEDDED_ROOT, embedded_defaults, weight_hashes
+from ..worlds.bouncing_shapes import BOUNCE_FRAMES, bouncing_windows
+from ..worlds.shapes_dataset import write_shapes_dataset
 from .build import _check_settings_change, _replace_tree, _Run, _run_values, _train_run
-from .judge_io import save_judge
-from .locations import EMBEDDED_ROOT, embedded_defaults, weight_hashes
-from .shapes_dataset import write_shapes_dataset
-from .stages import Stages
-from .training_loop import LoopProgress
-from .video_judge import prompt_accuracy, train_video_judge
 
 __all__ = ["STREAM_MODELS", "StreamBuildSettings", "build_stream_models", "causal_student_start"]
 
@@ -143,7 +143,7 @@ def _options(work: Path, s: StreamBuildSettings, name: str, start: Path, mhla: d
     """The Wan trainer's options of the fine-tune ``runs/long-{name}``: the main build's (:func:`.build._run_values`)
     with the bouncing clips and the causal objective (diffusion or teacher forcing); softmax runs block-causal (the
     KV-cache teacher)."""
-    from ..finetune.options import WanTrainOptions, options_from_dict
+    from ...finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
     transfer = s.transfer_steps if mhla is not None else 0
@@ -186,8 +186,8 @@ def causal_student_start(source: Path, output: Path, s: StreamBuildSettings) -> 
     import torch
     from safetensors.torch import load_file
 
-    from ..config import MHLAConfig
-    from ..pipelines import MHLAWanPipeline
+    from ...config import MHLAConfig
+    from ...pipelines import MHLAWanPipeline
 
     if (output / "model_index.json").is_file():
         return output
@@ -218,7 +218,7 @@ def causal_student_start(source: Path, output: Path, s: StreamBuildSettings) -> 
 
 
 def _fine_tune(work: Path, s: StreamBuildSettings, name: str, start: Path) -> dict[str, Any]:
-    from ..finetune.train_wan import train as train_wan
+    from ...finetune.train_wan import train as train_wan
 
     mhla = None
     if name == "mhla" and s.mhla_start == "student":

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bouncing_shapes import bouncing_windows
+from ...training.loop import LoopProgress, step_generator
+from ..worlds.bouncing_shapes import bouncing_windows
+from ..worlds.moving_shapes import ATTRIBUTES, FRAME_SIZE, NUM_FRAMES, generate_clips
 from .judge_training import fit_judge
-from .moving_shapes import ATTRIBUTES, FRAME_SIZE, NUM_FRAMES, generate_clips
-from .training_loop import LoopProgress, step_generator
 
 __all__ = [
     "VideoJudge",
@@ -191,7 +191,7 @@ def train_video_judge(
     noise std uniform in ``[0, max_noise]``), so that the judge reads a shape the way a viewer does even
     when its edges are soft, as they are in any decoder's output (without it a 1-pixel blur, which leaves
     every shape plainly recognisable, cut the shape accuracy from 98 % to 71 %).
-    ``progress``: bar and resumable checkpoint (:class:`~.training_loop.LoopProgress`). ``data``: the
+    ``progress``: bar and resumable checkpoint (:class:`~mhla_diffusion.training.loop.LoopProgress`). ``data``: the
     moving-shapes clips, or windows of bouncing-shapes videos (:func:`~.bouncing_shapes.bouncing_windows`, the
     long-video judge: shapes anywhere in the frame, bounces).
     """

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .bouncing_shapes import SPEED_RANGE
-from .judge_io import load_judge
+from ..judges.judge_io import load_judge
+from ..worlds.bouncing_shapes import SPEED_RANGE
 from .long_video import centroids, measure_long_video, stream_frames, window_readings
 from .long_video_report import (
     EVAL_SEED,
@@ -62,7 +62,7 @@ def _encode(pipe: Any, frames: np.ndarray) -> "torch.Tensor":  # noqa: F821
     normalised as the trainer normalises it)."""
     import torch
 
-    from ..finetune.latents import encode_posterior, wan_latent_normalization
+    from ...finetune.latents import encode_posterior, wan_latent_normalization
 
     pixels = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]
     channels = pipe.transformer.config.in_channels
@@ -145,7 +145,7 @@ def diagnose_pilot(work: Path, s: Any, runs: tuple[str, ...] | None = None) -> d
     """Diagnose every streaming model of the pilot in ``work`` (``runs``: some of :data:`DIAGNOSED_RUNS`, default
     those it has); ``s``: its :class:`~.stream_build.StreamBuildSettings`. Returns run name -> reading, also written
     to ``<work>/diagnosis``."""
-    from ..pipelines import MHLAWanStreamingPipeline
+    from ...pipelines import MHLAWanStreamingPipeline
 
     work = Path(work)
     present = [r for r in DIAGNOSED_RUNS if (work / "runs" / r / "pipeline" / "model_index.json").is_file()]

@@ -12,11 +12,11 @@ import torch
 from scipy import stats
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.embedded.build import settings_with
+from mhla_diffusion.embedded.builds.build import settings_with
 from mhla_diffusion.models.conversion import get_mhla_conversion
 from mhla_diffusion.ops.attention import mhla_attention
 from mhla_diffusion.ops.mixing import mixing_init
-from mhla_diffusion.reproduce.experiment import ExperimentSettings, choose_rates, estimate_budget, run_experiment
+from mhla_diffusion.reproduce.experiment import ExperimentSettings, estimate_budget, run_experiment
 from mhla_diffusion.reproduce.generative import ARMS, asymmetry, mirror_images, new_denoiser, sample_scale
 from mhla_diffusion.reproduce.operators import (
     FEATURE_EPS,
@@ -25,6 +25,7 @@ from mhla_diffusion.reproduce.operators import (
     Task,
     attention_measures,
     block_layout,
+    choose_rates,
     loss_curve,
     mhla_layout,
     rank_bound,

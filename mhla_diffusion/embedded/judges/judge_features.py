@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from mhla_diffusion.eval.features import FeatureExtractor, check_uint8_images, spatial_features
 
+from ..worlds.moving_shapes import ATTRIBUTES
 from .image_judge import ImageJudge
-from .moving_shapes import ATTRIBUTES
 from .video_judge import VideoJudge
 
 __all__ = [

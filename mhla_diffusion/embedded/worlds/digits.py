@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..pipelines.outputs import float_to_uint8
+from ...pipelines.outputs import float_to_uint8
 
 __all__ = ["DIGIT_SIZE", "NUM_DIGIT_CLASSES", "DigitSplit", "load_digits_images", "split_digits", "write_digits_folder"]
 

@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..pipelines.outputs import float_to_uint8
+from ...pipelines.outputs import float_to_uint8
+from ..worlds.moving_shapes import ATTRIBUTES
 from .image_judge import ImageJudge, images_to_tensor
 from .judge_io import load_judge
-from .moving_shapes import ATTRIBUTES
 from .video_judge import VideoJudge, clips_to_tensor
 
 __all__ = ["ImageReading", "JudgeReader", "VideoReading", "requested_attributes"]

@@ -17,12 +17,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..eval import ArrayImages, Reference, evaluate
-from ..pipelines.outputs import float_to_uint8
-from .image_judge import ImageJudge, predict_classes
-from .judge_features import clips_to_filmstrips, judge_features
-from .moving_shapes import ATTRIBUTES, NUM_COMBINATIONS, caption_for
-from .video_judge import VideoJudge, prompt_accuracy
+from ...eval import ArrayImages, Reference, evaluate
+from ...pipelines.outputs import float_to_uint8
+from ..judges.image_judge import ImageJudge, predict_classes
+from ..judges.judge_features import clips_to_filmstrips, judge_features
+from ..judges.video_judge import VideoJudge, prompt_accuracy
+from ..worlds.moving_shapes import ATTRIBUTES, NUM_COMBINATIONS, caption_for
 
 __all__ = [
     "ScoreRow",

@@ -42,6 +42,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ...training.loop import LoopProgress
+from ...training.stages import Stages
+from ..judges.image_judge import class_accuracy, train_image_judge
+from ..judges.judge_io import load_judge, save_judge
+from ..judges.video_judge import prompt_accuracy, train_video_judge
+from ..locations import embedded_defaults, weight_hashes
+from ..worlds.digits import DIGIT_SIZE, split_digits, write_digits_folder
+from ..worlds.moving_shapes import ATTRIBUTES, generate_clips
+from ..worlds.shapes_dataset import write_shapes_dataset
 from .autoencoders import (
     psnr,
     reconstruct_clips,
@@ -51,11 +60,6 @@ from .autoencoders import (
     train_image_vae,
     train_video_vae,
 )
-from .digits import DIGIT_SIZE, split_digits, write_digits_folder
-from .image_judge import class_accuracy, train_image_judge
-from .judge_io import load_judge, save_judge
-from .locations import embedded_defaults, weight_hashes
-from .moving_shapes import ATTRIBUTES, generate_clips
 from .reproduction import (
     ScoreRow,
     balanced_captions,
@@ -67,11 +71,7 @@ from .reproduction import (
     table_markdown,
     write_table_csv,
 )
-from .shapes_dataset import write_shapes_dataset
 from .side_by_side import draw_side_by_side, side_by_side_samples
-from .stages import Stages
-from .training_loop import LoopProgress
-from .video_judge import prompt_accuracy, train_video_judge
 
 __all__ = ["BuildSettings", "STUDENTS", "build_demo_models", "settings_with"]
 
@@ -296,9 +296,9 @@ def _base(work: Path, s: BuildSettings) -> dict[str, Any]:
         WanPipeline,
     )
 
-    from ..models.tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
-    from ..utils.geometry import ImageGeometry
-    from ..utils.model_defaults import RECORD_KEY, checked_record
+    from ...models.tiny import tiny_dit_transformer, tiny_text_encoder, tiny_tokenizer, tiny_wan_transformer
+    from ...utils.geometry import ImageGeometry
+    from ...utils.model_defaults import RECORD_KEY, checked_record
 
     vae = AutoencoderKLWan.from_pretrained(work / "autoencoders" / "video")
     tokenizer = tiny_tokenizer(_caption_words())
@@ -381,7 +381,7 @@ class _Run:
 
 def _run_values(work: Path, s: BuildSettings, task: str, data: str, run: _Run) -> dict[str, Any]:
     """Trainer options both tasks share: the run folder ``runs/{task}-{run.name}``, the budget, and softmax or MHLA."""
-    from ..finetune.checkpointing import list_checkpoints
+    from ...finetune.checkpointing import list_checkpoints
 
     folder = work / "runs" / f"{task}-{run.name}"
     resume = bool(list_checkpoints(folder))  # a run this stage started before it was killed
@@ -418,7 +418,7 @@ def _run_values(work: Path, s: BuildSettings, task: str, data: str, run: _Run) -
 def _video_options(
     work: Path, s: BuildSettings, run: _Run, distillation: float = 0.0, ema: float = 0.0
 ) -> "WanTrainOptions":  # noqa: F821
-    from ..finetune.options import WanTrainOptions, options_from_dict
+    from ...finetune.options import WanTrainOptions, options_from_dict
 
     d = embedded_defaults()
     values = _run_values(work, s, "t2v", "shapes", run)
@@ -438,7 +438,7 @@ def _video_options(
 
 
 def _image_options(work: Path, s: BuildSettings, run: _Run) -> "DiTTrainOptions":  # noqa: F821
-    from ..finetune.options import DiTTrainOptions, options_from_dict
+    from ...finetune.options import DiTTrainOptions, options_from_dict
 
     values = _run_values(work, s, "c2i", "digits", run)
     values.update(
@@ -470,8 +470,8 @@ def _student_mhla(name: str, layout: tuple[int, ...], lepe: bool = False, gate: 
 
 
 def _teachers(work: Path, s: BuildSettings) -> dict[str, Any]:
-    from ..finetune.train_dit import train as train_dit
-    from ..finetune.train_wan import train as train_wan
+    from ...finetune.train_dit import train as train_dit
+    from ...finetune.train_wan import train as train_wan
 
     seconds = {}
     seconds["t2v-softmax"] = _train_run(
@@ -488,8 +488,8 @@ def _teachers(work: Path, s: BuildSettings) -> dict[str, Any]:
 
 
 def _students(work: Path, s: BuildSettings) -> dict[str, Any]:
-    from ..finetune.train_dit import train as train_dit
-    from ..finetune.train_wan import train as train_wan
+    from ...finetune.train_dit import train as train_dit
+    from ...finetune.train_wan import train as train_wan
 
     seconds: dict[str, float | None] = {}
     for name, (_, _, transfer) in STUDENTS.items():
@@ -540,7 +540,7 @@ def _attention_and_layout(pipe) -> tuple[str, str]:
     """The attention (``softmax``, ``MHLA`` or ``MHLA + LePE + gate``) and block layout (``1x6x6``, with
     ``(k/n layers)`` when only some layers are converted, ``-`` for softmax), read from the model, not from
     its run's name."""
-    from ..models.conversion import get_mhla_conversion
+    from ...models.conversion import get_mhla_conversion
 
     conversion = get_mhla_conversion(pipe.transformer)
     if conversion is None:
@@ -626,7 +626,7 @@ _VAE_CEILING = "the best any generator with this VAE can do"
 def _evaluate(work: Path, s: BuildSettings) -> dict[str, Any]:
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    from ..pipelines import MHLADiTPipeline, MHLAWanPipeline
+    from ...pipelines import MHLADiTPipeline, MHLAWanPipeline
 
     d = embedded_defaults()
     video_judge, image_judge = load_judge(work / "judges" / "video"), load_judge(work / "judges" / "image")
@@ -1009,7 +1009,7 @@ def settings_with(settings: Any, overrides: list[str]) -> Any:
     an optional count takes ``none``)."""
     import typing
 
-    from ..utils.options import parse_assignment
+    from ...utils.options import parse_assignment
 
     hints = typing.get_type_hints(type(settings))
     hints = {f.name: hints[f.name] for f in dataclasses.fields(settings)}

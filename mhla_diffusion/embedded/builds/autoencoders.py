@@ -23,12 +23,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..utils.geometry import VideoGeometry
-from .digits import DIGIT_SIZE
-from .image_judge import images_to_tensor, tensor_to_uint8
-from .moving_shapes import BACKGROUND
-from .training_loop import LoopProgress, epoch_batch, run_loop, step_generator
-from .video_judge import clips_to_tensor
+from ...training.loop import LoopProgress, epoch_batch, run_loop, step_generator
+from ...utils.geometry import VideoGeometry
+from ..judges.image_judge import images_to_tensor, tensor_to_uint8
+from ..judges.video_judge import clips_to_tensor
+from ..worlds.digits import DIGIT_SIZE
+from ..worlds.moving_shapes import BACKGROUND
 
 __all__ = [
     "latent_statistics",

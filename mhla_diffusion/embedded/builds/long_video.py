@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..pipelines.outputs import float_to_uint8
-from .moving_shapes import ATTRIBUTES, BACKGROUND, COLOURS, parse_caption
-from .video_judge import VideoJudge, predict_attributes
+from ...pipelines.outputs import float_to_uint8
+from ..judges.video_judge import VideoJudge, predict_attributes
+from ..worlds.moving_shapes import ATTRIBUTES, BACKGROUND, COLOURS, parse_caption
 
 __all__ = [
     "SHAPE_THRESHOLD",
@@ -257,7 +257,7 @@ def independent_clips(
     ``call_kwargs`` go to every call (height, width, steps, guidance, ...). Returns the uint8 frames
     ``(num_frames, H, W, 3)`` and the chunk starts (the clips' first frames after the first clip's).
     """
-    from .locations import embedded_defaults
+    from ..locations import embedded_defaults
 
     _check_call(num_frames, seed, call_kwargs, _SET_HERE)
     clip_frames = embedded_defaults().num_frames if clip_frames is None else clip_frames
@@ -329,7 +329,7 @@ def timed(fn: Callable[[], Any], device: torch.device | str = "cpu", wall_time: 
     text-to-video model's call 2.8x slower); the first call also pays what only a first call pays.
     ``wall_time=False``: the tracked call only (its result; ``seconds`` is ``None``), when the time is taken elsewhere.
     """
-    from ..benchmarks.bench import PeakMemory
+    from ...benchmarks.bench import PeakMemory
 
     if not callable(fn):
         raise ValueError(f"timed needs a function of no arguments, got {type(fn).__name__}")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .training_loop import LoopProgress, run_loop
+from ...training.loop import LoopProgress, run_loop
 
 __all__ = ["fit_judge"]
 

@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bouncing_shapes import SPEED_RANGE, bouncing_clip
-from .judge_io import load_judge
-from .locations import embedded_defaults
-from .moving_shapes import NUM_COMBINATIONS, parse_caption
+from ..judges.judge_io import load_judge
+from ..locations import embedded_defaults
+from ..worlds.bouncing_shapes import SPEED_RANGE, bouncing_clip
+from ..worlds.moving_shapes import NUM_COMBINATIONS, parse_caption
 from .reproduction import balanced_captions
 
 __all__ = ["CLI_PROMPT", "METHODS", "evaluate_long_video", "evaluation_prompts", "report_markdown"]
@@ -82,7 +82,7 @@ def generation_options(s) -> dict[str, Any]:
 
 def _method_runs(work: Path, s, source: Path) -> dict[str, Callable[[str, int, int], tuple[np.ndarray, list[int]]]]:
     """Method key -> ``run(prompt, seed, num_frames) -> (frames uint8 (T, H, W, 3), chunk starts)``."""
-    from ..pipelines import MHLAWanPipeline, MHLAWanStreamingPipeline
+    from ...pipelines import MHLAWanPipeline, MHLAWanStreamingPipeline
     from .long_video import independent_clips, stream_frames
 
     common = generation_options(s)
