@@ -75,7 +75,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         "<work-dir>/diagnosis",
     )
     add_settings_option(
-        p, "mhla_diffusion.embedded.builds.build", "BuildSettings", "build setting", "--set video_teacher_steps=6000"
+        p,
+        "mhla_diffusion.embedded.builds.build_settings",
+        "BuildSettings",
+        "build setting",
+        "--set video_teacher_steps=6000",
     )
     overrides = next(action for action in p._actions if action.dest == "overrides")
     overrides.help += (
@@ -97,9 +101,13 @@ def run(args: argparse.Namespace) -> int:
     if args.diagnose:
         raise ValueError("--diagnose reads a streaming pilot: add --stream (and its --work-dir)")
     args.work_dir = args.work_dir or DEFAULT_WORK_DIR
-    check_settings(args.overrides, "mhla_diffusion.embedded.builds.build", "BuildSettings")  # before torch loads
-    from ..embedded.builds.build import BuildSettings, build_demo_models, settings_with
+    check_settings(
+        args.overrides, "mhla_diffusion.embedded.builds.build_settings", "BuildSettings"
+    )  # before torch loads
+    from ..embedded.builds.build import build_demo_models
+    from ..embedded.builds.build_settings import BuildSettings
     from ..ops.cpu_memory import retain_freed_memory
+    from ..utils.options import settings_with
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = settings_with(BuildSettings.smoke() if args.smoke else BuildSettings(), args.overrides)
@@ -132,9 +140,9 @@ def run_stream(args: argparse.Namespace) -> int:
         raise ValueError(
             "--smoke models are untrained: give --output for them (or --no-export), not the package folder"
         )
-    from ..embedded.builds.build import settings_with
     from ..embedded.builds.stream_build import StreamBuildSettings, build_stream_models
     from ..ops.cpu_memory import retain_freed_memory
+    from ..utils.options import settings_with
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = settings_with(StreamBuildSettings.smoke() if args.smoke else StreamBuildSettings(), args.overrides)
@@ -160,9 +168,9 @@ def _diagnose(work: Path, overrides: list[str]) -> int:
     import dataclasses
     import json
 
-    from ..embedded.builds.build import settings_with
     from ..embedded.builds.long_video_diagnosis import diagnose_pilot, diagnosis_markdown
     from ..embedded.builds.stream_build import StreamBuildSettings
+    from ..utils.options import settings_with
 
     recorded = work / "settings.json"
     if not recorded.is_file():

@@ -79,7 +79,7 @@ def _judge_metrics(samples: Path, ref: Path | None, prompts: list[str]) -> tuple
     judge's network record."""
     import numpy as np
 
-    from ..embedded.builds.build import REFERENCE_SEED, BuildSettings
+    from ..embedded.builds.build_settings import REFERENCE_SEED, BuildSettings
     from ..embedded.builds.reproduction import PR_K, score_clips
     from ..embedded.judges.judge_io import load_judge_features
     from ..embedded.locations import embedded_judge

@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     check_settings(args.overrides, "mhla_diffusion.reproduce.experiment", "ExperimentSettings")
-    from ..embedded.builds.build import settings_with
     from ..reproduce.experiment import ExperimentSettings, budget_markdown, estimate_budget, run_experiment
+    from ..utils.options import settings_with
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.docs:

@@ -63,6 +63,7 @@ __all__ = [
     "parse_assignment",
     "parse_text",
     "read_yaml",
+    "settings_with",
     "state_ranges",
     "unknown_name",
     "zero_flags",
@@ -524,3 +525,17 @@ def state_ranges(parser: argparse.ArgumentParser) -> None:
             words = valid.describe()
             if words not in (action.help or ""):
                 action.help = f"{action.help} ({words})" if action.help else words.capitalize()
+
+
+def settings_with(settings: Any, overrides: list[str]) -> Any:
+    """``settings`` (a settings dataclass: the embedded build's ``BuildSettings``, the reproduction's
+    ``ExperimentSettings``)
+    with ``NAME=VALUE`` overrides, each read against the field's type by the option layer's
+    :func:`parse_text` (a list field takes comma-separated values, ``seeds=0,1,2``;
+    an optional count takes ``none``)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(type(settings))
+    hints = {f.name: hints[f.name] for f in dataclasses.fields(settings)}
+    return dataclasses.replace(settings, **dict(parse_assignment(item, hints) for item in overrides))

@@ -113,11 +113,11 @@ def test_a_setting_with_no_close_name_is_one_short_line(tmp_path, capsys):
 
 def test_help_lists_every_setting(capsys):
     from mhla_diffusion.cli.arguments import dataclass_field_names
-    from mhla_diffusion.embedded.builds.build import BuildSettings
+    from mhla_diffusion.embedded.builds.build_settings import BuildSettings
     from mhla_diffusion.reproduce.experiment import ExperimentSettings
 
     for command, module, settings in (
-        ("build-embedded", "mhla_diffusion.embedded.builds.build", BuildSettings),
+        ("build-embedded", "mhla_diffusion.embedded.builds.build_settings", BuildSettings),
         ("reproduce", "mhla_diffusion.reproduce.experiment", ExperimentSettings),
     ):
         names = [f.name for f in dataclasses.fields(settings)]

@@ -38,7 +38,8 @@ def test_a_bad_list_names_what_the_option_takes(parse, text, message):
 
 def test_settings_lists_take_the_same_rule():
     """`mhla build-embedded --set video_student_layout=1x4x4` reads like the trainers' `--mhla.layout 1x4x4`."""
-    from mhla_diffusion.embedded.builds.build import BuildSettings, settings_with
+    from mhla_diffusion.embedded.builds.build_settings import BuildSettings
+    from mhla_diffusion.utils.options import settings_with
 
     for text in ("1x4x4", "1,4,4", "[1, 4, 4]"):
         assert settings_with(BuildSettings(), [f"video_student_layout={text}"]).video_student_layout == [1, 4, 4]

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from mhla_diffusion.embedded import embedded_judge, embedded_model
-from mhla_diffusion.embedded.builds.build import STUDENTS, BuildSettings, build_demo_models
+from mhla_diffusion.embedded.builds.build import build_demo_models
+from mhla_diffusion.embedded.builds.build_settings import STUDENTS, BuildSettings
 from mhla_diffusion.embedded.builds.side_by_side import FIGURE_PROMPTS
 from mhla_diffusion.embedded.locations import embedded_defaults
 from mhla_diffusion.embedded.worlds.moving_shapes import FRAME_SIZE
@@ -174,19 +175,19 @@ def test_stage_killed_without_warning_counts_up_to_its_last_write(tmp_path, last
 
 
 def test_settings_of_unfinished_stages_may_change(tmp_path):
-    from mhla_diffusion.embedded.builds.build import _check_settings_change
+    from mhla_diffusion.embedded.builds.build_settings import check_settings_change
 
     work = tmp_path / "work"
     (work / "stages").mkdir(parents=True)
     (work / "stages" / "judges.json").write_text("{}")
     before = vars(BuildSettings.smoke()).copy()
-    _check_settings_change(work, before, {**before, "video_teacher_steps": 9, "checkpoint_every": 7})  # allowed
+    check_settings_change(work, before, {**before, "video_teacher_steps": 9, "checkpoint_every": 7})  # allowed
     with pytest.raises(ValueError, match="video_judge_steps"):
-        _check_settings_change(work, before, {**before, "video_judge_steps": 9})
+        check_settings_change(work, before, {**before, "video_judge_steps": 9})
 
 
 def test_settings_overrides_are_checked():
-    from mhla_diffusion.embedded.builds.build import settings_with
+    from mhla_diffusion.utils.options import settings_with
 
     changed = settings_with(BuildSettings(), ["video_teacher_steps=6000", "teacher_lr=1e-3", "train_digits=100"])
     assert (changed.video_teacher_steps, changed.teacher_lr, changed.train_digits) == (6000, 1e-3, 100)

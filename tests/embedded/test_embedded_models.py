@@ -95,7 +95,7 @@ def _build_report() -> dict:
 def test_committed_models_are_what_the_committed_build_made():
     import dataclasses
 
-    from mhla_diffusion.embedded.builds.build import BuildSettings
+    from mhla_diffusion.embedded.builds.build_settings import BuildSettings
     from mhla_diffusion.embedded.locations import weight_hashes
 
     report = _build_report()

@@ -12,7 +12,6 @@ import torch
 from scipy import stats
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.embedded.builds.build import settings_with
 from mhla_diffusion.models.conversion import get_mhla_conversion
 from mhla_diffusion.ops.attention import mhla_attention
 from mhla_diffusion.ops.mixing import mixing_init
@@ -38,6 +37,7 @@ from mhla_diffusion.reproduce.statistics import (
     minimal_detectable_difference,
     paired_difference,
 )
+from mhla_diffusion.utils.options import settings_with
 
 
 class _Killed(Exception):

@@ -38,7 +38,8 @@ from ..judges.video_judge import prompt_accuracy, train_video_judge
 from ..locations import EMBEDDED_ROOT, embedded_defaults, weight_hashes
 from ..worlds.bouncing_shapes import BOUNCE_FRAMES, bouncing_windows
 from ..worlds.shapes_dataset import write_shapes_dataset
-from .build import _check_settings_change, _replace_tree, _Run, _run_values, _train_run
+from .build import _replace_tree, _Run, _run_values, _train_run
+from .build_settings import check_settings_change
 
 __all__ = ["STREAM_MODELS", "StreamBuildSettings", "build_stream_models", "causal_student_start"]
 
@@ -294,7 +295,7 @@ def build_stream_models(
     settings_file = work / "settings.json"
     wanted = {**dataclasses.asdict(s), "from_build": str(source.resolve())}
     if settings_file.is_file():
-        _check_settings_change(work, json.loads(settings_file.read_text()), wanted, _first_stage)
+        check_settings_change(work, json.loads(settings_file.read_text()), wanted, _first_stage)
     settings_file.write_text(json.dumps(wanted, indent=2))
 
     stages = Stages(work, total=5, watched=_WATCHED)
