@@ -25,7 +25,9 @@ SCRIPT = ROOT / "benchmarks" / "gpu_session.py"
 
 @pytest.fixture(scope="module")
 def gpu_session():
-    """benchmarks/gpu_session.py as a module (it is a script, not part of the package)."""
+    """benchmarks/gpu_session.py as a module (it is a script, not part of the package): every name of the
+    stages' package ``benchmarks/gpu_stages/``, whose modules (``runner``, ``environment``, ...) are where a test
+    patches what the stages look up."""
     spec = importlib.util.spec_from_file_location("gpu_session", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_session"] = module  # its dataclasses look their module up while it loads
@@ -179,7 +181,7 @@ def test_a_stage_never_takes_what_the_later_stages_need(gpu_session):
 def test_a_stage_past_its_limit_or_the_budget_is_recorded(gpu_session, tmp_path, monkeypatch):
     # the isolated stage's process is stopped at its limit (here before torch has even imported)
     short = gpu_session.Stage("versions", gpu_session.stage_versions, needs_s=0, limit_s=0.2)
-    monkeypatch.setattr(gpu_session, "STAGES", (short,) + gpu_session.STAGES[1:])
+    monkeypatch.setattr(gpu_session.runner, "STAGES", (short,) + gpu_session.STAGES[1:])
     session = gpu_session.run_session(tmp_path, smoke=True, budget_s=60, stages=("versions", "endtoend"), isolate=True)
     entry = session["stages"]["versions"]
     assert entry["status"] == "timeout" and "stopped after 0 s" in entry["error"]
@@ -502,7 +504,7 @@ def test_smoke_renders_the_markdown_from_the_json(smoke, gpu_session, tmp_path):
     ],
 )
 def test_bad_arguments_are_one_line_and_write_nothing(argv, message, gpu_session, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(gpu_session.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out, page = tmp_path / "out", tmp_path / "speed.md"
     page.write_text("no markers\n")
     fill = lambda text: text.format(out=out, page=page)  # noqa: E731
@@ -553,7 +555,7 @@ def _stand_in_fused(
 def test_the_fused_kernel_is_checked_timed_trained_and_profiled_when_it_runs(gpu_session, tmp_path, monkeypatch):
     """Under Triton's interpreter (as on CUDA) the session calls the fused entry with its signature, forward
     and backward; a stand-in with the kernel's contract takes its place here."""
-    monkeypatch.setattr(gpu_session, "fused_kernel", lambda: (_stand_in_fused, "available"))
+    monkeypatch.setattr(gpu_session.environment, "fused_kernel", lambda: (_stand_in_fused, "available"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import mhla_diffusion.models.processors.base as processors
 
