@@ -148,3 +148,12 @@ def test_the_embedded_subpackages_and_the_experiment_import_in_one_direction():
             wrong = sorted(i for i in imports_of(module) if i.startswith(targets))
             assert not wrong, f"{module} imports {wrong}, against the layering in docs/architecture.md"
     assert checked >= 15
+
+
+def test_no_module_is_over_900_lines():
+    """Issue 63: a module a reader can take in (the library, the GPU session's stages, the checkout's scripts)."""
+    repo = PACKAGE.parent
+    paths = [*PACKAGE.rglob("*.py"), *(repo / "benchmarks").rglob("*.py")]
+    paths += [p for folder in ("pipelines", "finetune", "eval") for p in (repo / folder).glob("*.py")]
+    long = {str(p.relative_to(repo)): n for p in paths if (n := len(p.read_text().splitlines())) > 900}
+    assert not long, f"modules over 900 lines: {long}"
