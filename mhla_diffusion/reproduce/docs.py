@@ -326,7 +326,7 @@ def _pairs_words(summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) ->
             continue
         bits = [f"{SHORT_NAMES[a]} - {SHORT_NAMES[b]} {line}" for a, b in pairs if (line := _short_pair(family, a, b))]
         if bits:
-            out.append(f"{TASK_NAMES[task].split(' (')[0]}: " + "; ".join(bits))
+            out.append(f"{_capital(TASK_NAMES[task].split(' (')[0])}: " + "; ".join(bits))
     return ". ".join(out)
 
 
