@@ -475,6 +475,8 @@ def reproduce_doc(report: dict[str, Any]) -> str:
         f"blocks ({s['block_side']}x{s['block_side']} tokens, so their number grows with N; the local teacher's "
         "width is fixed in tokens too). What still moves with N: the number of blocks and the rank bound, and "
         f"the steps (local: {_plans(s, 'local')}; groups: {_plans(s, 'groups')}; recall: {_plans(s, 'recall')}). "
+        "Within a token count, what else differs between two students: wide heads have wider query and key "
+        "projections (more parameters), and LePE adds a depthwise convolution. "
         "Learning rates: "
         + "; ".join(
             f"{task} "
