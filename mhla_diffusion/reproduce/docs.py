@@ -204,43 +204,67 @@ TEACHERS = ("local", "groups")
 def conclusion(summary: dict[str, Any]) -> list[str]:
     """What the controls support, from the tallies of the local and groups teachers: locality (MHLA against the
     same blocks on permuted tokens), rank without locality (blocks of permuted tokens and wide heads, each against
-    global linear attention), as sentences that state only established calls."""
+    global linear attention): the verdict, the sizes of its established effects, and the tallies, as sentences that
+    state only established calls."""
     locality = _tally(summary, "mhla", "mhla-permuted", TEACHERS)
     permuted = _tally(summary, "mhla-permuted", "mhla-uniform", TEACHERS)
     wide = _tally(summary, "linear-wide", "mhla-uniform", TEACHERS)
     if not locality or not permuted or not wide:
         return []
-    local_gain = sum(t["a_better"] for t in locality)
-    rank_gain = sum(t["a_better"] for t in permuted + wide)
-    if local_gain and not rank_gain:
-        verdict = (
-            "The controls point to locality, not rank: extra rank without spatial meaning (blocks of permuted "
-            "tokens, or wide heads with MHLA's rank bound) is established in its favour against global linear "
-            "attention nowhere, while MHLA's blocks on the grid are, against the same blocks on permuted tokens."
-        )
-    elif local_gain and rank_gain:
-        verdict = (
-            "The controls show both: the same blocks on the grid are established in MHLA's favour against the "
-            "same blocks on permuted tokens, and extra rank without spatial meaning is too, against global linear "
-            "attention."
-        )
-    elif rank_gain:
-        verdict = (
-            "The controls point to rank, not locality: extra rank without spatial meaning is established in its "
-            "favour against global linear attention, while MHLA's blocks on the grid are not, against the same "
-            "blocks on permuted tokens."
-        )
-    else:
-        verdict = (
-            "Neither locality nor rank alone is established to help on these teachers: neither MHLA against the "
-            "same blocks on permuted tokens nor extra rank against global linear attention."
-        )
+
+    def where(tallies: list[dict[str, Any]]) -> str:
+        return " and ".join(TASK_NAMES[t["task"]].split(" (")[0] for t in tallies if t["a_better"])
+
+    local_gain, blocks_gain, wide_gain = where(locality), where(permuted), where(wide)
+    lead = {
+        (True, False): "The controls point to locality, not to the rank MHLA's blocks add",
+        (False, True): "The controls point to the rank MHLA's blocks add, not to locality",
+        (True, True): "The controls show both locality and the rank MHLA's blocks add",
+        (False, False): "Neither locality nor the rank MHLA's blocks add is established",
+    }[bool(local_gain), bool(blocks_gain)]
+    clauses = [
+        f"on the grid, MHLA is established ahead of the same blocks on permuted tokens on the {local_gain}"
+        if local_gain
+        else "on the grid, MHLA is established ahead of the same blocks on permuted tokens nowhere",
+        f"those blocks without spatial meaning (MHLA's rank bound) are established ahead of global linear "
+        f"attention on the {blocks_gain}"
+        if blocks_gain
+        else "those blocks without spatial meaning (MHLA's rank bound) are established ahead of global linear "
+        "attention nowhere beyond the margin",
+        f"rank without blocks (wide heads with the same bound) is established ahead of global linear attention on "
+        f"the {wide_gain}"
+        if wide_gain
+        else "nor is rank without blocks (wide heads with the same bound)",
+    ]
+    verdict = f"{lead}: " + "; ".join(clauses) + "."
     return [
         verdict,
+        _effect_sizes(summary),
         f"Cells established in favour of MHLA against MHLA permuted: {_tally_words(locality, 'a_better')}; of "
         f"MHLA permuted against global linear attention: {_tally_words(permuted, 'a_better')}; of wide heads "
         f"against global linear attention: {_tally_words(wide, 'a_better')}.",
     ]
+
+
+def _effect_sizes(summary: dict[str, Any]) -> str:
+    """The established effects beyond the margin of locality (MHLA against the same blocks on permuted tokens) and
+    of rank without locality (blocks of permuted tokens, wide heads, each against global linear attention), with
+    the teacher and token count of each: ``Sizes (a - b): ...``; empty where none is."""
+    parts = []
+    for label, pairs in (
+        ("locality", (("mhla", "mhla-permuted"),)),
+        ("rank", (("mhla-permuted", "mhla-uniform"), ("linear-wide", "mhla-uniform"))),
+    ):
+        cells = [
+            f"{SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]} {c['mean']:+.2g} ({TASK_NAMES[c['task']].split(' (')[0]}, "
+            f"{c['tokens']})"
+            for task in TEACHERS
+            if (family := _family(summary, f"Part A, {TASK_NAMES[task]}")) is not None
+            for c in family["comparisons"]
+            if (c["a"], c["b"]) in pairs and c["established"] and not c["equivalent"]
+        ]
+        parts.append(f"{label}: " + (", ".join(cells) if cells else "none beyond the margin"))
+    return "Sizes (a - b, relative error): " + "; ".join(parts) + "."
 
 
 def recommendation(summary: dict[str, Any]) -> str | None:
@@ -275,9 +299,9 @@ def _gap_words(summary: dict[str, Any]) -> str | None:
         return None
     return "; ".join(
         f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens "
-        f"{g['share']['mean']:.0%} [{g['share']['low']:.0%}, {g['share']['high']:.0%}]"
+        f"{g['share']['mean']:.1%} [{g['share']['low']:.1%}, {g['share']['high']:.1%}]"
         if g["share"]["low"] is not None
-        else f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens {g['share']['mean']:.0%}"
+        else f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens {g['share']['mean']:.1%}"
         for g in rows
     )
 
@@ -311,7 +335,7 @@ def _by_cell(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
 
 #: the Part A pairs the README names per teacher, grouped by the question they answer
 README_PAIRS = (
-    ("Locality", (("mhla", "mhla-permuted"), ("mhla-frozen", "mhla-shuffled"))),
+    ("Locality", (("mhla", "mhla-permuted"), ("mhla", "linear-wide"), ("mhla-frozen", "mhla-shuffled"))),
     ("Rank without locality", (("mhla-permuted", "mhla-uniform"), ("linear-wide", "mhla-uniform"))),
     ("MHLA against global linear attention", (("mhla", "mhla-uniform"),)),
     ("What to convert to", (("mhla-lepe", "linear-lepe"),)),
@@ -330,23 +354,30 @@ def _pairs_words(summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) ->
     return ". ".join(out)
 
 
+def _brief(c: dict[str, Any]) -> str:
+    """One comparison in a few words: its call, difference and corrected p (established), or its difference with
+    the equivalence or the MDD (not established)."""
+    if c["established"]:
+        nil = f", practically nil: within ±{c['margin']:g}" if c["equivalent"] else ""
+        return f"established ({c['mean']:+.2g}, Holm p = {c['p_holm']:.2g}{nil})"
+    equivalent = f", equivalent within ±{c['margin']:g}" if c["equivalent"] else ""
+    mdd = "" if c["mdd"] is None else f", MDD {c['mdd']:.2g}"
+    return f"not established ({c['mean']:+.2g}{equivalent}{mdd})"
+
+
 def _part_b_words(summary: dict[str, Any], s: dict[str, Any]) -> str | None:
-    loss = _family(summary, "Part B, held-out denoising loss")
-    symmetry = _family(summary, "Part B, sample asymmetry")
-    if loss is None:
-        return None
     wanted = (("mhla", "linear"), ("mhla", "linear-lepe"))
-    parts = [
-        f"loss {SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}: {comparison_words(c)}"
-        for c in loss["comparisons"]
-        if (c["a"], c["b"]) in wanted
-    ]
-    if symmetry is not None:
-        parts += [
-            f"asymmetry {SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]}: {comparison_words(c)}"
-            for c in symmetry["comparisons"]
-            if (c["a"], c["b"]) in wanted
-        ]
+    parts = []
+    for name, label in (("Part B, held-out denoising loss", "loss"), ("Part B, sample asymmetry", "asymmetry")):
+        family = _family(summary, name)
+        if family is not None:
+            parts += [
+                f"{label} {SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]} {_brief(c)}"
+                for c in family["comparisons"]
+                if (c["a"], c["b"]) in wanted
+            ]
+    if not parts:
+        return None
     return (
         f"**Denoising mirror-symmetric images ({s['part_b_tokens']} tokens).** Held-out loss "
         f"{_part_b_means(summary, 'mean_held_out_loss', 3)}; sample asymmetry (0: symmetric) "
@@ -371,7 +402,7 @@ def readme_section(report: dict[str, Any]) -> str:
         README_HEADING,
         "",
         f"`mhla reproduce` fits one attention layer to a local teacher, a non-local teacher of rank {s['groups']} "
-        f"and associative recall, with controls that separate locality from rank (MHLA's blocks on permuted "
+        "and associative recall, with controls that separate locality from rank (MHLA's blocks on permuted "
         "tokens, linear attention with heads as wide as MHLA's rank bound, shuffled mixing, LePE with and without "
         "MHLA, softmax), then trains a small DiT denoiser on mirror-symmetric images:",
         "",
@@ -381,31 +412,32 @@ def readme_section(report: dict[str, Any]) -> str:
         "mhla reproduce --budget   # projected minutes, from one-thread CPU time per step; load inflates it",
         "```",
         "",
-        f"What the committed run ([docs/reproduce/](docs/reproduce/table.md), {len(s['part_a_seeds'])} seeds in "
-        f"Part A, a teacher drawn per seed, {len(s['part_b_seeds'])} in Part B) shows. Differences are paired by "
-        "seed and called only where the Holm-corrected p within their family is below 0.05; MDD is the difference "
-        "the design detects with 80 % power; smallest effects of interest, fixed before the run: relative error "
-        f"±{s['local_margin']:g}, recall accuracy ±{s['recall_margin']:g}, Part B loss "
-        f"±{s['part_b_loss_margin']:g} and asymmetry ±{s['part_b_asymmetry_margin']:g}.",
+        f"The committed run ([docs/reproduce/](docs/reproduce/table.md); {len(s['part_a_seeds'])} seeds, a teacher "
+        f"each, in Part A, {len(s['part_b_seeds'])} in Part B): differences paired by seed, called where the "
+        "Holm-corrected p in their family is below 0.05; MDD: detected with 80 % power; equivalent: the interval "
+        f"within margins fixed before the run (relative error ±{s['local_margin']:g}, recall "
+        f"±{s['recall_margin']:g}, Part B loss ±{s['part_b_loss_margin']:g}, asymmetry "
+        f"±{s['part_b_asymmetry_margin']:g}).",
         "",
     ]
     lead = conclusion(summary)
     if lead:
         lines += [f"**{lead[0]}**", ""]
+    advice = recommendation(summary)
     for title, pairs in README_PAIRS:
         words = _pairs_words(summary, pairs)
         if words:
-            lines.append(f"- **{title}** (a - b). {words}.")
+            extra = f" {advice}" if advice and title == "What to convert to" else ""
+            lines.append(f"- **{title}** (a - b). {words}.{extra}")
     gap = _gap_words(summary)
     if gap:
         lines.append(f"- **How much of the gap to softmax MHLA closes** (relative error): {gap}.")
-    advice = recommendation(summary)
-    if advice:
-        lines.append(f"- **Recommendation.** {advice}")
     recall = _recall_words(summary)
     if recall:
         lines.append("- **Recall**: " + "; ".join(recall) + ".")
-    ranks = [f"{TASK_NAMES[t].split(' (')[0]}: {line}" for t in TEACHERS if (line := _trained_ranks(summary, t))]
+    ranks = [
+        f"{_capital(TASK_NAMES[t].split(' (')[0])}: {line}" for t in TEACHERS if (line := _trained_ranks(summary, t))
+    ]
     if ranks:
         lines.append("- **Trained rank at 1e-2 / its bound**, per token count: " + ". ".join(ranks) + ".")
     part_b = _part_b_words(summary, s)
