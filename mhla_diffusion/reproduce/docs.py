@@ -41,9 +41,11 @@ _GLUE = "\x00"  # a space that textwrap does not break at
 
 
 def _glued(line: str) -> str:
-    """``line`` with the spaces around `` - ``, `` + ``, `` * ``, `` > `` and before a number ending in ``.`` or
-    ``)`` made unbreakable, so that no wrapped line starts with what Markdown reads as a list item or quote."""
+    """``line`` with the spaces around `` - ``, `` + ``, `` * ``, `` > ``, before a ``%`` and before a number ending
+    in ``.`` or ``)`` made unbreakable, so that no wrapped line starts with what Markdown reads as a list item or
+    quote (or with a lone ``%``)."""
     line = re.sub(r" ([-+*>]) ", lambda m: f"{_GLUE}{m.group(1)}{_GLUE}", line)
+    line = re.sub(r"(\d) %", lambda m: f"{m.group(1)}{_GLUE}%", line)  # "80 %" stays on one line
     return re.sub(r"(\S) (\d+[.)])(?= |$)", lambda m: f"{m.group(1)}{_GLUE}{m.group(2)}", line)
 
 
@@ -293,15 +295,21 @@ def recommendation(summary: dict[str, Any]) -> str | None:
     return "MHLA + LePE and linear attention + LePE are not told apart on any task: either converts as well."
 
 
+def _percent(x: float) -> str:
+    """``x`` as a percentage to a tenth, without a sign on zero (``-0.0%``)."""
+    text = f"{x:.1%}"
+    return "0.0%" if text == "-0.0%" else text
+
+
 def _gap_words(summary: dict[str, Any]) -> str | None:
     rows = summary["gap_closed"]
     if not rows:
         return None
     return "; ".join(
         f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens "
-        f"{g['share']['mean']:.1%} [{g['share']['low']:.1%}, {g['share']['high']:.1%}]"
+        f"{_percent(g['share']['mean'])} [{_percent(g['share']['low'])}, {_percent(g['share']['high'])}]"
         if g["share"]["low"] is not None
-        else f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens {g['share']['mean']:.1%}"
+        else f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens {_percent(g['share']['mean'])}"
         for g in rows
     )
 
