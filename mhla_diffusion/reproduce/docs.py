@@ -108,9 +108,10 @@ def _pair_line(family: dict[str, Any], a: str, b: str) -> str | None:
     return "; ".join(f"{c['tokens']} tokens: {comparison_words(c)}" for c in found)
 
 
-def _short_pair(family: dict[str, Any], a: str, b: str) -> str | None:
+def _short_pair(family: dict[str, Any], a: str, b: str, holm: bool = False) -> str | None:
     """The calls of ``a - b`` over token counts, briefly: where established (with the differences, and
-    ``practically nil`` where the interval lies within the margin), where not (with the equivalence or the MDD)."""
+    ``practically nil`` where the interval lies within the margin), where not (with the equivalence or the MDD,
+    and with ``holm`` the corrected p too)."""
     found = [c for c in family["comparisons"] if c["a"] == a and c["b"] == b]
     if not found:
         return None
@@ -132,6 +133,7 @@ def _short_pair(family: dict[str, Any], a: str, b: str) -> str | None:
             "not established at "
             + ", ".join(
                 f"{c['tokens']} ({c['mean']:+.2g}"
+                + (f", Holm p = {c['p_holm']:.2g}" if holm else "")
                 + (f", equivalent within ±{c['margin']:g}" if c["equivalent"] else "")
                 + ("" if c["mdd"] is None else f", MDD {c['mdd']:.2g}")
                 + ")"
@@ -314,15 +316,15 @@ def _gap_words(summary: dict[str, Any]) -> str | None:
     )
 
 
-def _recall_words(summary: dict[str, Any]) -> list[str]:
-    """The recall sweep's chosen rates and the students that did not train."""
+def _recall_words(summary: dict[str, Any], rates: bool = True) -> list[str]:
+    """The recall sweep's chosen rates (with ``rates``) and the students that did not train."""
     out = []
     for (task, tokens), rows in _by_cell(summary["sweeps"]).items():
         out.append(f"{tokens} tokens: " + ", ".join(f"{SHORT_NAMES[r['student']]} {r['chosen']:g}" for r in rows))
     chosen = "; ".join(out)
     stuck = [d for d in summary["did_not_train"]]
     parts = []
-    if chosen:
+    if chosen and rates:
         parts.append(f"learning rates chosen on the sweep seed: {chosen}")
     if stuck:
         parts.append(
@@ -356,7 +358,11 @@ def _pairs_words(summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) ->
         family = _family(summary, f"Part A, {TASK_NAMES[task]}")
         if family is None:
             continue
-        bits = [f"{SHORT_NAMES[a]} - {SHORT_NAMES[b]} {line}" for a, b in pairs if (line := _short_pair(family, a, b))]
+        bits = [
+            f"{SHORT_NAMES[a]} - {SHORT_NAMES[b]} {line}"
+            for a, b in pairs
+            if (line := _short_pair(family, a, b, holm=(a, b) == ("mhla-lepe", "linear-lepe")))
+        ]
         if bits:
             out.append(f"{_capital(TASK_NAMES[task].split(' (')[0])}: " + "; ".join(bits))
     return ". ".join(out)
@@ -440,9 +446,11 @@ def readme_section(report: dict[str, Any]) -> str:
     gap = _gap_words(summary)
     if gap:
         lines.append(f"- **How much of the gap to softmax MHLA closes** (relative error): {gap}.")
-    recall = _recall_words(summary)
+    recall = _recall_words(summary, rates=False)
     if recall:
-        lines.append("- **Recall**: " + "; ".join(recall) + ".")
+        lines.append(
+            f"- **Recall**: learning rates from a sweep on a held-out seed (see {DOC_LINK}); " + "; ".join(recall) + "."
+        )
     ranks = [
         f"{_capital(TASK_NAMES[t].split(' (')[0])}: {line}" for t in TEACHERS if (line := _trained_ranks(summary, t))
     ]
