@@ -51,20 +51,17 @@ from . import triton_mhla
 from .block_layout import BlockPlan
 from .fused_mixing import _flat_pair, _float32_product, _gradient_buffers, _joint, _unflat, _unmix  # noqa: F401
 from .rope_tables import Rotary, rotary_arguments, rotary_operand
+from .triton_kernels import _jitted, _plan_rows, _read_rotation, _rotation
 from .triton_mhla import (
     _INDEX_BYTES,
     _VALID_BYTES,
     _check_inputs,
     _compute_dtype,
     _default_dot_dtype,
-    _jitted,
     _launch_arguments,
     _launch_summaries,
     _mix,
-    _plan_rows,
     _pow2,
-    _read_rotation,
-    _rotation,
     _tl_dtype,
     fused_traffic,
 )
@@ -388,7 +385,7 @@ def _key_grad_kernel(
 
 
 def _kernel(name: str, interpret: bool):
-    """This module's kernel ``name``, jitted or interpreted (``triton_mhla._jitted``)."""
+    """This module's kernel ``name``, jitted or interpreted (``triton_kernels._jitted``)."""
     return _jitted(globals()[name], interpret)
 
 
