@@ -21,6 +21,8 @@ from .report import (
     SCORE_NAMES,
     SHORT_NAMES,
     TASK_NAMES,
+    _capital,
+    _groups,
     comparison_words,
 )
 
@@ -83,8 +85,9 @@ def _check(report: dict[str, Any]) -> None:
         )
 
 
-def _capital(text: str) -> str:
-    return text[:1].upper() + text[1:]
+def _teacher(task: str) -> str:
+    """The task's name without its parenthesis (``groups teacher``)."""
+    return TASK_NAMES[task].split(" (")[0]
 
 
 def _tokens(values: list[int]) -> str:
@@ -108,38 +111,30 @@ def _pair_line(family: dict[str, Any], a: str, b: str) -> str | None:
     return "; ".join(f"{c['tokens']} tokens: {comparison_words(c)}" for c in found)
 
 
+def _numbers(c: dict[str, Any], holm: bool = False) -> str:
+    """A comparison's numbers, briefly: the difference; the corrected p where established (or with ``holm``);
+    ``practically nil`` / ``equivalent`` where the interval lies within the margin; the MDD where not established."""
+    parts = [f"{c['mean']:+.2g}"]
+    if c["established"] or holm:
+        parts.append(f"Holm p = {c['p_holm']:.2g}")
+    if c["equivalent"]:
+        parts.append(f"{'practically nil: within' if c['established'] else 'equivalent within'} ±{c['margin']:g}")
+    if not c["established"] and c["mdd"] is not None:
+        parts.append(f"MDD {c['mdd']:.2g}")
+    return ", ".join(parts)
+
+
 def _short_pair(family: dict[str, Any], a: str, b: str, holm: bool = False) -> str | None:
-    """The calls of ``a - b`` over token counts, briefly: where established (with the differences, and
-    ``practically nil`` where the interval lies within the margin), where not (with the equivalence or the MDD,
-    and with ``holm`` the corrected p too)."""
+    """The calls of ``a - b`` over token counts, briefly: the token counts where established, then those where not,
+    each with :func:`_numbers`."""
     found = [c for c in family["comparisons"] if c["a"] == a and c["b"] == b]
     if not found:
         return None
-    called = [c for c in found if c["established"]]
-    rest = [c for c in found if not c["established"]]
     parts = []
-    if called:
-        parts.append(
-            "established at "
-            + ", ".join(
-                f"{c['tokens']} ({c['mean']:+.2g}, Holm p = {c['p_holm']:.2g}"
-                + (f", practically nil: within ±{c['margin']:g}" if c["equivalent"] else "")
-                + ")"
-                for c in called
-            )
-        )
-    if rest:
-        parts.append(
-            "not established at "
-            + ", ".join(
-                f"{c['tokens']} ({c['mean']:+.2g}"
-                + (f", Holm p = {c['p_holm']:.2g}" if holm else "")
-                + (f", equivalent within ±{c['margin']:g}" if c["equivalent"] else "")
-                + ("" if c["mdd"] is None else f", MDD {c['mdd']:.2g}")
-                + ")"
-                for c in rest
-            )
-        )
+    for call in ("established", "not established"):
+        cells = [c for c in found if c["established"] == (call == "established")]
+        if cells:
+            parts.append(f"{call} at " + ", ".join(f"{c['tokens']} ({_numbers(c, holm)})" for c in cells))
     return "; ".join(parts)
 
 
@@ -199,7 +194,7 @@ def _tally(summary: dict[str, Any], a: str, b: str, tasks: tuple[str, ...]) -> l
 
 def _tally_words(tallies: list[dict[str, Any]], side: str) -> str:
     """``local teacher 2 of 2 token counts, groups teacher 0 of 2`` for ``side`` (``a_better`` / ``b_better``)."""
-    return ", ".join(f"{TASK_NAMES[t['task']].split(' (')[0]} {t[side]} of {t['cells']}" for t in tallies)
+    return ", ".join(f"{_teacher(t['task'])} {t[side]} of {t['cells']}" for t in tallies)
 
 
 TEACHERS = ("local", "groups")
@@ -217,7 +212,7 @@ def conclusion(summary: dict[str, Any]) -> list[str]:
         return []
 
     def where(tallies: list[dict[str, Any]]) -> str:
-        return " and ".join(TASK_NAMES[t["task"]].split(" (")[0] for t in tallies if t["a_better"])
+        return " and ".join(_teacher(t["task"]) for t in tallies if t["a_better"])
 
     local_gain, blocks_gain, wide_gain = where(locality), where(permuted), where(wide)
     lead = {
@@ -260,8 +255,7 @@ def _effect_sizes(summary: dict[str, Any]) -> str:
         ("rank", (("mhla-permuted", "mhla-uniform"), ("linear-wide", "mhla-uniform"))),
     ):
         cells = [
-            f"{SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]} {c['mean']:+.2g} ({TASK_NAMES[c['task']].split(' (')[0]}, "
-            f"{c['tokens']})"
+            f"{SHORT_NAMES[c['a']]} - {SHORT_NAMES[c['b']]} {c['mean']:+.2g} ({_teacher(c['task'])}, {c['tokens']})"
             for task in TEACHERS
             if (family := _family(summary, f"Part A, {TASK_NAMES[task]}")) is not None
             for c in family["comparisons"]
@@ -278,7 +272,7 @@ def recommendation(summary: dict[str, Any]) -> str | None:
         return None
     ahead = [t for t in tallies if t["a_better"]]
     behind = [t for t in tallies if t["b_better"]]
-    names = lambda ts: ", ".join(TASK_NAMES[t["task"]].split(" (")[0] for t in ts)  # noqa: E731
+    names = lambda ts: ", ".join(_teacher(t["task"]) for t in ts)  # noqa: E731
     if ahead and not behind:
         return (
             f"Convert to MHLA + LePE rather than linear attention + LePE: it is established ahead on the "
@@ -308,10 +302,10 @@ def _gap_words(summary: dict[str, Any]) -> str | None:
     if not rows:
         return None
     return "; ".join(
-        f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens "
+        f"{_teacher(g['task'])} at {g['tokens']} tokens "
         f"{_percent(g['share']['mean'])} [{_percent(g['share']['low'])}, {_percent(g['share']['high'])}]"
         if g["share"]["low"] is not None
-        else f"{TASK_NAMES[g['task']].split(' (')[0]} at {g['tokens']} tokens {_percent(g['share']['mean'])}"
+        else f"{_teacher(g['task'])} at {g['tokens']} tokens {_percent(g['share']['mean'])}"
         for g in rows
     )
 
@@ -319,10 +313,10 @@ def _gap_words(summary: dict[str, Any]) -> str | None:
 def _recall_words(summary: dict[str, Any], rates: bool = True) -> list[str]:
     """The recall sweep's chosen rates (with ``rates``) and the students that did not train."""
     out = []
-    for (task, tokens), rows in _by_cell(summary["sweeps"]).items():
+    for (task, tokens), rows in _groups(summary["sweeps"], "task", "tokens").items():
         out.append(f"{tokens} tokens: " + ", ".join(f"{SHORT_NAMES[r['student']]} {r['chosen']:g}" for r in rows))
     chosen = "; ".join(out)
-    stuck = [d for d in summary["did_not_train"]]
+    stuck = summary["did_not_train"]
     parts = []
     if chosen and rates:
         parts.append(f"learning rates chosen on the sweep seed: {chosen}")
@@ -336,47 +330,33 @@ def _recall_words(summary: dict[str, Any], rates: bool = True) -> list[str]:
     return parts
 
 
-def _by_cell(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    cells: dict[tuple, list[dict[str, Any]]] = {}
-    for r in rows:
-        cells.setdefault((r["task"], r["tokens"]), []).append(r)
-    return cells
-
-
-#: the Part A pairs the README names per teacher, grouped by the question they answer
+#: the Part A pairs the README names per teacher, grouped by the question they answer; the last flag: the group
+#: that decides what to convert to (every call with its Holm p, then :func:`recommendation`)
 README_PAIRS = (
-    ("Locality", (("mhla", "mhla-permuted"), ("mhla", "linear-wide"), ("mhla-frozen", "mhla-shuffled"))),
-    ("Rank without locality", (("mhla-permuted", "mhla-uniform"), ("linear-wide", "mhla-uniform"))),
-    ("MHLA against global linear attention", (("mhla", "mhla-uniform"),)),
-    ("What to convert to", (("mhla-lepe", "linear-lepe"),)),
+    ("Locality", (("mhla", "mhla-permuted"), ("mhla", "linear-wide"), ("mhla-frozen", "mhla-shuffled")), False),
+    ("Rank without locality", (("mhla-permuted", "mhla-uniform"), ("linear-wide", "mhla-uniform")), False),
+    ("MHLA against global linear attention", (("mhla", "mhla-uniform"),), False),
+    ("What to convert to", (("mhla-lepe", "linear-lepe"),), True),
 )
 
 
-def _pairs_words(summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) -> str:
+def _pairs_words(summary: dict[str, Any], pairs: tuple[tuple[str, str], ...], holm: bool = False) -> str:
     out = []
     for task in ("local", "groups", "recall"):
         family = _family(summary, f"Part A, {TASK_NAMES[task]}")
         if family is None:
             continue
         bits = [
-            f"{SHORT_NAMES[a]} - {SHORT_NAMES[b]} {line}"
-            for a, b in pairs
-            if (line := _short_pair(family, a, b, holm=(a, b) == ("mhla-lepe", "linear-lepe")))
+            f"{SHORT_NAMES[a]} - {SHORT_NAMES[b]} {line}" for a, b in pairs if (line := _short_pair(family, a, b, holm))
         ]
         if bits:
-            out.append(f"{_capital(TASK_NAMES[task].split(' (')[0])}: " + "; ".join(bits))
+            out.append(f"{_capital(_teacher(task))}: " + "; ".join(bits))
     return ". ".join(out)
 
 
 def _brief(c: dict[str, Any]) -> str:
-    """One comparison in a few words: its call, difference and corrected p (established), or its difference with
-    the equivalence or the MDD (not established)."""
-    if c["established"]:
-        nil = f", practically nil: within ±{c['margin']:g}" if c["equivalent"] else ""
-        return f"established ({c['mean']:+.2g}, Holm p = {c['p_holm']:.2g}{nil})"
-    equivalent = f", equivalent within ±{c['margin']:g}" if c["equivalent"] else ""
-    mdd = "" if c["mdd"] is None else f", MDD {c['mdd']:.2g}"
-    return f"not established ({c['mean']:+.2g}{equivalent}{mdd})"
+    """One comparison in a few words: its call and :func:`_numbers`."""
+    return f"{'established' if c['established'] else 'not established'} ({_numbers(c)})"
 
 
 def _part_b_words(summary: dict[str, Any], s: dict[str, Any]) -> str | None:
@@ -438,10 +418,10 @@ def readme_section(report: dict[str, Any]) -> str:
     if lead:
         lines += [f"**{lead[0]}**", ""]
     advice = recommendation(summary)
-    for title, pairs in README_PAIRS:
-        words = _pairs_words(summary, pairs)
+    for title, pairs, converts in README_PAIRS:
+        words = _pairs_words(summary, pairs, holm=converts)
         if words:
-            extra = f" {advice}" if advice and title == "What to convert to" else ""
+            extra = f" {advice}" if advice and converts else ""
             lines.append(f"- **{title}** (a - b). {words}.{extra}")
     gap = _gap_words(summary)
     if gap:
@@ -451,9 +431,7 @@ def readme_section(report: dict[str, Any]) -> str:
         lines.append(
             f"- **Recall**: learning rates from a sweep on a held-out seed (see {DOC_LINK}); " + "; ".join(recall) + "."
         )
-    ranks = [
-        f"{_capital(TASK_NAMES[t].split(' (')[0])}: {line}" for t in TEACHERS if (line := _trained_ranks(summary, t))
-    ]
+    ranks = [f"{_capital(_teacher(t))}: {line}" for t in TEACHERS if (line := _trained_ranks(summary, t))]
     if ranks:
         lines.append("- **Trained rank at 1e-2 / its bound**, per token count: " + ". ".join(ranks) + ".")
     part_b = _part_b_words(summary, s)
