@@ -14,6 +14,7 @@ from .calls import (
     fused_launches,
     fused_terms,
     kernel_counts,
+    loop_stage_entry,
     operator_calls,
 )
 from .cli import main, parse_args
@@ -156,6 +157,7 @@ __all__ = [
     "headline_first",
     "kept_back",
     "kernel_counts",
+    "loop_stage_entry",
     "load_session",
     "main",
     "measure_ceilings",

@@ -15,8 +15,8 @@ from mhla_diffusion.benchmarks.attention_traffic import (
 )
 from mhla_diffusion.benchmarks.bench import plain_linear_attention
 
-from .common import FUSED_KERNEL_MARKS, Sizes, _dot_dtype
-from .environment import settings
+from .common import FUSED_KERNEL_MARKS, LoopPlan, Sizes, StageContext, _dot_dtype, _grid_label
+from .environment import fa3_status, settings
 
 
 def operator_calls(
@@ -175,3 +175,21 @@ def kernel_counts(call: Callable[[], object], device: torch.device, limit: int =
 def fused_launches(kernels: dict[str, int]) -> int:
     """Launches of the fused MHLA kernels among ``kernels`` (:data:`FUSED_KERNEL_MARKS` in the name)."""
     return sum(n for name, n in kernels.items() if any(mark in name for mark in FUSED_KERNEL_MARKS))
+
+
+def loop_stage_entry(ctx: StageContext, plan: LoopPlan, **paths: str) -> dict:
+    """What a timing stage's entry starts with (the timing and training stages): no rows yet, the dtype, heads,
+    head dim and block layout of the sizes, the loops' repeats and timer, ``paths`` (the fused paths' status) and
+    FlashAttention-3's."""
+    sizes = ctx.sizes
+    return dict(
+        rows=[],
+        dtype=str(ctx.dtype).removeprefix("torch."),
+        heads=sizes.heads,
+        head_dim=sizes.head_dim,
+        layout=_grid_label(sizes.layout),
+        repeats=plan.repeats,
+        timer=ctx.timer.name,
+        **paths,
+        fa3=fa3_status(),
+    )

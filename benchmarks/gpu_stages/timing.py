@@ -18,10 +18,11 @@ from .calls import (
     counted_bytes,
     fused_bytes,
     fused_dram_bytes,
+    loop_stage_entry,
     operator_calls,
 )
 from .common import Sizes, StageContext, _error_line, _grid_label, cuda_graph_replay, time_loops
-from .environment import attention_baselines, fa3_status
+from .environment import attention_baselines
 
 
 def attention_calls(
@@ -76,16 +77,7 @@ def stage_timing(ctx: StageContext) -> None:
 
     sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
     plan = sizes.attention_loops
-    ctx.data.update(
-        rows=[],
-        dtype=str(dtype).removeprefix("torch."),
-        heads=sizes.heads,
-        head_dim=sizes.head_dim,
-        layout=_grid_label(sizes.layout),
-        repeats=plan.repeats,
-        timer=ctx.timer.name,
-        fa3=fa3_status(),
-    )
+    ctx.data.update(loop_stage_entry(ctx, plan))
     fused, ctx.data["fused"] = environment.fused_kernel()
     tf32 = ctx.cuda_only("the TF32 rows")
     graphs = ctx.cuda_only("the CUDA graph replays")

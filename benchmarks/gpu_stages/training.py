@@ -14,7 +14,7 @@ from mhla_diffusion.benchmarks.attention_traffic import (
 from mhla_diffusion.benchmarks.bench import plain_linear_attention
 
 from . import environment
-from .calls import FUSED_MODES, kernel_counts
+from .calls import FUSED_MODES, kernel_counts, loop_stage_entry
 from .common import (
     FA2_MODULE,
     FA3_MODULE,
@@ -26,7 +26,7 @@ from .common import (
     _grid_label,
     time_loops,
 )
-from .environment import fa3_status, module_status, probe_sdpa, run_sdpa, sdpa_method
+from .environment import module_status, probe_sdpa, run_sdpa, sdpa_method
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -131,18 +131,7 @@ def stage_training(ctx: StageContext) -> None:
     sizes, device, dtype = ctx.sizes, ctx.device, ctx.dtype
     plan = sizes.training_loops
     fused, fused_status = environment.fused_kernel()
-    ctx.data.update(
-        rows=[],
-        dtype=str(dtype).removeprefix("torch."),
-        heads=sizes.heads,
-        head_dim=sizes.head_dim,
-        layout=_grid_label(sizes.layout),
-        repeats=plan.repeats,
-        timer=ctx.timer.name,
-        fused=fused_status,
-        fused_backward=fused_backward_status(),
-        fa3=fa3_status(),
-    )
+    ctx.data.update(loop_stage_entry(ctx, plan, fused=fused_status, fused_backward=fused_backward_status()))
     run_fused = ctx.fused_runs(fused, "the fused entry's forward + backward rows")
     for grid in sizes.training_grids:
         label = _grid_label(grid)
