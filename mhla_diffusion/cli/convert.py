@@ -311,28 +311,15 @@ def _random_inputs(transformer, family: str, layout: Sequence[int], equal_blocks
     return place(latents), {name: place(value) for name, value in kwargs.items()}
 
 
-def _pipeline_file(model: str, filename: str, subfolder: str | None) -> dict | None:
-    """A JSON file of a pipeline folder or hub repo (e.g. ``model_index.json``), or ``None`` when it has none."""
-    import json
-
-    from ..loaders.weight_files import find_file
-
-    path = find_file(model, filename, subfolder, {})
-    return json.loads(path.read_text()) if path is not None else None
-
-
-def _transformer_subfolders(args: argparse.Namespace) -> list[str | None]:
-    """The transformers of ``--model`` to convert: ``--subfolder``; both of a two-transformer pipeline
-    (``transformer``, ``transformer_2``); else the one :func:`load_transformer` finds."""
-    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
-
-    index = _pipeline_file(args.model, "model_index.json", None) if args.subfolder is None else None
-    declared = [
-        name
-        for name in TRANSFORMER_COMPONENTS
-        if index is not None and isinstance(index.get(name), list) and index[name][0] is not None
-    ]
-    return declared if len(declared) > 1 else [args.subfolder]
+def _transformer_plans(args: argparse.Namespace, plan: Any) -> dict[str, Any]:
+    """``{name: plan}`` of the transformers of ``--model`` to convert (``plan``: its
+    :class:`~mhla_diffusion.loaders.plan.LoadPlan`): both of a two-transformer pipeline (``transformer``,
+    ``transformer_2``), else the one :func:`load_transformer` finds (``--subfolder``'s, or the pipeline's)."""
+    if args.subfolder is not None:
+        return {args.subfolder: plan.subplan(args.subfolder)}
+    if plan.form == "pipeline" and len(plan.components) > 1:
+        return dict(plan.components)
+    return {"transformer": plan}
 
 
 def _convert_one(transformer, config, args: argparse.Namespace):
@@ -372,6 +359,7 @@ def _convert_one(transformer, config, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loaders.plan import resolve_source
     from ..loaders.weights import load_transformer, read_mhla_config, save_mhla
     from ..models.conversion import model_family, resolve_mhla_config
     from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
@@ -397,12 +385,12 @@ def run(args: argparse.Namespace) -> int:
         loaders, source = {"transformer": tiny.tiny_transformer}, f"tiny {tiny.label} (built from a config)"
     else:
         # one transformer in memory at a time: Wan2.2-A14B's two are 14B parameters each
+        plan = resolve_source(args.model)  # what --model is, read once
         loaders = {
-            subfolder or "transformer": lambda subfolder=subfolder: load_transformer(args.model, subfolder=subfolder)
-            for subfolder in _transformer_subfolders(args)
+            name: lambda part=part: load_transformer(part) for name, part in _transformer_plans(args, plan).items()
         }
         source = args.model
-        vae_config = _pipeline_file(args.model, "config.json", "vae")
+        vae_config = plan.component_config("vae") if plan.form == "pipeline" else None
     two = len(loaders) > 1
     config = None
     for name, load in loaders.items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -218,36 +217,16 @@ def _apply_defaults(args: argparse.Namespace, task: str) -> None:
             setattr(args, name, value)
 
 
-def _declared_mhla(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The MHLA configs (``mhla_config.json``) of the run's transformers that can be read without loading a
-    model; --mhla-weights / --mhla-weights-2 are checked against the model's transformers on the way."""
-    from ..loaders.weights import read_mhla_config
-    from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS, mhla_weight_sources
+def _load_plan(args: argparse.Namespace) -> Any:
+    """The run's :class:`~mhla_diffusion.loaders.plan.PipelinePlan`: --model, the MHLA weights per transformer and
+    --transformer, resolved once (small config files only) and checked against each other before any model loads."""
+    from ..loaders.loading import device_and_dtype
+    from ..loaders.plan import plan_pipeline
 
-    sources = (
-        mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}
-    )  # {} for a hub id not at hand
-    metas = [read_mhla_config(source, subfolder=subfolder) for source, subfolder in sources.values()]
-    if args.transformer is not None and args.transformer.is_dir():
-        metas.append(read_mhla_config(args.transformer))
-    if os.path.isdir(args.model):  # a pipeline folder saved with MHLA
-        replaced = set(sources) | ({"transformer"} if args.transformer is not None else set())
-        metas += [
-            read_mhla_config(args.model, subfolder=name) for name in TRANSFORMER_COMPONENTS if name not in replaced
-        ]
-    return [meta for meta in metas if meta is not None]
-
-
-def _mhla_weights_2(args: argparse.Namespace) -> str | None:
-    """The folder ``transformer_2``'s MHLA weights were loaded from, for the settings JSON: --mhla-weights-2, or
-    ``transformer_2/`` of an --mhla-weights folder that holds one (as ``mhla convert`` writes for Wan2.2-A14B)."""
-    from ..pipelines.mhla_mixin import mhla_weight_sources
-
-    sources = mhla_weight_sources(args.model, args.mhla_weights, args.mhla_weights_2) or {}
-    source, subfolder = sources.get("transformer_2", (args.mhla_weights_2, None))
-    if source is None:
-        return None
-    return str(Path(source, subfolder)) if subfolder else str(source)
+    _, dtype = device_and_dtype(args.device, args.dtype)
+    return plan_pipeline(
+        args.model, args.mhla_weights, getattr(args, "mhla_weights_2", None), args.transformer, dtype=dtype
+    )
 
 
 def _read_image(path: Path) -> Any:
@@ -332,8 +311,9 @@ def _settings(args: argparse.Namespace, pipe, device: str, dtype, **extra: Any) 
     }
 
 
-def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
-    """The device, dtype and pipeline of a run (the process keeps freed memory when it runs on the CPU)."""
+def _load(cls: type, args: argparse.Namespace, plan: Any, component_dtypes_of=None):
+    """The device, dtype and pipeline of a run, loaded by its ``plan`` (:func:`_load_plan`); the process keeps freed
+    memory when it runs on the CPU."""
     from ..loaders.loading import device_and_dtype, load_pipeline
     from ..ops.cpu_memory import retain_freed_memory
 
@@ -342,10 +322,7 @@ def _load(cls: type, args: argparse.Namespace, component_dtypes_of=None):
         retain_freed_memory()  # large tensors would otherwise be page-faulted in on every step
     pipe = load_pipeline(
         cls,
-        args.model,
-        mhla_weights=args.mhla_weights,
-        mhla_weights_2=getattr(args, "mhla_weights_2", None),
-        transformer=args.transformer,
+        plan,
         attention=args.attention,
         dtype=dtype,
         component_dtypes=component_dtypes_of() if component_dtypes_of else None,
@@ -458,7 +435,8 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
 
         configs = [read_component_config(args.model, name) for name in TRANSFORMER_COMPONENTS]  # a local folder's
         check_text_tokens([c for c in configs if c is not None], args.max_sequence_length, "--max-sequence-length is")
-    declared = _declared_mhla(args) if args.attention == "mhla" else []
+    plan = _load_plan(args)
+    declared = plan.declared_mhla() if args.attention == "mhla" else []
     if chunks is not None:
         check_stream_model(args, declared)
     else:
@@ -488,7 +466,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     if chunks is not None:
         from ..pipelines.wan_streaming import MHLAWanStreamingPipeline as pipeline_class
 
-    device, dtype, pipe = _load(pipeline_class, args, lambda: {"vae": torch.float32})
+    device, dtype, pipe = _load(pipeline_class, args, plan, lambda: {"vae": torch.float32})
     if args.flow_shift is not None:
         key = "flow_shift" if "flow_shift" in pipe.scheduler.config else "shift"
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{key: args.flow_shift})
@@ -506,7 +484,7 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     flow_shift = pipe.scheduler.config.get("flow_shift", pipe.scheduler.config.get("shift"))
     conditioning = {"image": image} if image is not None else {}
     recorded = {"image": str(args.image)} if image is not None else {}
-    recorded["mhla_weights_2"] = _mhla_weights_2(args)
+    recorded["mhla_weights_2"] = plan.weights_folder("transformer_2")
     recorded["context_parallel"] = args.context_parallel
     check_settings(
         _settings(args, pipe, device, dtype, flow_shift=flow_shift)
@@ -652,6 +630,7 @@ def run_class_to_image(args: argparse.Namespace) -> int:
             "original DiT checkpoint with `mhla import-dit FILE --output FOLDER` first"
         )
     _apply_defaults(args, "class-to-image")  # the model folder exists from here on
+    plan = _load_plan(args)
     classes = [c for item in args.classes for c in list_items(item)]  # the option layer's list rule
     if not classes:
         raise ValueError("give at least one --class (an id such as 207 or a name such as 'golden retriever')")
@@ -667,7 +646,7 @@ def run_class_to_image(args: argparse.Namespace) -> int:
 
     from ..pipelines.dit import MHLADiTPipeline
 
-    device, dtype, pipe = _load(MHLADiTPipeline, args)
+    device, dtype, pipe = _load(MHLADiTPipeline, args, plan)
     ids = pipe.class_ids(classes)
     pipe.to(device)
     attention = pipe.softmax_attention() if args.attention == "softmax" else nullcontext()

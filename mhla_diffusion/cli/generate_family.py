@@ -53,17 +53,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-def _family_of_pipeline(model: str) -> Any:
-    """The family of the transformer ``model``'s ``model_index.json`` names (read, nothing loaded); a
-    ``ValueError`` naming the right command for Wan / DiT and the families this command takes otherwise."""
-    from diffusers import DiffusionPipeline
-
+def _family_of_pipeline(model: str, plan: Any) -> Any:
+    """The family of the transformer ``model``'s ``model_index.json`` names (``plan``: its
+    :class:`~mhla_diffusion.loaders.plan.LoadPlan`; nothing loaded); a ``ValueError`` naming the right command for
+    Wan / DiT and the families this command takes otherwise."""
     from ..models.families import FAMILIES, family_for_class_name
 
-    try:
-        index = DiffusionPipeline.load_config(model)
-    except (OSError, EnvironmentError) as error:
-        raise ValueError(f"--model {model} is not a Diffusers pipeline (no model_index.json): {error}") from None
+    if plan.form != "pipeline" or plan.index is None:
+        raise ValueError(f"--model {model} is not a Diffusers pipeline (no model_index.json): it is {plan.describe()}")
+    index = plan.index
     class_name = (index.get("transformer") or (None, None))[1]
     family = family_for_class_name(class_name)
     if family is not None and family.name in OWN_COMMANDS:
@@ -74,36 +72,40 @@ def _family_of_pipeline(model: str) -> Any:
     return family
 
 
-def _mhla_source(args: argparse.Namespace, family: Any) -> str | None:
-    """Where the transformer's MHLA comes from (``"mhla_weights"``, ``"pipeline"`` or ``None``: softmax only),
-    with the weights' family checked against the pipeline's."""
-    from ..loaders.weights import read_mhla_config
+def _mhla_source(args: argparse.Namespace, family: Any, plan: Any) -> tuple[str | None, Any]:
+    """Where the transformer's MHLA comes from (``"mhla_weights"``, ``"pipeline"`` or ``None``: softmax only) and
+    the plan of --mhla-weights, with the weights' family checked against the pipeline's (``plan``: --model's)."""
+    from ..loaders.plan import resolve_source
 
     if args.mhla_weights is not None:
         if not args.mhla_weights.is_dir():
             raise ValueError(f"--mhla-weights {args.mhla_weights} is not a folder: give a save_mhla folder")
-        meta = read_mhla_config(args.mhla_weights)
-        if meta is None:
-            raise ValueError(f"--mhla-weights {args.mhla_weights} holds no MHLA setting: give a save_mhla folder")
-        if meta.get("family") != family.name:
+        weights = resolve_source(args.mhla_weights)
+        if weights.mhla is None:
             raise ValueError(
-                f"--mhla-weights {args.mhla_weights} are for a {meta.get('family')} transformer, but --model "
+                f"--mhla-weights {args.mhla_weights} holds no MHLA setting (it is {weights.describe()}): give a "
+                "save_mhla folder"
+            )
+        if weights.family != family.name:
+            raise ValueError(
+                f"--mhla-weights {args.mhla_weights} are for a {weights.family} transformer, but --model "
                 f"{args.model} is a {family.label} pipeline"
             )
-        return "mhla_weights"
-    saved = read_mhla_config(args.model, subfolder="transformer")
-    if saved is not None and saved.get("contents") == "transformer":
-        return "pipeline"
+        return "mhla_weights", weights
+    saved = plan.components.get("transformer")
+    if saved is not None and saved.form == "transformer" and saved.mhla is not None:
+        return "pipeline", None
     if args.attention == "mhla":
         raise ValueError(
             f"--attention mhla, but {args.model}'s transformer has no MHLA layers: pass --mhla-weights (a folder "
             "`mhla convert --output` wrote), a pipeline saved with MHLA, or --attention softmax"
         )
-    return None
+    return None, None
 
 
-def _load(args: argparse.Namespace, source: str | None) -> tuple[Any, str, Any]:
-    """The stock pipeline with its transformer loaded through the MHLA loader; also the device and dtype."""
+def _load(args: argparse.Namespace, plan: Any, source: str | None, weights: Any) -> tuple[Any, str, Any]:
+    """The stock pipeline with its transformer loaded through the MHLA loader by --model's ``plan`` (and the
+    --mhla-weights plan ``weights``); also the device and dtype."""
     from diffusers import DiffusionPipeline
 
     from ..loaders.loading import device_and_dtype
@@ -111,11 +113,11 @@ def _load(args: argparse.Namespace, source: str | None) -> tuple[Any, str, Any]:
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     if source == "pipeline":
-        transformer = load_mhla(args.model, subfolder="transformer", dtype=dtype)
+        transformer = load_mhla(plan.components["transformer"], dtype=dtype)
     else:
-        transformer = load_transformer(args.model, dtype=dtype)
+        transformer = load_transformer(plan, dtype=dtype)
         if source == "mhla_weights":
-            load_mhla(args.mhla_weights, transformer)
+            load_mhla(weights, transformer)
     pipe = DiffusionPipeline.from_pretrained(args.model, transformer=transformer, dtype=dtype)
     return pipe.to(device), device, dtype
 
@@ -123,11 +125,13 @@ def _load(args: argparse.Namespace, source: str | None) -> tuple[Any, str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..loaders.plan import resolve_source
     from ..models.conversion import softmax_attention
     from ..pipelines.outputs import plan_outputs, save_image, save_video, slugify, write_settings
 
-    family = _family_of_pipeline(args.model)
-    source = _mhla_source(args, family)
+    plan = resolve_source(args.model)  # what --model is, read once: every check and the load use it
+    family = _family_of_pipeline(args.model, plan)
+    source, weights = _mhla_source(args, family, plan)
     image = len(family.grid_axes) == 2
     if image and args.num_frames is not None:
         raise ValueError(f"--num-frames: {family.label} makes images; leave it out")
@@ -135,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     stems = [f"{i:03d}-{slugify(p)}-seed{args.seed}-{args.attention}" for i, p in enumerate(args.prompt)]
     plans = plan_outputs(args.output_dir, stems, fmt, args.overwrite)
 
-    pipe, device, dtype = _load(args, source)
+    pipe, device, dtype = _load(args, plan, source, weights)
     given = {
         "num_frames": args.num_frames,
         "height": args.height,

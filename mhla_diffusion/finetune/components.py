@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..config import MHLAConfig
-from ..loaders.weights import load_mhla, load_transformer, read_mhla_config
+from ..loaders.plan import LoadPlan, resolve_source
+from ..loaders.weights import load_mhla, load_transformer
 from ..models.conversion import convert_to_mhla
 from .options import mhla_config_from_options  # torch-free: the options check it first
 
@@ -27,57 +28,66 @@ __all__ = [
     "load_mhla_transformer",
     "load_softmax_transformer",
     "mhla_config_from_options",
+    "model_plan",
     "pipeline_index",
     "save_plain_transformer",
 ]
 
 
-def pipeline_index(source: str, revision: str | None = None) -> dict[str, Any]:
+def model_plan(source: str | LoadPlan, revision: str | None = None) -> LoadPlan:
+    """The :class:`~mhla_diffusion.loaders.plan.LoadPlan` of ``pretrained_model`` (a plan is returned as it is):
+    a trainer resolves it once and hands it to the loaders below."""
+    return resolve_source(source, **({"revision": revision} if revision and not isinstance(source, LoadPlan) else {}))
+
+
+def pipeline_index(source: str | LoadPlan, revision: str | None = None) -> dict[str, Any]:
     """The ``model_index.json`` of a pipeline folder or hub repo."""
-    from diffusers import DiffusionPipeline
+    plan = model_plan(source, revision)
+    if plan.form != "pipeline" or plan.index is None:
+        raise FileNotFoundError(
+            f"{plan.where} is not a Diffusers pipeline (no model_index.json): it is {plan.describe()}"
+        )
+    return dict(plan.index)
 
-    try:
-        return DiffusionPipeline.load_config(source, revision=revision)
-    except (OSError, EnvironmentError) as err:
-        raise FileNotFoundError(f"{source} is not a Diffusers pipeline (no model_index.json): {err}") from None
 
-
-def load_component(source: str, name: str, revision: str | None = None, dtype: torch.dtype | None = None) -> Any:
+def load_component(
+    source: str | LoadPlan, name: str, revision: str | None = None, dtype: torch.dtype | None = None
+) -> Any:
     """Component ``name`` of the pipeline at ``source``, with the class its ``model_index.json`` names."""
-    index = pipeline_index(source, revision)
-    entry = index.get(name)
+    plan = model_plan(source, revision)
+    entry = pipeline_index(plan).get(name)
     if not entry or entry[0] is None:
-        raise ValueError(f"the pipeline at {source} has no `{name}` component")
+        raise ValueError(f"the pipeline at {plan.where} has no `{name}` component")
     library, class_name = entry
     cls = getattr(importlib.import_module(library), class_name)
-    kwargs: dict[str, Any] = {"subfolder": name}
-    if revision is not None:
-        kwargs["revision"] = revision
+    kwargs: dict[str, Any] = {"subfolder": name, **plan.hub_kwargs}
     if dtype is not None and isinstance(cls, type) and issubclass(cls, nn.Module):
         kwargs["dtype"] = dtype
-    return cls.from_pretrained(source, **kwargs)
+    return cls.from_pretrained(plan.source, **kwargs)
+
+
+def _transformer_plan(plan: LoadPlan) -> LoadPlan:
+    """The plan of the transformer a trainer loads: the pipeline's ``transformer``, or the transformer folder."""
+    if plan.form == "pipeline" and "transformer" in plan.components:
+        return plan.components["transformer"]
+    return plan
 
 
 def load_mhla_transformer(
-    source: str,
+    source: str | LoadPlan,
     config: MHLAConfig,
     mhla_weights: str | None = None,
     revision: str | None = None,
     dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, str]:
     """The pipeline's transformer with MHLA, and how MHLA got there (``saved``, ``mhla_weights``, ``converted``)."""
-    kwargs: dict[str, Any] = {}
-    if revision is not None:
-        kwargs["revision"] = revision
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    subfolder = "transformer" if _is_pipeline(source, revision) else None
-    saved = read_mhla_config(source, subfolder=subfolder, **({"revision": revision} if revision else {}))
-    if saved is not None and saved.get("contents") == "transformer":
+    plan = _transformer_plan(model_plan(source, revision))
+    kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+    if plan.form == "transformer" and plan.mhla is not None:
         if mhla_weights is not None:
-            raise ValueError(f"{source} already holds an MHLA transformer: drop `mhla_weights`")
-        return load_mhla(source, subfolder=subfolder, **kwargs), "saved"
-    transformer = load_transformer(source, subfolder=subfolder, **kwargs)
+            raise ValueError(f"{plan.where} already holds an MHLA transformer: drop `mhla_weights`")
+        return load_mhla(plan, **kwargs), "saved"
+    transformer = load_transformer(plan, **kwargs)
     if mhla_weights is not None:
         load_mhla(mhla_weights, transformer)
         return transformer, "mhla_weights"
@@ -85,23 +95,18 @@ def load_mhla_transformer(
     return transformer, "converted"
 
 
-def load_softmax_transformer(source: str, revision: str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+def load_softmax_transformer(
+    source: str | LoadPlan, revision: str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
     """The pipeline's transformer as it is, for ``attention: softmax``; an MHLA transformer is an error."""
-    kwargs: dict[str, Any] = {}
-    if revision is not None:
-        kwargs["revision"] = revision
-    subfolder = "transformer" if _is_pipeline(source, revision) else None
-    saved = read_mhla_config(source, subfolder=subfolder, **kwargs)
-    if saved is not None:
-        where = f"{source}/{subfolder}" if subfolder else source
+    plan = _transformer_plan(model_plan(source, revision))
+    if plan.mhla is not None:
         raise ValueError(
-            f"attention: softmax, but {where} holds an MHLA transformer (an MHLA setting in its config): "
+            f"attention: softmax, but {plan.where} holds an MHLA transformer (an MHLA setting in its config): "
             "start from a softmax "
             "pipeline (e.g. the base model or a softmax run's <output_dir>/pipeline), or use attention: mhla"
         )
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    return load_transformer(source, subfolder=subfolder, **kwargs)
+    return load_transformer(plan, **({"dtype": dtype} if dtype is not None else {}))
 
 
 def save_plain_transformer(transformer: nn.Module, folder: str | os.PathLike) -> Path:
@@ -115,14 +120,3 @@ def save_plain_transformer(transformer: nn.Module, folder: str | os.PathLike) ->
         (folder / name).unlink(missing_ok=True)
     transformer.save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-def _is_pipeline(source: str, revision: str | None) -> bool:
-    """Whether ``source`` is a pipeline (has ``model_index.json``) rather than a transformer folder."""
-    if os.path.isdir(source):
-        return Path(source, "model_index.json").is_file()
-    try:
-        pipeline_index(source, revision)
-        return True
-    except FileNotFoundError:
-        return False

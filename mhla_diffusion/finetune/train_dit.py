@@ -35,6 +35,7 @@ from .components import (
     load_mhla_transformer,
     load_softmax_transformer,
     mhla_config_from_options,
+    model_plan,
     pipeline_index,
     save_plain_transformer,
 )
@@ -99,8 +100,15 @@ class DiTTask(Task):
 
     def __init__(self, options: DiTTrainOptions) -> None:
         self.options = options
+        self._plan: Any = None
         self.vae = None
         self.cache: LatentCache | None = None
+
+    def _model_plan(self) -> Any:
+        """``pretrained_model``'s :class:`~mhla_diffusion.loaders.plan.LoadPlan`, resolved once for every load."""
+        if self._plan is None:
+            self._plan = model_plan(self.options.pretrained_model, self.options.revision)
+        return self._plan
 
     def setup(self, accelerator) -> TaskParts:
         from accelerate.utils import DistributedType
@@ -110,7 +118,7 @@ class DiTTask(Task):
         self.vae_dtype = resolve_dtype("auto", accelerator, wrapped=False)
         if o.model_size is None:
             check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model", revision=o.revision)
-            index = pipeline_index(o.pretrained_model, o.revision)
+            index = pipeline_index(self._model_plan())
             for name in ("vae", "transformer", "scheduler"):
                 if not index.get(name) or index[name][0] is None:
                     raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a DiT pipeline")
@@ -192,12 +200,12 @@ class DiTTask(Task):
         o = self.options
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         if o.attention == "softmax":
-            transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            transformer = load_softmax_transformer(self._model_plan(), dtype=dtype)
             if accelerator.is_main_process:
                 logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
             return transformer.train()
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
-        transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
+        transformer, how = load_mhla_transformer(self._model_plan(), config, o.mhla_weights, None, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
         if accelerator.is_main_process:
@@ -254,7 +262,7 @@ class DiTTask(Task):
         o = self.options
         if o.model_size is not None:
             return dit_scheduler()
-        return load_component(o.pretrained_model, "scheduler", o.revision)
+        return load_component(self._model_plan(), "scheduler")
 
     def _check_sizes(self) -> None:
         """``resolution`` against the VAE scale x patch size that the config files give (``pretrained_model``'s
@@ -339,7 +347,7 @@ class DiTTask(Task):
         if self.vae is None:
             o = self.options
             if o.model_size is None:
-                self.vae = load_component(o.pretrained_model, "vae", o.revision, self.vae_dtype)
+                self.vae = load_component(self._model_plan(), "vae", None, self.vae_dtype)
             else:
                 self.vae = load_vae(o.vae_model, self.vae_dtype)
             self.vae.requires_grad_(False).eval().to(self.device)

@@ -52,6 +52,7 @@ from .components import (
     load_mhla_transformer,
     load_softmax_transformer,
     mhla_config_from_options,
+    model_plan,
     pipeline_index,
     save_plain_transformer,
 )
@@ -90,6 +91,7 @@ class WanTask(Task):
 
     def __init__(self, options: WanTrainOptions) -> None:
         self.options = options
+        self._plan: Any = None
         self.vae = None
         self.cache: LatentCache | None = None
         self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
@@ -102,6 +104,12 @@ class WanTask(Task):
         self.stage = "train"
 
     # ------------------------------------------------------------------ setup
+
+    def _model_plan(self) -> Any:
+        """``pretrained_model``'s :class:`~mhla_diffusion.loaders.plan.LoadPlan`, resolved once for every load."""
+        if self._plan is None:
+            self._plan = model_plan(self.options.pretrained_model, self.options.revision)
+        return self._plan
 
     def setup(self, accelerator) -> TaskParts:
         o = self.options
@@ -173,7 +181,7 @@ class WanTask(Task):
     def _index(self) -> dict[str, Any]:
         """``pretrained_model``'s ``model_index.json`` (read once)."""
         if self._model_index is None:
-            self._model_index = pipeline_index(self.options.pretrained_model, self.options.revision)
+            self._model_index = pipeline_index(self._model_plan())
         return self._model_index
 
     def _enter_stage(self, stage: str) -> None:
@@ -228,7 +236,7 @@ class WanTask(Task):
         o = self.options
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         if o.attention == "softmax":
-            transformer = load_softmax_transformer(o.pretrained_model, o.revision, dtype)
+            transformer = load_softmax_transformer(self._model_plan(), dtype=dtype)
             if is_block_causal(transformer) and not o.softmax_block_causal:
                 raise ValueError(
                     f"{o.pretrained_model}'s transformer is block-causal softmax (its config records it): set "
@@ -243,7 +251,7 @@ class WanTask(Task):
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
         if config.layout == "auto" and config.target_grid is None:
             config.target_grid = self._geometry().token_grid(o.num_frames, o.height, o.width, strict=False)
-        transformer, how = load_mhla_transformer(o.pretrained_model, config, o.mhla_weights, o.revision, dtype)
+        transformer, how = load_mhla_transformer(self._model_plan(), config, o.mhla_weights, None, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
         if o.distillation_weight:
@@ -253,9 +261,7 @@ class WanTask(Task):
                     "holds an MHLA transformer: give the softmax pipeline it was converted from as "
                     "pretrained_model (and its MHLA weights as mhla_weights), or set distillation_weight: 0"
                 )
-            original = load_softmax_transformer(
-                o.pretrained_model, o.revision, resolve_dtype(o.frozen_dtype, accelerator)
-            )
+            original = load_softmax_transformer(self._model_plan(), dtype=resolve_dtype(o.frozen_dtype, accelerator))
             self.original = original.eval().requires_grad_(False).to(accelerator.device)
         if accelerator.is_main_process:
             logger.info("%s", get_mhla_conversion(transformer).summary())
@@ -397,18 +403,17 @@ class WanTask(Task):
                 )
 
     def _load_encoders(self, vae: bool, text: bool) -> None:
-        o = self.options
         if vae and self.vae is None:
-            self.vae = load_component(o.pretrained_model, "vae", o.revision, self.encoder_dtype["vae_dtype"])
+            self.vae = load_component(self._model_plan(), "vae", None, self.encoder_dtype["vae_dtype"])
             self.vae.requires_grad_(False).eval().to(self.device)
             self.latent_shift, self.latent_scale = self.recipe.latent_normalization(self.vae)
         if text and not self.encoders:
             for name in self.recipe.text_components:
                 if name.startswith("tokenizer"):
-                    self.encoders[name] = load_component(o.pretrained_model, name, o.revision)
+                    self.encoders[name] = load_component(self._model_plan(), name)
                 else:
                     dtype = self.encoder_dtype["text_encoder_dtype"]
-                    encoder = load_component(o.pretrained_model, name, o.revision, dtype)
+                    encoder = load_component(self._model_plan(), name, None, dtype)
                     self.encoders[name] = encoder.requires_grad_(False).eval().to(self.device)
 
     def _encode(self, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -625,7 +630,7 @@ class WanTask(Task):
         with the flow shift it trained with, without text encoders unless ``with_text``."""
         o = self.options
         self._load_encoders(vae=True, text=with_text)
-        scheduler = load_component(o.pretrained_model, "scheduler", o.revision)
+        scheduler = load_component(self._model_plan(), "scheduler")
         shift = next((key for key in ("flow_shift", "shift") if key in scheduler.config), None)
         if shift is not None:  # validation samples and the saved pipeline use the shift it trained with
             scheduler = type(scheduler).from_config(scheduler.config, **{shift: o.flow_shift})

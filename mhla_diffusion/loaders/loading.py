@@ -270,21 +270,28 @@ def device_and_dtype(device: str | None = None, dtype: str | None = None) -> tup
     return device, getattr(torch, name)
 
 
-def load_transformer_file(path: str | os.PathLike, dtype: Any = None) -> Any:
-    """A transformer from ``--transformer``: an original-format Wan checkpoint file (``.safetensors``,
-    ``.pt``), a folder saved with MHLA (:func:`~mhla_diffusion.save_mhla` ``include_base``, ``mhla
-    import-wan``), or a plain Diffusers transformer folder."""
+def load_transformer_file(path: Any, dtype: Any = None) -> Any:
+    """A transformer from ``--transformer`` (a path or its :class:`~mhla_diffusion.loaders.plan.LoadPlan`): an
+    original-format Wan checkpoint file (``.safetensors``, ``.pt``), a folder saved with MHLA
+    (:func:`~mhla_diffusion.save_mhla` ``include_base``, ``mhla import-wan``), or a plain Diffusers transformer
+    folder."""
     from .original_wan import load_original_wan
-    from .weights import load_mhla, load_transformer, read_mhla_config
+    from .plan import LoadPlan, resolve_source
+    from .weights import load_mhla, load_transformer
 
-    path = Path(path)
-    if path.is_file():
-        return load_original_wan(path, dtype=dtype)
-    if not path.is_dir():
+    if not isinstance(path, LoadPlan) and source_kind(path) not in ("file", "folder"):
         raise FileNotFoundError(f"--transformer {path} does not exist")
-    if read_mhla_config(path) is not None:
-        return load_mhla(path, dtype=dtype)
-    return load_transformer(path, dtype=dtype)
+    plan = resolve_source(path, dtype=dtype)
+    if plan.form == "checkpoint" and plan.kind == "file":
+        return load_original_wan(plan.files["checkpoint"], dtype=plan.dtype)
+    if plan.form == "transformer" and plan.mhla is not None:
+        return load_mhla(plan)
+    if plan.form == "transformer":
+        return load_transformer(plan)
+    raise ValueError(
+        f"--transformer {plan.where} is {plan.describe()}: give an original Wan checkpoint file or a Diffusers "
+        "transformer folder"
+    )
 
 
 @contextmanager
@@ -309,7 +316,7 @@ def _no_loading_bars() -> Iterator[None]:
 
 def load_pipeline(
     cls: type,
-    model: str | os.PathLike,
+    model: Any,
     *,
     mhla_weights: str | os.PathLike | None = None,
     mhla_weights_2: str | os.PathLike | None = None,
@@ -319,7 +326,8 @@ def load_pipeline(
     component_dtypes: dict[str, Any] | None = None,
 ) -> Any:
     """Load ``cls`` (``MHLAWanPipeline`` / ``MHLAWanImageToVideoPipeline`` / ``MHLADiTPipeline``) from ``model``
-    (a folder or hub id).
+    (a folder or hub id, or the :class:`~mhla_diffusion.loaders.plan.PipelinePlan` of the load: then the three
+    source arguments below are the plan's and are not given).
 
     Args:
         mhla_weights: a folder written by ``save_mhla`` / ``mhla convert --output``, applied to the
@@ -327,23 +335,31 @@ def load_pipeline(
             transformers of a Wan2.2-A14B pipeline).
         mhla_weights_2: a ``save_mhla`` folder for ``transformer_2`` (Wan2.2-A14B).
         transformer: replaces the pipeline's ``transformer`` (see :func:`load_transformer_file`).
-        attention: ``"mhla"``: every transformer of the pipeline must have MHLA layers (else ``ValueError``);
-            ``"softmax"`` or ``None``: the model as it is (the caller runs softmax with ``pipe.softmax_attention()``).
+        attention: ``"mhla"``: every transformer of the pipeline must have MHLA layers (else ``ValueError``,
+            before any model loads); ``"softmax"`` or ``None``: the model as it is (the caller runs softmax with
+            ``pipe.softmax_attention()``).
         dtype: weights dtype; ``component_dtypes`` overrides it per component (e.g. ``{"vae": torch.float32}``).
     """
+    from .plan import PipelinePlan, plan_pipeline
+
     if attention not in (*ATTENTIONS, None):
         raise ValueError(f"attention must be one of {ATTENTIONS} or None, got {attention!r}")
-    kwargs: dict[str, Any] = {"dtype": {"default": dtype, **component_dtypes} if component_dtypes else dtype}
-    if transformer is not None:
-        kwargs["transformer"] = load_transformer_file(transformer, dtype)
-    with _no_loading_bars():
-        pipe = cls.from_pretrained(model, mhla_weights=mhla_weights, mhla_weights_2=mhla_weights_2, **kwargs)
-    softmax = [name for name, conversion in pipe.mhla_conversions.items() if conversion is None]
+    if isinstance(model, PipelinePlan):
+        if (mhla_weights, mhla_weights_2, transformer) != (None, None, None):
+            raise ValueError("load_pipeline: give the MHLA weights and transformer in the plan, not beside it")
+        plan = model
+    else:
+        plan = plan_pipeline(model, mhla_weights, mhla_weights_2, transformer, dtype=dtype)
+    softmax = [name for name in plan.transformers if plan.mhla_of(name) is None]
     if attention == "mhla" and softmax:
-        what = "the model has" if len(softmax) == len(pipe.mhla_conversions) else f"{' and '.join(softmax)} has"
+        what = "the model has" if len(softmax) == len(plan.transformers) else f"{' and '.join(softmax)} has"
         raise ValueError(
-            f"--attention mhla, but {what} no MHLA layers: pass --mhla-weights (--mhla-weights-2 for transformer_2), "
-            "a --transformer with MHLA, or a folder saved by our pipeline (use --attention softmax for the plain "
-            "softmax model)"
+            f"--attention mhla, but {what} no MHLA layers ({plan.model.where} is {plan.model.describe()}): pass "
+            "--mhla-weights (--mhla-weights-2 for transformer_2), a --transformer with MHLA, or a folder saved by our "
+            "pipeline (use --attention softmax for the plain softmax model)"
         )
-    return pipe
+    kwargs: dict[str, Any] = {"dtype": {"default": dtype, **component_dtypes} if component_dtypes else dtype}
+    if plan.transformer is not None:
+        kwargs["transformer"] = load_transformer_file(plan.transformer, dtype)
+    with _no_loading_bars():
+        return cls.from_pretrained(plan.model.source, load_plan=plan, **plan.model.hub_kwargs, **kwargs)

@@ -1,18 +1,12 @@
-"""The files of a saved MHLA folder: find them (local folder or hub repo), read them, and load their
-tensors strictly into a transformer.
+"""The files of a saved MHLA folder once found: read them (one checkpoint reader, memory-mapped, ``weights_only``),
+and load their tensors strictly into a transformer.
 
-The layer under both :mod:`mhla_diffusion.loaders.weights` (``save_mhla`` / ``load_mhla``) and
-:mod:`mhla_diffusion.models.transformers` (transformer classes whose ``from_pretrained`` restores MHLA), so that
-neither has to import the other. The folder format itself is described in :mod:`mhla_diffusion.loaders.weights`.
-
-A folder says it holds MHLA in one of two ways, both read by :func:`read_meta`: the ``mhla`` entry of a
-whole transformer's ``config.json`` (what ``save_pretrained`` writes now), or an ``mhla_config.json`` (MHLA-only
-folders, and whole-transformer folders written before the entry existed).
+Finding a source's files, and deciding what the source is, is :mod:`mhla_diffusion.loaders.plan`'s job; the
+folder format itself is described in :mod:`mhla_diffusion.loaders.weights`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -27,24 +21,20 @@ from torch import nn
 
 from ..config import MHLAConfig
 from ..models.conversion import (
-    MHLA_CONFIG_KEY,
     build_mhla_processors,
     get_mhla_conversion,
     install_mhla_processors,
     self_attention_layers,
 )
-from ..models.families import family_for_class_name, family_of
+from ..models.families import family_of
 from ..models.processors.base import kept_in_fp32
 from ..models.processors.grid import TokenGridContext
-from ..utils.model_source import source_kind
 
 __all__ = [
     "MHLA_CONFIG_NAME",
     "MHLA_WEIGHTS_NAME",
     "check_state_dict",
     "dtype_on_load",
-    "find_file",
-    "from_pretrained_keeping_mhla",
     "hub_kwargs_of",
     "load_into",
     "model_shape",
@@ -53,10 +43,7 @@ __all__ = [
     "read_safetensors_metadata",
     "read_state_dict",
     "strip_wrapper_prefix",
-    "read_meta",
-    "read_mhla_config",
     "read_mhla_tensors",
-    "weight_files",
 ]
 
 MHLA_CONFIG_NAME = "mhla_config.json"
@@ -87,126 +74,6 @@ def model_shape(transformer: nn.Module) -> dict[str, Any]:
         "heads": int(attn.heads),
         "head_dim": int(attn.to_q.out_features // attn.heads),
     }
-
-
-def read_mhla_config(
-    source: str | os.PathLike, subfolder: str | None = None, **hub_kwargs: Any
-) -> dict[str, Any] | None:
-    """The ``mhla_config.json`` of a folder or hub repo as a dict (``None`` when there is none).
-
-    Cheap: lets callers check the block layout against a requested size before loading any model.
-    """
-    return read_meta(source, subfolder, hub_kwargs, required=False)
-
-
-def find_file(
-    source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: dict[str, Any]
-) -> Path | None:
-    """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``."""
-    kind = source_kind(source)
-    if kind == "folder":
-        path = Path(source, subfolder or "", filename)
-        return path if path.is_file() else None
-    if kind != "hub":
-        raise FileNotFoundError(f"{source} is neither a local folder nor a hub repo id of the form 'owner/name'")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    try:
-        return Path(hf_hub_download(os.fspath(source), filename, subfolder=subfolder, **hub_kwargs))
-    except (EntryNotFoundError, LocalEntryNotFoundError):  # absent, or not cached while offline
-        return None
-
-
-def read_meta(
-    source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any], required: bool = True
-) -> dict[str, Any] | None:
-    """The MHLA description of a saved folder, in the form of ``mhla_config.json`` (``format``, ``contents``,
-    ``family``, ``num_layers``, ``heads``, ``head_dim``, ``mhla_config``): from the ``mhla`` entry of its
-    ``config.json`` when it has one, else from its ``mhla_config.json``. ``None`` (or, when ``required``,
-    ``FileNotFoundError``) for a folder with neither."""
-    meta = _meta_of_model_config(source, subfolder, hub_kwargs)
-    if meta is not None:
-        return meta
-    path = find_file(source, MHLA_CONFIG_NAME, subfolder, hub_kwargs)
-    if path is None:
-        if not required:
-            return None
-        where = f"{source}/{subfolder}" if subfolder else str(source)
-        raise FileNotFoundError(
-            f"no {MHLA_CONFIG_NAME} in {where} (nor an `{MHLA_CONFIG_KEY}` entry in a config.json): "
-            "point to a folder written by save_mhla or save_pretrained of a converted transformer"
-        )
-    meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
-            f"{path} is not an mhla-diffusion config this version can read (format {meta.get('format')!r})"
-        )
-    return meta
-
-
-def _meta_of_model_config(
-    source: str | os.PathLike, subfolder: str | None, hub_kwargs: dict[str, Any]
-) -> dict[str, Any] | None:
-    """:func:`read_meta`'s description made from the ``mhla`` entry of a transformer's ``config.json`` (``None``
-    without one): the whole transformer, MHLA parameters included, is in the Diffusers weights beside it."""
-    path = find_file(source, "config.json", subfolder, hub_kwargs)
-    config = json.loads(path.read_text()) if path is not None else {}
-    setting, family = config.get(MHLA_CONFIG_KEY), family_for_class_name(config.get("_class_name"))
-    if not isinstance(setting, dict) or family is None:
-        return None
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "contents": "transformer",
-        "family": family.name,
-        "transformer_class": family.transformer_class_name,
-        # Flux / HunyuanVideo count their double-stream, then their single-stream blocks
-        "num_layers": sum(
-            config.get(key) or 0 for key in ("num_layers", "num_single_layers")[: len(family.attention_sites)]
-        ),
-        "heads": config.get("num_attention_heads"),
-        "head_dim": config.get("attention_head_dim"),
-        "mhla_config": setting,
-    }
-
-
-def weight_files(
-    source: str | os.PathLike,
-    meta: dict[str, Any],
-    subfolder: str | None,
-    variant: str | None,
-    hub_kwargs: dict[str, Any],
-) -> list[Path]:
-    """The safetensors file(s) that hold the MHLA parameters of a saved folder."""
-    if meta["contents"] == "mhla":
-        names = [MHLA_WEIGHTS_NAME]
-    else:
-        weights, index = DIFFUSERS_WEIGHTS, DIFFUSERS_INDEX
-        if variant:
-            weights = weights.replace(".safetensors", f".{variant}.safetensors")
-            index = index.replace(".safetensors.index", f".{variant}.safetensors.index")
-        index_path = find_file(source, index, subfolder, hub_kwargs)
-        if index_path is None and find_file(source, weights, subfolder, hub_kwargs) is None:
-            weights, index = _pickle_names(weights), _pickle_names(index)  # save_pretrained(safe_serialization=False)
-            index_path = find_file(source, index, subfolder, hub_kwargs)
-        if index_path is not None:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            names = sorted({f for key, f in weight_map.items() if ".processor." in key})
-        else:
-            names = [weights]
-    files = []
-    for name in names:
-        path = find_file(source, name, subfolder, hub_kwargs)
-        if path is None:
-            raise FileNotFoundError(f"{name} is missing from {source}: the MHLA folder is incomplete")
-        files.append(path)
-    return files
-
-
-def _pickle_names(name: str) -> str:
-    """Diffusers' name for ``name`` when saved with ``safe_serialization=False`` (``.bin``, not ``.safetensors``)."""
-    return name.replace(".safetensors", ".bin")
 
 
 def read_mhla_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -371,33 +238,3 @@ def raise_key_mismatch(problem: str, found: dict[str, list[str]]) -> None:
     listed = [f"{label} {sorted(keys)}" for label, keys in found.items() if keys]
     if listed:
         raise ValueError(f"{problem}: " + "; ".join(listed))
-
-
-def from_pretrained_keeping_mhla(
-    base_from_pretrained: Callable[..., Any], source: str | os.PathLike, subfolder: str | None = None, **kwargs: Any
-) -> Any:
-    """Diffusers' ``from_pretrained`` of an MHLA transformer class (``base_from_pretrained``), whose ``mhla``
-    config entry rebuilds the MHLA processors before Diffusers loads their parameters, with two additions:
-
-    * a folder written before ``config.json`` held the setting gets it from its ``mhla_config.json``;
-    * MHLA parameters the checkpoint lacks, or holds for layers the setting does not name, are a ``ValueError``
-      listing them (Diffusers would only warn, and leave missing ones uninitialised).
-    """
-    meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
-    if meta is not None and meta["contents"] != "transformer":
-        raise ValueError(
-            f"{source} holds only MHLA parameters; load the base model, then load_mhla(folder, transformer) "
-            "(or pipe.load_mhla_weights(folder))"
-        )
-    if meta is not None:
-        kwargs.setdefault(MHLA_CONFIG_KEY, meta["mhla_config"])
-    with_info = kwargs.pop("output_loading_info", False)
-    model, info = base_from_pretrained(source, subfolder=subfolder, output_loading_info=True, **kwargs)
-    raise_key_mismatch(
-        f"the MHLA parameters in {source} do not match its MHLA setting",
-        {
-            f"{kind} keys": [key for key in info[f"{kind}_keys"] if ".processor." in key]
-            for kind in ("missing", "unexpected")
-        },
-    )
-    return (model, info) if with_info else model

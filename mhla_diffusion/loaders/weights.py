@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..models.conversion import get_mhla_conversion, mhla_parameter_names, sync_mhla_config
-from ..models.families import FAMILIES, family_for_class_name, family_named
+from ..models.families import FAMILIES, family_named
+from .plan import LoadPlan, from_pretrained_keeping_mhla, read_mhla_config, resolve_source
 from .weight_files import (
     DIFFUSERS_INDEX,
     DIFFUSERS_WEIGHTS,
@@ -42,15 +43,10 @@ from .weight_files import (
     MHLA_CONFIG_NAME,
     MHLA_WEIGHTS_NAME,
     check_state_dict,
-    find_file,
-    from_pretrained_keeping_mhla,
     hub_kwargs_of,
     load_into,
     model_shape,
-    read_meta,
-    read_mhla_config,
     read_mhla_tensors,
-    weight_files,
 )
 
 __all__ = [
@@ -142,13 +138,14 @@ def write_mhla_config(transformer: nn.Module, folder: str | os.PathLike, content
 
 
 def load_mhla(
-    source: str | os.PathLike,
+    source: str | os.PathLike | LoadPlan,
     transformer: nn.Module | None = None,
     *,
     subfolder: str | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """Load MHLA weights saved by :func:`save_mhla` from a local folder or a hub repo id.
+    """Load MHLA weights saved by :func:`save_mhla` from a local folder or a hub repo id (or its
+    :class:`~mhla_diffusion.loaders.plan.LoadPlan`).
 
     * ``load_mhla(folder, transformer)``: convert ``transformer`` (a base model of the same shape)
       with the saved config and load the MHLA parameters; works with both folder forms.
@@ -158,58 +155,59 @@ def load_mhla(
 
     Returns the converted transformer. Any key mismatch raises ``ValueError`` listing the keys.
     """
+    plan = resolve_source(source, subfolder, **hub_kwargs_of(kwargs))
+    kwargs = {**plan.hub_kwargs, **kwargs}  # a plan's revision, token, ... load with it
     if transformer is None:
-        meta = read_meta(source, subfolder, hub_kwargs_of(kwargs), required=False)
-        if meta is None:
-            where = f"{source}/{subfolder}" if subfolder else str(source)
+        if plan.mhla is None:
             raise FileNotFoundError(
-                f"no MHLA setting in {where} (neither an `mhla` entry in its config.json nor an {MHLA_CONFIG_NAME}): "
-                "it holds no MHLA layers; load a plain Diffusers transformer folder "
+                f"{plan.where} is {plan.describe()}: it has no MHLA setting (neither an `mhla` entry in its "
+                f"config.json nor an {MHLA_CONFIG_NAME}); load a plain Diffusers transformer folder "
                 "(e.g. one `mhla import-dit` wrote for an original DiT) with load_transformer(folder)"
             )
-        if meta["contents"] != "transformer":
+        if plan.form != "transformer":
             raise ValueError(
-                f"{source} holds only MHLA parameters: pass the base transformer too, load_mhla(folder, transformer)"
+                f"{plan.where} holds only MHLA parameters: pass the base transformer too, "
+                "load_mhla(folder, transformer)"
             )
-        cls = family_named(meta["family"]).mhla_transformer_class()
-        return cls.from_pretrained(source, subfolder=subfolder, **kwargs)
-    hub_kwargs = hub_kwargs_of(kwargs)
-    meta = read_meta(source, subfolder, hub_kwargs)
-    tensors = read_mhla_tensors(weight_files(source, meta, subfolder, kwargs.get("variant"), hub_kwargs))
-    load_into(transformer, meta, tensors)
+        if plan.dtype is not None:
+            kwargs.setdefault("dtype", plan.dtype)
+        cls = family_named(plan.family).mhla_transformer_class()
+        return cls.from_pretrained(plan.source, subfolder=plan.subfolder, load_plan=plan, **kwargs)
+    if plan.mhla is None:
+        raise FileNotFoundError(
+            f"{plan.where} is {plan.describe()}: no {MHLA_CONFIG_NAME} in it (nor an `mhla` entry in a "
+            "config.json): point to a folder written by save_mhla or save_pretrained of a converted transformer"
+        )
+    load_into(transformer, dict(plan.mhla), read_mhla_tensors(plan.mhla_weight_files(kwargs.get("variant"))))
     return transformer
 
 
-def load_transformer(source: str | os.PathLike, *, subfolder: str | None = None, **kwargs: Any) -> nn.Module:
+def load_transformer(source: str | os.PathLike | LoadPlan, *, subfolder: str | None = None, **kwargs: Any) -> nn.Module:
     """Load a base transformer of a supported family (:data:`~mhla_diffusion.models.families.FAMILIES`) from a local
-    folder or hub id with Diffusers' ``from_pretrained``.
+    folder or hub id (or its :class:`~mhla_diffusion.loaders.plan.LoadPlan`) with Diffusers' ``from_pretrained``.
 
-    ``source`` may be a transformer folder or a whole pipeline folder (then ``subfolder`` defaults
-    to ``"transformer"``). ``kwargs`` (``dtype``, ``revision``, ...) pass through.
+    ``source`` may be a transformer folder or a whole pipeline folder (its ``transformer``). ``kwargs``
+    (``dtype``, ``revision``, ...) pass through.
     """
-    hub_kwargs = hub_kwargs_of(kwargs)
-    if subfolder is None and find_file(source, "model_index.json", None, hub_kwargs) is not None:
-        subfolder = "transformer"
-    config_path = find_file(source, "config.json", subfolder, hub_kwargs)
-    if config_path is None:
-        where = f"{source}/{subfolder}" if subfolder else str(source)
-        raise FileNotFoundError(
-            f"no config.json in {where}: give a Diffusers transformer or pipeline folder (or hub id)"
-        )
-    class_name = json.loads(config_path.read_text()).get("_class_name")
-    family = family_for_class_name(class_name)  # hub DiT checkpoints (facebook/DiT-XL-2-256) record a legacy name
-    if family is None:
+    plan = resolve_source(source, subfolder, **hub_kwargs_of(kwargs))
+    kwargs = {**plan.hub_kwargs, **kwargs}
+    if plan.form == "pipeline" and "transformer" in plan.components:
+        plan = plan.components["transformer"]
+    if plan.form != "transformer":
+        supported = ", ".join(f.transformer_class_name for f in FAMILIES.values())
         raise ValueError(
-            f"{source} holds a {class_name!r}; MHLA supports "
-            + ", ".join(f.transformer_class_name for f in FAMILIES.values())
+            f"{plan.where} is {plan.describe()}: give a Diffusers transformer or pipeline folder (or hub id) "
+            f"of a supported class ({supported})"
         )
+    if plan.dtype is not None:
+        kwargs.setdefault("dtype", plan.dtype)
     import diffusers
 
     from ..models.transformers import apply_timestep_freq_shift, shift_applied_quietly
 
-    cls = family.transformer_class()
+    cls = family_named(plan.family).transformer_class()
     with shift_applied_quietly():
-        transformer = cls.from_pretrained(source, subfolder=subfolder, **kwargs)
+        transformer = cls.from_pretrained(plan.source, subfolder=plan.subfolder, **kwargs)
     if isinstance(transformer, diffusers.DiTTransformer2DModel):
         apply_timestep_freq_shift(transformer)  # e.g. 0 in a folder written by `mhla import-dit`
     return transformer

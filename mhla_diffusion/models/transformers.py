@@ -36,7 +36,7 @@ from diffusers import (
 from diffusers.configuration_utils import register_to_config
 
 from ..config import MHLAConfig
-from ..loaders.weight_files import from_pretrained_keeping_mhla
+from ..loaders.plan import from_pretrained_keeping_mhla
 from .conversion import MHLA_CONFIG_KEY, convert_to_mhla, sync_mhla_config
 from .processors.base import FP32_PARAMETERS
 
@@ -133,7 +133,7 @@ class _MHLAConfigLoading:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
         """Diffusers' ``from_pretrained``, strict about MHLA parameters, also of folders with an ``mhla_config.json``
-        (see :func:`~mhla_diffusion.loaders.weight_files.from_pretrained_keeping_mhla`)."""
+        (see :func:`~mhla_diffusion.loaders.plan.from_pretrained_keeping_mhla`)."""
         return from_pretrained_keeping_mhla(super().from_pretrained, pretrained_model_name_or_path, **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:

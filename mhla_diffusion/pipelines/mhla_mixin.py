@@ -33,13 +33,14 @@ import json
 import os
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping
 
 from torch import nn
 
 from ..config import MHLAConfig
-from ..loaders.weight_files import HUB_KWARGS, find_file, hub_kwargs_of
-from ..loaders.weights import MHLA_CONFIG_NAME, load_mhla, read_mhla_config, save_mhla
+from ..loaders.plan import TRANSFORMER_COMPONENTS, LoadPlan, mhla_weight_plans, plan_pipeline, plans_in_use
+from ..loaders.weight_files import HUB_KWARGS, hub_kwargs_of, load_into, read_mhla_tensors
+from ..loaders.weights import MHLA_CONFIG_NAME, save_mhla
 from ..models.conversion import (
     MHLAConversion,
     get_mhla_conversion,
@@ -51,11 +52,7 @@ from ..models.conversion import convert_to_mhla as convert_transformer  # the pi
 from ..models.kv_cache import restore_block_causal
 from ..utils.model_defaults import RECORD_KEY, checked_record
 
-__all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS", "mhla_weight_sources"]
-
-#: The pipeline components that can hold a transformer. Wan2.2-A14B has both: ``transformer`` runs the
-#: steps with timestep >= ``boundary_ratio`` x 1000, ``transformer_2`` the others.
-TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
+__all__ = ["LOAD_HINT", "LOAD_HINT_KEY", "MHLAPipelineMixin", "TRANSFORMER_COMPONENTS"]
 
 #: ``model_index.json`` key (ignored by Diffusers) that says how to load an MHLA folder with stock loaders.
 LOAD_HINT_KEY = "_mhla_diffusion_load"
@@ -108,14 +105,20 @@ class MHLAPipelineMixin:
         ``ValueError`` / ``FileNotFoundError`` naming the fix. A folder saved by our ``save_pretrained`` already
         holds MHLA and needs no ``mhla_weights``.
         """
-        sources = mhla_weight_sources(pretrained_model_name_or_path, mhla_weights, mhla_weights_2, **kwargs)
-        pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        if sources or sources is None:  # None: the pipeline's model_index.json could not be read before loading
-            pipe.load_mhla_weights(mhla_weights, mhla_weights_2)
+        plan = kwargs.pop("load_plan", None)
+        if plan is None:
+            plan = plan_pipeline(
+                pretrained_model_name_or_path, mhla_weights, mhla_weights_2, overrides=kwargs, **hub_kwargs_of(kwargs)
+            )
+        elif mhla_weights is not None or mhla_weights_2 is not None:
+            raise ValueError("from_pretrained: give the MHLA weights in `load_plan`, not beside it")
+        with plans_in_use(plan.model):  # Diffusers' per-component loads take the plan's transformer plans
+            pipe = super().from_pretrained(plan.model.source, **kwargs)
+        pipe._load_mhla_plans(plan.mhla_weights)
         for name in TRANSFORMER_COMPONENTS:  # a block-causal softmax transformer (its config says so) runs as trained
             if getattr(pipe, name, None) is not None:
                 restore_block_causal(getattr(pipe, name))
-        recorded = (_read_index(pretrained_model_name_or_path, kwargs) or {}).get(RECORD_KEY)
+        recorded = (plan.model.index or {}).get(RECORD_KEY)
         if recorded is None:  # a published or embedded model: its known size goes with every folder saved from it
             recorded = _known_video_size(pretrained_model_name_or_path) if pipe._generates_video else None
         if recorded:  # Diffusers drops private model_index.json keys on loading
@@ -161,18 +164,23 @@ class MHLAPipelineMixin:
             raise ValueError(
                 "load_mhla_weights needs `mhla_weights` (or `mhla_weights_2`): a folder written by save_mhla"
             )
-        sources = mhla_weight_sources(
-            None, mhla_weights, mhla_weights_2, transformers=list(self.transformer_components), hub_kwargs=kwargs
+        self._load_mhla_plans(
+            mhla_weight_plans(mhla_weights, mhla_weights_2, tuple(self.transformer_components), **kwargs)
         )
-        converted = [name for name in sources if self.mhla_conversions[name] is not None]
+        return self.mhla_conversions
+
+    def _load_mhla_plans(self, plans: Mapping[str, LoadPlan]) -> None:
+        """Convert each transformer named in ``plans`` and load the MHLA weights its plan names (every transformer
+        checked unconverted before any changes)."""
+        converted = [name for name in plans if self.mhla_conversions[name] is not None]
         if converted:
             raise ValueError(
                 f"{' and '.join(converted)} is already converted to MHLA: revert_mhla() it first, or load "
                 "the weights into a base pipeline"
             )
-        for name, (source, subfolder) in sources.items():
-            load_mhla(source, getattr(self, name), subfolder=subfolder, **kwargs)
-        return self.mhla_conversions
+        for name, plan in plans.items():
+            assert plan.mhla is not None
+            load_into(getattr(self, name), dict(plan.mhla), read_mhla_tensors(plan.mhla_weight_files()))
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Diffusers' ``save_pretrained`` that keeps MHLA loadable (see the module docstring): every transformer's
@@ -290,99 +298,6 @@ def _describe(conversion: MHLAConversion | None) -> str:
     if conversion is None:
         return "softmax"
     return f"MHLA on layers {conversion.layers}, layout {'x'.join(map(str, conversion.layout))}"
-
-
-def _read_index(source: str | os.PathLike, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``model_index.json`` of a pipeline folder or hub repo (``kwargs``: ``from_pretrained``'s); ``None`` when
-    it cannot be read."""
-    try:
-        path = find_file(source, "model_index.json", None, hub_kwargs_of(kwargs))
-        return json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return None
-
-
-def _declared_transformers(source: str | os.PathLike, kwargs: dict[str, Any]) -> list[str] | None:
-    """The transformer components a pipeline folder (or hub repo) will load with: those its ``model_index.json``
-    declares, or that ``kwargs`` (``from_pretrained``'s) pass in. ``None`` when the index cannot be read."""
-    index = _read_index(source, kwargs)
-    if index is None:
-        return None
-    present = []
-    for name in TRANSFORMER_COMPONENTS:
-        entry = index.get(name)
-        declared = isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] is not None
-        if (kwargs[name] is not None) if name in kwargs else declared:
-            present.append(name)
-    return present
-
-
-def mhla_weight_sources(
-    pretrained_model_name_or_path: str | os.PathLike | None,
-    mhla_weights: str | os.PathLike | None = None,
-    mhla_weights_2: str | os.PathLike | None = None,
-    *,
-    transformers: Sequence[str] | None = None,
-    hub_kwargs: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> dict[str, tuple[Any, str | None]] | None:
-    """Where ``from_pretrained``'s ``mhla_weights`` / ``mhla_weights_2`` go: ``{transformer name: (MHLA folder,
-    subfolder or None)}``, read from the small ``mhla_config.json`` files only (no model loads).
-
-    ``transformers`` are the pipeline's transformer components; by default those the pipeline's
-    ``model_index.json`` declares (``kwargs``: ``from_pretrained``'s, e.g. ``transformer_2=None``, ``revision``).
-    ``hub_kwargs`` (``revision``, ``token``, ...) apply to the MHLA folders.
-    Returns ``{}`` without MHLA weights, ``None`` when the pipeline's index cannot be read. Raises
-    ``FileNotFoundError`` / ``ValueError`` naming the fix when a folder holds no MHLA weights, when weights name a
-    transformer the pipeline lacks, or when a two-transformer pipeline would get MHLA in only one of them.
-    """
-    if mhla_weights is None and mhla_weights_2 is None:
-        return {}
-    if transformers is None:
-        transformers = _declared_transformers(pretrained_model_name_or_path, kwargs)
-        if transformers is None:
-            return None
-    hub_kwargs = hub_kwargs or {}
-    sources: dict[str, tuple[Any, str | None]] = {}
-    if mhla_weights is not None:
-        if read_mhla_config(mhla_weights, **hub_kwargs) is not None:
-            sources["transformer"] = (mhla_weights, None)
-        else:
-            sources = {
-                name: (mhla_weights, name)
-                for name in TRANSFORMER_COMPONENTS
-                if read_mhla_config(mhla_weights, subfolder=name, **hub_kwargs) is not None
-            }
-            if not sources:
-                raise FileNotFoundError(
-                    f"no {MHLA_CONFIG_NAME} in mhla_weights {mhla_weights} "
-                    "(nor in its transformer/ or transformer_2/): "
-                    "give a folder written by save_mhla or `mhla convert --output`"
-                )
-    if mhla_weights_2 is not None:
-        if "transformer_2" in sources:
-            raise ValueError(f"mhla_weights {mhla_weights} already holds transformer_2/: leave out mhla_weights_2")
-        if read_mhla_config(mhla_weights_2, **hub_kwargs) is None:
-            raise FileNotFoundError(
-                f"no {MHLA_CONFIG_NAME} in mhla_weights_2 {mhla_weights_2}: give a folder written "
-                "by save_mhla or `mhla convert --output`"
-            )
-        sources["transformer_2"] = (mhla_weights_2, None)
-    absent = [name for name in sources if name not in transformers]
-    if absent:
-        raise ValueError(
-            f"MHLA weights for {' and '.join(absent)}, but the pipeline has no {' and '.join(absent)} "
-            f"(its transformers: {', '.join(transformers) or 'none'})"
-        )
-    left = [name for name in transformers if name not in sources]
-    if left:
-        raise ValueError(
-            f"this pipeline has two transformers ({', '.join(transformers)}), but MHLA weights were given only for "
-            f"{', '.join(sources)}: pass mhla_weights_2=<folder> for transformer_2 (CLI: --mhla-weights-2), or "
-            "mhla_weights=<folder with transformer/ and transformer_2/> "
-            "(what `mhla convert` writes for such a pipeline)"
-        )
-    return sources
 
 
 def _known_video_size(model: str | os.PathLike) -> dict[str, Any]:

@@ -345,7 +345,7 @@ def _causal_mhla(model: str) -> bool | None:
     config, nothing loaded); ``None`` for a hub id (the streaming pipeline checks it when it loads)."""
     if not Path(model).is_dir():
         return None
-    from ..loaders.weight_files import read_mhla_config
+    from ..loaders.plan import read_mhla_config
 
     meta = read_mhla_config(model, subfolder="transformer")
     return bool(meta and meta["mhla_config"].get("causal"))

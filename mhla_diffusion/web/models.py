@@ -80,6 +80,7 @@ class ModelStore:
     def __init__(self, config: DemoConfig):
         self.config = config
         self._pipes: dict[tuple[str, str], Any] = {}
+        self._plans: dict[str, Any] = {}  # one load plan per task (_load_plan)
         self._locks = {task: threading.RLock() for task in ("text-to-video", "class-to-image", "long-video")}
         self._device_dtype: tuple[str, Any] | None = None
         self._readers: dict[str, Any] = {}
@@ -138,6 +139,22 @@ class ModelStore:
                     self._pipes[key] = self._load(task, attention)
             return self._pipes[key]
 
+    def _load_plan(self, task: str) -> Any:
+        """``task``'s :class:`~mhla_diffusion.loaders.plan.PipelinePlan` (its model, MHLA weights and transformer),
+        resolved on first use and kept: the MHLA load and the softmax base load both read it."""
+        if task not in self._plans:
+            from ..loaders.plan import plan_pipeline
+
+            _, dtype = self.device_and_dtype
+            if task == "long-video":
+                self._plans[task] = plan_pipeline(self._long_model(), dtype=dtype)
+            else:
+                models = self._models(task)
+                self._plans[task] = plan_pipeline(
+                    models.model, models.mhla_weights, None, models.transformer, dtype=dtype
+                )
+        return self._plans[task]
+
     def _load(self, task: str, attention: Attention) -> Any:
         import torch
 
@@ -149,20 +166,14 @@ class ModelStore:
         component_dtypes = {"vae": torch.float32} if task != "class-to-image" else None
         if task == "long-video":
             pipe = load_pipeline(
-                cls, self._long_model(), attention="mhla", dtype=dtype, component_dtypes=component_dtypes
+                cls, self._load_plan(task), attention="mhla", dtype=dtype, component_dtypes=component_dtypes
             )
             pipe.set_progress_bar_config(disable=True)
             return pipe.to(device)
         models = self._models(task)
         if attention == "mhla":
             pipe = load_pipeline(
-                cls,
-                models.model,
-                mhla_weights=models.mhla_weights,
-                transformer=models.transformer,
-                attention="mhla",
-                dtype=dtype,
-                component_dtypes=component_dtypes,
+                cls, self._load_plan(task), attention="mhla", dtype=dtype, component_dtypes=component_dtypes
             )
         elif models.softmax_source == "folder":
             pipe = load_pipeline(
@@ -171,7 +182,7 @@ class ModelStore:
         elif models.softmax_source == "base":
             mhla_pipe = self.pipeline(task, "mhla")
             components = dict(mhla_pipe.components)
-            components["transformer"] = load_transformer(models.model, dtype=dtype)
+            components["transformer"] = load_transformer(self._load_plan(task).model, dtype=dtype)
             # its own scheduler: schedulers keep per-run state
             components["scheduler"] = type(mhla_pipe.scheduler).from_config(mhla_pipe.scheduler.config)
             pipe = cls(**components)
