@@ -68,9 +68,7 @@ def load_component(
 
 def _transformer_plan(plan: LoadPlan) -> LoadPlan:
     """The plan of the transformer a trainer loads: the pipeline's ``transformer``, or the transformer folder."""
-    if plan.form == "pipeline" and "transformer" in plan.components:
-        return plan.components["transformer"]
-    return plan
+    return plan.subplan("transformer") if plan.form == "pipeline" else plan
 
 
 def load_mhla_transformer(

@@ -350,16 +350,26 @@ def load_pipeline(
         plan = model
     else:
         plan = plan_pipeline(model, mhla_weights, mhla_weights_2, transformer, dtype=dtype)
-    softmax = [name for name in plan.transformers if plan.mhla_of(name) is None]
-    if attention == "mhla" and softmax:
-        what = "the model has" if len(softmax) == len(plan.transformers) else f"{' and '.join(softmax)} has"
-        raise ValueError(
-            f"--attention mhla, but {what} no MHLA layers ({plan.model.where} is {plan.model.describe()}): pass "
-            "--mhla-weights (--mhla-weights-2 for transformer_2), a --transformer with MHLA, or a folder saved by our "
-            "pipeline (use --attention softmax for the plain softmax model)"
-        )
+    if attention == "mhla":  # what the plan knows, before any model loads
+        _require_mhla(plan, [n for n in plan.transformers if plan.known_before_loading(n) and plan.mhla_of(n) is None])
     kwargs: dict[str, Any] = {"dtype": {"default": dtype, **component_dtypes} if component_dtypes else dtype}
     if plan.transformer is not None:
         kwargs["transformer"] = load_transformer_file(plan.transformer, dtype)
     with _no_loading_bars():
-        return cls.from_pretrained(plan.model.source, load_plan=plan, **plan.model.hub_kwargs, **kwargs)
+        pipe = cls.from_pretrained(plan.model.source, load_plan=plan, **plan.model.hub_kwargs, **kwargs)
+    if attention == "mhla":  # and what an original-format checkpoint turned out to hold
+        _require_mhla(plan, [name for name, conversion in pipe.mhla_conversions.items() if conversion is None])
+    return pipe
+
+
+def _require_mhla(plan: Any, softmax: list[str]) -> None:
+    """``ValueError`` for ``--attention mhla`` when the transformers ``softmax`` of ``plan``'s pipeline have no MHLA
+    layers."""
+    if not softmax:
+        return
+    what = "the model has" if len(softmax) == len(plan.transformers) else f"{' and '.join(softmax)} has"
+    raise ValueError(
+        f"--attention mhla, but {what} no MHLA layers ({plan.model.where} is {plan.model.describe()}): pass "
+        "--mhla-weights (--mhla-weights-2 for transformer_2), a --transformer with MHLA, or a folder saved by our "
+        "pipeline (use --attention softmax for the plain softmax model)"
+    )

@@ -176,15 +176,15 @@ class LoadPlan:
         return replace(self, dtype=dtype, components={k: v.with_dtype(dtype) for k, v in self.components.items()})
 
     def describe(self) -> str:
-        """What the source is, in words: ``"a WanPipeline pipeline folder (transformer: WanTransformer3DModel,
-        no MHLA layers)"``."""
+        """What the source is, in words: ``"a WanPipeline pipeline folder (transformer: WanTransformer3DModel
+        without MHLA layers)"``."""
         where = {"folder": "folder", "hub": "hub repo", "file": "file"}[self.kind]
         if self.form == "pipeline":
-            parts = [f"{name}: {plan._transformer_words()}" for name, plan in self.components.items()]
+            parts = [f"{name}: {plan.class_name} {plan._mhla_words()}" for name, plan in self.components.items()]
             inside = f" ({'; '.join(parts)})" if parts else " (no transformer)"
             return f"a {self.class_name or 'Diffusers'} pipeline {where}{inside}"
         if self.form == "transformer":
-            return f"a {self._transformer_words()} transformer {where}"
+            return f"a {self.class_name} transformer {where} {self._mhla_words()}"
         if self.form == "mhla-weights":
             assert self.mhla is not None
             return (
@@ -199,12 +199,12 @@ class LoadPlan:
             return f"a {where} holding a {self.class_name!r} (not a transformer MHLA supports)"
         return f"a {where} with none of model_index.json, config.json or {MHLA_CONFIG_NAME}"
 
-    def _transformer_words(self) -> str:
+    def _mhla_words(self) -> str:
         if self.mhla is None:
-            return f"{self.class_name}, no MHLA layers"
+            return "without MHLA layers"
         layout = self.mhla.get("mhla_config", {}).get("layout")
-        shown = f", layout {'x'.join(map(str, layout))}" if isinstance(layout, (list, tuple)) else ""
-        return f"{self.class_name} with MHLA layers{shown}"
+        shown = f" (layout {'x'.join(map(str, layout))})" if isinstance(layout, (list, tuple)) else ""
+        return f"with MHLA layers{shown}"
 
     def subplan(self, subfolder: str) -> LoadPlan:
         """The plan of ``subfolder`` of this folder or repo (a pipeline's component plan when it has one), its
@@ -270,7 +270,8 @@ def resolve_source(
     kind = source_kind(source)
     if kind == "missing":
         raise FileNotFoundError(
-            f"{os.fspath(source)} not found: give a local folder or checkpoint file, or a hub id 'owner/name'"
+            f"{os.fspath(source)} is neither a local folder nor a hub repo id of the form 'owner/name': nothing is "
+            "there; give a local folder or checkpoint file, or a hub id"
         )
     if kind == "file":
         if subfolder:
@@ -402,8 +403,14 @@ class PipelinePlan:
     #: The transformer components the loaded pipeline will hold.
     transformers: tuple[str, ...] = ()
 
+    def known_before_loading(self, name: str) -> bool:
+        """Whether the plan knows if transformer component ``name`` will have MHLA layers: not for an original-format
+        checkpoint replacing ``transformer`` (its keys say it once it is read)."""
+        return not (name == "transformer" and self.transformer is not None and self.transformer.form == "checkpoint")
+
     def mhla_of(self, name: str) -> Mapping[str, Any] | None:
-        """The MHLA description of transformer component ``name`` once loaded (``None``: softmax)."""
+        """The MHLA description of transformer component ``name`` once loaded (``None``: softmax, or not known
+        before loading: :meth:`known_before_loading`)."""
         if name in self.mhla_weights:
             return self.mhla_weights[name].mhla
         if name == "transformer" and self.transformer is not None:

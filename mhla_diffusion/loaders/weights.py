@@ -160,8 +160,8 @@ def load_mhla(
     if transformer is None:
         if plan.mhla is None:
             raise FileNotFoundError(
-                f"{plan.where} is {plan.describe()}: it has no MHLA setting (neither an `mhla` entry in its "
-                f"config.json nor an {MHLA_CONFIG_NAME}); load a plain Diffusers transformer folder "
+                f"{plan.where} is {plan.describe()} (no `mhla` entry in its config.json, no {MHLA_CONFIG_NAME}): it "
+                "holds no MHLA layers; load a plain Diffusers transformer folder "
                 "(e.g. one `mhla import-dit` wrote for an original DiT) with load_transformer(folder)"
             )
         if plan.form != "transformer":
@@ -191,14 +191,16 @@ def load_transformer(source: str | os.PathLike | LoadPlan, *, subfolder: str | N
     """
     plan = resolve_source(source, subfolder, **hub_kwargs_of(kwargs))
     kwargs = {**plan.hub_kwargs, **kwargs}
-    if plan.form == "pipeline" and "transformer" in plan.components:
-        plan = plan.components["transformer"]
+    if plan.form == "pipeline":
+        plan = plan.subplan("transformer")
     if plan.form != "transformer":
         supported = ", ".join(f.transformer_class_name for f in FAMILIES.values())
-        raise ValueError(
-            f"{plan.where} is {plan.describe()}: give a Diffusers transformer or pipeline folder (or hub id) "
-            f"of a supported class ({supported})"
-        )
+        if plan.form == "unknown" and plan.class_name is None:
+            raise FileNotFoundError(
+                f"no config.json in {plan.where} ({plan.describe()}): give a Diffusers transformer or pipeline folder "
+                "(or hub id)"
+            )
+        raise ValueError(f"{plan.where} is {plan.describe()}; MHLA supports {supported}")
     if plan.dtype is not None:
         kwargs.setdefault("dtype", plan.dtype)
     import diffusers

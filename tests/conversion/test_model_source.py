@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mhla_diffusion.loaders.loading import ModelUnavailable, check_model_source
-from mhla_diffusion.loaders.weight_files import find_file
+from mhla_diffusion.loaders.plan import find_file
 from mhla_diffusion.utils.model_source import source_kind
 
 
