@@ -181,8 +181,11 @@ def hub_errors(names: Mapping[str, str] | None = None) -> Iterator[None]:
     ``names``: model id -> the option that named it); any other error passes through."""
     try:
         yield
-    except ModelUnavailable:
-        raise
+    except ModelUnavailable as error:
+        named = hub_failure(error.__cause__, names) if names and error.__cause__ is not None else None
+        if named is None:
+            raise
+        raise named from None
     except Exception as error:
         failure = hub_failure(error, names)
         if failure is None:

@@ -282,8 +282,10 @@ def resolve_source(
     if plan.form == "unknown" and plan.class_name is None and files.unavailable is not None:
         from .loading import hub_failure
 
-        failure = hub_failure(files.unavailable, file="model_index.json or config.json")
-        raise failure or files.unavailable from None
+        failure = hub_failure(files.unavailable, {os.fspath(source): ""})
+        if failure is None:
+            raise files.unavailable
+        raise failure from files.unavailable  # the cause lets hub_errors name the option that gave the id
     return plan
 
 

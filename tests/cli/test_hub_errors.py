@@ -110,7 +110,8 @@ def test_the_web_demo_loading_on_first_request(tmp_path):
         preload=False,
     )
     with pytest.raises(
-        ModelUnavailable, match="^" + re.escape(f"--t2v-model {UNCACHED} could not be fetched: {OFFLINE}")
+        ModelUnavailable,
+        match="^" + re.escape(f"--t2v-model {UNCACHED} (model_index.json) could not be fetched: {OFFLINE}"),
     ):
         ModelStore(config).pipeline("text-to-video")
 

@@ -171,7 +171,10 @@ def test_mhla_weights_that_miss_a_transformer_are_refused_before_loading(wan_fam
             mhla_weights=wan_family_dirs["wan2.1-i2v-mhla"],
             mhla_weights_2=mhla / "transformer_2",
         )
-    with pytest.raises(FileNotFoundError, match=r"mhla_weights .* is a WanPipeline pipeline folder .*: no mhla_config.json in it \(nor in its transformer/"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"mhla_weights .* is a WanPipeline pipeline folder .*: no mhla_config.json in it \(nor in its transformer/",
+    ):
         MHLAWanPipeline.from_pretrained(a14b, mhla_weights=a14b)
 
 
