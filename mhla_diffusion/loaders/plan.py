@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping
 from ..models.conversion import MHLA_CONFIG_KEY
 from ..models.families import family_for_class_name
 from ..utils.model_source import SourceKind, source_kind
+from .hub_failures import hub_failure
 from .weight_files import (
     DIFFUSERS_INDEX,
     DIFFUSERS_WEIGHTS,
@@ -280,8 +281,6 @@ def resolve_source(
     files = _Files(source, kind, hub_kwargs_of(hub_kwargs))
     plan = _resolve(files, subfolder, dtype)
     if plan.form == "unknown" and plan.class_name is None and files.unavailable is not None:
-        from .loading import hub_failure
-
         failure = hub_failure(files.unavailable, {os.fspath(source): ""})
         if failure is None:
             raise files.unavailable
