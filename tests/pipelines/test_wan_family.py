@@ -173,7 +173,7 @@ def test_mhla_weights_that_miss_a_transformer_are_refused_before_loading(wan_fam
         )
     with pytest.raises(
         FileNotFoundError,
-        match=r"mhla_weights .* is a WanPipeline pipeline folder .*: no mhla_config.json in it \(nor in its transformer/",
+        match=r"mhla_weights .* is a WanPipeline pipeline folder .*: no mhla_config.json in it \(nor in its transf",
     ):
         MHLAWanPipeline.from_pretrained(a14b, mhla_weights=a14b)
 
