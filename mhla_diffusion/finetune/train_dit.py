@@ -138,9 +138,7 @@ class DiTTask(Task):
 
         if o.model_size is None:
             transformer = self._load_transformer(accelerator)
-            from diffusers import AutoencoderKL
-
-            vae_config = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", revision=o.revision)
+            vae_config = self._model_plan().component_config("vae", required=True)
             self.vae_scale = ImageGeometry.from_configs(vae=vae_config).vae_scale
         else:
             transformer = self._new_transformer(accelerator)
@@ -270,11 +268,9 @@ class DiTTask(Task):
         config), before any weights load; :meth:`_check_resolution` fits the MHLA layout once the model exists."""
         o = self.options
         if o.model_size is None:
-            from diffusers import AutoencoderKL, DiTTransformer2DModel
-
-            kwargs = {"revision": o.revision} if o.revision else {}
-            transformer = DiTTransformer2DModel.load_config(o.pretrained_model, subfolder="transformer", **kwargs)
-            vae = AutoencoderKL.load_config(o.pretrained_model, subfolder="vae", **kwargs)
+            plan = self._model_plan()
+            transformer = plan.component_config("transformer", required=True)
+            vae = plan.component_config("vae", required=True)
             geometry = ImageGeometry.from_configs(transformer, vae)
         else:
             if o.cache_latents and LatentCache(o.resolved_cache_dir(), {}).read_index() is not None:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from diffusers.configuration_utils import ConfigMixin
 from torch import nn
 
 from ..loaders.loading import WAN_HUB_ID, check_model_source
@@ -275,8 +274,7 @@ class WanTask(Task):
 
     def _config(self, component: str) -> dict[str, Any]:
         """The ``config.json`` of one component of ``pretrained_model`` (nothing loaded)."""
-        o = self.options
-        return dict(_ConfigReader.load_config(o.pretrained_model, subfolder=component, revision=o.revision))
+        return self._model_plan().component_config(component, required=True)
 
     def _check_sizes(self) -> None:
         """Every training and validation size must be a whole number of patches of latents (see
@@ -727,12 +725,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-class _ConfigReader(ConfigMixin):
-    """Reads a component's ``config.json`` (local folder or hub) whatever its class."""
-
-    config_name = "config.json"
 
 
 def _innermost(model: nn.Module) -> nn.Module:

@@ -1,17 +1,19 @@
 """Loading what the command line, the web app and the evaluation sampler run: one loader for all three.
 
+Every load here starts from a plan (:mod:`mhla_diffusion.loaders.plan`: each source resolved once).
+
 * :func:`check_model_source`: a readable error for a local model folder that is not there, before
   anything loads (hub ids are left to the hub);
-* :func:`hub_errors` / :func:`hub_failure` (from :mod:`.hub_failures`): the one rule for a model id the hub cannot give (unreachable,
-  offline and not cached, no such repo or file, gated): one :class:`ModelUnavailable` line naming the id, the
-  component and what to do. Every entry point that loads (the ``mhla`` commands, the trainers, evaluation, the
-  web demo) runs its loading inside :func:`hub_errors`;
+* :func:`hub_errors` / :func:`hub_failure` (:mod:`mhla_diffusion.loaders.hub_failures`): the one rule for a model
+  id the hub cannot give (unreachable, offline and not cached, no such repo or file, gated): one
+  :class:`ModelUnavailable` line naming the id, the component and what to do. Every entry point that loads (the
+  ``mhla`` commands, the trainers, evaluation, the web demo) runs its loading inside :func:`hub_errors`;
 * :func:`local_labels`: the class names of a local DiT pipeline folder, read without loading it;
 * :func:`device_and_dtype`: the device and weights dtype to run on (no side effects);
 * :func:`load_transformer_file`: what ``--transformer`` names: an original-format Wan checkpoint
   file, or a Diffusers transformer folder with or without MHLA;
-* :func:`load_pipeline`: an ``MHLAWanPipeline`` / ``MHLADiTPipeline`` from a model folder or hub id
-  with MHLA weights or a replacement transformer.
+* :func:`load_pipeline`: an ``MHLAWanPipeline`` / ``MHLADiTPipeline`` from a model folder or hub id (or the
+  load's :class:`~mhla_diffusion.loaders.plan.PipelinePlan`) with MHLA weights or a replacement transformer.
 
 Nothing here imports torch or Diffusers at import time.
 """

@@ -216,12 +216,14 @@ class LoadPlan:
             raise ValueError(f"{self.where} is {self.describe()}: it has no subfolder {subfolder!r}")
         return _resolve(self._files, subfolder, self.dtype)
 
-    def component_config(self, component: str) -> dict[str, Any] | None:
-        """The ``config.json`` of pipeline component ``component`` (e.g. ``"vae"``), read once; ``None`` when the
-        pipeline has none."""
+    def component_config(self, component: str, required: bool = False) -> dict[str, Any] | None:
+        """The ``config.json`` of pipeline component ``component`` (e.g. ``"vae"``), read once; ``None`` (or, when
+        ``required``, ``FileNotFoundError``) when the pipeline has none."""
         if self.form != "pipeline" or self._files is None:
             raise ValueError(f"{self.where} is {self.describe()}, not a pipeline: it has no components")
         config = self._files.json("config.json", component)
+        if config is None and required:
+            raise FileNotFoundError(f"{self.where} has no {component}/config.json: it is {self.describe()}")
         return dict(config) if config is not None else None
 
     def mhla_weight_files(self, variant: str | None = None) -> list[Path]:
