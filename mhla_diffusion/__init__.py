@@ -35,6 +35,7 @@ _EXPORTS = {
     "GenerationInterrupted": ".pipelines.interrupt",
     **dict.fromkeys(["DiTMHLAProcessor", "MHLAProcessor", "WanMHLAProcessor"], ".models.processors"),
     **dict.fromkeys(["load_mhla", "load_transformer", "save_mhla"], ".loaders.weights"),
+    **dict.fromkeys(["LoadPlan", "PipelinePlan", "plan_pipeline", "resolve_source"], ".loaders.plan"),
     # Diffusers loads a component declared as ["mhla_diffusion", "MHLAWanTransformer3DModel"] in a
     # model_index.json only if this package also exposes the base class it checks against.
     "ModelMixin": "diffusers",
