@@ -50,6 +50,7 @@ __all__ = [
     "TRANSFORMER_COMPONENTS",
     "find_file",
     "from_pretrained_keeping_mhla",
+    "mhla_weight_plans",
     "plan_pipeline",
     "plans_in_use",
     "read_mhla_config",
@@ -71,9 +72,8 @@ PlanForm = Literal["pipeline", "transformer", "mhla-weights", "mhla-per-transfor
 def find_file(
     source: str | os.PathLike, filename: str, subfolder: str | None, hub_kwargs: Mapping[str, Any]
 ) -> Path | None:
-    """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``.
-
-    The one file lookup of the loaders; a plan asks it at most once per file (:class:`_Files`)."""
+    """Path of ``filename`` in a local folder or a hub repo (downloaded to the cache), or ``None``: the plan's own
+    lookup rule, for one file outside a plan (inside one, :class:`_Files` looks each file up once)."""
     return _Files(source, source_kind(source), dict(hub_kwargs)).find(filename, subfolder)
 
 
