@@ -447,7 +447,7 @@ def plan_pipeline(
     ``transformer_2/``); ``mhla_weights_2``: one for ``transformer_2``; ``transformer``: an original Wan
     checkpoint or a transformer folder replacing ``transformer``. ``overrides``: components passed to
     ``from_pretrained`` (``transformer_2=None`` drops it). Every mismatch is an error naming the fix, before
-    any model loads.
+    any model loads. ``hub_kwargs`` (``revision``, ``token``, ...) are ``model``'s.
     """
     pipeline = resolve_source(model, dtype=dtype, **hub_kwargs)
     if pipeline.form != "pipeline":
@@ -469,7 +469,7 @@ def plan_pipeline(
                 f"--transformer {replacement.where} is {replacement.describe()}: give an original Wan checkpoint "
                 "or a Diffusers transformer folder"
             )
-    weights = mhla_weight_plans(mhla_weights, mhla_weights_2, transformers, **hub_kwargs)
+    weights = mhla_weight_plans(mhla_weights, mhla_weights_2, transformers)  # the hub options are the model's
     return PipelinePlan(pipeline, weights, replacement, transformers)
 
 
