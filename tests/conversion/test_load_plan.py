@@ -254,3 +254,18 @@ def test_plans_are_lent_only_inside_a_pipeline_load(pipeline_dirs):
         assert lent is not None and lent.subfolder == "transformer"
         assert plan_module._lent_plan(str(pipeline_dirs["dit"] / "transformer"), None) is None
     assert plan_module._lent_plan(str(pipeline_dirs["wan"] / "transformer"), None) is None
+
+
+def test_the_commands_resolve_each_source_once(pipeline_dirs, wan_family_dirs, tmp_path, lookups):
+    from helpers.cli import class_to_image
+    from mhla_diffusion.cli import main
+
+    resolved, files = lookups
+    assert class_to_image(pipeline_dirs, tmp_path / "images", "--class", "goldfish") == 0
+    assert resolved == Counter({str(pipeline_dirs["dit"]): 1, str(pipeline_dirs["dit_mhla"]): 1})
+    once_each(files)
+    resolved.clear(), files.clear()
+    model = wan_family_dirs["wan2.2-a14b-t2v"]  # two transformers, each loaded by its part of one plan
+    assert main(["convert", "--model", str(model), "--layout", "2x2x2", "--no-check"]) == 0
+    assert resolved == Counter({str(model): 1})
+    once_each(files)
