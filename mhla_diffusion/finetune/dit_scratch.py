@@ -33,14 +33,15 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import os
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..config import MHLAConfig
+from ..loaders.plan import LoadPlan, resolve_source
 from ..models.conversion import convert_to_mhla
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "share_embedder",
     "unshared_embedders",
     "vae_location",
+    "vae_plan",
 ]
 
 #: DiT's (ADM's) noise schedule.
@@ -70,28 +72,39 @@ def dit_scheduler():
 # ---------------------------------------------------------------------- the VAE
 
 
-def vae_location(vae_model: str) -> tuple[str, str | None]:
-    """``(source, subfolder)``: a local pipeline folder's ``vae/``, else the folder or hub id itself."""
-    if Path(vae_model, "model_index.json").is_file():
-        return vae_model, "vae"
-    return vae_model, None
+def vae_plan(vae_model: str | LoadPlan) -> LoadPlan:
+    """The :class:`~mhla_diffusion.loaders.plan.LoadPlan` of the VAE ``vae_model`` names: a pipeline's ``vae/``,
+    else the folder or hub id itself (a plan is returned as it is)."""
+    if isinstance(vae_model, LoadPlan):
+        return vae_model
+    plan = resolve_source(vae_model)
+    return plan.subplan("vae") if plan.form == "pipeline" else plan
 
 
-def load_vae_config(vae_model: str) -> dict[str, Any]:
+def vae_location(vae_model: str | LoadPlan) -> tuple[str, str | None]:
+    """``(source, subfolder)``: a pipeline's ``vae/``, else the folder or hub id itself."""
+    plan = vae_plan(vae_model)
+    return os.fspath(plan.source), plan.subfolder
+
+
+def load_vae_config(vae_model: str | LoadPlan) -> dict[str, Any]:
+    plan = vae_plan(vae_model)
+    if plan.config is None:
+        raise FileNotFoundError(
+            f"vae_model {plan.where} has no config.json: it is {plan.describe()}; give a Diffusers VAE folder, a "
+            "pipeline folder with a vae/, or a hub id"
+        )
+    return dict(plan.config)
+
+
+def load_vae(vae_model: str | LoadPlan, dtype: torch.dtype | None = None) -> nn.Module:
     from diffusers import AutoencoderKL
 
-    source, subfolder = vae_location(vae_model)
-    return dict(AutoencoderKL.load_config(source, subfolder=subfolder))
-
-
-def load_vae(vae_model: str, dtype: torch.dtype | None = None) -> nn.Module:
-    from diffusers import AutoencoderKL
-
-    source, subfolder = vae_location(vae_model)
-    kwargs: dict[str, Any] = {"subfolder": subfolder} if subfolder else {}
+    plan = vae_plan(vae_model)
+    kwargs: dict[str, Any] = {"subfolder": plan.subfolder} if plan.subfolder else {}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return AutoencoderKL.from_pretrained(source, **kwargs)
+    return AutoencoderKL.from_pretrained(plan.source, **plan.hub_kwargs, **kwargs)
 
 
 # ---------------------------------------------------------------------- the transformer

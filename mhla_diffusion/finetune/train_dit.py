@@ -40,7 +40,15 @@ from .components import (
     save_plain_transformer,
 )
 from .data import DataReport
-from .dit_scratch import dit_scheduler, load_vae, load_vae_config, new_dit_transformer, unshared_embedders, vae_location
+from .dit_scratch import (
+    dit_scheduler,
+    load_vae,
+    load_vae_config,
+    new_dit_transformer,
+    unshared_embedders,
+    vae_location,
+    vae_plan,
+)
 from .engine import Task, TaskParts, resolve_dtype, run_task
 from .image_data import (
     CachedImageDataset,
@@ -101,6 +109,7 @@ class DiTTask(Task):
     def __init__(self, options: DiTTrainOptions) -> None:
         self.options = options
         self._plan: Any = None
+        self._vae_source: Any = None
         self.vae = None
         self.cache: LatentCache | None = None
 
@@ -109,6 +118,12 @@ class DiTTask(Task):
         if self._plan is None:
             self._plan = model_plan(self.options.pretrained_model, self.options.revision)
         return self._plan
+
+    def _vae_plan(self) -> Any:
+        """``vae_model``'s :class:`~mhla_diffusion.loaders.plan.LoadPlan` (a from-scratch run's VAE), resolved once."""
+        if self._vae_source is None:
+            self._vae_source = vae_plan(self.options.vae_model)
+        return self._vae_source
 
     def setup(self, accelerator) -> TaskParts:
         from accelerate.utils import DistributedType
@@ -253,7 +268,7 @@ class DiTTask(Task):
             latents = self.cache.read("latents", latent_identity(first))["latents"]
             channels = latents.shape[0] // (2 if o.latent_sampling == "sample" else 1)
             return o.resolution // latents.shape[-1], channels
-        config = load_vae_config(o.vae_model)
+        config = load_vae_config(self._vae_plan())
         return ImageGeometry.from_configs(vae=config).vae_scale, int(config.get("latent_channels", 4))
 
     def _scheduler(self):
@@ -276,7 +291,7 @@ class DiTTask(Task):
             if o.cache_latents and LatentCache(o.resolved_cache_dir(), {}).read_index() is not None:
                 return  # a complete cache gives the VAE scale, and vae_model need not be readable (_latent_format)
             patch = dit_transformer_config(o.model_size, 1, overrides=o.model_overrides)["patch_size"]
-            geometry = ImageGeometry.from_configs({"patch_size": patch}, load_vae_config(o.vae_model))
+            geometry = ImageGeometry.from_configs({"patch_size": patch}, load_vae_config(self._vae_plan()))
         if o.resolution % geometry.size_multiple:
             raise ValueError(
                 f"`resolution` {o.resolution} must be a multiple of {geometry.size_multiple} ({geometry.describe()}, "
@@ -306,7 +321,7 @@ class DiTTask(Task):
         if o.model_size is None:
             encoder = encoder_identity(o.pretrained_model, o.revision, ("vae",))
         else:
-            source, subfolder = vae_location(o.vae_model)
+            source, subfolder = vae_location(self._vae_plan())
             encoder = encoder_identity(source, None, (subfolder or ".",))
         return {
             "task": "dit",
@@ -345,7 +360,7 @@ class DiTTask(Task):
             if o.model_size is None:
                 self.vae = load_component(self._model_plan(), "vae", None, self.vae_dtype)
             else:
-                self.vae = load_vae(o.vae_model, self.vae_dtype)
+                self.vae = load_vae(self._vae_plan(), self.vae_dtype)
             self.vae.requires_grad_(False).eval().to(self.device)
             self.latent_shift, self.latent_scale = dit_latent_normalization(self.vae)
 

@@ -143,6 +143,8 @@ class LoadPlan:
     family: str | None = None
     mhla: Mapping[str, Any] | None = None
     dtype: Any = None
+    #: The source's ``config.json`` (``None`` for a pipeline, a file, or a folder without one).
+    config: Mapping[str, Any] | None = None
     index: Mapping[str, Any] | None = None
     components: Mapping[str, LoadPlan] = field(default_factory=dict)
     files: Mapping[str, Path] = field(default_factory=dict)
@@ -305,7 +307,8 @@ def _resolve(files: _Files, subfolder: str | None, dtype: Any) -> LoadPlan:
             return _with_files(
                 plan("pipeline", class_name=index.get("_class_name"), index=index, components=components)
             )
-    config = files.json("config.json", subfolder) or {}
+    found = files.json("config.json", subfolder)
+    config = found or {}
     class_name = config.get("_class_name")
     family = family_for_class_name(class_name)
     meta = _meta_of_model_config(config, family) if family is not None else None
@@ -318,7 +321,7 @@ def _resolve(files: _Files, subfolder: str | None, dtype: Any) -> LoadPlan:
     if family is not None or meta is not None:  # an older whole-transformer folder carries mhla_config.json
         name = family.name if family is not None else meta["family"]
         shown = class_name if family is not None else meta.get("transformer_class")
-        return _with_files(plan("transformer", class_name=shown, family=name, mhla=meta))
+        return _with_files(plan("transformer", class_name=shown, family=name, mhla=meta, config=found))
     if subfolder is None and not config:
         per_transformer = {
             name: _resolve(files, name, dtype)
@@ -329,7 +332,7 @@ def _resolve(files: _Files, subfolder: str | None, dtype: Any) -> LoadPlan:
             return _with_files(plan("mhla-per-transformer", components=per_transformer))
         if files.kind == "folder" and _holds_checkpoint(Path(files.source)):
             return _with_files(plan("checkpoint"))
-    return _with_files(plan("unknown", class_name=class_name))
+    return _with_files(plan("unknown", class_name=class_name, config=found))
 
 
 def _with_files(plan: LoadPlan) -> LoadPlan:

@@ -157,3 +157,18 @@ def test_no_module_is_over_900_lines():
     paths += [p for folder in ("pipelines", "finetune", "eval") for p in (repo / folder).glob("*.py")]
     long = {str(p.relative_to(repo)): n for p in paths if (n := len(p.read_text().splitlines())) > 900}
     assert not long, f"modules over 900 lines: {long}"
+
+
+def test_only_the_load_plan_looks_up_a_model_sources_files():
+    """Issue 63: a source is resolved once, by ``loaders/plan.py``; no other module fetches a model's files from the
+    hub (``hf_hub_download``) or reads a component's config by source (``load_config``), except the hub check that
+    runs before anything loads (``loaders/loading.py``'s ``check_hub_model``)."""
+    allowed = {"mhla_diffusion.loaders.plan": "hf_hub_download", "mhla_diffusion.loaders.loading": "hf_hub_download"}
+    found = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                if name in ("hf_hub_download", "load_config", "find_file") and allowed.get(module) != name:
+                    found.setdefault(module, []).append(f"{name} (line {node.lineno})")
+    assert not found, f"modules that look up a model source's files outside the load plan: {found}"
