@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..benchmarks.crossover import speed_context
 from ..embedded.locations import embedded_defaults
-from ..utils.geometry import VideoGeometry, read_component_config
+from ..utils.geometry import VideoGeometry
 from .arguments import WAN_480P, add_command, add_model_arguments, non_negative_float, positive_float, positive_int
 from .context_parallel import add_context_parallel_arguments, check_context_parallel, start_context_parallel
 
@@ -330,14 +330,16 @@ def _load(cls: type, args: argparse.Namespace, plan: Any, component_dtypes_of=No
     return device, dtype, pipe
 
 
-def _warn_block_causal(args: argparse.Namespace, declared: list[dict[str, Any]]) -> None:
+def _warn_block_causal(args: argparse.Namespace, declared: list[Any], plan: Any) -> None:
     """Say on stderr when a run without ``--stream`` generates with a block-causal model (made to stream): it then
-    makes one block-causal pass over the whole clip, bounded by the rotary table, which ``--stream`` is not."""
+    makes one block-causal pass over the whole clip, bounded by the rotary table, which ``--stream`` is not
+    (``plan``: the run's :func:`_load_plan`)."""
     from ..utils.stream_frames import BLOCK_CAUSAL_KEY
 
     causal = any(meta["mhla_config"].get("causal") for meta in declared)
     if args.attention == "softmax":
-        causal = bool((read_component_config(args.model, "transformer") or {}).get(BLOCK_CAUSAL_KEY))
+        own = plan.model.components.get("transformer")
+        causal = bool(((own.config if own is not None else None) or {}).get(BLOCK_CAUSAL_KEY))
     if causal:
         print(
             f"note: {args.model} is block-causal (made to stream): generating the clip in one block-causal pass; "
@@ -428,19 +430,17 @@ def _run_video(args: argparse.Namespace, task: str) -> int:
     else:
         grid = geometry.token_grid(num_frames, args.height, args.width)
     check_context_parallel(args, grid)  # degree vs launch, split
-    if task == "image-to-video":
-        from ..pipelines.mhla_mixin import TRANSFORMER_COMPONENTS
-        from ..pipelines.wan_i2v import check_text_tokens
-        from ..utils.geometry import read_component_config
-
-        configs = [read_component_config(args.model, name) for name in TRANSFORMER_COMPONENTS]  # a local folder's
-        check_text_tokens([c for c in configs if c is not None], args.max_sequence_length, "--max-sequence-length is")
     plan = _load_plan(args)
+    if task == "image-to-video":
+        from ..pipelines.wan_i2v import check_text_tokens
+
+        configs = [part.config for part in plan.model.components.values()]  # the pipeline's transformers'
+        check_text_tokens([c for c in configs if c is not None], args.max_sequence_length, "--max-sequence-length is")
     declared = plan.declared_mhla() if args.attention == "mhla" else []
     if chunks is not None:
         check_stream_model(args, declared)
     else:
-        _warn_block_causal(args, declared)
+        _warn_block_causal(args, declared, plan)
     what = f"a {num_frames}x{args.height}x{args.width} video" + (" (the chunk's grid)" if chunks else "")
     for meta in declared:
         # a grid smaller than the layout is fine (empty blocks); not with scalar_mixed_denominator
