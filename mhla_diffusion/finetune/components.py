@@ -37,7 +37,7 @@ __all__ = [
 def model_plan(source: str | LoadPlan, revision: str | None = None) -> LoadPlan:
     """The :class:`~mhla_diffusion.loaders.plan.LoadPlan` of ``pretrained_model`` (a plan is returned as it is):
     a trainer resolves it once and hands it to the loaders below."""
-    return resolve_source(source, **({"revision": revision} if revision and not isinstance(source, LoadPlan) else {}))
+    return resolve_source(source, **({"revision": revision} if revision else {}))
 
 
 def pipeline_index(source: str | LoadPlan, revision: str | None = None) -> dict[str, Any]:

@@ -75,8 +75,6 @@ def dit_scheduler():
 def vae_plan(vae_model: str | LoadPlan) -> LoadPlan:
     """The :class:`~mhla_diffusion.loaders.plan.LoadPlan` of the VAE ``vae_model`` names: a pipeline's ``vae/``,
     else the folder or hub id itself (a plan is returned as it is)."""
-    if isinstance(vae_model, LoadPlan):
-        return vae_model
     plan = resolve_source(vae_model)
     return plan.subplan("vae") if plan.form == "pipeline" else plan
 

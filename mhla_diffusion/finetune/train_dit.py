@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -108,22 +109,18 @@ class DiTTask(Task):
 
     def __init__(self, options: DiTTrainOptions) -> None:
         self.options = options
-        self._plan: Any = None
-        self._vae_source: Any = None
         self.vae = None
         self.cache: LatentCache | None = None
 
-    def _model_plan(self) -> Any:
+    @cached_property
+    def _pretrained_plan(self) -> Any:
         """``pretrained_model``'s :class:`~mhla_diffusion.loaders.plan.LoadPlan`, resolved once for every load."""
-        if self._plan is None:
-            self._plan = model_plan(self.options.pretrained_model, self.options.revision)
-        return self._plan
+        return model_plan(self.options.pretrained_model, self.options.revision)
 
+    @cached_property
     def _vae_plan(self) -> Any:
         """``vae_model``'s :class:`~mhla_diffusion.loaders.plan.LoadPlan` (a from-scratch run's VAE), resolved once."""
-        if self._vae_source is None:
-            self._vae_source = vae_plan(self.options.vae_model)
-        return self._vae_source
+        return vae_plan(self.options.vae_model)
 
     def setup(self, accelerator) -> TaskParts:
         from accelerate.utils import DistributedType
@@ -133,7 +130,7 @@ class DiTTask(Task):
         self.vae_dtype = resolve_dtype("auto", accelerator, wrapped=False)
         if o.model_size is None:
             check_model_source(o.pretrained_model, DIT_HUB_ID, what="pretrained_model", revision=o.revision)
-            index = pipeline_index(self._model_plan())
+            index = pipeline_index(self._pretrained_plan)
             for name in ("vae", "transformer", "scheduler"):
                 if not index.get(name) or index[name][0] is None:
                     raise ValueError(f"pretrained_model {o.pretrained_model} has no `{name}`: give a DiT pipeline")
@@ -153,7 +150,7 @@ class DiTTask(Task):
 
         if o.model_size is None:
             transformer = self._load_transformer(accelerator)
-            vae_config = self._model_plan().component_config("vae", required=True)
+            vae_config = self._pretrained_plan.component_config("vae", required=True)
             self.vae_scale = ImageGeometry.from_configs(vae=vae_config).vae_scale
         else:
             transformer = self._new_transformer(accelerator)
@@ -213,12 +210,12 @@ class DiTTask(Task):
         o = self.options
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         if o.attention == "softmax":
-            transformer = load_softmax_transformer(self._model_plan(), dtype=dtype)
+            transformer = load_softmax_transformer(self._pretrained_plan, dtype=dtype)
             if accelerator.is_main_process:
                 logger.info("attention: softmax: training %s as it is (no MHLA)", type(transformer).__name__)
             return transformer.train()
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
-        transformer, how = load_mhla_transformer(self._model_plan(), config, o.mhla_weights, None, dtype)
+        transformer, how = load_mhla_transformer(self._pretrained_plan, config, o.mhla_weights, None, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
         if accelerator.is_main_process:
@@ -268,14 +265,14 @@ class DiTTask(Task):
             latents = self.cache.read("latents", latent_identity(first))["latents"]
             channels = latents.shape[0] // (2 if o.latent_sampling == "sample" else 1)
             return o.resolution // latents.shape[-1], channels
-        config = load_vae_config(self._vae_plan())
+        config = load_vae_config(self._vae_plan)
         return ImageGeometry.from_configs(vae=config).vae_scale, int(config.get("latent_channels", 4))
 
     def _scheduler(self):
         o = self.options
         if o.model_size is not None:
             return dit_scheduler()
-        return load_component(self._model_plan(), "scheduler")
+        return load_component(self._pretrained_plan, "scheduler")
 
     def _check_sizes(self) -> None:
         """``resolution`` against the VAE scale x patch size that the config files give (``pretrained_model``'s
@@ -283,7 +280,7 @@ class DiTTask(Task):
         config), before any weights load; :meth:`_check_resolution` fits the MHLA layout once the model exists."""
         o = self.options
         if o.model_size is None:
-            plan = self._model_plan()
+            plan = self._pretrained_plan
             transformer = plan.component_config("transformer", required=True)
             vae = plan.component_config("vae", required=True)
             geometry = ImageGeometry.from_configs(transformer, vae)
@@ -291,7 +288,7 @@ class DiTTask(Task):
             if o.cache_latents and LatentCache(o.resolved_cache_dir(), {}).read_index() is not None:
                 return  # a complete cache gives the VAE scale, and vae_model need not be readable (_latent_format)
             patch = dit_transformer_config(o.model_size, 1, overrides=o.model_overrides)["patch_size"]
-            geometry = ImageGeometry.from_configs({"patch_size": patch}, load_vae_config(self._vae_plan()))
+            geometry = ImageGeometry.from_configs({"patch_size": patch}, load_vae_config(self._vae_plan))
         if o.resolution % geometry.size_multiple:
             raise ValueError(
                 f"`resolution` {o.resolution} must be a multiple of {geometry.size_multiple} ({geometry.describe()}, "
@@ -321,7 +318,7 @@ class DiTTask(Task):
         if o.model_size is None:
             encoder = encoder_identity(o.pretrained_model, o.revision, ("vae",))
         else:
-            source, subfolder = vae_location(self._vae_plan())
+            source, subfolder = vae_location(self._vae_plan)
             encoder = encoder_identity(source, None, (subfolder or ".",))
         return {
             "task": "dit",
@@ -358,9 +355,9 @@ class DiTTask(Task):
         if self.vae is None:
             o = self.options
             if o.model_size is None:
-                self.vae = load_component(self._model_plan(), "vae", None, self.vae_dtype)
+                self.vae = load_component(self._pretrained_plan, "vae", None, self.vae_dtype)
             else:
-                self.vae = load_vae(self._vae_plan(), self.vae_dtype)
+                self.vae = load_vae(self._vae_plan, self.vae_dtype)
             self.vae.requires_grad_(False).eval().to(self.device)
             self.latent_shift, self.latent_scale = dit_latent_normalization(self.vae)
 

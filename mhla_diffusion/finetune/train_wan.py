@@ -34,6 +34,7 @@ import logging
 import math
 import sys
 from contextlib import nullcontext
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -90,12 +91,10 @@ class WanTask(Task):
 
     def __init__(self, options: WanTrainOptions) -> None:
         self.options = options
-        self._plan: Any = None
         self.vae = None
         self.cache: LatentCache | None = None
         self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
         self._recipe: VideoRecipe | None = None
-        self._model_index: dict[str, Any] | None = None
         self._model_defaults = None  # the pretrained model's generation defaults (read once)
         self.encoders: dict[str, Any] = {}  # the text components, once loaded
         self.original: nn.Module | None = None  # the frozen softmax original (distillation_weight > 0)
@@ -104,11 +103,10 @@ class WanTask(Task):
 
     # ------------------------------------------------------------------ setup
 
-    def _model_plan(self) -> Any:
+    @cached_property
+    def _pretrained_plan(self) -> Any:
         """``pretrained_model``'s :class:`~mhla_diffusion.loaders.plan.LoadPlan`, resolved once for every load."""
-        if self._plan is None:
-            self._plan = model_plan(self.options.pretrained_model, self.options.revision)
-        return self._plan
+        return model_plan(self.options.pretrained_model, self.options.revision)
 
     def setup(self, accelerator) -> TaskParts:
         o = self.options
@@ -178,10 +176,8 @@ class WanTask(Task):
         return self._recipe
 
     def _index(self) -> dict[str, Any]:
-        """``pretrained_model``'s ``model_index.json`` (read once)."""
-        if self._model_index is None:
-            self._model_index = pipeline_index(self._model_plan())
-        return self._model_index
+        """``pretrained_model``'s ``model_index.json`` (read once, by its plan)."""
+        return pipeline_index(self._pretrained_plan)
 
     def _enter_stage(self, stage: str) -> None:
         self.stage = stage
@@ -235,7 +231,7 @@ class WanTask(Task):
         o = self.options
         dtype = torch.float32 if o.trainable == "all" else resolve_dtype(o.frozen_dtype, accelerator)
         if o.attention == "softmax":
-            transformer = load_softmax_transformer(self._model_plan(), dtype=dtype)
+            transformer = load_softmax_transformer(self._pretrained_plan, dtype=dtype)
             if is_block_causal(transformer) and not o.softmax_block_causal:
                 raise ValueError(
                     f"{o.pretrained_model}'s transformer is block-causal softmax (its config records it): set "
@@ -250,7 +246,7 @@ class WanTask(Task):
         config = mhla_config_from_options(o.mhla, o.mhla_preset)
         if config.layout == "auto" and config.target_grid is None:
             config.target_grid = self._geometry().token_grid(o.num_frames, o.height, o.width, strict=False)
-        transformer, how = load_mhla_transformer(self._model_plan(), config, o.mhla_weights, None, dtype)
+        transformer, how = load_mhla_transformer(self._pretrained_plan, config, o.mhla_weights, None, dtype)
         if how == "saved" and (o.mhla or o.mhla_preset):
             logger.warning("%s already has MHLA layers; the `mhla` options are ignored", o.pretrained_model)
         if o.distillation_weight:
@@ -260,7 +256,7 @@ class WanTask(Task):
                     "holds an MHLA transformer: give the softmax pipeline it was converted from as "
                     "pretrained_model (and its MHLA weights as mhla_weights), or set distillation_weight: 0"
                 )
-            original = load_softmax_transformer(self._model_plan(), dtype=resolve_dtype(o.frozen_dtype, accelerator))
+            original = load_softmax_transformer(self._pretrained_plan, dtype=resolve_dtype(o.frozen_dtype, accelerator))
             self.original = original.eval().requires_grad_(False).to(accelerator.device)
         if accelerator.is_main_process:
             logger.info("%s", get_mhla_conversion(transformer).summary())
@@ -274,7 +270,7 @@ class WanTask(Task):
 
     def _config(self, component: str) -> dict[str, Any]:
         """The ``config.json`` of one component of ``pretrained_model`` (nothing loaded)."""
-        return self._model_plan().component_config(component, required=True)
+        return self._pretrained_plan.component_config(component, required=True)
 
     def _check_sizes(self) -> None:
         """Every training and validation size must be a whole number of patches of latents (see
@@ -402,16 +398,16 @@ class WanTask(Task):
 
     def _load_encoders(self, vae: bool, text: bool) -> None:
         if vae and self.vae is None:
-            self.vae = load_component(self._model_plan(), "vae", None, self.encoder_dtype["vae_dtype"])
+            self.vae = load_component(self._pretrained_plan, "vae", None, self.encoder_dtype["vae_dtype"])
             self.vae.requires_grad_(False).eval().to(self.device)
             self.latent_shift, self.latent_scale = self.recipe.latent_normalization(self.vae)
         if text and not self.encoders:
             for name in self.recipe.text_components:
                 if name.startswith("tokenizer"):
-                    self.encoders[name] = load_component(self._model_plan(), name)
+                    self.encoders[name] = load_component(self._pretrained_plan, name)
                 else:
                     dtype = self.encoder_dtype["text_encoder_dtype"]
-                    encoder = load_component(self._model_plan(), name, None, dtype)
+                    encoder = load_component(self._pretrained_plan, name, None, dtype)
                     self.encoders[name] = encoder.requires_grad_(False).eval().to(self.device)
 
     def _encode(self, prompts: list[str]) -> list[dict[str, torch.Tensor]]:
@@ -628,7 +624,7 @@ class WanTask(Task):
         with the flow shift it trained with, without text encoders unless ``with_text``."""
         o = self.options
         self._load_encoders(vae=True, text=with_text)
-        scheduler = load_component(self._model_plan(), "scheduler")
+        scheduler = load_component(self._pretrained_plan, "scheduler")
         shift = next((key for key in ("flow_shift", "shift") if key in scheduler.config), None)
         if shift is not None:  # validation samples and the saved pipeline use the shift it trained with
             scheduler = type(scheduler).from_config(scheduler.config, **{shift: o.flow_shift})

@@ -546,13 +546,13 @@ def plans_in_use(plan: LoadPlan) -> Iterator[None]:
 
 def _lent_plan(source: str | os.PathLike, subfolder: str | None) -> LoadPlan | None:
     """The lent plan for ``source`` / ``subfolder`` (by source id or by folder on disk), else ``None``."""
-    for plan in _LENT.get():
+    lent = _LENT.get()
+    folder = Path(source, subfolder or "").resolve() if lent and source_kind(source) == "folder" else None
+    for plan in lent:
         if os.fspath(plan.source) == os.fspath(source) and plan.subfolder == subfolder:
             return plan
-        folder = plan.directory
-        if folder is not None and source_kind(source) == "folder":
-            if Path(source, subfolder or "").resolve() == folder.resolve():
-                return plan
+        if folder is not None and plan.directory is not None and plan.directory.resolve() == folder:
+            return plan
     return None
 
 
